@@ -1,0 +1,21 @@
+#include "error.h"
+
+const char *fps_strerror(int err) {
+  switch (err) {
+    case FPS_OK: return "success";
+#define FPS_ERRNO_TEXT(name, text) case FPS_E##name: return text;
+    FPS_ERRNO_MAP(FPS_ERRNO_TEXT)
+#undef FPS_ERRNO_TEXT
+    default: return "unknown error";
+  }
+}
+
+const char *fps_err_name(int err) {
+  switch (err) {
+    case FPS_OK: return "FPS_OK";
+#define FPS_ERRNO_NAME(name, text) case FPS_E##name: return "FPS_E" #name;
+    FPS_ERRNO_MAP(FPS_ERRNO_NAME)
+#undef FPS_ERRNO_NAME
+    default: return "FPS_EUNKNOWN";
+  }
+}

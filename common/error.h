@@ -1,0 +1,42 @@
+/* factorps error codes: 0 is success, failures are negative FPS_E* values.
+ *
+ * One X-macro generates the enum, fps_strerror() and fps_err_name(), so a new
+ * code is added in exactly one place. */
+#ifndef FPS_ERROR_H
+#define FPS_ERROR_H
+
+#define FPS_ERRNO_MAP(X)                                                  \
+  X(INVAL, "invalid argument")                                             \
+  X(NOMEM, "out of memory")                                                \
+  X(SHAPE, "invalid shape")                                                \
+  X(OVERFLOW, "size overflows")                                            \
+  X(HPARAM, "invalid hyperparameter")                                      \
+  X(FLAVOR, "unknown optimizer flavor")                                    \
+  X(UNSUPPORTED, "not supported on this machine")                          \
+  X(IO, "input/output error")                                              \
+  X(FORMAT, "malformed input")                                             \
+  X(NOTFOUND, "not found")                                                 \
+  X(EXISTS, "already exists")                                              \
+  X(STATE, "operation not valid in the current state")                     \
+  X(NONFINITE, "non-finite value")                                         \
+  X(PROTO, "bad message")                                                  \
+  X(TIMEOUT, "deadline exceeded")                                          \
+  X(UNAVAILABLE, "service unavailable")                                    \
+  X(LIMIT, "resource limit reached")                                       \
+  X(AGAIN, "try again")
+
+typedef enum fps_errno_e {
+  FPS_OK = 0,
+#define FPS_ERRNO_ENUM(name, text) FPS_E##name,
+  FPS__ERRNO_FIRST = -1000,
+  FPS_ERRNO_MAP(FPS_ERRNO_ENUM)
+#undef FPS_ERRNO_ENUM
+  FPS__ERRNO_END
+} fps_errno_t;
+
+/* Human-readable text for an FPS_E* code ("invalid argument"); never NULL. */
+const char *fps_strerror(int err);
+/* Symbolic name for an FPS_E* code ("FPS_EINVAL"); never NULL. */
+const char *fps_err_name(int err);
+
+#endif

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The README's test command: installs missing packages (as root), configures,
+# builds and runs every test.
+#   scripts/test.sh                 normal build in build/
+#   scripts/test.sh --asan          ASan+UBSan build in build-asan/
+#   scripts/test.sh --tsan          TSan build in build-tsan/ (concurrency tests)
+#   scripts/test.sh --neon          aarch64 cross build, unit tests under qemu-user
+# Extra arguments after -- go to ctest (e.g. -- -L unit).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+variant=normal
+while (($#)); do
+  case "$1" in
+    --asan) variant=asan ;;
+    --tsan) variant=tsan ;;
+    --neon) variant=neon ;;
+    --) shift; break ;;
+    *) echo "usage: $0 [--asan|--tsan|--neon] [-- ctest args]" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+scripts/deps.sh test
+jobs=$(nproc)
+args=(-DFPS_WERROR=ON)
+case $variant in
+  normal) dir=build ;;
+  asan) dir=build-asan; args+=(-DFPS_SANITIZE=asan -DCMAKE_BUILD_TYPE=Debug -DFPS_BUILD_BENCH=OFF) ;;
+  tsan) dir=build-tsan; args+=(-DFPS_SANITIZE=tsan -DCMAKE_BUILD_TYPE=Debug -DFPS_BUILD_BENCH=OFF) ;;
+  neon) dir=build-neon; args+=(-DCMAKE_TOOLCHAIN_FILE=tests/cmake/aarch64-linux-gnu.cmake
+                              -DFPS_COMMON_ONLY=ON -DFPS_BUILD_BENCH=OFF) ;;
+esac
+cmake -S . -B "$dir" "${args[@]}" >/dev/null
+cmake --build "$dir" -j "$jobs"
+ctest --test-dir "$dir" --output-on-failure -j "$jobs" "$@"
