@@ -1,0 +1,38 @@
+/* factorps: the command-line tool. Dispatches to one subcommand. */
+#include <stdio.h>
+#include <string.h>
+
+#include "commands.h"
+
+typedef struct fps_cli_command_s {
+  const char *name;
+  int (*run)(int argc, char **argv);
+  const char *summary;
+} fps_cli_command_t;
+
+static const fps_cli_command_t commands[] = {
+    {"replay", fps_cli_replay, "replay Adafactor golden vectors through the kernels"},
+};
+
+static void usage(FILE *out) {
+  fprintf(out, "usage: factorps <command> [options]\n\ncommands:\n");
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+    fprintf(out, "  %-10s %s\n", commands[i].name, commands[i].summary);
+  fprintf(out, "\n'factorps <command> --help' describes one command.\n");
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
+  }
+  if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+    usage(stdout);
+    return 0;
+  }
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+    if (!strcmp(argv[1], commands[i].name)) return commands[i].run(argc - 1, argv + 1);
+  fprintf(stderr, "factorps: unknown command '%s'\n", argv[1]);
+  usage(stderr);
+  return 2;
+}
