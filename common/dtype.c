@@ -1,0 +1,110 @@
+/* fp32 <-> bf16 conversion and the wire decode/encode loops.
+ *
+ * The machines factorps runs on are little-endian (x86-64, aarch64); the
+ * static assertion below makes a big-endian build fail loudly instead of
+ * silently swapping every tensor. */
+#include "dtype.h"
+
+#include <math.h>
+#include <string.h>
+
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+               "factorps' wire format is little-endian; add byte swapping for this target");
+
+size_t fps_dtype_size(int dtype) {
+  switch (dtype) {
+    case FPS_DTYPE_F32: return 4;
+    case FPS_DTYPE_BF16: return 2;
+    default: return 0;
+  }
+}
+
+const char *fps_dtype_name(int dtype) {
+  switch (dtype) {
+    case FPS_DTYPE_F32: return "f32";
+    case FPS_DTYPE_BF16: return "bf16";
+    default: return "unknown";
+  }
+}
+
+uint16_t fps_f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    /* NaN: truncating could clear every payload bit left in the top half
+     * and turn it into Inf, so force the quiet bit. */
+    return (uint16_t)((u >> 16) | 0x0040u);
+  }
+  /* Round to nearest, ties to even: add 0x7fff plus the lowest kept bit.
+   * A carry out of the mantissa correctly bumps the exponent (and gives
+   * Inf past the largest finite bf16). */
+  uint32_t lsb = (u >> 16) & 1u;
+  u += 0x7fffu + lsb;
+  return (uint16_t)(u >> 16);
+}
+
+float fps_bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* The exponent field all ones means NaN or Inf; testing the bits keeps the
+ * loop branch-free and independent of -ffast-math. */
+static inline int fps__nonfinite_bits(uint32_t u) {
+  return (u & 0x7f800000u) == 0x7f800000u;
+}
+
+int fps_dtype_decode(int dtype, const void *src, uint64_t n, float *dst,
+                     uint64_t *first_nonfinite) {
+  const unsigned char *p = src;
+  uint64_t bad = n;
+  if (dtype == FPS_DTYPE_F32) {
+    memcpy(dst, p, n * 4);
+    if (first_nonfinite) {
+      /* Check in blocks: an OR over the block is cheap and vectorises; only
+       * a block with a hit is scanned element by element. */
+      const uint32_t *w = (const uint32_t *)(const void *)dst;
+      for (uint64_t i = 0; i < n && bad == n; i += 1024) {
+        uint64_t end = n - i < 1024 ? n : i + 1024;
+        int hit = 0;
+        for (uint64_t j = i; j < end; j++) hit |= fps__nonfinite_bits(w[j]);
+        if (hit) {
+          for (uint64_t j = i; j < end; j++) {
+            if (fps__nonfinite_bits(w[j])) {
+              bad = j;
+              break;
+            }
+          }
+        }
+      }
+    }
+  } else if (dtype == FPS_DTYPE_BF16) {
+    for (uint64_t i = 0; i < n; i++) {
+      uint16_t h;
+      memcpy(&h, p + 2 * i, 2);
+      if (bad == n && (h & 0x7f80u) == 0x7f80u) bad = i;
+      dst[i] = fps_bf16_to_f32(h);
+    }
+  } else {
+    return -FPS_EINVAL;
+  }
+  if (first_nonfinite) *first_nonfinite = bad;
+  return 0;
+}
+
+int fps_dtype_encode(int dtype, const float *src, uint64_t n, void *dst) {
+  unsigned char *p = dst;
+  if (dtype == FPS_DTYPE_F32) {
+    memcpy(p, src, n * 4);
+  } else if (dtype == FPS_DTYPE_BF16) {
+    for (uint64_t i = 0; i < n; i++) {
+      uint16_t h = fps_f32_to_bf16(src[i]);
+      memcpy(p + 2 * i, &h, 2);
+    }
+  } else {
+    return -FPS_EINVAL;
+  }
+  return 0;
+}

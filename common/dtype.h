@@ -1,0 +1,47 @@
+/* Wire element types and their conversion to and from fp32.
+ *
+ * Shards store and update fp32; other dtypes are converted at the edge.
+ * The enum values equal the wire contract's factorps.v1.DType values so a
+ * received dtype can be checked with fps_dtype_size() and used directly.
+ *
+ * Thread-safety: every function is pure and reentrant. */
+#ifndef FPS_DTYPE_H
+#define FPS_DTYPE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "error.h"
+
+typedef enum fps_dtype_e {
+  FPS_DTYPE_F32 = 1,   /* IEEE binary32, 4 bytes little-endian */
+  FPS_DTYPE_BF16 = 2,  /* bfloat16, 2 bytes little-endian */
+} fps_dtype_t;
+
+/* Bytes per element of dtype, or 0 if dtype is not a supported dtype. */
+size_t fps_dtype_size(int dtype);
+
+/* "f32", "bf16", or "unknown". */
+const char *fps_dtype_name(int dtype);
+
+/* fp32 -> bf16 with round-to-nearest-even. NaN stays NaN (quiet, sign
+ * kept); +-Inf stays +-Inf; values that round above the bf16 range become
+ * +-Inf, as IEEE rounding does. */
+uint16_t fps_f32_to_bf16(float f);
+
+/* bf16 -> fp32; exact (bf16 is the top half of an fp32). */
+float fps_bf16_to_f32(uint16_t h);
+
+/* Decodes n elements of little-endian `dtype` data at src (any alignment)
+ * into dst as fp32. If first_nonfinite is non-NULL it receives the index of
+ * the first NaN/Inf element, or n if every element is finite; the check
+ * rides on the same pass over memory as the copy.
+ * Returns 0 or -FPS_EINVAL (unsupported dtype). */
+int fps_dtype_decode(int dtype, const void *src, uint64_t n, float *dst,
+                     uint64_t *first_nonfinite);
+
+/* Encodes n fp32 values to little-endian `dtype` bytes at dst (any
+ * alignment; fps_dtype_size(dtype) * n bytes). Returns 0 or -FPS_EINVAL. */
+int fps_dtype_encode(int dtype, const float *src, uint64_t n, void *dst);
+
+#endif

@@ -1,0 +1,129 @@
+/* Unit tests for common/dtype: bf16 rounding, NaN/Inf handling, the wire
+ * decode/encode loops and their non-finite detection. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "dtype.h"
+
+static float f_from_bits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static void test_sizes(void **state) {
+  (void)state;
+  assert_int_equal(fps_dtype_size(FPS_DTYPE_F32), 4);
+  assert_int_equal(fps_dtype_size(FPS_DTYPE_BF16), 2);
+  assert_int_equal(fps_dtype_size(0), 0);
+  assert_int_equal(fps_dtype_size(3), 0);
+  assert_string_equal(fps_dtype_name(FPS_DTYPE_BF16), "bf16");
+  assert_string_equal(fps_dtype_name(7), "unknown");
+}
+
+static void test_bf16_exact_values(void **state) {
+  (void)state;
+  const float exact[] = {0.0f, -0.0f, 1.0f, -2.0f, 0.5f, 3.0f, 65536.0f, 1.0f / 1024};
+  for (size_t i = 0; i < sizeof exact / sizeof exact[0]; i++) {
+    uint16_t h = fps_f32_to_bf16(exact[i]);
+    float back = fps_bf16_to_f32(h);
+    assert_memory_equal(&back, &exact[i], sizeof back);
+  }
+  assert_int_equal(fps_f32_to_bf16(1.0f), 0x3f80);
+}
+
+static void test_bf16_round_nearest_even(void **state) {
+  (void)state;
+  /* Exactly half-way between 0x3f80 and 0x3f81: ties go to even (0x3f80). */
+  assert_int_equal(fps_f32_to_bf16(f_from_bits(0x3f808000u)), 0x3f80);
+  /* Half-way between 0x3f81 and 0x3f82: to even (0x3f82). */
+  assert_int_equal(fps_f32_to_bf16(f_from_bits(0x3f818000u)), 0x3f82);
+  /* Just above half-way rounds up, just below rounds down. */
+  assert_int_equal(fps_f32_to_bf16(f_from_bits(0x3f808001u)), 0x3f81);
+  assert_int_equal(fps_f32_to_bf16(f_from_bits(0x3f807fffu)), 0x3f80);
+  /* Mantissa carry bumps the exponent. */
+  assert_int_equal(fps_f32_to_bf16(f_from_bits(0x3fffffffu)), 0x4000);
+  /* Largest finite fp32 rounds past the bf16 range to +Inf. */
+  assert_int_equal(fps_f32_to_bf16(f_from_bits(0x7f7fffffu)), 0x7f80);
+  /* Negative values round symmetrically. */
+  assert_int_equal(fps_f32_to_bf16(f_from_bits(0xbf818000u)), 0xbf82);
+  /* Subnormals round like everything else. */
+  assert_int_equal(fps_f32_to_bf16(f_from_bits(0x00018000u)), 0x0002);
+}
+
+static void test_bf16_nan_inf(void **state) {
+  (void)state;
+  assert_int_equal(fps_f32_to_bf16(INFINITY), 0x7f80);
+  assert_int_equal(fps_f32_to_bf16(-INFINITY), 0xff80);
+  /* A NaN whose payload lives only in the low 16 bits must stay NaN. */
+  uint16_t h = fps_f32_to_bf16(f_from_bits(0x7f800001u));
+  assert_true(isnan(fps_bf16_to_f32(h)));
+  h = fps_f32_to_bf16(f_from_bits(0xffc00000u));
+  assert_true(isnan(fps_bf16_to_f32(h)));
+  assert_int_equal(h & 0x8000, 0x8000);
+  assert_true(isinf(fps_bf16_to_f32(0x7f80)));
+}
+
+static void test_decode_f32_finite_check(void **state) {
+  (void)state;
+  enum { N = 3000 };
+  static float src[N], dst[N];
+  for (int i = 0; i < N; i++) src[i] = (float)i * 0.25f;
+  uint64_t bad = 0;
+  assert_int_equal(fps_dtype_decode(FPS_DTYPE_F32, src, N, dst, &bad), 0);
+  assert_int_equal(bad, N);
+  assert_memory_equal(src, dst, sizeof src);
+  src[2049] = NAN;
+  src[2500] = INFINITY;
+  assert_int_equal(fps_dtype_decode(FPS_DTYPE_F32, src, N, dst, &bad), 0);
+  assert_int_equal(bad, 2049);
+  src[2049] = 1.0f;
+  assert_int_equal(fps_dtype_decode(FPS_DTYPE_F32, src, N, dst, &bad), 0);
+  assert_int_equal(bad, 2500);
+  /* Misaligned source. */
+  static unsigned char raw[4 * 8 + 1];
+  float v[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  memcpy(raw + 1, v, sizeof v);
+  assert_int_equal(fps_dtype_decode(FPS_DTYPE_F32, raw + 1, 8, dst, NULL), 0);
+  assert_memory_equal(dst, v, sizeof v);
+  assert_int_equal(fps_dtype_decode(FPS_DTYPE_F32, src, 0, dst, &bad), 0);
+  assert_int_equal(bad, 0);
+}
+
+static void test_decode_encode_bf16(void **state) {
+  (void)state;
+  float src[5] = {1.0f, -3.5f, 0.0f, 1e-3f, 2.0f};
+  unsigned char wire[10 + 1];
+  float back[5];
+  assert_int_equal(fps_dtype_encode(FPS_DTYPE_BF16, src, 5, wire + 1), 0);
+  uint64_t bad = 0;
+  assert_int_equal(fps_dtype_decode(FPS_DTYPE_BF16, wire + 1, 5, back, &bad), 0);
+  assert_int_equal(bad, 5);
+  for (int i = 0; i < 5; i++) assert_true(fabsf(back[i] - src[i]) <= fabsf(src[i]) / 128);
+  uint16_t nan_h = 0x7fc0;
+  memcpy(wire + 1 + 6, &nan_h, 2);
+  assert_int_equal(fps_dtype_decode(FPS_DTYPE_BF16, wire + 1, 5, back, &bad), 0);
+  assert_int_equal(bad, 3);
+  assert_int_equal(fps_dtype_decode(9, wire, 1, back, &bad), -FPS_EINVAL);
+  assert_int_equal(fps_dtype_encode(0, src, 1, wire), -FPS_EINVAL);
+  assert_int_equal(fps_dtype_encode(FPS_DTYPE_F32, src, 5, back), 0);
+  assert_memory_equal(back, src, sizeof src);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_sizes),
+      cmocka_unit_test(test_bf16_exact_values),
+      cmocka_unit_test(test_bf16_round_nearest_even),
+      cmocka_unit_test(test_bf16_nan_inf),
+      cmocka_unit_test(test_decode_f32_finite_check),
+      cmocka_unit_test(test_decode_encode_bf16),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
