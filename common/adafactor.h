@@ -6,8 +6,9 @@
  * A tensor is factored iff ndim >= 2, over its last two dimensions; leading
  * dimensions are a batch of independent matrices.
  *
- * DRAFT API: the kernel work fills in the implementation; names here are the
- * contract the server and client code against. */
+ * Names here are the contract the server and client code against.
+ * Thread-safety: every function is reentrant; one state must not be stepped
+ * by two threads at once (the caller serialises steps of one tensor). */
 #ifndef FPS_ADAFACTOR_H
 #define FPS_ADAFACTOR_H
 
@@ -16,6 +17,8 @@
 #include <stdint.h>
 
 #include "error.h"
+#include "pool.h"
+#include "simd/kernels.h"
 
 #define FPS_MAX_DIMS 8
 
@@ -74,8 +77,78 @@ typedef struct fps_adafactor_state_s {
   float *col;                     /* batch * cols */
   float *var;                     /* numel, unfactored only */
   float *mom;                     /* numel, hf with beta1 only */
-  uint64_t step;                  /* steps applied so far */
+  uint64_t step;                  /* steps applied so far (torch: stalls at 2^24 like its float32 counter) */
   float rms;                      /* hf: RMS(param) before the last step */
+  double *scratch;                /* per-step work area (column partials), owned */
+  size_t scratch_len;             /* doubles in scratch */
 } fps_adafactor_state_t;
+
+/* Per-step scalars, the same figures the golden vectors' trace records,
+ * plus how many bytes the kernel moved through memory (for GB/s). */
+typedef struct fps_adafactor_trace_s {
+  uint64_t step;          /* t, after the increment */
+  double rel_step;        /* torch rho_t / hf rel_step_sz */
+  double rms_param;       /* RMS(param) before the step */
+  double lr;              /* torch alpha / hf lr_t (scaled by param RMS where the flavor does) */
+  double beta2t;          /* hf beta2t = 1 - t^decay; torch 1 - t^beta2_decay too */
+  double rms_update;      /* RMS(U) before clipping */
+  double clip_denom;      /* max(1, rms_update / clip) */
+  double step_size;       /* lr / clip_denom */
+  bool explicit_rms;      /* torch factored: a clamp could bind, RMS(U) took an extra pass */
+  uint64_t bytes;         /* bytes read + written by this step's passes over memory */
+} fps_adafactor_trace_t;
+
+/* Fills *hp with the upstream defaults of a flavor (torch: lr 1e-2, eps1 =
+ * float32 eps; hf: relative_step, scale_parameter, eps1 1e-30). */
+void fps_adafactor_defaults(fps_adafactor_hparams_t *hp, fps_flavor_t flavor);
+
+/* Checks hyperparameters the way upstream's constructors do, plus NaN/Inf
+ * anywhere and fields the flavor lacks set to non-defaults. Returns 0,
+ * -FPS_EFLAVOR (unknown flavor) or -FPS_EHPARAM; `why` (may be NULL) gets a
+ * message naming the parameter. Never clamps or fixes anything. */
+int fps_adafactor_validate(const fps_adafactor_hparams_t *hp, char *why, size_t why_len);
+
+/* 0 if a and b are the same settings, else -FPS_EEXISTS with the first
+ * differing field in `why` ("lr 0.01 vs 0.001"). */
+int fps_adafactor_hparams_diff(const fps_adafactor_hparams_t *a, const fps_adafactor_hparams_t *b,
+                               char *why, size_t why_len);
+
+/* "torch" / "hf". parse returns -FPS_EFLAVOR for anything else. */
+int fps_flavor_parse(const char *s, fps_flavor_t *out);
+const char *fps_flavor_name(fps_flavor_t f); /* "unknown" if not a flavor */
+
+/* ndim <= FPS_MAX_DIMS, every dim >= 1, numel <= FPS_MAX_NUMEL computed
+ * without overflow. Returns 0 (and *numel if non-NULL), -FPS_ESHAPE or
+ * -FPS_EOVERFLOW, with a message in `why`. */
+int fps_shape_validate(const fps_shape_t *s, uint64_t *numel, char *why, size_t why_len);
+
+/* The optimizer state a tensor of shape s needs, by kind, and AdamW's. */
+int fps_adafactor_state_size(const fps_shape_t *s, const fps_adafactor_hparams_t *hp,
+                             fps_state_size_t *out);
+
+/* Allocates zeroed state for a tensor (validates shape and hparams first).
+ * On failure *st is left zeroed (destroy is still safe). Free with
+ * fps_adafactor_state_destroy(). */
+int fps_adafactor_state_init(fps_adafactor_state_t *st, const fps_shape_t *s,
+                             const fps_adafactor_hparams_t *hp);
+/* Frees the arrays; NULL-safe and idempotent (zeroes *st). */
+void fps_adafactor_state_destroy(fps_adafactor_state_t *st);
+
+/* One Adafactor step: updates param (st->numel floats) in place from grad.
+ * k: kernels (NULL = fps_kernels_best()); pool: NULL runs on the calling
+ * thread only, else large tensors are split over the pool's threads. The
+ * result is bit-identical for any thread count: work is cut into chunks
+ * that depend on the shape only, and partial sums are combined in chunk
+ * order. trace may be NULL. hp must be the settings st was created with.
+ * Returns 0, -FPS_EHPARAM/-FPS_EFLAVOR (bad hp), -FPS_EINVAL (NULL args,
+ * state not initialised), -FPS_ENOMEM. Non-finite gradients are not
+ * rejected here (the caller validates); they propagate like upstream. */
+int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
+                       fps_adafactor_state_t *st, float *param, const float *grad,
+                       fps_pool_t *pool, fps_adafactor_trace_t *trace);
+
+/* Bytes the step moves through memory per step for this state, on the
+ * common path (no torch clamp fallback): see adafactor_step.c. */
+uint64_t fps_adafactor_step_bytes(const fps_adafactor_state_t *st);
 
 #endif

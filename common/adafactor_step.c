@@ -1,0 +1,371 @@
+/* The Adafactor step: per-step scalars, pass order and chunking over
+ * threads. The per-element work is in the kernels (simd/).
+ *
+ * Memory traffic (fp32, per element of the tensor):
+ *   factored (ndim >= 2), per matrix R x C:
+ *     pass A  reads g and p once (8 B): row sums of g^2, column sums of g^2,
+ *             sum p^2 for RMS(param). Once row i's sum is known its new row
+ *             statistic r_i is known, so while the row is still in L1/L2 we
+ *             accumulate S_j += g_ij^2 / r_i (no extra memory traffic).
+ *             After the column update, sum U^2 = m * sum_j S_j / c_j, where
+ *             m = mean r (hf) or max(mean r, eps1) (torch): U_ij^2 =
+ *             g_ij^2 m / (r_i c_j) whenever no clamp binds.
+ *     pass C  reads g and p, writes p (12 B; p's line is read anyway, so no
+ *             extra write-allocate traffic).
+ *     = 20 B/elem. torch only: if min r * min c / m < eps1^2 a clamp may
+ *     bind and RMS(U) takes an explicit pass over g (+4 B = 24 B/elem).
+ *   unfactored (ndim <= 1):
+ *     pass A  reads g, p, v, writes v (16 B), and sums U^2 with the new v.
+ *     pass C  reads g, v, p, writes p (16 B).  = 32 B/elem.
+ *   hf momentum adds a read and a write of mom in pass C (+8 B/elem).
+ * Both passes are needed: the clip factor (RMS(U)) and the lr (RMS(param))
+ * are whole-tensor reductions that every element's update depends on.
+ *
+ * Determinism: each tensor is cut into chunks whose bounds depend only on
+ * the shape; each chunk writes its own partial sums, which are combined in
+ * chunk order. So results are bit-identical for any thread count. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "adafactor.h"
+#include "simd/kernels_impl.h"
+
+/* A chunk has at least this many elements (smaller work is not worth a
+ * thread hand-off) and a tensor has at most FPS_STEP_MAX_CHUNKS chunks
+ * (bounds the per-chunk column scratch and the serial combine). */
+#define FPS_STEP_CHUNK_ELEMS (UINT64_C(1) << 15)
+#define FPS_STEP_MAX_CHUNKS 16
+
+static size_t chunk_count(uint64_t units, uint64_t elems_per_unit) {
+  uint64_t k = units * elems_per_unit / FPS_STEP_CHUNK_ELEMS;
+  if (k > FPS_STEP_MAX_CHUNKS) k = FPS_STEP_MAX_CHUNKS;
+  if (k > units) k = units;
+  return k ? (size_t)k : 1;
+}
+
+static uint64_t chunk_lo(uint64_t units, size_t nchunks, size_t k) {
+  return units * k / nchunks;
+}
+
+/* torch's lerp, in double: exact at w = 1 (the state is then the mean). */
+static double lerp_torch(double a, double b, double w) {
+  return fabs(w) < 0.5 ? a + w * (b - a) : b - (b - a) * (1.0 - w);
+}
+
+/* The per-step scalars both passes need. */
+typedef struct step_scalars_s {
+  bool hf;
+  double t;
+  double w;          /* weight of the new mean: torch t^decay, hf 1 - beta2t */
+  double eps1;       /* hf: added to g^2 (mean); torch: clamp of mean(row) */
+  float floor;       /* clamp of V: torch eps1^2, hf 0 */
+  float beta1;       /* hf momentum, else 0 */
+  float sign;        /* -1 for torch maximize: U is odd in g */
+} step_scalars_t;
+
+static double stat_update(const step_scalars_t *sc, double old, double mean) {
+  if (sc->hf) return (1.0 - sc->w) * old + sc->w * (mean + sc->eps1);
+  return lerp_torch(old, mean, sc->w);
+}
+
+/* ---- factored ---------------------------------------------------------- */
+
+typedef struct fact_ctx_s {
+  const fps_kernels_t *k;
+  const step_scalars_t *sc;
+  size_t rows, cols, nchunks;
+  const float *g;
+  float *p;
+  float *mom;
+  float *row;       /* this matrix's row state */
+  const float *col; /* this matrix's col state (pass C) */
+  const float *colf;
+  double *scratch;  /* nchunks x (col partial, S partial), each cols long */
+  double psq[FPS_STEP_MAX_CHUNKS];
+  double u2[FPS_STEP_MAX_CHUNKS];
+  double m;         /* mean(r), clamped at eps1 for torch */
+  float pmul, s;    /* param multiplier (weight decay), signed step size */
+} fact_ctx_t;
+
+static void fact_pass_a(void *arg, size_t ck) {
+  fact_ctx_t *c = arg;
+  const size_t C = c->cols;
+  double *col = c->scratch + 2 * C * ck, *s = col + C;
+  memset(col, 0, 2 * C * sizeof(double));
+  double psq = 0;
+  for (uint64_t i = chunk_lo(c->rows, c->nchunks, ck); i < chunk_lo(c->rows, c->nchunks, ck + 1);
+       i++) {
+    double gsq, ps;
+    c->k->row_stats(c->g + i * C, c->p + i * C, C, col, &gsq, &ps);
+    psq += ps;
+    float r = (float)stat_update(c->sc, c->row[i], gsq / (double)C);
+    c->row[i] = r;
+    /* 1/0 = inf for an all-zero row: then S is NaN and the caller takes the
+     * explicit path (torch) or NaN propagates as upstream (hf, eps1 = 0). */
+    c->k->row_scaled(c->g + i * C, C, 1.0 / (double)r, s);
+  }
+  c->psq[ck] = psq;
+}
+
+static void fact_pass_u2(void *arg, size_t ck) {
+  fact_ctx_t *c = arg;
+  const size_t C = c->cols;
+  double u2 = 0;
+  for (uint64_t i = chunk_lo(c->rows, c->nchunks, ck); i < chunk_lo(c->rows, c->nchunks, ck + 1);
+       i++)
+    u2 += c->k->row_u2_clamped(c->g + i * C, c->col, C, (float)(c->row[i] / c->m), c->sc->floor);
+  c->u2[ck] = u2;
+}
+
+static void fact_pass_c(void *arg, size_t ck) {
+  fact_ctx_t *c = arg;
+  const size_t C = c->cols;
+  for (uint64_t i = chunk_lo(c->rows, c->nchunks, ck); i < chunk_lo(c->rows, c->nchunks, ck + 1);
+       i++) {
+    float *mom = c->mom ? c->mom + i * C : NULL;
+    if (c->colf) {
+      /* U_ij = g_ij * sqrt(m / r_i) * (1 / sqrt(c_j)), times the step. */
+      float rowf = (float)((double)c->s * sqrt(c->m / (double)c->row[i]));
+      c->k->apply_rowcol(c->p + i * C, c->g + i * C, mom, c->colf, C, rowf, c->pmul, c->sc->beta1);
+    } else {
+      c->k->apply_elem(c->p + i * C, c->g + i * C, mom, c->col, C, (float)(c->row[i] / c->m),
+                       c->sc->floor, c->s, c->pmul, c->sc->beta1);
+    }
+  }
+}
+
+/* mean of the row state, clamped for torch; and whether the torch clamp
+ * V >= eps1^2 might bind somewhere (then RMS(U) needs the explicit pass). */
+static bool fact_factors(const step_scalars_t *sc, const float *row, size_t R, const float *col,
+                         size_t C, double *m_out) {
+  double sum = 0, rmin = INFINITY, cmin = INFINITY;
+  for (size_t i = 0; i < R; i++) {
+    sum += row[i];
+    if (row[i] < rmin) rmin = row[i];
+  }
+  for (size_t j = 0; j < C; j++)
+    if (col[j] < cmin) cmin = col[j];
+  double m = sum / (double)R;
+  if (!sc->hf && !(m >= sc->eps1)) m = sc->eps1 > m ? sc->eps1 : m; /* keeps NaN */
+  *m_out = m;
+  if (sc->hf) return false;
+  double floor = (double)sc->floor;
+  return !(rmin > 0 && cmin > 0 && rmin * cmin / m >= floor * (1 + 1e-6));
+}
+
+static int ensure_scratch(fps_adafactor_state_t *st, size_t n) {
+  if (st->scratch_len >= n) return 0;
+  double *s = malloc(n * sizeof *s);
+  if (!s) return FPS_ENOMEM;
+  free(st->scratch);
+  st->scratch = s;
+  st->scratch_len = n;
+  return 0;
+}
+
+/* ---- unfactored -------------------------------------------------------- */
+
+typedef struct var_ctx_s {
+  const fps_kernels_t *k;
+  const step_scalars_t *sc;
+  size_t n, nchunks;
+  const float *g;
+  float *p, *v, *mom;
+  float a, b, e;
+  double psq[FPS_STEP_MAX_CHUNKS];
+  double u2[FPS_STEP_MAX_CHUNKS];
+  float pmul, s;
+} var_ctx_t;
+
+static void var_pass_a(void *arg, size_t ck) {
+  var_ctx_t *c = arg;
+  uint64_t lo = chunk_lo(c->n, c->nchunks, ck), hi = chunk_lo(c->n, c->nchunks, ck + 1);
+  double u2 = 0, psq = 0;
+  c->k->var_update(c->g + lo, c->p + lo, c->v + lo, hi - lo, c->a, c->b, c->e, c->sc->floor, &u2,
+                   &psq);
+  c->u2[ck] = u2;
+  c->psq[ck] = psq;
+}
+
+static void var_pass_c(void *arg, size_t ck) {
+  var_ctx_t *c = arg;
+  uint64_t lo = chunk_lo(c->n, c->nchunks, ck), hi = chunk_lo(c->n, c->nchunks, ck + 1);
+  c->k->apply_elem(c->p + lo, c->g + lo, c->mom ? c->mom + lo : NULL, c->v + lo, hi - lo, 1.0f,
+                   c->sc->floor, c->s, c->pmul, c->sc->beta1);
+}
+
+/* ---- the step ---------------------------------------------------------- */
+
+uint64_t fps_adafactor_step_bytes(const fps_adafactor_state_t *st) {
+  if (!st) return 0;
+  uint64_t per = st->factored ? 20 : 32;
+  if (st->mom) per += 8;
+  uint64_t b = per * st->numel;
+  if (st->factored) b += 8 * st->batch * (st->rows + st->cols); /* state read + write */
+  return b;
+}
+
+int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
+                       fps_adafactor_state_t *st, float *param, const float *grad,
+                       fps_pool_t *pool, fps_adafactor_trace_t *trace) {
+  if (!hp || !st || !param || !grad || st->numel == 0) return FPS_EINVAL;
+  int rc = fps_adafactor_validate(hp, NULL, 0);
+  if (rc) return rc;
+  if (!k) k = fps_kernels_best();
+  const bool hf = hp->flavor == FPS_FLAVOR_HF;
+  if ((hf && hp->has_beta1) != (st->mom != NULL) ||
+      (st->factored ? !st->row || !st->col : !st->var))
+    return FPS_EINVAL; /* state made for other settings */
+
+  step_scalars_t sc = {.hf = hf, .eps1 = hp->eps1, .sign = 1.0f};
+  uint64_t new_step;
+  if (hf) {
+    new_step = st->step + 1;
+    sc.t = (double)new_step;
+    sc.w = pow(sc.t, hp->decay); /* 1 - beta2t */
+    sc.floor = 0.0f;
+    sc.beta1 = hp->has_beta1 ? (float)hp->beta1 : 0.0f;
+  } else {
+    /* torch keeps the step in a float32 tensor: it stops at 2^24. */
+    float tf = (float)st->step + 1.0f;
+    new_step = (uint64_t)tf;
+    sc.t = tf;
+    sc.w = pow(sc.t, hp->decay);
+    sc.floor = (float)(hp->eps1 * hp->eps1);
+    if (hp->maximize) sc.sign = -1.0f;
+  }
+
+  const size_t C = (size_t)st->cols, R = (size_t)st->rows;
+  const uint64_t numel = st->numel;
+  double psq = 0, u2 = 0;
+  uint64_t bytes = fps_adafactor_step_bytes(st);
+  bool explicit_rms = false;
+  fact_ctx_t fc;
+  var_ctx_t vc;
+
+  /* Pass A: statistics, RMS(param) and sum U^2. */
+  if (st->factored) {
+    memset(&fc, 0, sizeof fc);
+    fc.k = k;
+    fc.sc = &sc;
+    fc.rows = R;
+    fc.cols = C;
+    fc.nchunks = chunk_count(R, C);
+    /* chunk partials, plus C floats of column factors for pass C */
+    rc = ensure_scratch(st, 2 * fc.nchunks * C + C / 2 + 1);
+    if (rc) return rc;
+    fc.scratch = st->scratch;
+    for (uint64_t mtx = 0; mtx < st->batch; mtx++) {
+      fc.g = grad + mtx * R * C;
+      fc.p = param + mtx * R * C;
+      fc.row = st->row + mtx * R;
+      float *col = st->col + mtx * C;
+      fps_pool_run(pool, fc.nchunks, fact_pass_a, &fc);
+      for (size_t ck = 0; ck < fc.nchunks; ck++) psq += fc.psq[ck];
+      /* combine the chunks' column partials in chunk order */
+      double *c0 = fc.scratch, *s0 = c0 + C, ssum = 0;
+      for (size_t j = 0; j < C; j++) {
+        double cs = c0[j], ss = s0[j];
+        for (size_t ck = 1; ck < fc.nchunks; ck++) {
+          cs += fc.scratch[2 * C * ck + j];
+          ss += fc.scratch[2 * C * ck + C + j];
+        }
+        col[j] = (float)stat_update(&sc, col[j], cs / (double)R);
+        ssum += ss / (double)col[j];
+      }
+      double m;
+      if (fact_factors(&sc, fc.row, R, col, C, &m)) {
+        explicit_rms = true;
+        bytes += 4 * R * C;
+        fc.col = col;
+        fc.m = m;
+        fps_pool_run(pool, fc.nchunks, fact_pass_u2, &fc);
+        for (size_t ck = 0; ck < fc.nchunks; ck++) u2 += fc.u2[ck];
+      } else {
+        u2 += m * ssum;
+      }
+    }
+  } else {
+    memset(&vc, 0, sizeof vc);
+    vc.k = k;
+    vc.sc = &sc;
+    vc.n = (size_t)numel;
+    vc.nchunks = chunk_count(numel, 1);
+    vc.g = grad;
+    vc.p = param;
+    vc.v = st->var;
+    vc.mom = st->mom;
+    vc.a = (float)(1.0 - sc.w);
+    vc.b = (float)sc.w;
+    vc.e = hf ? (float)hp->eps1 : 0.0f;
+    fps_pool_run(pool, vc.nchunks, var_pass_a, &vc);
+    for (size_t ck = 0; ck < vc.nchunks; ck++) {
+      psq += vc.psq[ck];
+      u2 += vc.u2[ck];
+    }
+  }
+
+  /* Per-step scalars, in double like upstream's Python floats. */
+  double rms_param = sqrt(psq / (double)numel), rel, lr_eff, pmul = 1.0;
+  if (hf) {
+    rel = hp->has_lr ? hp->lr
+                     : fmin(hp->warmup_init ? 1e-6 * sc.t : 1e-2, 1.0 / sqrt(sc.t));
+    /* upstream stores RMS as float32 and scales by that */
+    float rms_f = (float)rms_param;
+    lr_eff = rel * (hp->scale_parameter ? fmax(hp->eps2, (double)rms_f) : 1.0);
+    if (hp->weight_decay != 0) pmul = 1.0 - hp->weight_decay * lr_eff;
+    st->rms = rms_f;
+  } else {
+    rel = fmin(hp->lr, 1.0 / sqrt(sc.t));
+    lr_eff = fmax(hp->eps2, rms_param) * rel;
+    if (hp->weight_decay != 0) pmul = 1.0 - hp->lr * hp->weight_decay;
+  }
+  double rms_u = sqrt(u2 / (double)numel);
+  double q = rms_u / hp->clip;
+  double denom = q > 1.0 ? q : 1.0; /* NaN RMS(U) gives NaN, as upstream's clamp */
+  if (isnan(q)) denom = q;
+  double step_size = lr_eff / denom;
+
+  /* Pass C: the update. */
+  if (st->factored) {
+    fc.pmul = (float)pmul;
+    fc.s = (float)(sc.sign * step_size);
+    float *colf = (float *)(fc.scratch + 2 * fc.nchunks * C);
+    for (uint64_t mtx = 0; mtx < st->batch; mtx++) {
+      fc.g = grad + mtx * R * C;
+      fc.p = param + mtx * R * C;
+      fc.mom = st->mom ? st->mom + mtx * R * C : NULL;
+      fc.row = st->row + mtx * R;
+      fc.col = st->col + mtx * C;
+      double m;
+      if (fact_factors(&sc, fc.row, R, fc.col, C, &m)) {
+        fc.colf = NULL;
+      } else {
+        for (size_t j = 0; j < C; j++) colf[j] = 1.0f / sqrtf(fc.col[j]);
+        fc.colf = colf;
+      }
+      fc.m = m;
+      fps_pool_run(pool, fc.nchunks, fact_pass_c, &fc);
+    }
+  } else {
+    vc.pmul = (float)pmul;
+    vc.s = (float)(sc.sign * step_size);
+    fps_pool_run(pool, vc.nchunks, var_pass_c, &vc);
+  }
+
+  st->step = new_step;
+  if (trace) {
+    trace->step = new_step;
+    trace->rel_step = rel;
+    trace->rms_param = rms_param;
+    trace->lr = lr_eff;
+    trace->beta2t = 1.0 - sc.w;
+    trace->rms_update = rms_u;
+    trace->clip_denom = denom;
+    trace->step_size = step_size;
+    trace->explicit_rms = explicit_rms;
+    trace->bytes = bytes;
+  }
+  return 0;
+}

@@ -1,0 +1,35 @@
+/* SIMD kernels for the Adafactor step, with runtime dispatch.
+ *
+ * Variants: "scalar" (the reference, always built), "avx2" (AVX2+FMA,
+ * x86-64 only) and "neon" (aarch64 only). One is chosen once per process
+ * from what the CPU supports; FACTORPS_SIMD=scalar|avx2|neon forces one.
+ * The function table itself is internal (kernels_impl.h). */
+#ifndef FPS_SIMD_KERNELS_H
+#define FPS_SIMD_KERNELS_H
+
+#include <stddef.h>
+
+typedef struct fps_kernels_s fps_kernels_t;
+
+/* The fastest variant this CPU supports, honouring FACTORPS_SIMD when it
+ * names a supported variant (an unusable value falls back to the best and
+ * is reported by fps_kernels_from_env()). Chosen once; thread-safe. */
+const fps_kernels_t *fps_kernels_best(void);
+
+/* Looks a variant up by name. Returns 0, -FPS_EUNSUPPORTED (known variant
+ * this CPU or build cannot run) or -FPS_EINVAL (unknown name). */
+int fps_kernels_by_name(const char *name, const fps_kernels_t **out, char *why, size_t why_len);
+
+/* FACTORPS_SIMD if set and non-empty (errors as fps_kernels_by_name), else
+ * the best variant. Use this at start-up to turn a bad setting into a clear
+ * error instead of a silent fallback. */
+int fps_kernels_from_env(const fps_kernels_t **out, char *why, size_t why_len);
+
+/* "scalar", "avx2" or "neon". */
+const char *fps_kernels_name(const fps_kernels_t *k);
+
+/* Every variant name known to the build, in order scalar, avx2, neon
+ * (NULL-terminated); fps_kernels_by_name() says which ones run here. */
+extern const char *const fps_kernels_all_names[];
+
+#endif

@@ -1,0 +1,57 @@
+/* The kernel function table (internal to common/).
+ *
+ * Each entry works on one contiguous run of floats (one matrix row, or one
+ * chunk of a vector); adafactor_step.c does the per-step scalar math, the
+ * chunking over threads and the order of the passes. Every variant must
+ * compute the elementwise formulas below with the same operations in the
+ * same order (no FMA contraction there), so parameters differ between
+ * variants only through the order of the double-precision sums. */
+#ifndef FPS_SIMD_KERNELS_IMPL_H
+#define FPS_SIMD_KERNELS_IMPL_H
+
+#include <stddef.h>
+
+#include "kernels.h"
+
+struct fps_kernels_s {
+  const char *name;
+
+  /* Factored pass A, one row: *gsq = sum g^2, *psq = sum p^2 (both double),
+   * and col[j] += (double)g[j]^2 for every j. */
+  void (*row_stats)(const float *g, const float *p, size_t n, double *col, double *gsq,
+                    double *psq);
+
+  /* Factored pass A, same row again while it is in cache:
+   * s[j] += (double)g[j]^2 * inv_r. */
+  void (*row_scaled)(const float *g, size_t n, double inv_r, double *s);
+
+  /* Unfactored pass A: v[j] = a*v[j] + b*(g[j]*g[j] + e) (float), and
+   * *u2 += g^2 / max(v[j], floor), *psq += p^2 (double). */
+  void (*var_update)(const float *g, const float *p, float *v, size_t n, float a, float b,
+                     float e, float floor, double *u2, double *psq);
+
+  /* Explicit RMS pass (torch when a clamp may bind):
+   * returns sum over j of g^2 / max(rr * c[j], floor), in double. */
+  double (*row_u2_clamped)(const float *g, const float *c, size_t n, float rr, float floor);
+
+  /* Pass C, factored: u = (g[j] * colf[j]) * rowf; then momentum if mom
+   * (m = beta1*m + (1-beta1)*u; u = m); p[j] = p[j]*pmul - u. */
+  void (*apply_rowcol)(float *p, const float *g, float *mom, const float *colf, size_t n,
+                       float rowf, float pmul, float beta1);
+
+  /* Pass C, elementwise variance: u = (g[j] * (1 / sqrt(max(rr*c[j], floor)))) * s,
+   * then momentum and p as apply_rowcol. Used for 0/1-D tensors (rr = 1,
+   * c = the variance) and for torch's clamped factored case. */
+  void (*apply_elem)(float *p, const float *g, float *mom, const float *c, size_t n, float rr,
+                     float floor, float s, float pmul, float beta1);
+};
+
+extern const fps_kernels_t fps__kernels_scalar;
+#if defined(__x86_64__) && defined(FPS_HAVE_AVX2)
+extern const fps_kernels_t fps__kernels_avx2;
+#endif
+#if defined(__aarch64__)
+extern const fps_kernels_t fps__kernels_neon;
+#endif
+
+#endif

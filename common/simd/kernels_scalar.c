@@ -1,0 +1,98 @@
+/* Scalar reference kernels: plain C, always built. The SIMD variants must
+ * match these formulas operation for operation (see kernels_impl.h). */
+#include <math.h>
+
+#include "kernels_impl.h"
+
+static void row_stats_scalar(const float *g, const float *p, size_t n, double *col, double *gsq,
+                             double *psq) {
+  double gs = 0, ps = 0;
+  for (size_t j = 0; j < n; j++) {
+    double gd = g[j], pd = p[j];
+    double g2 = gd * gd;
+    gs += g2;
+    ps += pd * pd;
+    col[j] += g2;
+  }
+  *gsq = gs;
+  *psq = ps;
+}
+
+static void row_scaled_scalar(const float *g, size_t n, double inv_r, double *s) {
+  for (size_t j = 0; j < n; j++) {
+    double gd = g[j];
+    s[j] += gd * gd * inv_r;
+  }
+}
+
+static void var_update_scalar(const float *g, const float *p, float *v, size_t n, float a, float b,
+                              float e, float floor, double *u2, double *psq) {
+  double us = 0, ps = 0;
+  for (size_t j = 0; j < n; j++) {
+    float sq = g[j] * g[j] + e;
+    float nv = a * v[j] + b * sq;
+    v[j] = nv;
+    /* NaN-preserving clamp: a NaN variance stays NaN, as in torch. */
+    float den = floor > nv ? floor : nv;
+    double gd = g[j], pd = p[j];
+    us += gd * gd / den;
+    ps += pd * pd;
+  }
+  *u2 += us;
+  *psq += ps;
+}
+
+static double row_u2_clamped_scalar(const float *g, const float *c, size_t n, float rr,
+                                    float floor) {
+  double us = 0;
+  for (size_t j = 0; j < n; j++) {
+    float v = rr * c[j];
+    float den = floor > v ? floor : v;
+    double gd = g[j];
+    us += gd * gd / den;
+  }
+  return us;
+}
+
+static void apply_rowcol_scalar(float *p, const float *g, float *mom, const float *colf, size_t n,
+                                float rowf, float pmul, float beta1) {
+  if (mom) {
+    float omb = 1.0f - beta1;
+    for (size_t j = 0; j < n; j++) {
+      float u = (g[j] * colf[j]) * rowf;
+      float m = beta1 * mom[j] + omb * u;
+      mom[j] = m;
+      p[j] = p[j] * pmul - m;
+    }
+  } else {
+    for (size_t j = 0; j < n; j++) {
+      float u = (g[j] * colf[j]) * rowf;
+      p[j] = p[j] * pmul - u;
+    }
+  }
+}
+
+static void apply_elem_scalar(float *p, const float *g, float *mom, const float *c, size_t n,
+                              float rr, float floor, float s, float pmul, float beta1) {
+  float omb = 1.0f - beta1;
+  for (size_t j = 0; j < n; j++) {
+    float v = rr * c[j];
+    float den = floor > v ? floor : v;
+    float u = (g[j] * (1.0f / sqrtf(den))) * s;
+    if (mom) {
+      u = beta1 * mom[j] + omb * u;
+      mom[j] = u;
+    }
+    p[j] = p[j] * pmul - u;
+  }
+}
+
+const fps_kernels_t fps__kernels_scalar = {
+    .name = "scalar",
+    .row_stats = row_stats_scalar,
+    .row_scaled = row_scaled_scalar,
+    .var_update = var_update_scalar,
+    .row_u2_clamped = row_u2_clamped_scalar,
+    .apply_rowcol = apply_rowcol_scalar,
+    .apply_elem = apply_elem_scalar,
+};

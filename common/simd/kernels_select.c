@@ -1,0 +1,118 @@
+/* Chooses the kernel variant: CPUID + XGETBV on x86-64 (AVX2 and FMA in
+ * the CPU, and YMM state enabled by the OS), HWCAP on aarch64 (ASIMD is
+ * architectural there, but we still ask). Decided once per process. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "kernels_impl.h"
+
+#if defined(__x86_64__) && defined(FPS_HAVE_AVX2)
+#include <cpuid.h>
+#endif
+#if defined(__aarch64__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMD
+#define HWCAP_ASIMD (1 << 1)
+#endif
+#endif
+
+const char *const fps_kernels_all_names[] = {"scalar", "avx2", "neon", NULL};
+
+#if defined(__x86_64__) && defined(FPS_HAVE_AVX2)
+static int cpu_has_avx2_fma(void) {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+  const unsigned fma = 1u << 12, osxsave = 1u << 27, avx = 1u << 28;
+  if ((c & (fma | osxsave | avx)) != (fma | osxsave | avx)) return 0;
+  /* XGETBV(0): the OS saves XMM (bit 1) and YMM (bit 2) state. */
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & 6u) != 6u) return 0;
+  if (__get_cpuid_max(0, NULL) < 7) return 0;
+  __cpuid_count(7, 0, a, b, c, d);
+  return (b & (1u << 5)) != 0; /* AVX2 */
+}
+#endif
+
+static void set_why(char *why, size_t why_len, const char *fmt, const char *arg) {
+  if (why && why_len) snprintf(why, why_len, fmt, arg);
+}
+
+int fps_kernels_by_name(const char *name, const fps_kernels_t **out, char *why, size_t why_len) {
+  if (!name || !out) {
+    set_why(why, why_len, "%s", "no SIMD variant name given");
+    return FPS_EINVAL;
+  }
+  if (!strcmp(name, "scalar")) {
+    *out = &fps__kernels_scalar;
+    return 0;
+  }
+  if (!strcmp(name, "avx2")) {
+#if defined(__x86_64__) && defined(FPS_HAVE_AVX2)
+    if (cpu_has_avx2_fma()) {
+      *out = &fps__kernels_avx2;
+      return 0;
+    }
+    set_why(why, why_len, "SIMD variant '%s' needs AVX2 and FMA, which this CPU lacks", name);
+#else
+    set_why(why, why_len, "SIMD variant '%s' is not built into this x86-64-only binary", name);
+#endif
+    return FPS_EUNSUPPORTED;
+  }
+  if (!strcmp(name, "neon")) {
+#if defined(__aarch64__)
+    if (getauxval(AT_HWCAP) & HWCAP_ASIMD) {
+      *out = &fps__kernels_neon;
+      return 0;
+    }
+    set_why(why, why_len, "SIMD variant '%s' needs ASIMD, which this CPU lacks", name);
+#else
+    set_why(why, why_len, "SIMD variant '%s' exists only on aarch64 builds", name);
+#endif
+    return FPS_EUNSUPPORTED;
+  }
+  set_why(why, why_len, "unknown SIMD variant '%s' (expected scalar, avx2 or neon)", name);
+  return FPS_EINVAL;
+}
+
+static const fps_kernels_t *detect_best(void) {
+  const fps_kernels_t *k = NULL;
+  if (fps_kernels_by_name("avx2", &k, NULL, 0) == 0) return k;
+  if (fps_kernels_by_name("neon", &k, NULL, 0) == 0) return k;
+  return &fps__kernels_scalar;
+}
+
+static const fps_kernels_t *g_best;
+static pthread_once_t g_best_once = PTHREAD_ONCE_INIT;
+
+static void choose_once(void) {
+  const fps_kernels_t *k = NULL;
+  if (fps_kernels_from_env(&k, NULL, 0) != 0) k = detect_best();
+  g_best = k;
+}
+
+const fps_kernels_t *fps_kernels_best(void) {
+  pthread_once(&g_best_once, choose_once);
+  return g_best;
+}
+
+int fps_kernels_from_env(const fps_kernels_t **out, char *why, size_t why_len) {
+  if (!out) return FPS_EINVAL;
+  const char *env = getenv("FACTORPS_SIMD");
+  if (!env || !*env) {
+    *out = detect_best();
+    return 0;
+  }
+  int rc = fps_kernels_by_name(env, out, why, why_len);
+  if (rc != 0 && why && why_len) {
+    char tmp[256];
+    snprintf(tmp, sizeof tmp, "FACTORPS_SIMD: %s", why);
+    snprintf(why, why_len, "%s", tmp);
+  }
+  return rc;
+}
+
+const char *fps_kernels_name(const fps_kernels_t *k) { return k ? k->name : "none"; }
