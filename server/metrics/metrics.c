@@ -1,0 +1,413 @@
+/* The metrics registry: storage and text exposition both generated from the
+ * X-macro tables below, so a series is declared in exactly one place
+ * (memcached's THREAD_STATS_FIELDS idea).
+ *
+ * Storage is static and every value is an _Atomic uint64_t updated with
+ * relaxed adds: an RPC thread pays one uncontended-ish atomic add per field
+ * and never takes a lock, and a scrape reads the values without stopping
+ * anybody. A scrape may see an RPC half counted (its count but not yet its
+ * bytes); Prometheus tolerates that, and histograms stay self-consistent
+ * because _count and +Inf are computed from the buckets being rendered. */
+#include "metrics.h"
+
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "internal.h"
+
+#ifndef FPS_METRICS_DEFAULT_VERSION
+#define FPS_METRICS_DEFAULT_VERSION "unknown"
+#endif
+
+/* gRPC status codes by value (grpc/status.h), as label values. */
+#define FPS__GRPC_CODE_MAP(X)                                              \
+  X(OK) X(CANCELLED) X(UNKNOWN) X(INVALID_ARGUMENT) X(DEADLINE_EXCEEDED)   \
+  X(NOT_FOUND) X(ALREADY_EXISTS) X(PERMISSION_DENIED) X(RESOURCE_EXHAUSTED)\
+  X(FAILED_PRECONDITION) X(ABORTED) X(OUT_OF_RANGE) X(UNIMPLEMENTED)       \
+  X(INTERNAL) X(UNAVAILABLE) X(DATA_LOSS) X(UNAUTHENTICATED)
+
+static const char *const grpc_code_names[] = {
+#define FPS__STR(name) #name,
+    FPS__GRPC_CODE_MAP(FPS__STR)
+#undef FPS__STR
+};
+enum { NCODES = sizeof grpc_code_names / sizeof grpc_code_names[0], CODE_UNKNOWN = 2 };
+
+static const char *const method_names[] = {
+#define FPS__STR(id, label) label,
+    FPS_METRICS_METHOD_MAP(FPS__STR)
+#undef FPS__STR
+};
+
+/* HTTP statuses the endpoint can answer with; anything else is counted as
+ * the last entry. */
+static const int http_codes[] = {200, 400, 404, 405, 408, 413, 414, 431, 500, 503};
+enum { NHTTP = sizeof http_codes / sizeof http_codes[0] };
+
+/* Label dimensions of a family, and how many series each has. */
+enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP };
+#define DIMN_NONE 1
+#define DIMN_METHOD FPS_METRICS_METHOD_COUNT
+#define DIMN_METHOD_CODE (FPS_METRICS_METHOD_COUNT * NCODES)
+#define DIMN_HTTP NHTTP
+
+/* Stored counters and gauges: X(field, type, name, dim, help). */
+#define FPS__SERIES_MAP(X)                                                           \
+  X(rpc_requests, counter, "factorps_rpc_requests_total", METHOD_CODE,               \
+    "RPCs answered, by method and gRPC status code.")                                \
+  X(rpc_received_bytes, counter, "factorps_rpc_received_bytes_total", METHOD,        \
+    "Tensor payload bytes received, by method.")                                     \
+  X(rpc_sent_bytes, counter, "factorps_rpc_sent_bytes_total", METHOD,                \
+    "Tensor payload bytes sent, by method.")                                         \
+  X(update_bytes, counter, "factorps_update_bytes_total", NONE,                      \
+    "Bytes the Adafactor kernel read and wrote; divide by "                          \
+    "factorps_update_duration_seconds_sum for its throughput.")                      \
+  X(steps, counter, "factorps_steps_completed_total", NONE,                          \
+    "sync/ssp steps completed (one per applied round of all workers' gradients).")  \
+  X(workers_waited, counter, "factorps_sync_workers_waited_total", NONE,             \
+    "Workers the completed steps waited for, summed over steps.")                    \
+  X(waiting, gauge, "factorps_sync_waiting_workers", NONE,                           \
+    "Workers whose gradients the shard is waiting for now.")                         \
+  X(http_responses, counter, "factorps_http_responses_total", HTTP,                  \
+    "Responses of the metrics/health HTTP endpoint, by status code.")                \
+  X(http_rejected, counter, "factorps_http_rejected_connections_total", NONE,        \
+    "HTTP connections refused with 503 because too many were open.")                 \
+  X(http_connections, gauge, "factorps_http_connections", NONE,                      \
+    "HTTP connections open now.")
+
+/* Histograms: X(field, name, dim, bucket set, help). */
+#define FPS__HIST_MAP(X)                                                             \
+  X(rpc_duration, "factorps_rpc_duration_seconds", METHOD, latency,                  \
+    "RPC wall time from first message to status, by method.")                        \
+  X(update_duration, "factorps_update_duration_seconds", NONE, latency,              \
+    "Time inside the Adafactor update kernel, per tensor update.")                   \
+  X(step_wait, "factorps_sync_wait_duration_seconds", NONE, latency,                 \
+    "sync/ssp: how long a step's first push waited for the other workers.")          \
+  X(staleness, "factorps_staleness_steps", NONE, staleness,                          \
+    "Versions a pushed gradient was behind the tensor (0: fresh).")
+
+/* Bucket sets. `scale` converts an observed value into the integer units
+ * the sum is kept in (nanoseconds for seconds), so the sum is one atomic
+ * add too. */
+#define FPS__HIST_MAX_BUCKETS 20
+typedef struct bucket_set_s {
+  const double *le;
+  int n;
+  double scale;
+} bucket_set_t;
+static const double latency_le[] = {25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3,
+                                    5e-3,  10e-3, 25e-3,  50e-3,  0.1,  0.25, 0.5,
+                                    1,     2.5,   5,      10};
+static const double staleness_le[] = {0, 1, 2, 4, 8, 16, 32, 64};
+static const bucket_set_t set_latency = {latency_le, sizeof latency_le / sizeof(double), 1e9};
+static const bucket_set_t set_staleness = {staleness_le, sizeof staleness_le / sizeof(double), 1};
+_Static_assert(sizeof latency_le / sizeof(double) <= FPS__HIST_MAX_BUCKETS, "bucket storage");
+
+typedef struct hist_s {
+  _Atomic uint64_t bucket[FPS__HIST_MAX_BUCKETS + 1];  /* not cumulative; last: +Inf */
+  _Atomic uint64_t sum;                                /* in the set's units */
+} hist_t;
+
+/* State totals, one atomic per fps_metrics_state_t field. */
+#define FPS__STATE_FIELDS(X) X(tensors) X(param_elements) X(row) X(col) X(var) X(mom) X(adamw_elements)
+
+#define FPS__LABEL_MAX 64
+
+static struct {
+#define FPS__FIELD(field, type, name, dim, help) _Atomic uint64_t field[DIMN_##dim];
+  FPS__SERIES_MAP(FPS__FIELD)
+#undef FPS__FIELD
+#define FPS__FIELD(field, name, dim, set, help) hist_t field[DIMN_##dim];
+  FPS__HIST_MAP(FPS__FIELD)
+#undef FPS__FIELD
+#define FPS__FIELD(f) _Atomic uint64_t state_##f;
+  FPS__STATE_FIELDS(FPS__FIELD)
+#undef FPS__FIELD
+  atomic_bool ready;
+  /* Written once by fps_metrics_init, before threads start. */
+  uint32_t shard_id, shard_count, workers, staleness_bound;
+  char mode[FPS__LABEL_MAX], simd[FPS__LABEL_MAX], version[FPS__LABEL_MAX];
+} g;
+
+#define RELAXED memory_order_relaxed
+
+int fps_metrics_init(const fps_metrics_config_t *cfg) {
+  if (cfg == NULL) return FPS_EINVAL;
+  memset(&g, 0, sizeof g);
+  g.shard_id = cfg->shard_id;
+  g.shard_count = cfg->shard_count;
+  g.workers = cfg->workers;
+  g.staleness_bound = cfg->staleness;
+  snprintf(g.mode, sizeof g.mode, "%s", cfg->mode ? cfg->mode : "unknown");
+  snprintf(g.simd, sizeof g.simd, "%s", cfg->simd ? cfg->simd : "unknown");
+  snprintf(g.version, sizeof g.version, "%s",
+           cfg->version ? cfg->version : FPS_METRICS_DEFAULT_VERSION);
+  return 0;
+}
+
+static void hist_observe(hist_t *h, const bucket_set_t *set, double v) {
+  /* NaN and negatives (a clock step) land in the first bucket and add 0 to
+   * the sum rather than corrupting it. */
+  if (!(v > 0)) v = 0;
+  int i = 0;
+  while (i < set->n && v > set->le[i]) i++;
+  atomic_fetch_add_explicit(&h->bucket[i], 1, RELAXED);
+  double units = v * set->scale;
+  uint64_t u = units < 1.8e19 ? (uint64_t)(units + 0.5) : UINT64_MAX / 2;
+  atomic_fetch_add_explicit(&h->sum, u, RELAXED);
+}
+
+void fps_metrics_rpc_observe(fps_metrics_method_t method, int grpc_code, double seconds,
+                             uint64_t rx_bytes, uint64_t tx_bytes) {
+  if ((unsigned)method >= FPS_METRICS_METHOD_COUNT) return;
+  if (grpc_code < 0 || grpc_code >= NCODES) grpc_code = CODE_UNKNOWN;
+  atomic_fetch_add_explicit(&g.rpc_requests[method * NCODES + grpc_code], 1, RELAXED);
+  if (rx_bytes) atomic_fetch_add_explicit(&g.rpc_received_bytes[method], rx_bytes, RELAXED);
+  if (tx_bytes) atomic_fetch_add_explicit(&g.rpc_sent_bytes[method], tx_bytes, RELAXED);
+  hist_observe(&g.rpc_duration[method], &set_latency, seconds);
+}
+
+void fps_metrics_update_observe(double seconds, uint64_t bytes) {
+  atomic_fetch_add_explicit(&g.update_bytes[0], bytes, RELAXED);
+  hist_observe(&g.update_duration[0], &set_latency, seconds);
+}
+
+void fps_metrics_step_observe(uint32_t waited_for, double wait_seconds) {
+  atomic_fetch_add_explicit(&g.steps[0], 1, RELAXED);
+  atomic_fetch_add_explicit(&g.workers_waited[0], waited_for, RELAXED);
+  hist_observe(&g.step_wait[0], &set_latency, wait_seconds);
+}
+
+void fps_metrics_staleness_observe(uint64_t staleness) {
+  hist_observe(&g.staleness[0], &set_staleness, (double)staleness);
+}
+
+void fps_metrics_waiting_set(uint32_t workers) {
+  atomic_store_explicit(&g.waiting[0], workers, RELAXED);
+}
+
+void fps_metrics_state_set(const fps_metrics_state_t *s) {
+  if (s == NULL) return;
+#define FPS__FIELD(f) atomic_store_explicit(&g.state_##f, s->f, RELAXED);
+  FPS__STATE_FIELDS(FPS__FIELD)
+#undef FPS__FIELD
+}
+
+void fps_metrics_state_add(const fps_metrics_state_t *d) {
+  if (d == NULL) return;
+#define FPS__FIELD(f) atomic_fetch_add_explicit(&g.state_##f, d->f, RELAXED);
+  FPS__STATE_FIELDS(FPS__FIELD)
+#undef FPS__FIELD
+}
+
+void fps_metrics_ready_set(bool ready) { atomic_store(&g.ready, ready); }
+bool fps__metrics_ready_get(void) { return atomic_load(&g.ready); }
+
+void fps__metrics_http_response(int status) {
+  int i = 0;
+  while (i < NHTTP - 1 && http_codes[i] != status) i++;
+  atomic_fetch_add_explicit(&g.http_responses[i], 1, RELAXED);
+}
+void fps__metrics_http_rejected(void) { atomic_fetch_add_explicit(&g.http_rejected[0], 1, RELAXED); }
+void fps__metrics_http_connections_add(int delta) {
+  atomic_fetch_add_explicit(&g.http_connections[0], (uint64_t)(int64_t)delta, RELAXED);
+}
+
+/* ------------------------------------------------------------ rendering */
+
+void fps__mbuf_printf(fps__mbuf_t *b, const char *fmt, ...) {
+  if (b->oom) return;
+  for (;;) {
+    size_t room = b->cap - b->len;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(b->p ? b->p + b->len : NULL, room, fmt, ap);
+    va_end(ap);
+    if (n < 0) {
+      b->oom = true;
+      return;
+    }
+    if ((size_t)n < room) {
+      b->len += (size_t)n;
+      return;
+    }
+    size_t cap = b->cap ? b->cap * 2 : 8192;
+    while (cap - b->len <= (size_t)n) cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (p == NULL) {
+      b->oom = true;
+      return;
+    }
+    b->p = p;
+    b->cap = cap;
+  }
+}
+
+/* Label values must escape backslash, double quote and newline. */
+static void escape_label(char *out, size_t cap, const char *in) {
+  size_t o = 0;
+  for (; *in && o + 3 < cap; in++) {
+    if (*in == '\\' || *in == '"') {
+      out[o++] = '\\';
+      out[o++] = *in;
+    } else if (*in == '\n') {
+      out[o++] = '\\';
+      out[o++] = 'n';
+    } else {
+      out[o++] = *in;
+    }
+  }
+  out[o] = '\0';
+}
+
+/* The labels of series `i` of a family with dimension `d`, after the shard
+ * label. Returns false for series not worth emitting (error codes that
+ * never happened: 5 methods x 17 codes of zeros is noise). */
+static bool dim_labels(char *out, size_t cap, const char *shard, enum dim d, int i,
+                       uint64_t value) {
+  switch (d) {
+    case DIM_NONE:
+      snprintf(out, cap, "%s", shard);
+      return true;
+    case DIM_METHOD:
+      snprintf(out, cap, "%s,method=\"%s\"", shard, method_names[i]);
+      return true;
+    case DIM_METHOD_CODE:
+      if (value == 0 && i % NCODES != 0) return false;
+      snprintf(out, cap, "%s,method=\"%s\",code=\"%s\"", shard, method_names[i / NCODES],
+               grpc_code_names[i % NCODES]);
+      return true;
+    case DIM_HTTP:
+      if (value == 0 && http_codes[i] != 200) return false;
+      snprintf(out, cap, "%s,code=\"%d\"", shard, http_codes[i]);
+      return true;
+  }
+  return false;
+}
+
+static void render_series(fps__mbuf_t *b, const char *shard, const char *name, const char *type,
+                          const char *help, enum dim d, int n, _Atomic uint64_t *v) {
+  char labels[256];
+  fps__mbuf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+  for (int i = 0; i < n; i++) {
+    uint64_t x = atomic_load_explicit(&v[i], RELAXED);
+    if (!dim_labels(labels, sizeof labels, shard, d, i, x)) continue;
+    if (strcmp(type, "gauge") == 0)
+      fps__mbuf_printf(b, "%s{%s} %lld\n", name, labels, (long long)(int64_t)x);
+    else
+      fps__mbuf_printf(b, "%s{%s} %llu\n", name, labels, (unsigned long long)x);
+  }
+}
+
+static void render_hist(fps__mbuf_t *b, const char *shard, const char *name, const char *help,
+                        enum dim d, int n, hist_t *h, const bucket_set_t *set) {
+  char labels[256];
+  fps__mbuf_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+  for (int i = 0; i < n; i++) {
+    dim_labels(labels, sizeof labels, shard, d, i, 1);
+    uint64_t cum = 0;
+    for (int k = 0; k <= set->n; k++) {
+      cum += atomic_load_explicit(&h[i].bucket[k], RELAXED);
+      if (k < set->n)
+        fps__mbuf_printf(b, "%s_bucket{%s,le=\"%g\"} %llu\n", name, labels, set->le[k],
+                         (unsigned long long)cum);
+      else
+        fps__mbuf_printf(b, "%s_bucket{%s,le=\"+Inf\"} %llu\n", name, labels,
+                         (unsigned long long)cum);
+    }
+    double sum = (double)atomic_load_explicit(&h[i].sum, RELAXED) / set->scale;
+    fps__mbuf_printf(b, "%s_sum{%s} %.9g\n%s_count{%s} %llu\n", name, labels, sum, name, labels,
+                     (unsigned long long)cum);
+  }
+}
+
+static void render_gauge(fps__mbuf_t *b, const char *name, const char *help, const char *labels,
+                         double v) {
+  fps__mbuf_printf(b, "# HELP %s %s\n# TYPE %s gauge\n%s{%s} %.17g\n", name, help, name, name,
+                   labels, v);
+}
+
+static void render_state(fps__mbuf_t *b, const char *shard) {
+#define FPS__FIELD(f) uint64_t f = atomic_load_explicit(&g.state_##f, RELAXED);
+  FPS__STATE_FIELDS(FPS__FIELD)
+#undef FPS__FIELD
+  const struct {
+    const char *kind;
+    uint64_t n;
+  } kinds[] = {{"row", row}, {"col", col}, {"var", var}, {"momentum", mom}};
+  const char *names[2] = {"factorps_optimizer_state_elements", "factorps_optimizer_state_bytes"};
+  const char *helps[2] = {"Adafactor optimizer state elements held, by kind.",
+                          "Adafactor optimizer state bytes held (fp32), by kind."};
+  for (int u = 0; u < 2; u++) {
+    fps__mbuf_printf(b, "# HELP %s %s\n# TYPE %s gauge\n", names[u], helps[u], names[u]);
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++)
+      fps__mbuf_printf(b, "%s{%s,kind=\"%s\"} %llu\n", names[u], shard, kinds[k].kind,
+                       (unsigned long long)(u ? kinds[k].n * 4 : kinds[k].n));
+  }
+  render_gauge(b, "factorps_adamw_equivalent_state_elements",
+               "Optimizer state elements AdamW would hold for the same tensors (2 x numel).",
+               shard, (double)adamw_elements);
+  render_gauge(b, "factorps_adamw_equivalent_state_bytes",
+               "Optimizer state bytes AdamW would hold for the same tensors (fp32).", shard,
+               (double)adamw_elements * 4);
+  render_gauge(b, "factorps_parameter_elements", "Parameter elements (sum of numel).", shard,
+               (double)param_elements);
+  render_gauge(b, "factorps_parameter_bytes", "Parameter bytes held (fp32 weights).", shard,
+               (double)param_elements * 4);
+  render_gauge(b, "factorps_tensors", "Tensors registered on this shard.", shard,
+               (double)tensors);
+}
+
+int fps_metrics_render(char **out, size_t *len) {
+  if (out == NULL || len == NULL) return FPS_EINVAL;
+  fps__mbuf_t b = {0};
+  char shard[32], labels[512], mode[2 * FPS__LABEL_MAX], simd[2 * FPS__LABEL_MAX],
+      version[2 * FPS__LABEL_MAX];
+  snprintf(shard, sizeof shard, "shard=\"%u\"", (unsigned)g.shard_id);
+  escape_label(mode, sizeof mode, g.mode[0] ? g.mode : "unknown");
+  escape_label(simd, sizeof simd, g.simd[0] ? g.simd : "unknown");
+  escape_label(version, sizeof version, g.version[0] ? g.version : FPS_METRICS_DEFAULT_VERSION);
+
+  snprintf(labels, sizeof labels, "%s,version=\"%s\",simd=\"%s\"", shard, version, simd);
+  render_gauge(&b, "factorps_build_info", "Build facts: factorps version and SIMD kernel in use.",
+               labels, 1);
+  snprintf(labels, sizeof labels, "%s,mode=\"%s\"", shard, mode);
+  render_gauge(&b, "factorps_shard_info", "Shard facts: consistency mode.", labels, 1);
+  render_gauge(&b, "factorps_shards", "Shards in the deployment.", shard, g.shard_count);
+  render_gauge(&b, "factorps_workers", "Workers per step (sync/ssp).", shard, g.workers);
+  render_gauge(&b, "factorps_staleness_bound_steps",
+               "ssp: versions a worker may run ahead of the slowest.", shard, g.staleness_bound);
+  render_gauge(&b, "factorps_ready", "1 when the shard is serving (/readyz is 200).", shard,
+               fps__metrics_ready_get() ? 1 : 0);
+  render_state(&b, shard);
+
+#define FPS__RENDER(field, type, name, dim, help) \
+  render_series(&b, shard, name, #type, help, DIM_##dim, DIMN_##dim, g.field);
+  FPS__SERIES_MAP(FPS__RENDER)
+#undef FPS__RENDER
+#define FPS__RENDER(field, name, dim, set, help) \
+  render_hist(&b, shard, name, help, DIM_##dim, DIMN_##dim, g.field, &set_##set);
+  FPS__HIST_MAP(FPS__RENDER)
+#undef FPS__RENDER
+
+  /* Lifetime average kernel throughput, so a dashboard without rate() math
+   * (or a human with curl) sees GB/s directly. */
+  uint64_t ub = atomic_load_explicit(&g.update_bytes[0], RELAXED);
+  double us = (double)atomic_load_explicit(&g.update_duration[0].sum, RELAXED) / 1e9;
+  render_gauge(&b, "factorps_update_throughput_bytes_per_second",
+               "Adafactor kernel throughput since start (update bytes / update seconds).", shard,
+               us > 0 ? (double)ub / us : 0);
+
+  fps__metrics_render_process(&b, shard);
+  if (b.oom || b.p == NULL) {
+    free(b.p);
+    return FPS_ENOMEM;
+  }
+  *out = b.p;
+  *len = b.len;
+  return 0;
+}

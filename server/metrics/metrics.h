@@ -1,0 +1,158 @@
+/* factorps shard metrics: a process-wide registry of counters, gauges and
+ * histograms, rendered in the Prometheus text format (0.0.4), and the HTTP
+ * endpoint that serves it together with /healthz and /readyz.
+ *
+ * How the server uses it (all of it is optional; nothing here blocks):
+ *
+ *   fps_metrics_config_t mc = {.shard_id = id, .shard_count = n, .mode = "sync",
+ *                              .workers = w, .simd = "avx2"};
+ *   fps_metrics_init(&mc);                          // once, before any thread
+ *   fps_metrics_http_opts_t ho = {.listen = "0.0.0.0:9100"};
+ *   fps_metrics_http_t *http;
+ *   fps_metrics_http_start(&ho, &http);            // own thread + libuv loop
+ *   ... grpc port bound, state loaded:  fps_metrics_ready_set(true);
+ *   ... after every RPC:       fps_metrics_rpc_observe(FPS_METRICS_PUSHPULL, code, secs, rx, tx);
+ *   ... after every update:    fps_metrics_update_observe(secs, bytes_moved);
+ *   ... after a Create:        fps_metrics_state_add(&delta)  (or _set the totals)
+ *   fps_metrics_ready_set(false); fps_metrics_http_stop(http);
+ *
+ * Hot-path calls (the *_observe, *_add and *_set functions) are lock-free:
+ * relaxed atomic adds on static storage, no allocation, no syscalls, safe
+ * from any thread. The scrape renders from those atomics on the HTTP thread,
+ * so a slow or hostile HTTP client can never stall an RPC.
+ *
+ * Every series carries the label shard="<shard_id>". The registry is one per
+ * process because a factorps-server process is exactly one shard. */
+#ifndef FPS_METRICS_H
+#define FPS_METRICS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* RPC methods with their own series (label method="<name>"). The second
+ * column is the label value, the gRPC method name. */
+#define FPS_METRICS_METHOD_MAP(X)                                          \
+  X(CREATE, "Create")                                                      \
+  X(PUSHPULL, "PushPull")                                                  \
+  X(PULL, "Pull")                                                          \
+  X(STATS, "Stats")                                                        \
+  X(CHECKPOINT, "Checkpoint")
+
+typedef enum fps_metrics_method_e {
+#define FPS_METRICS_METHOD_ENUM(id, label) FPS_METRICS_##id,
+  FPS_METRICS_METHOD_MAP(FPS_METRICS_METHOD_ENUM)
+#undef FPS_METRICS_METHOD_ENUM
+  FPS_METRICS_METHOD_COUNT
+} fps_metrics_method_t;
+
+/* Optimizer-state kinds (label kind="<name>"). */
+#define FPS_METRICS_KIND_MAP(X)                                            \
+  X(ROW, "row")                                                            \
+  X(COL, "col")                                                            \
+  X(VAR, "var")                                                            \
+  X(MOM, "momentum")
+
+/* The shard's state totals. Element counts, not bytes: bytes are derived
+ * (4 per fp32 element) when rendering. */
+typedef struct fps_metrics_state_s {
+  uint64_t tensors;         /* tensors registered on the shard */
+  uint64_t param_elements;  /* sum of numel */
+  uint64_t row, col, var, mom;  /* optimizer state elements by kind */
+  uint64_t adamw_elements;  /* what AdamW would keep: 2 * numel */
+} fps_metrics_state_t;
+
+/* Static facts about the shard, exposed as labels/gauges. Strings are copied
+ * (truncated to 63 bytes); NULL means "unknown". */
+typedef struct fps_metrics_config_s {
+  uint32_t shard_id;        /* value of the shard="" label on every series */
+  uint32_t shard_count;
+  const char *mode;         /* "sync", "async", "ssp" */
+  uint32_t workers;         /* sync/ssp: workers per step */
+  uint32_t staleness;       /* ssp: bound on how far a worker may run ahead */
+  const char *simd;         /* kernel variant in use: "scalar", "avx2", "neon" */
+  const char *version;      /* NULL: the version this library was built as */
+} fps_metrics_config_t;
+
+/* Sets the static facts and zeroes every counter, gauge and histogram.
+ * Returns 0, or FPS_EINVAL for a NULL config.
+ * REQUIRES: no other thread is using the registry (call it at start-up). */
+int fps_metrics_init(const fps_metrics_config_t *cfg);
+
+/* One finished RPC: `method` is a FPS_METRICS_* value, `grpc_code` a
+ * grpc_status_code value (0 OK .. 16 UNAUTHENTICATED; anything else counts
+ * as UNKNOWN), `seconds` its wall time from the first message to the status,
+ * `rx_bytes`/`tx_bytes` the tensor payload bytes received and sent.
+ * An out-of-range method is ignored. Lock-free, any thread. */
+void fps_metrics_rpc_observe(fps_metrics_method_t method, int grpc_code, double seconds,
+                             uint64_t rx_bytes, uint64_t tx_bytes);
+
+/* One Adafactor update of one tensor: time inside the kernel and the bytes
+ * it moved (its own count: reads + writes). GB/s is derived from the two
+ * counters (factorps_update_bytes_total / factorps_update_duration_seconds_sum).
+ * Lock-free, any thread. */
+void fps_metrics_update_observe(double seconds, uint64_t bytes);
+
+/* sync/ssp coordination. `waited_for` is how many workers' gradients a
+ * completed step waited for (sync: W; ssp: the workers ahead that blocked),
+ * `wait_seconds` how long the earliest pusher of the step waited.
+ * Lock-free, any thread. */
+void fps_metrics_step_observe(uint32_t waited_for, double wait_seconds);
+/* ssp/async: a push `staleness` versions behind the tensor (0 = fresh). */
+void fps_metrics_staleness_observe(uint64_t staleness);
+/* Gauge: workers the shard is currently waiting for (sync/ssp). */
+void fps_metrics_waiting_set(uint32_t workers);
+
+/* The shard's state totals: _set replaces them (e.g. after a restore or
+ * from the collect callback), _add adds one new tensor's figures (e.g. when
+ * Create registers it; tensors are never deleted, so totals only grow). */
+void fps_metrics_state_set(const fps_metrics_state_t *s);
+void fps_metrics_state_add(const fps_metrics_state_t *delta);
+
+/* Readiness (/readyz): true once the state is loaded and the gRPC port is
+ * bound; false again while shutting down. Default false. */
+void fps_metrics_ready_set(bool ready);
+
+/* Renders every series into a new NUL-terminated buffer in text format
+ * 0.0.4, including the process_* series read from /proc.
+ * Returns 0 and sets *out (caller frees with free()) and *len, or
+ * FPS_ENOMEM. Thread-safe (reads atomics only). */
+int fps_metrics_render(char **out, size_t *len);
+
+/* ------------------------------------------------------------- HTTP */
+
+typedef struct fps_metrics_http_s fps_metrics_http_t;
+
+typedef struct fps_metrics_http_opts_s {
+  /* "host:port", "[v6]:port" or ":port" (all IPv4 interfaces). Port 0 picks
+   * a free port (see fps_metrics_http_port). Required. */
+  const char *listen;
+  /* Optional: called on the HTTP thread before each /metrics render, e.g.
+   * to refresh the state gauges from the shard's own totals with
+   * fps_metrics_state_set(). Must not block for long. */
+  void (*collect)(void *arg);
+  /* Optional: /readyz asks this instead of the fps_metrics_ready_set() flag. */
+  bool (*ready)(void *arg);
+  void *arg;                       /* passed to collect and ready */
+  unsigned max_connections;        /* open at once; 0: 128. Excess: 503, closed */
+  unsigned request_timeout_ms;     /* whole request, from accept; 0: 5000. Then 408 */
+  unsigned max_header_bytes;       /* request line + headers; 0: 8192. Then 431 */
+  unsigned max_body_bytes;         /* declared body; 0: 1024. Then 413 */
+} fps_metrics_http_opts_t;
+
+/* Binds the listening socket (in the caller's thread, so a bad address or a
+ * port in use is reported here) and starts the libuv loop thread.
+ * Returns 0 and sets *out, or FPS_EINVAL (bad address), FPS_EIO (bind or
+ * listen failed; the reason is logged to stderr), FPS_ENOMEM.
+ * Destroy with fps_metrics_http_stop(). */
+int fps_metrics_http_start(const fps_metrics_http_opts_t *opts, fps_metrics_http_t **out);
+
+/* The bound TCP port (useful with port 0). */
+int fps_metrics_http_port(const fps_metrics_http_t *h);
+
+/* Stops the loop (uv_async_send), closes every connection and the listener,
+ * joins the thread and frees everything. NULL is a no-op.
+ * REQUIRES: not called from the HTTP thread (i.e. not from a callback). */
+void fps_metrics_http_stop(fps_metrics_http_t *h);
+
+#endif

@@ -1,0 +1,155 @@
+/* The metrics registry: values land in the right series, the exposition is
+ * well-formed, and the HTTP endpoint starts, reports its port and stops. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "error.h"
+#include "metrics.h"
+
+static char *render(void) {
+  char *out = NULL;
+  size_t len = 0;
+  assert_int_equal(fps_metrics_render(&out, &len), 0);
+  assert_non_null(out);
+  assert_int_equal(strlen(out), len);
+  return out;
+}
+
+static void assert_has(const char *text, const char *line) {
+  if (strstr(text, line) == NULL) fail_msg("missing line: %s", line);
+}
+
+static void test_init_rejects_null(void **st) {
+  (void)st;
+  assert_int_equal(fps_metrics_init(NULL), FPS_EINVAL);
+  assert_int_equal(fps_metrics_render(NULL, NULL), FPS_EINVAL);
+}
+
+static void test_rpc_series(void **st) {
+  (void)st;
+  fps_metrics_config_t c = {.shard_id = 7, .mode = "async", .simd = "avx2", .version = "9.9"};
+  assert_int_equal(fps_metrics_init(&c), 0);
+  fps_metrics_rpc_observe(FPS_METRICS_PUSHPULL, 0, 0.0003, 100, 200);
+  fps_metrics_rpc_observe(FPS_METRICS_PUSHPULL, 0, 0.02, 1, 2);
+  fps_metrics_rpc_observe(FPS_METRICS_PULL, 5, 0.5, 0, 0);
+  fps_metrics_rpc_observe(FPS_METRICS_PULL, 99, 1.0, 0, 0);      /* out of range code */
+  fps_metrics_rpc_observe(FPS_METRICS_PULL, -1, 1.0, 0, 0);
+  fps_metrics_rpc_observe((fps_metrics_method_t)42, 0, 1.0, 0, 0); /* ignored */
+  char *t = render();
+  assert_has(t, "factorps_rpc_requests_total{shard=\"7\",method=\"PushPull\",code=\"OK\"} 2\n");
+  assert_has(t, "factorps_rpc_requests_total{shard=\"7\",method=\"Pull\",code=\"NOT_FOUND\"} 1\n");
+  assert_has(t, "factorps_rpc_requests_total{shard=\"7\",method=\"Pull\",code=\"UNKNOWN\"} 2\n");
+  /* Zero error series are left out; the OK series is always there. */
+  assert_null(strstr(t, "method=\"Create\",code=\"NOT_FOUND\""));
+  assert_has(t, "factorps_rpc_requests_total{shard=\"7\",method=\"Create\",code=\"OK\"} 0\n");
+  assert_has(t, "factorps_rpc_received_bytes_total{shard=\"7\",method=\"PushPull\"} 101\n");
+  assert_has(t, "factorps_rpc_sent_bytes_total{shard=\"7\",method=\"PushPull\"} 202\n");
+  /* Buckets are cumulative; 0.0003 <= 0.0005, 0.02 <= 0.025. */
+  assert_has(t, "factorps_rpc_duration_seconds_bucket{shard=\"7\",method=\"PushPull\",le=\"0.00025\"} 0\n");
+  assert_has(t, "factorps_rpc_duration_seconds_bucket{shard=\"7\",method=\"PushPull\",le=\"0.0005\"} 1\n");
+  assert_has(t, "factorps_rpc_duration_seconds_bucket{shard=\"7\",method=\"PushPull\",le=\"0.025\"} 2\n");
+  assert_has(t, "factorps_rpc_duration_seconds_bucket{shard=\"7\",method=\"PushPull\",le=\"+Inf\"} 2\n");
+  assert_has(t, "factorps_rpc_duration_seconds_sum{shard=\"7\",method=\"PushPull\"} 0.0203\n");
+  assert_has(t, "factorps_rpc_duration_seconds_count{shard=\"7\",method=\"PushPull\"} 2\n");
+  assert_has(t, "factorps_build_info{shard=\"7\",version=\"9.9\",simd=\"avx2\"} 1\n");
+  assert_has(t, "factorps_shard_info{shard=\"7\",mode=\"async\"} 1\n");
+  assert_has(t, "# TYPE factorps_rpc_requests_total counter\n");
+  assert_has(t, "# TYPE factorps_rpc_duration_seconds histogram\n");
+  free(t);
+}
+
+static void test_state_and_update(void **st) {
+  (void)st;
+  fps_metrics_config_t c = {.shard_id = 0};
+  assert_int_equal(fps_metrics_init(&c), 0);
+  fps_metrics_state_t a = {.tensors = 1, .param_elements = 15, .row = 3, .col = 5,
+                           .adamw_elements = 30};
+  fps_metrics_state_t b = {.tensors = 1, .param_elements = 7, .var = 7, .mom = 7,
+                           .adamw_elements = 14};
+  fps_metrics_state_add(&a);
+  fps_metrics_state_add(&b);
+  fps_metrics_update_observe(0.5, 1000000000);
+  fps_metrics_update_observe(-1, 0);            /* clamped, never corrupts the sum */
+  fps_metrics_step_observe(4, 0.001);
+  fps_metrics_staleness_observe(3);
+  fps_metrics_waiting_set(2);
+  char *t = render();
+  assert_has(t, "factorps_optimizer_state_elements{shard=\"0\",kind=\"row\"} 3\n");
+  assert_has(t, "factorps_optimizer_state_elements{shard=\"0\",kind=\"col\"} 5\n");
+  assert_has(t, "factorps_optimizer_state_elements{shard=\"0\",kind=\"var\"} 7\n");
+  assert_has(t, "factorps_optimizer_state_elements{shard=\"0\",kind=\"momentum\"} 7\n");
+  assert_has(t, "factorps_optimizer_state_bytes{shard=\"0\",kind=\"col\"} 20\n");
+  assert_has(t, "factorps_adamw_equivalent_state_elements{shard=\"0\"} 44\n");
+  assert_has(t, "factorps_adamw_equivalent_state_bytes{shard=\"0\"} 176\n");
+  assert_has(t, "factorps_parameter_elements{shard=\"0\"} 22\n");
+  assert_has(t, "factorps_parameter_bytes{shard=\"0\"} 88\n");
+  assert_has(t, "factorps_tensors{shard=\"0\"} 2\n");
+  assert_has(t, "factorps_update_bytes_total{shard=\"0\"} 1000000000\n");
+  assert_has(t, "factorps_update_duration_seconds_count{shard=\"0\"} 2\n");
+  assert_has(t, "factorps_update_duration_seconds_sum{shard=\"0\"} 0.5\n");
+  assert_has(t, "factorps_update_throughput_bytes_per_second{shard=\"0\"} 2000000000\n");
+  assert_has(t, "factorps_steps_completed_total{shard=\"0\"} 1\n");
+  assert_has(t, "factorps_sync_workers_waited_total{shard=\"0\"} 4\n");
+  assert_has(t, "factorps_sync_waiting_workers{shard=\"0\"} 2\n");
+  assert_has(t, "factorps_staleness_steps_bucket{shard=\"0\",le=\"2\"} 0\n");
+  assert_has(t, "factorps_staleness_steps_bucket{shard=\"0\",le=\"4\"} 1\n");
+  assert_has(t, "process_open_fds{shard=\"0\"} ");
+  assert_has(t, "process_cpu_seconds_total{shard=\"0\"} ");
+  free(t);
+
+  fps_metrics_state_t s = {.tensors = 1, .param_elements = 1, .var = 1, .adamw_elements = 2};
+  fps_metrics_state_set(&s);
+  fps_metrics_state_set(NULL);
+  fps_metrics_state_add(NULL);
+  t = render();
+  assert_has(t, "factorps_tensors{shard=\"0\"} 1\n");
+  assert_has(t, "factorps_optimizer_state_elements{shard=\"0\",kind=\"row\"} 0\n");
+  free(t);
+}
+
+static void test_http_start_stop(void **st) {
+  (void)st;
+  fps_metrics_http_t *h = NULL;
+  fps_metrics_http_opts_t o = {.listen = "127.0.0.1:0"};
+  assert_int_equal(fps_metrics_http_start(&o, &h), 0);
+  assert_true(fps_metrics_http_port(h) > 0);
+  /* The same port again is in use: reported at start, not later. */
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", fps_metrics_http_port(h));
+  fps_metrics_http_t *h2 = NULL;
+  fps_metrics_http_opts_t o2 = {.listen = addr};
+  assert_int_equal(fps_metrics_http_start(&o2, &h2), FPS_EIO);
+  assert_null(h2);
+  fps_metrics_http_stop(h);
+  fps_metrics_http_stop(NULL);
+
+  const char *bad[] = {"", "127.0.0.1", "127.0.0.1:", "127.0.0.1:70000", "1.2.3.4.5:1",
+                       "127.0.0.1:12ab", "[::1:5"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    fps_metrics_http_opts_t b = {.listen = bad[i]};
+    assert_int_equal(fps_metrics_http_start(&b, &h2), FPS_EINVAL);
+  }
+  assert_int_equal(fps_metrics_http_start(NULL, &h2), FPS_EINVAL);
+  fps_metrics_http_opts_t v6 = {.listen = "[::1]:0"};
+  if (fps_metrics_http_start(&v6, &h2) == 0) { /* hosts without IPv6 skip this */
+    assert_true(fps_metrics_http_port(h2) > 0);
+    fps_metrics_http_stop(h2);
+  }
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_init_rejects_null),
+      cmocka_unit_test(test_rpc_series),
+      cmocka_unit_test(test_state_and_update),
+      cmocka_unit_test(test_http_start_stop),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
