@@ -129,6 +129,14 @@ int fps_adafactor_validate(const fps_adafactor_hparams_t *hp, char *why, size_t 
   return 0;
 }
 
+/* Shortest of %.15g / %.17g that reads back as the same double, so 0.9
+ * prints as "0.9" but values differing in the last bit still differ. */
+static const char *fmt_num(char buf[32], double v) {
+  snprintf(buf, 32, "%.15g", v);
+  if (strtod(buf, NULL) != v) snprintf(buf, 32, "%.17g", v);
+  return buf;
+}
+
 int fps_adafactor_hparams_diff(const fps_adafactor_hparams_t *a, const fps_adafactor_hparams_t *b,
                                char *why, size_t why_len) {
   if (a->flavor != b->flavor)
@@ -139,8 +147,11 @@ int fps_adafactor_hparams_diff(const fps_adafactor_hparams_t *a, const fps_adafa
     return fail_msg(FPS_EEXISTS, why, why_len, #f " %s vs %s", a->f ? "true" : "false", \
                     b->f ? "true" : "false");
 #define FPS_DIFF_NUM(f)                                                                   \
-  if (memcmp(&a->f, &b->f, sizeof a->f) != 0 && !(a->f == b->f))                         \
-    return fail_msg(FPS_EEXISTS, why, why_len, #f " %.17g vs %.17g", a->f, b->f);
+  if (memcmp(&a->f, &b->f, sizeof a->f) != 0 && !(a->f == b->f)) {                       \
+    char x[32], y[32];                                                                    \
+    return fail_msg(FPS_EEXISTS, why, why_len, #f " %s vs %s", fmt_num(x, a->f),         \
+                    fmt_num(y, b->f));                                                    \
+  }
   FPS_DIFF_BOOL(has_lr)
   if (a->has_lr) FPS_DIFF_NUM(lr)
   FPS_DIFF_NUM(decay)
