@@ -1,0 +1,256 @@
+"""ctypes declarations of libfactorps (client/include/factorps/client.h).
+
+This file mirrors the C header and nothing else: structs field by field in
+the header's order (ctypes lays them out with the C ABI's alignment), and
+each function's argument and result types. tests/python/test_layout.py
+compiles the header and compares every struct's size and field offsets with
+these, so a header change that this file missed fails a test instead of
+corrupting memory.
+
+The library is found, in this order (the first that loads wins):
+1. $FACTORPS_LIB, a path to the .so (an error if it does not load);
+2. a libfactorps.so* next to this package (what `pip install` copies in);
+3. the build tree this package sits in (<repo>/build*/client/), newest first;
+4. the system's library path (ctypes.util.find_library, then the soname).
+"""
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import threading
+
+from .errors import LibraryNotFoundError
+
+MAX_DIMS = 8
+STATUS_MESSAGE_MAX = 1024
+
+FLAVOR_TORCH = 1
+FLAVOR_HF = 2
+
+c_float_p = ctypes.POINTER(ctypes.c_float)
+
+
+class Status(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_int),
+        ("shard", ctypes.c_int),
+        ("message", ctypes.c_char * STATUS_MESSAGE_MAX),
+    ]
+
+
+class ClientOptions(ctypes.Structure):
+    _fields_ = [
+        ("deadline_seconds", ctypes.c_double),
+        ("max_retries", ctypes.c_int),
+        ("backoff_initial_seconds", ctypes.c_double),
+        ("max_message_bytes", ctypes.c_uint64),
+        ("tls_ca_file", ctypes.c_char_p),
+        ("tls_cert_file", ctypes.c_char_p),
+        ("tls_key_file", ctypes.c_char_p),
+        ("auth_token", ctypes.c_char_p),
+    ]
+
+
+class OptimConfig(ctypes.Structure):
+    _fields_ = [
+        ("flavor", ctypes.c_int),
+        ("has_lr", ctypes.c_int), ("lr", ctypes.c_double),
+        ("has_beta2_decay", ctypes.c_int), ("beta2_decay", ctypes.c_double),
+        ("has_eps1", ctypes.c_int), ("eps1", ctypes.c_double),
+        ("has_eps2", ctypes.c_int), ("eps2", ctypes.c_double),
+        ("has_clip_threshold", ctypes.c_int), ("clip_threshold", ctypes.c_double),
+        ("has_weight_decay", ctypes.c_int), ("weight_decay", ctypes.c_double),
+        ("has_maximize", ctypes.c_int), ("maximize", ctypes.c_int),
+        ("has_relative_step", ctypes.c_int), ("relative_step", ctypes.c_int),
+        ("has_scale_parameter", ctypes.c_int), ("scale_parameter", ctypes.c_int),
+        ("has_warmup_init", ctypes.c_int), ("warmup_init", ctypes.c_int),
+        ("has_beta1", ctypes.c_int), ("beta1", ctypes.c_double),
+    ]
+
+
+class TensorDef(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("ndim", ctypes.c_uint32),
+        ("shape", ctypes.c_uint64 * MAX_DIMS),
+        ("optim", OptimConfig),
+        ("init", c_float_p),
+    ]
+
+
+class ShardStats(ctypes.Structure):
+    _fields_ = [
+        ("shard_id", ctypes.c_uint32), ("shard_count", ctypes.c_uint32),
+        ("mode", ctypes.c_char * 8),
+        ("simd", ctypes.c_char * 16),
+        ("tensors", ctypes.c_uint64), ("param_elements", ctypes.c_uint64),
+        ("param_bytes", ctypes.c_uint64),
+        ("state_row", ctypes.c_uint64), ("state_col", ctypes.c_uint64),
+        ("state_var", ctypes.c_uint64), ("state_mom", ctypes.c_uint64),
+        ("state_elements", ctypes.c_uint64), ("state_bytes", ctypes.c_uint64),
+        ("adamw_elements", ctypes.c_uint64), ("adamw_bytes", ctypes.c_uint64),
+        ("pushes", ctypes.c_uint64), ("push_errors", ctypes.c_uint64),
+        ("updates", ctypes.c_uint64), ("bytes_received", ctypes.c_uint64),
+        ("bytes_sent", ctypes.c_uint64),
+        ("push_seconds_sum", ctypes.c_double), ("push_seconds_p50", ctypes.c_double),
+        ("push_seconds_p99", ctypes.c_double),
+        ("update_seconds_sum", ctypes.c_double),
+        ("update_bytes", ctypes.c_uint64),
+        ("uptime_seconds", ctypes.c_double),
+        ("workers", ctypes.c_uint32), ("staleness", ctypes.c_uint32),
+        ("version", ctypes.c_char * 32),
+    ]
+
+
+NAME_MAX = 256
+
+
+class ApplyRecord(ctypes.Structure):
+    _fields_ = [
+        ("worker_id", ctypes.c_uint32),
+        ("step", ctypes.c_uint64),
+        ("version", ctypes.c_uint64),
+    ]
+
+
+class TensorStats(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char * (NAME_MAX + 1)),
+        ("shard", ctypes.c_int),
+        ("ndim", ctypes.c_uint32),
+        ("shape", ctypes.c_uint64 * MAX_DIMS),
+        ("version", ctypes.c_uint64),
+        ("ready", ctypes.c_int), ("factored", ctypes.c_int), ("flavor", ctypes.c_int),
+        ("param_elements", ctypes.c_uint64), ("param_bytes", ctypes.c_uint64),
+        ("state_row", ctypes.c_uint64), ("state_col", ctypes.c_uint64),
+        ("state_var", ctypes.c_uint64), ("state_mom", ctypes.c_uint64),
+        ("state_elements", ctypes.c_uint64), ("state_bytes", ctypes.c_uint64),
+        ("adamw_elements", ctypes.c_uint64), ("adamw_bytes", ctypes.c_uint64),
+    ]
+
+
+# Every struct the binding shares with C, for the layout test.
+STRUCTS = {
+    "fps_status_t": Status,
+    "fps_client_options_t": ClientOptions,
+    "fps_optim_config_t": OptimConfig,
+    "fps_tensor_def_t": TensorDef,
+    "fps_shard_stats_t": ShardStats,
+    "fps_apply_record_t": ApplyRecord,
+    "fps_tensor_stats_t": TensorStats,
+}
+
+_P = ctypes.POINTER
+_SIGNATURES = {
+    "fps_client_options_init": (None, [_P(ClientOptions)]),
+    "fps_client_create": (ctypes.c_void_p, [_P(ctypes.c_char_p), ctypes.c_size_t,
+                                            _P(ClientOptions), _P(Status)]),
+    "fps_client_destroy": (None, [ctypes.c_void_p]),
+    "fps_client_create_tensors": (ctypes.c_int, [ctypes.c_void_p, _P(TensorDef), ctypes.c_size_t,
+                                                 _P(Status)]),
+    "fps_client_shard_of": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_char_p]),
+    "fps_client_push_pull": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64,
+                                            _P(ctypes.c_char_p), _P(c_float_p), _P(c_float_p),
+                                            _P(ctypes.c_uint64), ctypes.c_size_t, _P(Status)]),
+    "fps_client_pull": (ctypes.c_int, [ctypes.c_void_p, _P(ctypes.c_char_p), _P(c_float_p),
+                                       _P(ctypes.c_uint64), ctypes.c_size_t, _P(Status)]),
+    "fps_client_stats": (ctypes.c_int, [ctypes.c_void_p, _P(ShardStats), ctypes.c_size_t,
+                                        _P(Status)]),
+    "fps_client_shard_count": (ctypes.c_size_t, [ctypes.c_void_p]),
+    "fps_code_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "fps_client_tensor_shape": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_char_p,
+                                               _P(ctypes.c_uint32), _P(ctypes.c_uint64)]),
+    "fps_client_tensor_stats": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_char_p, _P(TensorStats),
+                                               _P(ApplyRecord), ctypes.c_size_t,
+                                               _P(ctypes.c_size_t), _P(Status)]),
+    "fps_client_discover": (ctypes.c_int, [ctypes.c_void_p, _P(ctypes.c_size_t), _P(Status)]),
+}
+
+_lock = threading.Lock()
+_lib = None
+
+
+def _package_dir():
+    return os.path.dirname(os.path.abspath(__file__))
+
+
+def candidates():
+    """Library paths or names to try, in order (see the module docstring)."""
+    out = []
+    pkg = _package_dir()
+    out += sorted(glob.glob(os.path.join(pkg, "libfactorps.so*")))
+    # <repo>/client/python/factorps -> <repo>
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(pkg)))
+    built = glob.glob(os.path.join(repo, "build*", "client", "libfactorps.so"))
+    # The plain build/ first (a sanitizer build needs its runtime preloaded),
+    # then the most recently built.
+    built.sort(key=lambda p: (os.path.basename(os.path.dirname(os.path.dirname(p))) != "build",
+                              -os.path.getmtime(p)))
+    out += built
+    found = ctypes.util.find_library("factorps")
+    if found:
+        out.append(found)
+    out += ["libfactorps.so", "libfactorps.so.0"]
+    return out
+
+
+# Functions added to client.h after its first draft: a library without them
+# still loads, and the methods that need them raise UnimplementedError.
+OPTIONAL = {"fps_code_name", "fps_client_tensor_shape", "fps_client_tensor_stats",
+            "fps_client_discover"}
+
+
+def _bind(lib):
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            if name in OPTIONAL:
+                continue
+            raise  # an old or foreign library
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+def has(lib, name):
+    """True if the loaded library exports `name`."""
+    try:
+        getattr(lib, name)
+        return True
+    except AttributeError:
+        return False
+
+
+def load():
+    """The loaded, declared libfactorps (loaded once per process)."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        env = os.environ.get("FACTORPS_LIB")
+        if env:
+            try:
+                _lib = _bind(ctypes.CDLL(env))
+            except (OSError, AttributeError) as e:
+                raise LibraryNotFoundError(f"FACTORPS_LIB={env} does not load as libfactorps: {e}")
+            return _lib
+        tried = []
+        for cand in candidates():
+            try:
+                lib = _bind(ctypes.CDLL(cand))
+            except (OSError, AttributeError) as e:
+                tried.append(f"{cand}: {e}")
+                continue
+            _lib = lib
+            return _lib
+        raise LibraryNotFoundError(
+            "libfactorps.so not found; set FACTORPS_LIB to its path, install it, or build it "
+            "(cmake -S . -B build && cmake --build build). Tried:\n  " + "\n  ".join(tried))
+
+
+def path():
+    """The file the loaded library came from (for diagnostics)."""
+    lib = load()
+    return lib._name

@@ -1,0 +1,548 @@
+"""The factorps client: a thin ctypes binding over libfactorps.
+
+Placement, slicing, retries and deadlines all happen in the C library; this
+module only converts Python values to C arguments and back. What it does
+check itself is what C cannot: the library reads `numel` floats from every
+pointer it is given, and only Python knows how long a Python buffer is, so
+every buffer is checked against the shape registered by `create()` before
+its pointer leaves Python.
+
+Buffers: a C-contiguous float32 numpy array, or a contiguous float32 CPU
+torch tensor, is passed by pointer (no copy), in and out. Anything else
+(float64, non-contiguous, GPU) goes through a temporary float32 copy.
+"""
+
+import ctypes
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from . import _lib
+from .errors import (Error, InvalidArgumentError, NotFoundError, UnimplementedError,
+                     error_for)
+
+# The optimizer fields of the wire contract (AdafactorConfig), by flavor.
+# A value of None means "absent": the shard uses the flavor's upstream default.
+OPTIM_FIELDS = ("lr", "beta2_decay", "eps1", "eps2", "clip_threshold", "weight_decay",
+                "maximize", "relative_step", "scale_parameter", "warmup_init", "beta1")
+FLAVOR_FIELDS = {
+    "torch": {"lr", "beta2_decay", "eps1", "eps2", "clip_threshold", "weight_decay", "maximize"},
+    "hf": {"lr", "beta2_decay", "eps1", "eps2", "clip_threshold", "weight_decay",
+           "relative_step", "scale_parameter", "warmup_init", "beta1"},
+}
+_BOOL_FIELDS = {"maximize", "relative_step", "scale_parameter", "warmup_init"}
+_FLAVORS = {"torch": _lib.FLAVOR_TORCH, "hf": _lib.FLAVOR_HF}
+
+
+def _torch_module():
+    # torch is optional for the core binding: only look at it if loaded.
+    import sys
+    return sys.modules.get("torch")
+
+
+def _is_torch(x):
+    t = _torch_module()
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def _shape_tuple(shape, what):
+    try:
+        out = tuple(int(s) for s in shape)
+    except TypeError:
+        raise InvalidArgumentError(f"{what}: shape must be a sequence of ints, not {shape!r}")
+    if len(out) > _lib.MAX_DIMS:
+        raise InvalidArgumentError(f"{what}: {len(out)} dims, at most {_lib.MAX_DIMS} supported")
+    if any(s < 1 for s in out):
+        raise InvalidArgumentError(f"{what}: every dim must be >= 1, got {out}")
+    return out
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _check_shape(name, have, want, role):
+    if tuple(have) != tuple(want):
+        raise InvalidArgumentError(
+            f"tensor '{name}': {role} has shape {tuple(have)}, but the tensor was created "
+            f"with shape {tuple(want)}")
+
+
+class _In:
+    """A read-only float32 view of a Python buffer, for one C call."""
+
+    def __init__(self, x, name, shape, role):
+        if _is_torch(x):
+            torch = _torch_module()
+            t = x.detach()
+            _check_shape(name, t.shape, shape, role)
+            if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()):
+                t = t.to(device="cpu", dtype=torch.float32).contiguous()
+            self.keep = t
+            self.ptr = ctypes.cast(t.data_ptr(), _lib.c_float_p)
+            return
+        a = np.asarray(x)
+        _check_shape(name, a.shape, shape, role)
+        a = np.ascontiguousarray(a, dtype=np.float32)  # no copy if already so
+        self.keep = a
+        self.ptr = a.ctypes.data_as(_lib.c_float_p)
+
+
+class _Out:
+    """A writable float32 destination for one C call; finish() copies back
+    if the caller's buffer could not be written directly."""
+
+    def __init__(self, x, name, shape):
+        self.target = None
+        if x is None:
+            self.result = np.empty(shape, np.float32)
+            self.buf = self.result
+        elif _is_torch(x):
+            torch = _torch_module()
+            _check_shape(name, x.shape, shape, "output")
+            self.result = x
+            if x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
+                self.buf = x
+            else:
+                self.buf = torch.empty(shape, dtype=torch.float32)
+                self.target = x
+            self.ptr = ctypes.cast(self.buf.data_ptr(), _lib.c_float_p)
+            return
+        else:
+            if not isinstance(x, np.ndarray):
+                raise InvalidArgumentError(
+                    f"tensor '{name}': output must be a numpy array or torch tensor, "
+                    f"not {type(x).__name__}")
+            _check_shape(name, x.shape, shape, "output")
+            self.result = x
+            if x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable:
+                self.buf = x
+            else:
+                if not x.flags.writeable:
+                    raise InvalidArgumentError(f"tensor '{name}': output array is read-only")
+                self.buf = np.empty(shape, np.float32)
+                self.target = x
+        self.ptr = self.buf.ctypes.data_as(_lib.c_float_p)
+
+    def finish(self):
+        if self.target is None:
+            return
+        if _is_torch(self.target):
+            torch = _torch_module()
+            with torch.no_grad():
+                self.target.copy_(self.buf)
+        else:
+            np.copyto(self.target, self.buf, casting="unsafe")
+
+
+def optimizer_config(flavor="torch", **hparams):
+    """An Adafactor config for `create()`, in the wire contract's field names.
+
+    flavor "torch" takes lr, beta2_decay, eps1, eps2, clip_threshold (torch's
+    d), weight_decay, maximize; "hf" takes lr, beta2_decay (hf's decay_rate),
+    eps1, eps2, clip_threshold, weight_decay, relative_step, scale_parameter,
+    warmup_init, beta1. None (or leaving a field out) means the upstream
+    default. Fields the flavor does not have raise InvalidArgumentError, as
+    the shard would.
+    """
+    if flavor not in _FLAVORS:
+        raise InvalidArgumentError(f"unknown optimizer flavor {flavor!r} (torch or hf)")
+    bad = set(hparams) - FLAVOR_FIELDS[flavor]
+    if bad:
+        raise InvalidArgumentError(f"flavor '{flavor}' has no hyperparameter(s) {sorted(bad)}")
+    return dict(hparams, flavor=flavor)
+
+
+def _fill_optim(cfg, optim, name):
+    optim = dict(optim or {"flavor": "torch"})
+    flavor = optim.pop("flavor", "torch")
+    optim = optimizer_config(flavor, **optim)
+    optim.pop("flavor")
+    cfg.flavor = _FLAVORS[flavor]
+    for key, value in optim.items():
+        if value is None:
+            continue
+        try:
+            setattr(cfg, key, int(bool(value)) if key in _BOOL_FIELDS else float(value))
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"tensor '{name}': bad value {value!r} for {key}")
+        setattr(cfg, "has_" + key, 1)
+
+
+class TensorSpec:
+    """One tensor for `Client.create()`: name, shape, optional initial values
+    (`init`, any float array of that shape; None registers the tensor and
+    waits for another worker's values) and an optimizer config (a dict from
+    `optimizer_config()`; default: torch flavor, upstream defaults)."""
+
+    __slots__ = ("name", "shape", "init", "optimizer")
+
+    def __init__(self, name, shape, init=None, optimizer=None):
+        self.name = name
+        self.shape = shape
+        self.init = init
+        self.optimizer = optimizer
+
+    def __repr__(self):
+        return f"TensorSpec({self.name!r}, {tuple(self.shape)!r}, init={'set' if self.init is not None else None}, optimizer={self.optimizer!r})"
+
+
+class Client:
+    """A connection to every shard of one job. Use `factorps.connect()`.
+
+    Thread-safe like libfactorps: several threads may call push_pull/pull/stats
+    at once; close() waits for calls in flight.
+    """
+
+    def __init__(self, shards, *, worker_id=0, deadline=60.0, max_retries=5, backoff=0.1,
+                 max_message_bytes=4 << 20, tls_ca_file=None, tls_cert_file=None,
+                 tls_key_file=None, auth_token=None):
+        if isinstance(shards, str):
+            shards = [s for s in shards.split(",") if s.strip()]
+        shards = [str(s).strip() for s in shards]
+        if not shards:
+            raise InvalidArgumentError("connect: need at least one shard address")
+        if int(worker_id) < 0:
+            raise InvalidArgumentError(f"connect: worker_id must be >= 0, got {worker_id}")
+        self._lib = _lib.load()
+        self.shards = list(shards)
+        self.worker_id = int(worker_id)
+        self.step = 0  # pushes completed; push_pull's default `step`
+        self._shapes = OrderedDict()
+        self._cv = threading.Condition()
+        self._inflight = 0
+        self._exclusive = False
+        self._closed = False
+        self._has_tensor_shape = _lib.has(self._lib, "fps_client_tensor_shape")
+
+        opts = _lib.ClientOptions()
+        self._lib.fps_client_options_init(ctypes.byref(opts))
+        opts.deadline_seconds = float(deadline)
+        opts.max_retries = int(max_retries)
+        opts.backoff_initial_seconds = float(backoff)
+        opts.max_message_bytes = int(max_message_bytes)
+        # Keep the encoded strings alive as long as the options struct.
+        self._opt_strings = [None if v is None else str(v).encode()
+                             for v in (tls_ca_file, tls_cert_file, tls_key_file, auth_token)]
+        (opts.tls_ca_file, opts.tls_cert_file, opts.tls_key_file,
+         opts.auth_token) = self._opt_strings
+        addrs = (ctypes.c_char_p * len(shards))(*[s.encode() for s in shards])
+        st = _lib.Status()
+        handle = self._lib.fps_client_create(addrs, len(shards), ctypes.byref(opts),
+                                             ctypes.byref(st))
+        if not handle:
+            raise error_for(st.code or 3, st.message.decode(errors="replace") or
+                            "fps_client_create failed", st.shard)
+        self._handle = handle
+
+    # -- plumbing -------------------------------------------------------
+
+    def _enter(self, exclusive=False):
+        """Counts a call in flight; exclusive calls (create, discover, close)
+        wait until no other call is in flight and keep new ones out, which is
+        what client.h requires of them."""
+        with self._cv:
+            while self._exclusive or (exclusive and self._inflight):
+                self._cv.wait()
+            if self._closed:
+                raise Error("client is closed", code=9)
+            self._inflight += 1
+            if exclusive:
+                self._exclusive = True
+            return self._handle
+
+    def _leave(self, exclusive=False):
+        with self._cv:
+            self._inflight -= 1
+            if exclusive:
+                self._exclusive = False
+            self._cv.notify_all()
+
+    def _call(self, fn, *args, exclusive=False):
+        st = _lib.Status()
+        h = self._enter(exclusive)
+        try:
+            rc = fn(h, *args, ctypes.byref(st))
+        finally:
+            self._leave(exclusive)
+        if rc != 0:
+            msg = st.message.decode(errors="replace") or f"{fn.__name__} failed"
+            raise error_for(rc, msg, st.shard)
+
+    def _shape_of(self, name, h):
+        """The shape the library will read `name` with: asked from the library
+        itself where it can say (its tensor list is what counts), else from
+        the last create()."""
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"tensor names are str, not {type(name).__name__}")
+        if self._has_tensor_shape:
+            ndim = ctypes.c_uint32()
+            dims = (ctypes.c_uint64 * _lib.MAX_DIMS)()
+            if self._lib.fps_client_tensor_shape(h, name.encode(), ctypes.byref(ndim), dims) == 0:
+                return tuple(int(dims[i]) for i in range(ndim.value))
+        elif name in self._shapes:
+            return self._shapes[name]
+        raise NotFoundError(f"tensor '{name}' is not in this client's tensor list "
+                            "(call create() first)")
+
+    @staticmethod
+    def _items(mapping, what):
+        if mapping is None:
+            return []
+        if hasattr(mapping, "items"):
+            return list(mapping.items())
+        try:
+            return [(n, v) for n, v in mapping]
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"{what}: expected a dict or (name, array) pairs")
+
+    # -- API --------------------------------------------------------------
+
+    @property
+    def shard_count(self):
+        return len(self.shards)
+
+    def create(self, tensors):
+        """Registers the job's full tensor list (idempotent; see client.h).
+
+        `tensors`: TensorSpec objects, or dicts with the same keys. Every
+        worker must pass the same names, shapes and optimizer configs (the
+        placement is computed from this list). Tensors with `init` get those
+        initial values unless another worker's values were there first;
+        tensors without wait (up to the deadline) for another worker's.
+        Replaces any earlier tensor list of this client.
+        """
+        specs = []
+        for t in tensors:
+            if isinstance(t, dict):
+                t = TensorSpec(**t)
+            elif not isinstance(t, TensorSpec):
+                t = TensorSpec(*t)
+            specs.append(t)
+        if not specs:
+            raise InvalidArgumentError("create: empty tensor list")
+        defs = (_lib.TensorDef * len(specs))()
+        keep = []
+        shapes = OrderedDict()
+        for d, t in zip(defs, specs):
+            if not isinstance(t.name, str) or not t.name:
+                raise InvalidArgumentError(f"create: tensor name must be a non-empty str, "
+                                           f"got {t.name!r}")
+            if t.name in shapes:
+                raise InvalidArgumentError(f"create: tensor '{t.name}' listed twice")
+            shape = _shape_tuple(t.shape, f"tensor '{t.name}'")
+            shapes[t.name] = shape
+            name = t.name.encode()
+            keep.append(name)
+            d.name = name
+            d.ndim = len(shape)
+            for i, s in enumerate(shape):
+                d.shape[i] = s
+            _fill_optim(d.optim, t.optimizer, t.name)
+            if t.init is not None:
+                buf = _In(t.init, t.name, shape, "init")
+                keep.append(buf)
+                d.init = buf.ptr
+        # If the call fails, C's tensor list is unknown: allow no push until
+        # a create succeeds, rather than validate against stale shapes.
+        self._shapes = OrderedDict()
+        self._call(self._lib.fps_client_create_tensors, defs, len(specs), exclusive=True)
+        self._shapes = shapes
+
+    def tensors(self):
+        """{name: shape} of the tensor list from the last successful create()."""
+        return dict(self._shapes)
+
+    def shard_of(self, name):
+        """The shard index `name` is placed on (the library's placement), or -1."""
+        h = self._enter()
+        try:
+            return self._lib.fps_client_shard_of(h, str(name).encode())
+        finally:
+            self._leave()
+
+    def _need(self, fn):
+        if not _lib.has(self._lib, fn):
+            raise UnimplementedError(f"this libfactorps ({_lib.path()}) has no {fn}()")
+        return getattr(self._lib, fn)
+
+    def discover(self):
+        """Replaces the tensor list with the tensors the shards hold, so that a
+        tool that did not create them can pull them. Returns how many."""
+        fn = self._need("fps_client_discover")
+        found = ctypes.c_size_t()
+        self._shapes = OrderedDict()
+        self._call(fn, ctypes.byref(found), exclusive=True)
+        return int(found.value)
+
+    def tensor_stats(self, name, log=0):
+        """Per-tensor figures of `name` (shape, version, ready, factored,
+        flavor, sizes, optimizer state and AdamW's for comparison) as a dict,
+        with its last `log` applied updates under "apply_log" (oldest first:
+        dicts of worker_id, step, version)."""
+        fn = self._need("fps_client_tensor_stats")
+        ts = _lib.TensorStats()
+        cap = max(0, int(log))
+        recs = (_lib.ApplyRecord * max(cap, 1))()
+        got = ctypes.c_size_t()
+        self._call(fn, str(name).encode(), ctypes.byref(ts), recs if cap else None, cap,
+                   ctypes.byref(got))
+        d = {}
+        for field, _ in _lib.TensorStats._fields_:
+            v = getattr(ts, field)
+            if isinstance(v, bytes):
+                v = v.decode(errors="replace")
+            d[field] = v
+        d["shape"] = tuple(int(ts.shape[i]) for i in range(ts.ndim))
+        d["flavor"] = {1: "torch", 2: "hf"}.get(ts.flavor, ts.flavor)
+        d["apply_log"] = [dict(worker_id=r.worker_id, step=r.step, version=r.version)
+                          for r in recs[:got.value]]
+        return d
+
+    def push_pull(self, grads, *, step=None, out=None, worker_id=None, want_params=True):
+        """Pushes gradients and returns (params, versions).
+
+        `grads`: {name: array} (or (name, array) pairs) with each tensor's
+        full shape. `step`: this worker's completed pushes before this one
+        (default: the client's own counter, `self.step`, advanced after every
+        successful push). `out`: optional {name: array/tensor} to write the
+        fresh params into (may be the grads themselves); missing names get
+        new numpy arrays. With want_params=False no params are returned
+        (versions only). On error an Error is raised, `self.step` does not
+        advance, and outputs may be partly written (some shards may have
+        applied the step: pull() tells where each tensor stands).
+        """
+        items = self._items(grads, "push_pull grads")
+        if not items:
+            raise InvalidArgumentError("push_pull: no gradients")
+        out = dict(self._items(out, "push_pull out"))
+        n = len(items)
+        names = (ctypes.c_char_p * n)()
+        gptr = (_lib.c_float_p * n)()
+        pptr = (_lib.c_float_p * n)()
+        versions = (ctypes.c_uint64 * n)()
+        keep, outs = [], []
+        if step is None:
+            step = self.step
+        wid = self.worker_id if worker_id is None else int(worker_id)
+        st = _lib.Status()
+        h = self._enter()
+        try:
+            for i, (name, g) in enumerate(items):
+                shape = self._shape_of(name, h)
+                bname = name.encode()
+                keep.append(bname)
+                names[i] = bname
+                gin = _In(g, name, shape, "gradient")
+                keep.append(gin)
+                gptr[i] = gin.ptr
+                if want_params:
+                    o = _Out(out.get(name), name, shape)
+                    outs.append((name, o))
+                    pptr[i] = o.ptr
+            rc = self._lib.fps_client_push_pull(h, wid, int(step), names, gptr, pptr, versions,
+                                                n, ctypes.byref(st))
+        finally:
+            self._leave()
+        if rc != 0:
+            raise error_for(rc, st.message.decode(errors="replace"), st.shard)
+        self.step = int(step) + 1
+        params = OrderedDict()
+        for name, o in outs:
+            o.finish()
+            params[name] = o.result
+        return params, OrderedDict((name, int(versions[i])) for i, (name, _) in enumerate(items))
+
+    def pull(self, names=None, *, out=None, want_params=True):
+        """Reads current values: returns (params, versions) for `names`
+        (default: every tensor of the last create()). `out` as in push_pull;
+        want_params=False reads versions only."""
+        if names is None:
+            names = list(self._shapes)
+        elif isinstance(names, str):
+            names = [names]
+        names = list(names)
+        if not names:
+            raise InvalidArgumentError("pull: no tensor names")
+        out = dict(self._items(out, "pull out"))
+        n = len(names)
+        cnames = (ctypes.c_char_p * n)()
+        pptr = (_lib.c_float_p * n)()
+        versions = (ctypes.c_uint64 * n)()
+        keep, outs = [], []
+        st = _lib.Status()
+        h = self._enter()
+        try:
+            for i, name in enumerate(names):
+                shape = self._shape_of(name, h)
+                b = name.encode()
+                keep.append(b)
+                cnames[i] = b
+                if want_params:
+                    o = _Out(out.get(name), name, shape)
+                    outs.append((name, o))
+                    pptr[i] = o.ptr
+            rc = self._lib.fps_client_pull(h, cnames, pptr, versions, n, ctypes.byref(st))
+        finally:
+            self._leave()
+        if rc != 0:
+            raise error_for(rc, st.message.decode(errors="replace"), st.shard)
+        params = OrderedDict()
+        for name, o in outs:
+            o.finish()
+            params[name] = o.result
+        return params, OrderedDict((name, int(versions[i])) for i, name in enumerate(names))
+
+    def stats(self):
+        """One dict per shard (index = shard id) with the fields of the wire
+        contract's ShardStats: sizes, optimizer-state elements/bytes and what
+        AdamW would need, push counts, latency quantiles, uptime."""
+        n = self.shard_count
+        arr = (_lib.ShardStats * n)()
+        self._call(self._lib.fps_client_stats, arr, n)
+        out = []
+        for s in arr:
+            d = {}
+            for field, _ in _lib.ShardStats._fields_:
+                v = getattr(s, field)
+                d[field] = v.decode(errors="replace") if isinstance(v, bytes) else v
+            out.append(d)
+        return out
+
+    def close(self):
+        """Waits for calls in flight, then frees the connection. Idempotent."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            while self._inflight:
+                self._cv.wait()
+            handle, self._handle = self._handle, None
+        self._lib.fps_client_destroy(handle)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            if not getattr(self, "_closed", True) and getattr(self, "_handle", None):
+                self.close()
+        except Exception:
+            pass
+
+
+def connect(shards, **options):
+    """Connects to a factorps job: `shards` is a list of "host:port" (shard i
+    at index i) or one comma-separated string. Options: worker_id (default
+    0), deadline (seconds per call, 60), max_retries (on UNAVAILABLE, 5),
+    backoff (first retry delay, 0.1 s), max_message_bytes (4 MiB),
+    tls_ca_file, tls_cert_file, tls_key_file, auth_token.
+    Connection is lazy: an unreachable shard fails the first call."""
+    return Client(shards, **options)

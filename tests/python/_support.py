@@ -1,0 +1,196 @@
+"""Shared helpers of the Python tests: paths, real shard processes, timeouts.
+
+Every test starts real factorps-server processes on 127.0.0.1:0 (the bound
+port comes back through --port-file) and kills them at the end, so a test
+never depends on a fixed port or on another test's servers.
+
+Environment (set by tests/python/CMakeLists.txt; tests that need a missing
+one are skipped when run by hand, never silently passed under ctest, which
+sets them all):
+  FACTORPS_SERVER       path of factorps-server
+  FACTORPS_LIB          path of libfactorps.so (read by the package itself)
+  FACTORPS_TEST_SERVER_ENV  optional "K=V;K=V" extra environment for servers
+                        (the ASan build uses it to undo the Python side's
+                        LD_PRELOAD and leak-check settings)
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "client", "python"))
+
+SERVER = os.environ.get("FACTORPS_SERVER", "")
+START_TIMEOUT = 20.0  # seconds for a shard to write its port file
+
+
+def need_server(test):
+    """Skips `test` (class or function) when no server binary is configured."""
+    if SERVER and os.access(SERVER, os.X_OK):
+        return test
+    return unittest.skip("FACTORPS_SERVER not set (run through ctest)")(test)
+
+
+def _server_env():
+    env = {k: v for k, v in os.environ.items()
+           # The server reads FACTORPS_<FLAG> variables as flags: pass none of ours.
+           if not k.startswith("FACTORPS_")}
+    for kv in filter(None, os.environ.get("FACTORPS_TEST_SERVER_ENV", "").split(";")):
+        k, _, v = kv.partition("=")
+        if v:
+            env[k] = v
+        else:
+            env.pop(k, None)
+    return env
+
+
+class Shards:
+    """N real shards of one job: `with Shards(2, workers=2) as s: s.addrs`."""
+
+    def __init__(self, n=1, mode="sync", workers=1, deadline=None, extra=()):
+        self.n, self.mode, self.workers = n, mode, workers
+        self.deadline, self.extra = deadline, list(extra)
+        self.dir = tempfile.mkdtemp(prefix="fps-pytest-")
+        self.procs = [None] * n
+        self.ports = [0] * n
+        try:
+            for i in range(n):
+                self.start(i)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def addrs(self):
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def start(self, i, port=0):
+        """Starts shard i (on `port`, or a fresh one) and waits for its port."""
+        pf = os.path.join(self.dir, f"shard{i}.port")
+        if os.path.exists(pf):
+            os.unlink(pf)
+        log = open(os.path.join(self.dir, f"shard{i}.log"), "ab")
+        cmd = [SERVER, "--listen", f"127.0.0.1:{port}", "--port-file", pf,
+               "--shard-id", str(i), "--shard-count", str(self.n), "--mode", self.mode,
+               "--workers", str(self.workers), "--log-level", "warn"]
+        if self.deadline is not None:
+            cmd += ["--deadline", str(self.deadline)]
+        cmd += self.extra
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env(),
+                                stdin=subprocess.DEVNULL)
+        log.close()
+        self.procs[i] = proc
+        end = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < end:
+            if proc.poll() is not None:
+                raise RuntimeError(f"shard {i} exited with {proc.returncode}: {self.log(i)}")
+            try:
+                with open(pf) as f:
+                    text = f.read().strip()
+                if text:
+                    self.ports[i] = int(text)
+                    return
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.02)
+        raise RuntimeError(f"shard {i} wrote no port within {START_TIMEOUT}s: {self.log(i)}")
+
+    def log(self, i):
+        try:
+            with open(os.path.join(self.dir, f"shard{i}.log"), errors="replace") as f:
+                return f.read()[-3000:]
+        except OSError:
+            return ""
+
+    def kill(self, i, sig=signal.SIGKILL):
+        p = self.procs[i]
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        self.procs[i] = None
+
+    def restart(self, i):
+        """Kills shard i and starts a fresh (empty) one on the same port."""
+        port = self.ports[i]
+        self.kill(i)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.start(i, port)
+                return
+            except RuntimeError:
+                # The old socket may linger a moment; the port is ours to reuse.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def close(self):
+        for i in range(len(self.procs)):
+            self.kill(i, signal.SIGTERM)
+        for f in os.listdir(self.dir):
+            os.unlink(os.path.join(self.dir, f))
+        os.rmdir(self.dir)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _worker_main(target, idx, args, q):
+    try:
+        q.put((idx, True, target(*args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        import traceback
+        q.put((idx, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_workers(target, args_list, timeout=120):
+    """Runs target(*args) in one process per args tuple and returns their
+    results in order; raises (after killing the rest) if one fails, dies or
+    the whole run exceeds `timeout`. Processes are spawned, not forked: a
+    forked child would inherit gRPC's and OpenMP's threads in a broken state.
+    `target` must be a module-level function."""
+    import multiprocessing as mp
+    import queue
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker_main, args=(target, i, a, q), daemon=True)
+             for i, a in enumerate(args_list)]
+    for p in procs:
+        p.start()
+    results = {}
+    end = time.monotonic() + timeout
+    try:
+        while len(results) < len(procs):
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"workers did not finish within {timeout}s")
+            try:
+                idx, ok, val = q.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs)
+                        if i not in results and p.exitcode not in (0, None)]
+                if dead:
+                    raise RuntimeError(f"worker {dead[0]} died with {procs[dead[0]].exitcode}")
+                continue
+            if not ok:
+                raise RuntimeError(f"worker {idx} failed: {val}")
+            results[idx] = val
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    return [results[i] for i in range(len(procs))]
