@@ -11,7 +11,12 @@ typedef struct fps_cli_command_s {
 } fps_cli_command_t;
 
 static const fps_cli_command_t commands[] = {
+#ifdef FPS_CLI_HAVE_REPLAY
     {"replay", fps_cli_replay, "replay Adafactor golden vectors through the kernels"},
+#endif
+    {"stats", fps_cli_stats, "print the figures of every shard (--json for machines)"},
+    {"pull", fps_cli_pull, "print or save the current values of tensors"},
+    {"load", fps_cli_load, "synthetic training load: W workers push S steps of N parameters"},
 };
 
 static void usage(FILE *out) {

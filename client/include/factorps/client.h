@@ -12,9 +12,23 @@
  *   never keeps a pointer to caller memory after a call returns.
  * - Thread-safety: an fps_client_t may be used from several threads at once
  *   (calls are independent); create/destroy must not race with other calls.
+ * - Deadlines: every public call that talks to shards finishes within
+ *   `deadline_seconds` (retries and backoff included) plus a small slack;
+ *   no call waits forever.
+ * - Retries: on UNAVAILABLE a call is retried with exponential backoff only
+ *   where repeating it cannot change the result: Create, Pull and Stats
+ *   always (idempotent or read-only), PushPull only while the shard's
+ *   connection was not ready, i.e. before any of the request could have
+ *   left this process. A PushPull that fails after it started is reported,
+ *   never repeated: in sync mode a repeat would be a duplicate push, in
+ *   async mode it would apply the gradient twice. The caller decides (e.g.
+ *   fps_client_pull() and continue from the shard's version).
+ * - Placement: see fps_client_create_tensors().
+ * - Wire: tensors travel as fp32 little-endian; the library refuses to build
+ *   on a big-endian host.
  *
- * DRAFT API: the client work fills in the implementation; names here are the
- * contract the Python binding codes against. */
+ * Names here are the contract the Python binding (ctypes) codes against:
+ * extend, never rename or reorder. */
 #ifndef FACTORPS_CLIENT_H
 #define FACTORPS_CLIENT_H
 
@@ -25,7 +39,9 @@
 extern "C" {
 #endif
 
-#if defined(FPS_BUILDING_CLIENT)
+/* Exported symbols. The library is built with hidden visibility by default,
+ * so only functions marked FPS_EXTERN are part of libfactorps.so's ABI. */
+#if defined(FPS_BUILDING_CLIENT) && defined(__GNUC__)
 #define FPS_EXTERN __attribute__((visibility("default")))
 #else
 #define FPS_EXTERN
@@ -33,6 +49,7 @@ extern "C" {
 
 #define FPS_CLIENT_MAX_DIMS 8
 #define FPS_STATUS_MESSAGE_MAX 1024
+#define FPS_CLIENT_NAME_MAX 256   /* longest tensor name, in bytes */
 
 /* Status codes: the gRPC status code values, so an error from a shard keeps
  * its meaning end to end. */
@@ -56,19 +73,29 @@ typedef enum fps_code_e {
   FPS_CODE_UNAUTHENTICATED = 16,
 } fps_code_t;
 
+/* The outcome of a call. `message` names the shard (index and address), the
+ * tensor where one is concerned, and the problem; for an error returned by a
+ * shard it carries the shard's status details. When several shards fail in
+ * one call, the first failing shard by index is reported. */
 typedef struct fps_status_s {
   int code;                                  /* fps_code_t */
   int shard;                                 /* shard index, -1 if none */
   char message[FPS_STATUS_MESSAGE_MAX];      /* NUL-terminated */
 } fps_status_t;
 
+/* Symbolic name of a status code ("UNAVAILABLE"); never NULL. Thread-safe. */
+FPS_EXTERN const char *fps_code_name(int code);
+
 typedef struct fps_client_s fps_client_t;
 
+/* Client settings. Strings are copied by fps_client_create(). */
 typedef struct fps_client_options_s {
-  double deadline_seconds;       /* per call; default 60 */
+  double deadline_seconds;       /* per call, retries included; default 60 */
   int max_retries;               /* on UNAVAILABLE, with backoff; default 5 */
   double backoff_initial_seconds;/* default 0.1, doubling, capped at 5 */
-  uint64_t max_message_bytes;    /* slice/message size limit; default 4 MiB */
+  uint64_t max_message_bytes;    /* largest message sent or expected (the
+                                    shard's --max-message); >= 64 KiB;
+                                    default 4 MiB */
   const char *tls_ca_file;       /* NULL: plaintext (reserved for TLS) */
   const char *tls_cert_file;     /* client certificate for mTLS, or NULL */
   const char *tls_key_file;
@@ -98,52 +125,81 @@ typedef struct fps_optim_config_s {
   int has_beta1;          double beta1;
 } fps_optim_config_t;
 
+/* One tensor of the job. ndim 0 is a scalar; every dim >= 1. */
 typedef struct fps_tensor_def_s {
-  const char *name;
+  const char *name;              /* 1..FPS_CLIENT_NAME_MAX bytes */
   uint32_t ndim;
   uint64_t shape[FPS_CLIENT_MAX_DIMS];
-  fps_optim_config_t optim;
+  fps_optim_config_t optim;      /* flavor 0 means FPS_OPTIM_TORCH */
   const float *init;   /* initial values (numel floats), or NULL to only
                           register and wait for another worker's values */
 } fps_tensor_def_t;
 
-/* Fills `o` with the defaults above. */
+/* Fills `o` with the defaults above. Thread-safe. */
 FPS_EXTERN void fps_client_options_init(fps_client_options_t *o);
 
 /* Connects to `n_shards` shards (addresses "host:port", shard i at index i).
- * Returns NULL and fills `status` on bad arguments; connection happens
- * lazily, so an unreachable shard is reported by the first call.
- * Caller owns the result and frees it with fps_client_destroy(). */
+ * `opts` may be NULL (defaults). Returns NULL and fills `status` on bad
+ * arguments (INVALID_ARGUMENT: no shards, empty address, a TLS option, which
+ * this version does not implement, or out-of-range options); connection
+ * happens lazily, so an unreachable shard is reported by the first call.
+ * Caller owns the result and frees it with fps_client_destroy(). Copies
+ * `addrs` and the option strings. Thread-safe (initialises gRPC). */
 FPS_EXTERN fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
                                            const fps_client_options_t *opts,
                                            fps_status_t *status);
 
-/* Frees the client. NULL is a no-op. No call may be in flight. */
+/* Frees the client and its channels. NULL is a no-op.
+ * REQUIRES: no call on `c` is in flight. */
 FPS_EXTERN void fps_client_destroy(fps_client_t *c);
 
-/* Registers the job's full tensor list: computes the placement (balanced by
- * bytes, identical on every worker for the same list) and creates every
- * tensor on its shard (idempotent). Tensors whose `init` is NULL are waited
- * for until another worker has supplied their values or the deadline passes.
- * Replaces any earlier tensor list of this client. */
+/* Registers the job's full tensor list: computes the placement and creates
+ * every tensor on its shard (idempotent). Tensors whose `init` is NULL are
+ * waited for until another worker has supplied their values or the deadline
+ * passes (DEADLINE_EXCEEDED naming a tensor still missing values). Initial
+ * values travel in slices of at most max_message_bytes; all shards are
+ * served in parallel. Replaces any earlier tensor list of this client, also
+ * when it fails after validation (then the shards may hold some tensors).
+ *
+ * Placement (identical on every worker for the same set of defs, whatever
+ * their order): tensors are sorted by size in bytes, largest first, ties by
+ * name (strcmp order); each in turn goes to the shard with the fewest bytes
+ * so far, ties to the lowest shard index. The heaviest shard thus exceeds
+ * the lightest by at most the largest tensor.
+ *
+ * Errors: INVALID_ARGUMENT (empty or over-long or duplicate name, bad shape,
+ * unknown flavor), any shard error (ALREADY_EXISTS for a mismatch with an
+ * existing tensor, FAILED_PRECONDITION for a shard whose id/count differs
+ * from the client's list), UNAVAILABLE, DEADLINE_EXCEEDED.
+ * `defs` and their arrays are only read during the call.
+ * Thread-safety: must not race with other calls on `c`. */
 FPS_EXTERN int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs,
                                          size_t n, fps_status_t *status);
 
-/* The shard index tensor `name` is placed on, or -1 if unknown. */
+/* The shard index tensor `name` is placed on, or -1 if unknown. Thread-safe
+ * against every call but fps_client_create_tensors()/fps_client_discover(). */
 FPS_EXTERN int fps_client_shard_of(const fps_client_t *c, const char *name);
 
 /* Pushes this worker's gradients for `n` tensors (all shards in parallel,
- * one call per shard) and writes the fresh parameters into `params[i]`
- * (numel floats each, may alias grads[i]; NULL skips that tensor's data) and
- * the new versions into `versions` (may be NULL). `step` is the number of
- * pushes this worker has completed before this one. On error no output is
- * guaranteed to be written, and the status names the shard and tensor. */
+ * one streaming call per shard, slices of at most max_message_bytes,
+ * pipelined) and writes the fresh parameters straight into `params[i]`
+ * (numel floats each, may alias grads[i]; NULL skips that tensor's data; if
+ * all of a shard's are NULL the shard sends versions only) and the new
+ * versions into `versions` (may be NULL). `step` is the number of pushes
+ * this worker has completed before this one. Every name must be in the
+ * tensor list (NOT_FOUND otherwise) and appear once (INVALID_ARGUMENT).
+ * On error no output is guaranteed to be written (some shards may have
+ * succeeded), and the status names the shard and tensor. Not retried once
+ * the request may have reached a shard (see Retries above).
+ * Thread-safe (several workers may share one client). */
 FPS_EXTERN int fps_client_push_pull(fps_client_t *c, uint32_t worker_id, uint64_t step,
                                     const char *const *names, const float *const *grads,
                                     float *const *params, uint64_t *versions, size_t n,
                                     fps_status_t *status);
 
-/* Reads the current values and versions of `n` tensors. */
+/* Reads the current values and versions of `n` tensors into `params[i]`
+ * (numel floats each; NULL skips the data) and `versions` (may be NULL).
+ * Errors as fps_client_push_pull(); retried on UNAVAILABLE. Thread-safe. */
 FPS_EXTERN int fps_client_pull(fps_client_t *c, const char *const *names, float *const *params,
                                uint64_t *versions, size_t n, fps_status_t *status);
 
@@ -160,13 +216,61 @@ typedef struct fps_shard_stats_s {
   double update_seconds_sum;
   uint64_t update_bytes;
   double uptime_seconds;
+  /* Added after the draft (appended, so earlier fields keep their offsets): */
+  uint32_t workers;             /* sync/ssp */
+  uint32_t staleness;           /* ssp */
+  char version[32];             /* factorps version of the shard */
 } fps_shard_stats_t;
 
-/* Fills `out[i]` for every shard i (n must equal the shard count). */
+/* Fills `out[i]` for every shard i (n must equal the shard count;
+ * INVALID_ARGUMENT otherwise). Retried on UNAVAILABLE. Thread-safe. */
 FPS_EXTERN int fps_client_stats(fps_client_t *c, fps_shard_stats_t *out, size_t n,
                                 fps_status_t *status);
 
-/* Number of shards this client was created with. */
+/* One applied update of a tensor, as the shard logs it (Stats.apply_log). */
+typedef struct fps_apply_record_s {
+  uint32_t worker_id;           /* sync: the lowest worker id of the round */
+  uint64_t step;                /* the pushing worker's step */
+  uint64_t version;             /* the tensor's version after the update */
+} fps_apply_record_t;
+
+/* Per-tensor figures, as in the wire contract's TensorStats. */
+typedef struct fps_tensor_stats_s {
+  char name[FPS_CLIENT_NAME_MAX + 1];
+  int shard;                    /* index of the shard that reported it */
+  uint32_t ndim;
+  uint64_t shape[FPS_CLIENT_MAX_DIMS];
+  uint64_t version;
+  int ready, factored, flavor;  /* flavor: fps_optim_flavor_t */
+  uint64_t param_elements, param_bytes;
+  uint64_t state_row, state_col, state_var, state_mom, state_elements, state_bytes;
+  uint64_t adamw_elements, adamw_bytes;
+} fps_tensor_stats_t;
+
+/* Figures of tensor `name` and its last `log_cap` applied updates, oldest
+ * first, into `log` (may be NULL when log_cap is 0); `*log_len` (may be
+ * NULL) gets the number written. Asks the shard the tensor is placed on, or
+ * every shard if the name is not in the tensor list. NOT_FOUND if no shard
+ * holds it. Thread-safe. */
+FPS_EXTERN int fps_client_tensor_stats(fps_client_t *c, const char *name, fps_tensor_stats_t *out,
+                                       fps_apply_record_t *log, size_t log_cap, size_t *log_len,
+                                       fps_status_t *status);
+
+/* Replaces the tensor list with the tensors the shards hold (from Stats),
+ * each placed on the shard that reports it, so that a tool that did not
+ * create the tensors can pull them. Optimizer settings are not known after
+ * this call (create with them instead). `*n_found` (may be NULL) gets the
+ * number of tensors. Errors: as fps_client_stats(); DATA_LOSS if two shards
+ * report the same name. Must not race with other calls on `c`. */
+FPS_EXTERN int fps_client_discover(fps_client_t *c, size_t *n_found, fps_status_t *status);
+
+/* The shape of tensor `name` from the tensor list: 0 and `*ndim`, `shape`
+ * (FPS_CLIENT_MAX_DIMS entries) filled, or -1 if unknown. Thread-safe as
+ * fps_client_shard_of(). */
+FPS_EXTERN int fps_client_tensor_shape(const fps_client_t *c, const char *name, uint32_t *ndim,
+                                       uint64_t *shape);
+
+/* Number of shards this client was created with. Thread-safe. */
 FPS_EXTERN size_t fps_client_shard_count(const fps_client_t *c);
 
 #ifdef __cplusplus

@@ -1,0 +1,462 @@
+/* The call engine: runs one streaming call per shard, all shards in
+ * parallel, on one completion queue driven by the calling thread.
+ *
+ * Per stream and attempt:
+ *   gate   wait (connectivity watch) until the shard's channel is READY. A
+ *          channel that falls into TRANSIENT_FAILURE during the wait fails
+ *          the attempt as UNAVAILABLE before any call exists, which is why
+ *          even PushPull may be retried then: nothing can have been sent.
+ *   call   one batch waits for the status; one send is in flight at a time
+ *          (gRPC allows no more per call) while the producer already packs
+ *          the next message, so packing overlaps the transport's writes and
+ *          at most two packed messages exist per stream; one receive is in
+ *          flight at a time, and each reply is handed to the consumer as it
+ *          arrives, so replies are decoded while other shards still send.
+ * Every call carries the one deadline of the whole operation (retries
+ * included), so the engine ends within it; the queue wait has a slack on
+ * top after which every call is cancelled, which gRPC answers promptly. */
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+#include <protobuf-c/protobuf-c.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "internal.h"
+
+enum { TAG_GATE, TAG_SEND, TAG_RECV, TAG_STATUS, TAG_COUNT };
+
+typedef struct fps__stream_engine_s engine_t;
+
+typedef struct tag_s {
+  engine_t *e;
+  int kind;
+} tag_t;
+
+struct fps__stream_engine_s {
+  fps__stream_t *s;
+  fps_client_t *c;
+  const char *method;
+  gpr_timespec deadline;
+  grpc_completion_queue *cq;
+  tag_t tags[TAG_COUNT];
+  grpc_call *call;                   /* NULL until the gate opened */
+  int pending[TAG_COUNT];            /* batches/watches in flight */
+  int status_done;
+  int finished;                      /* outcome recorded, resources freed */
+  int retryable;                     /* this attempt may be repeated */
+  int local_code;                    /* local failure, beats the status */
+  int sending_done;                  /* close sent, or sending abandoned */
+  grpc_byte_buffer *send_bb;         /* message in flight */
+  grpc_slice next;                   /* packed ahead of time */
+  int have_next, next_last;
+  grpc_byte_buffer *recv_bb;
+  grpc_metadata_array init_md, trail_md;
+  grpc_status_code status;
+  grpc_slice details;
+  const char *error_string;
+  grpc_metadata auth_md;
+};
+
+int fps__stream_fail(fps__stream_t *s, int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(s->msg, sizeof s->msg, fmt, ap);
+  va_end(ap);
+  s->code = code;
+  if (s->e) s->e->local_code = code;
+  return code;
+}
+
+grpc_slice fps__pack(const void *msg) {
+  const ProtobufCMessage *m = msg;
+  size_t n = protobuf_c_message_get_packed_size(m);
+  grpc_slice out = grpc_slice_malloc(n);
+  protobuf_c_message_pack(m, GRPC_SLICE_START_PTR(out));
+  return out;
+}
+
+static void engine_cancel(engine_t *e, int code, const char *why) {
+  if (e->call) grpc_call_cancel_with_status(e->call, (grpc_status_code)code, why, NULL);
+}
+
+/* Packs the next message ahead, unless the producer is done. */
+static void produce(engine_t *e) {
+  if (e->have_next || e->next_last || e->local_code) return;
+  int last = 0;
+  grpc_slice sl;
+  if (e->s->ops->next(e->s, &sl, &last)) {
+    engine_cancel(e, GRPC_STATUS_CANCELLED, "client failed to build a request");
+    return;
+  }
+  e->next = sl;
+  e->have_next = 1;
+  e->next_last = last;
+}
+
+/* Starts sending the packed-ahead message (with the initial metadata if
+ * `first`). */
+static void send_next(engine_t *e, int first) {
+  grpc_op ops[3];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  if (!e->have_next) {
+    e->sending_done = 1;
+    return;
+  }
+  if (first) {
+    ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[n].data.send_initial_metadata.count = e->c->auth_header ? 1 : 0;
+    ops[n].data.send_initial_metadata.metadata = e->c->auth_header ? &e->auth_md : NULL;
+    n++;
+  }
+  e->send_bb = grpc_raw_byte_buffer_create(&e->next, 1);
+  grpc_slice_unref(e->next);
+  e->have_next = 0;
+  ops[n].op = GRPC_OP_SEND_MESSAGE;
+  ops[n].data.send_message.send_message = e->send_bb;
+  n++;
+  if (e->next_last) {
+    ops[n].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    n++;
+    e->sending_done = 1;
+  }
+  if (grpc_call_start_batch(e->call, ops, n, &e->tags[TAG_SEND], NULL) != GRPC_CALL_OK) {
+    grpc_byte_buffer_destroy(e->send_bb);
+    e->send_bb = NULL;
+    e->sending_done = 1;
+    fps__stream_fail(e->s, FPS_CODE_INTERNAL, "gRPC refused a send batch");
+    engine_cancel(e, GRPC_STATUS_INTERNAL, "client send batch refused");
+    return;
+  }
+  e->pending[TAG_SEND] = 1;
+}
+
+static void recv_next(engine_t *e, int first) {
+  grpc_op ops[2];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  if (first) {
+    ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[n].data.recv_initial_metadata.recv_initial_metadata = &e->init_md;
+    n++;
+  }
+  ops[n].op = GRPC_OP_RECV_MESSAGE;
+  ops[n].data.recv_message.recv_message = &e->recv_bb;
+  n++;
+  if (grpc_call_start_batch(e->call, ops, n, &e->tags[TAG_RECV], NULL) != GRPC_CALL_OK) {
+    fps__stream_fail(e->s, FPS_CODE_INTERNAL, "gRPC refused a receive batch");
+    engine_cancel(e, GRPC_STATUS_INTERNAL, "client receive batch refused");
+    return;
+  }
+  e->pending[TAG_RECV] = 1;
+}
+
+static void call_start(engine_t *e) {
+  fps_client_t *c = e->c;
+  grpc_slice method = grpc_slice_from_static_string(e->method);
+  e->call = grpc_channel_create_call(c->channels[e->s->shard], NULL, GRPC_PROPAGATE_DEFAULTS,
+                                     e->cq, method, NULL, e->deadline, NULL);
+  if (!e->call) {
+    fps__stream_fail(e->s, FPS_CODE_INTERNAL, "gRPC could not create a call");
+    return;
+  }
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  op.data.recv_status_on_client.trailing_metadata = &e->trail_md;
+  op.data.recv_status_on_client.status = &e->status;
+  op.data.recv_status_on_client.status_details = &e->details;
+  op.data.recv_status_on_client.error_string = &e->error_string;
+  if (grpc_call_start_batch(e->call, &op, 1, &e->tags[TAG_STATUS], NULL) != GRPC_CALL_OK) {
+    fps__stream_fail(e->s, FPS_CODE_INTERNAL, "gRPC refused the status batch");
+    grpc_call_cancel(e->call, NULL);
+    grpc_call_unref(e->call);
+    e->call = NULL;
+    return;
+  }
+  e->pending[TAG_STATUS] = 1;
+  produce(e);
+  if (e->local_code) return; /* cancelled: the status batch reports it */
+  send_next(e, 1);
+  recv_next(e, 1);
+  produce(e); /* pipelining: pack message 2 while message 1 goes out */
+}
+
+static void gate_watch(engine_t *e, grpc_connectivity_state st) {
+  grpc_channel_watch_connectivity_state(e->c->channels[e->s->shard], st, e->deadline, e->cq,
+                                        &e->tags[TAG_GATE]);
+  e->pending[TAG_GATE] = 1;
+}
+
+static void gate_fail_unavailable(engine_t *e) {
+  fps__stream_fail(e->s, FPS_CODE_UNAVAILABLE, "cannot connect to %s",
+                   e->c->addrs[e->s->shard]);
+  e->retryable = 1; /* no call was made: safe for every method */
+}
+
+static void gate_begin(engine_t *e) {
+  grpc_connectivity_state st =
+      grpc_channel_check_connectivity_state(e->c->channels[e->s->shard], 1);
+  if (st == GRPC_CHANNEL_READY) {
+    call_start(e);
+  } else if (st == GRPC_CHANNEL_SHUTDOWN) {
+    fps__stream_fail(e->s, FPS_CODE_UNAVAILABLE, "channel to %s is shut down",
+                     e->c->addrs[e->s->shard]);
+  } else {
+    /* TRANSIENT_FAILURE at the start (a failure seen by an earlier attempt)
+     * is waited out: gRPC reconnects after its short backoff. */
+    gate_watch(e, st);
+  }
+}
+
+static void gate_event(engine_t *e, int success) {
+  e->pending[TAG_GATE] = 0;
+  if (!success) {
+    fps__stream_fail(e->s, FPS_CODE_DEADLINE_EXCEEDED, "not connected to %s within the deadline",
+                     e->c->addrs[e->s->shard]);
+    return;
+  }
+  grpc_connectivity_state st =
+      grpc_channel_check_connectivity_state(e->c->channels[e->s->shard], 1);
+  switch (st) {
+    case GRPC_CHANNEL_READY:
+      call_start(e);
+      break;
+    case GRPC_CHANNEL_TRANSIENT_FAILURE:
+      gate_fail_unavailable(e);
+      break;
+    case GRPC_CHANNEL_SHUTDOWN:
+      fps__stream_fail(e->s, FPS_CODE_UNAVAILABLE, "channel to %s is shut down",
+                       e->c->addrs[e->s->shard]);
+      break;
+    default:
+      gate_watch(e, st);
+      break;
+  }
+}
+
+static void send_event(engine_t *e, int success) {
+  e->pending[TAG_SEND] = 0;
+  grpc_byte_buffer_destroy(e->send_bb);
+  e->send_bb = NULL;
+  if (!success || e->local_code) {
+    /* The stream broke; the status batch says why. */
+    e->sending_done = 1;
+    return;
+  }
+  if (e->sending_done) return;
+  produce(e);
+  if (e->local_code) {
+    e->sending_done = 1;
+    return;
+  }
+  send_next(e, 0);
+  produce(e);
+}
+
+static void recv_event(engine_t *e, int success) {
+  e->pending[TAG_RECV] = 0;
+  if (!success || !e->recv_bb) return; /* end of stream or broken call */
+  grpc_byte_buffer_reader rd;
+  int rc;
+  if (!grpc_byte_buffer_reader_init(&rd, e->recv_bb)) {
+    grpc_byte_buffer_destroy(e->recv_bb);
+    e->recv_bb = NULL;
+    fps__stream_fail(e->s, FPS_CODE_INTERNAL, "cannot read a reply (compressed?)");
+    engine_cancel(e, GRPC_STATUS_CANCELLED, "client could not read the reply");
+    return;
+  }
+  grpc_slice flat = grpc_byte_buffer_reader_readall(&rd);
+  grpc_byte_buffer_reader_destroy(&rd);
+  grpc_byte_buffer_destroy(e->recv_bb);
+  e->recv_bb = NULL;
+  if (e->local_code) {
+    rc = e->local_code;
+  } else {
+    rc = e->s->ops->on_message(e->s, GRPC_SLICE_START_PTR(flat), GRPC_SLICE_LENGTH(flat));
+  }
+  grpc_slice_unref(flat);
+  if (rc) {
+    if (!e->local_code) e->local_code = rc;
+    engine_cancel(e, GRPC_STATUS_CANCELLED, "client rejected the reply");
+    return;
+  }
+  recv_next(e, 0);
+}
+
+static void engine_init(engine_t *e, fps_client_t *c, fps__stream_t *s, const char *method,
+                        gpr_timespec deadline, grpc_completion_queue *cq) {
+  memset(e, 0, sizeof *e);
+  e->s = s;
+  e->c = c;
+  e->method = method;
+  e->deadline = deadline;
+  e->cq = cq;
+  for (int k = 0; k < TAG_COUNT; k++) e->tags[k] = (tag_t){e, k};
+  grpc_metadata_array_init(&e->init_md);
+  grpc_metadata_array_init(&e->trail_md);
+  e->details = grpc_empty_slice();
+  if (c->auth_header) {
+    e->auth_md.key = grpc_slice_from_static_string("authorization");
+    e->auth_md.value = grpc_slice_from_static_string(c->auth_header);
+  }
+  s->e = e;
+  s->code = FPS_CODE_OK;
+  s->msg[0] = '\0';
+}
+
+static int engine_busy(const engine_t *e) {
+  for (int k = 0; k < TAG_COUNT; k++)
+    if (e->pending[k]) return 1;
+  return 0;
+}
+
+/* Records the outcome once nothing is in flight, and frees the call. */
+static void engine_finish(engine_t *e, fps__retry_t retry) {
+  fps__stream_t *s = e->s;
+  if (e->finished || engine_busy(e)) return;
+  e->finished = 1;
+  if (e->call) {
+    if (!e->local_code) {
+      s->code = (int)e->status;
+      if (e->status != GRPC_STATUS_OK) {
+        size_t n = GRPC_SLICE_LENGTH(e->details);
+        if (n >= sizeof s->msg) n = sizeof s->msg - 1;
+        memcpy(s->msg, GRPC_SLICE_START_PTR(e->details), n);
+        s->msg[n] = '\0';
+        if (!n && e->error_string) snprintf(s->msg, sizeof s->msg, "%s", e->error_string);
+      }
+      if (e->status == GRPC_STATUS_UNAVAILABLE && retry == FPS__RETRY_IDEMPOTENT)
+        e->retryable = 1;
+    }
+    grpc_call_unref(e->call);
+    e->call = NULL;
+  } else if (!e->local_code) {
+    /* Defensive: a gate that ended without a verdict. */
+    fps__stream_fail(s, FPS_CODE_INTERNAL, "call never started");
+  }
+  if (e->local_code) s->code = e->local_code;
+  if (e->have_next) grpc_slice_unref(e->next);
+  e->have_next = 0;
+  grpc_metadata_array_destroy(&e->init_md);
+  grpc_metadata_array_destroy(&e->trail_md);
+  grpc_slice_unref(e->details);
+  if (e->error_string) gpr_free((void *)e->error_string);
+  e->error_string = NULL;
+  s->e = NULL;
+}
+
+static void sleep_seconds(double s) {
+  if (s <= 0) return;
+  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+  while (nanosleep(&ts, &ts) != 0) {
+  }
+}
+
+/* Runs one attempt of the streams in `run` (n of them). */
+static void run_attempt(fps_client_t *c, const char *method, fps__stream_t **run, size_t n,
+                        gpr_timespec deadline, fps__retry_t retry, engine_t *engines) {
+  grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
+  size_t active = 0;
+  for (size_t i = 0; i < n; i++) {
+    engine_init(&engines[i], c, run[i], method, deadline, cq);
+    gate_begin(&engines[i]);
+    engine_finish(&engines[i], retry);
+    if (!engines[i].finished) active++;
+  }
+  /* The calls carry the deadline; the queue wait adds a slack beyond it so
+   * a misbehaving transport cannot hold the caller forever. */
+  gpr_timespec wait_until =
+      gpr_time_add(deadline, gpr_time_from_millis(5000, GPR_TIMESPAN));
+  int cancelled = 0;
+  while (active > 0) {
+    grpc_event ev = grpc_completion_queue_next(cq, wait_until, NULL);
+    if (ev.type == GRPC_QUEUE_TIMEOUT) {
+      if (cancelled) break; /* cannot happen with a working gRPC; never hang */
+      for (size_t i = 0; i < n; i++) {
+        if (engines[i].finished) continue;
+        if (!engines[i].local_code)
+          fps__stream_fail(run[i], FPS_CODE_DEADLINE_EXCEEDED, "no answer within the deadline");
+        engine_cancel(&engines[i], GRPC_STATUS_DEADLINE_EXCEEDED, "deadline");
+      }
+      cancelled = 1;
+      wait_until = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                gpr_time_from_millis(10000, GPR_TIMESPAN));
+      continue;
+    }
+    if (ev.type != GRPC_OP_COMPLETE) break;
+    tag_t *t = ev.tag;
+    engine_t *e = t->e;
+    switch (t->kind) {
+      case TAG_GATE: gate_event(e, ev.success); break;
+      case TAG_SEND: send_event(e, ev.success); break;
+      case TAG_RECV: recv_event(e, ev.success); break;
+      case TAG_STATUS:
+        e->pending[TAG_STATUS] = 0;
+        e->status_done = 1;
+        break;
+    }
+    engine_finish(e, retry);
+    if (e->finished) active--;
+  }
+  grpc_completion_queue_shutdown(cq);
+  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+         GRPC_QUEUE_SHUTDOWN) {
+  }
+  grpc_completion_queue_destroy(cq);
+}
+
+int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *streams, size_t n,
+                     fps__retry_t retry, fps_status_t *st) {
+  double start = fps__now();
+  double end = start + c->opts.deadline_seconds;
+  gpr_timespec deadline = fps__deadline_after(c->opts.deadline_seconds);
+  double backoff = c->opts.backoff_initial_seconds;
+  fps__stream_t **run = malloc((n ? n : 1) * sizeof *run);
+  engine_t *engines = calloc(n ? n : 1, sizeof *engines);
+  size_t n_run = n;
+
+  if (!run || !engines) {
+    free(run);
+    free(engines);
+    return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory starting calls");
+  }
+  memcpy(run, streams, n * sizeof *run);
+  for (int attempt = 0;; attempt++) {
+    run_attempt(c, method, run, n_run, deadline, retry, engines);
+    size_t again = 0;
+    for (size_t i = 0; i < n_run; i++)
+      if (engines[i].retryable && run[i]->code == FPS_CODE_UNAVAILABLE) {
+        run[again++] = run[i];
+      }
+    if (!again || attempt >= c->opts.max_retries) break;
+    double left = end - fps__now();
+    if (left <= 0.01) break;
+    sleep_seconds(backoff < left ? backoff : left * 0.5);
+    backoff = backoff * 2 > 5.0 ? 5.0 : backoff * 2;
+    for (size_t i = 0; i < again; i++)
+      if (run[i]->ops->reset) run[i]->ops->reset(run[i]);
+    n_run = again;
+  }
+  free(run);
+  free(engines);
+
+  /* Report the failing stream of the lowest shard index, so the message
+   * does not depend on which shard happened to answer first. */
+  const fps__stream_t *worst = NULL;
+  for (size_t i = 0; i < n; i++) {
+    const fps__stream_t *s = streams[i];
+    if (s->code != FPS_CODE_OK && (!worst || s->shard < worst->shard)) worst = s;
+  }
+  if (!worst) {
+    fps__status_ok(st);
+    return 0;
+  }
+  return fps__status_set(st, worst->code, worst->shard, "shard %d (%s): %s: %s", worst->shard,
+                         c->addrs[worst->shard], fps_code_name(worst->code), worst->msg);
+}

@@ -1,0 +1,84 @@
+/* Argument helpers shared by the factorps subcommands. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "commands.h"
+
+void fps_cli_split_free(char **v) {
+  if (!v) return;
+  for (size_t i = 0; v[i]; i++) free(v[i]);
+  free(v);
+}
+
+char **fps_cli_split(const char *list, size_t *n) {
+  size_t cap = 1;
+  for (const char *p = list; *p; p++) cap += *p == ',';
+  char **v = calloc(cap + 1, sizeof *v);
+  if (!v) return NULL;
+  size_t k = 0;
+  const char *p = list;
+  for (;;) {
+    const char *e = strchr(p, ',');
+    size_t len = e ? (size_t)(e - p) : strlen(p);
+    if (len == 0 || !(v[k] = strndup(p, len))) {
+      fps_cli_split_free(v);
+      return NULL;
+    }
+    k++;
+    if (!e) break;
+    p = e + 1;
+  }
+  *n = k;
+  return v;
+}
+
+int fps_cli_u64(const char *s, const char *what, unsigned long long lo, unsigned long long hi,
+                unsigned long long *out) {
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (errno || end == s || *end || s[0] == '-' || v < lo || v > hi) {
+    fprintf(stderr, "factorps: %s must be an integer in [%llu, %llu], not '%s'\n", what, lo, hi,
+            s);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+int fps_cli_double(const char *s, const char *what, double lo, double hi, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (errno || end == s || *end || !isfinite(v) || v < lo || v > hi) {
+    fprintf(stderr, "factorps: %s must be a number in [%g, %g], not '%s'\n", what, lo, hi, s);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+int fps_cli_count(const char *s, const char *what, unsigned long long *out) {
+  char buf[64];
+  size_t len = strlen(s);
+  unsigned long long mul = 1;
+  if (len == 0 || len >= sizeof buf) {
+    fprintf(stderr, "factorps: %s: bad count '%s'\n", what, s);
+    return -1;
+  }
+  memcpy(buf, s, len + 1);
+  switch (buf[len - 1]) {
+    case 'k': case 'K': mul = 1000ull; break;
+    case 'm': case 'M': mul = 1000000ull; break;
+    case 'g': case 'G': mul = 1000000000ull; break;
+    default: break;
+  }
+  if (mul != 1) buf[len - 1] = '\0';
+  unsigned long long v;
+  if (fps_cli_u64(buf, what, 1, (1ull << 40) / mul, &v)) return -1;
+  *out = v * mul;
+  return 0;
+}

@@ -1,0 +1,2 @@
+#include "commands.h"
+int fps_cli_load(int argc, char **argv) { (void)argc; (void)argv; return 1; }

@@ -1,0 +1,246 @@
+/* The client object: options, channels, status helpers, tensor-list
+ * queries. The RPCs live in tensors.c, push_pull.c and stats.c. */
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/time.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "internal.h"
+
+#define FPS__MIN_MESSAGE_BYTES (64u * 1024u)
+
+const char *fps_code_name(int code) {
+  static const char *const names[] = {
+      "OK",        "CANCELLED",         "UNKNOWN",        "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
+      "NOT_FOUND", "ALREADY_EXISTS",    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
+      "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",   "UNIMPLEMENTED",    "INTERNAL",
+      "UNAVAILABLE", "DATA_LOSS",       "UNAUTHENTICATED"};
+  if (code < 0 || code >= (int)(sizeof names / sizeof names[0])) return "UNKNOWN_CODE";
+  return names[code];
+}
+
+int fps__status_set(fps_status_t *st, int code, int shard, const char *fmt, ...) {
+  if (st) {
+    va_list ap;
+    st->code = code;
+    st->shard = shard;
+    va_start(ap, fmt);
+    vsnprintf(st->message, sizeof st->message, fmt, ap);
+    va_end(ap);
+  }
+  return code;
+}
+
+void fps__status_ok(fps_status_t *st) {
+  if (st) {
+    st->code = FPS_CODE_OK;
+    st->shard = -1;
+    st->message[0] = '\0';
+  }
+}
+
+double fps__now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+gpr_timespec fps__deadline_after(double seconds) {
+  return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                      gpr_time_from_micros((int64_t)(seconds * 1e6), GPR_TIMESPAN));
+}
+
+void fps_client_options_init(fps_client_options_t *o) {
+  if (!o) return;
+  memset(o, 0, sizeof *o);
+  o->deadline_seconds = 60.0;
+  o->max_retries = 5;
+  o->backoff_initial_seconds = 0.1;
+  o->max_message_bytes = 4u * 1024u * 1024u;
+}
+
+static char *dup_str(const char *s) {
+  size_t n = strlen(s) + 1;
+  char *d = malloc(n);
+  if (d) memcpy(d, s, n);
+  return d;
+}
+
+static int options_check(const fps_client_options_t *o, fps_status_t *st) {
+  if (!(o->deadline_seconds > 0 && o->deadline_seconds <= 86400.0))
+    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+                           "deadline_seconds must be in (0, 86400], not %g", o->deadline_seconds);
+  if (o->max_retries < 0 || o->max_retries > 100)
+    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+                           "max_retries must be in [0, 100], not %d", o->max_retries);
+  if (!(o->backoff_initial_seconds >= 0 && o->backoff_initial_seconds <= 60.0))
+    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+                           "backoff_initial_seconds must be in [0, 60], not %g",
+                           o->backoff_initial_seconds);
+  /* gRPC sizes messages with int. */
+  if (o->max_message_bytes < FPS__MIN_MESSAGE_BYTES || o->max_message_bytes > (1u << 30))
+    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+                           "max_message_bytes must be in [64 KiB, 1 GiB], not %llu",
+                           (unsigned long long)o->max_message_bytes);
+  /* Refuse rather than silently talk plaintext to a shard the caller wants
+   * authenticated. */
+  if (o->tls_ca_file || o->tls_cert_file || o->tls_key_file)
+    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+                           "TLS options are not implemented by this libfactorps");
+  return 0;
+}
+
+fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
+                                const fps_client_options_t *opts, fps_status_t *status) {
+  fps_client_options_t o;
+  fps_client_t *c = NULL;
+  int grpc_up = 0;
+
+  if (opts)
+    o = *opts;
+  else
+    fps_client_options_init(&o);
+  if (!addrs || n_shards == 0 || n_shards > 65536) {
+    fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
+                    "need 1..65536 shard addresses, got %zu", addrs ? n_shards : 0);
+    return NULL;
+  }
+  for (size_t i = 0; i < n_shards; i++) {
+    if (!addrs[i] || !addrs[i][0]) {
+      fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, (int)i, "shard %zu: empty address", i);
+      return NULL;
+    }
+  }
+  if (options_check(&o, status)) return NULL;
+
+  c = calloc(1, sizeof *c);
+  if (!c) goto nomem;
+  c->n_shards = n_shards;
+  c->opts = o;
+  c->opts.tls_ca_file = c->opts.tls_cert_file = c->opts.tls_key_file = NULL;
+  c->opts.auth_token = NULL;
+  if (pthread_rwlock_init(&c->lock, NULL)) goto nomem_lock;
+  if (o.auth_token) {
+    size_t n = strlen(o.auth_token) + sizeof "Bearer ";
+    c->auth_header = malloc(n);
+    if (!c->auth_header) goto nomem;
+    snprintf(c->auth_header, n, "Bearer %s", o.auth_token);
+  }
+  c->addrs = calloc(n_shards, sizeof *c->addrs);
+  c->channels = calloc(n_shards, sizeof *c->channels);
+  if (!c->addrs || !c->channels) goto nomem;
+  for (size_t i = 0; i < n_shards; i++)
+    if (!(c->addrs[i] = dup_str(addrs[i]))) goto nomem;
+
+  grpc_init();
+  grpc_up = 1;
+  {
+    /* The receive limit must admit the shard's largest reply: it slices to
+     * its own --max-message, which the caller mirrors in max_message_bytes;
+     * the slack covers framing. Reconnect backoff is kept short so the
+     * client's own retry loop (not gRPC's default 1-120 s backoff) decides
+     * how long an unreachable shard is tried. A local subchannel pool gives
+     * each client its own connection, so W clients in one process (the load
+     * generator's workers) do not share one TCP stream. */
+    grpc_arg args[6];
+    int max_recv = (int)(o.max_message_bytes + (1u << 20));
+    args[0] = (grpc_arg){.type = GRPC_ARG_INTEGER,
+                         .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+                         .value.integer = max_recv};
+    args[1] = (grpc_arg){.type = GRPC_ARG_INTEGER,
+                         .key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
+                         .value.integer = max_recv};
+    args[2] = (grpc_arg){.type = GRPC_ARG_INTEGER,
+                         .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+                         .value.integer = 100};
+    args[3] = (grpc_arg){.type = GRPC_ARG_INTEGER,
+                         .key = GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
+                         .value.integer = 100};
+    args[4] = (grpc_arg){.type = GRPC_ARG_INTEGER,
+                         .key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+                         .value.integer = 2000};
+    args[5] = (grpc_arg){.type = GRPC_ARG_INTEGER,
+                         .key = GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL,
+                         .value.integer = 1};
+    grpc_channel_args ca = {.num_args = sizeof args / sizeof args[0], .args = args};
+    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    for (size_t i = 0; i < n_shards; i++) {
+      c->channels[i] = grpc_channel_create(c->addrs[i], creds, &ca);
+      if (!c->channels[i]) {
+        grpc_channel_credentials_release(creds);
+        fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, (int)i,
+                        "shard %zu: cannot create a channel to '%s'", i, c->addrs[i]);
+        goto fail;
+      }
+    }
+    grpc_channel_credentials_release(creds);
+  }
+  fps__status_ok(status);
+  return c;
+
+nomem_lock:
+  free(c);
+  c = NULL;
+nomem:
+  fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory creating the client");
+fail:
+  if (c) {
+    if (c->channels)
+      for (size_t i = 0; i < n_shards; i++)
+        if (c->channels[i]) grpc_channel_destroy(c->channels[i]);
+    if (c->addrs)
+      for (size_t i = 0; i < n_shards; i++) free(c->addrs[i]);
+    free(c->addrs);
+    free(c->channels);
+    free(c->auth_header);
+    pthread_rwlock_destroy(&c->lock);
+    free(c);
+  }
+  if (grpc_up) grpc_shutdown();
+  return NULL;
+}
+
+void fps_client_destroy(fps_client_t *c) {
+  if (!c) return;
+  for (size_t i = 0; i < c->n_shards; i++) {
+    if (c->channels[i]) grpc_channel_destroy(c->channels[i]);
+    free(c->addrs[i]);
+  }
+  free(c->channels);
+  free(c->addrs);
+  free(c->auth_header);
+  fps__tensor_list_free(&c->tensors);
+  pthread_rwlock_destroy(&c->lock);
+  free(c);
+  grpc_shutdown();
+}
+
+size_t fps_client_shard_count(const fps_client_t *c) { return c ? c->n_shards : 0; }
+
+int fps_client_shard_of(const fps_client_t *c, const char *name) {
+  int shard = -1;
+  if (!c || !name) return -1;
+  pthread_rwlock_rdlock((pthread_rwlock_t *)&c->lock);
+  const fps__tensor_t *t = fps__tensor_list_find(&c->tensors, name);
+  if (t) shard = t->shard;
+  pthread_rwlock_unlock((pthread_rwlock_t *)&c->lock);
+  return shard;
+}
+
+int fps_client_tensor_shape(const fps_client_t *c, const char *name, uint32_t *ndim,
+                            uint64_t *shape) {
+  int rc = -1;
+  if (!c || !name) return -1;
+  pthread_rwlock_rdlock((pthread_rwlock_t *)&c->lock);
+  const fps__tensor_t *t = fps__tensor_list_find(&c->tensors, name);
+  if (t) {
+    if (ndim) *ndim = t->ndim;
+    if (shape) memcpy(shape, t->shape, sizeof t->shape);
+    rc = 0;
+  }
+  pthread_rwlock_unlock((pthread_rwlock_t *)&c->lock);
+  return rc;
+}

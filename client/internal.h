@@ -1,0 +1,170 @@
+/* libfactorps internals: the client object, the tensor list and placement,
+ * the streaming call engine, and the wire decoder. Nothing here is
+ * installed; gRPC and protobuf-c types stay behind this header. */
+#ifndef FPS_CLIENT_INTERNAL_H
+#define FPS_CLIENT_INTERNAL_H
+
+#include <grpc/grpc.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "factorps/client.h"
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "libfactorps sends host floats as the wire's little-endian bytes: little-endian hosts only"
+#endif
+
+/* Method paths of factorps.v1.ParameterServer. */
+#define FPS__METHOD_CREATE "/factorps.v1.ParameterServer/Create"
+#define FPS__METHOD_PUSHPULL "/factorps.v1.ParameterServer/PushPull"
+#define FPS__METHOD_PULL "/factorps.v1.ParameterServer/Pull"
+#define FPS__METHOD_STATS "/factorps.v1.ParameterServer/Stats"
+
+/* Upper bound of the protobuf framing around one TensorSlice besides its
+ * name and shape (tags, length prefixes, dtype, offset), and around one
+ * request message (worker id, step, flags). Conservative: every varint is
+ * counted at its 10-byte maximum. */
+#define FPS__SLICE_OVERHEAD 64
+#define FPS__MESSAGE_OVERHEAD 64
+
+/* One tensor of the client's list. */
+typedef struct fps__tensor_s {
+  char *name;                          /* owned */
+  uint32_t ndim;
+  uint64_t shape[FPS_CLIENT_MAX_DIMS];
+  uint64_t numel;
+  uint64_t bytes;                      /* numel * 4 */
+  int shard;                           /* placement */
+} fps__tensor_t;
+
+/* The tensor list, sorted by name for lookup. */
+typedef struct fps__tensor_list_s {
+  fps__tensor_t *t;                    /* owned, sorted by strcmp(name) */
+  size_t n;
+} fps__tensor_list_t;
+
+struct fps_client_s {
+  size_t n_shards;
+  char **addrs;                        /* owned copies, n_shards */
+  grpc_channel **channels;             /* one per shard */
+  fps_client_options_t opts;           /* string members point to copies below */
+  char *auth_header;                   /* "Bearer <token>" or NULL */
+  pthread_rwlock_t lock;               /* guards `tensors` */
+  fps__tensor_list_t tensors;
+};
+
+/* ---- status helpers (client.c) ---- */
+
+/* Fills `st` (may be NULL) and returns `code`. `shard` -1 for none. */
+int fps__status_set(fps_status_t *st, int code, int shard, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void fps__status_ok(fps_status_t *st);
+/* Seconds since an arbitrary fixed point (CLOCK_MONOTONIC). */
+double fps__now(void);
+/* The absolute deadline of a call starting now. */
+gpr_timespec fps__deadline_after(double seconds);
+
+/* ---- tensor list and placement (placement.c) ---- */
+
+/* Checks a name: 1..FPS_CLIENT_NAME_MAX bytes, no NUL inside. */
+int fps__name_valid(const char *name);
+/* numel of a shape; 0 (with a message in `err`) if a dim is 0 or the
+ * product exceeds the client's limit. */
+uint64_t fps__shape_numel(uint32_t ndim, const uint64_t *shape, char *err, size_t errlen);
+/* Computes the placement of `n` tensors (name, bytes set; shard is written)
+ * on `n_shards` shards as documented in client.h. `load` (n_shards entries,
+ * may be NULL) gets each shard's byte total. Returns 0 or FPS_ENOMEM. */
+int fps__placement_compute(fps__tensor_t *t, size_t n, size_t n_shards, uint64_t *load);
+/* Sorts a list by name and rejects duplicates (returns the index of the
+ * first duplicate, or -1). */
+long fps__tensor_list_sort(fps__tensor_list_t *l);
+/* Binary search by name; NULL if absent. */
+const fps__tensor_t *fps__tensor_list_find(const fps__tensor_list_t *l, const char *name);
+void fps__tensor_list_free(fps__tensor_list_t *l);
+
+/* ---- the call engine (call.c) ---- */
+
+typedef struct fps__stream_s fps__stream_t;
+
+/* What a stream does; the engine does the gRPC part. Callbacks run on the
+ * thread that called fps__streams_run(), one at a time. */
+typedef struct fps__stream_ops_s {
+  /* Builds the next request message into `*out` (a gRPC slice the engine
+   * takes over) and sets `*last` when it is the final one. Returns 0, or a
+   * status code after filling s->code/s->msg via fps__stream_fail(). */
+  int (*next)(fps__stream_t *s, grpc_slice *out, int *last);
+  /* Consumes one response message. Returns 0 or a status code (after
+   * fps__stream_fail()); the engine then cancels the call. */
+  int (*on_message)(fps__stream_t *s, const uint8_t *data, size_t len);
+  /* Rewinds the producer and the consumer for a retry. May be NULL when the
+   * stream is never retried after it started. */
+  void (*reset)(fps__stream_t *s);
+} fps__stream_ops_t;
+
+/* When a failed attempt may be repeated. */
+typedef enum fps__retry_e {
+  FPS__RETRY_IDEMPOTENT = 1,  /* any UNAVAILABLE (Create, Pull, Stats) */
+  FPS__RETRY_UNSENT = 2,      /* only if the call never started (PushPull) */
+} fps__retry_t;
+
+struct fps__stream_s {
+  int shard;                          /* index into the client's channels */
+  const fps__stream_ops_t *ops;
+  void *ctx;                          /* the owner's state */
+  /* Outcome, valid after fps__streams_run(). */
+  int code;                           /* fps_code_t */
+  char msg[FPS_STATUS_MESSAGE_MAX];
+  /* Engine state. */
+  struct fps__stream_engine_s *e;     /* owned by the engine during a run */
+};
+
+/* Runs the streams (each against its own shard, all in parallel) to
+ * completion: the gRPC status, or a local failure, lands in each stream's
+ * code/msg. Retries with backoff per `retry` and the client's options,
+ * all within one deadline of opts.deadline_seconds. Fills `st` with the
+ * first failing stream (by shard index) and returns its code, or 0. */
+int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *streams, size_t n,
+                     fps__retry_t retry, fps_status_t *st);
+/* Records a local failure of a stream; returns `code`. */
+int fps__stream_fail(fps__stream_t *s, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Packs a protobuf-c message into a fresh gRPC slice. */
+grpc_slice fps__pack(const void *protobuf_c_message);
+
+/* ---- wire decoding of PushPullResponse / PullResponse (wire.c) ---- */
+
+typedef struct fps__wire_slice_s {
+  const char *name;                   /* not NUL-terminated */
+  size_t name_len;
+  int dtype;                          /* wire DType value */
+  uint32_t ndim;
+  uint64_t shape[FPS_CLIENT_MAX_DIMS];
+  int shape_overflow;                 /* more dims than FPS_CLIENT_MAX_DIMS */
+  uint64_t offset;
+  const uint8_t *data;                /* points into the message */
+  size_t data_len;
+} fps__wire_slice_t;
+
+typedef struct fps__wire_sink_s {
+  /* Each returns 0, or nonzero to stop (after recording an error). */
+  int (*on_slice)(void *ctx, const fps__wire_slice_t *sl);
+  int (*on_version)(void *ctx, const char *name, size_t name_len, uint64_t version);
+  void *ctx;
+} fps__wire_sink_t;
+
+/* Decodes a PushPullResponse or PullResponse (same layout: params = 1,
+ * versions = 2) without copying tensor data: slices point into `buf`.
+ * Unknown fields are skipped. Returns 0, -1 on malformed input (with a
+ * reason in `err`), or the sink's nonzero value. */
+int fps__wire_parse_params(const uint8_t *buf, size_t len, const fps__wire_sink_t *sink, char *err,
+                           size_t errlen);
+
+/* ---- optimizer settings (optim.c) ---- */
+
+/* Fills a wire AdafactorConfig (Factorps__V1__AdafactorConfig *) from the
+ * public settings. Returns 0, or -1 with a reason in `err`. */
+int fps__optim_to_wire(const fps_optim_config_t *in, void *wire_cfg, char *err, size_t errlen);
+
+#endif

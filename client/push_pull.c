@@ -1,0 +1,333 @@
+/* fps_client_push_pull() and fps_client_pull().
+ *
+ * One streaming call per shard that holds any of the named tensors. The
+ * request side walks the shard's tensors in the caller's order and cuts
+ * them into slices so that no message exceeds max_message_bytes; small
+ * tensors share a message. Messages point at the caller's gradients and are
+ * packed (one copy) only just before they are sent, two at most per shard.
+ * The reply side decodes each message as it arrives (wire.c) and copies each
+ * parameter slice straight into the caller's buffer at its offset. After an
+ * OK status every tensor must have been covered exactly once and have a
+ * version, or the call fails with DATA_LOSS: a caller never sees a
+ * half-written tensor reported as success.
+ *
+ * Aliasing params[i] == grads[i] is safe: a shard can only answer for a
+ * tensor after it received all of its gradient, which was packed (copied
+ * out of the caller's buffer) before it was sent. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "factorps/v1/factorps.pb-c.h"
+#include "internal.h"
+
+typedef struct pp_item_s {
+  const fps__tensor_t *t;               /* in the client's list */
+  size_t idx;                           /* index in the caller's arrays */
+} pp_item_t;
+
+typedef struct pp_job_s {
+  fps_client_t *c;
+  const float *const *grads;            /* NULL for Pull */
+  float *const *params;
+  uint64_t *versions;
+  uint64_t *received;                   /* per caller index: elements */
+  unsigned char *got_version;           /* per caller index */
+  uint32_t worker_id;
+  uint64_t step;
+} pp_job_t;
+
+typedef struct pp_shard_s {
+  fps__stream_t s;
+  pp_job_t *job;
+  pp_item_t *items;                     /* this shard's tensors, caller order */
+  pp_item_t **by_name;                  /* the same, sorted by name */
+  size_t n;
+  size_t pos;                           /* request cursor: item */
+  uint64_t off;                         /* request cursor: element */
+  int skip_params;                      /* no params wanted from this shard */
+  Factorps__V1__TensorSlice *sl;        /* scratch, n entries */
+  Factorps__V1__TensorSlice **slp;
+} pp_shard_t;
+
+static int push_next(fps__stream_t *s, grpc_slice *out, int *last) {
+  pp_shard_t *sh = s->ctx;
+  pp_job_t *job = sh->job;
+  uint64_t budget = job->c->opts.max_message_bytes, used = FPS__MESSAGE_OVERHEAD;
+  size_t k = 0;
+
+  while (sh->pos < sh->n) {
+    const pp_item_t *it = &sh->items[sh->pos];
+    uint64_t over = FPS__SLICE_OVERHEAD + strlen(it->t->name) + 11 * it->t->ndim;
+    uint64_t room = budget > used + over ? (budget - used - over) / 4 : 0;
+    uint64_t left = it->t->numel - sh->off;
+    uint64_t count = left < room ? left : room;
+    if (count == 0) break; /* the message is full (k > 0: budget >= 64 KiB) */
+    Factorps__V1__TensorSlice *sl = &sh->sl[k];
+    factorps__v1__tensor_slice__init(sl);
+    sl->name = it->t->name;
+    sl->dtype = FACTORPS__V1__DTYPE__DTYPE_F32;
+    sl->n_shape = it->t->ndim;
+    sl->shape = (uint64_t *)it->t->shape;
+    sl->offset = sh->off;
+    sl->data.data = (uint8_t *)(job->grads[it->idx] + sh->off);
+    sl->data.len = count * 4;
+    sh->slp[k++] = sl;
+    used += over + count * 4;
+    sh->off += count;
+    if (sh->off == it->t->numel) {
+      sh->pos++;
+      sh->off = 0;
+    }
+  }
+  Factorps__V1__PushPullRequest req = FACTORPS__V1__PUSH_PULL_REQUEST__INIT;
+  req.worker_id = job->worker_id;
+  req.step = job->step;
+  req.n_grads = k;
+  req.grads = sh->slp;
+  req.skip_params = sh->skip_params;
+  *out = fps__pack(&req);
+  *last = sh->pos == sh->n;
+  return 0;
+}
+
+static int pull_next(fps__stream_t *s, grpc_slice *out, int *last) {
+  pp_shard_t *sh = s->ctx;
+  char **names = malloc(sh->n * sizeof *names);
+  if (!names) return fps__stream_fail(s, FPS_CODE_RESOURCE_EXHAUSTED, "out of memory");
+  for (size_t i = 0; i < sh->n; i++) names[i] = sh->items[i].t->name;
+  Factorps__V1__PullRequest req = FACTORPS__V1__PULL_REQUEST__INIT;
+  req.n_names = sh->n;
+  req.names = names;
+  req.dtype = FACTORPS__V1__DTYPE__DTYPE_F32;
+  *out = fps__pack(&req);
+  free(names);
+  *last = 1;
+  return 0;
+}
+
+/* Finds the item of a reply's tensor name (not NUL-terminated). */
+static const pp_item_t *find_item(const pp_shard_t *sh, const char *name, size_t len) {
+  size_t lo = 0, hi = sh->n;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    const char *m = sh->by_name[mid]->t->name;
+    int cmp = strncmp(name, m, len);
+    if (cmp == 0 && m[len] != '\0') cmp = -1;
+    if (cmp == 0) return sh->by_name[mid];
+    if (cmp < 0)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return NULL;
+}
+
+static int on_slice(void *ctx, const fps__wire_slice_t *sl) {
+  pp_shard_t *sh = ctx;
+  pp_job_t *job = sh->job;
+  const pp_item_t *it = find_item(sh, sl->name, sl->name_len);
+  if (!it)
+    return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "reply carries tensor '%.*s', not asked for",
+                            (int)(sl->name_len > 256 ? 256 : sl->name_len), sl->name);
+  const fps__tensor_t *t = it->t;
+  if (sl->dtype != FACTORPS__V1__DTYPE__DTYPE_F32)
+    return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "tensor '%s': reply dtype %d, asked f32",
+                            t->name, sl->dtype);
+  if (sl->data_len % 4 || sl->offset > t->numel || sl->data_len / 4 > t->numel - sl->offset)
+    return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL,
+                            "tensor '%s': reply slice [%llu, +%zu bytes) outside %llu elements",
+                            t->name, (unsigned long long)sl->offset, sl->data_len,
+                            (unsigned long long)t->numel);
+  if (sl->ndim != t->ndim || sl->shape_overflow ||
+      memcmp(sl->shape, t->shape, t->ndim * sizeof *t->shape) != 0)
+    return fps__stream_fail(&sh->s, FPS_CODE_FAILED_PRECONDITION,
+                            "tensor '%s': the shard's shape differs from the client's", t->name);
+  float *dst = job->params[it->idx];
+  if (dst) memcpy(dst + sl->offset, sl->data, sl->data_len);
+  job->received[it->idx] += sl->data_len / 4;
+  return 0;
+}
+
+static int on_version(void *ctx, const char *name, size_t len, uint64_t version) {
+  pp_shard_t *sh = ctx;
+  const pp_item_t *it = find_item(sh, name, len);
+  if (!it)
+    return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "reply versions tensor '%.*s', not asked for",
+                            (int)(len > 256 ? 256 : len), name);
+  sh->job->got_version[it->idx] = 1;
+  if (sh->job->versions) sh->job->versions[it->idx] = version;
+  return 0;
+}
+
+static int pp_reply(fps__stream_t *s, const uint8_t *data, size_t len) {
+  pp_shard_t *sh = s->ctx;
+  char err[128];
+  fps__wire_sink_t sink = {on_slice, on_version, sh};
+  int rc = fps__wire_parse_params(data, len, &sink, err, sizeof err);
+  if (rc < 0) return fps__stream_fail(s, FPS_CODE_INTERNAL, "%s", err);
+  return rc;
+}
+
+static void pull_reset(fps__stream_t *s) {
+  pp_shard_t *sh = s->ctx;
+  for (size_t i = 0; i < sh->n; i++) {
+    sh->job->received[sh->items[i].idx] = 0;
+    sh->job->got_version[sh->items[i].idx] = 0;
+  }
+}
+
+/* PushPull is retried only before it started (FPS__RETRY_UNSENT), when the
+ * producer has not moved: no reset needed. */
+static const fps__stream_ops_t push_ops = {push_next, pp_reply, NULL};
+static const fps__stream_ops_t pull_ops = {pull_next, pp_reply, pull_reset};
+
+static int by_item_name(const void *a, const void *b) {
+  return strcmp((*(pp_item_t *const *)a)->t->name, (*(pp_item_t *const *)b)->t->name);
+}
+
+static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t n, int is_push,
+               fps_status_t *status) {
+  pp_shard_t *sh = NULL;
+  pp_item_t *items = NULL;
+  pp_item_t **by_name = NULL;
+  fps__stream_t **streams = NULL;
+  size_t *count = NULL;
+  int rc, locked = 0;
+
+  if (!c || (n && (!names || (is_push && !job->grads) || !job->params)))
+    return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "NULL argument");
+  sh = calloc(c->n_shards, sizeof *sh);
+  streams = calloc(c->n_shards, sizeof *streams);
+  count = calloc(c->n_shards, sizeof *count);
+  items = calloc(n ? n : 1, sizeof *items);
+  by_name = calloc(n ? n : 1, sizeof *by_name);
+  job->received = calloc(n ? n : 1, sizeof *job->received);
+  job->got_version = calloc(n ? n : 1, 1);
+  if (!sh || !streams || !count || !items || !by_name || !job->received || !job->got_version) {
+    rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+    goto done;
+  }
+
+  /* The read lock keeps the tensor list (and the names the messages point
+   * at) alive for the whole call. */
+  pthread_rwlock_rdlock(&c->lock);
+  locked = 1;
+  for (size_t i = 0; i < n; i++) {
+    if (!names[i]) {
+      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "names[%zu] is NULL", i);
+      goto done;
+    }
+    const fps__tensor_t *t = fps__tensor_list_find(&c->tensors, names[i]);
+    if (!t) {
+      rc = fps__status_set(status, FPS_CODE_NOT_FOUND, -1,
+                           "tensor '%s' is not in this client's tensor list", names[i]);
+      goto done;
+    }
+    if (is_push && !job->grads[i]) {
+      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': gradient is NULL",
+                           names[i]);
+      goto done;
+    }
+    items[i] = (pp_item_t){t, i};
+    count[t->shard]++;
+  }
+  /* Group by shard, keeping the caller's order within a shard. */
+  {
+    size_t start = 0;
+    for (size_t s = 0; s < c->n_shards; s++) {
+      sh[s].items = items + start; /* filled below via a second array */
+      sh[s].by_name = by_name + start;
+      start += count[s];
+    }
+    pp_item_t *sorted = malloc((n ? n : 1) * sizeof *sorted);
+    if (!sorted) {
+      rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+      goto done;
+    }
+    memcpy(sorted, items, n * sizeof *items);
+    for (size_t i = 0; i < n; i++) {
+      pp_shard_t *x = &sh[sorted[i].t->shard];
+      x->items[x->n++] = sorted[i];
+    }
+    free(sorted);
+  }
+  size_t n_streams = 0;
+  for (size_t s = 0; s < c->n_shards; s++) {
+    pp_shard_t *x = &sh[s];
+    if (!x->n) continue;
+    for (size_t i = 0; i < x->n; i++) x->by_name[i] = &x->items[i];
+    qsort(x->by_name, x->n, sizeof *x->by_name, by_item_name);
+    for (size_t i = 1; i < x->n; i++)
+      if (x->by_name[i - 1]->t == x->by_name[i]->t) {
+        rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s' is named twice",
+                             x->by_name[i]->t->name);
+        goto done;
+      }
+    x->s.shard = (int)s;
+    x->s.ops = is_push ? &push_ops : &pull_ops;
+    x->s.ctx = x;
+    x->job = job;
+    x->skip_params = 1;
+    for (size_t i = 0; i < x->n; i++)
+      if (job->params[x->items[i].idx]) x->skip_params = 0;
+    if (is_push) {
+      x->sl = calloc(x->n, sizeof *x->sl);
+      x->slp = calloc(x->n, sizeof *x->slp);
+      if (!x->sl || !x->slp) {
+        rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+        goto done;
+      }
+    }
+    streams[n_streams++] = &x->s;
+  }
+
+  rc = fps__streams_run(c, is_push ? FPS__METHOD_PUSHPULL : FPS__METHOD_PULL, streams, n_streams,
+                        is_push ? FPS__RETRY_UNSENT : FPS__RETRY_IDEMPOTENT, status);
+  if (rc) goto done;
+  for (size_t i = 0; i < n; i++) {
+    const fps__tensor_t *t = items[i].t;
+    size_t idx = items[i].idx;
+    int skipped = sh[t->shard].skip_params;
+    if (!job->got_version[idx] || (!skipped && job->received[idx] != t->numel)) {
+      rc = fps__status_set(status, FPS_CODE_DATA_LOSS, t->shard,
+                           "shard %d (%s): tensor '%s': reply had %llu of %llu elements%s",
+                           t->shard, c->addrs[t->shard], t->name,
+                           (unsigned long long)job->received[idx], (unsigned long long)t->numel,
+                           job->got_version[idx] ? "" : " and no version");
+      goto done;
+    }
+  }
+  fps__status_ok(status);
+
+done:
+  if (locked) pthread_rwlock_unlock(&c->lock);
+  if (sh)
+    for (size_t s = 0; s < c->n_shards; s++) {
+      free(sh[s].sl);
+      free(sh[s].slp);
+    }
+  free(sh);
+  free(streams);
+  free(count);
+  free(items);
+  free(by_name);
+  free(job->received);
+  free(job->got_version);
+  return rc;
+}
+
+int fps_client_push_pull(fps_client_t *c, uint32_t worker_id, uint64_t step,
+                         const char *const *names, const float *const *grads,
+                         float *const *params, uint64_t *versions, size_t n,
+                         fps_status_t *status) {
+  pp_job_t job = {.c = c, .grads = grads, .params = params, .versions = versions,
+                  .worker_id = worker_id, .step = step};
+  return run(c, &job, names, n, 1, status);
+}
+
+int fps_client_pull(fps_client_t *c, const char *const *names, float *const *params,
+                    uint64_t *versions, size_t n, fps_status_t *status) {
+  pp_job_t job = {.c = c, .params = params, .versions = versions};
+  return run(c, &job, names, n, 0, status);
+}

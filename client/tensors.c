@@ -1,0 +1,287 @@
+/* fps_client_create_tensors(): validation, placement, and the Create
+ * calls that register tensors and upload their initial values.
+ *
+ * Create is unary, so a tensor larger than one message is uploaded by a
+ * sequence of Create calls per shard, each carrying the next slice (the
+ * shard fills an "initialising" tensor from slices). Rounds run all shards
+ * in parallel: round r sends each shard its r-th message. Create is
+ * idempotent (same name, shape, settings; data for a ready tensor is
+ * ignored), so every round is retried on UNAVAILABLE. Tensors whose values
+ * come from another worker are then polled with value-less Creates, with
+ * backoff, until ready or the deadline. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "factorps/v1/factorps.pb-c.h"
+#include "internal.h"
+
+typedef struct create_job_s {
+  fps_client_t *c;
+  const fps_tensor_def_t *defs;
+  const uint64_t *numel;                /* per def */
+  Factorps__V1__AdafactorConfig *cfg;   /* per def */
+  unsigned char *ready;                 /* per def, from the latest reply */
+  uint64_t budget;                      /* payload bytes per message */
+} create_job_t;
+
+typedef struct create_shard_s {
+  fps__stream_t s;
+  create_job_t *job;
+  size_t *defs;                         /* def indices placed on this shard */
+  size_t n;
+  size_t pos, round_pos;                /* cursor: next def */
+  uint64_t off, round_off;              /* cursor: next init element */
+  int poll;                             /* send names only, no values */
+  size_t *msg_defs;                     /* defs in the message in flight */
+  size_t msg_n;
+  /* Scratch for building one message. */
+  Factorps__V1__TensorCreate *tc;
+  Factorps__V1__TensorCreate **tcp;
+  Factorps__V1__TensorSlice *init;
+} create_shard_t;
+
+static int create_next(fps__stream_t *s, grpc_slice *out, int *last) {
+  create_shard_t *sh = s->ctx;
+  create_job_t *job = sh->job;
+  uint64_t used = FPS__MESSAGE_OVERHEAD;
+  size_t k = 0;
+
+  sh->round_pos = sh->pos;
+  sh->round_off = sh->off;
+  while (sh->pos < sh->n) {
+    size_t d = sh->defs[sh->pos];
+    const fps_tensor_def_t *def = &job->defs[d];
+    uint64_t over = FPS__SLICE_OVERHEAD * 2 + 2 * strlen(def->name) + 22 * def->ndim + 128;
+    if (k > 0 && used + over + 4 > job->budget) break;
+    Factorps__V1__TensorCreate *tc = &sh->tc[k];
+    factorps__v1__tensor_create__init(tc);
+    tc->name = (char *)def->name;
+    tc->n_shape = def->ndim;
+    tc->shape = (uint64_t *)def->shape;
+    tc->optimizer = &job->cfg[d];
+    used += over;
+    if (def->init && !sh->poll) {
+      uint64_t room = job->budget > used ? (job->budget - used) / 4 : 0;
+      uint64_t left = job->numel[d] - sh->off;
+      uint64_t count = left < room ? left : room;
+      if (count == 0) break; /* k > 0 here: the next message takes it */
+      Factorps__V1__TensorSlice *sl = &sh->init[k];
+      factorps__v1__tensor_slice__init(sl);
+      sl->dtype = FACTORPS__V1__DTYPE__DTYPE_F32;
+      sl->offset = sh->off;
+      sl->data.data = (uint8_t *)(def->init + sh->off);
+      sl->data.len = count * 4;
+      tc->init = sl;
+      used += count * 4;
+      sh->off += count;
+      if (sh->off == job->numel[d]) {
+        sh->pos++;
+        sh->off = 0;
+      }
+    } else {
+      sh->pos++;
+    }
+    sh->tcp[k] = tc;
+    sh->msg_defs[k] = d;
+    k++;
+    if (used >= job->budget) break;
+  }
+  sh->msg_n = k;
+  Factorps__V1__CreateRequest req = FACTORPS__V1__CREATE_REQUEST__INIT;
+  req.n_tensors = k;
+  req.tensors = sh->tcp;
+  req.shard_id = (uint32_t)s->shard;
+  req.shard_count = (uint32_t)job->c->n_shards;
+  *out = fps__pack(&req);
+  *last = 1;
+  return 0;
+}
+
+static int create_reply(fps__stream_t *s, const uint8_t *data, size_t len) {
+  create_shard_t *sh = s->ctx;
+  Factorps__V1__CreateResponse *resp = factorps__v1__create_response__unpack(NULL, len, data);
+  int rc = 0;
+  if (!resp) return fps__stream_fail(s, FPS_CODE_INTERNAL, "malformed CreateResponse");
+  if (resp->n_tensors != sh->msg_n) {
+    rc = fps__stream_fail(s, FPS_CODE_INTERNAL, "CreateResponse has %zu tensors, request had %zu",
+                          resp->n_tensors, sh->msg_n);
+    goto done;
+  }
+  for (size_t i = 0; i < sh->msg_n; i++) {
+    size_t d = sh->msg_defs[i];
+    if (strcmp(resp->tensors[i]->name, sh->job->defs[d].name) != 0) {
+      rc = fps__stream_fail(s, FPS_CODE_INTERNAL, "CreateResponse names '%s' where '%s' was sent",
+                            resp->tensors[i]->name, sh->job->defs[d].name);
+      goto done;
+    }
+    sh->job->ready[d] = resp->tensors[i]->ready ? 1 : 0;
+  }
+done:
+  factorps__v1__create_response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+static void create_reset(fps__stream_t *s) {
+  create_shard_t *sh = s->ctx;
+  sh->pos = sh->round_pos;
+  sh->off = sh->round_off;
+}
+
+static const fps__stream_ops_t create_ops = {create_next, create_reply, create_reset};
+
+static void sleep_s(double s) {
+  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+  while (nanosleep(&ts, &ts) != 0) {
+  }
+}
+
+/* Runs rounds until every shard's cursor reached its end. */
+static int run_rounds(fps_client_t *c, create_shard_t *sh, fps__stream_t **run, fps_status_t *st) {
+  for (;;) {
+    size_t n = 0;
+    for (size_t i = 0; i < c->n_shards; i++)
+      if (sh[i].pos < sh[i].n) run[n++] = &sh[i].s;
+    if (!n) return 0;
+    int rc = fps__streams_run(c, FPS__METHOD_CREATE, run, n, FPS__RETRY_IDEMPOTENT, st);
+    if (rc) return rc;
+  }
+}
+
+int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, size_t n,
+                              fps_status_t *status) {
+  create_job_t job = {0};
+  create_shard_t *sh = NULL;
+  fps__stream_t **run = NULL;
+  fps__tensor_list_t list = {0};
+  uint64_t *numel = NULL;
+  char err[256];
+  int rc;
+
+  if (!c || (!defs && n))
+    return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "client or defs is NULL");
+  numel = calloc(n ? n : 1, sizeof *numel);
+  job.cfg = calloc(n ? n : 1, sizeof *job.cfg);
+  job.ready = calloc(n ? n : 1, 1);
+  list.t = calloc(n ? n : 1, sizeof *list.t);
+  sh = calloc(c->n_shards, sizeof *sh);
+  run = calloc(c->n_shards, sizeof *run);
+  if (!numel || !job.cfg || !job.ready || !list.t || !sh || !run) goto nomem;
+
+  for (size_t i = 0; i < n; i++) {
+    const fps_tensor_def_t *d = &defs[i];
+    if (!fps__name_valid(d->name)) {
+      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
+                           "tensor %zu: name must be 1..%d bytes", i, FPS_CLIENT_NAME_MAX);
+      goto fail;
+    }
+    numel[i] = fps__shape_numel(d->ndim, d->shape, err, sizeof err);
+    if (!numel[i]) {
+      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': bad shape: %s",
+                           d->name, err);
+      goto fail;
+    }
+    if (fps__optim_to_wire(&d->optim, &job.cfg[i], err, sizeof err)) {
+      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': %s", d->name, err);
+      goto fail;
+    }
+    fps__tensor_t *t = &list.t[i];
+    if (!(t->name = strdup(d->name))) goto nomem;
+    list.n = i + 1;
+    t->ndim = d->ndim;
+    memcpy(t->shape, d->shape, d->ndim * sizeof *d->shape);
+    t->numel = numel[i];
+    t->bytes = numel[i] * 4;
+  }
+  if (fps__placement_compute(list.t, n, c->n_shards, NULL)) goto nomem;
+
+  job.c = c;
+  job.defs = defs;
+  job.numel = numel;
+  job.budget = c->opts.max_message_bytes;
+  for (size_t s = 0; s < c->n_shards; s++) {
+    sh[s].s.shard = (int)s;
+    sh[s].s.ops = &create_ops;
+    sh[s].s.ctx = &sh[s];
+    sh[s].job = &job;
+  }
+  for (size_t i = 0; i < n; i++) sh[list.t[i].shard].n++;
+  for (size_t s = 0; s < c->n_shards; s++) {
+    size_t m = sh[s].n ? sh[s].n : 1;
+    sh[s].defs = calloc(m, sizeof *sh[s].defs);
+    sh[s].msg_defs = calloc(m, sizeof *sh[s].msg_defs);
+    sh[s].tc = calloc(m, sizeof *sh[s].tc);
+    sh[s].tcp = calloc(m, sizeof *sh[s].tcp);
+    sh[s].init = calloc(m, sizeof *sh[s].init);
+    if (!sh[s].defs || !sh[s].msg_defs || !sh[s].tc || !sh[s].tcp || !sh[s].init) goto nomem;
+    sh[s].n = 0;
+  }
+  for (size_t i = 0; i < n; i++) {
+    create_shard_t *x = &sh[list.t[i].shard];
+    x->defs[x->n++] = i;
+  }
+  long dup = fps__tensor_list_sort(&list);
+  if (dup >= 0) {
+    rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s' is listed twice",
+                         list.t[dup].name);
+    goto fail;
+  }
+  /* The list is valid: it becomes the client's, whatever the shards say. */
+  pthread_rwlock_wrlock(&c->lock);
+  fps__tensor_list_free(&c->tensors);
+  c->tensors = list;
+  pthread_rwlock_unlock(&c->lock);
+  list = (fps__tensor_list_t){0};
+
+  if ((rc = run_rounds(c, sh, run, status))) goto fail;
+
+  /* Wait for values another worker uploads. */
+  double end = fps__now() + c->opts.deadline_seconds, wait = 0.01;
+  for (;;) {
+    const char *missing = NULL;
+    for (size_t s = 0; s < c->n_shards; s++) {
+      size_t k = 0;
+      for (size_t j = 0; j < sh[s].n; j++)
+        if (!job.ready[sh[s].defs[j]]) sh[s].defs[k++] = sh[s].defs[j];
+      if (k && !missing) missing = defs[sh[s].defs[0]].name;
+      sh[s].n = k;
+      sh[s].pos = sh[s].off = 0;
+      sh[s].poll = 1;
+    }
+    if (!missing) break;
+    if (fps__now() + wait > end) {
+      rc = fps__status_set(status, FPS_CODE_DEADLINE_EXCEEDED, fps_client_shard_of(c, missing),
+                           "tensor '%s' got no initial values within %g s (no worker supplied "
+                           "init?)",
+                           missing, c->opts.deadline_seconds);
+      goto fail;
+    }
+    sleep_s(wait);
+    wait = wait * 2 > 0.25 ? 0.25 : wait * 2;
+    if ((rc = run_rounds(c, sh, run, status))) goto fail;
+  }
+  rc = 0;
+  fps__status_ok(status);
+  goto done;
+
+nomem:
+  rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory creating tensors");
+fail:
+done:
+  if (sh)
+    for (size_t s = 0; s < c->n_shards; s++) {
+      free(sh[s].defs);
+      free(sh[s].msg_defs);
+      free(sh[s].tc);
+      free(sh[s].tcp);
+      free(sh[s].init);
+    }
+  free(sh);
+  free(run);
+  free(numel);
+  free(job.cfg);
+  free(job.ready);
+  fps__tensor_list_free(&list);
+  return rc;
+}
