@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Static checks of deploy/ (no Docker engine or cluster needed):
+#   yamllint on every YAML file, `docker-compose config` on the compose file,
+#   `promtool check config` on both Prometheus configurations, and every
+#   PromQL expression of the Grafana dashboard through `promtool check rules`.
+# Usage: deploy/check.sh   (exit 0: all good; 77: a tool is missing)
+set -euo pipefail
+cd "$(dirname "$0")"
+py=/usr/bin/python3
+for tool in yamllint docker-compose promtool "$py"; do
+  if ! command -v "$tool" >/dev/null; then
+    echo "deploy/check.sh: $tool not installed (scripts/deps.sh test installs it)" >&2
+    exit 77
+  fi
+done
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+echo "== yamllint"
+yamllint -c .yamllint.yml -s .
+
+echo "== docker-compose config"
+docker-compose -f docker-compose.yml config -q
+docker-compose -f docker-compose.yml --profile dashboards config --services | sort | tr '\n' ' '
+echo
+
+echo "== promtool check config (file discovery)"
+promtool check config prometheus/prometheus.yml
+
+echo "== promtool check config (kubernetes ConfigMap)"
+"$py" - "$tmp/k8s-prometheus.yml" <<'PY'
+import sys, yaml
+doc = yaml.safe_load(open("kubernetes/prometheus-config.yaml"))
+open(sys.argv[1], "w").write(doc["data"]["prometheus.yml"])
+PY
+# Debian's Prometheus is built without Kubernetes discovery; there only the
+# YAML itself can be checked.
+if ! out=$(promtool check config "$tmp/k8s-prometheus.yml" 2>&1); then
+  if grep -q "field kubernetes_sd_configs not found" <<<"$out"; then
+    echo "skipped: this promtool has no kubernetes_sd_configs (Debian build)"
+  else
+    echo "$out" >&2
+    exit 1
+  fi
+else
+  echo "$out"
+fi
+
+echo "== Grafana dashboard PromQL"
+"$py" - "$tmp/dashboard-rules.yml" <<'PY'
+import json, sys, yaml
+d = json.load(open("grafana/dashboards/factorps.json"))
+exprs = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
+assert exprs, "dashboard has no queries"
+rules = []
+for i, e in enumerate(exprs):
+    # Grafana variables become what Grafana substitutes at query time.
+    e = e.replace("$__rate_interval", "1m").replace("$shard", ".*")
+    rules.append({"record": "factorps:dashboard_check_%d" % i, "expr": e})
+yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}, open(sys.argv[1], "w"))
+print("%d expressions" % len(exprs))
+PY
+promtool check rules "$tmp/dashboard-rules.yml"
+
+echo "== kubernetes manifests reference the right ports and probes"
+"$py" - <<'PY'
+import yaml
+docs = {}
+for f in ("shard-statefulset.yaml", "shard-service.yaml", "worker-job.yaml", "kustomization.yaml"):
+    docs[f] = yaml.safe_load(open("kubernetes/" + f))
+sts = docs["shard-statefulset.yaml"]
+svc = docs["shard-service.yaml"]
+assert svc["spec"]["clusterIP"] == "None", "the shard Service must be headless"
+assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+c = sts["spec"]["template"]["spec"]["containers"][0]
+assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+assert c["resources"]["requests"]
+env = {e["name"]: e["value"] for e in c["env"]}
+assert int(env["FACTORPS_SHARD_COUNT"]) == sts["spec"]["replicas"], "shard count != replicas"
+ann = sts["spec"]["template"]["metadata"]["annotations"]
+assert ann["prometheus.io/scrape"] == "true"
+assert env["FACTORPS_METRICS_LISTEN"].endswith(":" + ann["prometheus.io/port"])
+w = docs["worker-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
+shards = w[w.index("--shards") + 1].split(",")
+assert shards == ["factorps-shard-%d.factorps-shard:50051" % i
+                  for i in range(sts["spec"]["replicas"])], shards
+print("ok")
+PY
+echo "deploy/check.sh: all checks passed"
