@@ -58,7 +58,7 @@ int fps_kernels_by_name(const char *name, const fps_kernels_t **out, char *why, 
     }
     set_why(why, why_len, "SIMD variant '%s' needs AVX2 and FMA, which this CPU lacks", name);
 #else
-    set_why(why, why_len, "SIMD variant '%s' is not built into this x86-64-only binary", name);
+    set_why(why, why_len, "SIMD variant '%s' was not built (x86-64 only, FPS_WITH_AVX2=ON)", name);
 #endif
     return FPS_EUNSUPPORTED;
   }

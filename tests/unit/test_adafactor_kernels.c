@@ -1,0 +1,278 @@
+/* Every SIMD variant this machine runs against the scalar reference, on
+ * random inputs, for every length 0..257 at misaligned addresses (1, 3 and
+ * 5 floats past a 64-byte boundary), and full steps on odd shapes.
+ *
+ * Stated tolerances:
+ *  - elementwise outputs of a kernel (variance state, column sums, S sums,
+ *    params, momentum) must be BIT-IDENTICAL to scalar: the variants use
+ *    the same operations in the same order there (kernels_impl.h);
+ *  - double-precision reductions (sum g^2, sum p^2, sum U^2) may differ in
+ *    summation order only: relative error <= 1e-12;
+ *  - full steps (3 steps, both flavors, several settings): params within
+ *    1e-6 of max|param| and state within 1e-6 relative; in practice they
+ *    differ by at most an ulp, because only the per-step scalars (through
+ *    the sums) can differ.
+ * Elements past the end of every output are canaries and must not change. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "adafactor.h"
+#include "simd/kernels_impl.h"
+
+#define MAXN 257
+#define PAD 16
+#define SUM_RTOL 1e-12
+#define STEP_TOL 1e-6
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static double urand(void) {
+  rng ^= rng << 13;
+  rng ^= rng >> 7;
+  rng ^= rng << 17;
+  return (double)(rng >> 11) / 9007199254740992.0;
+}
+static float nrand(void) { /* Box-Muller: Gaussian-ish */
+  double u = urand() + 1e-12, v = urand();
+  return (float)(sqrt(-2 * log(u)) * cos(6.283185307179586 * v));
+}
+
+/* An aligned buffer with the data starting `off` floats in. */
+typedef struct buf_s {
+  float *base, *f;
+  double *dbase, *d;
+} buf_t;
+static void buf_init(buf_t *b, size_t off) {
+  b->base = aligned_alloc(64, (MAXN + 2 * PAD) * sizeof(float) + 64);
+  b->dbase = aligned_alloc(64, (MAXN + 2 * PAD) * sizeof(double) + 64);
+  assert_non_null(b->base);
+  assert_non_null(b->dbase);
+  b->f = b->base + off;
+  b->d = b->dbase + off;
+}
+static void buf_free(buf_t *b) {
+  free(b->base);
+  free(b->dbase);
+}
+
+static void rel_close(double a, double b) {
+  double tol = SUM_RTOL * fmax(fabs(a), fabs(b));
+  if (!(fabs(a - b) <= tol)) print_error("sum %.17g vs scalar %.17g\n", a, b);
+  assert_true(fabs(a - b) <= tol);
+}
+
+enum { G, P, V, C, M, NB };
+
+static void fill(buf_t b[NB], size_t n) {
+  for (size_t i = 0; i < n + PAD; i++) {
+    b[G].f[i] = nrand() * (i % 11 == 0 ? 1e-4f : 1.0f);
+    b[P].f[i] = nrand() * 0.5f;
+    b[V].f[i] = (float)urand() * (i % 5 == 0 ? 1e-15f : 1.0f); /* some below the floor */
+    b[C].f[i] = (float)urand() + 1e-3f;
+    b[M].f[i] = nrand() * 1e-3f;
+    b[G].d[i] = b[P].d[i] = urand();
+  }
+}
+
+/* Runs `call` on a copy for scalar and for the variant, then compares the
+ * float outputs bit for bit (including canaries past n). */
+typedef struct run_s {
+  buf_t b[NB];
+  double r1, r2;
+} run_t;
+
+static void copy_run(run_t *dst, const run_t *src, size_t n) {
+  for (int i = 0; i < NB; i++) {
+    memcpy(dst->b[i].f, src->b[i].f, (n + PAD) * sizeof(float));
+    memcpy(dst->b[i].d, src->b[i].d, (n + PAD) * sizeof(double));
+  }
+  dst->r1 = src->r1;
+  dst->r2 = src->r2;
+}
+
+static void same_bits(const run_t *a, const run_t *b, size_t n, const char *what) {
+  for (int i = 0; i < NB; i++) {
+    if (memcmp(a->b[i].f, b->b[i].f, (n + PAD) * sizeof(float)) ||
+        memcmp(a->b[i].d, b->b[i].d, (n + PAD) * sizeof(double))) {
+      print_error("%s: n=%zu: array %d differs from scalar\n", what, n, i);
+      fail();
+    }
+  }
+}
+
+static void parity(const char *variant) {
+  const fps_kernels_t *k, *s = &fps__kernels_scalar;
+  char why[256];
+  int rc = fps_kernels_by_name(variant, &k, why, sizeof why);
+  if (rc == FPS_EUNSUPPORTED) {
+    print_message("skipping %s: %s\n", variant, why);
+    skip();
+  }
+  assert_int_equal(rc, 0);
+  const size_t offs[] = {1, 3, 5};
+  for (size_t oi = 0; oi < 3; oi++) {
+    run_t src, rs, rk;
+    for (int i = 0; i < NB; i++) {
+      buf_init(&src.b[i], offs[oi]);
+      buf_init(&rs.b[i], offs[oi]);
+      buf_init(&rk.b[i], (offs[oi] + 2 * i + 1) % 8); /* other misalignments too */
+    }
+    for (size_t n = 0; n <= MAXN; n++) {
+      fill(src.b, n);
+      src.r1 = src.r2 = 0.25;
+#define BOTH(stmt_s, stmt_k, what)        \
+  copy_run(&rs, &src, n);                 \
+  copy_run(&rk, &src, n);                 \
+  {                                       \
+    run_t *r = &rs;                       \
+    const fps_kernels_t *kk = s;          \
+    stmt_s;                               \
+    r = &rk;                              \
+    kk = k;                               \
+    stmt_k;                               \
+  }                                       \
+  rel_close(rk.r1, rs.r1);                \
+  rel_close(rk.r2, rs.r2);                \
+  rk.r1 = rs.r1, rk.r2 = rs.r2;           \
+  same_bits(&rs, &rk, n, what);
+#define K(call) call
+      BOTH(K(kk->row_stats(r->b[G].f, r->b[P].f, n, r->b[V].d, &r->r1, &r->r2)),
+           K(kk->row_stats(r->b[G].f, r->b[P].f, n, r->b[V].d, &r->r1, &r->r2)), "row_stats");
+      BOTH(K(kk->row_scaled(r->b[G].f, n, 0.37, r->b[C].d)),
+           K(kk->row_scaled(r->b[G].f, n, 0.37, r->b[C].d)), "row_scaled");
+      for (int fl = 0; fl < 2; fl++) {
+        float a = fl ? 0.7f : 0.3f, b = 1 - a, e = fl ? 1e-30f : 0.0f, flo = fl ? 0 : 1.42e-14f;
+        BOTH(K(kk->var_update(r->b[G].f, r->b[P].f, r->b[V].f, n, a, b, e, flo, &r->r1, &r->r2)),
+             K(kk->var_update(r->b[G].f, r->b[P].f, r->b[V].f, n, a, b, e, flo, &r->r1, &r->r2)),
+             "var_update");
+      }
+      BOTH(K(r->r1 = kk->row_u2_clamped(r->b[G].f, r->b[V].f, n, 0.9f, 1e-8f)),
+           K(r->r1 = kk->row_u2_clamped(r->b[G].f, r->b[V].f, n, 0.9f, 1e-8f)), "row_u2_clamped");
+      for (int mo = 0; mo < 2; mo++) {
+        BOTH(K(kk->apply_rowcol(r->b[P].f, r->b[G].f, mo ? r->b[M].f : NULL, r->b[C].f, n, -3e-3f,
+                                0.999f, 0.9f)),
+             K(kk->apply_rowcol(r->b[P].f, r->b[G].f, mo ? r->b[M].f : NULL, r->b[C].f, n, -3e-3f,
+                                0.999f, 0.9f)),
+             "apply_rowcol");
+        BOTH(K(kk->apply_elem(r->b[P].f, r->b[G].f, mo ? r->b[M].f : NULL, r->b[V].f, n, 1.0f,
+                              1e-8f, 2e-3f, 1.0f, 0.9f)),
+             K(kk->apply_elem(r->b[P].f, r->b[G].f, mo ? r->b[M].f : NULL, r->b[V].f, n, 1.0f,
+                              1e-8f, 2e-3f, 1.0f, 0.9f)),
+             "apply_elem");
+      }
+    }
+    for (int i = 0; i < NB; i++) {
+      buf_free(&src.b[i]);
+      buf_free(&rs.b[i]);
+      buf_free(&rk.b[i]);
+    }
+  }
+}
+
+static void parity_avx2(void **u) { (void)u; parity("avx2"); }
+static void parity_neon(void **u) { (void)u; parity("neon"); }
+
+/* ---- full steps on odd shapes ---- */
+
+typedef void (*hp_fn)(fps_adafactor_hparams_t *);
+static void hp_torch(fps_adafactor_hparams_t *h) { fps_adafactor_defaults(h, FPS_FLAVOR_TORCH); }
+static void hp_torch_wd_max(fps_adafactor_hparams_t *h) {
+  fps_adafactor_defaults(h, FPS_FLAVOR_TORCH);
+  h->weight_decay = 0.01, h->maximize = true, h->lr = 1.0;
+}
+static void hp_hf(fps_adafactor_hparams_t *h) { fps_adafactor_defaults(h, FPS_FLAVOR_HF); }
+static void hp_hf_trainer_beta1(fps_adafactor_hparams_t *h) {
+  fps_adafactor_defaults(h, FPS_FLAVOR_HF);
+  h->relative_step = false, h->has_lr = true, h->lr = 1e-3, h->scale_parameter = false;
+  h->has_beta1 = true, h->beta1 = 0.9, h->weight_decay = 0.01;
+}
+
+static void step_parity(const char *variant) {
+  const fps_kernels_t *k;
+  char why[256];
+  int rc = fps_kernels_by_name(variant, &k, why, sizeof why);
+  if (rc == FPS_EUNSUPPORTED) skip();
+  assert_int_equal(rc, 0);
+  const fps_shape_t shapes[] = {
+      {.ndim = 0},
+      {.ndim = 1, .dim = {1}},
+      {.ndim = 1, .dim = {257}},
+      {.ndim = 2, .dim = {1, 131}},
+      {.ndim = 2, .dim = {131, 1}},
+      {.ndim = 2, .dim = {17, 33}},
+      {.ndim = 3, .dim = {3, 5, 7}},
+      {.ndim = 4, .dim = {2, 3, 9, 13}},
+      {.ndim = 2, .dim = {300, 301}}, /* several chunks */
+  };
+  const hp_fn hps[] = {hp_torch, hp_torch_wd_max, hp_hf, hp_hf_trainer_beta1};
+  /* 1: normal gradients; 1e-5: torch's mean(row) clamp; 1e-15: V clamp */
+  const float gscale[] = {1.0f, 1e-5f, 1e-15f};
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+    for (size_t hi = 0; hi < sizeof hps / sizeof hps[0]; hi++)
+      for (size_t gi = 0; gi < 3; gi++) {
+        fps_adafactor_hparams_t hp;
+        hps[hi](&hp);
+        uint64_t n;
+        assert_int_equal(fps_shape_validate(&shapes[si], &n, NULL, 0), 0);
+        /* +1 float: misaligned param and grad */
+        float *p0 = malloc((n + 1) * 4), *g = malloc((3 * n + 1) * 4);
+        float *ps = malloc((n + 1) * 4), *pk = malloc((n + 1) * 4);
+        assert_true(p0 && g && ps && pk);
+        for (uint64_t i = 0; i <= n; i++) p0[i] = nrand() * 0.5f;
+        for (uint64_t i = 0; i <= 3 * n; i++) g[i] = nrand() * gscale[gi];
+        fps_adafactor_state_t ss, sk;
+        assert_int_equal(fps_adafactor_state_init(&ss, &shapes[si], &hp), 0);
+        assert_int_equal(fps_adafactor_state_init(&sk, &shapes[si], &hp), 0);
+        memcpy(ps, p0, (n + 1) * 4);
+        memcpy(pk, p0, (n + 1) * 4);
+        for (int t = 0; t < 3; t++) {
+          assert_int_equal(
+              fps_adafactor_step(&fps__kernels_scalar, &hp, &ss, ps + 1, g + 1 + t * n, NULL, NULL),
+              0);
+          assert_int_equal(fps_adafactor_step(k, &hp, &sk, pk + 1, g + 1 + t * n, NULL, NULL), 0);
+        }
+        double maxp = 0, maxd = 0;
+        for (uint64_t i = 1; i <= n; i++) {
+          maxp = fmax(maxp, fabs(ps[i]));
+          maxd = fmax(maxd, fabs((double)ps[i] - pk[i]));
+        }
+        if (maxd > STEP_TOL * maxp)
+          print_error("shape %zu hp %zu g %zu: param diff %.3e of max %.3e\n", si, hi, gi, maxd,
+                      maxp);
+        assert_true(maxd <= STEP_TOL * maxp);
+        const float *as[] = {ss.row, ss.col, ss.var, ss.mom}, *bs[] = {sk.row, sk.col, sk.var, sk.mom};
+        const uint64_t ns[] = {ss.batch * ss.rows, ss.batch * ss.cols, n, n};
+        for (int a = 0; a < 4; a++) {
+          assert_true((as[a] == NULL) == (bs[a] == NULL));
+          for (uint64_t i = 0; as[a] && i < ns[a]; i++) {
+            double d = fabs((double)as[a][i] - bs[a][i]);
+            if (!(d <= STEP_TOL * fabs(as[a][i]) + 1e-30))
+              print_error("shape %zu hp %zu: state %d[%llu] %.9g vs %.9g\n", si, hi, a,
+                          (unsigned long long)i, as[a][i], bs[a][i]);
+            assert_true(d <= STEP_TOL * fabs(as[a][i]) + 1e-30);
+          }
+        }
+        fps_adafactor_state_destroy(&ss);
+        fps_adafactor_state_destroy(&sk);
+        free(p0), free(g), free(ps), free(pk);
+      }
+}
+
+static void steps_avx2(void **u) { (void)u; step_parity("avx2"); }
+static void steps_neon(void **u) { (void)u; step_parity("neon"); }
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(parity_avx2),
+      cmocka_unit_test(parity_neon),
+      cmocka_unit_test(steps_avx2),
+      cmocka_unit_test(steps_neon),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
