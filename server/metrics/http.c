@@ -322,6 +322,20 @@ static int parse_listen(const char *listen, struct sockaddr_storage *ss) {
   return 0;
 }
 
+static int write_port_file(const char *path, int port) {
+  char tmp[4096];
+  if (snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp) return UV_ENAMETOOLONG;
+  FILE *f = fopen(tmp, "w");
+  if (f == NULL) return UV_EIO;
+  int ok = fprintf(f, "%d\n", port) > 0;
+  ok = (fclose(f) == 0) && ok;
+  if (!ok || rename(tmp, path) != 0) {
+    remove(tmp);
+    return UV_EIO;
+  }
+  return 0;
+}
+
 int fps_metrics_http_start(const fps_metrics_http_opts_t *opts, fps_metrics_http_t **out) {
   if (opts == NULL || opts->listen == NULL || out == NULL) return FPS_EINVAL;
   struct sockaddr_storage ss;
@@ -335,6 +349,7 @@ int fps_metrics_http_start(const fps_metrics_http_opts_t *opts, fps_metrics_http
   if (h == NULL) return FPS_ENOMEM;
   h->o = *opts;
   h->o.listen = NULL;
+  h->o.port_file = NULL;
   if (!h->o.max_connections) h->o.max_connections = 128;
   if (!h->o.request_timeout_ms) h->o.request_timeout_ms = 5000;
   if (!h->o.max_header_bytes) h->o.max_header_bytes = 8192;
@@ -368,9 +383,10 @@ int fps_metrics_http_start(const fps_metrics_http_opts_t *opts, fps_metrics_http
       h->port = bound.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&bound)->sin6_port)
                                             : ntohs(((struct sockaddr_in *)&bound)->sin_port);
   }
+  if (rc == 0 && opts->port_file && *opts->port_file) rc = write_port_file(opts->port_file, h->port);
   if (rc == 0) rc = uv_thread_create(&h->thread, loop_thread, h);
   if (rc < 0) {
-    fprintf(stderr, "factorps: metrics: cannot listen on '%s': %s\n", opts->listen,
+    fprintf(stderr, "factorps: metrics: cannot serve on '%s': %s\n", opts->listen,
             uv_strerror(rc));
     uv_close((uv_handle_t *)&h->listener, NULL);
     uv_close((uv_handle_t *)&h->stop, NULL);

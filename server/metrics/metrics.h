@@ -138,6 +138,9 @@ typedef struct fps_metrics_http_opts_s {
   unsigned request_timeout_ms;     /* whole request, from accept; 0: 5000. Then 408 */
   unsigned max_header_bytes;       /* request line + headers; 0: 8192. Then 431 */
   unsigned max_body_bytes;         /* declared body; 0: 1024. Then 413 */
+  /* Optional: written with the bound port and a newline once listening
+   * (temporary file + rename, so a reader never sees a partial number). */
+  const char *port_file;
 } fps_metrics_http_opts_t;
 
 /* Binds the listening socket (in the caller's thread, so a bad address or a

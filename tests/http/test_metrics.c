@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -117,9 +118,18 @@ static void test_state_and_update(void **st) {
 static void test_http_start_stop(void **st) {
   (void)st;
   fps_metrics_http_t *h = NULL;
-  fps_metrics_http_opts_t o = {.listen = "127.0.0.1:0"};
+  char pf[64];
+  snprintf(pf, sizeof pf, "/tmp/fps-test-metrics-%d.port", (int)getpid());
+  fps_metrics_http_opts_t o = {.listen = "127.0.0.1:0", .port_file = pf};
   assert_int_equal(fps_metrics_http_start(&o, &h), 0);
   assert_true(fps_metrics_http_port(h) > 0);
+  FILE *f = fopen(pf, "r");
+  assert_non_null(f);
+  int port = 0;
+  assert_int_equal(fscanf(f, "%d", &port), 1);
+  fclose(f);
+  remove(pf);
+  assert_int_equal(port, fps_metrics_http_port(h));
   /* The same port again is in use: reported at start, not later. */
   char addr[64];
   snprintf(addr, sizeof addr, "127.0.0.1:%d", fps_metrics_http_port(h));
@@ -137,6 +147,8 @@ static void test_http_start_stop(void **st) {
     assert_int_equal(fps_metrics_http_start(&b, &h2), FPS_EINVAL);
   }
   assert_int_equal(fps_metrics_http_start(NULL, &h2), FPS_EINVAL);
+  fps_metrics_http_opts_t nodir = {.listen = "127.0.0.1:0", .port_file = "/nonexistent/dir/p"};
+  assert_int_equal(fps_metrics_http_start(&nodir, &h2), FPS_EIO);
   fps_metrics_http_opts_t v6 = {.listen = "[::1]:0"};
   if (fps_metrics_http_start(&v6, &h2) == 0) { /* hosts without IPv6 skip this */
     assert_true(fps_metrics_http_port(h2) > 0);
