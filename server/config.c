@@ -1,0 +1,247 @@
+/* factorps-server configuration: one table drives defaults, FACTORPS_*
+ * environment variables, command-line flags, validation, --help and the
+ * start-up dump (after redis' standardConfig). Precedence: default < env <
+ * flag, so a deployment sets env and a test overrides with a flag. */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "server.h"
+
+typedef enum fps_cfg_type_e { CFG_STR, CFG_U32, CFG_U64, CFG_DOUBLE, CFG_MODE, CFG_BOOL } fps_cfg_type_t;
+
+typedef struct fps_cfg_entry_s {
+  const char *name;      /* flag without "--"; env is FACTORPS_ + upper(name with - -> _) */
+  fps_cfg_type_t type;
+  size_t off;
+  const char *def;       /* default, parsed like user input */
+  double min, max;       /* numeric bounds (inclusive) */
+  const char *help;
+} fps_cfg_entry_t;
+
+#define OFF(f) offsetof(fps_config_t, f)
+static const fps_cfg_entry_t fps__cfg_table[] = {
+    {"listen", CFG_STR, OFF(listen), "127.0.0.1:50051", 0, 0,
+     "gRPC listen address host:port (port 0: pick a free port)"},
+    {"shard-id", CFG_U32, OFF(shard_id), "0", 0, 65535, "this shard's index, 0 .. shard-count-1"},
+    {"shard-count", CFG_U32, OFF(shard_count), "1", 1, 65536, "number of shards in the job"},
+    {"mode", CFG_MODE, OFF(mode), "sync", 0, 0, "consistency mode: sync, async or ssp"},
+    {"staleness", CFG_U32, OFF(staleness), "2", 0, 1e9,
+     "ssp: how many steps a worker may run ahead of the slowest"},
+    {"workers", CFG_U32, OFF(workers), "1", 1, 65536, "sync/ssp: number of workers W"},
+    {"deadline", CFG_DOUBLE, OFF(deadline), "60", 0.001, 86400,
+     "seconds: deadline of calls that set none, and of a sync round"},
+    {"max-message-bytes", CFG_U64, OFF(max_message_bytes), "67108864", 65536, 2147483647.0,
+     "largest gRPC message accepted (bigger: RESOURCE_EXHAUSTED)"},
+    {"threads", CFG_U32, OFF(threads), "0", 0, 256, "completion-queue threads (0: number of CPUs, at least 2)"},
+    {"port-file", CFG_STR, OFF(port_file), "", 0, 0, "write the bound port to this file"},
+    {"max-tensors", CFG_U64, OFF(max_tensors), "1048576", 1, 1e15, "most tensors this shard holds"},
+    {"max-bytes", CFG_U64, OFF(max_bytes), "0", 0, 1.8e19,
+     "most parameter bytes this shard holds (0: half the physical memory)"},
+    {"apply-log", CFG_U32, OFF(apply_log), "4096", 0, 1 << 24,
+     "per-tensor apply records kept for Stats.apply_log"},
+    {"log-level", CFG_STR, OFF(log_level), "info", 0, 0, "error, warn, info or debug"},
+    {"simd", CFG_STR, OFF(simd), "auto", 0, 0, "kernel variant: auto, scalar, avx2, neon"},
+    {"malloc-tune", CFG_BOOL, OFF(malloc_tune), "true", 0, 0,
+     "tune glibc malloc for large messages (one arena, no mmap threshold, no trim)"},
+};
+#undef OFF
+#define FPS_CFG_N (sizeof fps__cfg_table / sizeof fps__cfg_table[0])
+
+const char *fps_mode_name(int mode) {
+  switch (mode) {
+    case FPS_MODE_SYNC: return "sync";
+    case FPS_MODE_ASYNC: return "async";
+    case FPS_MODE_SSP: return "ssp";
+    default: return "unknown";
+  }
+}
+
+static void fps__env_name(const fps_cfg_entry_t *e, char *buf, size_t len) {
+  size_t n = (size_t)snprintf(buf, len, "FACTORPS_");
+  for (const char *p = e->name; *p && n + 1 < len; p++, n++)
+    buf[n] = *p == '-' ? '_' : (char)(*p >= 'a' && *p <= 'z' ? *p - 32 : *p);
+  buf[n] = 0;
+}
+
+/* Parses one value into cfg; `src` names where it came from for errors. */
+static int fps__cfg_set(fps_config_t *cfg, const fps_cfg_entry_t *e, const char *val, const char *src) {
+  char *p = (char *)cfg + e->off;
+  char *end = NULL;
+  errno = 0;
+  switch (e->type) {
+    case CFG_STR: {
+      char *s = strdup(val);
+      if (!s) return -FPS_ENOMEM;
+      free(*(char **)p);
+      *(char **)p = s;
+      return 0;
+    }
+    case CFG_MODE:
+      if (!strcmp(val, "sync")) *(int *)p = FPS_MODE_SYNC;
+      else if (!strcmp(val, "async")) *(int *)p = FPS_MODE_ASYNC;
+      else if (!strcmp(val, "ssp")) *(int *)p = FPS_MODE_SSP;
+      else goto bad;
+      return 0;
+    case CFG_BOOL:
+      if (!strcmp(val, "1") || !strcmp(val, "true") || !strcmp(val, "yes") || !strcmp(val, "on"))
+        *(int *)p = 1;
+      else if (!strcmp(val, "0") || !strcmp(val, "false") || !strcmp(val, "no") || !strcmp(val, "off"))
+        *(int *)p = 0;
+      else goto bad;
+      return 0;
+    case CFG_DOUBLE: {
+      double d = strtod(val, &end);
+      if (errno || end == val || *end || !isfinite(d) || d < e->min || d > e->max) goto bad;
+      *(double *)p = d;
+      return 0;
+    }
+    case CFG_U32:
+    case CFG_U64: {
+      if (*val == '-' || *val == 0) goto bad;
+      unsigned long long u = strtoull(val, &end, 10);
+      if (errno || end == val || *end || (double)u < e->min || (double)u > e->max) goto bad;
+      if (e->type == CFG_U32) *(uint32_t *)p = (uint32_t)u;
+      else *(uint64_t *)p = (uint64_t)u;
+      return 0;
+    }
+  }
+bad:
+  if (e->type == CFG_MODE) fprintf(stderr, "factorps-server: %s: --%s must be sync, async or ssp, not '%s'\n", src, e->name, val);
+  else if (e->type == CFG_BOOL) fprintf(stderr, "factorps-server: %s: --%s must be true or false, not '%s'\n", src, e->name, val);
+  else fprintf(stderr, "factorps-server: %s: --%s must be a number in [%g, %g], not '%s'\n", src, e->name, e->min, e->max, val);
+  return -FPS_EINVAL;
+}
+
+static void fps__cfg_usage(FILE *f) {
+  fprintf(f,
+          "usage: factorps-server [options]\n"
+          "One factorps shard: tensors, Adafactor state and the gRPC service\n"
+          "factorps.v1.ParameterServer. Every option can also be set through the\n"
+          "environment variable shown; a flag wins over the environment.\n\n");
+  for (size_t i = 0; i < FPS_CFG_N; i++) {
+    const fps_cfg_entry_t *e = &fps__cfg_table[i];
+    char env[64];
+    fps__env_name(e, env, sizeof env);
+    fprintf(f, "  --%-18s %s\n  %-20s env %s, default %s\n", e->name, e->help, "", env,
+            *e->def ? e->def : "(none)");
+  }
+  fprintf(f, "  --help               this text\n  --version            print the version\n");
+}
+
+static int fps__cfg_check(fps_config_t *cfg) {
+  if (cfg->shard_id >= cfg->shard_count) {
+    fprintf(stderr, "factorps-server: --shard-id %u must be below --shard-count %u\n", cfg->shard_id,
+            cfg->shard_count);
+    return -FPS_EINVAL;
+  }
+  if (!*cfg->listen) {
+    fprintf(stderr, "factorps-server: --listen must not be empty\n");
+    return -FPS_EINVAL;
+  }
+  const char *lv[] = {"error", "warn", "info", "debug"};
+  int level = -1;
+  for (int i = 0; i < 4; i++)
+    if (!strcmp(cfg->log_level, lv[i])) level = i;
+  if (level < 0) {
+    fprintf(stderr, "factorps-server: --log-level must be error, warn, info or debug, not '%s'\n", cfg->log_level);
+    return -FPS_EINVAL;
+  }
+  fps__log_level = level;
+  if (cfg->threads == 0) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    cfg->threads = n < 2 ? 2 : (uint32_t)(n > 64 ? 64 : n);
+  }
+  if (cfg->max_bytes == 0) {
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    cfg->max_bytes = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz / 2 : (UINT64_C(1) << 34);
+  }
+  return 0;
+}
+
+int fps_config_load(fps_config_t *cfg, int argc, char **argv) {
+  memset(cfg, 0, sizeof *cfg);
+  int rc;
+  for (size_t i = 0; i < FPS_CFG_N; i++) {
+    rc = fps__cfg_set(cfg, &fps__cfg_table[i], fps__cfg_table[i].def, "default");
+    if (rc < 0) goto fail;
+  }
+  for (size_t i = 0; i < FPS_CFG_N; i++) {
+    char env[64];
+    fps__env_name(&fps__cfg_table[i], env, sizeof env);
+    const char *v = getenv(env);
+    if (v && (rc = fps__cfg_set(cfg, &fps__cfg_table[i], v, env)) < 0) goto fail;
+  }
+  struct option opts[FPS_CFG_N + 3];
+  for (size_t i = 0; i < FPS_CFG_N; i++)
+    opts[i] = (struct option){fps__cfg_table[i].name, required_argument, NULL, (int)(1000 + i)};
+  opts[FPS_CFG_N] = (struct option){"help", no_argument, NULL, 'h'};
+  opts[FPS_CFG_N + 1] = (struct option){"version", no_argument, NULL, 'V'};
+  opts[FPS_CFG_N + 2] = (struct option){0, 0, 0, 0};
+  optind = 1;
+  opterr = 0;
+  for (;;) {
+    int idx = optind;
+    int c = getopt_long(argc, argv, "hV", opts, NULL);
+    if (c == -1) break;
+    if (c == 'h') {
+      fps__cfg_usage(stdout);
+      fps_config_free(cfg);
+      return 1;
+    }
+    if (c == 'V') {
+      printf("factorps-server %s\n", FPS_VERSION);
+      fps_config_free(cfg);
+      return 1;
+    }
+    if (c == '?' || c == ':') {
+      fprintf(stderr, "factorps-server: unknown option or missing value: '%s' (see --help)\n",
+              idx < argc ? argv[idx] : "?");
+      rc = -FPS_EINVAL;
+      goto fail;
+    }
+    if ((rc = fps__cfg_set(cfg, &fps__cfg_table[c - 1000], optarg, "command line")) < 0) goto fail;
+  }
+  if (optind < argc) {
+    fprintf(stderr, "factorps-server: unexpected argument '%s' (see --help)\n", argv[optind]);
+    rc = -FPS_EINVAL;
+    goto fail;
+  }
+  if ((rc = fps__cfg_check(cfg)) < 0) goto fail;
+  return 0;
+fail:
+  fps_config_free(cfg);
+  return rc;
+}
+
+void fps_config_free(fps_config_t *cfg) {
+  for (size_t i = 0; i < FPS_CFG_N; i++)
+    if (fps__cfg_table[i].type == CFG_STR) {
+      char **p = (char **)((char *)cfg + fps__cfg_table[i].off);
+      free(*p);
+      *p = NULL;
+    }
+}
+
+void fps_config_dump(const fps_config_t *cfg, void (*line)(const char *)) {
+  for (size_t i = 0; i < FPS_CFG_N; i++) {
+    const fps_cfg_entry_t *e = &fps__cfg_table[i];
+    const char *p = (const char *)cfg + e->off;
+    char buf[512];
+    switch (e->type) {
+      case CFG_STR: snprintf(buf, sizeof buf, "%s=%s", e->name, *(char *const *)p); break;
+      case CFG_U32: snprintf(buf, sizeof buf, "%s=%u", e->name, *(const uint32_t *)p); break;
+      case CFG_U64: snprintf(buf, sizeof buf, "%s=%" PRIu64, e->name, *(const uint64_t *)p); break;
+      case CFG_DOUBLE: snprintf(buf, sizeof buf, "%s=%g", e->name, *(const double *)p); break;
+      case CFG_MODE: snprintf(buf, sizeof buf, "%s=%s", e->name, fps_mode_name(*(const int *)p)); break;
+      case CFG_BOOL: snprintf(buf, sizeof buf, "%s=%s", e->name, *(const int *)p ? "true" : "false"); break;
+    }
+    line(buf);
+  }
+}

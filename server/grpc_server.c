@@ -1,0 +1,515 @@
+/* gRPC C core plumbing: one completion queue served by T poller threads,
+ * request slots for the four registered methods (plus a generic slot that
+ * answers UNIMPLEMENTED), and the base state machine every call shares.
+ *
+ * Each call has at most one batch of its own in flight (plus the
+ * RECV_CLOSE_ON_SERVER op posted at the start), so the order of its
+ * messages is fixed by the code and start_batch never races with itself;
+ * call->mu still guards start_batch because a parked call can be resumed
+ * from the timer thread or another call's poller. */
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+#include <protobuf-c/protobuf-c.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server.h"
+
+#define FPS_SLOTS_PER_METHOD 8
+
+enum { M_CREATE, M_PUSHPULL, M_PULL, M_STATS, M_GENERIC };
+static const char *const fps__method_path[] = {
+    "/factorps.v1.ParameterServer/Create",
+    "/factorps.v1.ParameterServer/PushPull",
+    "/factorps.v1.ParameterServer/Pull",
+    "/factorps.v1.ParameterServer/Stats",
+};
+
+typedef struct fps_slot_s {
+  fps_tag_t tag;
+  fps_server_t *srv;
+  int method;
+  grpc_call *call;
+  gpr_timespec deadline;
+  grpc_metadata_array md;
+  grpc_byte_buffer *payload;
+  grpc_call_details details;   /* generic slot only */
+} fps_slot_t;
+
+typedef struct fps_poller_s {
+  pthread_t th;
+  fps_server_t *srv;
+} fps_poller_t;
+
+static fps_poller_t *fps__pollers;
+static uint32_t fps__npollers;
+
+/* Shutdown notification tag. */
+typedef struct fps_shutdown_tag_s {
+  fps_tag_t tag;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  bool done;
+} fps_shutdown_tag_t;
+static fps_shutdown_tag_t fps__shutdown_tag;
+
+int64_t fps_now_ns(void) {
+  gpr_timespec t = gpr_now(GPR_CLOCK_MONOTONIC);
+  return t.tv_sec * INT64_C(1000000000) + t.tv_nsec;
+}
+
+/* Monotonic ns of a gRPC deadline; INT64_MAX for "none". */
+static int64_t fps__deadline_ns(gpr_timespec d) {
+  if (gpr_time_cmp(d, gpr_inf_future(d.clock_type)) == 0) return INT64_MAX;
+  gpr_timespec m = gpr_convert_clock_type(d, GPR_CLOCK_MONOTONIC);
+  if (m.tv_sec > INT64_MAX / 1000000000 - 1) return INT64_MAX;
+  return m.tv_sec * INT64_C(1000000000) + m.tv_nsec;
+}
+
+/* ------------------------------------------------------------ call base */
+
+static void fps__call_unref(fps_call_t *c) {
+  if (atomic_fetch_sub(&c->refs, 1) != 1) return;
+  fps_calls_unlink(c->srv, c);
+  grpc_metadata_array_destroy(&c->md);
+  if (c->recv_buf) grpc_byte_buffer_destroy(c->recv_buf);
+  grpc_slice_unref(c->status_details);
+  grpc_call_unref(c->call);
+  pthread_mutex_destroy(&c->mu);
+  c->destroy(c);
+}
+
+static void fps__call_on_close(fps_tag_t *tag, bool ok) {
+  fps_call_t *c = (fps_call_t *)((char *)tag - offsetof(fps_call_t, close_tag));
+  pthread_mutex_lock(&c->mu);
+  c->closed = true;
+  bool cancelled = c->cancelled != 0;
+  pthread_mutex_unlock(&c->mu);
+  if (cancelled && c->on_cancel) c->on_cancel(c);
+  fps__call_unref(c);
+}
+
+static void fps__call_on_status(fps_tag_t *tag, bool ok) {
+  fps_call_t *c = (fps_call_t *)((char *)tag - offsetof(fps_call_t, status_tag));
+  /* The status went out (or the call died): the logic reference goes. */
+  fps__call_unref(c);
+}
+
+static void fps__call_on_batch(fps_tag_t *tag, bool ok) {
+  fps_call_t *c = (fps_call_t *)((char *)tag - offsetof(fps_call_t, batch_tag));
+  pthread_mutex_lock(&c->mu);
+  bool ended = c->status_sent;
+  pthread_mutex_unlock(&c->mu);
+  /* A receive that completes after the call was already answered (an error
+   * status raced it) has nothing left to drive. */
+  if (ended) return;
+  c->on_batch(c, ok);
+}
+
+int fps_call_begin(fps_call_t *c, fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
+                   grpc_metadata_array *md, const char *method) {
+  c->batch_tag.fn = fps__call_on_batch;
+  c->close_tag.fn = fps__call_on_close;
+  c->status_tag.fn = fps__call_on_status;
+  c->srv = srv;
+  c->call = call;
+  c->method = method;
+  c->md = *md;
+  memset(md, 0, sizeof *md);
+  c->status_details = grpc_empty_slice();
+  pthread_mutex_init(&c->mu, NULL);
+  atomic_init(&c->refs, 2); /* logic + close */
+  c->start_ns = fps_now_ns();
+  int64_t client = fps__deadline_ns(deadline);
+  int64_t ours = c->start_ns + (int64_t)(srv->cfg.deadline * 1e9);
+  c->deadline_ns = client < ours ? client : ours;
+  fps_calls_link(srv, c);
+
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  op.data.recv_close_on_server.cancelled = &c->cancelled;
+  pthread_mutex_lock(&c->mu);
+  grpc_call_error e = grpc_call_start_batch(call, &op, 1, &c->close_tag, NULL);
+  pthread_mutex_unlock(&c->mu);
+  if (e != GRPC_CALL_OK) {
+    FPS_SLOG(FPS_LOG_ERROR, "%s: RECV_CLOSE_ON_SERVER failed: %d", method, (int)e);
+    atomic_store(&c->refs, 1);
+    grpc_call_cancel(call, NULL);
+    fps__call_unref(c);
+    return -FPS_EPROTO;
+  }
+  return 0;
+}
+
+int fps_call_recv(fps_call_t *c) {
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_MESSAGE;
+  op.data.recv_message.recv_message = &c->recv_buf;
+  pthread_mutex_lock(&c->mu);
+  if (c->recv_buf) {
+    grpc_byte_buffer_destroy(c->recv_buf);
+    c->recv_buf = NULL;
+  }
+  grpc_call_error e = grpc_call_start_batch(c->call, &op, 1, &c->batch_tag, NULL);
+  pthread_mutex_unlock(&c->mu);
+  return e == GRPC_CALL_OK ? 0 : -FPS_EPROTO;
+}
+
+int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
+  grpc_op ops[3];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  pthread_mutex_lock(&c->mu);
+  if (c->status_sent) {
+    pthread_mutex_unlock(&c->mu);
+    grpc_byte_buffer_destroy(msg);
+    return -FPS_ESTATE;
+  }
+  if (!c->initial_md_sent) {
+    ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+    c->initial_md_sent = true;
+  }
+  ops[n].op = GRPC_OP_SEND_MESSAGE;
+  ops[n++].data.send_message.send_message = msg;
+  if (final) {
+    ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+    ops[n++].data.send_status_from_server.status = GRPC_STATUS_OK;
+    c->status_sent = true;
+  }
+  grpc_call_error e = grpc_call_start_batch(c->call, ops, n, final ? &c->status_tag : &c->batch_tag, NULL);
+  pthread_mutex_unlock(&c->mu);
+  if (e != GRPC_CALL_OK && final) fps__call_unref(c);
+  /* The send op holds its own reference to the message's slices. */
+  grpc_byte_buffer_destroy(msg);
+  if (e != GRPC_CALL_OK) {
+    FPS_SLOG(FPS_LOG_ERROR, "%s: start_batch(send) failed: %d", c->method, (int)e);
+    return -FPS_EPROTO;
+  }
+  return 0;
+}
+
+void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_list ap) {
+  char msg[2048];
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  grpc_op ops[2];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  pthread_mutex_lock(&c->mu);
+  if (c->status_sent) {
+    pthread_mutex_unlock(&c->mu);
+    return;
+  }
+  FPS_SLOG(FPS_LOG_DEBUG, "%s: status %d: %s", c->method, (int)code, msg);
+  if (!c->initial_md_sent) {
+    ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+    c->initial_md_sent = true;
+  }
+  grpc_slice_unref(c->status_details);
+  c->status_details = grpc_slice_from_copied_string(msg);
+  ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  ops[n].data.send_status_from_server.status = code;
+  ops[n++].data.send_status_from_server.status_details = &c->status_details;
+  c->status_sent = true;
+  grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->status_tag, NULL);
+  pthread_mutex_unlock(&c->mu);
+  if (e != GRPC_CALL_OK) {
+    /* No completion will come: release the logic reference here. */
+    FPS_SLOG(FPS_LOG_ERROR, "%s: start_batch(status) failed: %d", c->method, (int)e);
+    fps__call_unref(c);
+  }
+}
+
+void fps_call_fail(fps_call_t *c, grpc_status_code code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fps_call_failv(c, code, fmt, ap);
+  va_end(ap);
+}
+
+/* Frees the packed bytes when gRPC drops the slice. */
+static void fps__free_packed(void *p, size_t len) {
+  (void)len;
+  free(p);
+}
+
+grpc_byte_buffer *fps_pack_message(const void *m) {
+  const ProtobufCMessage *pm = m;
+  size_t len = protobuf_c_message_get_packed_size(pm);
+  uint8_t *buf = malloc(len ? len : 1);
+  if (!buf) return NULL;
+  protobuf_c_message_pack(pm, buf);
+  /* The slice takes ownership of buf: the packed bytes go to the transport
+   * without another copy. */
+  grpc_slice s = grpc_slice_new_with_len(buf, len, fps__free_packed);
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s);
+  return bb;
+}
+
+int fps_bb_flatten(grpc_byte_buffer *bb, uint8_t **out, size_t *len) {
+  grpc_byte_buffer_reader rd;
+  *out = NULL;
+  *len = 0;
+  if (!grpc_byte_buffer_reader_init(&rd, bb)) return -FPS_EPROTO;
+  size_t total = grpc_byte_buffer_length(bb);
+  uint8_t *p = malloc(total ? total : 1);
+  if (!p) {
+    grpc_byte_buffer_reader_destroy(&rd);
+    return -FPS_ENOMEM;
+  }
+  size_t off = 0;
+  grpc_slice s;
+  while (grpc_byte_buffer_reader_next(&rd, &s)) {
+    size_t n = GRPC_SLICE_LENGTH(s);
+    if (off + n <= total) memcpy(p + off, GRPC_SLICE_START_PTR(s), n);
+    off += n;
+    grpc_slice_unref(s);
+  }
+  grpc_byte_buffer_reader_destroy(&rd);
+  if (off != total) {
+    free(p);
+    return -FPS_EPROTO;
+  }
+  *out = p;
+  *len = total;
+  return 0;
+}
+
+/* ---------------------------------------------------------- call list */
+
+void fps_calls_link(fps_server_t *srv, fps_call_t *c) {
+  pthread_mutex_lock(&srv->calls_mu);
+  c->prev = NULL;
+  c->next = srv->calls;
+  if (srv->calls) srv->calls->prev = c;
+  srv->calls = c;
+  srv->ncalls++;
+  pthread_mutex_unlock(&srv->calls_mu);
+}
+
+void fps_calls_unlink(fps_server_t *srv, fps_call_t *c) {
+  pthread_mutex_lock(&srv->calls_mu);
+  if (c->prev) c->prev->next = c->next;
+  else srv->calls = c->next;
+  if (c->next) c->next->prev = c->prev;
+  srv->ncalls--;
+  pthread_mutex_unlock(&srv->calls_mu);
+}
+
+void fps_calls_expire(fps_server_t *srv, int64_t now_ns) {
+  pthread_mutex_lock(&srv->calls_mu);
+  for (fps_call_t *c = srv->calls; c; c = c->next) {
+    if (c->cancel_requested || c->deadline_ns > now_ns) continue;
+    c->cancel_requested = true;
+    char msg[256];
+    snprintf(msg, sizeof msg, "%s: call exceeded its deadline (%.3f s after it started)", c->method,
+             (double)(now_ns - c->start_ns) / 1e9);
+    /* Thread-safe in gRPC and harmless if the call already ended. */
+    grpc_call_cancel_with_status(c->call, GRPC_STATUS_DEADLINE_EXCEEDED, msg, NULL);
+  }
+  pthread_mutex_unlock(&srv->calls_mu);
+}
+
+/* -------------------------------------------------------------- slots */
+
+static int fps__slot_post(fps_slot_t *s);
+
+static void fps__slot_done(fps_tag_t *tag, bool ok) {
+  fps_slot_t *s = (fps_slot_t *)tag;
+  fps_server_t *srv = s->srv;
+  if (!ok) {
+    /* Shutdown: the slot is not re-posted. */
+    grpc_metadata_array_destroy(&s->md);
+    if (s->method == M_GENERIC) grpc_call_details_destroy(&s->details);
+    free(s);
+    return;
+  }
+  grpc_call *call = s->call;
+  gpr_timespec deadline = s->method == M_GENERIC ? s->details.deadline : s->deadline;
+  grpc_metadata_array md = s->md;
+  grpc_byte_buffer *payload = s->payload;
+  int method = s->method;
+  /* Re-post before handling, so a burst of calls never finds no slot. */
+  grpc_metadata_array_init(&s->md);
+  s->payload = NULL;
+  s->call = NULL;
+  if (method == M_GENERIC) {
+    grpc_call_details_destroy(&s->details);
+    grpc_call_details_init(&s->details);
+  }
+  if (atomic_load(&srv->shutting_down) || fps__slot_post(s) < 0) {
+    grpc_metadata_array_destroy(&s->md);
+    if (method == M_GENERIC) grpc_call_details_destroy(&s->details);
+    free(s);
+  }
+  switch (method) {
+    case M_CREATE: fps_rpc_create_start(srv, call, deadline, &md, payload); break;
+    case M_PUSHPULL: fps_rpc_pushpull_start(srv, call, deadline, &md); break;
+    case M_PULL: fps_rpc_pull_start(srv, call, deadline, &md, payload); break;
+    case M_STATS: fps_rpc_stats_start(srv, call, deadline, &md, payload); break;
+    default: {
+      /* Unknown method: answer UNIMPLEMENTED through a throwaway base. */
+      fps_call_t *c = calloc(1, sizeof *c);
+      if (!c) {
+        grpc_call_cancel(call, NULL);
+        grpc_call_unref(call);
+        grpc_metadata_array_destroy(&md);
+        break;
+      }
+      c->destroy = (void (*)(fps_call_t *))free;
+      if (fps_call_begin(c, srv, call, deadline, &md, "unknown method") == 0)
+        fps_call_fail(c, GRPC_STATUS_UNIMPLEMENTED, "factorps serves factorps.v1.ParameterServer only");
+      break;
+    }
+  }
+}
+
+static int fps__slot_post(fps_slot_t *s) {
+  fps_server_t *srv = s->srv;
+  grpc_call_error e;
+  if (s->method == M_GENERIC) {
+    e = grpc_server_request_call(srv->server, &s->call, &s->details, &s->md, srv->cq, srv->cq, &s->tag);
+  } else {
+    e = grpc_server_request_registered_call(srv->server, srv->method[s->method], &s->call, &s->deadline,
+                                            &s->md, s->method == M_PUSHPULL ? NULL : &s->payload,
+                                            srv->cq, srv->cq, &s->tag);
+  }
+  return e == GRPC_CALL_OK ? 0 : -FPS_EPROTO;
+}
+
+static int fps__slot_new(fps_server_t *srv, int method) {
+  fps_slot_t *s = calloc(1, sizeof *s);
+  if (!s) return -FPS_ENOMEM;
+  s->tag.fn = fps__slot_done;
+  s->srv = srv;
+  s->method = method;
+  grpc_metadata_array_init(&s->md);
+  if (method == M_GENERIC) grpc_call_details_init(&s->details);
+  if (fps__slot_post(s) < 0) {
+    grpc_metadata_array_destroy(&s->md);
+    if (method == M_GENERIC) grpc_call_details_destroy(&s->details);
+    free(s);
+    return -FPS_EPROTO;
+  }
+  return 0;
+}
+
+/* ----------------------------------------------------- pollers, start */
+
+static void *fps__poller_main(void *arg) {
+  fps_poller_t *p = arg;
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(p->srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
+    if (ev.type != GRPC_OP_COMPLETE) continue;
+    fps_tag_t *tag = ev.tag;
+    tag->fn(tag, ev.success != 0);
+  }
+  return NULL;
+}
+
+static void fps__shutdown_done(fps_tag_t *tag, bool ok) {
+  fps_shutdown_tag_t *t = (fps_shutdown_tag_t *)tag;
+  pthread_mutex_lock(&t->mu);
+  t->done = true;
+  pthread_cond_broadcast(&t->cv);
+  pthread_mutex_unlock(&t->mu);
+}
+
+int fps_grpc_start(fps_server_t *srv) {
+  grpc_arg args[2];
+  args[0].type = GRPC_ARG_INTEGER;
+  args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+  args[0].value.integer = (int)srv->cfg.max_message_bytes;
+  args[1].type = GRPC_ARG_INTEGER;
+  args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+  args[1].value.integer = -1;
+  grpc_channel_args ca = {2, args};
+  srv->server = grpc_server_create(&ca, NULL);
+  srv->cq = grpc_completion_queue_create_for_next(NULL);
+  if (!srv->server || !srv->cq) return -FPS_ENOMEM;
+  grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
+  for (int m = 0; m < 4; m++) {
+    srv->method[m] = grpc_server_register_method(
+        srv->server, fps__method_path[m], NULL,
+        m == M_PUSHPULL ? GRPC_SRM_PAYLOAD_NONE : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+    if (!srv->method[m]) return -FPS_EPROTO;
+  }
+  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  srv->port = grpc_server_add_http2_port(srv->server, srv->cfg.listen, creds);
+  grpc_server_credentials_release(creds);
+  if (srv->port <= 0) {
+    fprintf(stderr, "factorps-server: cannot listen on '%s' (address in use or invalid)\n", srv->cfg.listen);
+    return -FPS_EIO;
+  }
+  grpc_server_start(srv->server);
+  for (int m = 0; m <= M_GENERIC; m++) {
+    int n = m == M_GENERIC ? 2 : FPS_SLOTS_PER_METHOD;
+    for (int i = 0; i < n; i++)
+      if (fps__slot_new(srv, m) < 0) return -FPS_ENOMEM;
+  }
+  fps__npollers = srv->cfg.threads;
+  fps__pollers = calloc(fps__npollers, sizeof *fps__pollers);
+  if (!fps__pollers) return -FPS_ENOMEM;
+  for (uint32_t i = 0; i < fps__npollers; i++) {
+    fps__pollers[i].srv = srv;
+    if (pthread_create(&fps__pollers[i].th, NULL, fps__poller_main, &fps__pollers[i]) != 0) {
+      fps__npollers = i;
+      return -FPS_ENOMEM;
+    }
+  }
+  return 0;
+}
+
+void fps_grpc_stop(fps_server_t *srv, double grace_s) {
+  if (!srv->server) return;
+  atomic_store(&srv->shutting_down, true);
+  fps_shutdown_tag_t *t = &fps__shutdown_tag;
+  t->tag.fn = fps__shutdown_done;
+  pthread_mutex_init(&t->mu, NULL);
+  pthread_cond_init(&t->cv, NULL);
+  t->done = false;
+  grpc_server_shutdown_and_notify(srv->server, srv->cq, &t->tag);
+  /* Calls parked in sync rounds or ssp waits would only end at their
+   * deadline: fail them now. */
+  fps_sync_fail_all(srv, GRPC_STATUS_UNAVAILABLE, "shard is shutting down");
+
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += (time_t)grace_s;
+  pthread_mutex_lock(&t->mu);
+  while (!t->done && fps__npollers > 0) {
+    if (pthread_cond_timedwait(&t->cv, &t->mu, &until) != 0) break;
+  }
+  bool done = t->done;
+  pthread_mutex_unlock(&t->mu);
+  if (!done) {
+    FPS_SLOG(FPS_LOG_WARN, "shutdown: calls still running after %.0f s, cancelling them", grace_s);
+    grpc_server_cancel_all_calls(srv->server);
+    pthread_mutex_lock(&t->mu);
+    while (!t->done && fps__npollers > 0) pthread_cond_wait(&t->cv, &t->mu);
+    pthread_mutex_unlock(&t->mu);
+  }
+  /* Calls can still be finishing their last batches: destroying the
+   * server cancels what remains, the queue drains to SHUTDOWN, and the
+   * pollers (which run the final unrefs) exit. */
+  grpc_server_cancel_all_calls(srv->server);
+  grpc_server_destroy(srv->server);
+  srv->server = NULL;
+  grpc_completion_queue_shutdown(srv->cq);
+  for (uint32_t i = 0; i < fps__npollers; i++) pthread_join(fps__pollers[i].th, NULL);
+  free(fps__pollers);
+  fps__pollers = NULL;
+  fps__npollers = 0;
+  grpc_completion_queue_destroy(srv->cq);
+  srv->cq = NULL;
+  pthread_mutex_destroy(&t->mu);
+  pthread_cond_destroy(&t->cv);
+}

@@ -1,0 +1,157 @@
+/* factorps-server: one shard of a factorps parameter server.
+ *
+ * Start-up: config, malloc tuning, signals blocked before grpc_init (gRPC
+ * starts threads that must not receive them), kernels, store, timer, gRPC.
+ * Then the main thread waits in sigwait(); SIGTERM/SIGINT stops accepting
+ * calls, fails parked calls with UNAVAILABLE, gives in-flight calls a grace
+ * period, cancels the rest, frees everything and exits 0. */
+#include <malloc.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <grpc/grpc.h>
+
+#include "server.h"
+
+#define FPS_SHUTDOWN_GRACE_S 5.0
+
+int fps__log_level = FPS_LOG_INFO;
+
+void fps__log(int level, const char *fmt, ...) {
+  static const char *const names[] = {"error", "warn", "info", "debug"};
+  char msg[2048];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  struct tm tm;
+  gmtime_r(&ts.tv_sec, &tm);
+  /* One fprintf per line keeps lines from different threads whole. */
+  fprintf(stderr, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ factorps-server %s: %s\n", tm.tm_year + 1900,
+          tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
+          names[level < 0 ? 0 : level > 3 ? 3 : level], msg);
+}
+
+static void fps__dump_line(const char *line) { FPS_SLOG(FPS_LOG_DEBUG, "config %s", line); }
+
+static int fps__write_port_file(const char *path, int port) {
+  /* Write then rename, so a test polling the file never reads half of it. */
+  char tmp[4096];
+  snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+  FILE *f = fopen(tmp, "w");
+  if (!f) return -FPS_EIO;
+  int ok = fprintf(f, "%d\n", port) > 0;
+  ok &= fclose(f) == 0;
+  if (!ok || rename(tmp, path) != 0) {
+    unlink(tmp);
+    return -FPS_EIO;
+  }
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  static fps_server_t srv;
+  int rc = fps_config_load(&srv.cfg, argc, argv);
+  if (rc == 1) return 0;
+  if (rc < 0) return 2;
+
+  if (srv.cfg.malloc_tune) {
+    /* Large messages: freshly mmapped buffers cost a page fault per 4 KiB
+     * on first touch. One arena, no mmap threshold and no trimming keep
+     * tensor-sized buffers in the heap for reuse (measured 2-3x for
+     * 1-64 MiB messages, see the README). */
+    mallopt(M_ARENA_MAX, 1);
+    mallopt(M_MMAP_THRESHOLD, 1 << 30);
+    mallopt(M_TRIM_THRESHOLD, -1);
+    mallopt(M_TOP_PAD, 64 << 20);
+  }
+
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+  signal(SIGPIPE, SIG_IGN);
+
+  char why[256] = "";
+  if (!strcmp(srv.cfg.simd, "auto")) {
+    rc = fps_kernels_from_env(&srv.kernels, why, sizeof why);
+  } else {
+    rc = fps_kernels_by_name(srv.cfg.simd, &srv.kernels, why, sizeof why);
+  }
+  if (rc < 0) {
+    fprintf(stderr, "factorps-server: --simd %s: %s\n", srv.cfg.simd, why);
+    fps_config_free(&srv.cfg);
+    return 2;
+  }
+  fps_config_dump(&srv.cfg, fps__dump_line);
+
+  pthread_mutex_init(&srv.calls_mu, NULL);
+  pthread_mutex_init(&srv.ssp_mu, NULL);
+  pthread_mutex_init(&srv.rounds_mu, NULL);
+  pthread_mutex_init(&srv.counters.mu, NULL);
+  srv.started_ns = 0;
+  if (fps_store_init(&srv.store) < 0) {
+    fprintf(stderr, "factorps-server: out of memory\n");
+    return 1;
+  }
+
+  grpc_init();
+  srv.started_ns = fps_now_ns();
+  int exit_code = 0;
+  bool timer = false;
+  if (fps_sync_start(&srv) < 0) {
+    fprintf(stderr, "factorps-server: cannot start the timer thread\n");
+    exit_code = 1;
+    goto out;
+  }
+  timer = true;
+  if (fps_grpc_start(&srv) < 0) {
+    exit_code = 1;
+    goto out;
+  }
+  if (srv.cfg.port_file && *srv.cfg.port_file && fps__write_port_file(srv.cfg.port_file, srv.port) < 0) {
+    fprintf(stderr, "factorps-server: cannot write --port-file '%s'\n", srv.cfg.port_file);
+    exit_code = 1;
+    goto out;
+  }
+  {
+    /* The listen address with the bound port (port 0 picks one). */
+    char host[512];
+    snprintf(host, sizeof host, "%s", srv.cfg.listen);
+    char *colon = strrchr(host, ':');
+    if (colon) *colon = 0;
+    printf("factorps-server: listening on %s:%d (shard %u of %u, mode %s, workers %u, simd %s)\n", host, srv.port,
+           srv.cfg.shard_id, srv.cfg.shard_count, fps_mode_name(srv.cfg.mode), srv.cfg.workers,
+           fps_kernels_name(srv.kernels));
+    fflush(stdout);
+  }
+
+  for (;;) {
+    int sig = 0;
+    if (sigwait(&sigs, &sig) == 0 && (sig == SIGTERM || sig == SIGINT)) {
+      FPS_SLOG(FPS_LOG_INFO, "%s: shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+      break;
+    }
+  }
+
+out:
+  fps_grpc_stop(&srv, FPS_SHUTDOWN_GRACE_S);
+  if (timer) fps_sync_stop(&srv);
+  fps_store_destroy(&srv.store);
+  grpc_shutdown_blocking();
+  pthread_mutex_destroy(&srv.calls_mu);
+  pthread_mutex_destroy(&srv.ssp_mu);
+  pthread_mutex_destroy(&srv.rounds_mu);
+  pthread_mutex_destroy(&srv.counters.mu);
+  fps_config_free(&srv.cfg);
+  if (exit_code == 0) FPS_SLOG(FPS_LOG_INFO, "stopped cleanly");
+  return exit_code;
+}

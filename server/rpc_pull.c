@@ -1,0 +1,142 @@
+/* Pull: current parameters and versions of named tensors, streamed.
+ *
+ * Every tensor is snapshotted (one copy, under its lock, briefly) before
+ * the first message goes out, so the reply is all-or-nothing and a slow
+ * reader never holds a tensor lock. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "wire.h"
+
+typedef struct fps_pull_call_s {
+  fps_call_t base;
+  fps_reply_t reply;
+} fps_pull_call_t;
+
+static void fps__pull_destroy(fps_call_t *c) {
+  fps_pull_call_t *pc = (fps_pull_call_t *)c;
+  fps_reply_free(&pc->reply);
+  free(pc);
+}
+
+/* Sends the next message of the reply (the final one carries OK). */
+static void fps__pull_send_next(fps_pull_call_t *pc) {
+  bool last = false;
+  grpc_byte_buffer *bb = fps_reply_next(&pc->reply, pc->base.srv, &last);
+  if (!bb) {
+    fps_call_fail(&pc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Pull: out of memory packing the reply");
+    return;
+  }
+  if (fps_call_send(&pc->base, bb, last) < 0)
+    fps_call_fail(&pc->base, GRPC_STATUS_INTERNAL, "Pull: cannot send the reply");
+}
+
+static void fps__pull_on_batch(fps_call_t *c, bool ok) {
+  fps_pull_call_t *pc = (fps_pull_call_t *)c;
+  if (!ok) {
+    fps_call_fail(c, GRPC_STATUS_CANCELLED, "Pull: the call ended while sending");
+    return;
+  }
+  fps__pull_send_next(pc);
+}
+
+static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *req) {
+  fps_server_t *srv = pc->base.srv;
+  char why[FPS_WHY_MAX];
+  grpc_status_code code = GRPC_STATUS_OK;
+  int dtype = req->dtype == 0 ? FPS_DTYPE_F32 : (int)req->dtype;
+  if (fps_dtype_size(dtype) == 0) {
+    fps_call_fail(&pc->base, GRPC_STATUS_INVALID_ARGUMENT,
+                  "Pull: unsupported dtype %d (supported: DTYPE_F32 = 1, DTYPE_BF16 = 2)", (int)req->dtype);
+    return;
+  }
+  pc->reply.pull = true;
+  pc->reply.items = calloc(req->n_names ? req->n_names : 1, sizeof *pc->reply.items);
+  if (!pc->reply.items) {
+    fps_call_fail(&pc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Pull: out of memory");
+    return;
+  }
+  for (size_t i = 0; i < req->n_names && code == GRPC_STATUS_OK; i++) {
+    const char *name = req->names[i] ? req->names[i] : "";
+    if ((code = fps_wire_name(name, why, sizeof why)) != GRPC_STATUS_OK) break;
+    pthread_rwlock_rdlock(&srv->store.mu);
+    fps_tensor_t *t = fps__store_find_locked(&srv->store, name, strlen(name));
+    pthread_rwlock_unlock(&srv->store.mu);
+    if (!t) {
+      code = GRPC_STATUS_NOT_FOUND;
+      snprintf(why, sizeof why, "tensor '%s' not found on shard %u", name, srv->cfg.shard_id);
+      break;
+    }
+    float *copy = malloc((t->numel ? t->numel : 1) * sizeof(float));
+    if (!copy) {
+      code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+      snprintf(why, sizeof why, "tensor '%s': out of memory for a %" PRIu64 "-element snapshot", name, t->numel);
+      break;
+    }
+    pthread_mutex_lock(&t->mu);
+    bool ready = t->ready;
+    uint64_t version = t->version;
+    uint64_t inited = t->init.covered;
+    if (ready) memcpy(copy, t->param, t->numel * sizeof(float));
+    pthread_mutex_unlock(&t->mu);
+    if (!ready) {
+      free(copy);
+      code = GRPC_STATUS_FAILED_PRECONDITION;
+      snprintf(why, sizeof why,
+               "tensor '%s' is still initialising (%" PRIu64 " of %" PRIu64 " elements have initial values)", name,
+               inited, t->numel);
+      break;
+    }
+    fps_reply_item_t *it = &pc->reply.items[pc->reply.n];
+    it->t = t;
+    it->version = version;
+    it->dtype = dtype;
+    it->snap = fps_snap_wrap(copy, t->numel, version, 1);
+    if (!it->snap) {
+      code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+      snprintf(why, sizeof why, "tensor '%s': out of memory", name);
+      break;
+    }
+    pc->reply.n++;
+  }
+  if (code != GRPC_STATUS_OK) {
+    fps_reply_free(&pc->reply);
+    fps_call_fail(&pc->base, code, "%s", why);
+    return;
+  }
+  fps__pull_send_next(pc);
+}
+
+void fps_rpc_pull_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
+                        grpc_metadata_array *md, grpc_byte_buffer *payload) {
+  fps_pull_call_t *pc = calloc(1, sizeof *pc);
+  if (!pc) {
+    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
+    grpc_call_unref(call);
+    grpc_metadata_array_destroy(md);
+    if (payload) grpc_byte_buffer_destroy(payload);
+    return;
+  }
+  pc->base.destroy = fps__pull_destroy;
+  pc->base.on_batch = fps__pull_on_batch;
+  if (fps_call_begin(&pc->base, srv, call, deadline, md, "Pull") < 0) {
+    if (payload) grpc_byte_buffer_destroy(payload);
+    return;
+  }
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  Factorps__V1__PullRequest *req = NULL;
+  if (!payload) {
+    fps_call_fail(&pc->base, GRPC_STATUS_INVALID_ARGUMENT, "Pull: the request message is missing");
+  } else if (fps_bb_flatten(payload, &buf, &len) < 0 ||
+             !(req = factorps__v1__pull_request__unpack(NULL, len, buf))) {
+    fps_call_fail(&pc->base, GRPC_STATUS_INVALID_ARGUMENT, "Pull: malformed PullRequest (%zu bytes)", len);
+  } else {
+    fps__pull_run(pc, req);
+  }
+  if (req) factorps__v1__pull_request__free_unpacked(req, NULL);
+  free(buf);
+  if (payload) grpc_byte_buffer_destroy(payload);
+}

@@ -1,0 +1,202 @@
+/* The shard's tensors: a name -> tensor hash map, tensor lifetime, the one
+ * place an Adafactor step is applied (version, apply log, counters), and
+ * the refcounted parameter snapshots replies stream from.
+ *
+ * Tensors are never removed while the server runs, so a pointer found under
+ * the store's read lock stays valid after the lock is dropped. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server.h"
+
+static uint64_t fps__hash(const char *s, size_t len) {
+  uint64_t h = UINT64_C(1469598103934665603); /* FNV-1a */
+  for (size_t i = 0; i < len; i++) {
+    h ^= (unsigned char)s[i];
+    h *= UINT64_C(1099511628211);
+  }
+  return h;
+}
+
+int fps_store_init(fps_store_t *st) {
+  memset(st, 0, sizeof *st);
+  st->nbucket = 64;
+  st->bucket = calloc(st->nbucket, sizeof *st->bucket);
+  if (!st->bucket) return -FPS_ENOMEM;
+  if (pthread_rwlock_init(&st->mu, NULL) != 0) {
+    free(st->bucket);
+    st->bucket = NULL;
+    return -FPS_ENOMEM;
+  }
+  return 0;
+}
+
+void fps_store_destroy(fps_store_t *st) {
+  if (!st->bucket) return;
+  fps_tensor_t *t = st->first;
+  while (t) {
+    fps_tensor_t *n = t->next;
+    fps_tensor_destroy(t);
+    t = n;
+  }
+  free(st->bucket);
+  pthread_rwlock_destroy(&st->mu);
+  memset(st, 0, sizeof *st);
+}
+
+fps_tensor_t *fps__store_find_locked(fps_store_t *st, const char *name, size_t len) {
+  fps_tensor_t *t = st->bucket[fps__hash(name, len) & (st->nbucket - 1)];
+  for (; t; t = t->hnext)
+    if (strlen(t->name) == len && memcmp(t->name, name, len) == 0) return t;
+  return NULL;
+}
+
+int fps__store_reserve_locked(fps_store_t *st, uint64_t n) {
+  if (n <= st->nbucket) return 0;
+  /* Keep chains short: grow the table to load factor <= 1. */
+  size_t nb = st->nbucket;
+  while (nb < n) nb *= 2;
+  {
+    fps_tensor_t **b = calloc(nb, sizeof *b);
+    if (!b) return -FPS_ENOMEM;
+    for (fps_tensor_t *x = st->first; x; x = x->next) {
+      size_t i = fps__hash(x->name, strlen(x->name)) & (nb - 1);
+      x->hnext = b[i];
+      b[i] = x;
+    }
+    free(st->bucket);
+    st->bucket = b;
+    st->nbucket = nb;
+  }
+  return 0;
+}
+
+int fps__store_insert_locked(fps_store_t *st, fps_tensor_t *t) {
+  int rc = fps__store_reserve_locked(st, st->count + 1);
+  if (rc < 0) return rc;
+  size_t i = fps__hash(t->name, strlen(t->name)) & (st->nbucket - 1);
+  t->hnext = st->bucket[i];
+  st->bucket[i] = t;
+  t->next = NULL;
+  if (st->last) st->last->next = t;
+  else st->first = t;
+  st->last = t;
+  st->count++;
+  st->param_bytes += t->numel * 4;
+  return 0;
+}
+
+fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t *shape,
+                                uint64_t numel, const fps_adafactor_hparams_t *hp,
+                                uint32_t workers, uint32_t log_cap) {
+  fps_tensor_t *t = calloc(1, sizeof *t);
+  if (!t) return NULL;
+  if (pthread_mutex_init(&t->mu, NULL) != 0) {
+    free(t);
+    return NULL;
+  }
+  t->shape = *shape;
+  t->numel = numel;
+  t->hp = *hp;
+  t->name = malloc(len + 1);
+  /* Parameters are written by Create's init slices; malloc (not calloc)
+   * leaves untouched pages unfaulted until then. At least one float so a
+   * zero-sized tensor still has a valid pointer. */
+  t->param = malloc((numel ? numel : 1) * sizeof(float));
+  t->round.member = calloc(workers ? workers : 1, sizeof *t->round.member);
+  t->log_cap = log_cap;
+  t->log = log_cap ? calloc(log_cap, sizeof *t->log) : NULL;
+  if (!t->name || !t->param || !t->round.member || (log_cap && !t->log)) goto fail;
+  memcpy(t->name, name, len);
+  t->name[len] = 0;
+  if (fps_adafactor_state_init(&t->st, shape, hp) < 0) goto fail;
+  if (fps_adafactor_state_size(shape, hp, &t->size) < 0) goto fail;
+  return t;
+fail:
+  fps_tensor_destroy(t);
+  return NULL;
+}
+
+void fps_tensor_destroy(fps_tensor_t *t) {
+  if (!t) return;
+  fps_adafactor_state_destroy(&t->st);
+  fps_ranges_free(&t->init);
+  free(t->round.member);
+  free(t->log);
+  free(t->param);
+  free(t->name);
+  pthread_mutex_destroy(&t->mu);
+  free(t);
+}
+
+int fps__tensor_apply_locked(fps_server_t *srv, fps_tensor_t *t, const float *grad,
+                             uint32_t worker_id, uint64_t step) {
+  fps_adafactor_trace_t tr;
+  memset(&tr, 0, sizeof tr);
+  int64_t t0 = fps_now_ns();
+  int rc = fps_adafactor_step(srv->kernels, &t->hp, &t->st, t->param, grad, NULL, &tr);
+  int64_t t1 = fps_now_ns();
+  if (rc < 0) {
+    FPS_SLOG(FPS_LOG_ERROR, "tensor '%s': Adafactor step failed: %s", t->name, fps_strerror(rc));
+    return rc;
+  }
+  t->version++;
+  if (t->log_cap) {
+    uint32_t slot = (t->log_head + t->log_len) % t->log_cap;
+    if (t->log_len == t->log_cap) t->log_head = (t->log_head + 1) % t->log_cap;
+    else t->log_len++;
+    t->log[slot] = (fps_apply_rec_t){worker_id, step, t->version};
+  }
+  atomic_fetch_add(&srv->counters.updates, 1);
+  atomic_fetch_add(&srv->counters.update_bytes, tr.bytes);
+  pthread_mutex_lock(&srv->counters.mu);
+  srv->counters.update_seconds_sum += (double)(t1 - t0) / 1e9;
+  pthread_mutex_unlock(&srv->counters.mu);
+  return 0;
+}
+
+void fps_shape_format(const fps_shape_t *s, char *buf, size_t len) {
+  size_t n = 0;
+  n += (size_t)snprintf(buf + n, len - n, "[");
+  for (uint32_t i = 0; i < s->ndim && n < len; i++)
+    n += (size_t)snprintf(buf + n, len - n, "%s%" PRIu64, i ? ", " : "", s->dim[i]);
+  if (n < len) snprintf(buf + n, len - n, "]");
+}
+
+fps_snap_t *fps_snap_wrap(float *data, uint64_t numel, uint64_t version, int refs) {
+  fps_snap_t *s = malloc(sizeof *s);
+  if (!s) {
+    free(data);
+    return NULL;
+  }
+  atomic_init(&s->refs, refs);
+  s->data = data;
+  s->numel = numel;
+  s->version = version;
+  return s;
+}
+
+void fps_snap_unref(fps_snap_t *s) {
+  if (!s) return;
+  if (atomic_fetch_sub(&s->refs, 1) == 1) {
+    free(s->data);
+    free(s);
+  }
+}
+
+void fps_counters_push_done(fps_server_t *srv, bool ok, double seconds) {
+  fps_counters_t *c = &srv->counters;
+  if (!ok) {
+    atomic_fetch_add(&c->push_errors, 1);
+    return;
+  }
+  atomic_fetch_add(&c->pushes, 1);
+  pthread_mutex_lock(&c->mu);
+  c->push_seconds_sum += seconds;
+  c->latency[(c->latency_head + c->latency_n) % FPS_LATENCY_RING] = seconds;
+  if (c->latency_n < FPS_LATENCY_RING) c->latency_n++;
+  else c->latency_head = (c->latency_head + 1) % FPS_LATENCY_RING;
+  pthread_mutex_unlock(&c->mu);
+}
