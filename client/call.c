@@ -3,9 +3,9 @@
  *
  * Per stream and attempt:
  *   gate   wait (connectivity watch) until the shard's channel is READY. A
- *          channel that falls into TRANSIENT_FAILURE during the wait fails
- *          the attempt as UNAVAILABLE before any call exists, which is why
- *          even PushPull may be retried then: nothing can have been sent.
+ *          channel in TRANSIENT_FAILURE (now or during the wait) fails the
+ *          attempt as UNAVAILABLE before any call exists, which is why even
+ *          PushPull may be retried then: nothing can have been sent.
  *   call   one batch waits for the status; one send is in flight at a time
  *          (gRPC allows no more per call) while the producer already packs
  *          the next message, so packing overlaps the transport's writes and
@@ -204,12 +204,17 @@ static void gate_begin(engine_t *e) {
       grpc_channel_check_connectivity_state(e->c->channels[e->s->shard], 1);
   if (st == GRPC_CHANNEL_READY) {
     call_start(e);
+  } else if (st == GRPC_CHANNEL_TRANSIENT_FAILURE) {
+    /* gRPC 1.51 keeps a failed channel in TRANSIENT_FAILURE while it keeps
+     * reconnecting in the background (it goes straight to READY when a
+     * connection succeeds), so waiting for a change here could wait for the
+     * whole deadline. Fail this attempt; the retry loop polls again after
+     * its backoff. */
+    gate_fail_unavailable(e);
   } else if (st == GRPC_CHANNEL_SHUTDOWN) {
     fps__stream_fail(e->s, FPS_CODE_UNAVAILABLE, "channel to %s is shut down",
                      e->c->addrs[e->s->shard]);
   } else {
-    /* TRANSIENT_FAILURE at the start (a failure seen by an earlier attempt)
-     * is waited out: gRPC reconnects after its short backoff. */
     gate_watch(e, st);
   }
 }

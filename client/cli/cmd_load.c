@@ -1,2 +1,470 @@
+/* factorps load: a synthetic training load.
+ *
+ * W workers (threads, or processes with --processes), each with its own
+ * client, register a transformer-like model of about N parameters and push
+ * S steps of gradients (worker w uses worker id w and steps 0..S-1, so the
+ * load is valid for sync shards started with --workers W). Worker 0 supplies
+ * the initial values; the others wait for them, which also exercises the
+ * wait-for-ready path. Gradients are fixed small values so the load
+ * generator spends its time moving bytes, not computing.
+ *
+ * Reported over the timed steps (after --warmup steps):
+ *   steps/s     steps per second of one worker (rounds per second in sync)
+ *   GB/s        gradient bytes pushed plus parameter bytes received, all
+ *               workers together, per second (10^9 bytes)
+ *   latency     push_pull percentiles over every worker's timed steps
+ * and a final `RESULT key=value ...` line for scripts (tests/bench/load.sh). */
+#include <getopt.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
 #include "commands.h"
-int fps_cli_load(int argc, char **argv) { (void)argc; (void)argv; return 1; }
+#include "factorps/client.h"
+
+typedef struct load_cfg_s {
+  char **addrs;
+  size_t n_shards;
+  unsigned workers;
+  unsigned long long params, steps, warmup;
+  double deadline;
+  unsigned long long max_message;
+  const char *mode_hint;
+  int processes;
+  /* The model. */
+  fps_tensor_def_t *defs;
+  char (*names)[64];
+  size_t n_tensors;
+  uint64_t total;                      /* elements */
+} load_cfg_t;
+
+typedef struct load_result_s {
+  int ok;
+  double t_start, t_end;               /* CLOCK_MONOTONIC of the timed steps */
+  double bytes;                        /* pushed + received in the timed steps */
+  char error[FPS_STATUS_MESSAGE_MAX + 64];
+} load_result_t;
+
+typedef struct worker_s {
+  const load_cfg_t *cfg;
+  unsigned id;
+  load_result_t res;
+  double *lat;                         /* timed steps' latencies, seconds */
+  pthread_t thread;
+} worker_t;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void usage(FILE *out) {
+  fprintf(out,
+          "usage: factorps load --shards HOST:PORT[,...] [--workers W] [--params N] [--steps S]\n"
+          "                     [--warmup K] [--mode-hint sync|async|ssp] [--threads|--processes]\n"
+          "                     [--deadline SECONDS] [--max-message BYTES]\n"
+          "Synthetic load: W workers (default 2, threads unless --processes) each push S steps\n"
+          "(default 20) of gradients for a transformer-like model of about N parameters\n"
+          "(default 10M; k/M/G suffixes) and report steps/s, GB/s (gradients pushed + params\n"
+          "received) and push_pull latency percentiles over the steps after the first K\n"
+          "(default 1). Sync shards must run with --workers W. --mode-hint states the mode\n"
+          "the shards should run in; a mismatch with what they report is an error.\n");
+}
+
+static void def_add(load_cfg_t *cfg, const char *name, uint32_t ndim, uint64_t d0, uint64_t d1) {
+  fps_tensor_def_t *d = &cfg->defs[cfg->n_tensors];
+  memset(d, 0, sizeof *d);
+  snprintf(cfg->names[cfg->n_tensors], sizeof cfg->names[0], "%s", name);
+  d->name = cfg->names[cfg->n_tensors];
+  d->ndim = ndim;
+  d->shape[0] = d0;
+  d->shape[1] = d1;
+  d->optim.flavor = FPS_OPTIM_TORCH;
+  cfg->total += ndim == 1 ? d0 : d0 * d1;
+  cfg->n_tensors++;
+}
+
+/* A GPT-like stack: token embedding [vocab, d]; per layer ln1 [d],
+ * attn.qkv [3d, d], attn.out [d, d], ln2 [d], mlp.up [4d, d],
+ * mlp.down [d, 4d]; a final ln [d]. d grows with N (sqrt(N/100), a
+ * multiple of 8), the layers take about 70% of N and the vocabulary fills
+ * the rest, so the total lands within one embedding row of N. */
+static int build_model(load_cfg_t *cfg) {
+  uint64_t n = cfg->params;
+  uint64_t d = (uint64_t)(sqrt((double)n / 100.0) / 8.0 + 0.5) * 8;
+  if (d < 8) d = 8;
+  uint64_t per_layer = 12 * d * d + 2 * d;
+  uint64_t layers = (uint64_t)((double)n * 0.7 / (double)per_layer);
+  if (layers < 1) layers = 1;
+  if (layers > 512) layers = 512;
+  if (layers * per_layer + d + d > n) {
+    fprintf(stderr, "factorps load: --params %llu is too small for a model (need >= %llu)\n",
+            (unsigned long long)n, (unsigned long long)(per_layer + 2 * d));
+    return -1;
+  }
+  uint64_t vocab = (n - layers * per_layer - d) / d;
+  size_t cap = 2 + 6 * layers;
+  cfg->defs = calloc(cap, sizeof *cfg->defs);
+  cfg->names = calloc(cap, sizeof *cfg->names);
+  if (!cfg->defs || !cfg->names) return -1;
+  char name[64];
+  def_add(cfg, "embed.tok", 2, vocab, d);
+  for (uint64_t l = 0; l < layers; l++) {
+#define L(suffix, nd, a, b)                                                                \
+  snprintf(name, sizeof name, "layer%03llu.%s", (unsigned long long)l, suffix);           \
+  def_add(cfg, name, nd, a, b)
+    L("ln1", 1, d, 0);
+    L("attn.qkv", 2, 3 * d, d);
+    L("attn.out", 2, d, d);
+    L("ln2", 1, d, 0);
+    L("mlp.up", 2, 4 * d, d);
+    L("mlp.down", 2, d, 4 * d);
+#undef L
+  }
+  def_add(cfg, "ln_f", 1, d, 0);
+  return 0;
+}
+
+static uint64_t numel_of(const fps_tensor_def_t *d) {
+  uint64_t n = 1;
+  for (uint32_t i = 0; i < d->ndim; i++) n *= d->shape[i];
+  return n;
+}
+
+/* One worker: connect, create (worker 0 uploads values), push S steps. */
+static void worker_run(worker_t *w) {
+  const load_cfg_t *cfg = w->cfg;
+  size_t n = cfg->n_tensors;
+  fps_client_t *c = NULL;
+  fps_status_t st;
+  fps_client_options_t o;
+  float *grad = NULL, *param = NULL;
+  const float **grads = calloc(n, sizeof *grads);
+  float **params = calloc(n, sizeof *params);
+  const char **names = calloc(n, sizeof *names);
+  fps_tensor_def_t *defs = calloc(n, sizeof *defs);
+  uint64_t *versions = calloc(n, sizeof *versions);
+  double bytes_per_step = 0;
+
+  w->res.ok = 0;
+  if (!grads || !params || !names || !defs || !versions) {
+    snprintf(w->res.error, sizeof w->res.error, "out of memory");
+    goto done;
+  }
+  /* One contiguous gradient and one parameter area for the whole model. */
+  grad = malloc(cfg->total * sizeof *grad);
+  param = malloc(cfg->total * sizeof *param);
+  if (!grad || !param) {
+    snprintf(w->res.error, sizeof w->res.error, "out of memory for %llu parameters",
+             (unsigned long long)cfg->total);
+    goto done;
+  }
+  unsigned seed = 12345u + w->id;
+  for (uint64_t i = 0; i < cfg->total; i++) {
+    seed = seed * 1103515245u + 12345u;
+    grad[i] = ((float)(seed >> 16 & 0x7fff) / 32768.0f - 0.5f) * 2e-3f;
+    param[i] = ((float)(seed >> 8 & 0x7fff) / 32768.0f - 0.5f) * 0.1f;
+  }
+  uint64_t off = 0;
+  for (size_t i = 0; i < n; i++) {
+    defs[i] = cfg->defs[i];
+    defs[i].init = w->id == 0 ? param + off : NULL;
+    names[i] = cfg->defs[i].name;
+    grads[i] = grad + off;
+    params[i] = param + off;
+    off += numel_of(&cfg->defs[i]);
+  }
+  bytes_per_step = 2.0 * (double)cfg->total * 4.0;
+
+  fps_client_options_init(&o);
+  o.deadline_seconds = cfg->deadline;
+  o.max_message_bytes = cfg->max_message;
+  if (!(c = fps_client_create((const char *const *)cfg->addrs, cfg->n_shards, &o, &st))) goto fail;
+  if (fps_client_create_tensors(c, defs, n, &st)) goto fail;
+  for (unsigned long long s = 0; s < cfg->steps; s++) {
+    if (s == cfg->warmup) w->res.t_start = now_s();
+    double t0 = now_s();
+    if (fps_client_push_pull(c, w->id, s, names, grads, params, versions, n, &st)) goto fail;
+    if (s >= cfg->warmup) w->lat[s - cfg->warmup] = now_s() - t0;
+  }
+  w->res.t_end = now_s();
+  w->res.bytes = bytes_per_step * (double)(cfg->steps - cfg->warmup);
+  w->res.ok = 1;
+  goto done;
+fail:
+  snprintf(w->res.error, sizeof w->res.error, "worker %u: %s: %s", w->id, fps_code_name(st.code),
+           st.message);
+done:
+  fps_client_destroy(c);
+  free(grad);
+  free(param);
+  free(grads);
+  free(params);
+  free(names);
+  free(defs);
+  free(versions);
+}
+
+static void *worker_thread(void *arg) {
+  worker_run(arg);
+  return NULL;
+}
+
+static int write_all(int fd, const void *buf, size_t len) {
+  const char *p = buf;
+  while (len) {
+    ssize_t k = write(fd, p, len);
+    if (k <= 0) return -1;
+    p += k;
+    len -= (size_t)k;
+  }
+  return 0;
+}
+
+static int read_all(int fd, void *buf, size_t len) {
+  char *p = buf;
+  while (len) {
+    ssize_t k = read(fd, p, len);
+    if (k <= 0) return -1;
+    p += k;
+    len -= (size_t)k;
+  }
+  return 0;
+}
+
+/* --processes: fork before any gRPC use in this process (gRPC's threads do
+ * not survive fork), run one worker per child, ship results over a pipe. */
+static int run_processes(worker_t *ws, unsigned W, size_t n_lat) {
+  pid_t *pids = calloc(W, sizeof *pids);
+  int *fds = calloc(W, sizeof *fds);
+  int rc = 0;
+  if (!pids || !fds) {
+    free(pids);
+    free(fds);
+    return -1;
+  }
+  for (unsigned i = 0; i < W; i++) {
+    int p[2];
+    if (pipe(p)) {
+      perror("pipe");
+      rc = -1;
+      W = i;
+      break;
+    }
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+      close(p[0]);
+      worker_run(&ws[i]);
+      int bad = write_all(p[1], &ws[i].res, sizeof ws[i].res) ||
+                write_all(p[1], ws[i].lat, n_lat * sizeof *ws[i].lat);
+      _exit(bad ? 1 : 0);
+    }
+    close(p[1]);
+    if (pid < 0) {
+      perror("fork");
+      close(p[0]);
+      rc = -1;
+      W = i;
+      break;
+    }
+    pids[i] = pid;
+    fds[i] = p[0];
+  }
+  for (unsigned i = 0; i < W; i++) {
+    if (read_all(fds[i], &ws[i].res, sizeof ws[i].res) ||
+        read_all(fds[i], ws[i].lat, n_lat * sizeof *ws[i].lat)) {
+      ws[i].res.ok = 0;
+      snprintf(ws[i].res.error, sizeof ws[i].res.error, "worker %u: process died", i);
+    }
+    close(fds[i]);
+    waitpid(pids[i], NULL, 0);
+  }
+  free(pids);
+  free(fds);
+  return rc;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double pct(const double *v, size_t n, double p) {
+  if (!n) return 0;
+  size_t i = (size_t)ceil(p / 100.0 * (double)n);
+  if (i > 0) i--;
+  return v[i < n ? i : n - 1];
+}
+
+static int check_mode(const load_cfg_t *cfg) {
+  fps_client_options_t o;
+  fps_status_t st;
+  fps_shard_stats_t *s = calloc(cfg->n_shards, sizeof *s);
+  int rc = -1;
+  fps_client_options_init(&o);
+  o.deadline_seconds = cfg->deadline < 10 ? cfg->deadline : 10;
+  fps_client_t *c = fps_client_create((const char *const *)cfg->addrs, cfg->n_shards, &o, &st);
+  if (!s || !c || fps_client_stats(c, s, cfg->n_shards, &st)) {
+    fprintf(stderr, "factorps load: %s: %s\n", fps_code_name(st.code), st.message);
+    goto done;
+  }
+  for (size_t i = 0; i < cfg->n_shards; i++) {
+    if (strcmp(s[i].mode, cfg->mode_hint)) {
+      fprintf(stderr, "factorps load: shard %zu runs in mode %s, --mode-hint says %s\n", i,
+              s[i].mode, cfg->mode_hint);
+      goto done;
+    }
+    if (strcmp(s[i].mode, "async") && s[i].workers != cfg->workers) {
+      fprintf(stderr, "factorps load: shard %zu expects %u workers, --workers is %u\n", i,
+              s[i].workers, cfg->workers);
+      goto done;
+    }
+  }
+  rc = 0;
+done:
+  fps_client_destroy(c);
+  free(s);
+  return rc;
+}
+
+int fps_cli_load(int argc, char **argv) {
+  static const struct option longopts[] = {{"shards", required_argument, NULL, 's'},
+                                           {"workers", required_argument, NULL, 'w'},
+                                           {"params", required_argument, NULL, 'n'},
+                                           {"steps", required_argument, NULL, 'S'},
+                                           {"warmup", required_argument, NULL, 'k'},
+                                           {"mode-hint", required_argument, NULL, 'm'},
+                                           {"threads", no_argument, NULL, 't'},
+                                           {"processes", no_argument, NULL, 'p'},
+                                           {"deadline", required_argument, NULL, 'd'},
+                                           {"max-message", required_argument, NULL, 'M'},
+                                           {"help", no_argument, NULL, 'h'},
+                                           {NULL, 0, NULL, 0}};
+  load_cfg_t cfg = {.workers = 2, .params = 10000000, .steps = 20, .warmup = 1, .deadline = 120,
+                    .max_message = 4u << 20};
+  const char *shards = NULL;
+  unsigned long long v;
+  int opt, rc = 1;
+  worker_t *ws = NULL;
+  double *all = NULL;
+
+  optind = 1;
+  while ((opt = getopt_long(argc, argv, "hs:w:n:S:k:m:tpd:M:", longopts, NULL)) != -1) {
+    switch (opt) {
+      case 's': shards = optarg; break;
+      case 'w':
+        if (fps_cli_u64(optarg, "--workers", 1, 1024, &v)) return 2;
+        cfg.workers = (unsigned)v;
+        break;
+      case 'n':
+        if (fps_cli_count(optarg, "--params", &cfg.params)) return 2;
+        break;
+      case 'S':
+        if (fps_cli_u64(optarg, "--steps", 1, 1000000, &cfg.steps)) return 2;
+        break;
+      case 'k':
+        if (fps_cli_u64(optarg, "--warmup", 0, 1000000, &cfg.warmup)) return 2;
+        break;
+      case 'm':
+        if (strcmp(optarg, "sync") && strcmp(optarg, "async") && strcmp(optarg, "ssp")) {
+          fprintf(stderr, "factorps load: --mode-hint must be sync, async or ssp\n");
+          return 2;
+        }
+        cfg.mode_hint = optarg;
+        break;
+      case 't': cfg.processes = 0; break;
+      case 'p': cfg.processes = 1; break;
+      case 'd':
+        if (fps_cli_double(optarg, "--deadline", 0.001, 86400, &cfg.deadline)) return 2;
+        break;
+      case 'M':
+        if (fps_cli_count(optarg, "--max-message", &cfg.max_message)) return 2;
+        break;
+      case 'h': usage(stdout); return 0;
+      default: usage(stderr); return 2;
+    }
+  }
+  if (!shards || optind != argc) {
+    usage(stderr);
+    return 2;
+  }
+  if (cfg.warmup >= cfg.steps) {
+    fprintf(stderr, "factorps load: --warmup (%llu) must be below --steps (%llu)\n", cfg.warmup,
+            cfg.steps);
+    return 2;
+  }
+  if (!(cfg.addrs = fps_cli_split(shards, &cfg.n_shards))) {
+    fprintf(stderr, "factorps load: bad --shards list '%s'\n", shards);
+    return 2;
+  }
+  if (build_model(&cfg)) goto done;
+  /* The mode check talks gRPC, which must not happen before fork(). */
+  if (cfg.mode_hint && !cfg.processes && check_mode(&cfg)) goto done;
+
+  size_t n_lat = cfg.steps - cfg.warmup;
+  ws = calloc(cfg.workers, sizeof *ws);
+  all = calloc(n_lat * cfg.workers, sizeof *all);
+  if (!ws || !all) goto done;
+  for (unsigned i = 0; i < cfg.workers; i++) {
+    ws[i].cfg = &cfg;
+    ws[i].id = i;
+    ws[i].lat = all + (size_t)i * n_lat;
+  }
+  printf("factorps load: %zu shard(s), %u worker %s, %llu parameters in %zu tensors "
+         "(%.1f MB), %llu steps (%llu warm-up)\n",
+         cfg.n_shards, cfg.workers, cfg.processes ? "processes" : "threads",
+         (unsigned long long)cfg.total, cfg.n_tensors, (double)cfg.total * 4 / 1e6, cfg.steps,
+         cfg.warmup);
+  fflush(stdout);
+  if (cfg.processes) {
+    if (run_processes(ws, cfg.workers, n_lat)) goto done;
+  } else {
+    unsigned started = 0;
+    for (; started < cfg.workers; started++)
+      if (pthread_create(&ws[started].thread, NULL, worker_thread, &ws[started])) break;
+    for (unsigned i = 0; i < started; i++) pthread_join(ws[i].thread, NULL);
+    if (started < cfg.workers) {
+      fprintf(stderr, "factorps load: cannot start worker threads\n");
+      goto done;
+    }
+  }
+  double t0 = INFINITY, t1 = 0, bytes = 0;
+  for (unsigned i = 0; i < cfg.workers; i++) {
+    if (!ws[i].res.ok) {
+      fprintf(stderr, "factorps load: %s\n", ws[i].res.error);
+      goto done;
+    }
+    t0 = ws[i].res.t_start < t0 ? ws[i].res.t_start : t0;
+    t1 = ws[i].res.t_end > t1 ? ws[i].res.t_end : t1;
+    bytes += ws[i].res.bytes;
+  }
+  double secs = t1 - t0, steps_s = (double)n_lat / secs, gbs = bytes / secs / 1e9;
+  size_t n_all = n_lat * cfg.workers;
+  qsort(all, n_all, sizeof *all, cmp_double);
+  double p50 = pct(all, n_all, 50) * 1e3, p90 = pct(all, n_all, 90) * 1e3,
+         p99 = pct(all, n_all, 99) * 1e3, mx = all[n_all - 1] * 1e3;
+  printf("  %.3f s for %zu timed steps: %.2f steps/s per worker, %.2f worker-steps/s\n", secs,
+         n_lat, steps_s, steps_s * cfg.workers);
+  printf("  %.3f GB/s (gradients pushed + parameters received, all workers)\n", gbs);
+  printf("  push_pull latency ms: p50 %.2f  p90 %.2f  p99 %.2f  max %.2f\n", p50, p90, p99, mx);
+  printf("RESULT shards=%zu workers=%u params=%llu steps=%zu steps_per_s=%.3f gb_per_s=%.3f "
+         "p50_ms=%.2f p90_ms=%.2f p99_ms=%.2f max_ms=%.2f\n",
+         cfg.n_shards, cfg.workers, (unsigned long long)cfg.total, n_lat, steps_s, gbs, p50, p90,
+         p99, mx);
+  rc = 0;
+done:
+  free(ws);
+  free(all);
+  free(cfg.defs);
+  free(cfg.names);
+  fps_cli_split_free(cfg.addrs);
+  return rc;
+}

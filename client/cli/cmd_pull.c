@@ -1,2 +1,128 @@
+/* factorps pull --shards A,B NAME...: current values of tensors. Finds the
+ * tensors on the shards (Stats), pulls them, and prints version, shape and
+ * a summary (min, max, mean, RMS, first values), or writes the raw
+ * little-endian fp32 values to --out (one file, tensors concatenated in the
+ * order named). */
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include "commands.h"
-int fps_cli_pull(int argc, char **argv) { (void)argc; (void)argv; return 1; }
+#include "factorps/client.h"
+
+static void usage(FILE *out) {
+  fprintf(out,
+          "usage: factorps pull --shards HOST:PORT[,...] [--out FILE] [--deadline S] NAME...\n"
+          "Prints each tensor's shard, version, shape and a summary of its values; with --out,\n"
+          "writes the values as raw little-endian float32, tensors in the order named.\n");
+}
+
+static void summary(const float *v, uint64_t n) {
+  double mn = INFINITY, mx = -INFINITY, sum = 0, sq = 0;
+  for (uint64_t i = 0; i < n; i++) {
+    double x = v[i];
+    mn = x < mn ? x : mn;
+    mx = x > mx ? x : mx;
+    sum += x;
+    sq += x * x;
+  }
+  printf("  min %.6g  max %.6g  mean %.6g  rms %.6g\n  first:", mn, mx, sum / (double)n,
+         sqrt(sq / (double)n));
+  for (uint64_t i = 0; i < n && i < 8; i++) printf(" %.6g", v[i]);
+  printf("%s\n", n > 8 ? " ..." : "");
+}
+
+int fps_cli_pull(int argc, char **argv) {
+  static const struct option longopts[] = {{"shards", required_argument, NULL, 's'},
+                                           {"out", required_argument, NULL, 'o'},
+                                           {"deadline", required_argument, NULL, 'd'},
+                                           {"help", no_argument, NULL, 'h'},
+                                           {NULL, 0, NULL, 0}};
+  const char *shards = NULL, *out_path = NULL;
+  double deadline = 60;
+  int opt, rc = 1;
+  char **addrs = NULL;
+  size_t n = 0;
+  fps_client_t *c = NULL;
+  fps_status_t status;
+  fps_client_options_t o;
+  float *buf = NULL;
+  FILE *out = NULL;
+
+  optind = 1;
+  while ((opt = getopt_long(argc, argv, "hs:o:d:", longopts, NULL)) != -1) {
+    switch (opt) {
+      case 's': shards = optarg; break;
+      case 'o': out_path = optarg; break;
+      case 'd':
+        if (fps_cli_double(optarg, "--deadline", 0.001, 86400, &deadline)) return 2;
+        break;
+      case 'h': usage(stdout); return 0;
+      default: usage(stderr); return 2;
+    }
+  }
+  if (!shards || optind >= argc) {
+    usage(stderr);
+    return 2;
+  }
+  if (!(addrs = fps_cli_split(shards, &n))) {
+    fprintf(stderr, "factorps pull: bad --shards list '%s'\n", shards);
+    return 2;
+  }
+  fps_client_options_init(&o);
+  o.deadline_seconds = deadline;
+  if (!(c = fps_client_create((const char *const *)addrs, n, &o, &status))) goto fail;
+  if (fps_client_discover(c, NULL, &status)) goto fail;
+  if (out_path && !(out = fopen(out_path, "wb"))) {
+    perror(out_path);
+    goto done;
+  }
+  for (int a = optind; a < argc; a++) {
+    const char *name = argv[a];
+    uint32_t ndim;
+    uint64_t shape[FPS_CLIENT_MAX_DIMS], numel = 1, version;
+    if (fps_client_tensor_shape(c, name, &ndim, shape)) {
+      fprintf(stderr, "factorps pull: no shard holds tensor '%s'\n", name);
+      goto done;
+    }
+    for (uint32_t d = 0; d < ndim; d++) numel *= shape[d];
+    free(buf);
+    if (!(buf = malloc(numel * sizeof *buf))) {
+      fprintf(stderr, "factorps pull: out of memory for tensor '%s'\n", name);
+      goto done;
+    }
+    float *const params[1] = {buf};
+    const char *const names[1] = {name};
+    if (fps_client_pull(c, names, params, &version, 1, &status)) goto fail;
+    printf("%s  shard %d  version %llu  shape [", name, fps_client_shard_of(c, name),
+           (unsigned long long)version);
+    for (uint32_t d = 0; d < ndim; d++) printf("%s%llu", d ? ", " : "", (unsigned long long)shape[d]);
+    printf("]  %llu elements\n", (unsigned long long)numel);
+    if (out) {
+      if (fwrite(buf, sizeof *buf, numel, out) != numel) {
+        perror(out_path);
+        goto done;
+      }
+    } else {
+      summary(buf, numel);
+    }
+  }
+  if (out && fclose(out)) {
+    out = NULL;
+    perror(out_path);
+    goto done;
+  }
+  out = NULL;
+  rc = 0;
+  goto done;
+fail:
+  fprintf(stderr, "factorps pull: %s: %s\n", fps_code_name(status.code), status.message);
+done:
+  if (out) fclose(out);
+  free(buf);
+  fps_client_destroy(c);
+  fps_cli_split_free(addrs);
+  return rc;
+}
