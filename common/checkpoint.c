@@ -1,0 +1,386 @@
+/* Checkpoint format helpers shared by the writer and the reader: which
+ * arrays a tensor stores, tensor names, per-tensor metadata, directory
+ * scans. The layout itself is documented in checkpoint.h. */
+#include "checkpoint_internal.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <float.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+void fps__ckpt_why(char *why, size_t why_len, const char *fmt, ...) {
+  if (!why || why_len == 0) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(why, why_len, fmt, ap);
+  va_end(ap);
+}
+
+const char *fps__ckpt_suffix(int kind) {
+  static const char *const suffix[FPS__CKPT_KINDS] = {"", "/row", "/col", "/var", "/mom"};
+  return kind >= 0 && kind < FPS__CKPT_KINDS ? suffix[kind] : "?";
+}
+
+float *fps__ckpt_state_array(const fps_adafactor_state_t *st, int kind) {
+  switch (kind) {
+    case FPS__CKPT_ROW: return st->row;
+    case FPS__CKPT_COL: return st->col;
+    case FPS__CKPT_VAR: return st->var;
+    case FPS__CKPT_MOM: return st->mom;
+    default: return NULL;
+  }
+}
+
+int fps__ckpt_layout(const fps_shape_t *shape, const fps_adafactor_hparams_t *hp,
+                     fps__ckpt_array_t arr[FPS__CKPT_KINDS], char *why, size_t why_len) {
+  uint64_t numel = 0;
+  int rc = fps_shape_validate(shape, &numel, why, why_len);
+  if (rc < 0) return rc;
+  rc = fps_adafactor_validate(hp, why, why_len);
+  if (rc < 0) return rc;
+  /* The kernel decides which state arrays exist and how long they are; the
+   * file shapes below must agree with its element counts. */
+  fps_state_size_t sz;
+  rc = fps_adafactor_state_size(shape, hp, &sz);
+  if (rc < 0) return rc;
+
+  int n = 0;
+  arr[n++] = (fps__ckpt_array_t){.kind = FPS__CKPT_PARAM, .shape = *shape, .count = numel};
+  if (sz.row || sz.col) {
+    /* Factored over the last two dims: row = shape[:-1], col = shape[:-2] + [C]. */
+    fps__ckpt_array_t row = {.kind = FPS__CKPT_ROW, .shape = *shape, .count = sz.row};
+    row.shape.ndim = shape->ndim - 1;
+    fps__ckpt_array_t col = {.kind = FPS__CKPT_COL, .shape = *shape, .count = sz.col};
+    col.shape.ndim = shape->ndim - 1;
+    col.shape.dim[shape->ndim - 2] = shape->dim[shape->ndim - 1];
+    arr[n++] = row;
+    arr[n++] = col;
+  }
+  if (sz.var) arr[n++] = (fps__ckpt_array_t){.kind = FPS__CKPT_VAR, .shape = *shape, .count = sz.var};
+  if (sz.mom) arr[n++] = (fps__ckpt_array_t){.kind = FPS__CKPT_MOM, .shape = *shape, .count = sz.mom};
+  for (int i = 0; i < n; i++) {
+    uint64_t c = 1;
+    for (uint32_t d = 0; d < arr[i].shape.ndim; d++) c *= arr[i].shape.dim[d];
+    if (c != arr[i].count) {
+      fps__ckpt_why(why, why_len, "internal: %s array has %" PRIu64 " elements, kernel says %" PRIu64,
+                    fps__ckpt_suffix(arr[i].kind), c, arr[i].count);
+      return FPS_ESTATE;
+    }
+  }
+  return n;
+}
+
+/* Length of the UTF-8 sequence starting at s (at most `left` bytes), or 0
+ * if it is not well-formed (overlong forms, surrogates and code points past
+ * U+10FFFF are not). */
+static size_t utf8_seq(const unsigned char *s, size_t left) {
+  unsigned c = s[0];
+  size_t n;
+  unsigned min, cp;
+  if (c < 0x80) return 1;
+  if (c >= 0xc2 && c <= 0xdf) n = 2, min = 0x80, cp = c & 0x1f;
+  else if (c >= 0xe0 && c <= 0xef) n = 3, min = 0x800, cp = c & 0x0f;
+  else if (c >= 0xf0 && c <= 0xf4) n = 4, min = 0x10000, cp = c & 0x07;
+  else return 0;
+  if (n > left) return 0;
+  for (size_t i = 1; i < n; i++) {
+    if ((s[i] & 0xc0) != 0x80) return 0;
+    cp = (cp << 6) | (s[i] & 0x3f);
+  }
+  if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return 0;
+  return n;
+}
+
+int fps__ckpt_name_check(const char *name, size_t len, char *why, size_t why_len) {
+  if (len == 0 || len > FPS_CKPT_NAME_MAX) {
+    fps__ckpt_why(why, why_len, "tensor name is %zu bytes, must be 1..%d", len, FPS_CKPT_NAME_MAX);
+    return FPS_EINVAL;
+  }
+  if (strcmp(name, "__metadata__") == 0) {
+    fps__ckpt_why(why, why_len, "tensor name \"__metadata__\" is reserved by safetensors");
+    return FPS_EINVAL;
+  }
+  const unsigned char *s = (const unsigned char *)name;
+  for (size_t i = 0; i < len;) {
+    /* Control characters would be escaped in JSON and are never a
+     * reasonable tensor name; rejecting them keeps names printable in logs. */
+    if (s[i] < 0x20 || s[i] == 0x7f) {
+      fps__ckpt_why(why, why_len, "tensor name has a control character at byte %zu", i);
+      return FPS_EINVAL;
+    }
+    size_t n = utf8_seq(s + i, len - i);
+    if (n == 0) {
+      fps__ckpt_why(why, why_len, "tensor name is not valid UTF-8 at byte %zu", i);
+      return FPS_EINVAL;
+    }
+    i += n;
+  }
+  return 0;
+}
+
+int fps__ckpt_mode_check(const char *mode) {
+  if (!mode) return FPS_EINVAL;
+  size_t n = strlen(mode);
+  if (n == 0 || n > FPS_CKPT_MODE_MAX) return FPS_EINVAL;
+  for (size_t i = 0; i < n; i++) {
+    char c = mode[i];
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_')) return FPS_EINVAL;
+  }
+  return 0;
+}
+
+int fps__ckpt_parse_u64(const char *s, uint64_t *out) {
+  if (!s || !*s) return FPS_EFORMAT;
+  if (s[0] == '0' && s[1] != '\0') return FPS_EFORMAT;
+  uint64_t v = 0;
+  for (const char *p = s; *p; p++) {
+    if (*p < '0' || *p > '9') return FPS_EFORMAT;
+    unsigned d = (unsigned)(*p - '0');
+    if (v > (UINT64_MAX - d) / 10) return FPS_EFORMAT;
+    v = v * 10 + d;
+  }
+  *out = v;
+  return 0;
+}
+
+bool fps__ckpt_name_seq(const char *base, uint64_t *seq) {
+  static const char pre[] = "ckpt-", suf[] = ".safetensors";
+  size_t n = strlen(base);
+  if (n <= strlen(pre) + strlen(suf) || strncmp(base, pre, strlen(pre)) != 0 ||
+      strcmp(base + n - strlen(suf), suf) != 0)
+    return false;
+  size_t digits = n - strlen(pre) - strlen(suf);
+  if (digits > 20) return false;
+  char buf[21];
+  memcpy(buf, base + strlen(pre), digits);
+  buf[digits] = '\0';
+  /* Zero padding is part of the name, so leading zeros are fine here. */
+  const char *p = buf;
+  while (p[0] == '0' && p[1] != '\0') p++;
+  return fps__ckpt_parse_u64(p, seq) == 0;
+}
+
+/* ------------------------------------------------ per-tensor metadata */
+
+static int add_str(cJSON *obj, const char *key, const char *val) {
+  return cJSON_AddStringToObject(obj, key, val) ? 0 : FPS_ENOMEM;
+}
+
+static int add_double(cJSON *obj, const char *key, double v) {
+  char buf[40];
+  snprintf(buf, sizeof buf, "%.17g", v);
+  return add_str(obj, key, buf);
+}
+
+static int add_u64(cJSON *obj, const char *key, uint64_t v) {
+  char buf[24];
+  snprintf(buf, sizeof buf, "%" PRIu64, v);
+  return add_str(obj, key, buf);
+}
+
+cJSON *fps__ckpt_tensor_meta(const fps_adafactor_hparams_t *hp, uint64_t version, uint64_t step,
+                             float rms) {
+  cJSON *o = cJSON_CreateObject();
+  if (!o) return NULL;
+  int rc = 0;
+  rc |= add_u64(o, "version", version);
+  rc |= add_u64(o, "step", step);
+  rc |= add_double(o, "rms", (double)rms);
+  rc |= add_str(o, "flavor", fps_flavor_name(hp->flavor));
+  rc |= add_str(o, "has_lr", hp->has_lr ? "true" : "false");
+  rc |= add_double(o, "lr", hp->lr);
+  rc |= add_double(o, "decay", hp->decay);
+  rc |= add_double(o, "eps1", hp->eps1);
+  rc |= add_double(o, "eps2", hp->eps2);
+  rc |= add_double(o, "clip", hp->clip);
+  rc |= add_double(o, "weight_decay", hp->weight_decay);
+  rc |= add_str(o, "maximize", hp->maximize ? "true" : "false");
+  rc |= add_str(o, "has_beta1", hp->has_beta1 ? "true" : "false");
+  rc |= add_double(o, "beta1", hp->beta1);
+  rc |= add_str(o, "scale_parameter", hp->scale_parameter ? "true" : "false");
+  rc |= add_str(o, "relative_step", hp->relative_step ? "true" : "false");
+  rc |= add_str(o, "warmup_init", hp->warmup_init ? "true" : "false");
+  if (rc) {
+    cJSON_Delete(o);
+    return NULL;
+  }
+  return o;
+}
+
+static int parse_double(const char *s, double *out) {
+  /* strtod would skip leading blanks and accept "nan"/"inf"; only what
+   * "%.17g" of a finite double prints is accepted. */
+  if (!(s[0] == '-' || (s[0] >= '0' && s[0] <= '9'))) return FPS_EFORMAT;
+  char *end = NULL;
+  double v = strtod(s, &end);
+  if (end == s || *end != '\0' || !isfinite(v)) return FPS_EFORMAT;
+  *out = v;
+  return 0;
+}
+
+static int parse_bool(const char *s, bool *out) {
+  if (strcmp(s, "true") == 0) *out = true;
+  else if (strcmp(s, "false") == 0) *out = false;
+  else return FPS_EFORMAT;
+  return 0;
+}
+
+/* Every key of the per-tensor object, each required exactly once. */
+#define TENSOR_META_KEYS(X)                                                           \
+  X(version) X(step) X(rms) X(flavor) X(has_lr) X(lr) X(decay) X(eps1) X(eps2) X(clip) \
+  X(weight_decay) X(maximize) X(has_beta1) X(beta1) X(scale_parameter) X(relative_step) \
+  X(warmup_init)
+
+enum {
+#define TM_ENUM(k) TM_##k,
+  TENSOR_META_KEYS(TM_ENUM)
+#undef TM_ENUM
+  TM_COUNT
+};
+
+static const char *const tm_names[TM_COUNT] = {
+#define TM_NAME(k) #k,
+    TENSOR_META_KEYS(TM_NAME)
+#undef TM_NAME
+};
+
+int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, uint64_t *version,
+                                uint64_t *step, float *rms, char *why, size_t why_len) {
+  const char *val[TM_COUNT] = {0};
+  int rc = FPS_EFORMAT;
+  cJSON *o = cJSON_Parse(text);
+  if (!o || !cJSON_IsObject(o)) {
+    fps__ckpt_why(why, why_len, "tensor metadata is not a JSON object");
+    goto fail;
+  }
+  for (const cJSON *it = o->child; it; it = it->next) {
+    int k = 0;
+    while (k < TM_COUNT && strcmp(it->string, tm_names[k]) != 0) k++;
+    if (k == TM_COUNT) {
+      fps__ckpt_why(why, why_len, "unknown tensor metadata key \"%.64s\"", it->string);
+      goto fail;
+    }
+    if (val[k]) {
+      fps__ckpt_why(why, why_len, "duplicate tensor metadata key \"%s\"", tm_names[k]);
+      goto fail;
+    }
+    if (!cJSON_IsString(it)) {
+      fps__ckpt_why(why, why_len, "tensor metadata \"%s\" is not a string", tm_names[k]);
+      goto fail;
+    }
+    val[k] = it->valuestring;
+  }
+  for (int k = 0; k < TM_COUNT; k++) {
+    if (!val[k]) {
+      fps__ckpt_why(why, why_len, "tensor metadata lacks \"%s\"", tm_names[k]);
+      goto fail;
+    }
+  }
+
+  fps_adafactor_hparams_t h;
+  memset(&h, 0, sizeof h);
+  double r = 0;
+  int bad = -1;
+  if (fps__ckpt_parse_u64(val[TM_version], version) < 0) bad = TM_version;
+  else if (fps__ckpt_parse_u64(val[TM_step], step) < 0) bad = TM_step;
+  else if (parse_double(val[TM_rms], &r) < 0 || r < 0 || r > FLT_MAX || (double)(float)r != r)
+    bad = TM_rms;
+  else if (fps_flavor_parse(val[TM_flavor], &h.flavor) < 0) bad = TM_flavor;
+  else if (parse_bool(val[TM_has_lr], &h.has_lr) < 0) bad = TM_has_lr;
+  else if (parse_double(val[TM_lr], &h.lr) < 0) bad = TM_lr;
+  else if (parse_double(val[TM_decay], &h.decay) < 0) bad = TM_decay;
+  else if (parse_double(val[TM_eps1], &h.eps1) < 0) bad = TM_eps1;
+  else if (parse_double(val[TM_eps2], &h.eps2) < 0) bad = TM_eps2;
+  else if (parse_double(val[TM_clip], &h.clip) < 0) bad = TM_clip;
+  else if (parse_double(val[TM_weight_decay], &h.weight_decay) < 0) bad = TM_weight_decay;
+  else if (parse_bool(val[TM_maximize], &h.maximize) < 0) bad = TM_maximize;
+  else if (parse_bool(val[TM_has_beta1], &h.has_beta1) < 0) bad = TM_has_beta1;
+  else if (parse_double(val[TM_beta1], &h.beta1) < 0) bad = TM_beta1;
+  else if (parse_bool(val[TM_scale_parameter], &h.scale_parameter) < 0) bad = TM_scale_parameter;
+  else if (parse_bool(val[TM_relative_step], &h.relative_step) < 0) bad = TM_relative_step;
+  else if (parse_bool(val[TM_warmup_init], &h.warmup_init) < 0) bad = TM_warmup_init;
+  if (bad >= 0) {
+    fps__ckpt_why(why, why_len, "tensor metadata \"%s\" has a bad value \"%.40s\"", tm_names[bad],
+                  val[bad]);
+    goto fail;
+  }
+  char hwhy[160] = "";
+  rc = fps_adafactor_validate(&h, hwhy, sizeof hwhy);
+  if (rc < 0) {
+    fps__ckpt_why(why, why_len, "invalid hyperparameters: %s", hwhy);
+    goto fail;
+  }
+  *hp = h;
+  *rms = (float)r;
+  rc = 0;
+fail:
+  cJSON_Delete(o);
+  return rc;
+}
+
+/* ----------------------------------------------------- directory scan */
+
+static int file_cmp_newest_first(const void *a, const void *b) {
+  const fps__ckpt_file_t *x = a, *y = b;
+  if (x->seq != y->seq) return x->seq < y->seq ? 1 : -1;
+  return -strcmp(x->name, y->name);
+}
+
+int fps__ckpt_scan(int dirfd, fps__ckpt_file_t **files, size_t *n) {
+  *files = NULL;
+  *n = 0;
+  /* fdopendir takes over its fd: scan through a duplicate so the caller's
+   * fd (and the flock on it) stays open. */
+  int fd = dup(dirfd);
+  if (fd < 0) return FPS_EIO;
+  DIR *d = fdopendir(fd);
+  if (!d) {
+    int e = errno;
+    close(fd);
+    errno = e;
+    return FPS_EIO;
+  }
+  rewinddir(d);
+  fps__ckpt_file_t *v = NULL;
+  size_t len = 0, cap = 0;
+  int rc = 0;
+  for (;;) {
+    errno = 0;
+    struct dirent *de = readdir(d);
+    if (!de) {
+      if (errno) rc = FPS_EIO;
+      break;
+    }
+    uint64_t seq;
+    if (!fps__ckpt_name_seq(de->d_name, &seq) || strlen(de->d_name) >= sizeof v->name) continue;
+    if (len == cap) {
+      size_t nc = cap ? 2 * cap : 16;
+      fps__ckpt_file_t *nv = realloc(v, nc * sizeof *nv);
+      if (!nv) {
+        rc = FPS_ENOMEM;
+        break;
+      }
+      v = nv;
+      cap = nc;
+    }
+    v[len].seq = seq;
+    snprintf(v[len].name, sizeof v[len].name, "%s", de->d_name);
+    len++;
+  }
+  int e = errno;
+  closedir(d);
+  errno = e;
+  if (rc < 0) {
+    free(v);
+    return rc;
+  }
+  if (len) qsort(v, len, sizeof *v, file_cmp_newest_first);
+  *files = v;
+  *n = len;
+  return 0;
+}

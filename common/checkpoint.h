@@ -1,0 +1,266 @@
+/* Durable shard checkpoints: the file format, a writer, a verifier and a
+ * loader. Standalone: the server decides when to write and what to do with
+ * what it loads.
+ *
+ * FILE FORMAT (format "factorps.checkpoint", format_version "1")
+ *
+ * One checkpoint is one file DIR/ckpt-<seq>.safetensors (<seq> in decimal,
+ * zero-padded to at least 8 digits so `ls` sorts by age). The file is a
+ * plain safetensors file (https://github.com/huggingface/safetensors):
+ *
+ *   bytes 0..7      N, the header length, unsigned 64-bit little-endian
+ *   bytes 8..8+N-1  the header: a UTF-8 JSON object, padded with spaces so
+ *                   that 8 + N is a multiple of 8 (the data starts 8-byte
+ *                   aligned)
+ *   bytes 8+N..end  the data section: raw little-endian IEEE float32 arrays
+ *                   in C (row-major) order, back to back, no gaps, the last
+ *                   one ending exactly at the end of the file
+ *
+ * Header entries, one per stored array (all dtype "F32"):
+ *   "<name>":     {"dtype":"F32","shape":[...],"data_offsets":[begin,end]}
+ *                 the tensor's weights, its own shape
+ *   "<name>/row": factored tensors (ndim >= 2): the row second moments,
+ *                 shape[:-1]
+ *   "<name>/col": factored tensors: the column second moments,
+ *                 shape[:-2] + [shape[-1]]
+ *   "<name>/var": unfactored tensors (ndim <= 1): the full second moment,
+ *                 the tensor's shape
+ *   "<name>/mom": flavor hf with beta1 only: the momentum, the tensor's shape
+ * data_offsets are byte offsets into the data section, [begin, end).
+ *
+ * "__metadata__" (safetensors allows string values only, so every value is
+ * a string; integers in decimal, doubles printed with "%.17g" so they read
+ * back bit-exact):
+ *   "format"         "factorps.checkpoint"
+ *   "format_version" "1"
+ *   "shard_id", "shard_count"   the writing shard's placement
+ *   "mode"           the shard's consistency mode ("sync", "async", "ssp")
+ *   "sequence"       <seq>, the same number as in the file name
+ *   "created"        UTC wall-clock time, RFC 3339 with nanoseconds
+ *   "tensor_count"   how many tensors the file holds
+ *   "tensor:<name>"  per tensor, a JSON object (as a string) with string
+ *                    values: "version" (updates applied), "step" (the
+ *                    optimizer's step count), "rms" (hf: RMS of the param
+ *                    before the last step), and the hyperparameters
+ *                    "flavor" ("torch"/"hf"), "has_lr", "lr", "decay",
+ *                    "eps1", "eps2", "clip", "weight_decay", "maximize",
+ *                    "has_beta1", "beta1", "scale_parameter",
+ *                    "relative_step", "warmup_init" (booleans "true"/"false")
+ *   "data_sha256"    SHA-256 (lowercase hex) of the whole data section
+ *   "header_sha256"  SHA-256 of the first 8 + N bytes of the file as they
+ *                    are except that this value's 64 hex digits are replaced
+ *                    by 64 '0' characters (so a flipped bit anywhere in the
+ *                    header, hyperparameters included, is detected)
+ *
+ * Reading it without factorps, e.g. in Python with numpy:
+ *   n = int.from_bytes(f.read(8), "little"); h = json.loads(f.read(n))
+ *   data = f.read(); b, e = h["w"]["data_offsets"]
+ *   w = numpy.frombuffer(data[b:e], "<f4").reshape(h["w"]["shape"])
+ * tests/unit/checkpoint_read.py does exactly this and checks both hashes.
+ *
+ * A tensor name is 1..FPS_CKPT_NAME_MAX bytes of UTF-8 without control
+ * characters, not "__metadata__"; the writer refuses a set of names whose
+ * array keys would collide (tensors "a" and "a/row").
+ *
+ * DURABILITY: the writer writes DIR/.ckpt-<seq>.safetensors.tmp, fsyncs it,
+ * renames it to its final name and fsyncs DIR; only then does it delete the
+ * checkpoints beyond the newest `keep`. A crash at any moment leaves every
+ * complete checkpoint intact (a leftover .tmp file is ignored by readers and
+ * removed by the next write). One writer per DIR: fps_ckpt_write takes an
+ * exclusive flock on DIR and returns FPS_EAGAIN if another holds it.
+ *
+ * NOT STALLING PUSHES: writing never touches live tensors. The server builds
+ * a snapshot that owns copies:
+ *   fps_ckpt_snapshot_create()                  no lock
+ *   for each tensor:
+ *     fps_ckpt_snapshot_add()                   no lock: allocates and
+ *                                               pre-faults the copy buffers
+ *     lock the tensor; fps_ckpt_snapshot_copy(); unlock   (memcpy only)
+ *   fps_ckpt_write()                            no lock: hashing and I/O
+ *   fps_ckpt_snapshot_destroy()
+ * Each tensor is consistent in itself (weights, state, version and step of
+ * the same moment); tensors are copied one after another, not at one
+ * instant across the shard.
+ *
+ * Byte order: the format is little-endian; this code supports little-endian
+ * hosts only (x86-64, aarch64), checked at compile time. */
+#ifndef FPS_CHECKPOINT_H
+#define FPS_CHECKPOINT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "adafactor.h"
+#include "error.h"
+
+#define FPS_CKPT_FORMAT "factorps.checkpoint"
+#define FPS_CKPT_FORMAT_VERSION 1
+#define FPS_CKPT_NAME_MAX 256              /* bytes of a tensor name */
+#define FPS_CKPT_MODE_MAX 31               /* bytes of a mode string */
+#define FPS_CKPT_HEADER_MAX (UINT64_C(100) << 20) /* safetensors' own limit */
+#define FPS_CKPT_PATH_MAX 4096             /* bytes of a checkpoint path, NUL included */
+#define FPS_CKPT_WHY_MAX 512               /* a useful size for `why` buffers */
+
+/* Who wrote a checkpoint, and what a reader expects of it. */
+typedef struct fps_ckpt_shard_s {
+  uint32_t shard_id;                    /* < shard_count */
+  uint32_t shard_count;                 /* >= 1 */
+  char mode[FPS_CKPT_MODE_MAX + 1];     /* [a-z0-9_]{1,31}, e.g. "sync" */
+} fps_ckpt_shard_t;
+
+/* What the file-level checks found out about a checkpoint. */
+typedef struct fps_ckpt_info_s {
+  fps_ckpt_shard_t shard;               /* the writer's placement and mode */
+  uint64_t seq;                         /* sequence number */
+  char created[40];                     /* RFC 3339 UTC, as stored */
+  char data_sha256[65];                 /* lowercase hex */
+  uint64_t tensors;                     /* tensors in the file */
+  uint64_t data_bytes;                  /* size of the data section */
+  uint64_t file_bytes;                  /* size of the file */
+} fps_ckpt_info_t;
+
+/* ------------------------------------------------------------ writing */
+
+typedef struct fps_ckpt_snapshot_s fps_ckpt_snapshot_t;
+
+/* Creates an empty snapshot for one shard. mode: see fps_ckpt_shard_t.
+ * Returns 0, FPS_EINVAL (bad placement or mode) or FPS_ENOMEM. Free with
+ * fps_ckpt_snapshot_destroy(). Thread-safety: a snapshot is used by one
+ * thread at a time. */
+int fps_ckpt_snapshot_create(fps_ckpt_snapshot_t **out, uint32_t shard_id, uint32_t shard_count,
+                             const char *mode);
+
+/* Adds a tensor and allocates (and touches) its copy buffers, so that
+ * fps_ckpt_snapshot_copy() is a plain memcpy. Call it WITHOUT the tensor's
+ * lock: shape and hyperparameters are fixed once a tensor exists. *idx gets
+ * the tensor's index for fps_ckpt_snapshot_copy().
+ * Returns 0; FPS_EINVAL (bad name, with `why`); FPS_EEXISTS (a name, or one
+ * of the array keys it implies, is already in the snapshot);
+ * FPS_ESHAPE/FPS_EOVERFLOW/FPS_EHPARAM/FPS_EFLAVOR (as fps_shape_validate
+ * and fps_adafactor_validate); FPS_ENOMEM. A failed call adds nothing.
+ * `why` may be NULL. */
+int fps_ckpt_snapshot_add(fps_ckpt_snapshot_t *s, const char *name, const fps_shape_t *shape,
+                          const fps_adafactor_hparams_t *hp, size_t *idx, char *why,
+                          size_t why_len);
+
+/* Copies a tensor's weights (numel floats) and state into the snapshot:
+ * memcpy only, no allocation, no I/O. Call it UNDER the tensor's lock.
+ * Copying the same index again overwrites the earlier copy.
+ * Returns 0, FPS_EINVAL (bad index, NULL param/state) or FPS_ESHAPE (the
+ * state's shape or arrays are not those of the shape and hyperparameters
+ * given to fps_ckpt_snapshot_add). */
+int fps_ckpt_snapshot_copy(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
+                           const float *param, const fps_adafactor_state_t *st);
+
+/* Tensors added, and bytes of array data held (the data section's size). */
+size_t fps_ckpt_snapshot_count(const fps_ckpt_snapshot_t *s);
+uint64_t fps_ckpt_snapshot_bytes(const fps_ckpt_snapshot_t *s);
+
+/* NULL is a no-op. */
+void fps_ckpt_snapshot_destroy(fps_ckpt_snapshot_t *s);
+
+/* What fps_ckpt_write() did. */
+typedef struct fps_ckpt_written_s {
+  uint64_t seq;                         /* the new checkpoint's sequence number */
+  char path[FPS_CKPT_PATH_MAX];         /* its path */
+  uint64_t file_bytes;                  /* its size */
+  unsigned pruned;                      /* older checkpoints deleted */
+  int prune_err;                        /* 0, or why pruning stopped (FPS_EIO);
+                                         * the new checkpoint is durable anyway */
+} fps_ckpt_written_t;
+
+/* Writes the snapshot as DIR/ckpt-<seq>.safetensors, seq = one more than
+ * the largest sequence number in DIR (1 in an empty DIR), atomically and
+ * durably (see DURABILITY above), then deletes the oldest checkpoints so
+ * that `keep` remain. DIR must exist. Every tensor added must have been
+ * copied. The snapshot is not modified; write it again to retry.
+ * Returns 0 (out filled, out may be NULL); FPS_EINVAL (bad argument, keep
+ * 0, path too long); FPS_ESTATE (a tensor was added but never copied);
+ * FPS_EAGAIN (another writer holds DIR); FPS_ENOTFOUND (no DIR);
+ * FPS_EOVERFLOW (sequence numbers exhausted); FPS_ENOMEM; FPS_EIO (with the
+ * system's reason in `why`). On failure no new checkpoint exists and no old
+ * one was deleted. Thread-safe for different snapshots. */
+int fps_ckpt_write(const char *dir, const fps_ckpt_snapshot_t *s, unsigned keep,
+                   fps_ckpt_written_t *out, char *why, size_t why_len);
+
+/* ------------------------------------------------------------ reading */
+
+/* Placement a reader requires. A file written for another shard is
+ * rejected as "mismatched" (FPS_ESTATE). */
+typedef struct fps_ckpt_expect_s {
+  uint32_t shard_id;
+  uint32_t shard_count;
+  const char *mode;                     /* NULL: any mode */
+} fps_ckpt_expect_t;
+
+/* One restored tensor. The caller may take ownership of `param` (free it
+ * with free()) and of `state` (release it with
+ * fps_adafactor_state_destroy()) by copying them out and zeroing the
+ * fields here before fps_ckpt_destroy(). */
+typedef struct fps_ckpt_tensor_s {
+  char name[FPS_CKPT_NAME_MAX + 1];
+  fps_adafactor_hparams_t hparams;
+  uint64_t version;                     /* updates applied */
+  float *param;                         /* state.numel floats, 64-byte aligned */
+  fps_adafactor_state_t state;          /* from fps_adafactor_state_init(); step, rms set */
+} fps_ckpt_tensor_t;
+
+typedef struct fps_ckpt_s {
+  char path[FPS_CKPT_PATH_MAX];         /* the file it came from */
+  fps_ckpt_info_t info;
+  size_t n_tensors;
+  fps_ckpt_tensor_t *tensors;           /* in the file's order */
+} fps_ckpt_t;
+
+/* Checks one file completely without keeping its contents: header bounds
+ * (every offset, size and shape), metadata completeness, both SHA-256s and,
+ * if expect is non-NULL, the placement. info (may be NULL) is filled on
+ * success. Never crashes on a hostile file.
+ * Returns 0; FPS_EFORMAT (truncated, malformed or corrupted, with the
+ * reason in `why`); FPS_ESTATE (mismatched placement or mode);
+ * FPS_ENOTFOUND (no such file); FPS_EIO; FPS_ENOMEM. */
+int fps_ckpt_verify_file(const char *path, const fps_ckpt_expect_t *expect,
+                         fps_ckpt_info_t *info, char *why, size_t why_len);
+
+/* Like fps_ckpt_verify_file(), and on success returns the contents in *out
+ * (free with fps_ckpt_destroy()). Memory: the weights and state of every
+ * tensor, allocated once; nothing is returned unless the whole file
+ * verified. */
+int fps_ckpt_load_file(const char *path, const fps_ckpt_expect_t *expect, fps_ckpt_t **out,
+                       char *why, size_t why_len);
+
+/* Called for every checkpoint file the loader skips. */
+typedef void (*fps_ckpt_reject_fn)(void *ctx, const char *path, int err, const char *why);
+
+/* Loads the newest valid checkpoint in DIR: tries ckpt-*.safetensors from
+ * the highest sequence number down and skips (reporting each through
+ * on_reject, or, if on_reject is NULL, one line on stderr naming the file
+ * and the reason) every file that is truncated, corrupted or mismatched.
+ * Returns 0 (*out set); FPS_ENOTFOUND (DIR holds no checkpoint file, or
+ * does not exist); FPS_EFORMAT (checkpoint files exist but none is valid);
+ * FPS_EIO (DIR unreadable); FPS_ENOMEM. */
+int fps_ckpt_load_newest(const char *dir, const fps_ckpt_expect_t *expect,
+                         fps_ckpt_reject_fn on_reject, void *ctx, fps_ckpt_t **out);
+
+/* NULL is a no-op. */
+void fps_ckpt_destroy(fps_ckpt_t *c);
+
+/* One checkpoint file found by fps_ckpt_list(). */
+typedef struct fps_ckpt_entry_s {
+  char path[FPS_CKPT_PATH_MAX];
+  uint64_t seq;                         /* from the file name */
+  int status;                           /* 0 (valid) or as fps_ckpt_verify_file() */
+  char why[FPS_CKPT_WHY_MAX];           /* the reason, if status != 0 */
+  fps_ckpt_info_t info;                 /* valid if status == 0 */
+} fps_ckpt_entry_t;
+
+/* Lists and fully verifies every checkpoint file in DIR, newest first (for
+ * `factorps checkpoint verify`). expect may be NULL (any placement).
+ * Returns 0 (*out, *n set; *out is NULL when *n is 0; free with
+ * fps_ckpt_list_free()); FPS_ENOTFOUND (no DIR); FPS_EIO; FPS_ENOMEM. */
+int fps_ckpt_list(const char *dir, const fps_ckpt_expect_t *expect, fps_ckpt_entry_t **out,
+                  size_t *n);
+void fps_ckpt_list_free(fps_ckpt_entry_t *entries);
+
+#endif
