@@ -48,6 +48,10 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
      "per-tensor apply records kept for Stats.apply_log"},
     {"log-level", CFG_STR, OFF(log_level), "info", 0, 0, "error, warn, info or debug"},
     {"simd", CFG_STR, OFF(simd), "auto", 0, 0, "kernel variant: auto, scalar, avx2, neon"},
+    {"metrics-listen", CFG_STR, OFF(metrics_listen), "", 0, 0,
+     "HTTP /metrics, /healthz, /readyz address host:port (port 0: pick one; empty: off)"},
+    {"metrics-port-file", CFG_STR, OFF(metrics_port_file), "", 0, 0,
+     "write the bound metrics port to this file"},
     {"malloc-tune", CFG_BOOL, OFF(malloc_tune), "true", 0, 0,
      "tune glibc malloc for large messages (one arena, no mmap threshold, no trim)"},
 };

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "metrics.h"
 #include "server.h"
 
 #define FPS_SLOTS_PER_METHOD 8
@@ -73,6 +74,16 @@ static int64_t fps__deadline_ns(gpr_timespec d) {
 
 /* ------------------------------------------------------------ call base */
 
+/* Counts the finished call once (REQUIRES c->mu): method, status, time. */
+static void fps__call_meter_locked(fps_call_t *c, grpc_status_code code) {
+  if (c->metered) return;
+  c->metered = true;
+  int m = fps_metrics_method_from_name(c->method);
+  if (m >= 0)
+    fps_metrics_rpc_observe((fps_metrics_method_t)m, (int)code,
+                            (double)(fps_now_ns() - c->start_ns) / 1e9, 0, 0);
+}
+
 static void fps__call_unref(fps_call_t *c) {
   if (atomic_fetch_sub(&c->refs, 1) != 1) return;
   fps_calls_unlink(c->srv, c);
@@ -89,6 +100,9 @@ static void fps__call_on_close(fps_tag_t *tag, bool ok) {
   pthread_mutex_lock(&c->mu);
   c->closed = true;
   bool cancelled = c->cancelled != 0;
+  /* A call cancelled before its status (client gone, deadline) counts too. */
+  if (cancelled && !c->status_sent)
+    fps__call_meter_locked(c, c->cancel_requested ? GRPC_STATUS_DEADLINE_EXCEEDED : GRPC_STATUS_CANCELLED);
   pthread_mutex_unlock(&c->mu);
   if (cancelled && c->on_cancel) c->on_cancel(c);
   fps__call_unref(c);
@@ -182,6 +196,7 @@ int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
     ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
     ops[n++].data.send_status_from_server.status = GRPC_STATUS_OK;
     c->status_sent = true;
+    fps__call_meter_locked(c, GRPC_STATUS_OK);
   }
   grpc_call_error e = grpc_call_start_batch(c->call, ops, n, final ? &c->status_tag : &c->batch_tag, NULL);
   pthread_mutex_unlock(&c->mu);
@@ -217,6 +232,7 @@ void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_li
   ops[n].data.send_status_from_server.status = code;
   ops[n++].data.send_status_from_server.status_details = &c->status_details;
   c->status_sent = true;
+  fps__call_meter_locked(c, code);
   grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->status_tag, NULL);
   pthread_mutex_unlock(&c->mu);
   if (e != GRPC_CALL_OK) {

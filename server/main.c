@@ -16,6 +16,7 @@
 
 #include <grpc/grpc.h>
 
+#include "metrics.h"
 #include "server.h"
 
 #define FPS_SHUTDOWN_GRACE_S 5.0
@@ -92,6 +93,12 @@ int main(int argc, char **argv) {
     return 2;
   }
   fps_config_dump(&srv.cfg, fps__dump_line);
+  fps_metrics_config_t mcfg = {.shard_id = srv.cfg.shard_id, .shard_count = srv.cfg.shard_count,
+                               .mode = fps_mode_name(srv.cfg.mode), .workers = srv.cfg.workers,
+                               .staleness = srv.cfg.staleness,
+                               .simd = fps_kernels_name(srv.kernels), .version = FPS_VERSION};
+  fps_metrics_init(&mcfg);
+  fps_metrics_http_t *http = NULL;
 
   pthread_mutex_init(&srv.calls_mu, NULL);
   pthread_mutex_init(&srv.ssp_mu, NULL);
@@ -113,6 +120,16 @@ int main(int argc, char **argv) {
     goto out;
   }
   timer = true;
+  /* Health first: /healthz answers (and /readyz says 503) while gRPC starts. */
+  if (*srv.cfg.metrics_listen) {
+    fps_metrics_http_opts_t ho = {.listen = srv.cfg.metrics_listen,
+                                  .port_file = srv.cfg.metrics_port_file};
+    if (fps_metrics_http_start(&ho, &http) < 0) {
+      fprintf(stderr, "factorps-server: cannot serve --metrics-listen '%s'\n", srv.cfg.metrics_listen);
+      exit_code = 1;
+      goto out;
+    }
+  }
   if (fps_grpc_start(&srv) < 0) {
     exit_code = 1;
     goto out;
@@ -134,6 +151,7 @@ int main(int argc, char **argv) {
     fflush(stdout);
   }
 
+  fps_metrics_ready_set(true); /* gRPC bound, state (empty or restored) in place */
   for (;;) {
     int sig = 0;
     if (sigwait(&sigs, &sig) == 0 && (sig == SIGTERM || sig == SIGINT)) {
@@ -143,7 +161,9 @@ int main(int argc, char **argv) {
   }
 
 out:
+  fps_metrics_ready_set(false);
   fps_grpc_stop(&srv, FPS_SHUTDOWN_GRACE_S);
+  fps_metrics_http_stop(http);
   if (timer) fps_sync_stop(&srv);
   fps_store_destroy(&srv.store);
   grpc_shutdown_blocking();

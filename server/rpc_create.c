@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "metrics.h"
 #include "wire.h"
 
 typedef struct fps_create_call_s {
@@ -228,6 +229,7 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
     received += s->data.len;
   }
   atomic_fetch_add(&srv->counters.bytes_received, received);
+  fps_metrics_rpc_bytes(FPS_METRICS_CREATE, received, 0);
   for (size_t i = 0; i < n; i++) {
     if (p[i].lead != i || p[i].was_ready) continue;
     fps_tensor_t *t = p[i].t;

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "metrics.h"
 #include "wire.h"
 
 enum { PP_RECV, PP_WAIT, PP_SEND, PP_DONE };
@@ -370,6 +371,7 @@ static grpc_status_code fps__pp_message(fps_pp_call_t *pp, const Factorps__V1__P
       return GRPC_STATUS_INVALID_ARGUMENT;
     }
     atomic_fetch_add(&srv->counters.bytes_received, s->data.len);
+    fps_metrics_rpc_bytes(FPS_METRICS_PUSHPULL, s->data.len, 0);
   }
   return GRPC_STATUS_OK;
 }

@@ -78,6 +78,8 @@ typedef struct fps_config_s {
   char *log_level;            /* error, warn, info, debug */
   char *simd;                 /* scalar|avx2|neon|auto */
   int malloc_tune;            /* 1: one arena, no mmap threshold, no trim */
+  char *metrics_listen;       /* HTTP /metrics /healthz /readyz host:port, "" = off */
+  char *metrics_port_file;    /* written with the bound metrics port, or "" */
 } fps_config_t;
 
 /* Fills defaults, then FACTORPS_* environment variables, then argv.
@@ -222,6 +224,7 @@ struct fps_call_s {
   bool initial_md_sent;
   bool status_sent;           /* final batch started */
   bool cancel_requested;      /* the timer already cancelled it */
+  bool metered;               /* counted in the metrics registry (once) */
   int64_t start_ns;
   int64_t deadline_ns;        /* min(client deadline, start + --deadline) */
   grpc_metadata_array md;     /* request metadata (owned) */

@@ -18,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "metrics.h"
 #include "server.h"
 
 /* A round fails this long before its earliest member's own deadline, so
@@ -65,6 +66,7 @@ static size_t fps__round_take_locked(fps_server_t *srv, fps_tensor_t *t, fps_pus
   t->round.open = false;
   t->round.joined = 0;
   fps__rounds_unlink(srv, t);
+  fps_metrics_waiting_add(-(int)n);
   return n;
 }
 
@@ -76,6 +78,7 @@ static size_t fps__round_complete_locked(fps_server_t *srv, fps_tensor_t *t, fps
   uint64_t n = t->numel;
   uint64_t step = t->round.step;
   float *sum = m[0]->grad;
+  fps_metrics_step_observe(W, (double)(fps_now_ns() - t->round.started_ns) / 1e9);
   /* ((g0 + g1) + g2) + ... in fp32, then one division by W: the exact
    * arithmetic a local replay must use to match bit for bit. */
   for (uint32_t w = 1; w < W; w++) {
@@ -182,6 +185,7 @@ grpc_status_code fps_sync_join(fps_server_t *srv, fps_push_entry_t **e, size_t n
       if (d < t->round.deadline_ns) __atomic_store_n(&t->round.deadline_ns, d, __ATOMIC_RELAXED);
       t->round.member[worker_id] = x;
       t->round.joined++;
+      fps_metrics_waiting_add(1);
       x->in_round = true;
       if (t->round.joined == W) ndone += fps__round_complete_locked(srv, t, done + ndone);
     }
@@ -201,6 +205,7 @@ size_t fps_sync_withdraw(fps_server_t *srv, fps_push_entry_t **e, size_t n) {
     if (e[i]->in_round) {
       t->round.member[e[i]->worker_id] = NULL;
       e[i]->in_round = false;
+      fps_metrics_waiting_add(-1);
       if (--t->round.joined == 0) {
         t->round.open = false;
         fps__rounds_unlink(srv, t);
@@ -266,7 +271,9 @@ bool fps_ssp_admit_or_park(fps_server_t *srv, fps_ssp_wait_t *w) {
   pthread_mutex_lock(&srv->ssp_mu);
   uint64_t min = fps__ssp_min_locked(srv);
   bool go = w->step <= min + srv->cfg.staleness;
+  fps_metrics_staleness_observe(w->step > min ? w->step - min : 0);
   if (!go) {
+    fps_metrics_waiting_add(1);
     w->parked = true;
     w->prev = NULL;
     w->next = srv->ssp_waits;
@@ -283,6 +290,7 @@ static void fps__ssp_unlink_locked(fps_server_t *srv, fps_ssp_wait_t *w) {
   if (w->next) w->next->prev = w->prev;
   w->prev = w->next = NULL;
   w->parked = false;
+  fps_metrics_waiting_add(-1);
 }
 
 bool fps_ssp_unpark(fps_server_t *srv, fps_ssp_wait_t *w) {

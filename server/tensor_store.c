@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "metrics.h"
 #include "server.h"
 
 static uint64_t fps__hash(const char *s, size_t len) {
@@ -85,6 +86,7 @@ int fps__store_insert_locked(fps_store_t *st, fps_tensor_t *t) {
   st->last = t;
   st->count++;
   st->param_bytes += t->numel * 4;
+  fps_metrics_state_add_tensor(t->numel, &t->size);
   return 0;
 }
 
@@ -151,6 +153,7 @@ int fps__tensor_apply_locked(fps_server_t *srv, fps_tensor_t *t, const float *gr
   }
   atomic_fetch_add(&srv->counters.updates, 1);
   atomic_fetch_add(&srv->counters.update_bytes, tr.bytes);
+  fps_metrics_update_observe((double)(t1 - t0) / 1e9, tr.bytes);
   pthread_mutex_lock(&srv->counters.mu);
   srv->counters.update_seconds_sum += (double)(t1 - t0) / 1e9;
   pthread_mutex_unlock(&srv->counters.mu);

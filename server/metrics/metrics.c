@@ -66,12 +66,12 @@ enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP };
   X(update_bytes, counter, "factorps_update_bytes_total", NONE,                      \
     "Bytes the Adafactor kernel read and wrote; divide by "                          \
     "factorps_update_duration_seconds_sum for its throughput.")                      \
-  X(steps, counter, "factorps_steps_completed_total", NONE,                          \
-    "sync/ssp steps completed (one per applied round of all workers' gradients).")  \
+  X(steps, counter, "factorps_sync_steps_completed_total", NONE,                     \
+    "sync rounds completed: one tensor's step with all workers' gradients applied.") \
   X(workers_waited, counter, "factorps_sync_workers_waited_total", NONE,             \
-    "Workers the completed steps waited for, summed over steps.")                    \
-  X(waiting, gauge, "factorps_sync_waiting_workers", NONE,                           \
-    "Workers whose gradients the shard is waiting for now.")                         \
+    "Workers the completed sync rounds waited for, summed over rounds.")             \
+  X(waiting, gauge, "factorps_waiting_pushes", NONE,                                 \
+    "Pushes parked waiting for other workers now (sync round members, ssp waits).")  \
   X(http_responses, counter, "factorps_http_responses_total", HTTP,                  \
     "Responses of the metrics/health HTTP endpoint, by status code.")                \
   X(http_rejected, counter, "factorps_http_rejected_connections_total", NONE,        \
@@ -86,9 +86,9 @@ enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP };
   X(update_duration, "factorps_update_duration_seconds", NONE, latency,              \
     "Time inside the Adafactor update kernel, per tensor update.")                   \
   X(step_wait, "factorps_sync_wait_duration_seconds", NONE, latency,                 \
-    "sync/ssp: how long a step's first push waited for the other workers.")          \
-  X(staleness, "factorps_staleness_steps", NONE, staleness,                          \
-    "Versions a pushed gradient was behind the tensor (0: fresh).")
+    "sync: how long a round's first push waited for the last worker's.")             \
+  X(staleness, "factorps_ssp_staleness_steps", NONE, staleness,                      \
+    "ssp: steps the pushing worker was ahead of the slowest worker when admitted.")
 
 /* Bucket sets. `scale` converts an observed value into the integer units
  * the sum is kept in (nanoseconds for seconds), so the sum is one atomic
@@ -171,6 +171,21 @@ void fps_metrics_rpc_observe(fps_metrics_method_t method, int grpc_code, double 
   hist_observe(&g.rpc_duration[method], &set_latency, seconds);
 }
 
+void fps_metrics_rpc_bytes(fps_metrics_method_t method, uint64_t rx_bytes, uint64_t tx_bytes) {
+  if ((unsigned)method >= FPS_METRICS_METHOD_COUNT) return;
+  if (rx_bytes) atomic_fetch_add_explicit(&g.rpc_received_bytes[method], rx_bytes, RELAXED);
+  if (tx_bytes) atomic_fetch_add_explicit(&g.rpc_sent_bytes[method], tx_bytes, RELAXED);
+}
+
+int fps_metrics_method_from_name(const char *name) {
+  if (name == NULL) return -1;
+  const char *slash = strrchr(name, '/');
+  if (slash) name = slash + 1;
+  for (int i = 0; i < FPS_METRICS_METHOD_COUNT; i++)
+    if (strcmp(name, method_names[i]) == 0) return i;
+  return -1;
+}
+
 void fps_metrics_update_observe(double seconds, uint64_t bytes) {
   atomic_fetch_add_explicit(&g.update_bytes[0], bytes, RELAXED);
   hist_observe(&g.update_duration[0], &set_latency, seconds);
@@ -188,6 +203,18 @@ void fps_metrics_staleness_observe(uint64_t staleness) {
 
 void fps_metrics_waiting_set(uint32_t workers) {
   atomic_store_explicit(&g.waiting[0], workers, RELAXED);
+}
+
+void fps_metrics_waiting_add(int delta) {
+  atomic_fetch_add_explicit(&g.waiting[0], (uint64_t)(int64_t)delta, RELAXED);
+}
+
+void fps_metrics_state_add_tensor(uint64_t numel, const fps_state_size_t *size) {
+  if (size == NULL) return;
+  fps_metrics_state_t d = {.tensors = 1, .param_elements = numel, .row = size->row,
+                           .col = size->col, .var = size->var, .mom = size->mom,
+                           .adamw_elements = size->adamw_elements};
+  fps_metrics_state_add(&d);
 }
 
 void fps_metrics_state_set(const fps_metrics_state_t *s) {

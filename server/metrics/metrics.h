@@ -11,9 +11,10 @@
  *   fps_metrics_http_t *http;
  *   fps_metrics_http_start(&ho, &http);            // own thread + libuv loop
  *   ... grpc port bound, state loaded:  fps_metrics_ready_set(true);
- *   ... after every RPC:       fps_metrics_rpc_observe(FPS_METRICS_PUSHPULL, code, secs, rx, tx);
+ *   ... after every RPC:       fps_metrics_rpc_observe(FPS_METRICS_PUSHPULL, code, secs, 0, 0);
+ *   ... payload in/out:        fps_metrics_rpc_bytes(FPS_METRICS_PUSHPULL, rx, tx);
  *   ... after every update:    fps_metrics_update_observe(secs, bytes_moved);
- *   ... after a Create:        fps_metrics_state_add(&delta)  (or _set the totals)
+ *   ... a tensor registered:   fps_metrics_state_add_tensor(numel, &size)
  *   fps_metrics_ready_set(false); fps_metrics_http_stop(http);
  *
  * Hot-path calls (the *_observe, *_add and *_set functions) are lock-free:
@@ -29,6 +30,8 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "adafactor.h"
 
 /* RPC methods with their own series (label method="<name>"). The second
  * column is the label value, the gRPC method name. */
@@ -87,27 +90,40 @@ int fps_metrics_init(const fps_metrics_config_t *cfg);
 void fps_metrics_rpc_observe(fps_metrics_method_t method, int grpc_code, double seconds,
                              uint64_t rx_bytes, uint64_t tx_bytes);
 
+/* Tensor payload bytes as they flow (a long PushPull stream shows up
+ * progressively): received from and sent to the client of `method`.
+ * Lock-free, any thread; an out-of-range method is ignored. */
+void fps_metrics_rpc_bytes(fps_metrics_method_t method, uint64_t rx_bytes, uint64_t tx_bytes);
+
+/* The method for a gRPC method name, "PushPull" or the full path
+ * "/factorps.v1.ParameterServer/PushPull"; -1 when it is not one of ours. */
+int fps_metrics_method_from_name(const char *name);
+
 /* One Adafactor update of one tensor: time inside the kernel and the bytes
  * it moved (its own count: reads + writes). GB/s is derived from the two
  * counters (factorps_update_bytes_total / factorps_update_duration_seconds_sum).
  * Lock-free, any thread. */
 void fps_metrics_update_observe(double seconds, uint64_t bytes);
 
-/* sync/ssp coordination. `waited_for` is how many workers' gradients a
- * completed step waited for (sync: W; ssp: the workers ahead that blocked),
- * `wait_seconds` how long the earliest pusher of the step waited.
- * Lock-free, any thread. */
+/* sync: one round completed (one tensor's step: the gradients of all
+ * `waited_for` workers averaged and applied); `wait_seconds` is how long its
+ * first member waited for the last. Lock-free, any thread. */
 void fps_metrics_step_observe(uint32_t waited_for, double wait_seconds);
-/* ssp/async: a push `staleness` versions behind the tensor (0 = fresh). */
+/* ssp: a push admitted `staleness` steps ahead of the slowest worker. */
 void fps_metrics_staleness_observe(uint64_t staleness);
-/* Gauge: workers the shard is currently waiting for (sync/ssp). */
-void fps_metrics_waiting_set(uint32_t workers);
+/* Gauge: pushes parked waiting for other workers (sync round members,
+ * ssp waits). _add moves it by delta (+1 park, -1 leave). */
+void fps_metrics_waiting_set(uint32_t pushes);
+void fps_metrics_waiting_add(int delta);
 
 /* The shard's state totals: _set replaces them (e.g. after a restore or
  * from the collect callback), _add adds one new tensor's figures (e.g. when
  * Create registers it; tensors are never deleted, so totals only grow). */
 void fps_metrics_state_set(const fps_metrics_state_t *s);
 void fps_metrics_state_add(const fps_metrics_state_t *delta);
+/* Adds one new tensor: numel elements with optimizer state `size` (from
+ * fps_adafactor_state_size()). NULL size is ignored. */
+void fps_metrics_state_add_tensor(uint64_t numel, const fps_state_size_t *size);
 
 /* Readiness (/readyz): true once the state is loaded and the gRPC port is
  * bound; false again while shutting down. Default false. */

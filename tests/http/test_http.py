@@ -5,7 +5,6 @@ Runs tests/http/metrics_test_server (the real endpoint over a synthetic
 registry, plus a thread counting fake PushPulls) on 127.0.0.1:0 and talks raw
 HTTP/1.1 to it. Usage: test_http.py <metrics_test_server> [unittest args]
 """
-import os
 import re
 import resource
 import shutil

@@ -80,7 +80,17 @@ static void test_state_and_update(void **st) {
   fps_metrics_update_observe(-1, 0);            /* clamped, never corrupts the sum */
   fps_metrics_step_observe(4, 0.001);
   fps_metrics_staleness_observe(3);
-  fps_metrics_waiting_set(2);
+  fps_metrics_waiting_set(3);
+  fps_metrics_waiting_add(-1);
+  fps_state_size_t sz = {.row = 2, .col = 3, .elements = 5, .bytes = 20, .adamw_elements = 12,
+                         .adamw_bytes = 48};
+  fps_metrics_rpc_bytes(FPS_METRICS_PULL, 5, 6);
+  fps_metrics_rpc_bytes((fps_metrics_method_t)-1, 5, 6);
+  assert_int_equal(fps_metrics_method_from_name("/factorps.v1.ParameterServer/PushPull"),
+                   FPS_METRICS_PUSHPULL);
+  assert_int_equal(fps_metrics_method_from_name("Stats"), FPS_METRICS_STATS);
+  assert_int_equal(fps_metrics_method_from_name("unknown method"), -1);
+  assert_int_equal(fps_metrics_method_from_name(NULL), -1);
   char *t = render();
   assert_has(t, "factorps_optimizer_state_elements{shard=\"0\",kind=\"row\"} 3\n");
   assert_has(t, "factorps_optimizer_state_elements{shard=\"0\",kind=\"col\"} 5\n");
@@ -96,13 +106,24 @@ static void test_state_and_update(void **st) {
   assert_has(t, "factorps_update_duration_seconds_count{shard=\"0\"} 2\n");
   assert_has(t, "factorps_update_duration_seconds_sum{shard=\"0\"} 0.5\n");
   assert_has(t, "factorps_update_throughput_bytes_per_second{shard=\"0\"} 2000000000\n");
-  assert_has(t, "factorps_steps_completed_total{shard=\"0\"} 1\n");
+  assert_has(t, "factorps_sync_steps_completed_total{shard=\"0\"} 1\n");
   assert_has(t, "factorps_sync_workers_waited_total{shard=\"0\"} 4\n");
-  assert_has(t, "factorps_sync_waiting_workers{shard=\"0\"} 2\n");
-  assert_has(t, "factorps_staleness_steps_bucket{shard=\"0\",le=\"2\"} 0\n");
-  assert_has(t, "factorps_staleness_steps_bucket{shard=\"0\",le=\"4\"} 1\n");
+  assert_has(t, "factorps_waiting_pushes{shard=\"0\"} 2\n");
+  assert_has(t, "factorps_ssp_staleness_steps_bucket{shard=\"0\",le=\"2\"} 0\n");
+  assert_has(t, "factorps_ssp_staleness_steps_bucket{shard=\"0\",le=\"4\"} 1\n");
   assert_has(t, "process_open_fds{shard=\"0\"} ");
   assert_has(t, "process_cpu_seconds_total{shard=\"0\"} ");
+  assert_has(t, "factorps_rpc_received_bytes_total{shard=\"0\",method=\"Pull\"} 5\n");
+  assert_has(t, "factorps_rpc_sent_bytes_total{shard=\"0\",method=\"Pull\"} 6\n");
+  free(t);
+
+  fps_metrics_state_add_tensor(15, &sz);
+  fps_metrics_state_add_tensor(15, NULL);
+  t = render();
+  assert_has(t, "factorps_optimizer_state_elements{shard=\"0\",kind=\"row\"} 5\n");
+  assert_has(t, "factorps_adamw_equivalent_state_elements{shard=\"0\"} 56\n");
+  assert_has(t, "factorps_parameter_elements{shard=\"0\"} 37\n");
+  assert_has(t, "factorps_tensors{shard=\"0\"} 3\n");
   free(t);
 
   fps_metrics_state_t s = {.tensors = 1, .param_elements = 1, .var = 1, .adamw_elements = 2};
