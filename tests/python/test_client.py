@@ -1,0 +1,178 @@
+"""The factorps binding against real shards: create, push_pull, pull, stats,
+zero-copy buffers, threads, close."""
+
+import threading
+import unittest
+
+import numpy as np
+import torch
+
+import _support
+from _support import Shards, need_server
+import factorps
+from factorps.reference import ReferenceAdafactor, adamw_state_elements, state_elements
+
+SHAPES = {"emb": (40, 16), "w1": (16, 8), "b1": (8,), "w3d": (2, 3, 5), "scalar": ()}
+
+
+def _init(seed=0):
+    rng = np.random.default_rng(seed)
+    return {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in SHAPES.items()}
+
+
+@need_server
+class ClientTest(unittest.TestCase):
+    def setUp(self):
+        self.shards = Shards(2, mode="sync", workers=1)
+        self.addCleanup(self.shards.close)
+        self.client = factorps.connect(self.shards.addrs, worker_id=0, deadline=20)
+        self.addCleanup(self.client.close)
+        self.init = _init()
+        self.client.create([factorps.TensorSpec(n, SHAPES[n], self.init[n]) for n in SHAPES])
+
+    def test_pull_returns_initial_values(self):
+        params, versions = self.client.pull()
+        self.assertEqual(list(params), list(SHAPES))
+        for n in SHAPES:
+            np.testing.assert_array_equal(params[n], self.init[n])
+            self.assertEqual(params[n].dtype, np.float32)
+            self.assertEqual(versions[n], 0)
+
+    def test_placement_uses_both_shards(self):
+        where = {n: self.client.shard_of(n) for n in SHAPES}
+        self.assertEqual(set(where.values()), {0, 1}, where)
+        self.assertEqual(self.client.shard_of("no-such-tensor"), -1)
+
+    def test_push_pull_matches_reference(self):
+        refs = {n: ReferenceAdafactor(s, "torch") for n, s in SHAPES.items()}
+        want = dict(self.init)
+        rng = np.random.default_rng(1)
+        for step in range(4):
+            grads = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+            params, versions = self.client.push_pull(grads)
+            self.assertEqual(self.client.step, step + 1)
+            for n in SHAPES:
+                want[n] = refs[n].step(want[n], grads[n])
+                self.assertEqual(versions[n], step + 1)
+                np.testing.assert_allclose(params[n], want[n], rtol=0, atol=2e-6 * (step + 1),
+                                           err_msg=n)
+
+    def test_outputs_are_written_in_place(self):
+        grads = {n: np.full(s, 0.1, np.float32) for n, s in SHAPES.items()}
+        out_np = np.zeros(SHAPES["w1"], np.float32)
+        out_t = torch.zeros(SHAPES["emb"])
+        ptr = out_t.data_ptr()
+        # A transposed (non-contiguous) view cannot be written by pointer: the
+        # binding must copy back into it.
+        base = torch.zeros(SHAPES["w3d"][::-1])
+        out_view = base.permute(2, 1, 0)
+        self.assertFalse(out_view.is_contiguous())
+        params, _ = self.client.push_pull(grads, out={"w1": out_np, "emb": out_t,
+                                                      "w3d": out_view})
+        self.assertIs(params["w1"], out_np)
+        self.assertIs(params["emb"], out_t)
+        self.assertEqual(out_t.data_ptr(), ptr)
+        fresh, _ = self.client.pull()
+        np.testing.assert_array_equal(out_np, fresh["w1"])
+        np.testing.assert_array_equal(out_t.numpy(), fresh["emb"])
+        np.testing.assert_array_equal(out_view.numpy(), fresh["w3d"])
+        self.assertFalse(np.array_equal(fresh["w1"], self.init["w1"]))
+
+    def test_other_dtypes_and_torch_grads_are_accepted(self):
+        grads = {n: torch.randn(s, dtype=torch.float64) for n, s in SHAPES.items()}
+        grads["b1"] = np.arange(8, dtype=np.int64)  # any real numbers convert
+        _, versions = self.client.push_pull(grads, want_params=False)
+        self.assertEqual(set(versions.values()), {1})
+
+    def test_versions_only(self):
+        params, versions = self.client.pull(want_params=False)
+        self.assertEqual(params, {})
+        self.assertEqual(set(versions.values()), {0})
+
+    def test_stats_per_shard(self):
+        self.client.push_pull({n: np.ones(s, np.float32) for n, s in SHAPES.items()})
+        stats = self.client.stats()
+        self.assertEqual(len(stats), 2)
+        for i, s in enumerate(stats):
+            self.assertEqual(s["shard_id"], i)
+            self.assertEqual(s["shard_count"], 2)
+            self.assertEqual(s["mode"], "sync")
+            mine = [n for n in SHAPES if self.client.shard_of(n) == i]
+            self.assertEqual(s["tensors"], len(mine))
+            self.assertEqual(s["state_elements"], sum(state_elements(SHAPES[n]) for n in mine))
+            self.assertEqual(s["state_bytes"], 4 * s["state_elements"])
+            self.assertEqual(s["adamw_elements"], sum(adamw_state_elements(SHAPES[n])
+                                                      for n in mine))
+            self.assertEqual(s["pushes"], 1)
+            self.assertGreater(s["push_seconds_sum"], 0.0)
+            self.assertIsInstance(s["simd"], str)
+
+    def test_tensor_stats(self):
+        self.client.push_pull({n: np.ones(s, np.float32) for n, s in SHAPES.items()})
+        t = self.client.tensor_stats("emb", log=4)
+        self.assertEqual(t["name"], "emb")
+        self.assertEqual(t["shape"], SHAPES["emb"])
+        self.assertEqual(t["version"], 1)
+        self.assertTrue(t["factored"])
+        self.assertEqual(t["flavor"], "torch")
+        self.assertEqual(t["state_elements"], 40 + 16)
+        self.assertEqual(t["apply_log"], [dict(worker_id=0, step=0, version=1)])
+
+    def test_threads_share_one_client(self):
+        errors = []
+
+        def reader():
+            try:
+                for _ in range(20):
+                    params, _ = self.client.pull()
+                    np.testing.assert_array_equal(params["b1"], self.init["b1"])
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=reader) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        self.assertEqual(errors, [])
+
+    def test_close_is_idempotent_and_final(self):
+        c = factorps.connect(self.shards.addrs)
+        with c:
+            c.create([factorps.TensorSpec(n, SHAPES[n], self.init[n]) for n in SHAPES])
+            c.pull(["b1"])
+        c.close()
+        with self.assertRaises(factorps.Error) as cm:
+            c.pull(["b1"])
+        self.assertEqual(cm.exception.code_name, "FAILED_PRECONDITION")
+
+    def test_second_worker_without_init_gets_worker0_values(self):
+        with factorps.connect(self.shards.addrs, worker_id=1, deadline=5) as c:
+            c.create([factorps.TensorSpec(n, SHAPES[n]) for n in SHAPES])
+            params, _ = c.pull()
+            for n in SHAPES:
+                np.testing.assert_array_equal(params[n], self.init[n])
+
+
+class OptionsTest(unittest.TestCase):
+    def test_bad_options_raise_before_any_network(self):
+        with self.assertRaises(factorps.InvalidArgumentError):
+            factorps.connect([])
+        with self.assertRaises(factorps.InvalidArgumentError):
+            factorps.connect(["127.0.0.1:1"], worker_id=-1)
+        with self.assertRaises(factorps.InvalidArgumentError):
+            factorps.optimizer_config("torch", beta1=0.9)  # an hf-only field
+        with self.assertRaises(factorps.InvalidArgumentError):
+            factorps.optimizer_config("adam")
+
+    def test_errors_carry_status(self):
+        e = factorps.errors.error_for(14, "shard 1 (x): gone", 1)
+        self.assertIsInstance(e, factorps.UnavailableError)
+        self.assertIsInstance(e, factorps.Error)
+        self.assertEqual((e.code, e.code_name, e.shard), (14, "UNAVAILABLE", 1))
+        self.assertIn("gone", str(e))
+        self.assertEqual(factorps.errors.error_for(99, "x").code_name, "CODE_99")
+
+
+if __name__ == "__main__":
+    unittest.main()
