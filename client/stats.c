@@ -147,7 +147,7 @@ static void fill_tensor(fps_tensor_stats_t *o, const Factorps__V1__TensorStats *
   snprintf(o->name, sizeof o->name, "%s", t->name ? t->name : "");
   o->shard = shard;
   o->ndim = t->n_shape > FPS_CLIENT_MAX_DIMS ? FPS_CLIENT_MAX_DIMS : (uint32_t)t->n_shape;
-  memcpy(o->shape, t->shape, o->ndim * sizeof *o->shape);
+  if (o->ndim) memcpy(o->shape, t->shape, o->ndim * sizeof *o->shape);
   o->version = t->version;
   o->ready = t->ready;
   o->factored = t->factored;
@@ -226,7 +226,7 @@ int fps_client_discover(fps_client_t *c, size_t *n_found, fps_status_t *status) 
         goto fail;
       }
       x->ndim = (uint32_t)t->n_shape;
-      memcpy(x->shape, t->shape, t->n_shape * sizeof *t->shape);
+      if (t->n_shape) memcpy(x->shape, t->shape, t->n_shape * sizeof *t->shape);
       x->numel = fps__shape_numel(x->ndim, x->shape, err, sizeof err);
       if (!x->numel) {
         rc = fps__status_set(status, FPS_CODE_DATA_LOSS, (int)i,
