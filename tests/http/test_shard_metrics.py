@@ -161,6 +161,81 @@ def check_prometheus_state(tc, prom, shards):
 
 
 @unittest.skipUnless(SERVER and os.access(SERVER, os.X_OK), "FACTORPS_SERVER not set")
+class CoordinationTest(unittest.TestCase):
+    """The sync/ssp series: rounds completed, workers waited for, pushes
+    waiting, staleness."""
+
+    def test_sync_rounds(self):
+        shard = F.Shard(SERVER, 0, 1, mode="sync", workers=2)
+        try:
+            tensors = F.shard_tensors(0)
+            chans = [F.channel(shard.addr) for _ in range(2)]
+            F.create(chans[0][1], 0, 1, tensors)
+            errors = []
+
+            def worker(w):
+                try:
+                    for step in range(3):
+                        F.push(chans[w][1], w, step, tensors)
+                except Exception as e:  # noqa: BLE001
+                    errors.append(repr(e))
+
+            ts = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(timeout=60)
+            for ch, _ in chans:
+                ch.close()
+            self.assertEqual(errors, [])
+            text = shard.scrape()[2].decode()
+            rounds = 3 * len(tensors)
+            self.assertEqual(F.metric(text, "factorps_sync_steps_completed_total"), rounds)
+            self.assertEqual(F.metric(text, "factorps_sync_workers_waited_total"), 2 * rounds)
+            self.assertEqual(F.metric(text, "factorps_sync_wait_duration_seconds_count"), rounds)
+            self.assertEqual(F.metric(text, "factorps_waiting_pushes"), 0)
+            self.assertEqual(F.metric(text, "factorps_rpc_requests_total", method="PushPull",
+                                      code="OK"), 6)
+            self.assertEqual(F.metric(text, "factorps_workers"), 2)
+            self.assertEqual(F.metric(text, "factorps_shard_info", mode="sync"), 1)
+        finally:
+            self.assertEqual(shard.stop(), 0)
+
+    def test_ssp_staleness_and_waiting(self):
+        shard = F.Shard(SERVER, 0, 1, mode="ssp", workers=2, extra=["--staleness", "1"])
+        try:
+            tensors = F.shard_tensors(0)
+            ch0, s0 = F.channel(shard.addr)
+            ch1, s1 = F.channel(shard.addr)
+            F.create(s0, 0, 1, tensors)
+            F.push(s0, 0, 0, tensors)
+            F.push(s0, 0, 1, tensors)
+            blocked = {}
+            t = threading.Thread(target=lambda: blocked.update(r=F.push(s0, 0, 2, tensors)))
+            t.start()
+            # Worker 0 is 2 ahead of worker 1 with a bound of 1: it waits.
+            deadline = time.time() + 10
+            while F.metric(shard.scrape()[2].decode(), "factorps_waiting_pushes") != 1:
+                self.assertLess(time.time(), deadline, "the ssp push never parked")
+                time.sleep(0.02)
+            F.push(s1, 1, 0, tensors)
+            t.join(timeout=30)
+            self.assertIn("r", blocked)
+            ch0.close()
+            ch1.close()
+            text = shard.scrape()[2].decode()
+            self.assertEqual(F.metric(text, "factorps_waiting_pushes"), 0)
+            # Ahead of the slowest on arrival: 0, 1, 2 (worker 0), 0 (worker 1).
+            hist = "factorps_ssp_staleness_steps_bucket"
+            self.assertEqual(F.metric(text, hist, le="0"), 2)
+            self.assertEqual(F.metric(text, hist, le="1"), 3)
+            self.assertEqual(F.metric(text, hist, le="2"), 4)
+            self.assertEqual(F.metric(text, "factorps_staleness_bound_steps"), 1)
+        finally:
+            self.assertEqual(shard.stop(), 0)
+
+
+@unittest.skipUnless(SERVER and os.access(SERVER, os.X_OK), "FACTORPS_SERVER not set")
 class AbuseTest(unittest.TestCase):
     """gRPC keeps working (every call succeeds) while the HTTP endpoint gets
     1000 connections, a trickled request, garbage and oversized headers."""
