@@ -521,7 +521,9 @@ static int read_file(const char *path, const fps_ckpt_expect_t *expect, fps_ckpt
     fps__ckpt_why(why, why_len, "no path");
     return FPS_EINVAL;
   }
-  r.fd = open(path, O_RDONLY | O_CLOEXEC);
+  /* O_NONBLOCK: opening a FIFO planted under a checkpoint's name must not
+   * block the loader (regular files ignore the flag). */
+  r.fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (r.fd < 0) {
     rc = errno == ENOENT ? FPS_ENOTFOUND : FPS_EIO;
     fps__ckpt_why(why, why_len, "open: %s", strerror(errno));

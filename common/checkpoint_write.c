@@ -95,8 +95,9 @@ int fps_ckpt_snapshot_add(fps_ckpt_snapshot_t *s, const char *name, const fps_sh
   t.data = malloc((size_t)t.floats * sizeof(float));
   if (!t.data) goto nomem;
   /* Touch every page now, outside the tensor's lock, so the copy under
-   * the lock does not take the page faults. */
-  memset(t.data, 0, (size_t)t.floats * sizeof(float));
+   * the lock does not take the page faults. Not with zeros: compilers
+   * turn malloc + memset(0) into calloc, which touches nothing. */
+  memset(t.data, 0xff, (size_t)t.floats * sizeof(float));
   s->t[s->n] = t;
   if (idx) *idx = s->n;
   s->n++;
@@ -390,6 +391,7 @@ static void remove_stale_temps(int dirfd) {
     close(fd);
     return;
   }
+  rewinddir(d); /* the dup shares the caller's directory offset */
   struct dirent *de;
   while ((de = readdir(d)) != NULL) {
     const char *n = de->d_name;

@@ -5,6 +5,8 @@
  *
  *   ckpt_sample write DIR     writes DIR/ckpt-<seq>.safetensors, prints its path
  *   ckpt_sample check PATH    loads PATH, checks every value; exit 0 if all match
+ *   ckpt_sample bench DIR MB  times snapshot, write, verify and load of about
+ *                             MB megabytes of weights (not a test: numbers only)
  *
  * Pattern, tensor i (file order), array kind k (0 weights, 1 row, 2 col,
  * 3 var, 4 mom), element j: value = i*1000 + k*100 + j*0.5 (exact in
@@ -13,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "adafactor.h"
 #include "checkpoint.h"
@@ -139,9 +142,86 @@ static int do_check(const char *path) {
   return bad;
 }
 
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* 16 torch tensors of 1024 x cols, about MB megabytes of weights. */
+static int do_bench(const char *dir, long mb) {
+  enum { N = 16 };
+  uint64_t cols = (uint64_t)mb * (1 << 20) / 4 / 1024 / N;
+  if (mb <= 0 || cols == 0) return 2;
+  fps_shape_t shape = {2, {1024, cols}};
+  fps_adafactor_hparams_t hp;
+  fps_adafactor_defaults(&hp, FPS_FLAVOR_TORCH);
+  fps_adafactor_state_t st[N];
+  float *param[N];
+  for (int i = 0; i < N; i++) {
+    if (fps_adafactor_state_init(&st[i], &shape, &hp)) return 1;
+    param[i] = malloc(st[i].numel * sizeof(float));
+    if (!param[i]) return 1;
+    fill(param[i], st[i].numel, (size_t)i, 0);
+  }
+  fps_ckpt_snapshot_t *s = NULL;
+  char why[FPS_CKPT_WHY_MAX] = "";
+  double t0 = now(), add = 0, copy = 0, copy_max = 0;
+  int rc = fps_ckpt_snapshot_create(&s, 0, 1, "async");
+  for (int i = 0; i < N && rc == 0; i++) {
+    char name[16];
+    size_t idx;
+    snprintf(name, sizeof name, "w%d", i);
+    double a = now();
+    rc = fps_ckpt_snapshot_add(s, name, &shape, &hp, &idx, why, sizeof why);
+    double b = now();
+    if (rc == 0) rc = fps_ckpt_snapshot_copy(s, idx, 1, param[i], &st[i]);
+    double c = now();
+    add += b - a;
+    copy += c - b;
+    if (c - b > copy_max) copy_max = c - b;
+  }
+  double t1 = now();
+  fps_ckpt_written_t w;
+  if (rc == 0) rc = fps_ckpt_write(dir, s, 1, &w, why, sizeof why);
+  double t2 = now();
+  double bytes = (double)fps_ckpt_snapshot_bytes(s);
+  fps_ckpt_snapshot_destroy(s);
+  if (rc) {
+    fprintf(stderr, "bench: %s: %s\n", fps_err_name(rc), why);
+    return 1;
+  }
+  fps_ckpt_info_t info;
+  rc = fps_ckpt_verify_file(w.path, NULL, &info, why, sizeof why);
+  double t3 = now();
+  fps_ckpt_t *c = NULL;
+  if (rc == 0) rc = fps_ckpt_load_file(w.path, NULL, &c, why, sizeof why);
+  double t4 = now();
+  fps_ckpt_destroy(c);
+  for (int i = 0; i < N; i++) {
+    fps_adafactor_state_destroy(&st[i]);
+    free(param[i]);
+  }
+  if (rc) {
+    fprintf(stderr, "bench: %s: %s\n", fps_err_name(rc), why);
+    return 1;
+  }
+  double mib = bytes / (1 << 20);
+  printf("%.1f MiB of weights+state in %d tensors (%s)\n", mib, N, w.path);
+  printf("snapshot add (alloc+prefault, no lock): %.3f s\n", add);
+  printf("snapshot copy (under lock): total %.3f s, longest tensor %.4f s, %.2f GiB/s\n", copy,
+         copy_max, mib / 1024 / copy);
+  printf("write (hash+write+fsync+rename): %.3f s, %.2f GiB/s\n", t2 - t1, mib / 1024 / (t2 - t1));
+  printf("verify: %.3f s, %.2f GiB/s\n", t3 - t2, mib / 1024 / (t3 - t2));
+  printf("load: %.3f s, %.2f GiB/s\n", t4 - t3, mib / 1024 / (t4 - t3));
+  (void)t0;
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  if (argc == 4 && strcmp(argv[1], "bench") == 0) return do_bench(argv[2], strtol(argv[3], NULL, 10));
   if (argc == 3 && strcmp(argv[1], "write") == 0) return do_write(argv[2]);
   if (argc == 3 && strcmp(argv[1], "check") == 0) return do_check(argv[2]);
-  fprintf(stderr, "usage: %s write DIR | check PATH\n", argv[0]);
+  fprintf(stderr, "usage: %s write DIR | check PATH | bench DIR MB\n", argv[0]);
   return 2;
 }

@@ -434,6 +434,15 @@ static void empty_or_missing_dir(void **unused) {
   fps_ckpt_info_t info;
   assert_int_equal(fps_ckpt_verify_file(missing, NULL, &info, NULL, 0), FPS_ENOTFOUND);
   assert_int_equal(fps_ckpt_verify_file(dir, NULL, &info, NULL, 0), FPS_EFORMAT);
+  /* A FIFO under a newer checkpoint's name is skipped, not waited on. */
+  snprintf(p, sizeof p, "%s/ckpt-9.safetensors", dir);
+  assert_int_equal(mkfifo(p, 0600), 0);
+  rejects_t rj = {0};
+  assert_int_equal(fps_ckpt_load_newest(dir, &EXPECT, on_reject, &rj, &c), 0);
+  assert_int_equal(c->info.seq, 8);
+  assert_int_equal(rj.n, 1);
+  assert_string_equal(rj.why, "not a regular file");
+  fps_ckpt_destroy(c);
   remove_dir(dir);
 }
 
