@@ -61,21 +61,27 @@ int fps_dtype_decode(int dtype, const void *src, uint64_t n, float *dst,
   const unsigned char *p = src;
   uint64_t bad = n;
   if (dtype == FPS_DTYPE_F32) {
-    memcpy(dst, p, n * 4);
-    if (first_nonfinite) {
-      /* Check in blocks: an OR over the block is cheap and vectorises; only
-       * a block with a hit is scanned element by element. */
-      const uint32_t *w = (const uint32_t *)(const void *)dst;
-      for (uint64_t i = 0; i < n && bad == n; i += 1024) {
-        uint64_t end = n - i < 1024 ? n : i + 1024;
-        int hit = 0;
-        for (uint64_t j = i; j < end; j++) hit |= fps__nonfinite_bits(w[j]);
-        if (hit) {
-          for (uint64_t j = i; j < end; j++) {
-            if (fps__nonfinite_bits(w[j])) {
-              bad = j;
-              break;
-            }
+    /* One pass: copy a cache-sized block, then test it while it is hot.
+     * (bits & exponent) + 2^23 carries into bit 31 only for an all-ones
+     * exponent (NaN/Inf); the OR over a fixed-size block is branch-free,
+     * so the compiler vectorises it. Only a block with a hit is scanned. */
+    enum { B = 1024 };
+    for (uint64_t i = 0; i < n; i += B) {
+      uint64_t m = n - i < B ? n - i : B;
+      memcpy(dst + i, p + 4 * i, m * 4);
+      if (!first_nonfinite || bad != n) continue;
+      const uint32_t *w = (const uint32_t *)(const void *)(dst + i);
+      uint32_t acc = 0;
+      if (m == B) {
+        for (uint64_t j = 0; j < B; j++) acc |= (w[j] & 0x7f800000u) + 0x00800000u;
+      } else {
+        for (uint64_t j = 0; j < m; j++) acc |= (w[j] & 0x7f800000u) + 0x00800000u;
+      }
+      if (acc & 0x80000000u) {
+        for (uint64_t j = 0; j < m; j++) {
+          if (fps__nonfinite_bits(w[j])) {
+            bad = i + j;
+            break;
           }
         }
       }
