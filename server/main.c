@@ -68,10 +68,11 @@ int main(int argc, char **argv) {
      * on first touch. One arena, no mmap threshold and no trimming keep
      * tensor-sized buffers in the heap for reuse (measured 2-3x for
      * 1-64 MiB messages, see the README). */
-    mallopt(M_ARENA_MAX, 1);
-    mallopt(M_MMAP_THRESHOLD, 1 << 30);
-    mallopt(M_TRIM_THRESHOLD, -1);
-    mallopt(M_TOP_PAD, 64 << 20);
+    /* M_MMAP_THRESHOLD is capped at 32 MiB by glibc (a larger value is
+     * ignored), so mmap is switched off with M_MMAP_MAX = 0 instead. */
+    if (!mallopt(M_ARENA_MAX, 1) || !mallopt(M_MMAP_MAX, 0) || !mallopt(M_TRIM_THRESHOLD, -1) ||
+        !mallopt(M_TOP_PAD, 64 << 20))
+      fprintf(stderr, "factorps-server: mallopt tuning was refused; continuing untuned\n");
   }
 
   sigset_t sigs;
