@@ -5,6 +5,7 @@ Runs tests/http/metrics_test_server (the real endpoint over a synthetic
 registry, plus a thread counting fake PushPulls) on 127.0.0.1:0 and talks raw
 HTTP/1.1 to it. Usage: test_http.py <metrics_test_server> [unittest args]
 """
+import os
 import re
 import resource
 import shutil
@@ -142,6 +143,22 @@ class HttpTest(unittest.TestCase):
         r = subprocess.run(["promtool", "check", "metrics"], input=body,
                            capture_output=True, timeout=30)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+    def test_deploy_files_use_real_metric_names(self):
+        """Every series the Grafana dashboard and the docs query exists."""
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        text = self.shard.get("/metrics")[2].decode()
+        names = set()
+        for line in text.splitlines():
+            if line.startswith("# TYPE "):
+                name, kind = line.split()[2:4]
+                names.add(name)
+                if kind == "histogram":
+                    names.update(name + s for s in ("_bucket", "_sum", "_count"))
+        with open(os.path.join(repo, "deploy", "grafana", "dashboards", "factorps.json")) as f:
+            used = set(re.findall(r"\b((?:factorps|process)_[a-z_]+)", f.read()))
+        self.assertTrue(used)
+        self.assertEqual(used - names, set())
 
     def test_unknown_path(self):
         self.assertEqual(self.shard.get("/nope")[0], 404)
