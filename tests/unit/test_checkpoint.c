@@ -14,7 +14,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "adafactor.h"
@@ -924,6 +927,67 @@ static void resealed_headers(void **unused) {
   remove_dir(dir);
 }
 
+/* A writer killed with SIGKILL at random moments (inside the data write,
+ * the fsyncs, the rename or the pruning) never leaves a checkpoint file
+ * that fails to verify, and the newest complete one loads. */
+static void sigkill_during_writes(void **unused) {
+  (void)unused;
+  char *dir = make_dir();
+  fps_ckpt_written_t w;
+  write_gen(dir, 1, 2, &w);
+  srand(20261129);
+  int mid_write = 0;
+  for (int round = 0; round < 12; round++) {
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+      /* Child: two 4 MiB tensors, written over and over. */
+      fps_ckpt_snapshot_t *s = NULL;
+      fps_adafactor_hparams_t hp;
+      fps_adafactor_defaults(&hp, FPS_FLAVOR_TORCH);
+      fps_shape_t sh = {2, {1024, 1024}};
+      fps_adafactor_state_t st;
+      float *param = calloc(1024 * 1024, sizeof(float));
+      if (!param || fps_ckpt_snapshot_create(&s, 0, 2, "sync") ||
+          fps_adafactor_state_init(&st, &sh, &hp))
+        _exit(3);
+      for (int i = 0; i < 2; i++) {
+        size_t idx;
+        char name[8];
+        snprintf(name, sizeof name, "t%d", i);
+        if (fps_ckpt_snapshot_add(s, name, &sh, &hp, &idx, NULL, 0) ||
+            fps_ckpt_snapshot_copy(s, idx, (uint64_t)round, param, &st))
+          _exit(4);
+      }
+      for (;;)
+        if (fps_ckpt_write(dir, s, 2, NULL, NULL, 0)) _exit(5);
+    }
+    struct timespec ts = {0, (long)(rand() % 400) * 1000000L};
+    nanosleep(&ts, NULL);
+    kill(pid, SIGKILL);
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFSIGNALED(status)); /* killed, not failed */
+    mid_write += count_files(dir, ".ckpt-") > 0;
+
+    fps_ckpt_entry_t *e = NULL;
+    size_t n = 0;
+    assert_int_equal(fps_ckpt_list(dir, &EXPECT, &e, &n), 0);
+    assert_true(n >= 1);
+    for (size_t i = 0; i < n; i++)
+      if (e[i].status) fail_msg("round %d: %s: %s", round, e[i].path, e[i].why);
+    fps_ckpt_list_free(e);
+    fps_ckpt_t *c = NULL;
+    assert_int_equal(fps_ckpt_load_newest(dir, &EXPECT, NULL, NULL, &c), 0);
+    fps_ckpt_destroy(c);
+  }
+  print_message("  %d of 12 kills landed inside a write\n", mid_write);
+  /* The next write removes a temporary file the last kill may have left. */
+  write_gen(dir, 2, 2, &w);
+  assert_int_equal(count_files(dir, ".ckpt-"), 0);
+  remove_dir(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(round_trip),
@@ -935,6 +999,7 @@ int main(void) {
       cmocka_unit_test(writer_rejects_bad_input),
       cmocka_unit_test(hostile_truncations_and_flips),
       cmocka_unit_test(resealed_headers),
+      cmocka_unit_test(sigkill_during_writes),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
