@@ -1,0 +1,178 @@
+/* NEON kernels (aarch64, where Advanced SIMD is architectural).
+ *
+ * Same contract as kernels_avx2.c: elementwise results use the scalar
+ * reference's operations in the same order (separate multiply and add,
+ * which -std=c11's -ffp-contract=off keeps unfused; sqrt + divide, not the
+ * vrsqrte estimate), so they are bit-identical to scalar; only the double
+ * sums use lanes and FMA. The clamp is a compare + select rather than
+ * vmaxq so that a NaN and -0.0 behave exactly like the scalar ?: does. */
+#include <arm_neon.h>
+#include <math.h>
+
+#include "kernels_impl.h"
+
+static inline float32x4_t clamp_min(float32x4_t floor, float32x4_t x) {
+  return vbslq_f32(vcgtq_f32(floor, x), floor, x); /* floor > x ? floor : x */
+}
+
+static void row_stats_neon(const float *g, const float *p, size_t n, double *col, double *gsq,
+                           double *psq) {
+  float64x2_t ga0 = vdupq_n_f64(0), ga1 = ga0, pa0 = ga0, pa1 = ga0;
+  size_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    float32x4_t gv = vld1q_f32(g + j), pv = vld1q_f32(p + j);
+    float64x2_t g0 = vcvt_f64_f32(vget_low_f32(gv)), g1 = vcvt_high_f64_f32(gv);
+    float64x2_t p0 = vcvt_f64_f32(vget_low_f32(pv)), p1 = vcvt_high_f64_f32(pv);
+    float64x2_t q0 = vmulq_f64(g0, g0), q1 = vmulq_f64(g1, g1);
+    vst1q_f64(col + j, vaddq_f64(vld1q_f64(col + j), q0));
+    vst1q_f64(col + j + 2, vaddq_f64(vld1q_f64(col + j + 2), q1));
+    ga0 = vaddq_f64(ga0, q0);
+    ga1 = vaddq_f64(ga1, q1);
+    pa0 = vfmaq_f64(pa0, p0, p0);
+    pa1 = vfmaq_f64(pa1, p1, p1);
+  }
+  double gs = vaddvq_f64(vaddq_f64(ga0, ga1)), ps = vaddvq_f64(vaddq_f64(pa0, pa1));
+  for (; j < n; j++) {
+    double gd = g[j], pd = p[j], g2 = gd * gd;
+    gs += g2;
+    ps += pd * pd;
+    col[j] += g2;
+  }
+  *gsq = gs;
+  *psq = ps;
+}
+
+static void row_scaled_neon(const float *g, size_t n, double inv_r, double *s) {
+  const float64x2_t ir = vdupq_n_f64(inv_r);
+  size_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    float32x4_t gv = vld1q_f32(g + j);
+    float64x2_t g0 = vcvt_f64_f32(vget_low_f32(gv)), g1 = vcvt_high_f64_f32(gv);
+    vst1q_f64(s + j, vaddq_f64(vld1q_f64(s + j), vmulq_f64(vmulq_f64(g0, g0), ir)));
+    vst1q_f64(s + j + 2, vaddq_f64(vld1q_f64(s + j + 2), vmulq_f64(vmulq_f64(g1, g1), ir)));
+  }
+  for (; j < n; j++) {
+    double gd = g[j];
+    s[j] += gd * gd * inv_r;
+  }
+}
+
+static void var_update_neon(const float *g, const float *p, float *v, size_t n, float a, float b,
+                            float e, float floor, double *u2, double *psq) {
+  const float32x4_t av = vdupq_n_f32(a), bv = vdupq_n_f32(b), ev = vdupq_n_f32(e);
+  const float32x4_t fv = vdupq_n_f32(floor);
+  float64x2_t ua0 = vdupq_n_f64(0), ua1 = ua0, pa0 = ua0, pa1 = ua0;
+  size_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    float32x4_t gv = vld1q_f32(g + j), pv = vld1q_f32(p + j);
+    float32x4_t sq = vaddq_f32(vmulq_f32(gv, gv), ev);
+    float32x4_t nv = vaddq_f32(vmulq_f32(av, vld1q_f32(v + j)), vmulq_f32(bv, sq));
+    vst1q_f32(v + j, nv);
+    float32x4_t den = clamp_min(fv, nv);
+    float64x2_t g0 = vcvt_f64_f32(vget_low_f32(gv)), g1 = vcvt_high_f64_f32(gv);
+    float64x2_t d0 = vcvt_f64_f32(vget_low_f32(den)), d1 = vcvt_high_f64_f32(den);
+    ua0 = vaddq_f64(ua0, vdivq_f64(vmulq_f64(g0, g0), d0));
+    ua1 = vaddq_f64(ua1, vdivq_f64(vmulq_f64(g1, g1), d1));
+    float64x2_t p0 = vcvt_f64_f32(vget_low_f32(pv)), p1 = vcvt_high_f64_f32(pv);
+    pa0 = vfmaq_f64(pa0, p0, p0);
+    pa1 = vfmaq_f64(pa1, p1, p1);
+  }
+  double us = vaddvq_f64(vaddq_f64(ua0, ua1)), ps = vaddvq_f64(vaddq_f64(pa0, pa1));
+  for (; j < n; j++) {
+    float sq = g[j] * g[j] + e;
+    float nv = a * v[j] + b * sq;
+    v[j] = nv;
+    float den = floor > nv ? floor : nv;
+    double gd = g[j], pd = p[j];
+    us += gd * gd / den;
+    ps += pd * pd;
+  }
+  *u2 += us;
+  *psq += ps;
+}
+
+static double row_u2_clamped_neon(const float *g, const float *c, size_t n, float rr,
+                                  float floor) {
+  const float32x4_t rv = vdupq_n_f32(rr), fv = vdupq_n_f32(floor);
+  float64x2_t ua0 = vdupq_n_f64(0), ua1 = ua0;
+  size_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    float32x4_t gv = vld1q_f32(g + j);
+    float32x4_t den = clamp_min(fv, vmulq_f32(rv, vld1q_f32(c + j)));
+    float64x2_t g0 = vcvt_f64_f32(vget_low_f32(gv)), g1 = vcvt_high_f64_f32(gv);
+    float64x2_t d0 = vcvt_f64_f32(vget_low_f32(den)), d1 = vcvt_high_f64_f32(den);
+    ua0 = vaddq_f64(ua0, vdivq_f64(vmulq_f64(g0, g0), d0));
+    ua1 = vaddq_f64(ua1, vdivq_f64(vmulq_f64(g1, g1), d1));
+  }
+  double us = vaddvq_f64(vaddq_f64(ua0, ua1));
+  for (; j < n; j++) {
+    float v = rr * c[j];
+    float den = floor > v ? floor : v;
+    double gd = g[j];
+    us += gd * gd / den;
+  }
+  return us;
+}
+
+static void apply_rowcol_neon(float *p, const float *g, float *mom, const float *colf, size_t n,
+                              float rowf, float pmul, float beta1) {
+  const float omb = 1.0f - beta1;
+  const float32x4_t rv = vdupq_n_f32(rowf), mv = vdupq_n_f32(pmul);
+  const float32x4_t b1 = vdupq_n_f32(beta1), ob = vdupq_n_f32(omb);
+  size_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    float32x4_t u = vmulq_f32(vmulq_f32(vld1q_f32(g + j), vld1q_f32(colf + j)), rv);
+    if (mom) {
+      u = vaddq_f32(vmulq_f32(b1, vld1q_f32(mom + j)), vmulq_f32(ob, u));
+      vst1q_f32(mom + j, u);
+    }
+    vst1q_f32(p + j, vsubq_f32(vmulq_f32(vld1q_f32(p + j), mv), u));
+  }
+  for (; j < n; j++) {
+    float u = (g[j] * colf[j]) * rowf;
+    if (mom) {
+      u = beta1 * mom[j] + omb * u;
+      mom[j] = u;
+    }
+    p[j] = p[j] * pmul - u;
+  }
+}
+
+static void apply_elem_neon(float *p, const float *g, float *mom, const float *c, size_t n,
+                            float rr, float floor, float s, float pmul, float beta1) {
+  const float omb = 1.0f - beta1;
+  const float32x4_t rv = vdupq_n_f32(rr), fv = vdupq_n_f32(floor), sv = vdupq_n_f32(s);
+  const float32x4_t mv = vdupq_n_f32(pmul), one = vdupq_n_f32(1.0f);
+  const float32x4_t b1 = vdupq_n_f32(beta1), ob = vdupq_n_f32(omb);
+  size_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    float32x4_t den = clamp_min(fv, vmulq_f32(rv, vld1q_f32(c + j)));
+    float32x4_t inv = vdivq_f32(one, vsqrtq_f32(den));
+    float32x4_t u = vmulq_f32(vmulq_f32(vld1q_f32(g + j), inv), sv);
+    if (mom) {
+      u = vaddq_f32(vmulq_f32(b1, vld1q_f32(mom + j)), vmulq_f32(ob, u));
+      vst1q_f32(mom + j, u);
+    }
+    vst1q_f32(p + j, vsubq_f32(vmulq_f32(vld1q_f32(p + j), mv), u));
+  }
+  for (; j < n; j++) {
+    float v = rr * c[j];
+    float den = floor > v ? floor : v;
+    float u = (g[j] * (1.0f / sqrtf(den))) * s;
+    if (mom) {
+      u = beta1 * mom[j] + omb * u;
+      mom[j] = u;
+    }
+    p[j] = p[j] * pmul - u;
+  }
+}
+
+const fps_kernels_t fps__kernels_neon = {
+    .name = "neon",
+    .row_stats = row_stats_neon,
+    .row_scaled = row_scaled_neon,
+    .var_update = var_update_neon,
+    .row_u2_clamped = row_u2_clamped_neon,
+    .apply_rowcol = apply_rowcol_neon,
+    .apply_elem = apply_elem_neon,
+};
