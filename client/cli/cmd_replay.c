@@ -21,7 +21,9 @@ static void replay_usage(FILE *out) {
           "       [--case SUBSTR]\n"
           "Replays Adafactor golden vectors and writes OUT_DIR/<case>/param_<t>.bin and\n"
           "state_<name>.bin. --simd defaults to $FACTORPS_SIMD or the best variant;\n"
-          "--threads (default 1) splits large tensors over a thread pool.\n");
+          "--threads (default 1) splits large tensors over a thread pool.\n"
+          "Exit status: 0 all cases replayed, 1 a case failed, 2 usage error,\n"
+          "77 the --simd variant is not supported on this machine.\n");
 }
 
 int fps_cli_replay(int argc, char **argv) {
@@ -64,7 +66,9 @@ int fps_cli_replay(int argc, char **argv) {
                 : fps_kernels_from_env(&k, why, sizeof why);
   if (rc) {
     fprintf(stderr, "factorps replay: %s\n", why);
-    return 2;
+    /* 77 (the automake "skipped" status): scripts can tell "this machine
+     * cannot run that variant" from a usage error. */
+    return rc == FPS_EUNSUPPORTED ? 77 : 2;
   }
   fps_pool_t *pool = NULL;
   if (threads > 1 && (rc = fps_pool_create(&pool, threads)) != 0) {
