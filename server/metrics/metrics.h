@@ -7,7 +7,7 @@
  *   fps_metrics_config_t mc = {.shard_id = id, .shard_count = n, .mode = "sync",
  *                              .workers = w, .simd = "avx2"};
  *   fps_metrics_init(&mc);                          // once, before any thread
- *   fps_metrics_http_opts_t ho = {.listen = "0.0.0.0:9100"};
+ *   fps_metrics_http_opts_t ho = {.listen = "0.0.0.0:9150"};
  *   fps_metrics_http_t *http;
  *   fps_metrics_http_start(&ho, &http);            // own thread + libuv loop
  *   ... grpc port bound, state loaded:  fps_metrics_ready_set(true);
@@ -15,7 +15,11 @@
  *   ... payload in/out:        fps_metrics_rpc_bytes(FPS_METRICS_PUSHPULL, rx, tx);
  *   ... after every update:    fps_metrics_update_observe(secs, bytes_moved);
  *   ... a tensor registered:   fps_metrics_state_add_tensor(numel, &size)
+ *   ... sync/ssp:              fps_metrics_step_observe / _staleness_observe / _waiting_add
  *   fps_metrics_ready_set(false); fps_metrics_http_stop(http);
+ *
+ * server/main.c, grpc_server.c, sync.c, tensor_store.c, rpc_create.c,
+ * rpc_pushpull.c and reply.c make exactly these calls (grep fps_metrics_).
  *
  * Hot-path calls (the *_observe, *_add and *_set functions) are lock-free:
  * relaxed atomic adds on static storage, no allocation, no syscalls, safe
