@@ -94,6 +94,12 @@ int main(int argc, char **argv) {
     return 2;
   }
   fps_config_dump(&srv.cfg, fps__dump_line);
+  if (srv.cfg.kernel_threads != 1 && fps_pool_create(&srv.pool, srv.cfg.kernel_threads) < 0) {
+    /* Not fatal: updates run on the calling thread, just slower. */
+    FPS_SLOG(FPS_LOG_WARN, "cannot start %u kernel threads; large updates run single-threaded",
+             srv.cfg.kernel_threads);
+    srv.pool = NULL;
+  }
   fps_metrics_config_t mcfg = {.shard_id = srv.cfg.shard_id, .shard_count = srv.cfg.shard_count,
                                .mode = fps_mode_name(srv.cfg.mode), .workers = srv.cfg.workers,
                                .staleness = srv.cfg.staleness,
@@ -167,6 +173,7 @@ out:
   fps_metrics_http_stop(http);
   if (timer) fps_sync_stop(&srv);
   fps_store_destroy(&srv.store);
+  fps_pool_destroy(srv.pool);
   grpc_shutdown_blocking();
   pthread_mutex_destroy(&srv.calls_mu);
   pthread_mutex_destroy(&srv.ssp_mu);

@@ -45,6 +45,10 @@
  * receive limit, so a client that never raised its limit still works. */
 #define FPS_REPLY_BUDGET ((size_t)4 * 1024 * 1024 - 4096)
 #define FPS_LATENCY_RING 1024            /* recent pushes kept for p50/p99 */
+/* Tensors at least this big are updated on the kernel pool; smaller ones on
+ * the calling poller thread (the pool runs one job at a time, and many small
+ * tensors already spread over the pollers). */
+#define FPS_POOL_MIN_NUMEL (UINT64_C(1) << 22)
 
 /* ------------------------------------------------------------ logging */
 
@@ -77,6 +81,7 @@ typedef struct fps_config_s {
   uint32_t apply_log;         /* per-tensor apply records kept for Stats */
   char *log_level;            /* error, warn, info, debug */
   char *simd;                 /* scalar|avx2|neon|auto */
+  uint32_t kernel_threads;    /* pool size for large tensors' updates (0: CPUs) */
   int malloc_tune;            /* 1: one arena, no mmap threshold, no trim */
   char *metrics_listen;       /* HTTP /metrics /healthz /readyz host:port, "" = off */
   char *metrics_port_file;    /* written with the bound metrics port, or "" */
@@ -287,6 +292,7 @@ typedef struct fps_ssp_wait_s {
 struct fps_server_s {
   fps_config_t cfg;
   const fps_kernels_t *kernels;
+  fps_pool_t *pool;                 /* splits large tensors' updates; NULL: none */
   fps_store_t store;
   fps_counters_t counters;
   int64_t started_ns;

@@ -138,7 +138,8 @@ int fps__tensor_apply_locked(fps_server_t *srv, fps_tensor_t *t, const float *gr
   fps_adafactor_trace_t tr;
   memset(&tr, 0, sizeof tr);
   int64_t t0 = fps_now_ns();
-  int rc = fps_adafactor_step(srv->kernels, &t->hp, &t->st, t->param, grad, NULL, &tr);
+  fps_pool_t *pool = t->numel >= FPS_POOL_MIN_NUMEL ? srv->pool : NULL;
+  int rc = fps_adafactor_step(srv->kernels, &t->hp, &t->st, t->param, grad, pool, &tr);
   int64_t t1 = fps_now_ns();
   if (rc < 0) {
     FPS_SLOG(FPS_LOG_ERROR, "tensor '%s': Adafactor step failed: %s", t->name, fps_strerror(rc));

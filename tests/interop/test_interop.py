@@ -239,6 +239,25 @@ class Interop(unittest.TestCase):
         finally:
             srv.stop()
 
+    def test_kernel_threads_bit_identical(self):
+        # Above FPS_POOL_MIN_NUMEL (4M elements) updates run on the kernel
+        # pool; the result must not depend on the thread count.
+        shape = [2048, 2049]
+        rng = np.random.default_rng(11)
+        p0 = (0.5 * rng.standard_normal(shape)).astype(np.float32)
+        grads = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+        out = []
+        for threads in (1, 3):
+            srv = H.Server("--mode", "async", "--kernel-threads", threads)
+            try:
+                H.create(srv.stub, "k", shape, p0)
+                for step, g in enumerate(grads):
+                    got, _ = H.push(srv.stub, 0, step, {"k": (shape, g)})
+                out.append(got["k"])
+            finally:
+                srv.stop()
+        np.testing.assert_array_equal(out[0], out[1])
+
     def test_sigterm_with_parked_call(self):
         _, _, grpc = H.stubs()
         srv = H.Server("--mode", "sync", "--workers", 2)
