@@ -52,7 +52,7 @@ struct fps__stream_engine_s {
   int local_code;                    /* local failure, beats the status */
   int sending_done;                  /* close sent, or sending abandoned */
   grpc_byte_buffer *send_bb;         /* message in flight */
-  grpc_slice next;                   /* packed ahead of time */
+  grpc_byte_buffer *next;            /* built ahead of time */
   int have_next, next_last;
   grpc_byte_buffer *recv_bb;
   grpc_metadata_array init_md, trail_md;
@@ -72,12 +72,14 @@ int fps__stream_fail(fps__stream_t *s, int code, const char *fmt, ...) {
   return code;
 }
 
-grpc_slice fps__pack(const void *msg) {
+grpc_byte_buffer *fps__pack(const void *msg) {
   const ProtobufCMessage *m = msg;
   size_t n = protobuf_c_message_get_packed_size(m);
-  grpc_slice out = grpc_slice_malloc(n);
-  protobuf_c_message_pack(m, GRPC_SLICE_START_PTR(out));
-  return out;
+  grpc_slice sl = grpc_slice_malloc(n);
+  protobuf_c_message_pack(m, GRPC_SLICE_START_PTR(sl));
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&sl, 1);
+  grpc_slice_unref(sl);
+  return bb;
 }
 
 static void engine_cancel(engine_t *e, int code, const char *why) {
@@ -88,12 +90,12 @@ static void engine_cancel(engine_t *e, int code, const char *why) {
 static void produce(engine_t *e) {
   if (e->have_next || e->next_last || e->local_code) return;
   int last = 0;
-  grpc_slice sl;
-  if (e->s->ops->next(e->s, &sl, &last)) {
+  grpc_byte_buffer *bb = NULL;
+  if (e->s->ops->next(e->s, &bb, &last)) {
     engine_cancel(e, GRPC_STATUS_CANCELLED, "client failed to build a request");
     return;
   }
-  e->next = sl;
+  e->next = bb;
   e->have_next = 1;
   e->next_last = last;
 }
@@ -114,8 +116,8 @@ static void send_next(engine_t *e, int first) {
     ops[n].data.send_initial_metadata.metadata = e->c->auth_header ? &e->auth_md : NULL;
     n++;
   }
-  e->send_bb = grpc_raw_byte_buffer_create(&e->next, 1);
-  grpc_slice_unref(e->next);
+  e->send_bb = e->next;
+  e->next = NULL;
   e->have_next = 0;
   ops[n].op = GRPC_OP_SEND_MESSAGE;
   ops[n].data.send_message.send_message = e->send_bb;
@@ -346,7 +348,7 @@ static void engine_finish(engine_t *e, fps__retry_t retry) {
     fps__stream_fail(s, FPS_CODE_INTERNAL, "call never started");
   }
   if (e->local_code) s->code = e->local_code;
-  if (e->have_next) grpc_slice_unref(e->next);
+  if (e->have_next) grpc_byte_buffer_destroy(e->next);
   e->have_next = 0;
   grpc_metadata_array_destroy(&e->init_md);
   grpc_metadata_array_destroy(&e->trail_md);

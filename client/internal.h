@@ -91,10 +91,10 @@ typedef struct fps__stream_s fps__stream_t;
 /* What a stream does; the engine does the gRPC part. Callbacks run on the
  * thread that called fps__streams_run(), one at a time. */
 typedef struct fps__stream_ops_s {
-  /* Builds the next request message into `*out` (a gRPC slice the engine
+  /* Builds the next request message into `*out` (a byte buffer the engine
    * takes over) and sets `*last` when it is the final one. Returns 0, or a
    * status code after filling s->code/s->msg via fps__stream_fail(). */
-  int (*next)(fps__stream_t *s, grpc_slice *out, int *last);
+  int (*next)(fps__stream_t *s, grpc_byte_buffer **out, int *last);
   /* Consumes one response message. Returns 0 or a status code (after
    * fps__stream_fail()); the engine then cancels the call. */
   int (*on_message)(fps__stream_t *s, const uint8_t *data, size_t len);
@@ -130,8 +130,8 @@ int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *
 /* Records a local failure of a stream; returns `code`. */
 int fps__stream_fail(fps__stream_t *s, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-/* Packs a protobuf-c message into a fresh gRPC slice. */
-grpc_slice fps__pack(const void *protobuf_c_message);
+/* Packs a protobuf-c message into a fresh gRPC byte buffer. */
+grpc_byte_buffer *fps__pack(const void *protobuf_c_message);
 
 /* ---- wire decoding of PushPullResponse / PullResponse (wire.c) ---- */
 
@@ -160,6 +160,23 @@ typedef struct fps__wire_sink_s {
  * reason in `err`), or the sink's nonzero value. */
 int fps__wire_parse_params(const uint8_t *buf, size_t len, const fps__wire_sink_t *sink, char *err,
                            size_t errlen);
+
+/* Encoding of PushPullRequest without copying gradient data: the request
+ * becomes a byte buffer of small header slices interleaved with slices that
+ * point straight at the caller's floats (see push_pull.c). */
+
+/* Most header bytes fps__wire_slice_header() writes for a name of
+ * `name_len` bytes and `ndim` dims. */
+#define FPS__WIRE_SLICE_HEADER_MAX(name_len, ndim) (48 + (name_len) + 11 * (ndim))
+/* Writes the TensorSlice header (the outer field `field` of the enclosing
+ * message, its length, name, dtype, shape, offset and the data field's tag
+ * and length) for a slice whose `data_len` data bytes follow it. Returns
+ * the bytes written. */
+size_t fps__wire_slice_header(uint8_t *buf, unsigned field, const char *name, size_t name_len,
+                              int dtype, uint32_t ndim, const uint64_t *shape, uint64_t offset,
+                              size_t data_len);
+/* Writes varint field `field` = v; returns the bytes written (<= 11). */
+size_t fps__wire_put_varint_field(uint8_t *buf, unsigned field, uint64_t v);
 
 /* ---- optimizer settings (optim.c) ---- */
 

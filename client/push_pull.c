@@ -3,8 +3,10 @@
  * One streaming call per shard that holds any of the named tensors. The
  * request side walks the shard's tensors in the caller's order and cuts
  * them into slices so that no message exceeds max_message_bytes; small
- * tensors share a message. Messages point at the caller's gradients and are
- * packed (one copy) only just before they are sent, two at most per shard.
+ * tensors share a message. Messages are built without copying gradients:
+ * small header slices interleaved with slices over the caller's floats,
+ * which gRPC writes to the socket directly; two messages at most are built
+ * ahead per shard.
  * The reply side decodes each message as it arrives (wire.c) and copies each
  * parameter slice straight into the caller's buffer at its offset. After an
  * OK status every tensor must have been covered exactly once and have a
@@ -12,11 +14,16 @@
  * half-written tensor reported as success.
  *
  * Aliasing params[i] == grads[i] is safe: a shard can only answer for a
- * tensor after it received all of its gradient, which was packed (copied
- * out of the caller's buffer) before it was sent. */
+ * tensor after it received all of its gradient, so the bytes gRPC read
+ * from the caller's buffer were on the wire before the reply overwrites
+ * them. */
+#include <grpc/byte_buffer.h>
+#include <grpc/slice.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "factorps/v1/factorps.pb-c.h"
 #include "internal.h"
@@ -35,7 +42,16 @@ typedef struct pp_job_s {
   unsigned char *got_version;           /* per caller index */
   uint32_t worker_id;
   uint64_t step;
+  pthread_mutex_t mu;                   /* guards live_slices */
+  pthread_cond_t cv;
+  size_t live_slices;                   /* data slices gRPC still holds */
 } pp_job_t;
+
+/* One run of a tensor's elements in one request message. */
+typedef struct pp_run_s {
+  const struct pp_item_s *it;
+  uint64_t off, count;
+} pp_run_t;
 
 typedef struct pp_shard_s {
   fps__stream_t s;
@@ -46,33 +62,39 @@ typedef struct pp_shard_s {
   size_t pos;                           /* request cursor: item */
   uint64_t off;                         /* request cursor: element */
   int skip_params;                      /* no params wanted from this shard */
-  Factorps__V1__TensorSlice *sl;        /* scratch, n entries */
-  Factorps__V1__TensorSlice **slp;
+  pp_run_t *plan;                       /* scratch, n entries */
+  grpc_slice *slices;                   /* scratch, 2n + 1 entries */
 } pp_shard_t;
 
-static int push_next(fps__stream_t *s, grpc_slice *out, int *last) {
+/* Zero-copy: a data slice points at the caller's gradient. Its destroy
+ * callback counts it released, and the call does not return before every
+ * such slice is released, so gRPC never reads caller memory after
+ * fps_client_push_pull() returns (an early error status can end a call
+ * while a write is still in flight). */
+static void data_slice_released(void *user) {
+  pp_job_t *job = user;
+  pthread_mutex_lock(&job->mu);
+  if (--job->live_slices == 0) pthread_cond_broadcast(&job->cv);
+  pthread_mutex_unlock(&job->mu);
+}
+
+static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   pp_shard_t *sh = s->ctx;
   pp_job_t *job = sh->job;
   uint64_t budget = job->c->opts.max_message_bytes, used = FPS__MESSAGE_OVERHEAD;
-  size_t k = 0;
+  size_t k = 0, hdr_cap = 40;
 
+  /* Plan this message: which runs of which tensors it carries. */
   while (sh->pos < sh->n) {
     const pp_item_t *it = &sh->items[sh->pos];
-    uint64_t over = FPS__SLICE_OVERHEAD + strlen(it->t->name) + 11 * it->t->ndim;
+    size_t name_len = strlen(it->t->name);
+    uint64_t over = FPS__WIRE_SLICE_HEADER_MAX(name_len, it->t->ndim);
     uint64_t room = budget > used + over ? (budget - used - over) / 4 : 0;
     uint64_t left = it->t->numel - sh->off;
     uint64_t count = left < room ? left : room;
     if (count == 0) break; /* the message is full (k > 0: budget >= 64 KiB) */
-    Factorps__V1__TensorSlice *sl = &sh->sl[k];
-    factorps__v1__tensor_slice__init(sl);
-    sl->name = it->t->name;
-    sl->dtype = FACTORPS__V1__DTYPE__DTYPE_F32;
-    sl->n_shape = it->t->ndim;
-    sl->shape = (uint64_t *)it->t->shape;
-    sl->offset = sh->off;
-    sl->data.data = (uint8_t *)(job->grads[it->idx] + sh->off);
-    sl->data.len = count * 4;
-    sh->slp[k++] = sl;
+    sh->plan[k++] = (pp_run_t){it, sh->off, count};
+    hdr_cap += over;
     used += over + count * 4;
     sh->off += count;
     if (sh->off == it->t->numel) {
@@ -80,18 +102,39 @@ static int push_next(fps__stream_t *s, grpc_slice *out, int *last) {
       sh->off = 0;
     }
   }
-  Factorps__V1__PushPullRequest req = FACTORPS__V1__PUSH_PULL_REQUEST__INIT;
-  req.worker_id = job->worker_id;
-  req.step = job->step;
-  req.n_grads = k;
-  req.grads = sh->slp;
-  req.skip_params = sh->skip_params;
-  *out = fps__pack(&req);
+  /* Encode: the request's scalar fields, then per run a header slice and a
+   * slice over the caller's floats. All headers share one allocation. */
+  grpc_slice hdr = grpc_slice_malloc(hdr_cap);
+  uint8_t *h = GRPC_SLICE_START_PTR(hdr);
+  size_t hn = 0, n_sl = 0;
+  grpc_slice *sl = sh->slices;
+  if (job->worker_id) hn += fps__wire_put_varint_field(h + hn, 1, job->worker_id);
+  if (job->step) hn += fps__wire_put_varint_field(h + hn, 2, job->step);
+  if (sh->skip_params) hn += fps__wire_put_varint_field(h + hn, 4, 1);
+  size_t mark = 0;
+  for (size_t i = 0; i < k; i++) {
+    const pp_run_t *r = &sh->plan[i];
+    const fps__tensor_t *t = r->it->t;
+    hn += fps__wire_slice_header(h + hn, 3, t->name, strlen(t->name),
+                                 FACTORPS__V1__DTYPE__DTYPE_F32, t->ndim, t->shape, r->off,
+                                 (size_t)r->count * 4);
+    sl[n_sl++] = grpc_slice_sub(hdr, mark, hn);
+    mark = hn;
+    pthread_mutex_lock(&job->mu);
+    job->live_slices++;
+    pthread_mutex_unlock(&job->mu);
+    sl[n_sl++] = grpc_slice_new_with_user_data((void *)(job->grads[r->it->idx] + r->off),
+                                               (size_t)r->count * 4, data_slice_released, job);
+  }
+  if (mark < hn || n_sl == 0) sl[n_sl++] = grpc_slice_sub(hdr, mark, hn);
+  *out = grpc_raw_byte_buffer_create(sl, n_sl);
+  for (size_t i = 0; i < n_sl; i++) grpc_slice_unref(sl[i]);
+  grpc_slice_unref(hdr);
   *last = sh->pos == sh->n;
   return 0;
 }
 
-static int pull_next(fps__stream_t *s, grpc_slice *out, int *last) {
+static int pull_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   pp_shard_t *sh = s->ctx;
   char **names = malloc(sh->n * sizeof *names);
   if (!names) return fps__stream_fail(s, FPS_CODE_RESOURCE_EXHAUSTED, "out of memory");
@@ -181,6 +224,22 @@ static void pull_reset(fps__stream_t *s) {
  * producer has not moved: no reset needed. */
 static const fps__stream_ops_t push_ops = {push_next, pp_reply, NULL};
 static const fps__stream_ops_t pull_ops = {pull_next, pp_reply, pull_reset};
+
+/* Waits until gRPC released every slice over the caller's gradients. The
+ * calls are over, so this is prompt; the bound only guards against a gRPC
+ * bug turning into a hang (then it reports and returns). */
+static void wait_slices_released(pp_job_t *job) {
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += 30;
+  pthread_mutex_lock(&job->mu);
+  while (job->live_slices > 0)
+    if (pthread_cond_timedwait(&job->cv, &job->mu, &until)) break;
+  if (job->live_slices > 0)
+    fprintf(stderr, "libfactorps: gRPC still holds %zu gradient slices after the call\n",
+            job->live_slices);
+  pthread_mutex_unlock(&job->mu);
+}
 
 static int by_item_name(const void *a, const void *b) {
   return strcmp((*(pp_item_t *const *)a)->t->name, (*(pp_item_t *const *)b)->t->name);
@@ -272,9 +331,9 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
     for (size_t i = 0; i < x->n; i++)
       if (job->params[x->items[i].idx]) x->skip_params = 0;
     if (is_push) {
-      x->sl = calloc(x->n, sizeof *x->sl);
-      x->slp = calloc(x->n, sizeof *x->slp);
-      if (!x->sl || !x->slp) {
+      x->plan = calloc(x->n, sizeof *x->plan);
+      x->slices = calloc(2 * x->n + 1, sizeof *x->slices);
+      if (!x->plan || !x->slices) {
         rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
         goto done;
       }
@@ -284,6 +343,7 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
 
   rc = fps__streams_run(c, is_push ? FPS__METHOD_PUSHPULL : FPS__METHOD_PULL, streams, n_streams,
                         is_push ? FPS__RETRY_UNSENT : FPS__RETRY_IDEMPOTENT, status);
+  if (is_push) wait_slices_released(job);
   if (rc) goto done;
   for (size_t i = 0; i < n; i++) {
     const fps__tensor_t *t = items[i].t;
@@ -304,8 +364,8 @@ done:
   if (locked) pthread_rwlock_unlock(&c->lock);
   if (sh)
     for (size_t s = 0; s < c->n_shards; s++) {
-      free(sh[s].sl);
-      free(sh[s].slp);
+      free(sh[s].plan);
+      free(sh[s].slices);
     }
   free(sh);
   free(streams);
@@ -323,7 +383,12 @@ int fps_client_push_pull(fps_client_t *c, uint32_t worker_id, uint64_t step,
                          fps_status_t *status) {
   pp_job_t job = {.c = c, .grads = grads, .params = params, .versions = versions,
                   .worker_id = worker_id, .step = step};
-  return run(c, &job, names, n, 1, status);
+  pthread_mutex_init(&job.mu, NULL);
+  pthread_cond_init(&job.cv, NULL);
+  int rc = run(c, &job, names, n, 1, status);
+  pthread_cond_destroy(&job.cv);
+  pthread_mutex_destroy(&job.mu);
+  return rc;
 }
 
 int fps_client_pull(fps_client_t *c, const char *const *names, float *const *params,

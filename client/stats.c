@@ -15,7 +15,7 @@ typedef struct stats_shard_s {
   Factorps__V1__StatsResponse *resp;   /* owned, freed by the caller */
 } stats_shard_t;
 
-static int stats_next(fps__stream_t *s, grpc_slice *out, int *last) {
+static int stats_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   stats_shard_t *sh = s->ctx;
   Factorps__V1__StatsRequest req = FACTORPS__V1__STATS_REQUEST__INIT;
   req.include_tensors = sh->include_tensors;

@@ -42,7 +42,7 @@ typedef struct create_shard_s {
   Factorps__V1__TensorSlice *init;
 } create_shard_t;
 
-static int create_next(fps__stream_t *s, grpc_slice *out, int *last) {
+static int create_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   create_shard_t *sh = s->ctx;
   create_job_t *job = sh->job;
   uint64_t used = FPS__MESSAGE_OVERHEAD;

@@ -1,4 +1,5 @@
-/* Decoding of PushPullResponse and PullResponse without protobuf-c.
+/* Decoding of PushPullResponse and PullResponse, and encoding of the
+ * headers of PushPullRequest slices, without protobuf-c.
  *
  * protobuf-c's unpack would copy every `data` field into a fresh buffer
  * before we copy it again into the caller's tensor. Parsing the two small
@@ -155,4 +156,62 @@ int fps__wire_parse_params(const uint8_t *buf, size_t len, const fps__wire_sink_
 malformed:
   snprintf(err, errlen, "malformed reply at byte %zu of %zu", (size_t)(c.p - buf), len);
   return -1;
+}
+
+/* ---- encoding ---- */
+
+static size_t put_varint(uint8_t *p, uint64_t v) {
+  size_t n = 0;
+  while (v >= 0x80) {
+    p[n++] = (uint8_t)(v | 0x80);
+    v >>= 7;
+  }
+  p[n++] = (uint8_t)v;
+  return n;
+}
+
+static size_t varint_len(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    n++;
+  }
+  return n;
+}
+
+size_t fps__wire_put_varint_field(uint8_t *buf, unsigned field, uint64_t v) {
+  size_t n = put_varint(buf, (uint64_t)field << 3);
+  return n + put_varint(buf + n, v);
+}
+
+size_t fps__wire_slice_header(uint8_t *buf, unsigned field, const char *name, size_t name_len,
+                              int dtype, uint32_t ndim, const uint64_t *shape, uint64_t offset,
+                              size_t data_len) {
+  size_t shape_bytes = 0;
+  for (uint32_t d = 0; d < ndim; d++) shape_bytes += varint_len(shape[d]);
+  /* The slice's own length: every field below plus the data. */
+  size_t body = 1 + varint_len(name_len) + name_len   /* 1: name */
+                + 2                                    /* 2: dtype (< 128) */
+                + (ndim ? 1 + varint_len(shape_bytes) + shape_bytes : 0) /* 3: shape */
+                + 1 + varint_len(offset)               /* 4: offset */
+                + 1 + varint_len(data_len) + data_len; /* 5: data */
+  size_t n = 0;
+  n += put_varint(buf + n, ((uint64_t)field << 3) | 2);
+  n += put_varint(buf + n, body);
+  buf[n++] = (1 << 3) | 2;
+  n += put_varint(buf + n, name_len);
+  memcpy(buf + n, name, name_len);
+  n += name_len;
+  buf[n++] = 2 << 3;
+  buf[n++] = (uint8_t)dtype;
+  if (ndim) {
+    buf[n++] = (3 << 3) | 2;
+    n += put_varint(buf + n, shape_bytes);
+    for (uint32_t d = 0; d < ndim; d++) n += put_varint(buf + n, shape[d]);
+  }
+  buf[n++] = 4 << 3;
+  n += put_varint(buf + n, offset);
+  buf[n++] = (5 << 3) | 2;
+  n += put_varint(buf + n, data_len);
+  return n;
 }

@@ -164,6 +164,11 @@ int fps_test_server_stop(fps_test_server_t *s) {
 done:
   forget(s->pid);
   s->pid = 0;
+  /* A clean exit leaves nothing worth reading; keep the log otherwise. */
+  if (st == 0)
+    unlink(s->log);
+  else
+    fprintf(stderr, "harness: factorps-server exit status %d; log %s\n", st, s->log);
   return st;
 }
 

@@ -160,6 +160,15 @@ static void assert_same_floats(const char *what, const float *got, const float *
     }
 }
 
+/* Checks a call's code, and shows the status message when it differs. */
+#define assert_code(rc, want, st)                                                       \
+  do {                                                                                  \
+    int rc_ = (rc);                                                                     \
+    if (rc_ != (want))                                                                  \
+      fail_msg("got %s, want %s: %s", fps_code_name(rc_), fps_code_name(want),          \
+               (st).message);                                                           \
+  } while (0)
+
 /* --------------------------------------------------------- the workers */
 
 typedef struct job_s {
@@ -298,7 +307,7 @@ static void check_applied_order(const model_t *m, fps_test_server_t *srv, const 
   fps_client_t *c = client_new(srv, SHARDS, 30, &st);
   assert_non_null(c);
   /* Learn the placement without creating anything. */
-  assert_int_equal(fps_client_discover(c, NULL, &st), 0);
+  assert_code(fps_client_discover(c, NULL, &st), 0, st);
   fps_apply_record_t log[WORKERS * STEPS + 1];
   for (size_t t = 0; t < m->n; t++) {
     uint64_t n = m->numel[t];
@@ -324,7 +333,7 @@ static void check_applied_order(const model_t *m, fps_test_server_t *srv, const 
     const char *names[1] = {m->defs[t].name};
     float *params[1] = {got};
     uint64_t version;
-    assert_int_equal(fps_client_pull(c, names, params, &version, 1, &st), 0);
+    assert_code(fps_client_pull(c, names, params, &version, 1, &st), 0, st);
     assert_int_equal(version, WORKERS * STEPS);
     char what[128];
     snprintf(what, sizeof what, "%s: tensor '%s'", mode, m->defs[t].name);
@@ -390,8 +399,8 @@ static void test_placement_deterministic_balanced(void **state) {
   fps_client_t *a = client_new(srv, SHARDS, 30, &st), *b = client_new(srv, SHARDS, 30, &st);
   assert_non_null(a);
   assert_non_null(b);
-  assert_int_equal(fps_client_create_tensors(a, defs, N, &st), 0);
-  assert_int_equal(fps_client_create_tensors(b, shuffled, N, &st), 0);
+  assert_code(fps_client_create_tensors(a, defs, N, &st), 0, st);
+  assert_code(fps_client_create_tensors(b, shuffled, N, &st), 0, st);
   for (int i = 0; i < N; i++) {
     int s = fps_client_shard_of(a, names[i]);
     assert_true(s >= 0 && s < SHARDS);
@@ -399,14 +408,14 @@ static void test_placement_deterministic_balanced(void **state) {
     load[s] += defs[i].shape[0] * 4;
     /* The shard that holds it is the one placement chose. */
     fps_tensor_stats_t ts;
-    assert_int_equal(fps_client_tensor_stats(a, names[i], &ts, NULL, 0, NULL, &st), 0);
+    assert_code(fps_client_tensor_stats(a, names[i], &ts, NULL, 0, NULL, &st), 0, st);
     assert_int_equal(ts.shard, s);
   }
   uint64_t hi = load[0] > load[1] ? load[0] : load[1], lo = load[0] > load[1] ? load[1] : load[0];
   assert_true(hi - lo <= biggest);
   /* Stats agrees: each shard holds its share. */
   fps_shard_stats_t ss[SHARDS];
-  assert_int_equal(fps_client_stats(a, ss, SHARDS, &st), 0);
+  assert_code(fps_client_stats(a, ss, SHARDS, &st), 0, st);
   for (int i = 0; i < SHARDS; i++) assert_int_equal(ss[i].param_bytes, load[i]);
   fps_client_destroy(a);
   fps_client_destroy(b);
@@ -436,13 +445,13 @@ static void test_unreachable_is_unavailable(void **state) {
 
   double t0 = now_s();
   fps_shard_stats_t ss[SHARDS];
-  assert_int_equal(fps_client_stats(c, ss, SHARDS, &st), FPS_CODE_UNAVAILABLE);
+  assert_code(fps_client_stats(c, ss, SHARDS, &st), FPS_CODE_UNAVAILABLE, st);
   assert_int_equal(st.shard, 1);
   assert_non_null(strstr(st.message, srv[1].addr));
   assert_true(now_s() - t0 < deadline + 1);
 
   t0 = now_s();
-  assert_int_equal(fps_client_create_tensors(c, m.defs, m.n, &st), FPS_CODE_UNAVAILABLE);
+  assert_code(fps_client_create_tensors(c, m.defs, m.n, &st), FPS_CODE_UNAVAILABLE, st);
   assert_int_equal(st.shard, 1);
   assert_true(now_s() - t0 < deadline + 1);
 
@@ -460,9 +469,8 @@ static void test_unreachable_is_unavailable(void **state) {
     }
   assert_true(k > 0);
   t0 = now_s();
-  assert_int_equal(fps_client_push_pull(c, 0, 0, names, (const float *const *)grads, grads, NULL,
-                                        k, &st),
-                   FPS_CODE_UNAVAILABLE);
+  assert_code(fps_client_push_pull(c, 0, 0, names, (const float *const *)grads, grads, NULL, k, &st),
+              FPS_CODE_UNAVAILABLE, st);
   assert_int_equal(st.shard, 1);
   assert_true(now_s() - t0 < deadline + 1);
   for (size_t i = 0; i < k; i++) free(grads[i]);
@@ -481,14 +489,13 @@ static void test_wrong_shard_is_refused(void **state) {
   swapped[1] = srv[0];
   fps_client_t *c = client_new(swapped, SHARDS, 10, &st);
   assert_non_null(c);
-  int rc = fps_client_create_tensors(c, m.defs, m.n, &st);
-  assert_int_equal(rc, FPS_CODE_FAILED_PRECONDITION);
+  assert_code(fps_client_create_tensors(c, m.defs, m.n, &st), FPS_CODE_FAILED_PRECONDITION, st);
   assert_int_equal(st.shard, 0);
   fps_client_destroy(c);
   /* Nothing was created anywhere. */
   c = client_new(srv, SHARDS, 10, &st);
   fps_shard_stats_t ss[SHARDS];
-  assert_int_equal(fps_client_stats(c, ss, SHARDS, &st), 0);
+  assert_code(fps_client_stats(c, ss, SHARDS, &st), 0, st);
   assert_int_equal(ss[0].tensors + ss[1].tensors, 0);
   fps_client_destroy(c);
   for (int i = 0; i < SHARDS; i++) assert_int_equal(fps_test_server_stop(&srv[i]), 0);
