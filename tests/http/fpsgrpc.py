@@ -174,6 +174,14 @@ def metric(text, name, **labels):
     return None
 
 
+def die_with_parent():
+    """preexec_fn: SIGTERM this child when the test process dies (e.g. killed
+    by a ctest timeout), so no shard or Prometheus outlives its test."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def server_env():
     """The server reads FACTORPS_<FLAG> variables as flags: pass none of ours.
     FACTORPS_TEST_SERVER_ENV ("K=V;K=") adjusts the rest (ASan builds)."""
@@ -203,7 +211,7 @@ class Shard:
         self.log_path = os.path.join(self.dir, "log")
         self.log = open(self.log_path, "w+")
         self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                  env=server_env())
+                                  env=server_env(), preexec_fn=die_with_parent)
         deadline = time.time() + 20
         while time.time() < deadline:
             if self.p.poll() is not None:
@@ -296,7 +304,7 @@ class Prometheus:
                 [*prefix, "prometheus", "--config.file=" + os.path.join(self.dir, "prometheus.yml"),
                  "--storage.tsdb.path=" + os.path.join(self.dir, "data"),
                  "--web.listen-address=%s:%d" % (host, self.port)],
-                stdout=self.log, stderr=subprocess.STDOUT)
+                stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
             deadline = time.time() + 30
             while time.time() < deadline and self.p.poll() is None:
                 try:

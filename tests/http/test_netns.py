@@ -53,6 +53,17 @@ def netns_problem():
     return None
 
 
+def remove_stale_namespaces():
+    """Namespaces of an earlier run that was killed before its cleanup (the
+    pid in the name is gone)."""
+    import re
+    r = ip("netns", "list", check=False)
+    for line in r.stdout.splitlines():
+        m = re.match(r"^(fps(\d+)\w+)", line)
+        if m and not os.path.exists("/proc/%s" % m.group(2)):
+            ip("netns", "del", m.group(1), check=False)
+
+
 class Net:
     """Namespaces `<tag>sw` (bridge) and one per node, node k at SUBNET.(k+1)."""
 
@@ -104,6 +115,7 @@ _problem = netns_problem()
 @unittest.skipUnless(SERVER and os.access(SERVER, os.X_OK), "FACTORPS_SERVER not set")
 class MultiHostTest(unittest.TestCase):
     def test_steps_and_scrapes_cross_links(self):
+        remove_stale_namespaces()
         net = Net(["shard0", "shard1", "worker", "prom"])
         shards, prom = [], None
         try:
