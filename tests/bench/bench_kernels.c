@@ -11,7 +11,6 @@
  * does (24 B/elem, write-allocate traffic not counted), and prints each
  * kernel's GB/s as a fraction of the triad figure for the same thread
  * count. torch default settings (no momentum). */
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -118,11 +117,14 @@ static double bench_step(const fps_kernels_t *k, fps_pool_t *pool, const fps_sha
 
 int main(int argc, char **argv) {
   int reps = 9;
+  const char *only_shape = NULL, *only_simd = NULL;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) reps = 3;
     else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--shape") && i + 1 < argc) only_shape = argv[++i];
+    else if (!strcmp(argv[i], "--simd") && i + 1 < argc) only_simd = argv[++i];
     else {
-      fprintf(stderr, "usage: %s [--quick] [--reps N]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--quick] [--reps N] [--shape LABEL] [--simd NAME]\n", argv[0]);
       return 2;
     }
   }
@@ -154,12 +156,15 @@ int main(int argc, char **argv) {
   printf("| shape | simd | threads | ms/step | ns/elem | B/elem | GB/s | %% of triad | vs scalar |\n");
   printf("|---|---|---|---|---|---|---|---|---|\n");
   for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+    if (only_shape && strcmp(only_shape, shapes[si].label)) continue;
     uint64_t n;
     fps_shape_validate(&shapes[si].shape, &n, NULL, 0);
     double scalar_t[2] = {0, 0};
     for (int vi = 0; fps_kernels_all_names[vi]; vi++) {
       const fps_kernels_t *k;
       if (fps_kernels_by_name(fps_kernels_all_names[vi], &k, NULL, 0) != 0) continue;
+      /* scalar always runs: the "vs scalar" column needs it */
+      if (only_simd && vi != 0 && strcmp(only_simd, fps_kernels_all_names[vi])) continue;
       for (int ti = 0; ti < nt; ti++) {
         uint64_t bytes;
         double t = bench_step(k, pools[ti], &shapes[si].shape, reps, &bytes);

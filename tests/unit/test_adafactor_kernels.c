@@ -49,8 +49,9 @@ typedef struct buf_s {
   double *dbase, *d;
 } buf_t;
 static void buf_init(buf_t *b, size_t off) {
-  b->base = aligned_alloc(64, (MAXN + 2 * PAD) * sizeof(float) + 64);
-  b->dbase = aligned_alloc(64, (MAXN + 2 * PAD) * sizeof(double) + 64);
+  /* C11: the size must be a multiple of the alignment */
+  b->base = aligned_alloc(64, ((MAXN + 2 * PAD) * sizeof(float) + 127) / 64 * 64);
+  b->dbase = aligned_alloc(64, ((MAXN + 2 * PAD) * sizeof(double) + 127) / 64 * 64);
   assert_non_null(b->base);
   assert_non_null(b->dbase);
   b->f = b->base + off;
