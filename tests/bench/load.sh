@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Reproduces the README's `factorps load` table: 2 shards on loopback, 10M
+# and 100M parameters, 2 and 4 workers, sync and async, plus the loopback
+# TCP bandwidth measured by iperf3 in the same run for comparison.
+#
+#   tests/bench/load.sh [BUILD_DIR]          (default: build)
+#
+# Environment knobs (defaults in brackets):
+#   PARAMS="10M 100M"  WORKERS="2 4"  MODES="sync async"
+#   STEPS_10M=12  STEPS_100M=5  (other sizes: STEPS=8)  WARMUP=2
+#   PROCESSES=0 (1: workers as processes instead of threads)
+#
+# Every server is started on 127.0.0.1:0 (port from --port-file) and killed
+# on exit, also on failure or Ctrl-C. Numbers are noisy on small machines:
+# the workers, both shards and the kernel share the same cores.
+set -euo pipefail
+
+build=${1:-build}
+server=$build/server/factorps-server
+cli=$build/client/factorps
+for bin in "$server" "$cli"; do
+  [[ -x $bin ]] || { echo "load.sh: $bin not built (cmake --build $build)" >&2; exit 2; }
+done
+command -v iperf3 >/dev/null || { echo "load.sh: iperf3 missing (scripts/deps.sh test)" >&2; exit 2; }
+
+PARAMS=${PARAMS:-"10M 100M"}
+WORKERS=${WORKERS:-"2 4"}
+MODES=${MODES:-"sync async"}
+WARMUP=${WARMUP:-2}
+PROCESSES=${PROCESSES:-0}
+
+tmp=$(mktemp -d)
+pids=()  # live children only
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT INT TERM
+
+wait_port() {  # wait_port FILE PID -> prints the port
+  for _ in $(seq 1 500); do
+    if [[ -s $1 ]]; then cat "$1"; return 0; fi
+    kill -0 "$2" 2>/dev/null || { echo "load.sh: process $2 died" >&2; return 1; }
+    sleep 0.02
+  done
+  echo "load.sh: no port in $1" >&2
+  return 1
+}
+
+# Loopback TCP bandwidth. iperf3 cannot listen on port 0, so try a few
+# random high ports.
+iperf_gbs() {
+  local port out
+  for _ in 1 2 3 4 5; do
+    port=$((20000 + RANDOM % 40000))
+    iperf3 -s -1 -B 127.0.0.1 -p "$port" >/dev/null 2>&1 &
+    local sp=$!
+    pids+=("$sp")
+    sleep 0.3
+    if out=$(iperf3 -c 127.0.0.1 -p "$port" -t 5 -J 2>/dev/null); then
+      wait "$sp" 2>/dev/null || true
+      pids=()
+      /usr/bin/python3 -c 'import json,sys; print("%.2f" % (json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"] / 8e9))' <<<"$out"
+      return 0
+    fi
+    kill "$sp" 2>/dev/null || true
+    wait "$sp" 2>/dev/null || true
+    pids=()
+  done
+  echo "n/a"
+}
+
+steps_for() {
+  case $1 in
+    10M) echo "${STEPS_10M:-12}" ;;
+    100M) echo "${STEPS_100M:-5}" ;;
+    *) echo "${STEPS:-8}" ;;
+  esac
+}
+
+run_one() {  # run_one MODE WORKERS PARAMS -> prints a table row
+  local mode=$1 w=$2 n=$3 addrs="" i steps
+  steps=$(steps_for "$n")
+  local mine=()
+  for i in 0 1; do
+    rm -f "$tmp/port$i"
+    "$server" --listen 127.0.0.1:0 --shard-id "$i" --shard-count 2 --mode "$mode" \
+      --workers "$w" --deadline 300 --port-file "$tmp/port$i" >"$tmp/server$i.log" 2>&1 &
+    pids+=("$!")
+    mine+=("$!")
+  done
+  for i in 0 1; do
+    addrs+="${addrs:+,}127.0.0.1:$(wait_port "$tmp/port$i" "${mine[$i]}")"
+  done
+  local kind=--threads
+  [[ $PROCESSES == 1 ]] && kind=--processes
+  local out
+  out=$("$cli" load --shards "$addrs" --workers "$w" --params "$n" --steps "$steps" \
+    --warmup "$WARMUP" --mode-hint "$mode" "$kind" --deadline 600 2>&1) || {
+    echo "load.sh: factorps load failed ($mode, $w workers, $n):" >&2
+    echo "$out" >&2
+    return 1
+  }
+  kill "${mine[@]}" 2>/dev/null || true
+  wait "${mine[@]}" 2>/dev/null || true
+  pids=()  # reaped: never signal a pid the system may reuse
+  local r
+  r=$(grep '^RESULT' <<<"$out")
+  get() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$r"; }
+  printf "| %s | %s | %s | %s | %s | %s | %s | %s |\n" "$n" "$mode" "$w" "$(get steps_per_s)" \
+    "$(get gb_per_s)" "$(get p50_ms)" "$(get p99_ms)" "$loop_gbs"
+}
+
+echo "# factorps load: 2 shards on 127.0.0.1, $(nproc) CPUs, $(date -u +%Y-%m-%dT%H:%MZ)"
+loop_gbs=$(iperf_gbs)
+echo "# loopback TCP (iperf3, 1 stream, 5 s): $loop_gbs GB/s"
+echo
+echo "| params | mode | workers | steps/s | GB/s | p50 ms | p99 ms | iperf3 GB/s |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
+for n in $PARAMS; do
+  for mode in $MODES; do
+    for w in $WORKERS; do
+      run_one "$mode" "$w" "$n"
+    done
+  done
+done
+loop_after=$(iperf_gbs)
+echo
+echo "# loopback TCP after the runs: $loop_after GB/s"
