@@ -7,8 +7,9 @@
  * time, with the byte count from fps_adafactor_step_bytes() (20 B/elem
  * factored, 32 B/elem for a vector; adafactor_step.c explains them). The
  * same run measures a STREAM-style triad a[i] = b[i] + s*c[i] over three
- * 128 MiB arrays (4x the L3 here), 1 thread and all, counted as STREAM
- * does (24 B/elem, write-allocate traffic not counted), and prints each
+ * 128 MiB arrays (4x the L3 here), counted as STREAM does (24 B/elem,
+ * write-allocate traffic not counted), with its reps interleaved with the
+ * kernel reps so that a busy machine slows both alike, and prints each
  * kernel's GB/s as a fraction of the triad figure for the same thread
  * count. torch default settings (no momentum). */
 #include <stdio.h>
@@ -47,6 +48,8 @@ static float frand(void) {
 
 /* ---- triad ---- */
 
+/* Three 128 MiB double arrays: 4x the L3 here, so a triad streams from
+ * DRAM. Allocated once; one rep = one pass over them. */
 typedef struct triad_s {
   double *a, *b, *c;
   size_t n, nchunks;
@@ -60,25 +63,22 @@ static void triad_chunk(void *arg, size_t k) {
   for (size_t i = lo; i < hi; i++) a[i] = b[i] + 3.0 * c[i];
 }
 
-static double triad_gbs(fps_pool_t *pool, int reps) {
-  triad_t t = {.n = (size_t)16 << 20, .nchunks = 64};
-  t.a = malloc(t.n * 8), t.b = malloc(t.n * 8), t.c = malloc(t.n * 8);
-  if (!t.a || !t.b || !t.c) {
+static void triad_init(triad_t *t) {
+  t->n = (size_t)16 << 20;
+  t->nchunks = 64;
+  t->a = malloc(t->n * 8), t->b = malloc(t->n * 8), t->c = malloc(t->n * 8);
+  if (!t->a || !t->b || !t->c) {
     fprintf(stderr, "triad: out of memory\n");
     exit(1);
   }
-  /* first touch from the pool, so pages are spread like the work */
-  for (size_t i = 0; i < t.n; i++) t.a[i] = 0, t.b[i] = 1, t.c[i] = 2;
-  double best = 0, times[64];
-  for (int r = 0; r < reps; r++) {
-    double t0 = now_s();
-    fps_pool_run(pool, t.nchunks, triad_chunk, &t);
-    times[r] = now_s() - t0;
-  }
-  best = median(times, reps);
-  double gbs = 24.0 * (double)t.n / best / 1e9;
-  free(t.a), free(t.b), free(t.c);
-  return gbs;
+  for (size_t i = 0; i < t->n; i++) t->a[i] = 0, t->b[i] = 1, t->c[i] = 2;
+}
+
+/* Seconds for one triad pass. */
+static double triad_rep(triad_t *t, fps_pool_t *pool) {
+  double t0 = now_s();
+  fps_pool_run(pool, t->nchunks, triad_chunk, t);
+  return now_s() - t0;
 }
 
 /* ---- kernel ---- */
@@ -88,31 +88,30 @@ typedef struct shape_case_s {
   fps_shape_t shape;
 } shape_case_t;
 
-static double bench_step(const fps_kernels_t *k, fps_pool_t *pool, const fps_shape_t *s, int reps,
-                         uint64_t *bytes) {
-  fps_adafactor_hparams_t hp;
-  fps_adafactor_defaults(&hp, FPS_FLAVOR_TORCH);
-  uint64_t n;
-  fps_shape_validate(s, &n, NULL, 0);
-  float *p = malloc(n * 4), *g = malloc(n * 4);
-  if (!p || !g) {
+/* One variant's tensor: its own params, gradient and state. */
+typedef struct kcase_s {
+  const fps_kernels_t *k;
+  float *p, *g;
+  fps_adafactor_state_t st;
+  uint64_t bytes;
+  double times[64];
+} kcase_t;
+
+static void kcase_init(kcase_t *c, const fps_kernels_t *k, const fps_shape_t *s,
+                       const fps_adafactor_hparams_t *hp, uint64_t n) {
+  c->k = k;
+  c->p = malloc(n * 4), c->g = malloc(n * 4);
+  if (!c->p || !c->g || fps_adafactor_state_init(&c->st, s, hp) != 0) {
     fprintf(stderr, "out of memory\n");
     exit(1);
   }
-  for (uint64_t i = 0; i < n; i++) p[i] = frand() * 0.5f, g[i] = frand();
-  fps_adafactor_state_t st;
-  if (fps_adafactor_state_init(&st, s, &hp) != 0) exit(1);
-  fps_adafactor_trace_t tr;
-  double times[64];
-  for (int r = -2; r < reps; r++) { /* two warm-up steps */
-    double t0 = now_s();
-    if (fps_adafactor_step(k, &hp, &st, p, g, pool, &tr) != 0) exit(1);
-    if (r >= 0) times[r] = now_s() - t0;
-  }
-  *bytes = tr.bytes;
-  fps_adafactor_state_destroy(&st);
-  free(p), free(g);
-  return median(times, reps);
+  rng = 0x2545F4914F6CDD1Dull; /* same data for every variant */
+  for (uint64_t i = 0; i < n; i++) c->p[i] = frand() * 0.5f, c->g[i] = frand();
+}
+
+static void kcase_free(kcase_t *c) {
+  fps_adafactor_state_destroy(&c->st);
+  free(c->p), free(c->g);
 }
 
 int main(int argc, char **argv) {
@@ -128,7 +127,10 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (reps < 1 || reps > 64) reps = 9;
+  if (reps < 1 || reps > 64) {
+    fprintf(stderr, "--reps must be 1..64\n");
+    return 2;
+  }
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   if (ncpu < 1) ncpu = 1;
   const unsigned thread_counts[2] = {1, (unsigned)ncpu};
@@ -136,14 +138,15 @@ int main(int argc, char **argv) {
   fps_pool_t *pools[2] = {NULL, NULL};
   if (nt > 1 && fps_pool_create(&pools[1], (unsigned)ncpu) != 0) return 1;
 
-  double triad[2];
-  for (int ti = 0; ti < nt; ti++) triad[ti] = triad_gbs(pools[ti], reps);
-  printf("# STREAM-style triad, 3 x 128 MiB double arrays, 24 B/elem counted:\n");
-  for (int ti = 0; ti < nt; ti++)
-    printf("#   %u thread(s): %.2f GB/s\n", thread_counts[ti], triad[ti]);
-  printf("# kernel bytes/elem: factored 20 (pass A reads g,p; pass C reads g,p, writes p),\n"
+  triad_t tri;
+  triad_init(&tri);
+  printf("# Adafactor step (torch defaults) vs a STREAM-style triad a = b + s*c over\n"
+         "# 3 x 128 MiB double arrays (24 B/elem counted, as STREAM does). Triad and\n"
+         "# kernel reps are interleaved round-robin, so both see the same machine load;\n"
+         "# each figure is the median of %d reps after 2 warm-ups.\n"
+         "# kernel bytes/elem: factored 20 (pass A reads g,p; pass C reads g,p, writes p),\n"
          "#   vector 32 (pass A reads g,p,v, writes v; pass C reads g,v,p, writes p);\n"
-         "#   + row/col state. torch defaults, median of %d steps after 2 warm-ups.\n\n",
+         "#   + the row/col state (negligible).\n\n",
          reps);
 
   const shape_case_t shapes[] = {
@@ -153,30 +156,54 @@ int main(int argc, char **argv) {
       {"50257x768", {.ndim = 2, .dim = {50257, 768}}},
       {"16M", {.ndim = 1, .dim = {UINT64_C(16) << 20}}},
   };
-  printf("| shape | simd | threads | ms/step | ns/elem | B/elem | GB/s | %% of triad | vs scalar |\n");
-  printf("|---|---|---|---|---|---|---|---|---|\n");
+  fps_adafactor_hparams_t hp;
+  fps_adafactor_defaults(&hp, FPS_FLAVOR_TORCH);
+  printf("| shape | simd | threads | ms/step | ns/elem | B/elem | GB/s | triad GB/s | %% of triad "
+         "| vs scalar |\n");
+  printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
     if (only_shape && strcmp(only_shape, shapes[si].label)) continue;
     uint64_t n;
     fps_shape_validate(&shapes[si].shape, &n, NULL, 0);
-    double scalar_t[2] = {0, 0};
+    kcase_t cases[3];
+    int nc = 0;
     for (int vi = 0; fps_kernels_all_names[vi]; vi++) {
       const fps_kernels_t *k;
       if (fps_kernels_by_name(fps_kernels_all_names[vi], &k, NULL, 0) != 0) continue;
       /* scalar always runs: the "vs scalar" column needs it */
       if (only_simd && vi != 0 && strcmp(only_simd, fps_kernels_all_names[vi])) continue;
-      for (int ti = 0; ti < nt; ti++) {
-        uint64_t bytes;
-        double t = bench_step(k, pools[ti], &shapes[si].shape, reps, &bytes);
-        if (vi == 0) scalar_t[ti] = t;
-        double gbs = bytes / t / 1e9;
-        printf("| %s | %s | %u | %.3f | %.3f | %.1f | %.2f | %.0f%% | %.2fx |\n",
-               shapes[si].label, fps_kernels_name(k), thread_counts[ti], t * 1e3, t * 1e9 / n,
-               (double)bytes / n, gbs, 100 * gbs / triad[ti], scalar_t[ti] / t);
-        fflush(stdout);
-      }
+      kcase_init(&cases[nc++], k, &shapes[si].shape, &hp, n);
     }
+    for (int ti = 0; ti < nt; ti++) {
+      double ttimes[64];
+      for (int r = -2; r < reps; r++) {
+        double tt = triad_rep(&tri, pools[ti]);
+        if (r >= 0) ttimes[r] = tt;
+        for (int c = 0; c < nc; c++) {
+          fps_adafactor_trace_t tr;
+          double t0 = now_s();
+          if (fps_adafactor_step(cases[c].k, &hp, &cases[c].st, cases[c].p, cases[c].g, pools[ti],
+                                 &tr) != 0)
+            exit(1);
+          if (r >= 0) cases[c].times[r] = now_s() - t0;
+          cases[c].bytes = tr.bytes;
+        }
+      }
+      double triad = 24.0 * (double)tri.n / median(ttimes, reps) / 1e9;
+      double scalar_t = median(cases[0].times, reps);
+      for (int c = 0; c < nc; c++) {
+        double t = median(cases[c].times, reps);
+        double gbs = cases[c].bytes / t / 1e9;
+        printf("| %s | %s | %u | %.3f | %.3f | %.1f | %.2f | %.2f | %.0f%% | %.2fx |\n",
+               shapes[si].label, fps_kernels_name(cases[c].k), thread_counts[ti], t * 1e3,
+               t * 1e9 / n, (double)cases[c].bytes / n, gbs, triad, 100 * gbs / triad,
+               scalar_t / t);
+      }
+      fflush(stdout);
+    }
+    for (int c = 0; c < nc; c++) kcase_free(&cases[c]);
   }
+  free(tri.a), free(tri.b), free(tri.c);
   fps_pool_destroy(pools[1]);
   return 0;
 }
