@@ -177,14 +177,23 @@ typedef struct fps_ckpt_written_s {
  * copied. The snapshot is not modified; write it again to retry.
  * Returns 0 (out filled, out may be NULL); FPS_EINVAL (bad argument, keep
  * 0, path too long); FPS_ESTATE (a tensor was added but never copied);
+ * FPS_EEXISTS (two tensors' array keys collide, named in `why`);
  * FPS_EAGAIN (another writer holds DIR); FPS_ENOTFOUND (no DIR);
- * FPS_EOVERFLOW (sequence numbers exhausted); FPS_ENOMEM; FPS_EIO (with the
- * system's reason in `why`). On failure no new checkpoint exists and no old
- * one was deleted. Thread-safe for different snapshots. */
+ * FPS_EOVERFLOW (sequence numbers exhausted); FPS_ELIMIT (header larger
+ * than FPS_CKPT_HEADER_MAX: roughly 100 000 tensors); FPS_ENOMEM; FPS_EIO
+ * (with the system's reason in `why`). On failure no new checkpoint exists
+ * and no old one was deleted. If only pruning failed, the call returns 0,
+ * out->prune_err is set and `why` names the file. Cost: one pass over the
+ * snapshot (SHA-256 and write, 1 MiB at a time), two fsyncs, a rename.
+ * Thread-safe for different snapshots (one writer per DIR at a time). */
 int fps_ckpt_write(const char *dir, const fps_ckpt_snapshot_t *s, unsigned keep,
                    fps_ckpt_written_t *out, char *why, size_t why_len);
 
-/* ------------------------------------------------------------ reading */
+/* ------------------------------------------------------------ reading
+ *
+ * Every reading function is reentrant (no global state) and safe against
+ * a concurrent writer in the same DIR: files appear only by rename, and a
+ * file deleted by pruning while being read is reported, not trusted. */
 
 /* Placement a reader requires. A file written for another shard is
  * rejected as "mismatched" (FPS_ESTATE). */

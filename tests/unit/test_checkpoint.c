@@ -803,6 +803,18 @@ static void m_bad_name(cJSON *r, cJSON *m) {
   cJSON *t = cJSON_DetachItemFromObjectCaseSensitive(m, "tensor:bias");
   cJSON_AddItemToObject(m, "tensor:", t);
 }
+static void m_many_tensor_meta(cJSON *r, cJSON *m) {
+  /* More tensors described than the header has entries (found by fuzzing:
+   * the reader once sized its tensor table by the entries). */
+  (void)r;
+  const char *tm = cJSON_GetObjectItemCaseSensitive(m, "tensor:bias")->valuestring;
+  for (int i = 0; i < 40; i++) {
+    char key[32];
+    snprintf(key, sizeof key, "tensor:ghost%d", i);
+    cJSON_AddStringToObject(m, key, tm);
+  }
+  cJSON_ReplaceItemInObjectCaseSensitive(m, "tensor_count", cJSON_CreateString("45"));
+}
 static void m_no_meta(cJSON *r, cJSON *m) { (void)m, cJSON_DeleteItemFromObjectCaseSensitive(r, "__metadata__"); }
 static void m_no_header_digest(cJSON *r, cJSON *m) {
   (void)r;
@@ -852,6 +864,7 @@ static const mutation_t MUTATIONS[] = {
     {"momentum without its array", m_t_hf_beta1, "no \"bias/mom\" entry"},
     {"tensor metadata not JSON", m_t_not_json, "not a JSON object"},
     {"empty tensor name", m_bad_name, "tensor name"},
+    {"more tensors than arrays", m_many_tensor_meta, "no weights entry for tensor \"ghost0\""},
     {"no __metadata__", m_no_meta, "header_sha256"},
     {"no header digest", m_no_header_digest, "header_sha256"},
 };
@@ -903,15 +916,24 @@ static void resealed_headers(void **unused) {
   assert_non_null(strstr(why, "bytes after the last array"));
 
   /* Raw headers that are not objects, deeply nested, or not JSON. */
-  const char *raw[] = {"[]      ", "{\"a\":1} x      ", "{\"a\":\"\\u0000\"}     ", "{{{{{{{{",
-                       " {}     "};
+  const char *raw[] = {"[]", "{\"a\":1} x", "{\"a\":\"\\u0000\"}", "{{{{{{{{", " {}", "{}",
+                       "{\"__metadata__\":[1,2]}",
+                       "{\"__metadata__\":[{\"header_sha256\":\"x\"}]}",
+                       "{\"__metadata__\":{\"header_sha256\":5}}", "{\"__metadata__\":\"s\"}",
+                       "{\"x\":{\"dtype\":\"F32\"}}", "{\"\":{}}", "{\"a\":1,\"a\":2}"};
   for (size_t i = 0; i < sizeof raw / sizeof *raw; i++) {
+    /* Padded so that each reaches the JSON parser. */
     size_t hl = strlen(raw[i]);
-    unsigned char f[64] = {0};
+    hl += (8 - (8 + hl) % 8) % 8;
+    unsigned char f[128];
+    memset(f, 0, 8);
+    memset(f + 8, ' ', hl);
+    memcpy(f + 8, raw[i], strlen(raw[i]));
     f[0] = (unsigned char)hl;
-    memcpy(f + 8, raw[i], hl);
     write_all_file(path, f, 8 + hl);
+    why[0] = '\0';
     assert_int_equal(fps_ckpt_verify_file(path, NULL, NULL, why, sizeof why), FPS_EFORMAT);
+    assert_true(why[0] != '\0');
   }
   size_t deep = 4096;
   unsigned char *f = malloc(8 + deep);
