@@ -15,6 +15,7 @@
  *   latency     push_pull percentiles over every worker's timed steps
  * and a final `RESULT key=value ...` line for scripts (tests/bench/load.sh). */
 #include <getopt.h>
+#include <malloc.h>
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
@@ -405,6 +406,12 @@ int fps_cli_load(int argc, char **argv) {
     fprintf(stderr, "factorps load: bad --shards list '%s'\n", shards);
     return 2;
   }
+  /* Tensor-sized buffers come and go every step; glibc's defaults return
+   * them to the kernel (mmap above 32 MiB at most, trimming) so every step
+   * pays page faults again. The server tunes the same way
+   * (--malloc-tune); the library leaves malloc to its host program. */
+  if (!mallopt(M_MMAP_MAX, 0) || !mallopt(M_TRIM_THRESHOLD, -1) || !mallopt(M_TOP_PAD, 64 << 20))
+    fprintf(stderr, "factorps load: mallopt tuning refused; continuing untuned\n");
   if (build_model(&cfg)) goto done;
   /* The mode check talks gRPC, which must not happen before fork(). */
   if (cfg.mode_hint && !cfg.processes && check_mode(&cfg)) goto done;
