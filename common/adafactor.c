@@ -259,6 +259,5 @@ void fps_adafactor_state_destroy(fps_adafactor_state_t *st) {
   free(st->col);
   free(st->var);
   free(st->mom);
-  free(st->scratch);
   memset(st, 0, sizeof *st);
 }

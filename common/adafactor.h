@@ -79,8 +79,6 @@ typedef struct fps_adafactor_state_s {
   float *mom;                     /* numel, hf with beta1 only */
   uint64_t step;                  /* steps applied so far (torch: stalls at 2^24 like its float32 counter) */
   float rms;                      /* hf: RMS(param) before the last step */
-  double *scratch;                /* per-step work area (column partials), owned */
-  size_t scratch_len;             /* doubles in scratch */
 } fps_adafactor_state_t;
 
 /* Per-step scalars, the same figures the golden vectors' trace records,

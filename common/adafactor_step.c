@@ -154,16 +154,6 @@ static bool fact_factors(const step_scalars_t *sc, const float *row, size_t R, c
   return !(rmin > 0 && cmin > 0 && rmin * cmin / m >= floor * (1 + 1e-6));
 }
 
-static int ensure_scratch(fps_adafactor_state_t *st, size_t n) {
-  if (st->scratch_len >= n) return 0;
-  double *s = malloc(n * sizeof *s);
-  if (!s) return FPS_ENOMEM;
-  free(st->scratch);
-  st->scratch = s;
-  st->scratch_len = n;
-  return 0;
-}
-
 /* ---- unfactored -------------------------------------------------------- */
 
 typedef struct var_ctx_s {
@@ -252,10 +242,11 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
     fc.rows = R;
     fc.cols = C;
     fc.nchunks = chunk_count(R, C);
-    /* chunk partials, plus C floats of column factors for pass C */
-    rc = ensure_scratch(st, 2 * fc.nchunks * C + C / 2 + 1);
-    if (rc) return rc;
-    fc.scratch = st->scratch;
+    /* Chunk partials, plus C floats of column factors for pass C. Freed at
+     * the end of the step: a shard holds many tensors and this (16 B x C
+     * per chunk) is not optimizer state worth keeping between steps. */
+    fc.scratch = malloc((2 * fc.nchunks * C + C / 2 + 1) * sizeof(double));
+    if (!fc.scratch) return FPS_ENOMEM;
     for (uint64_t mtx = 0; mtx < st->batch; mtx++) {
       fc.g = grad + mtx * R * C;
       fc.p = param + mtx * R * C;
@@ -354,6 +345,7 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
     fps_pool_run(pool, vc.nchunks, var_pass_c, &vc);
   }
 
+  if (st->factored) free(fc.scratch);
   st->step = new_step;
   if (trace) {
     trace->step = new_step;

@@ -272,6 +272,33 @@ static void torch_step_counter_stalls_like_float32(void **u) {
   fps_adafactor_state_destroy(&st);
 }
 
+/* The step does not validate gradients (the shard does, before it); a NaN
+ * or Inf must still not crash anything, and it propagates like upstream. */
+static void nonfinite_inputs_do_not_crash(void **u) {
+  (void)u;
+  const fps_shape_t shapes[] = {{.ndim = 2, .dim = {4, 9}}, {.ndim = 1, .dim = {36}}};
+  const float bad[] = {NAN, INFINITY, -INFINITY};
+  for (int fl = 0; fl < 2; fl++)
+    for (int si = 0; si < 2; si++)
+      for (int bi = 0; bi < 3; bi++) {
+        fps_adafactor_hparams_t hp;
+        fps_adafactor_defaults(&hp, fl ? FPS_FLAVOR_HF : FPS_FLAVOR_TORCH);
+        hp.eps1 = 0; /* the most fragile setting: no epsilon at all */
+        fps_adafactor_state_t st;
+        assert_int_equal(fps_adafactor_state_init(&st, &shapes[si], &hp), 0);
+        float p[36], g[36] = {0};
+        for (int i = 0; i < 36; i++) p[i] = (float)i * 0.1f;
+        /* all-zero gradient first (0/0 territory with eps1 = 0) */
+        assert_int_equal(fps_adafactor_step(NULL, &hp, &st, p, g, NULL, NULL), 0);
+        g[5] = bad[bi];
+        assert_int_equal(fps_adafactor_step(NULL, &hp, &st, p, g, NULL, NULL), 0);
+        int nonfinite = 0;
+        for (int i = 0; i < 36; i++) nonfinite += !isfinite(p[i]);
+        assert_true(nonfinite > 0);
+        fps_adafactor_state_destroy(&st);
+      }
+}
+
 static void kernel_selection(void **u) {
   (void)u;
   const fps_kernels_t *k;
@@ -403,6 +430,7 @@ int main(void) {
       cmocka_unit_test(state_sizes),
       cmocka_unit_test(state_lifetime_and_step_args),
       cmocka_unit_test(torch_step_counter_stalls_like_float32),
+      cmocka_unit_test(nonfinite_inputs_do_not_crash),
       cmocka_unit_test(kernel_selection),
       cmocka_unit_test(thread_count_independent),
       cmocka_unit_test(pool_runs_every_chunk_once),
