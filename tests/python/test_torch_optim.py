@@ -1,0 +1,227 @@
+"""factorps.torch.RemoteAdafactor as a torch.optim.Optimizer: arguments,
+names, creation and start-up, None gradients, closures, state_dict, new
+parameter groups, and what it refuses."""
+
+import unittest
+import warnings
+
+import numpy as np
+import torch
+
+import _support
+from _support import Shards, need_server
+import factorps
+from factorps.reference import ReferenceAdafactor
+from factorps.torch import RemoteAdafactor, RemoteHFAdafactor
+
+NOWHERE = ["127.0.0.1:1"]  # connection is lazy: fine for argument checks
+
+
+def _params():
+    g = torch.Generator().manual_seed(7)
+    return [torch.nn.Parameter(torch.randn(4, 3, generator=g)),
+            torch.nn.Parameter(torch.randn(3, generator=g))]
+
+
+class ArgumentsTest(unittest.TestCase):
+    def test_torch_defaults_and_names(self):
+        opt = RemoteAdafactor(_params(), shards=NOWHERE)
+        g = opt.param_groups[0]
+        self.assertEqual((g["lr"], g["beta2_decay"], g["eps"], g["d"], g["weight_decay"],
+                          g["maximize"]), (1e-2, -0.8, (None, 1e-3), 1.0, 0.0, False))
+        self.assertEqual(opt.param_names(), ["g0.p0", "g0.p1"])
+        opt.close()
+
+    def test_hf_defaults_and_positional_order(self):
+        opt = RemoteAdafactor(_params(), flavor="hf", shards=NOWHERE)
+        g = opt.param_groups[0]
+        self.assertEqual((g["lr"], g["eps"], g["clip_threshold"], g["decay_rate"], g["beta1"],
+                          g["weight_decay"], g["scale_parameter"], g["relative_step"],
+                          g["warmup_init"]),
+                         (None, (1e-30, 1e-3), 1.0, -0.8, None, 0.0, True, True, False))
+        opt2 = RemoteHFAdafactor(_params(), 1e-3, (1e-30, 1e-3), 1.0, -0.8, 0.9, 0.0, False,
+                                 False, shards=NOWHERE)
+        g2 = opt2.param_groups[0]
+        self.assertEqual((g2["lr"], g2["beta1"], g2["relative_step"]), (1e-3, 0.9, False))
+        self.assertEqual(opt2.flavor, "hf")
+
+    def test_arguments_of_the_other_flavor_are_refused(self):
+        with self.assertRaisesRegex(TypeError, "decay_rate"):
+            RemoteAdafactor(_params(), beta2_decay=-0.5, flavor="hf", shards=NOWHERE)
+        with self.assertRaises(TypeError):
+            RemoteAdafactor(_params(), clip_threshold=1.0, shards=NOWHERE)
+        with self.assertRaises(ValueError):
+            RemoteAdafactor(_params(), flavor="adam", shards=NOWHERE)
+
+    def test_upstream_validation(self):
+        bad = [dict(lr=-1.0), dict(beta2_decay=0.5), dict(eps=(-1.0, 1e-3)), dict(d=0.5),
+               dict(weight_decay=-0.1)]
+        for kw in bad:
+            with self.assertRaises(ValueError, msg=kw):
+                RemoteAdafactor(_params(), shards=NOWHERE, **kw)
+        for kw in (dict(lr=1e-3), dict(warmup_init=True, relative_step=False, lr=1e-3),
+                   dict(relative_step=False)):
+            with self.assertRaises(ValueError, msg=kw):
+                RemoteAdafactor(_params(), flavor="hf", shards=NOWHERE, **kw)
+        # Per group too.
+        with self.assertRaises(ValueError):
+            RemoteAdafactor([{"params": _params(), "lr": -2.0}], shards=NOWHERE)
+
+    def test_worker_and_shards_are_required(self):
+        with self.assertRaises(ValueError):
+            RemoteAdafactor(_params())
+        with self.assertRaises(ValueError):
+            RemoteAdafactor(_params(), shards=NOWHERE, worker_id=2, num_workers=2)
+
+    def test_named_parameters_and_prefix(self):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+        opt = RemoteAdafactor(model.named_parameters(), shards=NOWHERE, name_prefix="m/")
+        self.assertEqual(opt.param_names(), ["m/0.weight", "m/0.bias", "m/1.weight", "m/1.bias"])
+        named = list(model.named_parameters())
+        opt = RemoteAdafactor([{"params": named[:2]}, {"params": named[2:], "lr": 1e-3}],
+                              shards=NOWHERE)
+        self.assertEqual(opt.param_names(), ["0.weight", "0.bias", "1.weight", "1.bias"])
+        p = torch.nn.Parameter(torch.ones(2))
+        with self.assertRaisesRegex(ValueError, "named"):
+            RemoteAdafactor([("x", p), ("x", torch.nn.Parameter(torch.ones(2)))],
+                            shards=NOWHERE)
+
+
+@need_server
+class RemoteTest(unittest.TestCase):
+    def setUp(self):
+        self.shards = Shards(2, workers=1)
+        self.addCleanup(self.shards.close)
+
+    def opt(self, params, **kw):
+        o = RemoteAdafactor(params, shards=self.shards.addrs, deadline=10, **kw)
+        self.addCleanup(o.close)
+        return o
+
+    def test_step_updates_in_place(self):
+        ps = _params()
+        ptrs = [p.data_ptr() for p in ps]
+        init = [p.detach().numpy().copy() for p in ps]
+        opt = self.opt(ps)
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        self.assertEqual([p.data_ptr() for p in ps], ptrs)
+        for p, p0 in zip(ps, init):
+            want = ReferenceAdafactor(p0.shape, "torch").step(p0, np.ones_like(p0))
+            np.testing.assert_allclose(p.detach().numpy(), want, rtol=0, atol=1e-6)
+        self.assertEqual(opt.remote_step, 1)
+
+    def test_none_gradients_are_pushed_as_zeros(self):
+        ps = _params()
+        before = [p.detach().clone() for p in ps]
+        opt = self.opt(ps)
+        ps[0].grad = torch.ones_like(ps[0])  # ps[1].grad stays None
+        opt.step()
+        torch.testing.assert_close(ps[1].detach(), before[1], rtol=0, atol=0)
+        self.assertFalse(torch.equal(ps[0].detach(), before[0]))
+        _, versions = opt.client.pull(want_params=False)
+        self.assertEqual(set(versions.values()), {1})  # every tensor stepped
+
+    def test_closure(self):
+        p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+        opt = self.opt([p], lr=0.1)
+
+        def closure():
+            opt.zero_grad()
+            loss = (p ** 2).sum()
+            loss.backward()
+            return loss
+
+        loss = opt.step(closure)
+        self.assertAlmostEqual(loss.item(), 5.0, places=5)
+        self.assertLess((p ** 2).sum().item(), 5.0)
+
+    def test_hparams_are_fixed_once_created(self):
+        ps = _params()
+        opt = self.opt(ps)
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        opt.param_groups[0]["lr"] = 0.5  # e.g. an LR scheduler
+        with self.assertRaisesRegex(ValueError, "hyperparameters changed"):
+            opt.step()
+
+    def test_param_group_added_mid_training_is_refused_in_sync(self):
+        ps = _params()
+        opt = self.opt(ps)
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        extra = torch.nn.Parameter(torch.ones(5, 2))
+        opt.add_param_group({"params": [extra], "weight_decay": 0.1})
+        extra.grad = torch.ones(5, 2)
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        # The old tensors are at version 1, the new one at 0: a sync shard
+        # cannot take one step number for both, and says so.
+        with self.assertRaises(factorps.FailedPreconditionError):
+            opt.step()
+
+    def test_two_runs_resume_from_the_shards(self):
+        ps = _params()
+        opt = self.opt(ps)
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.ones_like(p)
+            opt.step()
+        sd = opt.state_dict()
+        self.assertEqual(sd["state"], {})
+        self.assertEqual(sd["factorps"]["step"], 3)
+        self.assertEqual(sd["factorps"]["names"], ["g0.p0", "g0.p1"])
+        self.assertEqual(sd["param_groups"][0]["params"], [0, 1])
+        trained = [p.detach().clone() for p in ps]
+
+        # "Run 2": a fresh model (other initial values) and optimizer.
+        ps2 = [torch.nn.Parameter(torch.zeros_like(p)) for p in ps]
+        opt2 = self.opt(ps2)
+        opt2.load_state_dict(sd)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # shards at step 3, as the state_dict says
+            opt2.setup()
+        self.assertEqual(opt2.remote_step, 3)
+        for a, b in zip(ps2, trained):
+            torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
+        for p in ps2:
+            p.grad = torch.ones_like(p)
+        opt2.step()
+        self.assertEqual(opt2.remote_step, 4)
+
+    def test_load_state_dict_checks_the_model(self):
+        opt = self.opt(_params())
+        sd = opt.state_dict()
+        other = self.opt([torch.nn.Parameter(torch.ones(4, 3)),
+                          torch.nn.Parameter(torch.ones(4))])
+        with self.assertRaisesRegex(ValueError, "shape"):
+            other.load_state_dict(sd)
+        hf = RemoteAdafactor(_params(), flavor="hf", shards=self.shards.addrs)
+        self.addCleanup(hf.close)
+        with self.assertRaisesRegex(ValueError, "flavor"):
+            hf.load_state_dict(sd)
+        with self.assertRaises(ValueError):
+            opt.load_state_dict({"state": {}, "param_groups": []})
+
+    def test_worker_1_waits_for_worker_0_values(self):
+        with Shards(1, workers=2) as shards:
+            a = [torch.nn.Parameter(torch.full((3, 2), 5.0))]
+            b = [torch.nn.Parameter(torch.zeros(3, 2))]
+            o1 = RemoteAdafactor(b, shards=shards.addrs, worker_id=1, num_workers=2, deadline=2)
+            self.addCleanup(o1.close)
+            # Nobody has sent values yet: worker 1 gives up at the deadline.
+            with self.assertRaises(factorps.DeadlineExceededError):
+                o1.setup()
+            o0 = RemoteAdafactor(a, shards=shards.addrs, worker_id=0, num_workers=2,
+                                 deadline=10)
+            self.addCleanup(o0.close)
+            o0.setup()
+            o1.setup()
+            torch.testing.assert_close(b[0].detach(), torch.full((3, 2), 5.0))
+
+
+if __name__ == "__main__":
+    unittest.main()
