@@ -301,11 +301,83 @@ static void state_sizes_match_index(void **u) {
 #endif
 }
 
+/* The per-step scalars against index.json's trace: RMS(param), RMS(U)
+ * (which the kernel gets from the fused S_j sums, never from U itself),
+ * the clip denominator and the lr. Relative tolerance 1e-5 (the float32
+ * state rounding is the only difference from the float64 reference). Also
+ * the final step count and hf's stored RMS. */
+static void traces_match_index(void **u) {
+  (void)u;
+#ifndef FPS_HAVE_CJSON
+  skip();
+#else
+  const char *dir = vectors_dir();
+  assert_non_null(dir);
+  char path[4096], why[512];
+  snprintf(path, sizeof path, "%s/index.json", dir);
+  char *text = slurp(path);
+  assert_non_null(text);
+  cJSON *root = cJSON_Parse(text);
+  free(text);
+  assert_non_null(root);
+  int bad = 0, checked = 0;
+  double worst = 0;
+  cJSON *cj;
+  cJSON_ArrayForEach(cj, cJSON_GetObjectItemCaseSensitive(root, "cases")) {
+    const char *name = cJSON_GetObjectItemCaseSensitive(cj, "name")->valuestring;
+    fps_golden_case_t c;
+    fps_golden_run_t run;
+    assert_int_equal(fps_golden_load(dir, name, &c, why, sizeof why), 0);
+    assert_int_equal(fps_golden_run(&c, NULL, NULL, &run, why, sizeof why), 0);
+    const bool hf = c.hp.flavor == FPS_FLAVOR_HF;
+    cJSON *steps = cJSON_GetObjectItemCaseSensitive(cj, "trace");
+    unsigned t = 0;
+    cJSON *st;
+    cJSON_ArrayForEach(st, steps) {
+      const fps_adafactor_trace_t *tr = &run.trace[t++];
+      const struct {
+        const char *key;
+        double mine;
+      } f[] = {
+          {"rms_param", tr->rms_param},
+          {"rms_update", tr->rms_update},
+          {"clip_denom", tr->clip_denom},
+          {hf ? "lr" : "alpha", tr->lr},
+          {hf ? "rel_step_sz" : "rho_t", tr->rel_step},
+      };
+      for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+        cJSON *v = cJSON_GetObjectItemCaseSensitive(st, f[i].key);
+        if (!cJSON_IsNumber(v)) continue;
+        double ref = v->valuedouble, err = fabs(f[i].mine - ref) / fmax(fabs(ref), 1e-30);
+        if (err > worst) worst = err;
+        if (err > 1e-5) {
+          print_error("%s step %u: %s %.9g vs %.9g\n", name, t, f[i].key, f[i].mine, ref);
+          bad++;
+        }
+      }
+    }
+    assert_int_equal(t, c.steps);
+    cJSON *sc = cJSON_GetObjectItemCaseSensitive(cj, "state_scalars");
+    assert_true(run.state.step == (uint64_t)cJSON_GetObjectItemCaseSensitive(sc, "step")->valuedouble);
+    if (hf) {
+      double ref = cJSON_GetObjectItemCaseSensitive(sc, "RMS")->valuedouble;
+      assert_true(fabs(run.state.rms - ref) <= 1e-6 * fmax(fabs(ref), 1e-30));
+    }
+    fps_golden_run_free(&run);
+    checked++;
+  }
+  cJSON_Delete(root);
+  print_message("%d cases' traces, worst relative error %.2e\n", checked, worst);
+  assert_int_equal(bad, 0);
+#endif
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(golden_scalar),       cmocka_unit_test(golden_avx2),
       cmocka_unit_test(golden_neon),         cmocka_unit_test(golden_best_threads),
       cmocka_unit_test(state_sizes_match_index),
+      cmocka_unit_test(traces_match_index),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
