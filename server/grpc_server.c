@@ -491,7 +491,9 @@ void fps_grpc_stop(fps_server_t *srv, double grace_s) {
   t->tag.fn = fps__shutdown_done;
   pthread_mutex_init(&t->mu, NULL);
   pthread_cond_init(&t->cv, NULL);
+  pthread_mutex_lock(&t->mu);
   t->done = false;
+  pthread_mutex_unlock(&t->mu);
   grpc_server_shutdown_and_notify(srv->server, srv->cq, &t->tag);
   /* Calls parked in sync rounds or ssp waits would only end at their
    * deadline: fail them now. */

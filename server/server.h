@@ -228,7 +228,8 @@ struct fps_call_s {
   bool closed;                /* close op completed */
   bool initial_md_sent;
   bool status_sent;           /* final batch started */
-  bool cancel_requested;      /* the timer already cancelled it */
+  atomic_bool cancel_requested; /* the timer already cancelled it (atomic: set
+                                 * under calls_mu, read under mu) */
   bool metered;               /* counted in the metrics registry (once) */
   int64_t start_ns;
   int64_t deadline_ns;        /* min(client deadline, start + --deadline) */
