@@ -12,8 +12,9 @@
 typedef struct fps_kernels_s fps_kernels_t;
 
 /* The fastest variant this CPU supports, honouring FACTORPS_SIMD when it
- * names a supported variant (an unusable value falls back to the best and
- * is reported by fps_kernels_from_env()). Chosen once; thread-safe. */
+ * names a supported variant (an unusable value falls back to the best with
+ * a one-line warning on stderr; fps_kernels_from_env() turns it into an
+ * error instead). Chosen once; thread-safe. */
 const fps_kernels_t *fps_kernels_best(void);
 
 /* Looks a variant up by name. Returns 0, -FPS_EUNSUPPORTED (known variant

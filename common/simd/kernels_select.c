@@ -90,7 +90,13 @@ static pthread_once_t g_best_once = PTHREAD_ONCE_INIT;
 
 static void choose_once(void) {
   const fps_kernels_t *k = NULL;
-  if (fps_kernels_from_env(&k, NULL, 0) != 0) k = detect_best();
+  char why[256];
+  if (fps_kernels_from_env(&k, why, sizeof why) != 0) {
+    k = detect_best();
+    /* Callers that can fail use fps_kernels_from_env(); this path has no
+     * error to return, so at least say once that the setting was ignored. */
+    fprintf(stderr, "factorps: %s; using %s\n", why, k->name);
+  }
   g_best = k;
 }
 
