@@ -44,6 +44,8 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
     {"max-tensors", CFG_U64, OFF(max_tensors), "1048576", 1, 1e15, "most tensors this shard holds"},
     {"max-bytes", CFG_U64, OFF(max_bytes), "0", 0, 1.8e19,
      "most parameter bytes this shard holds (0: half the physical memory)"},
+    {"max-staging-bytes", CFG_U64, OFF(max_staging_bytes), "0", 0, 1.8e19,
+     "most bytes of gradient staging and reply snapshots over all calls (0: same as --max-bytes)"},
     {"apply-log", CFG_U32, OFF(apply_log), "4096", 0, 1 << 24,
      "per-tensor apply records kept for Stats.apply_log"},
     {"log-level", CFG_STR, OFF(log_level), "info", 0, 0, "error, warn, info or debug"},
@@ -168,6 +170,7 @@ static int fps__cfg_check(fps_config_t *cfg) {
     long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
     cfg->max_bytes = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz / 2 : (UINT64_C(1) << 34);
   }
+  if (cfg->max_staging_bytes == 0) cfg->max_staging_bytes = cfg->max_bytes;
   return 0;
 }
 

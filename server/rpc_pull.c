@@ -69,7 +69,16 @@ static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *
       snprintf(why, sizeof why, "tensor '%s' not found on shard %u", name, srv->cfg.shard_id);
       break;
     }
-    float *copy = malloc((t->numel ? t->numel : 1) * sizeof(float));
+    bool over = false;
+    float *copy = fps_tbuf_alloc(srv, t->numel, &over);
+    if (!copy && over) {
+      code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+      snprintf(why, sizeof why,
+               "tensor '%s': its %" PRIu64 "-byte snapshot would pass the shard's limit of %" PRIu64
+               " bytes for in-flight tensors (--max-staging-bytes); retry later",
+               name, t->numel * 4, srv->cfg.max_staging_bytes);
+      break;
+    }
     if (!copy) {
       code = GRPC_STATUS_RESOURCE_EXHAUSTED;
       snprintf(why, sizeof why, "tensor '%s': out of memory for a %" PRIu64 "-element snapshot", name, t->numel);
@@ -82,7 +91,7 @@ static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *
     if (ready) memcpy(copy, t->param, t->numel * sizeof(float));
     pthread_mutex_unlock(&t->mu);
     if (!ready) {
-      free(copy);
+      fps_tbuf_free(srv, copy, t->numel);
       code = GRPC_STATUS_FAILED_PRECONDITION;
       snprintf(why, sizeof why,
                "tensor '%s' is still initialising (%" PRIu64 " of %" PRIu64 " elements have initial values)", name,
@@ -93,7 +102,7 @@ static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *
     it->t = t;
     it->version = version;
     it->dtype = dtype;
-    it->snap = fps_snap_wrap(copy, t->numel, version, 1);
+    it->snap = fps_snap_wrap(srv, copy, t->numel, version, 1);
     if (!it->snap) {
       code = GRPC_STATUS_RESOURCE_EXHAUSTED;
       snprintf(why, sizeof why, "tensor '%s': out of memory", name);

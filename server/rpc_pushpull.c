@@ -49,7 +49,7 @@ static void fps__pp_destroy(fps_call_t *c) {
   fps_pp_call_t *pp = (fps_pp_call_t *)c;
   for (size_t i = 0; i < pp->n; i++) {
     fps_push_entry_t *e = pp->e[i];
-    free(e->grad);
+    fps_tbuf_free(c->srv, e->grad, e->t->numel);
     fps_ranges_free(&e->got);
     free(e->msg);
     fps_snap_unref(e->snap);
@@ -154,14 +154,14 @@ static void fps__pp_apply_all(fps_pp_call_t *pp) {
     }
     e->code = GRPC_STATUS_OK;
     if (!e->skip_params) {
-      e->snap = fps_snap_wrap(e->grad, t->numel, e->version, 1);
+      e->snap = fps_snap_wrap(srv, e->grad, t->numel, e->version, 1);
       e->grad = NULL;
       if (!e->snap) {
         e->code = GRPC_STATUS_RESOURCE_EXHAUSTED;
         e->msg = strdup("out of memory for the parameter snapshot");
       }
     } else {
-      free(e->grad);
+      fps_tbuf_free(srv, e->grad, t->numel);
       e->grad = NULL;
     }
   }
@@ -255,8 +255,9 @@ static fps_push_entry_t **fps__pp_slot(fps_pp_call_t *pp, const fps_tensor_t *t)
   return &pp->htab[h];
 }
 
-/* The entry for t in this call, created on first sight. */
-static fps_push_entry_t *fps__pp_entry(fps_pp_call_t *pp, fps_tensor_t *t, int dtype) {
+/* The entry for t in this call, created on first sight; NULL on OOM or
+ * (with *over_limit) when staging would pass --max-staging-bytes. */
+static fps_push_entry_t *fps__pp_entry(fps_pp_call_t *pp, fps_tensor_t *t, int dtype, bool *over_limit) {
   if (pp->hcap && *fps__pp_slot(pp, t)) return *fps__pp_slot(pp, t);
   if ((pp->n + 1) * 2 > pp->hcap) {
     size_t cap = pp->hcap ? pp->hcap * 2 : 16;
@@ -276,7 +277,7 @@ static fps_push_entry_t *fps__pp_entry(fps_pp_call_t *pp, fps_tensor_t *t, int d
   }
   fps_push_entry_t *e = calloc(1, sizeof *e);
   if (!e) return NULL;
-  e->grad = malloc(t->numel * sizeof(float));
+  e->grad = fps_tbuf_alloc(pp->base.srv, t->numel, over_limit);
   if (!e->grad) {
     free(e);
     return NULL;
@@ -347,7 +348,15 @@ static grpc_status_code fps__pp_message(fps_pp_call_t *pp, const Factorps__V1__P
                  name, pp->worker_id, pp->step, version);
         return GRPC_STATUS_FAILED_PRECONDITION;
       }
-      e = fps__pp_entry(pp, t, (int)s->dtype);
+      bool over = false;
+      e = fps__pp_entry(pp, t, (int)s->dtype, &over);
+      if (!e && over) {
+        snprintf(why, wl,
+                 "tensor '%s': staging its %" PRIu64 "-byte gradient would pass the shard's limit of %" PRIu64
+                 " bytes for in-flight tensors (--max-staging-bytes); retry later",
+                 name, t->numel * 4, srv->cfg.max_staging_bytes);
+        return GRPC_STATUS_RESOURCE_EXHAUSTED;
+      }
       if (!e) {
         snprintf(why, wl, "tensor '%s': out of memory staging a %" PRIu64 "-element gradient", name, t->numel);
         return GRPC_STATUS_RESOURCE_EXHAUSTED;

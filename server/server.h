@@ -78,6 +78,7 @@ typedef struct fps_config_s {
   char *port_file;            /* written with the bound port, or NULL */
   uint64_t max_tensors;       /* Create beyond this: RESOURCE_EXHAUSTED */
   uint64_t max_bytes;         /* parameter bytes beyond this: RESOURCE_EXHAUSTED */
+  uint64_t max_staging_bytes; /* gradient staging + reply snapshots, all calls */
   uint32_t apply_log;         /* per-tensor apply records kept for Stats */
   char *log_level;            /* error, warn, info, debug */
   char *simd;                 /* scalar|avx2|neon|auto */
@@ -126,13 +127,22 @@ typedef struct fps_push_entry_s fps_push_entry_t;
  * reply streams from, so a slow reader never holds the tensor's lock. */
 typedef struct fps_snap_s {
   atomic_int refs;
+  fps_server_t *srv;          /* whose buffer accounting data counts in */
   float *data;                /* numel floats, owned */
   uint64_t numel;
   uint64_t version;
 } fps_snap_t;
 
-/* Takes ownership of data (malloc'ed). Returns NULL on OOM (data freed). */
-fps_snap_t *fps_snap_wrap(float *data, uint64_t numel, uint64_t version, int refs);
+/* Takes ownership of data (from fps_tbuf_alloc). Returns NULL on OOM (data
+ * freed). */
+fps_snap_t *fps_snap_wrap(fps_server_t *srv, float *data, uint64_t numel, uint64_t version, int refs);
+
+/* Tensor-sized transient buffers (gradient staging, reply snapshots) are
+ * counted against --max-staging-bytes, so many concurrent calls cannot
+ * exhaust memory. alloc returns NULL with *over_limit set when the limit
+ * would be passed, or NULL on OOM. free(NULL) is a no-op. */
+float *fps_tbuf_alloc(fps_server_t *srv, uint64_t numel, bool *over_limit);
+void fps_tbuf_free(fps_server_t *srv, float *p, uint64_t numel);
 void fps_snap_unref(fps_snap_t *s);
 
 typedef struct fps_apply_rec_s {
@@ -294,6 +304,7 @@ struct fps_server_s {
   fps_config_t cfg;
   const fps_kernels_t *kernels;
   fps_pool_t *pool;                 /* splits large tensors' updates; NULL: none */
+  atomic_uint_fast64_t tbuf_bytes;  /* bytes in fps_tbuf_alloc buffers */
   fps_store_t store;
   fps_counters_t counters;
   int64_t started_ns;

@@ -98,14 +98,14 @@ static size_t fps__round_complete_locked(fps_server_t *srv, fps_tensor_t *t, fps
       /* The sum buffer is spent: it becomes the snapshot all W share. */
       memcpy(sum, t->param, n * sizeof(float));
       m[0]->grad = NULL;
-      snap = fps_snap_wrap(sum, n, t->version, (int)W);
+      snap = fps_snap_wrap(srv, sum, n, t->version, (int)W);
     }
   }
   uint64_t version = t->version;
   size_t k = fps__round_take_locked(srv, t, out);
   for (size_t i = 0; i < k; i++) {
     fps_push_entry_t *e = out[i];
-    free(e->grad);
+    fps_tbuf_free(srv, e->grad, n);
     e->grad = NULL;
     if (rc < 0) {
       e->code = GRPC_STATUS_INTERNAL;

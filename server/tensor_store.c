@@ -169,13 +169,35 @@ void fps_shape_format(const fps_shape_t *s, char *buf, size_t len) {
   if (n < len) snprintf(buf + n, len - n, "]");
 }
 
-fps_snap_t *fps_snap_wrap(float *data, uint64_t numel, uint64_t version, int refs) {
+float *fps_tbuf_alloc(fps_server_t *srv, uint64_t numel, bool *over_limit) {
+  uint64_t bytes = (numel ? numel : 1) * sizeof(float);
+  *over_limit = false;
+  uint64_t cur = atomic_load(&srv->tbuf_bytes);
+  do {
+    if (cur + bytes > srv->cfg.max_staging_bytes || cur + bytes < cur) {
+      *over_limit = true;
+      return NULL;
+    }
+  } while (!atomic_compare_exchange_weak(&srv->tbuf_bytes, &cur, cur + bytes));
+  float *p = malloc(bytes);
+  if (!p) atomic_fetch_sub(&srv->tbuf_bytes, bytes);
+  return p;
+}
+
+void fps_tbuf_free(fps_server_t *srv, float *p, uint64_t numel) {
+  if (!p) return;
+  free(p);
+  atomic_fetch_sub(&srv->tbuf_bytes, (numel ? numel : 1) * sizeof(float));
+}
+
+fps_snap_t *fps_snap_wrap(fps_server_t *srv, float *data, uint64_t numel, uint64_t version, int refs) {
   fps_snap_t *s = malloc(sizeof *s);
   if (!s) {
-    free(data);
+    fps_tbuf_free(srv, data, numel);
     return NULL;
   }
   atomic_init(&s->refs, refs);
+  s->srv = srv;
   s->data = data;
   s->numel = numel;
   s->version = version;
@@ -185,7 +207,7 @@ fps_snap_t *fps_snap_wrap(float *data, uint64_t numel, uint64_t version, int ref
 void fps_snap_unref(fps_snap_t *s) {
   if (!s) return;
   if (atomic_fetch_sub(&s->refs, 1) == 1) {
-    free(s->data);
+    fps_tbuf_free(s->srv, s->data, s->numel);
     free(s);
   }
 }

@@ -353,5 +353,22 @@ class Limits(BadInputBase):
         self.assertUnchanged()
 
 
+class StagingLimit(BadInputBase):
+    ARGS = ("--mode", "async", "--max-staging-bytes", 6000)
+
+    def test_staging_limit(self):
+        H.create(self.srv.stub, "s", [2048], np.zeros(2048, np.float32))
+        self.setUp()
+        self.assertStatus(lambda: H.push(self.srv.stub, 0, 0, {"s": ([2048], np.ones(2048, np.float32))}),
+                          self.grpc.StatusCode.RESOURCE_EXHAUSTED, "'s'", "--max-staging-bytes")
+        self.assertStatus(lambda: H.pull(self.srv.stub, {"s": [2048]}),
+                          self.grpc.StatusCode.RESOURCE_EXHAUSTED, "'s'", "--max-staging-bytes")
+        _, ts = H.stats(self.srv.stub)
+        self.assertEqual(ts["s"].version, 0)
+        # Buffers are given back: 150 small pushes stay under 6000 bytes.
+        for step in range(150):
+            H.push(self.srv.stub, 0, step, {"w": (SHAPE, np.ones(N, np.float32))})
+
+
 if __name__ == "__main__":
     unittest.main()
