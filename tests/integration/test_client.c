@@ -175,6 +175,9 @@ typedef struct job_s {
   const model_t *m;
   fps_test_server_t *srv;
   int sync;                       /* all workers push in lock-step rounds */
+  fps_client_t *shared;           /* if set: every worker uses this client
+                                     (tensors already created) and gets its
+                                     params in its gradient buffers */
 } job_t;
 
 typedef struct worker_s {
@@ -204,7 +207,7 @@ static void *worker_main(void *arg) {
   fps_tensor_def_t defs[8];
   float *init[8] = {0}, *grads[8] = {0};
   const char *names[8];
-  fps_client_t *c = client_new(w->job->srv, SHARDS, 30, &w->st);
+  fps_client_t *c = w->job->shared ? w->job->shared : client_new(w->job->srv, SHARDS, 30, &w->st);
   w->rc = -1;
   if (!c) return NULL;
   for (size_t t = 0; t < m->n; t++) {
@@ -219,19 +222,23 @@ static void *worker_main(void *arg) {
     }
     defs[t].init = init[t];
   }
-  if ((w->rc = fps_client_create_tensors(c, defs, m->n, &w->st))) goto done;
+  if (!w->job->shared && (w->rc = fps_client_create_tensors(c, defs, m->n, &w->st))) goto done;
   for (uint64_t s = 0; s < STEPS; s++) {
     for (size_t t = 0; t < m->n; t++) fill_grad(grads[t], w->id, s, t, m->numel[t]);
-    w->rc = fps_client_push_pull(c, w->id, s, names, (const float *const *)grads, w->params,
-                                 w->versions, m->n, &w->st);
+    /* With a shared client, params alias the gradients (allowed). */
+    w->rc = fps_client_push_pull(c, w->id, s, names, (const float *const *)grads,
+                                 w->job->shared ? grads : w->params, w->versions, m->n, &w->st);
     if (w->rc) goto done;
   }
+  if (w->job->shared)
+    for (size_t t = 0; t < m->n; t++) memcpy(w->params[t], grads[t], m->numel[t] * sizeof(float));
+  w->rc = 0;
 done:
   for (size_t t = 0; t < m->n; t++) {
     free(init[t]);
     free(grads[t]);
   }
-  fps_client_destroy(c);
+  if (!w->job->shared) fps_client_destroy(c);
   return NULL;
 }
 
@@ -261,16 +268,31 @@ static int teardown(void **state) {
   return 0;
 }
 
-static void test_sync_matches_replay(void **state) {
-  (void)state;
+static void sync_run(int shared) {
   model_t m;
   fps_test_server_t srv[SHARDS];
   worker_t ws[WORKERS];
   model_init(&m);
   const char *extra[] = {"--deadline", "30", NULL};
   assert_int_equal(fps_test_servers_start(srv, SHARDS, "sync", WORKERS, extra), 0);
-  job_t job = {&m, srv, 1};
+  job_t job = {&m, srv, 1, NULL};
+  fps_status_t st;
+  if (shared) {
+    fps_tensor_def_t defs[8];
+    float *init[8];
+    for (size_t t = 0; t < m.n; t++) {
+      defs[t] = m.defs[t];
+      init[t] = malloc(m.numel[t] * sizeof(float));
+      fill_init(init[t], t, m.numel[t]);
+      defs[t].init = init[t];
+    }
+    job.shared = client_new(srv, SHARDS, 30, &st);
+    assert_non_null(job.shared);
+    assert_code(fps_client_create_tensors(job.shared, defs, m.n, &st), 0, st);
+    for (size_t t = 0; t < m.n; t++) free(init[t]);
+  }
   run_workers(&job, ws);
+  fps_client_destroy(job.shared);
 
   for (size_t t = 0; t < m.n; t++) {
     uint64_t n = m.numel[t];
@@ -289,7 +311,8 @@ static void test_sync_matches_replay(void **state) {
     }
     for (uint32_t w = 0; w < WORKERS; w++) {
       char what[128];
-      snprintf(what, sizeof what, "sync: worker %u, tensor '%s'", w, m.defs[t].name);
+      snprintf(what, sizeof what, "sync%s: worker %u, tensor '%s'", shared ? " (shared client)" : "", w,
+               m.defs[t].name);
       assert_int_equal(ws[w].versions[t], STEPS);
       assert_same_floats(what, ws[w].params[t], r.param, n);
     }
@@ -299,6 +322,17 @@ static void test_sync_matches_replay(void **state) {
   }
   free_workers(ws, &m);
   for (int i = 0; i < SHARDS; i++) assert_int_equal(fps_test_server_stop(&srv[i]), 0);
+}
+
+static void test_sync_matches_replay(void **state) {
+  (void)state;
+  sync_run(0);
+}
+
+/* One client used by all three worker threads at once. */
+static void test_sync_shared_client(void **state) {
+  (void)state;
+  sync_run(1);
 }
 
 /* async/ssp: replay every tensor in the order its shard applied pushes. */
@@ -352,7 +386,7 @@ static void test_async_matches_applied_order(void **state) {
   worker_t ws[WORKERS];
   model_init(&m);
   assert_int_equal(fps_test_servers_start(srv, SHARDS, "async", WORKERS, NULL), 0);
-  job_t job = {&m, srv, 0};
+  job_t job = {&m, srv, 0, NULL};
   run_workers(&job, ws);
   free_workers(ws, &m);
   check_applied_order(&m, srv, "async");
@@ -367,7 +401,7 @@ static void test_ssp_matches_applied_order(void **state) {
   model_init(&m);
   const char *extra[] = {"--staleness", "1", "--deadline", "30", NULL};
   assert_int_equal(fps_test_servers_start(srv, SHARDS, "ssp", WORKERS, extra), 0);
-  job_t job = {&m, srv, 0};
+  job_t job = {&m, srv, 0, NULL};
   run_workers(&job, ws);
   free_workers(ws, &m);
   check_applied_order(&m, srv, "ssp");
@@ -507,6 +541,7 @@ int main(int argc, char **argv) {
   if (argc > 1) cmocka_set_test_filter(argv[1]);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_sync_matches_replay, teardown),
+      cmocka_unit_test_teardown(test_sync_shared_client, teardown),
       cmocka_unit_test_teardown(test_async_matches_applied_order, teardown),
       cmocka_unit_test_teardown(test_ssp_matches_applied_order, teardown),
       cmocka_unit_test_teardown(test_placement_deterministic_balanced, teardown),
