@@ -12,9 +12,12 @@
  *   never keeps a pointer to caller memory after a call returns.
  * - Thread-safety: an fps_client_t may be used from several threads at once
  *   (calls are independent); create/destroy must not race with other calls.
- * - Deadlines: every public call that talks to shards finishes within
- *   `deadline_seconds` (retries and backoff included) plus a small slack;
- *   no call waits forever.
+ * - Deadlines: every exchange with the shards (one call per shard, all in
+ *   parallel) finishes within `deadline_seconds`, retries and backoff
+ *   included, plus a small slack; no call waits forever. PushPull, Pull and
+ *   Stats are one exchange. fps_client_create_tensors() is one exchange per
+ *   message of initial values (a large model needs several), then waits at
+ *   most `deadline_seconds` for values other workers upload.
  * - Retries: on UNAVAILABLE a call is retried with exponential backoff only
  *   where repeating it cannot change the result: Create, Pull and Stats
  *   always (idempotent or read-only), PushPull only while the shard's
