@@ -94,7 +94,7 @@ int fps_dtype_decode(int dtype, const void *src, uint64_t n, float *dst,
       dst[i] = fps_bf16_to_f32(h);
     }
   } else {
-    return -FPS_EINVAL;
+    return FPS_EINVAL;
   }
   if (first_nonfinite) *first_nonfinite = bad;
   return 0;
@@ -110,7 +110,7 @@ int fps_dtype_encode(int dtype, const float *src, uint64_t n, void *dst) {
       memcpy(p + 2 * i, &h, 2);
     }
   } else {
-    return -FPS_EINVAL;
+    return FPS_EINVAL;
   }
   return 0;
 }

@@ -36,12 +36,12 @@ float fps_bf16_to_f32(uint16_t h);
  * into dst as fp32. If first_nonfinite is non-NULL it receives the index of
  * the first NaN/Inf element, or n if every element is finite; the check
  * rides on the same pass over memory as the copy.
- * Returns 0 or -FPS_EINVAL (unsupported dtype). */
+ * Returns 0 or FPS_EINVAL (unsupported dtype). */
 int fps_dtype_decode(int dtype, const void *src, uint64_t n, float *dst,
                      uint64_t *first_nonfinite);
 
 /* Encodes n fp32 values to little-endian `dtype` bytes at dst (any
- * alignment; fps_dtype_size(dtype) * n bytes). Returns 0 or -FPS_EINVAL. */
+ * alignment; fps_dtype_size(dtype) * n bytes). Returns 0 or FPS_EINVAL. */
 int fps_dtype_encode(int dtype, const float *src, uint64_t n, void *dst);
 
 #endif

@@ -86,7 +86,7 @@ static int fps__cfg_set(fps_config_t *cfg, const fps_cfg_entry_t *e, const char 
   switch (e->type) {
     case CFG_STR: {
       char *s = strdup(val);
-      if (!s) return -FPS_ENOMEM;
+      if (!s) return FPS_ENOMEM;
       free(*(char **)p);
       *(char **)p = s;
       return 0;
@@ -124,7 +124,7 @@ bad:
   if (e->type == CFG_MODE) fprintf(stderr, "factorps-server: %s: --%s must be sync, async or ssp, not '%s'\n", src, e->name, val);
   else if (e->type == CFG_BOOL) fprintf(stderr, "factorps-server: %s: --%s must be true or false, not '%s'\n", src, e->name, val);
   else fprintf(stderr, "factorps-server: %s: --%s must be a number in [%g, %g], not '%s'\n", src, e->name, e->min, e->max, val);
-  return -FPS_EINVAL;
+  return FPS_EINVAL;
 }
 
 static void fps__cfg_usage(FILE *f) {
@@ -147,11 +147,11 @@ static int fps__cfg_check(fps_config_t *cfg) {
   if (cfg->shard_id >= cfg->shard_count) {
     fprintf(stderr, "factorps-server: --shard-id %u must be below --shard-count %u\n", cfg->shard_id,
             cfg->shard_count);
-    return -FPS_EINVAL;
+    return FPS_EINVAL;
   }
   if (!*cfg->listen) {
     fprintf(stderr, "factorps-server: --listen must not be empty\n");
-    return -FPS_EINVAL;
+    return FPS_EINVAL;
   }
   const char *lv[] = {"error", "warn", "info", "debug"};
   int level = -1;
@@ -159,7 +159,7 @@ static int fps__cfg_check(fps_config_t *cfg) {
     if (!strcmp(cfg->log_level, lv[i])) level = i;
   if (level < 0) {
     fprintf(stderr, "factorps-server: --log-level must be error, warn, info or debug, not '%s'\n", cfg->log_level);
-    return -FPS_EINVAL;
+    return FPS_EINVAL;
   }
   fps__log_level = level;
   if (cfg->threads == 0) {
@@ -212,14 +212,14 @@ int fps_config_load(fps_config_t *cfg, int argc, char **argv) {
     if (c == '?' || c == ':') {
       fprintf(stderr, "factorps-server: unknown option or missing value: '%s' (see --help)\n",
               idx < argc ? argv[idx] : "?");
-      rc = -FPS_EINVAL;
+      rc = FPS_EINVAL;
       goto fail;
     }
     if ((rc = fps__cfg_set(cfg, &fps__cfg_table[c - 1000], optarg, "command line")) < 0) goto fail;
   }
   if (optind < argc) {
     fprintf(stderr, "factorps-server: unexpected argument '%s' (see --help)\n", argv[optind]);
-    rc = -FPS_EINVAL;
+    rc = FPS_EINVAL;
     goto fail;
   }
   if ((rc = fps__cfg_check(cfg)) < 0) goto fail;

@@ -156,7 +156,7 @@ int fps_call_begin(fps_call_t *c, fps_server_t *srv, grpc_call *call, gpr_timesp
     atomic_store(&c->refs, 1);
     grpc_call_cancel(call, NULL);
     fps__call_unref(c);
-    return -FPS_EPROTO;
+    return FPS_EPROTO;
   }
   return 0;
 }
@@ -173,7 +173,7 @@ int fps_call_recv(fps_call_t *c) {
   }
   grpc_call_error e = grpc_call_start_batch(c->call, &op, 1, &c->batch_tag, NULL);
   pthread_mutex_unlock(&c->mu);
-  return e == GRPC_CALL_OK ? 0 : -FPS_EPROTO;
+  return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
 }
 
 int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
@@ -184,7 +184,7 @@ int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
   if (c->status_sent) {
     pthread_mutex_unlock(&c->mu);
     grpc_byte_buffer_destroy(msg);
-    return -FPS_ESTATE;
+    return FPS_ESTATE;
   }
   if (!c->initial_md_sent) {
     ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
@@ -205,7 +205,7 @@ int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
   grpc_byte_buffer_destroy(msg);
   if (e != GRPC_CALL_OK) {
     FPS_SLOG(FPS_LOG_ERROR, "%s: start_batch(send) failed: %d", c->method, (int)e);
-    return -FPS_EPROTO;
+    return FPS_EPROTO;
   }
   return 0;
 }
@@ -273,12 +273,12 @@ int fps_bb_flatten(grpc_byte_buffer *bb, uint8_t **out, size_t *len) {
   grpc_byte_buffer_reader rd;
   *out = NULL;
   *len = 0;
-  if (!grpc_byte_buffer_reader_init(&rd, bb)) return -FPS_EPROTO;
+  if (!grpc_byte_buffer_reader_init(&rd, bb)) return FPS_EPROTO;
   size_t total = grpc_byte_buffer_length(bb);
   uint8_t *p = malloc(total ? total : 1);
   if (!p) {
     grpc_byte_buffer_reader_destroy(&rd);
-    return -FPS_ENOMEM;
+    return FPS_ENOMEM;
   }
   size_t off = 0;
   grpc_slice s;
@@ -291,7 +291,7 @@ int fps_bb_flatten(grpc_byte_buffer *bb, uint8_t **out, size_t *len) {
   grpc_byte_buffer_reader_destroy(&rd);
   if (off != total) {
     free(p);
-    return -FPS_EPROTO;
+    return FPS_EPROTO;
   }
   *out = p;
   *len = total;
@@ -397,12 +397,12 @@ static int fps__slot_post(fps_slot_t *s) {
                                             &s->md, s->method == M_PUSHPULL ? NULL : &s->payload,
                                             srv->cq, srv->cq, &s->tag);
   }
-  return e == GRPC_CALL_OK ? 0 : -FPS_EPROTO;
+  return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
 }
 
 static int fps__slot_new(fps_server_t *srv, int method) {
   fps_slot_t *s = calloc(1, sizeof *s);
-  if (!s) return -FPS_ENOMEM;
+  if (!s) return FPS_ENOMEM;
   s->tag.fn = fps__slot_done;
   s->srv = srv;
   s->method = method;
@@ -412,7 +412,7 @@ static int fps__slot_new(fps_server_t *srv, int method) {
     grpc_metadata_array_destroy(&s->md);
     if (method == M_GENERIC) grpc_call_details_destroy(&s->details);
     free(s);
-    return -FPS_EPROTO;
+    return FPS_EPROTO;
   }
   return 0;
 }
@@ -450,35 +450,35 @@ int fps_grpc_start(fps_server_t *srv) {
   grpc_channel_args ca = {2, args};
   srv->server = grpc_server_create(&ca, NULL);
   srv->cq = grpc_completion_queue_create_for_next(NULL);
-  if (!srv->server || !srv->cq) return -FPS_ENOMEM;
+  if (!srv->server || !srv->cq) return FPS_ENOMEM;
   grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
   for (int m = 0; m < 4; m++) {
     srv->method[m] = grpc_server_register_method(
         srv->server, fps__method_path[m], NULL,
         m == M_PUSHPULL ? GRPC_SRM_PAYLOAD_NONE : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
-    if (!srv->method[m]) return -FPS_EPROTO;
+    if (!srv->method[m]) return FPS_EPROTO;
   }
   grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
   srv->port = grpc_server_add_http2_port(srv->server, srv->cfg.listen, creds);
   grpc_server_credentials_release(creds);
   if (srv->port <= 0) {
     fprintf(stderr, "factorps-server: cannot listen on '%s' (address in use or invalid)\n", srv->cfg.listen);
-    return -FPS_EIO;
+    return FPS_EIO;
   }
   grpc_server_start(srv->server);
   for (int m = 0; m <= M_GENERIC; m++) {
     int n = m == M_GENERIC ? 2 : FPS_SLOTS_PER_METHOD;
     for (int i = 0; i < n; i++)
-      if (fps__slot_new(srv, m) < 0) return -FPS_ENOMEM;
+      if (fps__slot_new(srv, m) < 0) return FPS_ENOMEM;
   }
   fps__npollers = srv->cfg.threads;
   fps__pollers = calloc(fps__npollers, sizeof *fps__pollers);
-  if (!fps__pollers) return -FPS_ENOMEM;
+  if (!fps__pollers) return FPS_ENOMEM;
   for (uint32_t i = 0; i < fps__npollers; i++) {
     fps__pollers[i].srv = srv;
     if (pthread_create(&fps__pollers[i].th, NULL, fps__poller_main, &fps__pollers[i]) != 0) {
       fps__npollers = i;
-      return -FPS_ENOMEM;
+      return FPS_ENOMEM;
     }
   }
   return 0;

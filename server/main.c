@@ -47,12 +47,12 @@ static int fps__write_port_file(const char *path, int port) {
   char tmp[4096];
   snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
   FILE *f = fopen(tmp, "w");
-  if (!f) return -FPS_EIO;
+  if (!f) return FPS_EIO;
   int ok = fprintf(f, "%d\n", port) > 0;
   ok &= fclose(f) == 0;
   if (!ok || rename(tmp, path) != 0) {
     unlink(tmp);
-    return -FPS_EIO;
+    return FPS_EIO;
   }
   return 0;
 }

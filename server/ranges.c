@@ -21,7 +21,7 @@ static size_t fps__ranges_lower(const fps_ranges_t *r, uint64_t lo) {
 int fps_ranges_add(fps_ranges_t *r, uint64_t lo, uint64_t hi) {
   if (hi <= lo) return 0;
   size_t i = fps__ranges_lower(r, lo);
-  if (i < r->n && r->v[i].lo < hi) return -FPS_EEXISTS;
+  if (i < r->n && r->v[i].lo < hi) return FPS_EEXISTS;
   /* Merge with the left neighbour (ends at lo) and/or the right (starts at hi). */
   bool left = i > 0 && r->v[i - 1].hi == lo;
   bool right = i < r->n && r->v[i].lo == hi;
@@ -37,7 +37,7 @@ int fps_ranges_add(fps_ranges_t *r, uint64_t lo, uint64_t hi) {
     if (r->n == r->cap) {
       size_t cap = r->cap ? r->cap * 2 : 8;
       fps_range_t *v = realloc(r->v, cap * sizeof *v);
-      if (!v) return -FPS_ENOMEM;
+      if (!v) return FPS_ENOMEM;
       r->v = v;
       r->cap = cap;
     }
@@ -59,7 +59,7 @@ int fps_ranges_copy(fps_ranges_t *dst, const fps_ranges_t *src) {
   memset(dst, 0, sizeof *dst);
   if (src->n == 0) return 0;
   dst->v = malloc(src->n * sizeof *dst->v);
-  if (!dst->v) return -FPS_ENOMEM;
+  if (!dst->v) return FPS_ENOMEM;
   memcpy(dst->v, src->v, src->n * sizeof *dst->v);
   dst->n = dst->cap = src->n;
   dst->covered = src->covered;

@@ -118,7 +118,7 @@ static grpc_status_code fps__create_check(fps_server_t *srv, fps_plan_t *p, size
     return GRPC_STATUS_INVALID_ARGUMENT;
   }
   int rc = fps_ranges_add(&lead->ranges, it->off, it->off + it->count);
-  if (rc == -FPS_EEXISTS) {
+  if (rc == FPS_EEXISTS) {
     snprintf(why, wl,
              "tensor '%s': init slice [%" PRIu64 ", %" PRIu64 ") overlaps elements that are already initialised",
              name, it->off, it->off + it->count);

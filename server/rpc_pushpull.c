@@ -363,7 +363,7 @@ static grpc_status_code fps__pp_message(fps_pp_call_t *pp, const Factorps__V1__P
       }
     }
     int rc = fps_ranges_add(&e->got, s->offset, s->offset + count);
-    if (rc == -FPS_EEXISTS) {
+    if (rc == FPS_EEXISTS) {
       snprintf(why, wl, "tensor '%s': slice [%" PRIu64 ", %" PRIu64 ") overlaps a slice already received", name,
                s->offset, s->offset + count);
       return GRPC_STATUS_INVALID_ARGUMENT;

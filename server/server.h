@@ -89,7 +89,7 @@ typedef struct fps_config_s {
 } fps_config_t;
 
 /* Fills defaults, then FACTORPS_* environment variables, then argv.
- * Returns 0; 1 if --help/--version was printed (exit 0); -FPS_EINVAL with
+ * Returns 0; 1 if --help/--version was printed (exit 0); FPS_EINVAL with
  * the problem printed to stderr. Strings in *cfg are owned by cfg. */
 int fps_config_load(fps_config_t *cfg, int argc, char **argv);
 void fps_config_free(fps_config_t *cfg);
@@ -109,8 +109,8 @@ typedef struct fps_ranges_s {
   uint64_t covered;           /* sum of hi - lo */
 } fps_ranges_t;
 
-/* Adds [lo, hi). Returns 0, -FPS_EEXISTS if it overlaps what is there
- * (nothing changes then), -FPS_ENOMEM. An empty interval is a no-op. */
+/* Adds [lo, hi). Returns 0, FPS_EEXISTS if it overlaps what is there
+ * (nothing changes then), FPS_ENOMEM. An empty interval is a no-op. */
 int fps_ranges_add(fps_ranges_t *r, uint64_t lo, uint64_t hi);
 /* First gap in [0, total) or total if none (for "missing slice" messages). */
 uint64_t fps_ranges_first_gap(const fps_ranges_t *r, uint64_t total);
@@ -255,7 +255,7 @@ struct fps_call_s {
 };
 
 /* Initialises the base and posts RECV_CLOSE_ON_SERVER. Takes ownership of
- * call and md. Returns 0 or -FPS_E*; on failure the caller frees c's
+ * call and md. Returns 0 or a negative FPS_E*; on failure the caller frees c's
  * derived parts and the base is already released. */
 int fps_call_begin(fps_call_t *c, fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                    grpc_metadata_array *md, const char *method);

@@ -407,11 +407,11 @@ static void *fps__timer_main(void *arg) {
 
 int fps_sync_start(fps_server_t *srv) {
   srv->ssp_clock = calloc(srv->cfg.workers, sizeof *srv->ssp_clock);
-  if (!srv->ssp_clock) return -FPS_ENOMEM;
+  if (!srv->ssp_clock) return FPS_ENOMEM;
   pthread_mutex_init(&srv->timer_mu, NULL);
   pthread_cond_init(&srv->timer_cv, NULL);
   srv->timer_stop = false;
-  if (pthread_create(&srv->timer, NULL, fps__timer_main, srv) != 0) return -FPS_ENOMEM;
+  if (pthread_create(&srv->timer, NULL, fps__timer_main, srv) != 0) return FPS_ENOMEM;
   return 0;
 }
 

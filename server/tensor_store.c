@@ -25,11 +25,11 @@ int fps_store_init(fps_store_t *st) {
   memset(st, 0, sizeof *st);
   st->nbucket = 64;
   st->bucket = calloc(st->nbucket, sizeof *st->bucket);
-  if (!st->bucket) return -FPS_ENOMEM;
+  if (!st->bucket) return FPS_ENOMEM;
   if (pthread_rwlock_init(&st->mu, NULL) != 0) {
     free(st->bucket);
     st->bucket = NULL;
-    return -FPS_ENOMEM;
+    return FPS_ENOMEM;
   }
   return 0;
 }
@@ -61,7 +61,7 @@ int fps__store_reserve_locked(fps_store_t *st, uint64_t n) {
   while (nb < n) nb *= 2;
   {
     fps_tensor_t **b = calloc(nb, sizeof *b);
-    if (!b) return -FPS_ENOMEM;
+    if (!b) return FPS_ENOMEM;
     for (fps_tensor_t *x = st->first; x; x = x->next) {
       size_t i = fps__hash(x->name, strlen(x->name)) & (nb - 1);
       x->hnext = b[i];

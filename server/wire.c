@@ -69,7 +69,7 @@ grpc_status_code fps_wire_shape(const char *name, const uint64_t *dims, size_t n
     char sh[256];
     fps_shape_format(out, sh, sizeof sh);
     snprintf(why, why_len, "tensor '%s': invalid shape %s: %s", name, sh, kwhy);
-    return rc == -FPS_EOVERFLOW ? GRPC_STATUS_RESOURCE_EXHAUSTED : GRPC_STATUS_INVALID_ARGUMENT;
+    return rc == FPS_EOVERFLOW ? GRPC_STATUS_RESOURCE_EXHAUSTED : GRPC_STATUS_INVALID_ARGUMENT;
   }
   return GRPC_STATUS_OK;
 }

@@ -69,12 +69,12 @@ SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime
 class Server:
     """factorps-server on 127.0.0.1:0; stop() checks it exits 0 and clean."""
 
-    def __init__(self, *args, timeout=30):
+    def __init__(self, *args, timeout=30, env=None):
         self.dir = tempfile.mkdtemp(prefix="fps-server-")
         self.port_file = os.path.join(self.dir, "port")
         self.log_path = os.path.join(self.dir, "stderr.log")
         self.log = open(self.log_path, "wb")
-        env = dict(os.environ)
+        env = dict(os.environ, **(env or {}))
         env.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=1")
         env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
         cmd = [SERVER, "--listen", "127.0.0.1:0", "--port-file", self.port_file] + [str(a) for a in args]

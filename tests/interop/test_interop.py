@@ -67,6 +67,33 @@ class Interop(unittest.TestCase):
         finally:
             srv.stop()
 
+    def test_flags_env_and_help(self):
+        import os
+        import subprocess
+        run = lambda args, env=None: subprocess.run([H.SERVER] + args, capture_output=True, text=True, timeout=60,
+                                                    env=dict(os.environ, **(env or {})))
+        r = run(["--help"])
+        self.assertEqual(r.returncode, 0)
+        for flag in ("--listen", "--shard-id", "--shard-count", "--mode", "--staleness", "--workers", "--deadline",
+                     "--max-message-bytes", "--threads", "--port-file", "--max-tensors", "--max-bytes",
+                     "FACTORPS_MODE"):
+            self.assertIn(flag, r.stdout)
+        for args, env, words in ((["--bogus"], None, "'--bogus'"), (["--mode", "nope"], None, "sync, async or ssp"),
+                                 (["--shard-id", "2", "--shard-count", "2"], None, "below --shard-count"),
+                                 ([], {"FACTORPS_WORKERS": "x"}, "FACTORPS_WORKERS"),
+                                 (["--deadline", "-1"], None, "--deadline")):
+            r = run(args, env)
+            self.assertEqual(r.returncode, 2, (args, r.stderr))
+            self.assertIn(words, r.stderr)
+        # Environment values apply; a flag wins over them.
+        srv = H.Server("--workers", 3, env={"FACTORPS_MODE": "ssp", "FACTORPS_WORKERS": "5"})
+        try:
+            pb, _, _ = H.stubs()
+            s, _ = H.stats(srv.stub)
+            self.assertEqual((s.shard.mode, s.shard.workers), (pb.MODE_SSP, 3))
+        finally:
+            srv.stop()
+
     def test_unknown_method_unimplemented(self):
         _, _, grpc = H.stubs()
         srv = H.Server()
