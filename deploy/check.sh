@@ -27,6 +27,9 @@ echo
 echo "== promtool check config (file discovery)"
 promtool check config prometheus/prometheus.yml
 
+echo "== promtool check rules (alerts)"
+promtool check rules prometheus/alerts.yml
+
 echo "== promtool check config (kubernetes ConfigMap)"
 "$py" - "$tmp/k8s-prometheus.yml" <<'PY'
 import sys, yaml

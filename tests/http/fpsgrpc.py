@@ -291,6 +291,7 @@ class Prometheus:
         cfg = cfg.replace("scrape_timeout: 5s", "scrape_timeout: 1s")
         cfg = cfg.replace("refresh_interval: 30s", "refresh_interval: 1s")
         write_text(os.path.join(self.dir, "prometheus.yml"), cfg)
+        shutil.copy(os.path.join(REPO, "deploy", "prometheus", "alerts.yml"), self.dir)
         os.makedirs(os.path.join(self.dir, "targets"))
         with open(os.path.join(self.dir, "targets", "test.yml"), "w") as f:
             f.write("- targets: [%s]\n  labels: {deployment: test}\n"

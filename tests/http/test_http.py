@@ -149,7 +149,7 @@ class HttpTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 
     def test_deploy_files_use_real_metric_names(self):
-        """Every series the Grafana dashboard and the docs query exists."""
+        """Every series the Grafana dashboard and the alerts query exists."""
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         text = self.shard.get("/metrics")[2].decode()
         names = set()
@@ -159,10 +159,11 @@ class HttpTest(unittest.TestCase):
                 names.add(name)
                 if kind == "histogram":
                     names.update(name + s for s in ("_bucket", "_sum", "_count"))
-        with open(os.path.join(repo, "deploy", "grafana", "dashboards", "factorps.json")) as f:
-            used = set(re.findall(r"\b((?:factorps|process)_[a-z_]+)", f.read()))
-        self.assertTrue(used)
-        self.assertEqual(used - names, set())
+        for rel in (("grafana", "dashboards", "factorps.json"), ("prometheus", "alerts.yml")):
+            with open(os.path.join(repo, "deploy", *rel)) as f:
+                used = set(re.findall(r"\b((?:factorps|process)_[a-z_]+)", f.read()))
+            self.assertTrue(used, rel)
+            self.assertEqual(used - names, set(), rel)
 
     def test_unknown_path(self):
         self.assertEqual(self.shard.get("/nope")[0], 404)

@@ -156,6 +156,13 @@ def check_prometheus_state(tc, prom, shards):
         tc.assertEqual(one("factorps_adamw_equivalent_state_elements{%s}" % sel), 2 * e["params"])
         tc.assertEqual(one("factorps_adamw_equivalent_state_bytes{%s}" % sel), 8 * e["params"])
         tc.assertEqual(one("factorps_tensors{%s}" % sel), e["tensors"])
+    # deploy/'s alert rules were loaded with the configuration.
+    import json
+    st, _, body = prom.api_raw("/api/v1/rules")
+    tc.assertEqual(st, 200)
+    alerts = [r["name"] for g in json.loads(body)["data"]["groups"] for r in g["rules"]]
+    tc.assertIn("FactorpsShardDown", alerts)
+    tc.assertEqual([a for a, v in prom.query('ALERTS{alertname="FactorpsShardDown"}')], [])
     total = sum(F.expected_state(F.shard_tensors(s.id))["elements"] for s in shards)
     tc.assertEqual(prom.query("sum(factorps_optimizer_state_elements)")[0][1], total)
 
