@@ -9,7 +9,7 @@ one are skipped when run by hand, never silently passed under ctest, which
 sets them all):
   FACTORPS_SERVER       path of factorps-server
   FACTORPS_LIB          path of libfactorps.so (read by the package itself)
-  FACTORPS_TEST_SERVER_ENV  optional "K=V;K=V" extra environment for servers
+  FACTORPS_TEST_SERVER_ENV  optional "K=V|K=V" extra environment for servers
                         (the ASan build uses it to undo the Python side's
                         LD_PRELOAD and leak-check settings)
 """
@@ -41,7 +41,7 @@ def _server_env():
     env = {k: v for k, v in os.environ.items()
            # The server reads FACTORPS_<FLAG> variables as flags: pass none of ours.
            if not k.startswith("FACTORPS_")}
-    for kv in filter(None, os.environ.get("FACTORPS_TEST_SERVER_ENV", "").split(";")):
+    for kv in filter(None, os.environ.get("FACTORPS_TEST_SERVER_ENV", "").split("|")):
         k, _, v = kv.partition("=")
         if v:
             env[k] = v
