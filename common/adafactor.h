@@ -6,7 +6,8 @@
  * A tensor is factored iff ndim >= 2, over its last two dimensions; leading
  * dimensions are a batch of independent matrices.
  *
- * Names here are the contract the server and client code against.
+ * Names here are the contract the server and client code against. Errors
+ * are the (negative) FPS_E* codes of error.h, returned as they are.
  * Thread-safety: every function is reentrant; one state must not be stepped
  * by two threads at once (the caller serialises steps of one tensor). */
 #ifndef FPS_ADAFACTOR_H
@@ -102,22 +103,22 @@ void fps_adafactor_defaults(fps_adafactor_hparams_t *hp, fps_flavor_t flavor);
 
 /* Checks hyperparameters the way upstream's constructors do, plus NaN/Inf
  * anywhere and fields the flavor lacks set to non-defaults. Returns 0,
- * -FPS_EFLAVOR (unknown flavor) or -FPS_EHPARAM; `why` (may be NULL) gets a
+ * FPS_EFLAVOR (unknown flavor) or FPS_EHPARAM; `why` (may be NULL) gets a
  * message naming the parameter. Never clamps or fixes anything. */
 int fps_adafactor_validate(const fps_adafactor_hparams_t *hp, char *why, size_t why_len);
 
-/* 0 if a and b are the same settings, else -FPS_EEXISTS with the first
+/* 0 if a and b are the same settings, else FPS_EEXISTS with the first
  * differing field in `why` ("lr 0.01 vs 0.001"). */
 int fps_adafactor_hparams_diff(const fps_adafactor_hparams_t *a, const fps_adafactor_hparams_t *b,
                                char *why, size_t why_len);
 
-/* "torch" / "hf". parse returns -FPS_EFLAVOR for anything else. */
+/* "torch" / "hf". parse returns FPS_EFLAVOR for anything else. */
 int fps_flavor_parse(const char *s, fps_flavor_t *out);
 const char *fps_flavor_name(fps_flavor_t f); /* "unknown" if not a flavor */
 
 /* ndim <= FPS_MAX_DIMS, every dim >= 1, numel <= FPS_MAX_NUMEL computed
- * without overflow. Returns 0 (and *numel if non-NULL), -FPS_ESHAPE or
- * -FPS_EOVERFLOW, with a message in `why`. */
+ * without overflow. Returns 0 (and *numel if non-NULL), FPS_ESHAPE or
+ * FPS_EOVERFLOW, with a message in `why`. */
 int fps_shape_validate(const fps_shape_t *s, uint64_t *numel, char *why, size_t why_len);
 
 /* The optimizer state a tensor of shape s needs, by kind, and AdamW's. */
@@ -138,8 +139,8 @@ void fps_adafactor_state_destroy(fps_adafactor_state_t *st);
  * result is bit-identical for any thread count: work is cut into chunks
  * that depend on the shape only, and partial sums are combined in chunk
  * order. trace may be NULL. hp must be the settings st was created with.
- * Returns 0, -FPS_EHPARAM/-FPS_EFLAVOR (bad hp), -FPS_EINVAL (NULL args,
- * state not initialised), -FPS_ENOMEM. Non-finite gradients are not
+ * Returns 0, FPS_EHPARAM/FPS_EFLAVOR (bad hp), FPS_EINVAL (NULL args,
+ * state not initialised), FPS_ENOMEM. Non-finite gradients are not
  * rejected here (the caller validates); they propagate like upstream. */
 int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
                        fps_adafactor_state_t *st, float *param, const float *grad,

@@ -38,12 +38,12 @@ typedef struct fps_golden_run_s {
 } fps_golden_run_t;
 
 /* Names of the sub-directories of dir that hold an hparams.txt, sorted.
- * Free with fps_golden_list_free(). Returns 0, -FPS_EIO, -FPS_ENOMEM. */
+ * Free with fps_golden_list_free(). Returns 0, FPS_EIO, FPS_ENOMEM. */
 int fps_golden_list(const char *dir, char ***names, size_t *n, char *why, size_t why_len);
 void fps_golden_list_free(char **names, size_t n);
 
 /* Parses dir/name/hparams.txt and validates shape and hparams.
- * Returns 0, -FPS_EIO, -FPS_EFORMAT (bad file; `why` names the line),
+ * Returns 0, FPS_EIO, FPS_EFORMAT (bad file; `why` names the line),
  * or a shape/hparam error. */
 int fps_golden_load(const char *dir, const char *name, fps_golden_case_t *c, char *why,
                     size_t why_len);

@@ -15,7 +15,7 @@ typedef void (*fps_pool_fn)(void *arg, size_t chunk);
 
 /* Creates a pool that runs jobs on nthreads threads in total (the caller
  * counts as one, so nthreads - 1 are started). nthreads 0 means the number
- * of online CPUs. Returns 0 or -FPS_EINVAL / -FPS_ENOMEM / -FPS_ELIMIT
+ * of online CPUs. Returns 0 or FPS_EINVAL / FPS_ENOMEM / FPS_ELIMIT
  * (thread creation failed). */
 int fps_pool_create(fps_pool_t **out, unsigned nthreads);
 /* Stops and joins the threads. NULL is a no-op. Not while a run is going. */
