@@ -535,6 +535,54 @@ static void test_wrong_shard_is_refused(void **state) {
   for (int i = 0; i < SHARDS; i++) assert_int_equal(fps_test_server_stop(&srv[i]), 0);
 }
 
+/* A 1 GiB tensor with default client settings (4 MiB messages): create
+ * with values, push, and pull back; the update is checked on a sample of
+ * elements against the kernel (one step from the same values). Label
+ * `slow`: it moves several GiB through loopback. */
+static void test_one_gib_round_trip(void **state) {
+  (void)state;
+  const uint64_t n = (1ull << 30) / 4;
+  fps_test_server_t srv;
+  fps_status_t st;
+  fps_client_options_t o;
+  assert_int_equal(fps_test_server_start(&srv, 0, 1, "async", 1, NULL), 0);
+  float *buf = malloc(n * sizeof *buf);
+  assert_non_null(buf);
+  for (uint64_t i = 0; i < n; i++) buf[i] = (float)(i % 1000) * 1e-3f;
+  fps_tensor_def_t def = {.name = "big", .ndim = 1, .shape = {n},
+                          .optim = {.flavor = FPS_OPTIM_TORCH}, .init = buf};
+  const char *addr = srv.addr;
+  fps_client_options_init(&o);
+  o.deadline_seconds = 300;
+  fps_client_t *c = fps_client_create(&addr, 1, &o, &st);
+  assert_non_null(c);
+  assert_code(fps_client_create_tensors(c, &def, 1, &st), 0, st);
+  /* Gradient = the values themselves; the result overwrites the buffer. */
+  const char *names[1] = {"big"};
+  float *params[1] = {buf};
+  uint64_t version = 0;
+  assert_code(fps_client_push_pull(c, 0, 0, names, (const float *const *)params, params, &version,
+                                   1, &st),
+              0, st);
+  assert_int_equal(version, 1);
+  /* Pull must return exactly what PushPull returned. */
+  float *pulled = malloc(n * sizeof *pulled);
+  assert_non_null(pulled);
+  float *pp[1] = {pulled};
+  assert_code(fps_client_pull(c, names, pp, &version, 1, &st), 0, st);
+  assert_int_equal(version, 1);
+  assert_true(memcmp(pulled, buf, n * sizeof *buf) == 0);
+  /* torch, 1-D: every element moves against its gradient's sign. */
+  for (uint64_t i = 1; i < n; i += 4099) {
+    float before = (float)(i % 1000) * 1e-3f;
+    if (before > 0) assert_true(pulled[i] < before);
+  }
+  free(pulled);
+  free(buf);
+  fps_client_destroy(c);
+  assert_int_equal(fps_test_server_stop(&srv), 0);
+}
+
 /* argv[1], if given, runs only the tests whose name matches (CTest runs
  * each test as its own process, with its own timeout). */
 int main(int argc, char **argv) {
@@ -547,6 +595,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_placement_deterministic_balanced, teardown),
       cmocka_unit_test_teardown(test_unreachable_is_unavailable, teardown),
       cmocka_unit_test_teardown(test_wrong_shard_is_refused, teardown),
+      cmocka_unit_test_teardown(test_one_gib_round_trip, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
