@@ -50,7 +50,11 @@
  *   "header_sha256"  SHA-256 of the first 8 + N bytes of the file as they
  *                    are except that this value's 64 hex digits are replaced
  *                    by 64 '0' characters (so a flipped bit anywhere in the
- *                    header, hyperparameters included, is detected)
+ *                    header, hyperparameters included, is detected). The
+ *                    bytes "header_sha256":"<64 hex>" must appear exactly
+ *                    once, without blanks: that is how a reader finds them.
+ * The digests detect damage, not forgery: anyone can recompute them, so
+ * the reader validates everything else as if the file were hostile.
  *
  * Reading it without factorps, e.g. in Python with numpy:
  *   n = int.from_bytes(f.read(8), "little"); h = json.loads(f.read(n))
@@ -83,7 +87,11 @@
  * instant across the shard.
  *
  * Byte order: the format is little-endian; this code supports little-endian
- * hosts only (x86-64, aarch64), checked at compile time. */
+ * hosts only (x86-64, aarch64), checked at compile time.
+ *
+ * Build: the CMake target fps_checkpoint (fps_common + libcjson +
+ * libcrypto), kept out of fps_common so that libfactorps does not depend
+ * on cJSON and OpenSSL. */
 #ifndef FPS_CHECKPOINT_H
 #define FPS_CHECKPOINT_H
 
