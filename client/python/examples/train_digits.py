@@ -74,33 +74,39 @@ def mb(n_bytes):
     return n_bytes / 1e6
 
 
+def mb_str(n_bytes):
+    """MB with 3 significant digits, so small states do not print as 0.000."""
+    return f"{n_bytes / 1e6:.3g} MB"
+
+
 def report(client, model_names, train_seconds):
     stats = client.stats()
     print("\nOptimizer state held by the shards (factored second moments), from Stats:")
-    print(f"  {'shard':<6}{'tensors':>8}{'params':>10}   {'Adafactor state':>22}   "
-          f"{'AdamW would keep':>22}   {'saving':>7}")
+    print(f"  {'shard':<6}{'tensors':>8}{'params':>10}   {'Adafactor state':>24}   "
+          f"{'AdamW would keep':>24}   {'saving':>7}")
     tot = dict(state=0, state_b=0, adamw=0, adamw_b=0, params=0)
     for s in stats:
         ratio = s["adamw_elements"] / max(s["state_elements"], 1)
         print(f"  {s['shard_id']:<6}{s['tensors']:>8}{s['param_elements']:>10,}   "
-              f"{s['state_elements']:>10,} el {mb(s['state_bytes']):>6.3f} MB   "
-              f"{s['adamw_elements']:>10,} el {mb(s['adamw_bytes']):>6.3f} MB   {ratio:>6.0f}x")
+              f"{s['state_elements']:>10,} el {mb_str(s['state_bytes']):>11}   "
+              f"{s['adamw_elements']:>10,} el {mb_str(s['adamw_bytes']):>11}   {ratio:>6.0f}x")
         tot["state"] += s["state_elements"]
         tot["state_b"] += s["state_bytes"]
         tot["adamw"] += s["adamw_elements"]
         tot["adamw_b"] += s["adamw_bytes"]
         tot["params"] += s["param_elements"]
     print(f"  {'total':<6}{sum(s['tensors'] for s in stats):>8}{tot['params']:>10,}   "
-          f"{tot['state']:>10,} el {mb(tot['state_b']):>6.3f} MB   "
-          f"{tot['adamw']:>10,} el {mb(tot['adamw_b']):>6.3f} MB   "
+          f"{tot['state']:>10,} el {mb_str(tot['state_b']):>11}   "
+          f"{tot['adamw']:>10,} el {mb_str(tot['adamw_b']):>11}   "
           f"{tot['adamw'] / max(tot['state'], 1):>6.0f}x")
     print("\n  per tensor:")
     for name in model_names:
         t = client.tensor_stats(name)
         shape = "x".join(str(d) for d in t["shape"])
-        print(f"    {name:<10} {shape:>9} on shard {t['shard']}: Adafactor "
-              f"{t['state_elements']:>6,} el (row {t['state_row']}, col {t['state_col']}, "
-              f"full {t['state_var']}), AdamW {t['adamw_elements']:>7,} el")
+        how = (f"row {t['state_row']} + col {t['state_col']}" if t["factored"]
+               else f"full {t['state_var']}")
+        print(f"    {name:<8} {shape:>8} on shard {t['shard']}: Adafactor "
+              f"{t['state_elements']:>6,} el ({how}), AdamW {t['adamw_elements']:>7,} el")
 
     print(f"\nPushes (gradients in, fresh parameters out), over {train_seconds:.1f} s of "
           "training:")
