@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -1010,6 +1011,42 @@ static void sigkill_during_writes(void **unused) {
   remove_dir(dir);
 }
 
+/* A write that fails half-way (here: the file size limit, as a full disk
+ * would) returns FPS_EIO with the reason, leaves no new or temporary file,
+ * and deletes no old checkpoint. Runs in a child: the limit is per process. */
+static void failed_write_leaves_nothing(void **unused) {
+  (void)unused;
+  char *dir = make_dir();
+  fps_ckpt_written_t w;
+  write_gen(dir, 1, 1, &w);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    signal(SIGXFSZ, SIG_IGN); /* get EFBIG from write() instead of dying */
+    struct rlimit rl = {.rlim_cur = 1000, .rlim_max = RLIM_INFINITY};
+    if (setrlimit(RLIMIT_FSIZE, &rl)) _exit(3);
+    live_t lv[NSPECS];
+    fps_ckpt_snapshot_t *s = snapshot_of(lv, 2, 0, 2);
+    char why[FPS_CKPT_WHY_MAX] = "";
+    int rc = fps_ckpt_write(dir, s, 1, NULL, why, sizeof why);
+    fps_ckpt_snapshot_destroy(s);
+    for (size_t i = 0; i < NSPECS; i++) live_free(&lv[i]);
+    _exit(rc == FPS_EIO && strstr(why, "write: File too large") ? 0 : 4);
+  }
+  int status = 0;
+  assert_int_equal(waitpid(pid, &status, 0), pid);
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 0);
+  assert_int_equal(count_files(dir, ".ckpt-"), 0);
+  assert_int_equal(count_files(dir, "ckpt-"), 1);
+  fps_ckpt_t *c = NULL;
+  assert_int_equal(fps_ckpt_load_newest(dir, &EXPECT, NULL, NULL, &c), 0);
+  assert_int_equal(c->info.seq, 1);
+  expect_equal_gen(c, 1);
+  fps_ckpt_destroy(c);
+  remove_dir(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(round_trip),
@@ -1022,6 +1059,7 @@ int main(void) {
       cmocka_unit_test(hostile_truncations_and_flips),
       cmocka_unit_test(resealed_headers),
       cmocka_unit_test(sigkill_during_writes),
+      cmocka_unit_test(failed_write_leaves_nothing),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
