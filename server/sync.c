@@ -24,7 +24,7 @@
 /* A round fails this long before its earliest member's own deadline, so
  * the members hear which workers were missing rather than a bare
  * DEADLINE_EXCEEDED from their own gRPC timer. */
-#define FPS_ROUND_MARGIN_NS INT64_C(100000000)
+#define FPS_ROUND_MARGIN_NS INT64_C(200000000)
 #define FPS_TIMER_TICK_NS INT64_C(20000000)
 
 /* ------------------------------------------------------- open rounds */

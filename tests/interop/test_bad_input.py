@@ -291,6 +291,35 @@ class BadInput(BadInputBase):
         self.assertStatus(lambda: H.push(self.srv.stub, 0, 0, {"d": (SHAPE, g0)}, timeout=10),
                           self.grpc.StatusCode.FAILED_PRECONDITION, "'d'", "stale")
 
+    def test_cancelled_push_is_withdrawn(self):
+        # A parked sync push whose client cancels no longer counts: the
+        # worker can push the same step again, and the round uses that one.
+        H.create(self.srv.stub, "c", SHAPE, self.p0)
+        call = self.srv.stub.PushPull(iter(H.grad_messages(0, 0, {"c": (SHAPE, np.full(N, 100.0, np.float32))})),
+                                      timeout=20)
+        th = threading.Thread(target=lambda: self.assertRaises(self.grpc.RpcError, list, call))
+        th.start()
+        time.sleep(0.3)
+        call.cancel()
+        th.join(10)
+        time.sleep(0.2)
+        res = {}
+        th = threading.Thread(target=lambda: res.update(
+            r=H.push(self.srv.stub, 0, 0, {"c": (SHAPE, np.full(N, 1.0, np.float32))}, timeout=20)))
+        th.start()
+        time.sleep(0.3)
+        got, ver = H.push(self.srv.stub, 1, 0, {"c": (SHAPE, np.full(N, 3.0, np.float32))}, timeout=20)
+        th.join(20)
+        self.assertEqual(ver["c"], 1)
+        ref = H.Server("--workers", 1)
+        try:
+            H.create(ref.stub, "c", SHAPE, self.p0)
+            want, _ = H.push(ref.stub, 0, 0, {"c": (SHAPE, np.full(N, 2.0, np.float32))})
+        finally:
+            ref.stop()
+        np.testing.assert_array_equal(got["c"], want["c"])
+        np.testing.assert_array_equal(res["r"][0]["c"], want["c"])
+
     def test_sync_round_deadline(self):
         # Worker 1 never comes: the call fails before its own deadline with
         # a message naming the missing worker; the tensor is unchanged.
