@@ -206,6 +206,11 @@ class RemoteTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             opt.load_state_dict({"state": {}, "param_groups": []})
 
+    def test_num_workers_must_match_the_shards(self):
+        opt = self.opt(_params(), num_workers=2, worker_id=0)  # shards run 1 worker
+        with self.assertRaisesRegex(factorps.FailedPreconditionError, "num_workers=2"):
+            opt.setup()
+
     def test_worker_1_waits_for_worker_0_values(self):
         with Shards(1, workers=2) as shards:
             a = [torch.nn.Parameter(torch.full((3, 2), 5.0))]

@@ -33,8 +33,8 @@ Behaviour, and where it differs from a local optimizer:
 - Hyperparameters are fixed when the tensors are created (the shards hold
   them). Changing a group's hyperparameters afterwards (e.g. an LR
   scheduler) raises ValueError at the next step() instead of being ignored.
-- state_dict() holds no optimizer tensors (those live on the shards and are
-  checkpointed there): it records the hyperparameters, the tensor names and
+- state_dict() holds no optimizer tensors (those live on the shards, and
+  persisting them is the shards' job): it records the hyperparameters, the tensor names and
   shapes, the shard addresses, worker id/count and the step. load_state_dict()
   checks that the names and shapes match and restores hyperparameters and the
   step; setup() then warns if the shards' versions disagree with that step.
@@ -246,11 +246,18 @@ class RemoteAdafactor(Optimizer):
         vs = set(versions.values())
         # Sync shards require step == every tensor's version, so a worker that
         # joins live shards continues at their version.
-        mode = None
+        mode, shard_workers = None, None
         try:
-            mode = self.client.stats()[0]["mode"]
+            first = self.client.stats()[0]
+            mode, shard_workers = first["mode"], first.get("workers")
         except Exception:  # noqa: BLE001 - stats are informational here
             pass
+        if mode == "sync" and shard_workers and shard_workers != self.num_workers:
+            # Otherwise every sync round would wait for workers that never
+            # come (or finish without some), and fail only at the deadline.
+            raise FailedPreconditionError(
+                f"the shards run sync mode for {shard_workers} workers, but this optimizer "
+                f"was told num_workers={self.num_workers}")
         if mode == "sync":
             if len(vs) != 1:
                 raise FailedPreconditionError(
