@@ -175,8 +175,9 @@ struct fps_tensor_s {
   fps_ranges_t init;          /* initialised ranges while !ready */
   uint64_t version;           /* updates applied */
   fps_round_t round;          /* sync mode */
-  fps_apply_rec_t *log;       /* ring of the last log_cap updates */
+  fps_apply_rec_t *log;       /* ring of the last updates, log_cap slots */
   uint32_t log_cap, log_len, log_head;
+  uint32_t log_max;           /* --apply-log: the ring grows up to this */
   fps_tensor_t *rprev, *rnext; /* srv open-round list (srv->rounds_mu) */
   bool in_rounds;             /* linked in the open-round list */
   fps_tensor_t *hnext;        /* hash chain (store->mu) */

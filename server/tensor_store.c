@@ -108,9 +108,10 @@ fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t 
    * zero-sized tensor still has a valid pointer. */
   t->param = malloc((numel ? numel : 1) * sizeof(float));
   t->round.member = calloc(workers ? workers : 1, sizeof *t->round.member);
-  t->log_cap = log_cap;
-  t->log = log_cap ? calloc(log_cap, sizeof *t->log) : NULL;
-  if (!t->name || !t->param || !t->round.member || (log_cap && !t->log)) goto fail;
+  /* The apply log grows on demand: most tensors of a big model never need
+   * the full --apply-log ring, and 1M tensors x 4096 records would be GBs. */
+  t->log_max = log_cap;
+  if (!t->name || !t->param || !t->round.member) goto fail;
   memcpy(t->name, name, len);
   t->name[len] = 0;
   if (fps_adafactor_state_init(&t->st, shape, hp) < 0) goto fail;
@@ -146,6 +147,18 @@ int fps__tensor_apply_locked(fps_server_t *srv, fps_tensor_t *t, const float *gr
     return rc;
   }
   t->version++;
+  if (t->log_len == t->log_cap && t->log_cap < t->log_max) {
+    /* Not wrapped yet (head is 0), so growing keeps the order. */
+    uint32_t cap = t->log_cap ? t->log_cap * 2 : 16;
+    if (cap > t->log_max) cap = t->log_max;
+    fps_apply_rec_t *nl = realloc(t->log, cap * sizeof *nl);
+    if (nl) {
+      t->log = nl;
+      t->log_cap = cap;
+    } else {
+      t->log_max = t->log_cap; /* out of memory: keep the ring as it is */
+    }
+  }
   if (t->log_cap) {
     uint32_t slot = (t->log_head + t->log_len) % t->log_cap;
     if (t->log_len == t->log_cap) t->log_head = (t->log_head + 1) % t->log_cap;

@@ -237,6 +237,23 @@ class Interop(unittest.TestCase):
         finally:
             srv.stop()
 
+    def test_apply_log_ring(self):
+        # The log grows on demand up to --apply-log, then keeps the newest.
+        srv = H.Server("--mode", "async", "--apply-log", 40)
+        try:
+            H.create(srv.stub, "a", [3], np.zeros(3, np.float32))
+            for k in range(100):
+                H.push(srv.stub, k % 3, k, {"a": ([3], np.ones(3, np.float32))})
+            _, ts = H.stats(srv.stub, log=1000)
+            self.assertEqual([(a.worker_id, a.step, a.version) for a in ts["a"].apply_log],
+                             [(k % 3, k, k + 1) for k in range(60, 100)])
+            _, ts = H.stats(srv.stub, log=5)
+            self.assertEqual([a.step for a in ts["a"].apply_log], [95, 96, 97, 98, 99])
+            _, ts = H.stats(srv.stub, log=0)
+            self.assertEqual(len(ts["a"].apply_log), 0)
+        finally:
+            srv.stop()
+
     def test_ssp_bounds_staleness(self):
         pb, _, grpc = H.stubs()
         srv = H.Server("--mode", "ssp", "--workers", 2, "--staleness", 1, "--deadline", 30)
