@@ -71,7 +71,7 @@ enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP };
   X(workers_waited, counter, "factorps_sync_workers_waited_total", NONE,             \
     "Workers the completed sync rounds waited for, summed over rounds.")             \
   X(waiting, gauge, "factorps_waiting_pushes", NONE,                                 \
-    "Pushes parked waiting for other workers now (sync round members, ssp waits).")  \
+    "Waiting now: sync, tensor gradients in open rounds; ssp, parked PushPull calls.")\
   X(http_responses, counter, "factorps_http_responses_total", HTTP,                  \
     "Responses of the metrics/health HTTP endpoint, by status code.")                \
   X(http_rejected, counter, "factorps_http_rejected_connections_total", NONE,        \

@@ -115,8 +115,9 @@ void fps_metrics_update_observe(double seconds, uint64_t bytes);
 void fps_metrics_step_observe(uint32_t waited_for, double wait_seconds);
 /* ssp: a push admitted `staleness` steps ahead of the slowest worker. */
 void fps_metrics_staleness_observe(uint64_t staleness);
-/* Gauge: pushes parked waiting for other workers (sync round members,
- * ssp waits). _add moves it by delta (+1 park, -1 leave). */
+/* Gauge of what waits for other workers now: in sync, tensor gradients
+ * sitting in open rounds (a call pushing 3 tensors counts 3); in ssp,
+ * parked PushPull calls. _add moves it by delta (+1 park, -1 leave). */
 void fps_metrics_waiting_set(uint32_t pushes);
 void fps_metrics_waiting_add(int delta);
 
