@@ -4,6 +4,7 @@
 #include "checkpoint_internal.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <errno.h>
 #include <float.h>
 #include <inttypes.h>
@@ -11,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 void fps__ckpt_why(char *why, size_t why_len, const char *fmt, ...) {
@@ -383,4 +386,80 @@ int fps__ckpt_scan(int dirfd, fps__ckpt_file_t **files, size_t *n) {
   *files = v;
   *n = len;
   return 0;
+}
+
+/* ---------------------------------------------------- directory lease */
+
+/* mkdir that survives a crash: the new entry lives in the parent, so the
+ * parent is fsynced too. */
+static int make_dir_durable(const char *dir) {
+  if (mkdir(dir, 0700) < 0) return errno == EEXIST ? 0 : -1;
+  char parent[FPS_CKPT_PATH_MAX];
+  snprintf(parent, sizeof parent, "%s", dir);
+  size_t n = strlen(parent);
+  while (n > 1 && parent[n - 1] == '/') parent[--n] = '\0';
+  char *slash = strrchr(parent, '/');
+  if (!slash) snprintf(parent, sizeof parent, ".");
+  else if (slash == parent) parent[1] = '\0';
+  else *slash = '\0';
+  int fd = open(parent, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  int rc = fsync(fd);
+  int e = errno;
+  close(fd);
+  errno = e;
+  return rc;
+}
+
+int fps_ckpt_dir_lock(const char *dir, bool create, char *why, size_t why_len) {
+  if (!dir || !*dir || strlen(dir) + sizeof "/.lock" > FPS_CKPT_PATH_MAX) {
+    fps__ckpt_why(why, why_len, "no checkpoint directory, or its path is too long");
+    return FPS_EINVAL;
+  }
+  if (create && make_dir_durable(dir) < 0) {
+    fps__ckpt_why(why, why_len, "create %s: %s", dir, strerror(errno));
+    return FPS_EIO;
+  }
+  struct stat st;
+  if (stat(dir, &st) < 0) {
+    int rc = errno == ENOENT ? FPS_ENOTFOUND : FPS_EIO;
+    fps__ckpt_why(why, why_len, "%s: %s", dir, strerror(errno));
+    return rc;
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    fps__ckpt_why(why, why_len, "%s is not a directory", dir);
+    return FPS_EIO;
+  }
+  if (access(dir, W_OK | X_OK) < 0) {
+    fps__ckpt_why(why, why_len, "%s is not writable: %s", dir, strerror(errno));
+    return FPS_EIO;
+  }
+  char path[FPS_CKPT_PATH_MAX];
+  snprintf(path, sizeof path, "%s/.lock", dir);
+  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    fps__ckpt_why(why, why_len, "open %s: %s", path, strerror(errno));
+    return FPS_EIO;
+  }
+  if (flock(fd, LOCK_EX | LOCK_NB) < 0) {
+    int e = errno;
+    char pid[24] = "";
+    ssize_t n = pread(fd, pid, sizeof pid - 1, 0);
+    pid[n > 0 ? n : 0] = '\0';
+    pid[strcspn(pid, "\n")] = '\0';
+    close(fd);
+    if (e == EWOULDBLOCK) {
+      fps__ckpt_why(why, why_len, "%s is in use by another shard process (pid %s)", dir,
+                    pid[0] ? pid : "unknown");
+      return FPS_EAGAIN;
+    }
+    fps__ckpt_why(why, why_len, "lock %s: %s", path, strerror(e));
+    return FPS_EIO;
+  }
+  /* Only a diagnostic for the next process that finds the lock taken. */
+  char buf[24];
+  int len = snprintf(buf, sizeof buf, "%ld\n", (long)getpid());
+  if (ftruncate(fd, 0) == 0 && pwrite(fd, buf, (size_t)len, 0) < 0) { /* best effort */
+  }
+  return fd;
 }

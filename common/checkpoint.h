@@ -197,6 +197,18 @@ typedef struct fps_ckpt_written_s {
 int fps_ckpt_write(const char *dir, const fps_ckpt_snapshot_t *s, unsigned keep,
                    fps_ckpt_written_t *out, char *why, size_t why_len);
 
+/* Prepares DIR for one shard's lifetime, at start-up: if `create` is true
+ * and DIR does not exist, creates it (mode 0700; its parent must exist)
+ * and fsyncs its parent so the new directory is durable; checks that DIR
+ * is a writable directory; and takes an exclusive lock on DIR/.lock that
+ * lasts until the returned fd is closed (or the process exits). A second shard process
+ * started with the same DIR then fails here, with the holder's pid in
+ * `why`, instead of pruning this shard's checkpoints. Independent of the
+ * per-write lock of fps_ckpt_write(), which still applies.
+ * Returns the lock's fd (>= 0), or FPS_EINVAL, FPS_ENOTFOUND (no DIR and
+ * create false), FPS_EAGAIN (another process holds DIR), FPS_EIO. */
+int fps_ckpt_dir_lock(const char *dir, bool create, char *why, size_t why_len);
+
 /* ------------------------------------------------------------ reading
  *
  * Every reading function is reentrant (no global state) and safe against

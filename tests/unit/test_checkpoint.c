@@ -1098,6 +1098,54 @@ static void readers_beside_a_writer(void **unused) {
   remove_dir(dir);
 }
 
+static void directory_lease(void **unused) {
+  (void)unused;
+  char *dir = make_dir();
+  char sub[FPS_CKPT_PATH_MAX], why[FPS_CKPT_WHY_MAX];
+  snprintf(sub, sizeof sub, "%s/ckpts", dir);
+  assert_int_equal(fps_ckpt_dir_lock(sub, false, why, sizeof why), FPS_ENOTFOUND);
+  int fd = fps_ckpt_dir_lock(sub, true, why, sizeof why);
+  if (fd < 0) fail_msg("lock: %s", why);
+  /* A second holder (another fd, as another process would have) fails
+   * and is told who holds the directory. */
+  why[0] = '\0';
+  assert_int_equal(fps_ckpt_dir_lock(sub, true, why, sizeof why), FPS_EAGAIN);
+  char pid[40];
+  snprintf(pid, sizeof pid, "(pid %ld)", (long)getpid());
+  assert_non_null(strstr(why, pid));
+  /* Writes take their own lock, not blocked by the lease. */
+  fps_ckpt_written_t w;
+  write_gen(sub, 1, 2, &w);
+  fps_ckpt_entry_t *e = NULL;
+  size_t n = 0;
+  assert_int_equal(fps_ckpt_list(sub, NULL, &e, &n), 0);
+  assert_int_equal(n, 1); /* .lock is not a checkpoint */
+  fps_ckpt_list_free(e);
+  close(fd);
+  fd = fps_ckpt_dir_lock(sub, false, why, sizeof why);
+  assert_true(fd >= 0);
+  close(fd);
+  /* Not a directory; parent missing. */
+  assert_int_equal(fps_ckpt_dir_lock(w.path, false, why, sizeof why), FPS_EIO);
+  assert_non_null(strstr(why, "not a directory"));
+  snprintf(sub, sizeof sub, "%s/no/such", dir);
+  assert_int_equal(fps_ckpt_dir_lock(sub, true, why, sizeof why), FPS_EIO);
+  assert_int_equal(fps_ckpt_dir_lock("", true, why, sizeof why), FPS_EINVAL);
+  /* remove_dir removes files only: empty the subdirectory first. */
+  snprintf(sub, sizeof sub, "%s/ckpts", dir);
+  DIR *dd = opendir(sub);
+  struct dirent *de;
+  while ((de = readdir(dd)) != NULL) {
+    char p[FPS_CKPT_PATH_MAX + 300];
+    if (de->d_name[0] == '.' && (de->d_name[1] == '\0' || strcmp(de->d_name, "..") == 0)) continue;
+    snprintf(p, sizeof p, "%s/%s", sub, de->d_name);
+    unlink(p);
+  }
+  closedir(dd);
+  rmdir(sub);
+  remove_dir(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(round_trip),
@@ -1112,6 +1160,7 @@ int main(void) {
       cmocka_unit_test(sigkill_during_writes),
       cmocka_unit_test(failed_write_leaves_nothing),
       cmocka_unit_test(readers_beside_a_writer),
+      cmocka_unit_test(directory_lease),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
