@@ -154,6 +154,26 @@ class ClientTest(unittest.TestCase):
                 np.testing.assert_array_equal(params[n], self.init[n])
 
 
+@need_server
+class LargeTensorTest(unittest.TestCase):
+    def test_tensor_larger_than_a_message(self):
+        # 4.8 MB through the default 4 MiB messages: the library slices,
+        # Python passes one pointer per tensor either way.
+        shape = (1200, 1000)
+        rng = np.random.default_rng(3)
+        w0 = rng.standard_normal(shape).astype(np.float32)
+        g = rng.standard_normal(shape).astype(np.float32)
+        with Shards(1) as shards, factorps.connect(shards.addrs, deadline=30) as c:
+            c.create([factorps.TensorSpec("big", shape, w0)])
+            np.testing.assert_array_equal(c.pull(["big"])[0]["big"], w0)
+            g_copy = g.copy()
+            params, _ = c.push_pull({"big": g}, out={"big": g})  # in place, aliasing the grad
+            self.assertIs(params["big"], g)
+            want = ReferenceAdafactor(shape, "torch").step(w0, g_copy)
+            np.testing.assert_allclose(g, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+            np.testing.assert_array_equal(c.pull(["big"])[0]["big"], g)
+
+
 class OptionsTest(unittest.TestCase):
     def test_bad_options_raise_before_any_network(self):
         with self.assertRaises(factorps.InvalidArgumentError):
