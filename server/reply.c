@@ -19,16 +19,22 @@ void fps_reply_free(fps_reply_t *r) {
 }
 
 grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) {
-  enum { MAX_SLICES = 256 };
-  Factorps__V1__TensorSlice sl[MAX_SLICES];
-  Factorps__V1__TensorSlice *slp[MAX_SLICES];
-  uint64_t shape_buf[MAX_SLICES][FPS_MAX_DIMS];
-  uint8_t *enc[MAX_SLICES];
+  /* Enough slices to fill a message with tensors of ~1 KiB. */
+  enum { MAX_SLICES = 4096 };
+  struct fps_slice_scratch_s {
+    Factorps__V1__TensorSlice sl;
+    uint64_t shape[FPS_MAX_DIMS];
+    uint8_t *enc;
+  } *sc = NULL;
+  Factorps__V1__TensorSlice **slp = NULL;
   size_t ns = 0, budget = FPS_REPLY_BUDGET;
   grpc_byte_buffer *bb = NULL;
   Factorps__V1__TensorVersion *vers = NULL, **versp = NULL;
   uint64_t payload = 0;
   *last = false;
+  sc = malloc(MAX_SLICES * sizeof *sc);
+  slp = malloc(MAX_SLICES * sizeof *slp);
+  if (!sc || !slp) goto fail;
 
   /* Fill slices until the budget or the items run out. A per-slice
    * overhead estimate keeps many tiny tensors from overshooting. */
@@ -49,23 +55,23 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
     if (it->dtype == FPS_DTYPE_F32) {
       /* fp32 goes straight from the snapshot into the packed message. */
       data = (uint8_t *)(it->snap->data + r->off);
-      enc[ns] = NULL;
+      sc[ns].enc = NULL;
     } else {
       data = malloc(cnt * esz);
       if (!data) goto fail;
       fps_dtype_encode(it->dtype, it->snap->data + r->off, cnt, data);
-      enc[ns] = data;
+      sc[ns].enc = data;
     }
-    factorps__v1__tensor_slice__init(&sl[ns]);
-    sl[ns].name = it->t->name;
-    sl[ns].dtype = (Factorps__V1__DType)it->dtype;
-    sl[ns].n_shape = it->t->shape.ndim;
-    for (uint32_t d = 0; d < it->t->shape.ndim; d++) shape_buf[ns][d] = it->t->shape.dim[d];
-    sl[ns].shape = shape_buf[ns];
-    sl[ns].offset = r->off;
-    sl[ns].data.data = data;
-    sl[ns].data.len = cnt * esz;
-    slp[ns] = &sl[ns];
+    factorps__v1__tensor_slice__init(&sc[ns].sl);
+    sc[ns].sl.name = it->t->name;
+    sc[ns].sl.dtype = (Factorps__V1__DType)it->dtype;
+    sc[ns].sl.n_shape = it->t->shape.ndim;
+    for (uint32_t d = 0; d < it->t->shape.ndim; d++) sc[ns].shape[d] = it->t->shape.dim[d];
+    sc[ns].sl.shape = sc[ns].shape;
+    sc[ns].sl.offset = r->off;
+    sc[ns].sl.data.data = data;
+    sc[ns].sl.data.len = cnt * esz;
+    slp[ns] = &sc[ns].sl;
     ns++;
     payload += cnt * esz;
     budget -= overhead + cnt * esz;
@@ -76,6 +82,14 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
     }
   }
   *last = r->cur >= r->n;
+  if (*last && ns > 0) {
+    /* The versions must fit beside the data, or they go alone in one more
+     * message (they cannot be split: the contract puts them all in the
+     * last one). */
+    size_t vbytes = 16;
+    for (size_t i = 0; i < r->n; i++) vbytes += strlen(r->items[i].t->name) + 16;
+    if (vbytes > budget) *last = false;
+  }
   if (*last) {
     vers = calloc(r->n ? r->n : 1, sizeof *vers);
     versp = calloc(r->n ? r->n : 1, sizeof *versp);
@@ -105,7 +119,9 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
   if (bb) atomic_fetch_add(&srv->counters.bytes_sent, payload);
   if (bb) fps_metrics_rpc_bytes(r->pull ? FPS_METRICS_PULL : FPS_METRICS_PUSHPULL, 0, payload);
 fail:
-  for (size_t i = 0; i < ns; i++) free(enc[i]);
+  for (size_t i = 0; i < ns; i++) free(sc[i].enc);
+  free(sc);
+  free(slp);
   free(vers);
   free(versp);
   if (*last && bb) r->done = true;

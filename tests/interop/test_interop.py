@@ -237,6 +237,34 @@ class Interop(unittest.TestCase):
         finally:
             srv.stop()
 
+    def test_reply_fits_default_limit(self):
+        # Replies are cut to fit gRPC's default 4 MiB receive limit, versions
+        # included, so a client that never raised its limit works.
+        pb, pbg, grpc = H.stubs()
+        srv = H.Server("--mode", "async")
+        try:
+            names = ["t%04d.%s" % (i, "n" * 240) for i in range(3500)]
+            req = pb.CreateRequest(shard_id=0, shard_count=1, tensors=[
+                pb.TensorCreate(name=n, shape=[500], optimizer=H.optimizer(),
+                                init=pb.TensorSlice(dtype=pb.DTYPE_F32, data=np.zeros(500, np.float32).tobytes()))
+                for n in names])
+            srv.stub.Create(req, timeout=60)
+            ch = grpc.insecure_channel(srv.addr)  # default limits
+            stub = pbg.ParameterServerStub(ch)
+            grads = {n: ([500], np.full(500, 0.5, np.float32)) for n in names}
+            msgs = list(H.grad_messages(0, 0, grads))
+            resp = list(stub.PushPull(iter(msgs), timeout=60))
+            self.assertGreater(len(resp), 1)
+            self.assertTrue(all(r.ByteSize() <= 4 * H.MiB for r in resp))
+            got, ver = H.collect(resp, {n: [500] for n in names})
+            self.assertEqual(len(got), 3500)
+            self.assertEqual(set(ver.values()), {1})
+            got, ver = H.collect(stub.Pull(pb.PullRequest(names=names), timeout=60), {n: [500] for n in names})
+            self.assertEqual(len(got), 3500)
+            ch.close()
+        finally:
+            srv.stop()
+
     def test_apply_log_ring(self):
         # The log grows on demand up to --apply-log, then keeps the newest.
         srv = H.Server("--mode", "async", "--apply-log", 40)
