@@ -191,6 +191,11 @@ class RestartTest(unittest.TestCase):
             self.assertIn(cm.exception.code_name,
                           ("NOT_FOUND", "FAILED_PRECONDITION", "UNAVAILABLE"), str(cm.exception))
             self.assertEqual(cm.exception.shard, 1, str(cm.exception))
+            # Shard 0 applied that step, the new shard 1 is empty: re-reading
+            # the shards recreates shard 1's tensors at version 0 and then
+            # refuses to go on with shards that disagree on the step.
+            with self.assertRaisesRegex(factorps.FailedPreconditionError, "versions"):
+                opt.setup()
 
     def test_shard_killed(self):
         with Shards(2) as shards:

@@ -34,15 +34,19 @@ Behaviour, and where it differs from a local optimizer:
   them). Changing a group's hyperparameters afterwards (e.g. an LR
   scheduler) raises ValueError at the next step() instead of being ignored.
 - state_dict() holds no optimizer tensors (those live on the shards, and
-  persisting them is the shards' job): it records the hyperparameters, the tensor names and
-  shapes, the shard addresses, worker id/count and the step. load_state_dict()
-  checks that the names and shapes match and restores hyperparameters and the
-  step; setup() then warns if the shards' versions disagree with that step.
-- Errors from the shards raise factorps.Error subclasses; a failed step()
-  writes nothing and does not advance the step, so it may be retried.
+  persisting them is the shards' job): it records the hyperparameters, the
+  tensor names and shapes, the shard addresses, worker id/count and the
+  step. load_state_dict() checks that the names and shapes match and
+  restores hyperparameters and the step; setup() then warns if the shards'
+  versions disagree with that step.
+- Errors from the shards raise factorps.Error subclasses, and a failed
+  step() does not advance the step. A rejected push (NaN gradient, wrong
+  shape) changes nothing anywhere and may be retried. If a shard fails in
+  the middle (restart, crash), other shards may already have applied the
+  step and written their parameters; setup() re-reads every value and
+  version, and refuses a sync job whose shards no longer agree on the step.
 """
 
-import math
 import warnings
 
 import torch
