@@ -193,7 +193,11 @@ cJSON *fps__ckpt_tensor_meta(const fps_adafactor_hparams_t *hp, uint64_t version
   int rc = 0;
   rc |= add_u64(o, "version", version);
   rc |= add_u64(o, "step", step);
-  rc |= add_double(o, "rms", (double)rms);
+  /* A diverged run has a NaN or infinite RMS; store it as such, so the
+   * checkpoint restores what was there rather than becoming unreadable. */
+  if (isnan(rms)) rc |= add_str(o, "rms", "nan");
+  else if (isinf(rms)) rc |= add_str(o, "rms", rms > 0 ? "inf" : "-inf");
+  else rc |= add_double(o, "rms", (double)rms);
   rc |= add_str(o, "flavor", fps_flavor_name(hp->flavor));
   rc |= add_str(o, "has_lr", hp->has_lr ? "true" : "false");
   rc |= add_double(o, "lr", hp->lr);
@@ -289,10 +293,15 @@ int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, u
   memset(&h, 0, sizeof h);
   double r = 0;
   int bad = -1;
+  /* rms: a float printed exactly, or what a diverged run holds. */
+  bool rms_ok = true;
+  if (strcmp(val[TM_rms], "nan") == 0) r = NAN;
+  else if (strcmp(val[TM_rms], "inf") == 0) r = INFINITY;
+  else if (strcmp(val[TM_rms], "-inf") == 0) r = -INFINITY;
+  else rms_ok = parse_double(val[TM_rms], &r) == 0 && fabs(r) <= FLT_MAX && (double)(float)r == r;
   if (fps__ckpt_parse_u64(val[TM_version], version) < 0) bad = TM_version;
   else if (fps__ckpt_parse_u64(val[TM_step], step) < 0) bad = TM_step;
-  else if (parse_double(val[TM_rms], &r) < 0 || r < 0 || r > FLT_MAX || (double)(float)r != r)
-    bad = TM_rms;
+  else if (!rms_ok) bad = TM_rms;
   else if (fps_flavor_parse(val[TM_flavor], &h.flavor) < 0) bad = TM_flavor;
   else if (parse_bool(val[TM_has_lr], &h.has_lr) < 0) bad = TM_has_lr;
   else if (parse_double(val[TM_lr], &h.lr) < 0) bad = TM_lr;

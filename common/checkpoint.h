@@ -41,7 +41,8 @@
  *   "tensor:<name>"  per tensor, a JSON object (as a string) with string
  *                    values: "version" (updates applied), "step" (the
  *                    optimizer's step count), "rms" (hf: RMS of the param
- *                    before the last step), and the hyperparameters
+ *                    before the last step, a float; "nan", "inf" or "-inf"
+ *                    after a diverged step), and the hyperparameters
  *                    "flavor" ("torch"/"hf"), "has_lr", "lr", "decay",
  *                    "eps1", "eps2", "clip", "weight_decay", "maximize",
  *                    "has_beta1", "beta1", "scale_parameter",

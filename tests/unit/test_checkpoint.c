@@ -10,6 +10,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -273,6 +274,41 @@ static void round_trip(void **unused) {
   fps_ckpt_info_t info;
   assert_int_equal(fps_ckpt_verify_file(w.path, NULL, &info, why, sizeof why), 0);
   assert_int_equal(info.seq, 1);
+  remove_dir(dir);
+}
+
+/* A diverged tensor (NaN weights and RMS) still checkpoints and restores
+ * bit for bit: the file records what was there. */
+static void non_finite_values_round_trip(void **unused) {
+  (void)unused;
+  char *dir = make_dir();
+  const float specials[] = {NAN, INFINITY, -INFINITY};
+  for (int k = 0; k < 3; k++) {
+    live_t l;
+    live_make(&l, &SPECS[2], 1);
+    l.param[0] = specials[k];
+    l.st.var[1] = specials[k];
+    l.st.rms = specials[k];
+    fps_ckpt_snapshot_t *s = NULL;
+    size_t idx;
+    assert_int_equal(fps_ckpt_snapshot_create(&s, 0, 2, "sync"), 0);
+    assert_int_equal(fps_ckpt_snapshot_add(s, "bias", &SPECS[2].shape, &l.hp, &idx, NULL, 0), 0);
+    assert_int_equal(fps_ckpt_snapshot_copy(s, idx, l.version, l.param, &l.st), 0);
+    fps_ckpt_written_t w;
+    assert_int_equal(fps_ckpt_write(dir, s, 1, &w, NULL, 0), 0);
+    fps_ckpt_snapshot_destroy(s);
+    fps_ckpt_t *c = NULL;
+    char why[FPS_CKPT_WHY_MAX] = "";
+    int rc = fps_ckpt_load_file(w.path, &EXPECT, &c, why, sizeof why);
+    if (rc) fail_msg("special %d: %s", k, why);
+    assert_memory_equal(c->tensors[0].param, l.param, l.st.numel * 4);
+    assert_memory_equal(c->tensors[0].state.var, l.st.var, l.st.numel * 4);
+    float got = c->tensors[0].state.rms;
+    if (k == 0) assert_true(isnan(got));
+    else assert_true(got == specials[k]);
+    fps_ckpt_destroy(c);
+    live_free(&l);
+  }
   remove_dir(dir);
 }
 
@@ -789,6 +825,8 @@ static void m_t_nan(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "lr", "nan"); }
 static void m_t_lr_neg(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "eps2", "-1"); }
 static void m_t_bool(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "maximize", "yes"); }
 static void m_t_step(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "step", "-3"); }
+static void m_t_rms_big(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "rms", "1e39"); }
+static void m_t_rms_inexact(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "rms", "0.1"); }
 static void m_t_missing(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "decay", NULL); }
 static void m_t_hf_beta1(cJSON *r, cJSON *m) {
   /* Momentum on without a "bias/mom" array stored. */
@@ -862,6 +900,8 @@ static const mutation_t MUTATIONS[] = {
     {"negative eps2", m_t_lr_neg, "invalid hyperparameters"},
     {"bad bool", m_t_bool, "\"maximize\" has a bad value"},
     {"negative step", m_t_step, "\"step\" has a bad value"},
+    {"rms beyond float", m_t_rms_big, "\"rms\" has a bad value"},
+    {"rms not a float", m_t_rms_inexact, "\"rms\" has a bad value"},
     {"missing hparam", m_t_missing, "lacks \"decay\""},
     {"momentum without its array", m_t_hf_beta1, "no \"bias/mom\" entry"},
     {"tensor metadata not JSON", m_t_not_json, "not a JSON object"},
@@ -1149,6 +1189,7 @@ static void directory_lease(void **unused) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(round_trip),
+      cmocka_unit_test(non_finite_values_round_trip),
       cmocka_unit_test(empty_snapshot),
       cmocka_unit_test(keeps_last_k_and_loads_newest),
       cmocka_unit_test(falls_back_past_bad_files),
