@@ -16,6 +16,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+/* The per-tensor metadata lists every hyperparameter and the layout every
+ * state array: if either struct grows, these fail so the format is
+ * extended (and FPS_CKPT_FORMAT_VERSION considered) in the same change. */
+_Static_assert(sizeof(fps_adafactor_hparams_t) == 80,
+               "fps_adafactor_hparams_t changed: update the checkpoint tensor metadata");
+_Static_assert(sizeof(fps_state_size_t) == 8 * sizeof(uint64_t),
+               "fps_state_size_t changed: update the checkpoint array layout");
+
 void fps__ckpt_why(char *why, size_t why_len, const char *fmt, ...) {
   if (!why || why_len == 0) return;
   va_list ap;
