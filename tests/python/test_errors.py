@@ -14,7 +14,7 @@ import unittest
 import numpy as np
 import torch
 
-import _support
+import _support  # noqa: F401  (puts client/python on sys.path)
 from _support import Shards, need_server
 import factorps
 from factorps.torch import RemoteAdafactor

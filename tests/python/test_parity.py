@@ -24,7 +24,7 @@ import unittest
 import numpy as np
 import torch
 
-import _support
+import _support  # noqa: F401  (puts client/python on sys.path)
 from _support import Shards, need_server, run_workers
 from factorps.reference import ReferenceAdafactor
 from factorps.torch import RemoteAdafactor

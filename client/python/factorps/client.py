@@ -188,7 +188,9 @@ class TensorSpec:
         self.optimizer = optimizer
 
     def __repr__(self):
-        return f"TensorSpec({self.name!r}, {tuple(self.shape)!r}, init={'set' if self.init is not None else None}, optimizer={self.optimizer!r})"
+        init = "<values>" if self.init is not None else None
+        return (f"TensorSpec({self.name!r}, {tuple(self.shape)!r}, init={init}, "
+                f"optimizer={self.optimizer!r})")
 
 
 class Client:
