@@ -267,8 +267,8 @@ done:
     /* Names point into tensors, which are never freed while serving. */
     grpc_byte_buffer *bb = fps_pack_message(&resp);
     if (!bb) fps_call_fail(&cc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Create: out of memory packing the reply");
-    else if (fps_call_send(&cc->base, bb, true) < 0)
-      fps_call_fail(&cc->base, GRPC_STATUS_INTERNAL, "Create: cannot send the reply");
+    else
+      fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
   } else {
     fps_call_fail(&cc->base, code, "%s", why);
   }

@@ -29,7 +29,9 @@ static void fps__pull_send_next(fps_pull_call_t *pc) {
     fps_call_fail(&pc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Pull: out of memory packing the reply");
     return;
   }
-  if (fps_call_send(&pc->base, bb, last) < 0)
+  /* A failed final send has released the call already: touch it only
+   * after a failed intermediate one. */
+  if (fps_call_send(&pc->base, bb, last) < 0 && !last)
     fps_call_fail(&pc->base, GRPC_STATUS_INTERNAL, "Pull: cannot send the reply");
 }
 

@@ -90,7 +90,9 @@ static void fps__pp_send_next(fps_pp_call_t *pp) {
     pthread_mutex_unlock(&pp->base.mu);
     fps_counters_push_done(pp->base.srv, true, (double)(fps_now_ns() - pp->base.start_ns) / 1e9);
   }
-  if (fps_call_send(&pp->base, bb, last) < 0)
+  /* A failed final send has released the call already: touch it only
+   * after a failed intermediate one. */
+  if (fps_call_send(&pp->base, bb, last) < 0 && !last)
     fps_call_fail(&pp->base, GRPC_STATUS_INTERNAL, "PushPull: cannot send the reply");
 }
 

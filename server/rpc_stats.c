@@ -146,8 +146,8 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   resp.tensors = tsp;
   grpc_byte_buffer *bb = fps_pack_message(&resp);
   if (!bb) fps_call_fail(&sc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Stats: out of memory packing the reply");
-  else if (fps_call_send(&sc->base, bb, true) < 0)
-    fps_call_fail(&sc->base, GRPC_STATUS_INTERNAL, "Stats: cannot send the reply");
+  else
+    fps_call_send(&sc->base, bb, true); /* final: on failure the call is already released */
 out:
   free(ts);
   free(tsp);

@@ -262,7 +262,10 @@ int fps_call_begin(fps_call_t *c, fps_server_t *srv, grpc_call *call, gpr_timesp
                    grpc_metadata_array *md, const char *method);
 /* Starts RECV_MESSAGE into c->recv_buf; on_batch runs on completion. */
 int fps_call_recv(fps_call_t *c);
-/* Sends one message (ownership of msg passes); with final, OK status too. */
+/* Sends one message (ownership of msg passes); with final, OK status too.
+ * A final send that fails releases the call's logic reference itself: the
+ * caller must not touch c afterwards (a non-final failure leaves c to the
+ * caller, who ends it with fps_call_fail). */
 int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final);
 /* Ends the call with a non-OK status and a message; safe once per call. */
 void fps_call_fail(fps_call_t *c, grpc_status_code code, const char *fmt, ...)
