@@ -440,18 +440,38 @@ static void fps__shutdown_done(fps_tag_t *tag, bool ok) {
 }
 
 int fps_grpc_start(fps_server_t *srv) {
-  grpc_arg args[2];
+  grpc_arg args[3];
   args[0].type = GRPC_ARG_INTEGER;
   args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
   args[0].value.integer = (int)srv->cfg.max_message_bytes;
   args[1].type = GRPC_ARG_INTEGER;
   args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
   args[1].value.integer = -1;
-  grpc_channel_args ca = {2, args};
+  /* gRPC sets SO_REUSEPORT by default: a second shard on the same port
+   * would silently share it instead of failing "address in use". */
+  args[2].type = GRPC_ARG_INTEGER;
+  args[2].key = GRPC_ARG_ALLOW_REUSEPORT;
+  args[2].value.integer = 0;
+  grpc_channel_args ca = {3, args};
   srv->server = grpc_server_create(&ca, NULL);
   srv->cq = grpc_completion_queue_create_for_next(NULL);
   if (!srv->server || !srv->cq) return FPS_ENOMEM;
   grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
+  /* Pollers first: whatever fails below, fps_grpc_stop() can then shut the
+   * server down and drain the queue the normal way. */
+  fps__npollers = srv->cfg.threads;
+  fps__pollers = calloc(fps__npollers, sizeof *fps__pollers);
+  if (!fps__pollers) {
+    fps__npollers = 0;
+    return FPS_ENOMEM;
+  }
+  for (uint32_t i = 0; i < fps__npollers; i++) {
+    fps__pollers[i].srv = srv;
+    if (pthread_create(&fps__pollers[i].th, NULL, fps__poller_main, &fps__pollers[i]) != 0) {
+      fps__npollers = i;
+      return FPS_ENOMEM;
+    }
+  }
   for (int m = 0; m < 4; m++) {
     srv->method[m] = grpc_server_register_method(
         srv->server, fps__method_path[m], NULL,
@@ -470,16 +490,6 @@ int fps_grpc_start(fps_server_t *srv) {
     int n = m == M_GENERIC ? 2 : FPS_SLOTS_PER_METHOD;
     for (int i = 0; i < n; i++)
       if (fps__slot_new(srv, m) < 0) return FPS_ENOMEM;
-  }
-  fps__npollers = srv->cfg.threads;
-  fps__pollers = calloc(fps__npollers, sizeof *fps__pollers);
-  if (!fps__pollers) return FPS_ENOMEM;
-  for (uint32_t i = 0; i < fps__npollers; i++) {
-    fps__pollers[i].srv = srv;
-    if (pthread_create(&fps__pollers[i].th, NULL, fps__poller_main, &fps__pollers[i]) != 0) {
-      fps__npollers = i;
-      return FPS_ENOMEM;
-    }
   }
   return 0;
 }

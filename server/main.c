@@ -72,7 +72,7 @@ int main(int argc, char **argv) {
      * ignored), so mmap is switched off with M_MMAP_MAX = 0 instead. */
     if (!mallopt(M_ARENA_MAX, 1) || !mallopt(M_MMAP_MAX, 0) || !mallopt(M_TRIM_THRESHOLD, -1) ||
         !mallopt(M_TOP_PAD, 64 << 20))
-      fprintf(stderr, "factorps-server: mallopt tuning was refused; continuing untuned\n");
+      FPS_SLOG(FPS_LOG_DEBUG, "mallopt tuning was refused (normal under ASan); continuing untuned");
   }
 
   sigset_t sigs;

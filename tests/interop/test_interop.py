@@ -91,6 +91,12 @@ class Interop(unittest.TestCase):
             pb, _, _ = H.stubs()
             s, _ = H.stats(srv.stub)
             self.assertEqual((s.shard.mode, s.shard.workers), (pb.MODE_SSP, 3))
+            # A port in use is an error, not a silently shared port.
+            r = run(["--listen", srv.addr])
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("cannot listen on '%s'" % srv.addr, r.stderr)
+            for m in H.SANITIZER_MARKERS:
+                self.assertNotIn(m, r.stderr)
         finally:
             srv.stop()
 
