@@ -1,13 +1,9 @@
 /* libFuzzer target: the checkpoint reader (common/checkpoint_read.c) on
  * arbitrary file contents. Build with -DFUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION
  * so that wrong SHA-256s do not stop mutations at the digest check (a
- * hostile file can carry valid digests anyway). Seed: any checkpoint, e.g.
- * `ckpt_sample write DIR`. Not wired into CMake yet; by hand:
- *   clang -g -O1 -fsanitize=fuzzer,address,undefined -D_GNU_SOURCE \
- *     -DFUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION -Icommon tests/fuzz/fuzz_checkpoint.c \
- *     common/checkpoint*.c common/sha256.c common/adafactor.c common/error.c \
- *     common/pool.c -lcjson -lcrypto -lm -lpthread -o fuzz_checkpoint
- *   ./fuzz_checkpoint -max_len=8192 CORPUS_DIR
+ * hostile file can carry valid digests anyway). Built by tests/fuzz/CMakeLists.txt
+ * (that define included); seed: tests/fuzz/corpus/fuzz_checkpoint, written by
+ * `ckpt_sample write DIR`. Run with tests/fuzz/run.sh.
  * The reader takes a path, so each input goes through a file in /dev/shm. */
 #include <stdint.h>
 #include <stdio.h>
@@ -19,12 +15,20 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+static char dir[64], path[96];
+
+/* Leaves nothing behind in /dev/shm (the corpus replay runs in every build). */
+static void cleanup(void) {
+  unlink(path);
+  rmdir(dir);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  static char dir[64], path[96];
   if (!dir[0]) {
     snprintf(dir, sizeof dir, "/dev/shm/fps-fuzz-%d", (int)getpid());
     snprintf(path, sizeof path, "%s/ckpt-1.safetensors", dir);
     mkdir(dir, 0700);
+    atexit(cleanup);
   }
   FILE *f = fopen(path, "wb");
   if (!f) abort();

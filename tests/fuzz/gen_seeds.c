@@ -1,0 +1,515 @@
+/* Writes the seed corpora of the gRPC and HTTP fuzz targets into
+ * DIR/fuzz_<target>/ (tests/fuzz/corpus is its output, committed):
+ *   fuzz_gen_seeds tests/fuzz/corpus
+ * Seeds are valid requests and near misses against the fixture tensors of
+ * fuzz_server.c ("w" [4,3] hf, "b" [3] torch, "half" [2,2] not ready), so
+ * the fuzzer starts deep in the validation code instead of at the decoder.
+ * The PushPull and HTTP input layouts are described in fuzz_pushpull.c and
+ * fuzz_http.c. */
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "factorps/v1/factorps.pb-c.h"
+
+static const char *outdir;
+
+static void put(const char *target, const char *name, const void *p, size_t n) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s", outdir, target);
+  mkdir(path, 0755);
+  snprintf(path, sizeof path, "%s/%s/%s", outdir, target, name);
+  FILE *f = fopen(path, "wb");
+  if (!f || (n && fwrite(p, 1, n, f) != n) || fclose(f) != 0) {
+    fprintf(stderr, "gen_seeds: cannot write %s\n", path);
+    exit(1);
+  }
+}
+
+static void put_msg(const char *target, const char *name, const void *msg) {
+  size_t n = protobuf_c_message_get_packed_size(msg);
+  uint8_t *p = malloc(n ? n : 1);
+  protobuf_c_message_pack(msg, p);
+  put(target, name, p, n);
+  free(p);
+}
+
+/* ------------------------------------------------------------ Create */
+
+static float F[64];
+static uint16_t BF[64];
+
+static void seeds_create(void) {
+  const char *T = "fuzz_create";
+  Factorps__V1__AdafactorConfig hf = FACTORPS__V1__ADAFACTOR_CONFIG__INIT, torch = FACTORPS__V1__ADAFACTOR_CONFIG__INIT,
+                                full = FACTORPS__V1__ADAFACTOR_CONFIG__INIT;
+  hf.flavor = FACTORPS__V1__FLAVOR__FLAVOR_HF;
+  torch.flavor = FACTORPS__V1__FLAVOR__FLAVOR_TORCH;
+  torch.has_lr_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_LR_LR;
+  torch.lr = 0.01;
+  full.flavor = FACTORPS__V1__FLAVOR__FLAVOR_HF;
+  full.has_lr_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_LR_LR;
+  full.lr = 0.001;
+  full.has_eps1_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_EPS1_EPS1;
+  full.eps1 = 1e-30;
+  full.has_eps2_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_EPS2_EPS2;
+  full.eps2 = 1e-3;
+  full.has_clip_threshold_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_CLIP_THRESHOLD_CLIP_THRESHOLD;
+  full.clip_threshold = 1.0;
+  full.has_beta2_decay_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_BETA2_DECAY_BETA2_DECAY;
+  full.beta2_decay = -0.8;
+  full.has_weight_decay_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_WEIGHT_DECAY_WEIGHT_DECAY;
+  full.weight_decay = 0.01;
+  full.has_relative_step_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_RELATIVE_STEP_RELATIVE_STEP;
+  full.relative_step = false;
+  full.has_scale_parameter_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_SCALE_PARAMETER_SCALE_PARAMETER;
+  full.scale_parameter = true;
+  full.has_warmup_init_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_WARMUP_INIT_WARMUP_INIT;
+  full.warmup_init = false;
+  full.has_beta1_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_BETA1_BETA1;
+  full.beta1 = 0.9;
+
+  uint64_t s43[] = {4, 3}, s3[] = {3}, s22[] = {2, 2}, s84[] = {8, 4}, s34[] = {3, 4}, s5[] = {5},
+           shuge[] = {1u << 20, 1u << 20}, s9d[] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+  Factorps__V1__TensorSlice sl[4];
+  for (int i = 0; i < 4; i++) factorps__v1__tensor_slice__init(&sl[i]);
+  Factorps__V1__TensorCreate tc[4];
+  Factorps__V1__TensorCreate *tcp[4] = {&tc[0], &tc[1], &tc[2], &tc[3]};
+  Factorps__V1__CreateRequest req = FACTORPS__V1__CREATE_REQUEST__INIT;
+  req.tensors = tcp;
+  req.shard_count = 1;
+#define RESET()                                                              \
+  do {                                                                       \
+    for (int i_ = 0; i_ < 4; i_++) {                                         \
+      factorps__v1__tensor_create__init(&tc[i_]);                            \
+      factorps__v1__tensor_slice__init(&sl[i_]);                             \
+    }                                                                        \
+    req.n_tensors = 0;                                                       \
+    req.shard_id = 0;                                                        \
+    req.shard_count = 1;                                                     \
+  } while (0)
+#define TC(i, nm, shp, opt)                         \
+  do {                                              \
+    tc[i].name = (char *)(nm);                      \
+    tc[i].n_shape = sizeof(shp) / sizeof(shp)[0];   \
+    tc[i].shape = shp;                              \
+    tc[i].optimizer = opt;                          \
+    if (req.n_tensors < (size_t)(i) + 1) req.n_tensors = (size_t)(i) + 1; \
+  } while (0)
+#define INIT(i, dt, ptr, nbytes, off)               \
+  do {                                              \
+    sl[i].dtype = dt;                               \
+    sl[i].data.data = (uint8_t *)(ptr);             \
+    sl[i].data.len = nbytes;                        \
+    sl[i].offset = off;                             \
+    tc[i].init = &sl[i];                            \
+  } while (0)
+
+  /* The fixture itself: existing tensors (idempotent / overlapping init). */
+  RESET();
+  TC(0, "w", s43, &hf);
+  INIT(0, FACTORPS__V1__DTYPE__DTYPE_F32, F, 48, 0);
+  TC(1, "b", s3, &torch);
+  INIT(1, FACTORPS__V1__DTYPE__DTYPE_F32, F, 12, 0);
+  TC(2, "half", s22, &torch);
+  INIT(2, FACTORPS__V1__DTYPE__DTYPE_F32, F, 8, 2);
+  put_msg(T, "fixture-complete-half", &req);
+  /* A new tensor with every setting, its init in one f32 slice. */
+  RESET();
+  TC(0, "emb", s84, &full);
+  INIT(0, FACTORPS__V1__DTYPE__DTYPE_F32, F, 128, 0);
+  put_msg(T, "new-every-setting", &req);
+  /* One tensor in two bf16 slices (two items, same name), with shape. */
+  RESET();
+  TC(0, "v", s5, &torch);
+  INIT(0, FACTORPS__V1__DTYPE__DTYPE_BF16, BF, 4, 0);
+  sl[0].n_shape = 1;
+  sl[0].shape = s5;
+  sl[0].name = "v";
+  TC(1, "v", s5, &torch);
+  INIT(1, FACTORPS__V1__DTYPE__DTYPE_BF16, BF, 6, 2);
+  put_msg(T, "new-two-bf16-slices", &req);
+  /* Without init values: created, not ready. */
+  RESET();
+  TC(0, "later", s84, &hf);
+  put_msg(T, "new-no-init", &req);
+  /* Existing name, other shape / other settings. */
+  RESET();
+  TC(0, "w", s34, &hf);
+  put_msg(T, "exists-other-shape", &req);
+  RESET();
+  TC(0, "b", s3, &hf);
+  put_msg(T, "exists-other-settings", &req);
+  /* Settings the flavor lacks; no settings; a bad flavor. */
+  RESET();
+  full.flavor = FACTORPS__V1__FLAVOR__FLAVOR_TORCH;
+  TC(0, "t", s3, &full);
+  put_msg(T, "torch-with-hf-settings", &req);
+  full.flavor = FACTORPS__V1__FLAVOR__FLAVOR_HF;
+  RESET();
+  TC(0, "t", s3, NULL);
+  put_msg(T, "no-optimizer", &req);
+  /* Shapes: too big, too many dims, a scalar. */
+  RESET();
+  TC(0, "huge", shuge, &hf);
+  put_msg(T, "shape-huge", &req);
+  RESET();
+  TC(0, "deep", s9d, &hf);
+  put_msg(T, "shape-9-dims", &req);
+  RESET();
+  tc[0].name = "scalar";
+  tc[0].optimizer = &torch;
+  req.n_tensors = 1;
+  INIT(0, FACTORPS__V1__DTYPE__DTYPE_F32, F, 4, 0);
+  put_msg(T, "scalar", &req);
+  /* Bad init slices: NaN, out of range, odd byte count, other name. */
+  RESET();
+  TC(0, "n", s3, &torch);
+  float nan3[3] = {1, NAN, 2};
+  INIT(0, FACTORPS__V1__DTYPE__DTYPE_F32, nan3, 12, 0);
+  put_msg(T, "init-nan", &req);
+  RESET();
+  TC(0, "n", s3, &torch);
+  INIT(0, FACTORPS__V1__DTYPE__DTYPE_F32, F, 12, 2);
+  put_msg(T, "init-out-of-range", &req);
+  RESET();
+  TC(0, "n", s3, &torch);
+  INIT(0, FACTORPS__V1__DTYPE__DTYPE_F32, F, 7, 0);
+  put_msg(T, "init-odd-bytes", &req);
+  RESET();
+  TC(0, "n", s3, &torch);
+  INIT(0, FACTORPS__V1__DTYPE__DTYPE_F32, F, 12, 0);
+  sl[0].name = "other";
+  put_msg(T, "init-other-name", &req);
+  /* Bad names, wrong shard, empty request. */
+  RESET();
+  TC(0, "bad\xc3(", s3, &torch);
+  put_msg(T, "name-bad-utf8", &req);
+  RESET();
+  TC(0, "", s3, &torch);
+  put_msg(T, "name-empty", &req);
+  RESET();
+  TC(0, "x", s3, &torch);
+  req.shard_id = 1;
+  req.shard_count = 2;
+  put_msg(T, "wrong-shard", &req);
+  RESET();
+  put_msg(T, "empty", &req);
+}
+
+/* -------------------------------------------------------- Pull, Stats */
+
+static void seeds_pull(void) {
+  const char *T = "fuzz_pull";
+  char *names[3];
+  Factorps__V1__PullRequest r = FACTORPS__V1__PULL_REQUEST__INIT;
+  r.names = names;
+  names[0] = "w";
+  names[1] = "b";
+  r.n_names = 2;
+  put_msg(T, "w-b", &r);
+  r.dtype = FACTORPS__V1__DTYPE__DTYPE_BF16;
+  put_msg(T, "w-b-bf16", &r);
+  r.dtype = 7;
+  put_msg(T, "bad-dtype", &r);
+  r.dtype = 0;
+  names[0] = "half";
+  r.n_names = 1;
+  put_msg(T, "not-ready", &r);
+  names[0] = "missing";
+  put_msg(T, "not-found", &r);
+  names[0] = "\xff";
+  put_msg(T, "bad-utf8", &r);
+  names[0] = "w";
+  names[1] = "w";
+  names[2] = "b";
+  r.n_names = 3;
+  put_msg(T, "repeated", &r);
+  r.n_names = 0;
+  put_msg(T, "empty", &r);
+}
+
+static void seeds_stats(void) {
+  const char *T = "fuzz_stats";
+  Factorps__V1__StatsRequest r = FACTORPS__V1__STATS_REQUEST__INIT;
+  put_msg(T, "shard-only", &r);
+  r.include_tensors = true;
+  put_msg(T, "tensors", &r);
+  r.apply_log_limit = 2;
+  put_msg(T, "tensors-log-2", &r);
+  r.apply_log_limit = 0xffffffffu;
+  put_msg(T, "tensors-log-max", &r);
+}
+
+/* ------------------------------------------------------------ PushPull */
+
+typedef struct buf_s {
+  uint8_t b[16384];
+  size_t n;
+} buf_t;
+
+static void b_byte(buf_t *b, uint8_t v) { b->b[b->n++] = v; }
+
+/* A message op for call k (op & 3 == 0). */
+static void b_msg(buf_t *b, int k, const Factorps__V1__PushPullRequest *m) {
+  size_t n = protobuf_c_message_get_packed_size((const ProtobufCMessage *)m);
+  b_byte(b, (uint8_t)(k << 2));
+  b_byte(b, (uint8_t)(n & 0xff));
+  b_byte(b, (uint8_t)(n >> 8));
+  protobuf_c_message_pack((const ProtobufCMessage *)m, b->b + b->n);
+  b->n += n;
+}
+static void b_close(buf_t *b, int k) { b_byte(b, (uint8_t)(k << 2 | 1)); }
+static void b_cancel(buf_t *b, int k) { b_byte(b, (uint8_t)(k << 2 | 2)); }
+
+/* The config byte of fuzz_pushpull.c: mode 1 sync, 2 async, 3 ssp. */
+static uint8_t cfg(int mode, int workers, int staleness) {
+  return (uint8_t)((mode - 1) | (workers - 1) << 2 | staleness << 4);
+}
+
+/* One message with one slice of tensor nm. */
+static void one(Factorps__V1__PushPullRequest *m, Factorps__V1__TensorSlice *s, Factorps__V1__TensorSlice **sp,
+                const char *nm, uint64_t *shape, size_t nshape, int dtype, const void *data, size_t bytes,
+                uint64_t off) {
+  factorps__v1__tensor_slice__init(s);
+  s->name = (char *)nm;
+  s->shape = shape;
+  s->n_shape = nshape;
+  s->dtype = dtype;
+  s->data.data = (uint8_t *)data;
+  s->data.len = bytes;
+  s->offset = off;
+  *sp = s;
+  m->grads = sp;
+  m->n_grads = 1;
+}
+
+static void seeds_pushpull(void) {
+  const char *T = "fuzz_pushpull";
+  const int F32 = FACTORPS__V1__DTYPE__DTYPE_F32, BF16 = FACTORPS__V1__DTYPE__DTYPE_BF16;
+  uint64_t s43[] = {4, 3}, s3[] = {3}, s22[] = {2, 2}, s34[] = {3, 4};
+  Factorps__V1__PushPullRequest m = FACTORPS__V1__PUSH_PULL_REQUEST__INIT;
+  Factorps__V1__TensorSlice s[2], *sp[2];
+  buf_t b;
+
+  /* async: w whole, then half-close. */
+  b.n = 0;
+  b_byte(&b, cfg(2, 1, 0));
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 48, 0);
+  b_msg(&b, 0, &m);
+  b_close(&b, 0);
+  put(T, "async-w", b.b, b.n);
+  /* async: w in two slices over two messages, then b in bf16; skip_params. */
+  b.n = 0;
+  b_byte(&b, cfg(2, 1, 0));
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 20, 0);
+  b_msg(&b, 0, &m);
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 28, 5);
+  b_msg(&b, 0, &m);
+  one(&m, &s[0], &sp[0], "b", s3, 1, BF16, BF, 6, 0);
+  m.skip_params = true;
+  b_msg(&b, 0, &m);
+  m.skip_params = false;
+  b_close(&b, 0);
+  put(T, "async-slices-bf16-skip", b.b, b.n);
+  /* async: two slices of two tensors in one message. */
+  b.n = 0;
+  b_byte(&b, cfg(2, 1, 0));
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 48, 0);
+  factorps__v1__tensor_slice__init(&s[1]);
+  s[1].name = "b";
+  s[1].shape = s3;
+  s[1].n_shape = 1;
+  s[1].dtype = F32;
+  s[1].data.data = (uint8_t *)F;
+  s[1].data.len = 12;
+  sp[1] = &s[1];
+  m.n_grads = 2;
+  b_msg(&b, 0, &m);
+  b_close(&b, 0);
+  put(T, "async-two-tensors", b.b, b.n);
+  /* sync, 2 workers: both push step 0 to w; the round completes. */
+  b.n = 0;
+  b_byte(&b, cfg(1, 2, 0));
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 48, 0);
+  m.worker_id = 0;
+  b_msg(&b, 0, &m);
+  m.worker_id = 1;
+  b_msg(&b, 1, &m);
+  b_close(&b, 0);
+  b_close(&b, 1);
+  m.worker_id = 0;
+  put(T, "sync-2-workers", b.b, b.n);
+  /* sync, 2 workers: one pushes, then cancels while waiting. */
+  b.n = 0;
+  b_byte(&b, cfg(1, 2, 0));
+  b_msg(&b, 0, &m);
+  b_close(&b, 0);
+  b_cancel(&b, 0);
+  put(T, "sync-cancel-waiting", b.b, b.n);
+  /* sync, 1 worker: stale and ahead steps; duplicate in 2 calls. */
+  b.n = 0;
+  b_byte(&b, cfg(1, 1, 0));
+  m.step = 3;
+  b_msg(&b, 0, &m);
+  b_close(&b, 0);
+  m.step = 0;
+  put(T, "sync-ahead", b.b, b.n);
+  b.n = 0;
+  b_byte(&b, cfg(1, 3, 0));
+  b_msg(&b, 0, &m);
+  b_msg(&b, 1, &m);
+  b_close(&b, 0);
+  b_close(&b, 1);
+  put(T, "sync-duplicate-worker", b.b, b.n);
+  /* ssp, 2 workers, staleness 0: worker 0 runs ahead and parks; worker 1
+   * catches up and releases it. */
+  b.n = 0;
+  b_byte(&b, cfg(3, 2, 0));
+  m.worker_id = 0;
+  m.step = 1;
+  b_msg(&b, 0, &m);
+  b_close(&b, 0);
+  m.worker_id = 1;
+  m.step = 0;
+  b_msg(&b, 1, &m);
+  b_close(&b, 1);
+  m.worker_id = 0;
+  put(T, "ssp-park-release", b.b, b.n);
+  /* Errors: overlap, missing slice, NaN, unknown, not ready, wrong shape,
+   * worker out of range, header change, bad dtype, odd bytes. */
+  b.n = 0;
+  b_byte(&b, cfg(2, 1, 0));
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 20, 0);
+  b_msg(&b, 0, &m);
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 20, 4);
+  b_msg(&b, 0, &m);
+  b_close(&b, 0);
+  put(T, "err-overlap", b.b, b.n);
+  b.n = 0;
+  b_byte(&b, cfg(2, 1, 0));
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 20, 0);
+  b_msg(&b, 0, &m);
+  b_close(&b, 0);
+  put(T, "err-missing", b.b, b.n);
+  float nan[12] = {0, 0, 0, NAN};
+  b.n = 0;
+  b_byte(&b, cfg(2, 1, 0));
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, nan, 48, 0);
+  b_msg(&b, 0, &m);
+  b_close(&b, 0);
+  put(T, "err-nan", b.b, b.n);
+  const char *bad_names[] = {"nope", "half", ""};
+  const char *bad_files[] = {"err-unknown", "err-not-ready", "err-empty-name"};
+  for (int i = 0; i < 3; i++) {
+    b.n = 0;
+    b_byte(&b, cfg(2, 1, 0));
+    one(&m, &s[0], &sp[0], bad_names[i], s22, 2, F32, F, 16, 0);
+    b_msg(&b, 0, &m);
+    b_close(&b, 0);
+    put(T, bad_files[i], b.b, b.n);
+  }
+  b.n = 0;
+  b_byte(&b, cfg(2, 1, 0));
+  one(&m, &s[0], &sp[0], "w", s34, 2, F32, F, 48, 0);
+  b_msg(&b, 0, &m);
+  put(T, "err-shape", b.b, b.n);
+  b.n = 0;
+  b_byte(&b, cfg(1, 2, 0));
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 48, 0);
+  m.worker_id = 5;
+  b_msg(&b, 0, &m);
+  m.worker_id = 0;
+  put(T, "err-worker-range", b.b, b.n);
+  b.n = 0;
+  b_byte(&b, cfg(2, 1, 0));
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 20, 0);
+  b_msg(&b, 0, &m);
+  m.step = 9;
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 28, 5);
+  b_msg(&b, 0, &m);
+  m.step = 0;
+  put(T, "err-header-change", b.b, b.n);
+  b.n = 0;
+  b_byte(&b, cfg(2, 1, 0));
+  one(&m, &s[0], &sp[0], "w", s43, 2, 9, F, 48, 0);
+  b_msg(&b, 0, &m);
+  one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 47, 0);
+  b_msg(&b, 1, &m);
+  put(T, "err-dtype-odd-bytes", b.b, b.n);
+  /* Not a message at all; an empty stream. */
+  b.n = 0;
+  b_byte(&b, cfg(2, 1, 0));
+  b_byte(&b, 0);
+  b_byte(&b, 3);
+  b_byte(&b, 0);
+  b_byte(&b, 0xff);
+  b_byte(&b, 0xff);
+  b_byte(&b, 0xff);
+  b_close(&b, 0);
+  put(T, "err-malformed", b.b, b.n);
+  b.n = 0;
+  b_byte(&b, cfg(2, 1, 0));
+  b_close(&b, 0);
+  put(T, "empty-stream", b.b, b.n);
+}
+
+/* ---------------------------------------------------------------- HTTP */
+
+static void http(const char *name, uint8_t opt, const char *req) {
+  size_t n = strlen(req);
+  uint8_t *p = malloc(n + 1);
+  p[0] = opt;
+  memcpy(p + 1, req, n);
+  put("fuzz_http", name, p, n + 1);
+  free(p);
+}
+
+static void seeds_http(void) {
+  /* opt: bit 0 ready, bit 1 time out instead of EOF, bits 2-7 chunk/7 */
+  http("get-metrics", 0, "GET /metrics HTTP/1.1\r\nHost: shard\r\nAccept: */*\r\n\r\n");
+  http("get-metrics-chunked-reads", 1 << 2, "GET /metrics?x=1 HTTP/1.1\r\nHost: shard\r\n\r\n");
+  http("head-healthz", 0, "HEAD /healthz HTTP/1.0\r\n\r\n");
+  http("readyz-ready", 1, "GET /readyz HTTP/1.1\r\n\r\n");
+  http("readyz-not-ready", 0, "GET /readyz HTTP/1.1\r\n\r\n");
+  http("post-metrics", 0, "POST /metrics HTTP/1.1\r\nContent-Length: 4\r\n\r\nabcd");
+  http("body-too-big", 0, "GET /metrics HTTP/1.1\r\nContent-Length: 5000\r\n\r\n");
+  http("not-found", 0, "GET /nope HTTP/1.1\r\n\r\n");
+  http("garbage", 0, "\x01\x02 / HTTP/9.9\r\n\r\n");
+  http("incomplete-timeout", 2, "GET /metr");
+  http("incomplete-eof", 0, "GET /metrics HTTP/1.1\r\nHost: sh");
+  http("pipelined", 0, "GET /healthz HTTP/1.1\r\n\r\nGET /metrics HTTP/1.1\r\n\r\n");
+  char big[9000];
+  int n = snprintf(big, sizeof big, "GET /");
+  while (n < 1100) big[n++] = 'a';
+  snprintf(big + n, sizeof big - (size_t)n, " HTTP/1.1\r\n\r\n");
+  http("url-too-long", 3 << 2, big);
+  n = snprintf(big, sizeof big, "GET /metrics HTTP/1.1\r\n");
+  while (n < 8400) n += snprintf(big + n, sizeof big - (size_t)n, "X-Pad: %s\r\n", "0123456789abcdef");
+  snprintf(big + n, sizeof big - (size_t)n, "\r\n");
+  http("headers-too-big", 0, big);
+}
+
+int main(int argc, char **argv) {
+  if (argc != 2) {
+    fprintf(stderr, "usage: %s OUTDIR\n", argv[0]);
+    return 2;
+  }
+  outdir = argv[1];
+  mkdir(outdir, 0755);
+  for (int i = 0; i < 64; i++) {
+    F[i] = 0.25f * (float)(i % 9) - 1.0f;
+    uint32_t u;
+    memcpy(&u, &F[i], 4);
+    BF[i] = (uint16_t)(u >> 16);
+  }
+  seeds_create();
+  seeds_pull();
+  seeds_stats();
+  seeds_pushpull();
+  seeds_http();
+  return 0;
+}
