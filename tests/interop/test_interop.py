@@ -205,6 +205,93 @@ class Interop(unittest.TestCase):
         for k in range(2):
             np.testing.assert_array_equal(a[k][0], b[k][0])
 
+    def test_sync_stress_many_tensors(self):
+        # 4 workers x 12 tensors in one call each, 15 steps, while a noisy
+        # client reads with Pull and Stats, sends pushes that are refused
+        # (ahead of shard) and cancels streams halfway: every worker must see
+        # the same parameters, equal to a one-worker replay.
+        _, _, grpc = H.stubs()
+        W, T, steps = 4, 12, 15
+        shapes = {"t%02d" % i: [3 + i, 5 + 2 * i] if i % 3 else [7 + i] for i in range(T)}
+        rng = np.random.default_rng(21)
+        p0 = {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in shapes.items()}
+        grads = {(k, w, n): rng.standard_normal(s).astype(np.float32)
+                 for k in range(steps) for w in range(W) for n, s in shapes.items()}
+        srv = H.Server("--mode", "sync", "--workers", W, "--deadline", 60)
+        try:
+            for n, s in shapes.items():
+                H.create(srv.stub, n, s, p0[n])
+            results, errors, stop = {}, [], [False]
+
+            def worker(w):
+                try:
+                    stub = srv.stub
+                    order = np.random.default_rng(w)
+                    for k in range(steps):
+                        names = list(shapes)
+                        order.shuffle(names)
+                        got, ver = H.push(stub, w, k, {n: (shapes[n], grads[(k, w, n)]) for n in names},
+                                          slice_elems=17, timeout=60)
+                        assert set(ver.values()) == {k + 1}, ver
+                        results[(k, w)] = got
+                except Exception as e:
+                    errors.append(e)
+
+            def noise():
+                stub = srv.stub
+                n0 = list(shapes)[0]
+                while not stop[0]:
+                    H.pull(stub, {n: shapes[n] for n in list(shapes)[:3]})
+                    H.stats(stub, log=5)
+                    try:
+                        H.push(stub, 1, 10 ** 6, {n0: (shapes[n0], np.ones(shapes[n0], np.float32))}, timeout=5)
+                    except grpc.RpcError as e:
+                        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e
+                    hold = threading.Event()
+
+                    def half():
+                        yield from H.grad_messages(2, 0, {n0: (shapes[n0], np.ones(shapes[n0], np.float32))},
+                                                   slice_elems=4)
+                        hold.wait(5)
+                    call = stub.PushPull(half(), timeout=5)
+                    time.sleep(0.005)
+                    call.cancel()
+                    hold.set()
+                    time.sleep(0.005)
+
+            ths = [threading.Thread(target=worker, args=(w,)) for w in range(W)]
+            nz = threading.Thread(target=noise)
+            nz.start()
+            for t in ths:
+                t.start()
+            for t in ths:
+                t.join(240)
+            stop[0] = True
+            nz.join(30)
+            self.assertFalse(errors, errors)
+        finally:
+            srv.stop()
+        for k in range(steps):
+            for w in range(1, W):
+                for n in shapes:
+                    np.testing.assert_array_equal(results[(k, w)][n], results[(k, 0)][n])
+        ref = H.Server("--mode", "sync", "--workers", 1)
+        try:
+            for n, s in shapes.items():
+                H.create(ref.stub, n, s, p0[n])
+            for k in range(steps):
+                avg = {}
+                for n in shapes:
+                    acc = grads[(k, 0, n)].copy()
+                    for w in range(1, W):
+                        acc = acc + grads[(k, w, n)]
+                    avg[n] = (shapes[n], acc / np.float32(W))
+                got, _ = H.push(ref.stub, 0, k, avg)
+                for n in shapes:
+                    np.testing.assert_array_equal(got[n], results[(k, 0)][n])
+        finally:
+            ref.stop()
+
     def test_async_apply_log_replay(self):
         srv = H.Server("--mode", "async")
         try:
