@@ -8,6 +8,7 @@
 #include <grpc/grpc.h>
 #include <grpc/slice.h>
 #include <grpc/support/time.h>
+#include <math.h>
 #include <protobuf-c/protobuf-c.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -413,6 +414,18 @@ void fz_server_free(fps_server_t *srv) {
     fprintf(stderr, "fuzz: a parked call or an open round outlived its call\n");
     abort();
   }
+  /* Finite gradients must never make the weights NaN or Inf: one such
+   * push would silently poison every later step of every worker. */
+  if (getenv("FPS_FUZZ_CHECK_FINITE"))
+    for (fps_tensor_t *t = srv->store.first; t; t = t->next) {
+      uint64_t bad = 0;
+      for (uint64_t i = 0; t->ready && i < t->numel; i++) bad += !isfinite(t->param[i]);
+      if (bad) {
+        fprintf(stderr, "fuzz: tensor '%s': %llu of %llu weights are NaN or Inf after version %llu\n", t->name,
+                (unsigned long long)bad, (unsigned long long)t->numel, (unsigned long long)t->version);
+        abort();
+      }
+    }
   fps_store_destroy(&srv->store);
   free(srv->ssp_clock);
   pthread_mutex_destroy(&srv->calls_mu);

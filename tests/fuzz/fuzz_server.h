@@ -14,7 +14,10 @@
  *
  * Oracles besides the sanitizers (each aborts): every reply message must
  * decode as the method's response type, every call must end with exactly
- * one status, and every call must be released (grpc_call_unref) once. */
+ * one status, and every call must be released (grpc_call_unref) once.
+ * With FPS_FUZZ_CHECK_FINITE=1 in the environment, a tensor holding a NaN
+ * or Inf weight at the end of an input aborts too (off by default: see
+ * crashes/README.md for the open finding it reports). */
 #ifndef FPS_FUZZ_SERVER_H
 #define FPS_FUZZ_SERVER_H
 
