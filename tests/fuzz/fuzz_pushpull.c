@@ -6,7 +6,10 @@
  *
  * Input: one config byte, then operations:
  *   config: mode = 1 + (b & 3) % 3 (sync, async, ssp),
- *           workers = 1 + (b >> 2 & 3) % 3, staleness = (b >> 4) % 3
+ *           workers = 1 + (b >> 2 & 3) % 3, staleness = (b >> 4 & 3) % 3,
+ *           bit 6: a CreateRequest chunk (u16 LE length, then the message)
+ *           follows and is sent first, so streams can push to tensors of
+ *           any shape the fuzzer creates, not only the fixture's
  *   op byte: call = (op >> 2) % 3; op & 3: 0 or 3 = a message (u16 LE
  *           length, then a PushPullRequest), 1 = half-close, 2 = cancel
  * A slot whose call has ended starts a new call on its next operation. At
@@ -20,7 +23,10 @@
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fz_in_t in = {data, size};
   uint8_t cfg = fz_byte(&in);
-  fps_server_t *srv = fz_server_new(1 + (cfg & 3) % 3, 1 + (cfg >> 2 & 3) % 3, (cfg >> 4) % 3);
+  fps_server_t *srv = fz_server_new(1 + (cfg & 3) % 3, 1 + (cfg >> 2 & 3) % 3, (cfg >> 4 & 3) % 3);
+  const uint8_t *p;
+  size_t len;
+  if ((cfg & 0x40) && fz_chunk(&in, &p, &len)) fz_call_finish(fz_call_start(srv, FZ_CREATE, p, len, true));
   fz_call_t *calls[NCALLS] = {0};
   while (in.n) {
     uint8_t op = fz_byte(&in);
@@ -33,12 +39,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     switch (op & 3) {
       case 1: fz_call_half_close(calls[k]); break;
       case 2: fz_call_cancel(calls[k]); break;
-      default: {
-        const uint8_t *p;
-        size_t len;
+      default:
         if (fz_chunk(&in, &p, &len)) fz_call_send(calls[k], p, len);
         break;
-      }
     }
   }
   for (int k = 0; k < NCALLS; k++)

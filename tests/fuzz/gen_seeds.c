@@ -440,6 +440,52 @@ static void seeds_pushpull(void) {
   one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 47, 0);
   b_msg(&b, 1, &m);
   put(T, "err-dtype-odd-bytes", b.b, b.n);
+  /* Create first (config bit 6): a scalar and a 3-D tensor, then push to
+   * both in one message. */
+  {
+    Factorps__V1__AdafactorConfig hf = FACTORPS__V1__ADAFACTOR_CONFIG__INIT;
+    hf.flavor = FACTORPS__V1__FLAVOR__FLAVOR_HF;
+    uint64_t s234[] = {2, 3, 4};
+    Factorps__V1__TensorSlice init[2];
+    Factorps__V1__TensorCreate tc[2], *tcp[2] = {&tc[0], &tc[1]};
+    const char *nm[2] = {"s", "cube"};
+    for (int i = 0; i < 2; i++) {
+      factorps__v1__tensor_slice__init(&init[i]);
+      init[i].dtype = F32;
+      init[i].data.data = (uint8_t *)F;
+      init[i].data.len = i ? 96 : 4;
+      factorps__v1__tensor_create__init(&tc[i]);
+      tc[i].name = (char *)nm[i];
+      tc[i].optimizer = &hf;
+      tc[i].init = &init[i];
+    }
+    tc[1].shape = s234;
+    tc[1].n_shape = 3;
+    Factorps__V1__CreateRequest cr = FACTORPS__V1__CREATE_REQUEST__INIT;
+    cr.tensors = tcp;
+    cr.n_tensors = 2;
+    cr.shard_count = 1;
+    size_t n = protobuf_c_message_get_packed_size((const ProtobufCMessage *)&cr);
+    b.n = 0;
+    b_byte(&b, (uint8_t)(cfg(2, 1, 0) | 0x40));
+    b_byte(&b, (uint8_t)(n & 0xff));
+    b_byte(&b, (uint8_t)(n >> 8));
+    protobuf_c_message_pack((const ProtobufCMessage *)&cr, b.b + b.n);
+    b.n += n;
+    one(&m, &s[0], &sp[0], "s", NULL, 0, F32, F, 4, 0);
+    factorps__v1__tensor_slice__init(&s[1]);
+    s[1].name = "cube";
+    s[1].shape = s234;
+    s[1].n_shape = 3;
+    s[1].dtype = BF16;
+    s[1].data.data = (uint8_t *)BF;
+    s[1].data.len = 48;
+    sp[1] = &s[1];
+    m.n_grads = 2;
+    b_msg(&b, 0, &m);
+    b_close(&b, 0);
+    put(T, "create-then-push", b.b, b.n);
+  }
   /* Not a message at all; an empty stream. */
   b.n = 0;
   b_byte(&b, cfg(2, 1, 0));
