@@ -152,11 +152,13 @@ int fps_test_server_stop(fps_test_server_t *s) {
   int st = -1;
   if (s->pid <= 0) return 0;
   kill(s->pid, SIGTERM);
-  for (int i = 0; i < 500; i++) {
+  /* Longer than the server's own shutdown grace (5 s for calls in flight)
+   * plus freeing large tensors on a loaded machine. */
+  for (int i = 0; i < 2000; i++) {
     if (waitpid(s->pid, &st, WNOHANG) == s->pid) goto done;
     sleep_ms(10);
   }
-  fprintf(stderr, "harness: factorps-server %d ignored SIGTERM for 5 s; killing it\n",
+  fprintf(stderr, "harness: factorps-server %d ignored SIGTERM for 20 s; killing it\n",
           (int)s->pid);
   kill(s->pid, SIGKILL);
   waitpid(s->pid, NULL, 0);
