@@ -1,0 +1,497 @@
+/* Load test: 64 concurrent clients push to 2 async shards for a bounded
+ * time; afterwards every update the shards made is accounted for by a push
+ * acknowledged to a client, exactly, and the shards' resident memory is
+ * flat after warm-up.
+ *
+ * Each client (its own fps_client_t, so its own channels) runs a thread that
+ * pushes, as worker id = client index and step = its push index, a subset
+ * of the tensors of ONE shard per call: a call to one shard either applies
+ * all of its tensors or none, so every tensor's count is exact. One call in
+ * eight carries a NaN in the last element of its last tensor; the shard must
+ * refuse the whole call (INVALID_ARGUMENT) and apply none of it, also the
+ * tensors before it in the stream. Messages are capped at 64 KiB, so the
+ * matrices travel in several slices and the NaN arrives last.
+ *
+ * Checked afterwards, per tensor:
+ *   - version(end) - version(start) == pushes acknowledged (OK) that named it
+ *   - the versions the OK replies carried are exactly start+1 .. end, each
+ *     once (every acknowledged push is its own update, none lost, none
+ *     doubled)
+ *   - the shard's apply log (the last records) names only acknowledged
+ *     pushes, with the version each was told, consecutive up to end
+ * and per shard: Stats' updates, pushes and push_errors grew by exactly the
+ * updates, OK calls and refused calls the clients counted. Any other error
+ * (one whose effect is unknown, e.g. DEADLINE_EXCEEDED) fails the test.
+ *
+ * Memory: a sampler reads VmRSS of both shards from /proc every 250 ms. The
+ * first quarter of the run is warm-up (allocator arenas, gRPC buffers, the
+ * apply logs, kept short here, filling up). After it, the largest sample may
+ * exceed the first post-warm-up sample by at most max(4 MiB, 5%): anything
+ * kept per push (a snapshot, a message, a call) would grow by far more over
+ * the tens of thousands of pushes that follow.
+ *
+ * Knobs (environment): FPS_LOAD_SECONDS (default 20), FPS_LOAD_CLIENTS
+ * (default 64). Bounded in count as well: at most MAX_PUSHES per client. */
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "factorps/client.h"
+#include "harness.h"
+
+#define SHARDS 2
+#define NT 8                       /* tensors */
+#define MAX_CLIENTS 256
+#define MAX_PUSHES 6000            /* per client: bounds memory and count */
+#define MSG_BYTES (64u * 1024u)
+#define APPLY_LOG 512u
+#define MAX_SAMPLES 4096
+
+/* --------------------------------------------------------------- model */
+
+static const char *const names[NT] = {"m0", "m1", "m2", "m3", "v0", "v1", "v2", "s"};
+static const uint32_t ndims[NT] = {2, 2, 2, 2, 1, 1, 1, 0};
+static const uint64_t shapes[NT][2] = {{192, 192}, {256, 128}, {128, 256}, {96, 384},
+                                       {1000, 0}, {500, 0}, {17, 0}, {0, 0}};
+
+static uint64_t numel(size_t t) {
+  uint64_t n = 1;
+  for (uint32_t i = 0; i < ndims[t]; i++) n *= shapes[t][i];
+  return n;
+}
+
+static void defs_fill(fps_tensor_def_t *d, float **init) {
+  memset(d, 0, NT * sizeof *d);
+  for (size_t t = 0; t < NT; t++) {
+    d[t].name = names[t];
+    d[t].ndim = ndims[t];
+    d[t].shape[0] = shapes[t][0];
+    d[t].shape[1] = shapes[t][1];
+    d[t].optim.flavor = FPS_OPTIM_TORCH;
+    d[t].init = init ? init[t] : NULL;
+  }
+}
+
+static uint32_t mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static unsigned env_uint(const char *name, unsigned def, unsigned lo, unsigned hi) {
+  const char *v = getenv(name);
+  if (!v || !*v) return def;
+  char *end;
+  errno = 0;
+  unsigned long x = strtoul(v, &end, 10);
+  if (errno || *end || x < lo || x > hi) {
+    fprintf(stderr, "%s=%s is not a number in %u..%u; using %u\n", name, v, lo, hi, def);
+    return def;
+  }
+  return (unsigned)x;
+}
+
+/* ------------------------------------------------------------- clients */
+
+enum { OUT_OK = 1, OUT_REFUSED, OUT_OTHER };
+
+typedef struct push_rec_s {
+  uint8_t outcome;                 /* OUT_* */
+  uint8_t shard;
+  uint16_t mask;                   /* bit t: tensor t was in the call */
+  uint64_t version[NT];            /* OK: the version the reply carried */
+} push_rec_t;
+
+typedef struct job_s {
+  fps_test_server_t srv[SHARDS];
+  int shard_of[NT];
+  atomic_int stop;
+} job_t;
+
+typedef struct client_s {
+  job_t *job;
+  uint32_t id;
+  pthread_t thread;
+  push_rec_t *rec;                 /* MAX_PUSHES */
+  uint64_t n;                      /* pushes made */
+  int setup_rc;
+  fps_status_t setup_st;
+  fps_status_t other_st;           /* first unexpected error */
+  uint64_t other;
+} client_t;
+
+static fps_client_t *client_new(job_t *job, fps_status_t *st) {
+  const char *addrs[SHARDS];
+  fps_client_options_t o;
+  for (int i = 0; i < SHARDS; i++) addrs[i] = job->srv[i].addr;
+  fps_client_options_init(&o);
+  o.max_message_bytes = MSG_BYTES;
+  o.deadline_seconds = 120;        /* never the cause of an error here */
+  return fps_client_create(addrs, SHARDS, &o, st);
+}
+
+static void *client_main(void *arg) {
+  client_t *cl = arg;
+  job_t *job = cl->job;
+  fps_client_t *c = NULL;
+  float *good[NT] = {0}, *bad[NT] = {0}, *params[NT] = {0};
+  fps_tensor_def_t defs[NT];
+
+  cl->setup_rc = FPS_CODE_RESOURCE_EXHAUSTED;
+  snprintf(cl->setup_st.message, sizeof cl->setup_st.message, "client %u: out of memory", cl->id);
+  for (size_t t = 0; t < NT; t++) {
+    uint64_t n = numel(t);
+    good[t] = malloc(n * sizeof(float));
+    bad[t] = malloc(n * sizeof(float));
+    params[t] = malloc(n * sizeof(float));
+    if (!good[t] || !bad[t] || !params[t]) goto out;
+    for (uint64_t i = 0; i < n; i++)
+      good[t][i] = ((float)(mix(cl->id * 131u + (uint32_t)t * 7919u + (uint32_t)i) % 2001u) - 1000.0f) * 1e-6f;
+    memcpy(bad[t], good[t], n * sizeof(float));
+    bad[t][n - 1] = NAN;
+  }
+  /* The tensors exist already (created with values by the main thread):
+   * this registers the list and checks it against the shards. */
+  defs_fill(defs, NULL);
+  if (!(c = client_new(job, &cl->setup_st))) {
+    cl->setup_rc = cl->setup_st.code;
+    goto out;
+  }
+  if ((cl->setup_rc = fps_client_create_tensors(c, defs, NT, &cl->setup_st))) goto out;
+
+  while (!atomic_load(&job->stop) && cl->n < MAX_PUSHES) {
+    uint64_t step = cl->n;
+    uint32_t h = mix(cl->id * 0x9e3779b9U ^ (uint32_t)step);
+    int shard = (int)((cl->id + step) % SHARDS);
+    const char *pn[NT];
+    const float *pg[NT];
+    float *pp[NT];
+    uint64_t pv[NT];
+    size_t idx[NT], k = 0;
+    uint16_t mask = 0;
+    /* A non-empty subset of the shard's tensors, in index order. */
+    uint32_t pick = h >> 8;
+    for (size_t t = 0; t < NT; t++)
+      if (job->shard_of[t] == shard && ((pick >> t) & 1)) idx[k++] = t;
+    if (!k)
+      for (size_t t = 0; t < NT && !k; t++)
+        if (job->shard_of[t] == shard) idx[k++] = t;
+    int refuse = (h & 7) == 0;
+    for (size_t j = 0; j < k; j++) {
+      size_t t = idx[j];
+      pn[j] = names[t];
+      pg[j] = refuse && j == k - 1 ? bad[t] : good[t];
+      pp[j] = params[t];
+      mask |= (uint16_t)(1u << t);
+    }
+    fps_status_t st;
+    int rc = fps_client_push_pull(c, cl->id, step, pn, pg, pp, pv, k, &st);
+    push_rec_t *r = &cl->rec[cl->n++];
+    memset(r, 0, sizeof *r);
+    r->shard = (uint8_t)shard;
+    r->mask = mask;
+    if (rc == FPS_CODE_OK && !refuse) {
+      r->outcome = OUT_OK;
+      for (size_t j = 0; j < k; j++) r->version[idx[j]] = pv[j];
+    } else if (rc == FPS_CODE_INVALID_ARGUMENT && refuse) {
+      r->outcome = OUT_REFUSED;
+    } else {
+      /* Unknown effect (or a NaN accepted): the exact count cannot hold. */
+      r->outcome = OUT_OTHER;
+      if (!cl->other++) {
+        cl->other_st = st;
+        if (rc == FPS_CODE_OK)
+          snprintf(cl->other_st.message, sizeof cl->other_st.message,
+                   "a push with a NaN gradient was acknowledged");
+      }
+    }
+  }
+out:
+  fps_client_destroy(c);
+  for (size_t t = 0; t < NT; t++) {
+    free(good[t]);
+    free(bad[t]);
+    free(params[t]);
+  }
+  return NULL;
+}
+
+/* -------------------------------------------------------------- memory */
+
+typedef struct sampler_s {
+  job_t *job;
+  double t0;
+  pthread_t thread;
+  atomic_int stop;
+  size_t n;
+  double t[MAX_SAMPLES];
+  long kib[MAX_SAMPLES][SHARDS];   /* VmRSS, -1 if unreadable */
+} sampler_t;
+
+static long vmrss_kib(pid_t pid) {
+  char path[64], line[256];
+  long v = -1;
+  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "VmRSS: %ld kB", &v) == 1) break;
+  fclose(f);
+  return v;
+}
+
+static void *sampler_main(void *arg) {
+  sampler_t *s = arg;
+  while (!atomic_load(&s->stop) && s->n < MAX_SAMPLES) {
+    s->t[s->n] = now_s() - s->t0;
+    for (int i = 0; i < SHARDS; i++) s->kib[s->n][i] = vmrss_kib(s->job->srv[i].pid);
+    s->n++;
+    nanosleep(&(struct timespec){0, 250 * 1000 * 1000}, NULL);
+  }
+  return NULL;
+}
+
+/* --------------------------------------------------------------- the test */
+
+static int teardown(void **state) {
+  (void)state;
+  fps_test_servers_stop_all();
+  return 0;
+}
+
+static void stats_all(fps_client_t *c, fps_shard_stats_t *sh) {
+  fps_status_t st;
+  int rc = fps_client_stats(c, sh, SHARDS, &st);
+  if (rc) fail_msg("Stats: %s: %s", fps_code_name(rc), st.message);
+}
+
+static void test_load_async_exact_and_flat(void **state) {
+  (void)state;
+  unsigned seconds = env_uint("FPS_LOAD_SECONDS", 20, 4, 3600);
+  unsigned n_clients = env_uint("FPS_LOAD_CLIENTS", 64, 1, MAX_CLIENTS);
+  double warmup = seconds / 4.0;
+  static job_t job;
+  static sampler_t smp;
+  static client_t cls[MAX_CLIENTS];
+  fps_status_t st;
+  memset(&job, 0, sizeof job);
+
+  const char *extra[] = {"--apply-log", "512", "--log-level", "warn", NULL};
+  assert_int_equal(fps_test_servers_start(job.srv, SHARDS, "async", 1, extra), 0);
+
+  /* Create with values from one client; learn the placement. */
+  fps_client_t *ctl = client_new(&job, &st);
+  if (!ctl) fail_msg("client: %s", st.message);
+  float *init[NT];
+  fps_tensor_def_t defs[NT];
+  for (size_t t = 0; t < NT; t++) {
+    init[t] = malloc(numel(t) * sizeof(float));
+    assert_non_null(init[t]);
+    for (uint64_t i = 0; i < numel(t); i++) init[t][i] = (float)((mix((uint32_t)(t * 1000003u + i)) % 2001u) - 1000.0) * 1e-4f;
+  }
+  defs_fill(defs, init);
+  int rc = fps_client_create_tensors(ctl, defs, NT, &st);
+  if (rc) fail_msg("create: %s: %s", fps_code_name(rc), st.message);
+  for (size_t t = 0; t < NT; t++) {
+    free(init[t]);
+    job.shard_of[t] = fps_client_shard_of(ctl, names[t]);
+    assert_true(job.shard_of[t] >= 0 && job.shard_of[t] < SHARDS);
+  }
+  for (int s = 0; s < SHARDS; s++) {
+    int have = 0;
+    for (size_t t = 0; t < NT; t++) have += job.shard_of[t] == s;
+    if (!have) fail_msg("placement left shard %d without tensors; change the model", s);
+  }
+
+  fps_shard_stats_t sh0[SHARDS], sh1[SHARDS];
+  fps_tensor_stats_t ts;
+  uint64_t v0[NT];
+  stats_all(ctl, sh0);
+  for (size_t t = 0; t < NT; t++) {
+    rc = fps_client_tensor_stats(ctl, names[t], &ts, NULL, 0, NULL, &st);
+    if (rc) fail_msg("tensor stats %s: %s", names[t], st.message);
+    v0[t] = ts.version;
+  }
+
+  /* Load. */
+  smp.job = &job;
+  smp.t0 = now_s();
+  atomic_init(&smp.stop, 0);
+  assert_int_equal(pthread_create(&smp.thread, NULL, sampler_main, &smp), 0);
+  for (unsigned i = 0; i < n_clients; i++) {
+    cls[i].job = &job;
+    cls[i].id = i;
+    cls[i].rec = calloc(MAX_PUSHES, sizeof *cls[i].rec);
+    assert_non_null(cls[i].rec);
+    assert_int_equal(pthread_create(&cls[i].thread, NULL, client_main, &cls[i]), 0);
+  }
+  while (now_s() - smp.t0 < seconds) nanosleep(&(struct timespec){0, 50 * 1000 * 1000}, NULL);
+  atomic_store(&job.stop, 1);
+  for (unsigned i = 0; i < n_clients; i++) pthread_join(cls[i].thread, NULL);
+  double elapsed = now_s() - smp.t0;
+  atomic_store(&smp.stop, 1);
+  pthread_join(smp.thread, NULL);
+
+  /* What the clients counted. */
+  uint64_t acked[NT] = {0}, refused_t[NT] = {0};
+  uint64_t calls_ok[SHARDS] = {0}, calls_refused[SHARDS] = {0}, other = 0, total = 0, capped = 0;
+  for (unsigned i = 0; i < n_clients; i++) {
+    client_t *cl = &cls[i];
+    if (cl->setup_rc)
+      fail_msg("client %u setup: %s: %s", i, fps_code_name(cl->setup_rc), cl->setup_st.message);
+    if (cl->other)
+      fail_msg("client %u: %llu pushes with an unexpected outcome, first: %s: %s", i,
+               (unsigned long long)cl->other, fps_code_name(cl->other_st.code), cl->other_st.message);
+    capped += cl->n == MAX_PUSHES;
+    for (uint64_t s = 0; s < cl->n; s++) {
+      const push_rec_t *r = &cl->rec[s];
+      total++;
+      for (size_t t = 0; t < NT; t++) {
+        if (!(r->mask >> t & 1)) continue;
+        if (r->outcome == OUT_OK) acked[t]++;
+        else refused_t[t]++;
+      }
+      if (r->outcome == OUT_OK) calls_ok[r->shard]++;
+      else if (r->outcome == OUT_REFUSED) calls_refused[r->shard]++;
+      else other++;
+    }
+  }
+  assert_int_equal(other, 0);
+  if (capped) printf("note: %llu clients reached MAX_PUSHES (%d) before the time bound\n",
+                     (unsigned long long)capped, MAX_PUSHES);
+  printf("load: %u clients, %u shards (async), %.1f s: %llu pushes (%.0f/s), %llu acked, %llu refused\n",
+         n_clients, SHARDS, elapsed, (unsigned long long)total, (double)total / elapsed,
+         (unsigned long long)(calls_ok[0] + calls_ok[1]),
+         (unsigned long long)(calls_refused[0] + calls_refused[1]));
+
+  /* Per tensor: version delta, the set of versions handed out, the log. */
+  stats_all(ctl, sh1);
+  uint64_t upd[SHARDS] = {0};
+  fps_apply_record_t *log = calloc(APPLY_LOG, sizeof *log);
+  assert_non_null(log);
+  for (size_t t = 0; t < NT; t++) {
+    size_t log_len = 0;
+    rc = fps_client_tensor_stats(ctl, names[t], &ts, log, APPLY_LOG, &log_len, &st);
+    if (rc) fail_msg("tensor stats %s: %s", names[t], st.message);
+    uint64_t v1 = ts.version, updates = v1 - v0[t];
+    printf("tensor %-3s shard %d: version %llu -> %llu: %llu updates, %llu acked pushes, "
+           "%llu refused pushes named it\n",
+           names[t], job.shard_of[t], (unsigned long long)v0[t], (unsigned long long)v1,
+           (unsigned long long)updates, (unsigned long long)acked[t], (unsigned long long)refused_t[t]);
+    if (updates != acked[t])
+      fail_msg("tensor %s: %llu updates but %llu acknowledged pushes", names[t],
+               (unsigned long long)updates, (unsigned long long)acked[t]);
+    upd[job.shard_of[t]] += updates;
+
+    /* Each acknowledged push got its own version in v0+1 .. v1. */
+    uint8_t *seen = calloc(updates + 1, 1);
+    assert_non_null(seen);
+    for (unsigned i = 0; i < n_clients; i++)
+      for (uint64_t s = 0; s < cls[i].n; s++) {
+        const push_rec_t *r = &cls[i].rec[s];
+        if (r->outcome != OUT_OK || !(r->mask >> t & 1)) continue;
+        uint64_t v = r->version[t];
+        if (v <= v0[t] || v > v1)
+          fail_msg("tensor %s: client %u push %llu was told version %llu, outside %llu..%llu", names[t],
+                   i, (unsigned long long)s, (unsigned long long)v, (unsigned long long)v0[t] + 1,
+                   (unsigned long long)v1);
+        if (seen[v - v0[t]]++)
+          fail_msg("tensor %s: version %llu was handed to two pushes", names[t], (unsigned long long)v);
+      }
+    free(seen);
+
+    /* The log: the newest records, consecutive, each an acknowledged push
+     * that was told that very version. */
+    size_t want_len = updates < APPLY_LOG ? (size_t)updates : APPLY_LOG;
+    if (log_len != want_len)
+      fail_msg("tensor %s: apply log has %zu records, want %zu", names[t], log_len, want_len);
+    for (size_t j = 0; j < log_len; j++) {
+      const fps_apply_record_t *a = &log[j];
+      uint64_t want_v = v1 - log_len + 1 + j;
+      if (a->version != want_v)
+        fail_msg("tensor %s: apply log record %zu has version %llu, want %llu", names[t], j,
+                 (unsigned long long)a->version, (unsigned long long)want_v);
+      if (a->worker_id >= n_clients || a->step >= cls[a->worker_id].n)
+        fail_msg("tensor %s: apply log names worker %u step %llu, which no client pushed", names[t],
+                 a->worker_id, (unsigned long long)a->step);
+      const push_rec_t *r = &cls[a->worker_id].rec[a->step];
+      if (r->outcome != OUT_OK || !(r->mask >> t & 1) || r->version[t] != a->version)
+        fail_msg("tensor %s: version %llu was applied for worker %u step %llu, which was %s", names[t],
+                 (unsigned long long)a->version, a->worker_id, (unsigned long long)a->step,
+                 r->outcome == OUT_REFUSED ? "refused" : "not acknowledged with that version");
+    }
+  }
+  free(log);
+
+  /* Per shard: the counters agree with the clients. */
+  for (int s = 0; s < SHARDS; s++) {
+    uint64_t d_upd = sh1[s].updates - sh0[s].updates, d_push = sh1[s].pushes - sh0[s].pushes,
+             d_err = sh1[s].push_errors - sh0[s].push_errors;
+    printf("shard %d: updates +%llu (clients: %llu), pushes +%llu (acked calls: %llu), "
+           "push_errors +%llu (refused calls: %llu)\n",
+           s, (unsigned long long)d_upd, (unsigned long long)upd[s], (unsigned long long)d_push,
+           (unsigned long long)calls_ok[s], (unsigned long long)d_err,
+           (unsigned long long)calls_refused[s]);
+    assert_int_equal(d_upd, upd[s]);
+    assert_int_equal(d_push, calls_ok[s]);
+    assert_int_equal(d_err, calls_refused[s]);
+  }
+
+  /* Memory: the series (one sample a second) and the bound. */
+  printf("VmRSS MiB, t(s): shard0 shard1\n");
+  size_t first = smp.n;
+  for (size_t i = 0; i < smp.n; i++) {
+    if (first == smp.n && smp.t[i] >= warmup) first = i;
+    if (i % 4 == 0 || i + 1 == smp.n)
+      printf("  %5.1f: %7.1f %7.1f%s\n", smp.t[i], smp.kib[i][0] / 1024.0, smp.kib[i][1] / 1024.0,
+             first == i ? "   <- end of warm-up" : "");
+  }
+  if (first + 2 >= smp.n) fail_msg("too few RSS samples after warm-up (%zu of %zu)", smp.n - first, smp.n);
+  for (int s = 0; s < SHARDS; s++) {
+    long base = smp.kib[first][s], peak = base;
+    for (size_t i = first; i < smp.n; i++) {
+      if (smp.kib[i][s] < 0) fail_msg("shard %d: VmRSS unreadable at %.1f s", s, smp.t[i]);
+      if (smp.kib[i][s] > peak) peak = smp.kib[i][s];
+    }
+    long bound = base / 20 > 4 * 1024 ? base / 20 : 4 * 1024;
+    printf("shard %d: VmRSS after warm-up %.1f MiB, peak %.1f MiB, growth %.2f MiB (bound %.1f MiB)\n", s,
+           base / 1024.0, peak / 1024.0, (peak - base) / 1024.0, bound / 1024.0);
+    if (peak - base > bound)
+      fail_msg("shard %d: resident memory grew by %.2f MiB after warm-up (bound %.1f MiB)", s,
+               (peak - base) / 1024.0, bound / 1024.0);
+  }
+
+  fps_client_destroy(ctl);
+  for (unsigned i = 0; i < n_clients; i++) free(cls[i].rec);
+  for (int s = 0; s < SHARDS; s++)
+    if (fps_test_server_stop(&job.srv[s]) != 0) fail_msg("shard %d did not exit cleanly", s);
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1) cmocka_set_test_filter(argv[1]);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_teardown(test_load_async_exact_and_flat, teardown),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
