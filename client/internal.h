@@ -21,6 +21,7 @@
 #define FPS__METHOD_PUSHPULL "/factorps.v1.ParameterServer/PushPull"
 #define FPS__METHOD_PULL "/factorps.v1.ParameterServer/Pull"
 #define FPS__METHOD_STATS "/factorps.v1.ParameterServer/Stats"
+#define FPS__METHOD_CHECKPOINT "/factorps.v1.ParameterServer/Checkpoint"
 
 /* Upper bound of the protobuf framing around one TensorSlice besides its
  * name and shape (tags, length prefixes, dtype, offset), and around one
@@ -105,7 +106,7 @@ typedef struct fps__stream_ops_s {
 
 /* When a failed attempt may be repeated. */
 typedef enum fps__retry_e {
-  FPS__RETRY_IDEMPOTENT = 1,  /* any UNAVAILABLE (Create, Pull, Stats) */
+  FPS__RETRY_IDEMPOTENT = 1,  /* any UNAVAILABLE (Create, Pull, Stats, Checkpoint) */
   FPS__RETRY_UNSENT = 2,      /* only if the call never started (PushPull) */
 } fps__retry_t;
 

@@ -14,7 +14,9 @@
 
 #include "server.h"
 
-typedef enum fps_cfg_type_e { CFG_STR, CFG_U32, CFG_U64, CFG_DOUBLE, CFG_MODE, CFG_BOOL } fps_cfg_type_t;
+/* CFG_FLAG: a boolean switch whose value is optional (`--x` means true,
+ * `--x=false` is allowed), for options that read as commands. */
+typedef enum fps_cfg_type_e { CFG_STR, CFG_U32, CFG_U64, CFG_DOUBLE, CFG_MODE, CFG_BOOL, CFG_FLAG } fps_cfg_type_t;
 
 typedef struct fps_cfg_entry_s {
   const char *name;      /* flag without "--"; env is FACTORPS_ + upper(name with - -> _) */
@@ -58,6 +60,13 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
      "write the bound metrics port to this file"},
     {"malloc-tune", CFG_BOOL, OFF(malloc_tune), "true", 0, 0,
      "tune glibc malloc for large messages (one arena, no mmap threshold, no trim)"},
+    {"checkpoint-dir", CFG_STR, OFF(checkpoint_dir), "", 0, 0,
+     "directory for durable checkpoints (created if missing; empty: no checkpoints)"},
+    {"checkpoint-interval", CFG_DOUBLE, OFF(checkpoint_interval), "0", 0, 1e7,
+     "seconds between periodic checkpoints (0: only on the Checkpoint RPC and SIGTERM)"},
+    {"checkpoint-keep", CFG_U32, OFF(checkpoint_keep), "3", 1, 1e6, "newest checkpoints kept on disk"},
+    {"require-checkpoint", CFG_FLAG, OFF(require_checkpoint), "false", 0, 0,
+     "refuse to start (exit 3) unless a valid checkpoint is loaded from --checkpoint-dir"},
 };
 #undef OFF
 #define FPS_CFG_N (sizeof fps__cfg_table / sizeof fps__cfg_table[0])
@@ -97,6 +106,9 @@ static int fps__cfg_set(fps_config_t *cfg, const fps_cfg_entry_t *e, const char 
       else if (!strcmp(val, "ssp")) *(int *)p = FPS_MODE_SSP;
       else goto bad;
       return 0;
+    case CFG_FLAG:
+      if (!val) val = "true";
+      /* fall through */
     case CFG_BOOL:
       if (!strcmp(val, "1") || !strcmp(val, "true") || !strcmp(val, "yes") || !strcmp(val, "on"))
         *(int *)p = 1;
@@ -122,7 +134,7 @@ static int fps__cfg_set(fps_config_t *cfg, const fps_cfg_entry_t *e, const char 
   }
 bad:
   if (e->type == CFG_MODE) fprintf(stderr, "factorps-server: %s: --%s must be sync, async or ssp, not '%s'\n", src, e->name, val);
-  else if (e->type == CFG_BOOL) fprintf(stderr, "factorps-server: %s: --%s must be true or false, not '%s'\n", src, e->name, val);
+  else if (e->type == CFG_BOOL || e->type == CFG_FLAG) fprintf(stderr, "factorps-server: %s: --%s must be true or false, not '%s'\n", src, e->name, val);
   else fprintf(stderr, "factorps-server: %s: --%s must be a number in [%g, %g], not '%s'\n", src, e->name, e->min, e->max, val);
   return FPS_EINVAL;
 }
@@ -171,6 +183,16 @@ static int fps__cfg_check(fps_config_t *cfg) {
     cfg->max_bytes = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz / 2 : (UINT64_C(1) << 34);
   }
   if (cfg->max_staging_bytes == 0) cfg->max_staging_bytes = cfg->max_bytes;
+  if (!*cfg->checkpoint_dir && (cfg->checkpoint_interval > 0 || cfg->require_checkpoint)) {
+    fprintf(stderr, "factorps-server: --%s needs --checkpoint-dir\n",
+            cfg->require_checkpoint ? "require-checkpoint" : "checkpoint-interval");
+    return FPS_EINVAL;
+  }
+  if (cfg->checkpoint_interval > 0 && cfg->checkpoint_interval < 0.01) {
+    fprintf(stderr, "factorps-server: --checkpoint-interval must be 0 (off) or at least 0.01 s, not %g\n",
+            cfg->checkpoint_interval);
+    return FPS_EINVAL;
+  }
   return 0;
 }
 
@@ -189,7 +211,9 @@ int fps_config_load(fps_config_t *cfg, int argc, char **argv) {
   }
   struct option opts[FPS_CFG_N + 3];
   for (size_t i = 0; i < FPS_CFG_N; i++)
-    opts[i] = (struct option){fps__cfg_table[i].name, required_argument, NULL, (int)(1000 + i)};
+    opts[i] = (struct option){fps__cfg_table[i].name,
+                              fps__cfg_table[i].type == CFG_FLAG ? optional_argument : required_argument, NULL,
+                              (int)(1000 + i)};
   opts[FPS_CFG_N] = (struct option){"help", no_argument, NULL, 'h'};
   opts[FPS_CFG_N + 1] = (struct option){"version", no_argument, NULL, 'V'};
   opts[FPS_CFG_N + 2] = (struct option){0, 0, 0, 0};
@@ -249,7 +273,8 @@ void fps_config_dump(const fps_config_t *cfg, void (*line)(const char *)) {
       case CFG_U64: snprintf(buf, sizeof buf, "%s=%" PRIu64, e->name, *(const uint64_t *)p); break;
       case CFG_DOUBLE: snprintf(buf, sizeof buf, "%s=%g", e->name, *(const double *)p); break;
       case CFG_MODE: snprintf(buf, sizeof buf, "%s=%s", e->name, fps_mode_name(*(const int *)p)); break;
-      case CFG_BOOL: snprintf(buf, sizeof buf, "%s=%s", e->name, *(const int *)p ? "true" : "false"); break;
+      case CFG_BOOL:
+      case CFG_FLAG: snprintf(buf, sizeof buf, "%s=%s", e->name, *(const int *)p ? "true" : "false"); break;
     }
     line(buf);
   }

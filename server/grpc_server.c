@@ -1,5 +1,5 @@
 /* gRPC C core plumbing: one completion queue served by T poller threads,
- * request slots for the four registered methods (plus a generic slot that
+ * request slots for the registered methods (plus a generic slot that
  * answers UNIMPLEMENTED), and the base state machine every call shares.
  *
  * Each call has at most one batch of its own in flight (plus the
@@ -23,12 +23,13 @@
 
 #define FPS_SLOTS_PER_METHOD 8
 
-enum { M_CREATE, M_PUSHPULL, M_PULL, M_STATS, M_GENERIC };
+enum { M_CREATE, M_PUSHPULL, M_PULL, M_STATS, M_CHECKPOINT, M_GENERIC };
 static const char *const fps__method_path[] = {
     "/factorps.v1.ParameterServer/Create",
     "/factorps.v1.ParameterServer/PushPull",
     "/factorps.v1.ParameterServer/Pull",
     "/factorps.v1.ParameterServer/Stats",
+    "/factorps.v1.ParameterServer/Checkpoint",
 };
 
 typedef struct fps_slot_s {
@@ -370,6 +371,7 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
     case M_PUSHPULL: fps_rpc_pushpull_start(srv, call, deadline, &md); break;
     case M_PULL: fps_rpc_pull_start(srv, call, deadline, &md, payload); break;
     case M_STATS: fps_rpc_stats_start(srv, call, deadline, &md, payload); break;
+    case M_CHECKPOINT: fps_rpc_checkpoint_start(srv, call, deadline, &md, payload); break;
     default: {
       /* Unknown method: answer UNIMPLEMENTED through a throwaway base. */
       fps_call_t *c = calloc(1, sizeof *c);
@@ -472,7 +474,7 @@ int fps_grpc_start(fps_server_t *srv) {
       return FPS_ENOMEM;
     }
   }
-  for (int m = 0; m < 4; m++) {
+  for (int m = 0; m < M_GENERIC; m++) {
     srv->method[m] = grpc_server_register_method(
         srv->server, fps__method_path[m], NULL,
         m == M_PUSHPULL ? GRPC_SRM_PAYLOAD_NONE : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);

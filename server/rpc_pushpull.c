@@ -348,6 +348,7 @@ static grpc_status_code fps__pp_message(fps_pp_call_t *pp, const Factorps__V1__P
                      ? "tensor '%s': stale push: worker %u sent step %" PRIu64 " but the tensor is at version %" PRIu64
                      : "tensor '%s': worker %u sent step %" PRIu64 ", ahead of shard: the tensor is at version %" PRIu64,
                  name, pp->worker_id, pp->step, version);
+        if (pp->step > version) fps_checkpoint_ahead_hint(t, why, wl);
         return GRPC_STATUS_FAILED_PRECONDITION;
       }
       bool over = false;

@@ -12,7 +12,10 @@
  *                   per-call base state machine (send/recv/status helpers)
  *   wire.c          proto <-> internal helpers shared by the handlers
  *   reply.c         streams tensor snapshots back as size-bounded messages
- *   rpc_create.c rpc_pushpull.c rpc_pull.c rpc_stats.c   the four methods
+ *   rpc_create.c rpc_pushpull.c rpc_pull.c rpc_stats.c rpc_checkpoint.c
+ *                   the methods
+ *   checkpoint.c    durable checkpoints: restore at start-up, snapshots
+ *                   written on the RPC, every interval and on SIGTERM
  *
  * Threads: T pollers run grpc_completion_queue_next() and every handler
  * step (handlers never sleep: a sync round or an ssp wait parks its call and
@@ -86,6 +89,10 @@ typedef struct fps_config_s {
   int malloc_tune;            /* 1: one arena, no mmap threshold, no trim */
   char *metrics_listen;       /* HTTP /metrics /healthz /readyz host:port, "" = off */
   char *metrics_port_file;    /* written with the bound metrics port, or "" */
+  char *checkpoint_dir;       /* durable checkpoints, "" = off */
+  double checkpoint_interval; /* seconds between periodic checkpoints, 0 = off */
+  uint32_t checkpoint_keep;   /* newest checkpoints kept */
+  int require_checkpoint;     /* refuse to start without a loaded checkpoint */
 } fps_config_t;
 
 /* Fills defaults, then FACTORPS_* environment variables, then argv.
@@ -174,6 +181,8 @@ struct fps_tensor_s {
   bool ready;                 /* every element initialised */
   fps_ranges_t init;          /* initialised ranges while !ready */
   uint64_t version;           /* updates applied */
+  uint64_t restored_seq;      /* checkpoint it was restored from, 0: none */
+  uint64_t restored_version;  /* its version in that checkpoint */
   fps_round_t round;          /* sync mode */
   fps_apply_rec_t *log;       /* ring of the last updates, log_cap slots */
   uint32_t log_cap, log_len, log_head;
@@ -314,7 +323,7 @@ struct fps_server_s {
   int64_t started_ns;
   grpc_server *server;
   grpc_completion_queue *cq;
-  void *method[4];                  /* registered method handles */
+  void *method[5];                  /* registered method handles */
   int port;
   atomic_bool shutting_down;
   /* Active calls, for deadline enforcement and shutdown. */
@@ -333,7 +342,48 @@ struct fps_server_s {
   pthread_mutex_t timer_mu;
   pthread_cond_t timer_cv;
   bool timer_stop;
+  /* Checkpoints (checkpoint.c). */
+  pthread_mutex_t ckpt_mu;          /* one checkpoint at a time */
+  int ckpt_dir_fd;                  /* lease on --checkpoint-dir, -1: none */
+  uint64_t ckpt_restored_seq;       /* checkpoint loaded at start-up, 0: none */
+  pthread_t ckpt_thread;            /* periodic checkpoints */
+  bool ckpt_thread_on;
+  pthread_mutex_t ckpt_thread_mu;
+  pthread_cond_t ckpt_thread_cv;
+  bool ckpt_thread_stop;
 };
+
+/* What one checkpoint did (checkpoint.c). */
+typedef struct fps_ckpt_done_s {
+  char path[4096];
+  uint64_t seq;
+  uint64_t bytes;                   /* file size */
+  uint64_t tensors;                 /* tensors written */
+  uint64_t skipped;                 /* tensors still initialising, not written */
+  double seconds;                   /* all of it */
+  double copy_seconds;              /* allocating and copying the snapshot */
+  double max_hold_seconds;          /* longest time one tensor lock was held */
+} fps_ckpt_done_t;
+
+/* At start-up, before gRPC: takes the lease on --checkpoint-dir (creating
+ * it) and loads the newest valid checkpoint into the empty store (files
+ * that fail verification are logged and skipped). Returns 0 (restored, or
+ * nothing to restore and not required), FPS_ENOTFOUND (required but none
+ * valid), or another FPS_E* with the reason logged. No-op without a dir. */
+int fps_checkpoint_open(fps_server_t *srv);
+/* Writes a checkpoint now: copies every ready tensor under its own lock,
+ * writes outside every lock. Thread-safe (serialised by srv->ckpt_mu).
+ * Returns 0, FPS_ESTATE (no --checkpoint-dir), or FPS_E* with `why`. */
+int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, size_t why_len);
+/* Periodic checkpoints (--checkpoint-interval > 0); start is a no-op
+ * otherwise. stop joins the thread and releases the directory lease. */
+int fps_checkpoint_start(fps_server_t *srv);
+void fps_checkpoint_stop(fps_server_t *srv);
+/* Appends to `buf` what a worker ahead of a restored tensor must do
+ * (nothing if the tensor was not restored). No lock needed: the
+ * restored_* fields are written before gRPC starts and never change. */
+void fps_checkpoint_ahead_hint(const fps_tensor_t *t, char *buf, size_t len);
+
 
 /* Timer and waits (sync.c). */
 int fps_sync_start(fps_server_t *srv);
@@ -359,6 +409,8 @@ void fps_rpc_pull_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadlin
                         grpc_metadata_array *md, grpc_byte_buffer *payload);
 void fps_rpc_pushpull_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                             grpc_metadata_array *md);
+void fps_rpc_checkpoint_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
+                              grpc_metadata_array *md, grpc_byte_buffer *payload);
 
 /* ------------------------------------------------------------- replies */
 

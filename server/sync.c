@@ -159,6 +159,7 @@ grpc_status_code fps_sync_join(fps_server_t *srv, fps_push_entry_t **e, size_t n
       snprintf(why, why_len,
                "tensor '%s': worker %u sent step %" PRIu64 ", ahead of shard: the tensor is at version %" PRIu64,
                t->name, worker_id, step, t->version);
+      fps_checkpoint_ahead_hint(t, why, why_len);
     } else if (t->round.open && t->round.member[worker_id]) {
       code = GRPC_STATUS_ALREADY_EXISTS;
       snprintf(why, why_len,

@@ -114,5 +114,12 @@ int main(void) {
   FIELD(fps_tensor_stats_t, state_bytes);
   FIELD(fps_tensor_stats_t, adamw_elements);
   FIELD(fps_tensor_stats_t, adamw_bytes);
+
+  SIZE(fps_checkpoint_info_t);
+  FIELD(fps_checkpoint_info_t, path);
+  FIELD(fps_checkpoint_info_t, sequence);
+  FIELD(fps_checkpoint_info_t, bytes);
+  FIELD(fps_checkpoint_info_t, tensors);
+  FIELD(fps_checkpoint_info_t, seconds);
   return 0;
 }

@@ -276,6 +276,30 @@ FPS_EXTERN int fps_client_tensor_shape(const fps_client_t *c, const char *name, 
 /* Number of shards this client was created with. Thread-safe. */
 FPS_EXTERN size_t fps_client_shard_count(const fps_client_t *c);
 
+#define FPS_CHECKPOINT_PATH_MAX 4096
+
+/* What one shard's checkpoint wrote (the wire contract's
+ * CheckpointResponse). */
+typedef struct fps_checkpoint_info_s {
+  char path[FPS_CHECKPOINT_PATH_MAX]; /* the file, as the shard names it */
+  uint64_t sequence;                  /* its sequence number */
+  uint64_t bytes;                     /* its size */
+  uint64_t tensors;                   /* tensors written */
+  double seconds;                     /* the shard's wall time for it */
+} fps_checkpoint_info_t;
+
+/* Asks every shard, in parallel, to write a durable checkpoint into its
+ * --checkpoint-dir now; returns once every file is on disk. `out` may be
+ * NULL (then n must be 0); otherwise n must equal the shard count and
+ * out[i] gets shard i's result. Each shard's checkpoint is consistent per
+ * tensor, not across shards (see the README). Errors: FAILED_PRECONDITION
+ * (a shard has no --checkpoint-dir), INTERNAL (a write failed: disk full,
+ * permissions; the message says why), UNAVAILABLE after retries (a shard is
+ * down or shutting down), INVALID_ARGUMENT. Retried on UNAVAILABLE (a
+ * repeated checkpoint is harmless). Thread-safe. */
+FPS_EXTERN int fps_client_checkpoint(fps_client_t *c, fps_checkpoint_info_t *out, size_t n,
+                                     fps_status_t *status);
+
 #ifdef __cplusplus
 }
 #endif

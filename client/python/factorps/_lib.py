@@ -130,6 +130,19 @@ class TensorStats(ctypes.Structure):
     ]
 
 
+CHECKPOINT_PATH_MAX = 4096
+
+
+class CheckpointInfo(ctypes.Structure):
+    _fields_ = [
+        ("path", ctypes.c_char * CHECKPOINT_PATH_MAX),
+        ("sequence", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+        ("tensors", ctypes.c_uint64),
+        ("seconds", ctypes.c_double),
+    ]
+
+
 # Every struct the binding shares with C, for the layout test.
 STRUCTS = {
     "fps_status_t": Status,
@@ -139,6 +152,7 @@ STRUCTS = {
     "fps_shard_stats_t": ShardStats,
     "fps_apply_record_t": ApplyRecord,
     "fps_tensor_stats_t": TensorStats,
+    "fps_checkpoint_info_t": CheckpointInfo,
 }
 
 _P = ctypes.POINTER
@@ -165,6 +179,8 @@ _SIGNATURES = {
                                                _P(ApplyRecord), ctypes.c_size_t,
                                                _P(ctypes.c_size_t), _P(Status)]),
     "fps_client_discover": (ctypes.c_int, [ctypes.c_void_p, _P(ctypes.c_size_t), _P(Status)]),
+    "fps_client_checkpoint": (ctypes.c_int, [ctypes.c_void_p, _P(CheckpointInfo), ctypes.c_size_t,
+                                             _P(Status)]),
 }
 
 _lock = threading.Lock()

@@ -515,6 +515,17 @@ class Client:
             out.append(d)
         return out
 
+    def checkpoint(self):
+        """Asks every shard to write a durable checkpoint now (into its
+        --checkpoint-dir) and returns one dict per shard: path, sequence,
+        bytes, tensors, seconds. Raises like every call (FAILED_PRECONDITION
+        if a shard has no --checkpoint-dir)."""
+        n = self.shard_count
+        arr = (_lib.CheckpointInfo * n)()
+        self._call(self._lib.fps_client_checkpoint, arr, n)
+        return [{"path": a.path.decode(errors="replace"), "sequence": a.sequence, "bytes": a.bytes,
+                 "tensors": a.tensors, "seconds": a.seconds} for a in arr]
+
     def close(self):
         """Waits for calls in flight, then frees the connection. Idempotent."""
         with self._cv:

@@ -1,0 +1,257 @@
+/* Durable checkpoints of the shard (the file format, writer and loader are
+ * common/checkpoint.h; this file decides when and what).
+ *
+ * Writing: every ready tensor is added to a snapshot (its copy buffers
+ * allocated and pre-faulted without any tensor lock), then copied under its
+ * own lock (memcpy only), then the snapshot is hashed and written outside
+ * every lock. A push to a tensor therefore waits at most for one tensor's
+ * memcpy. In sync mode a round is applied atomically under the tensor lock,
+ * so no tensor is captured half-updated; different tensors are copied one
+ * after another, each with its own version recorded.
+ *
+ * Restoring: at start-up, before the gRPC port is bound, the newest
+ * checkpoint that verifies completely (both SHA-256s, every bound) and was
+ * written for this shard's id, count and mode is loaded; the library logs
+ * and skips every other one. */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "checkpoint.h"
+#include "server.h"
+
+static void fps__ckpt_rejected(void *ctx, const char *path, int err, const char *why) {
+  (void)ctx;
+  FPS_SLOG(FPS_LOG_WARN, "checkpoint %s skipped (%s): %s; trying the previous one", path, fps_err_name(err),
+           why);
+}
+
+/* Moves one loaded tensor into the store. REQUIRES store->mu for writing. */
+static int fps__ckpt_adopt_locked(fps_server_t *srv, const fps_ckpt_t *ck, fps_ckpt_tensor_t *ct) {
+  size_t len = strlen(ct->name);
+  fps_tensor_t *t = fps_tensor_create(ct->name, len, &ct->state.shape, ct->state.numel, &ct->hparams,
+                                      srv->cfg.workers, srv->cfg.apply_log);
+  if (!t) return FPS_ENOMEM;
+  /* Take the loaded arrays instead of copying them: the tensor's own
+   * param buffer and zeroed state are released, the checkpoint's fields are
+   * zeroed so fps_ckpt_destroy() leaves them alone. */
+  free(t->param);
+  t->param = ct->param;
+  ct->param = NULL;
+  fps_adafactor_state_destroy(&t->st);
+  t->st = ct->state;
+  memset(&ct->state, 0, sizeof ct->state);
+  t->ready = true;
+  t->version = ct->version;
+  t->restored_seq = ck->info.seq;
+  t->restored_version = ct->version;
+  t->round.step = t->version;
+  int rc = fps__store_insert_locked(&srv->store, t);
+  if (rc < 0) fps_tensor_destroy(t);
+  return rc;
+}
+
+static int fps__ckpt_restore(fps_server_t *srv) {
+  fps_ckpt_expect_t ex = {.shard_id = srv->cfg.shard_id, .shard_count = srv->cfg.shard_count,
+                          .mode = fps_mode_name(srv->cfg.mode)};
+  fps_ckpt_t *ck = NULL;
+  int64_t t0 = fps_now_ns();
+  int rc = fps_ckpt_load_newest(srv->cfg.checkpoint_dir, &ex, fps__ckpt_rejected, srv, &ck);
+  if (rc == FPS_ENOTFOUND || rc == FPS_EFORMAT) {
+    const char *what = rc == FPS_ENOTFOUND ? "holds no checkpoint" : "holds no valid checkpoint";
+    if (srv->cfg.require_checkpoint) {
+      FPS_SLOG(FPS_LOG_ERROR, "--checkpoint-dir %s %s and --require-checkpoint is set: refusing to start",
+               srv->cfg.checkpoint_dir, what);
+      return FPS_ENOTFOUND;
+    }
+    FPS_SLOG(FPS_LOG_INFO, "--checkpoint-dir %s %s: starting empty", srv->cfg.checkpoint_dir, what);
+    return 0;
+  }
+  if (rc < 0) {
+    FPS_SLOG(FPS_LOG_ERROR, "cannot read --checkpoint-dir %s: %s", srv->cfg.checkpoint_dir, fps_strerror(rc));
+    return rc;
+  }
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < ck->n_tensors; i++) bytes += ck->tensors[i].state.numel * 4;
+  if (ck->n_tensors > srv->cfg.max_tensors || bytes > srv->cfg.max_bytes) {
+    FPS_SLOG(FPS_LOG_ERROR,
+             "checkpoint %s holds %zu tensors and %" PRIu64 " parameter bytes, more than --max-tensors %" PRIu64
+             " / --max-bytes %" PRIu64 " allow: refusing to start",
+             ck->path, ck->n_tensors, bytes, srv->cfg.max_tensors, srv->cfg.max_bytes);
+    fps_ckpt_destroy(ck);
+    return FPS_ELIMIT;
+  }
+  pthread_rwlock_wrlock(&srv->store.mu);
+  rc = fps__store_reserve_locked(&srv->store, ck->n_tensors);
+  for (size_t i = 0; rc == 0 && i < ck->n_tensors; i++) rc = fps__ckpt_adopt_locked(srv, ck, &ck->tensors[i]);
+  pthread_rwlock_unlock(&srv->store.mu);
+  if (rc < 0) {
+    FPS_SLOG(FPS_LOG_ERROR, "restoring %s: %s", ck->path, fps_strerror(rc));
+    fps_ckpt_destroy(ck);
+    return rc;
+  }
+  srv->ckpt_restored_seq = ck->info.seq;
+  FPS_SLOG(FPS_LOG_INFO, "restored %zu tensors (%" PRIu64 " bytes of data) from %s (sequence %" PRIu64
+           ", written %s) in %.3f s",
+           ck->n_tensors, ck->info.data_bytes, ck->path, ck->info.seq, ck->info.created,
+           (double)(fps_now_ns() - t0) / 1e9);
+  fps_ckpt_destroy(ck);
+  return 0;
+}
+
+int fps_checkpoint_open(fps_server_t *srv) {
+  srv->ckpt_dir_fd = -1;
+  pthread_mutex_init(&srv->ckpt_mu, NULL);
+  if (!*srv->cfg.checkpoint_dir) return 0;
+  char why[FPS_CKPT_WHY_MAX] = "";
+  int fd = fps_ckpt_dir_lock(srv->cfg.checkpoint_dir, true, why, sizeof why);
+  if (fd < 0) {
+    FPS_SLOG(FPS_LOG_ERROR, "--checkpoint-dir %s: %s (%s)", srv->cfg.checkpoint_dir, why, fps_strerror(fd));
+    return fd;
+  }
+  srv->ckpt_dir_fd = fd;
+  return fps__ckpt_restore(srv);
+}
+
+int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, size_t why_len) {
+  fps_ckpt_done_t done;
+  memset(&done, 0, sizeof done);
+  if (!*srv->cfg.checkpoint_dir) {
+    snprintf(why, why_len, "this shard has no --checkpoint-dir");
+    return FPS_ESTATE;
+  }
+  pthread_mutex_lock(&srv->ckpt_mu);
+  int64_t t0 = fps_now_ns();
+  fps_ckpt_snapshot_t *snap = NULL;
+  int rc = fps_ckpt_snapshot_create(&snap, srv->cfg.shard_id, srv->cfg.shard_count, fps_mode_name(srv->cfg.mode));
+  if (rc < 0) {
+    snprintf(why, why_len, "cannot create a snapshot: %s", fps_strerror(rc));
+    goto fail;
+  }
+  /* The store's read lock only keeps the tensor list still (tensors are
+   * never removed); pushes take it for reading too, so they are not held up. */
+  pthread_rwlock_rdlock(&srv->store.mu);
+  for (fps_tensor_t *t = srv->store.first; t && rc == 0; t = t->next) {
+    pthread_mutex_lock(&t->mu);
+    bool ready = t->ready;
+    pthread_mutex_unlock(&t->mu);
+    if (!ready) {
+      done.skipped++;
+      continue;
+    }
+    size_t idx = 0;
+    rc = fps_ckpt_snapshot_add(snap, t->name, &t->shape, &t->hp, &idx, why, why_len);
+    if (rc < 0) break;
+    int64_t h0 = fps_now_ns();
+    pthread_mutex_lock(&t->mu);
+    rc = fps_ckpt_snapshot_copy(snap, idx, t->version, t->param, &t->st);
+    pthread_mutex_unlock(&t->mu);
+    double held = (double)(fps_now_ns() - h0) / 1e9;
+    if (held > done.max_hold_seconds) done.max_hold_seconds = held;
+    if (rc < 0) snprintf(why, why_len, "tensor '%s': cannot copy it: %s", t->name, fps_strerror(rc));
+  }
+  pthread_rwlock_unlock(&srv->store.mu);
+  if (rc < 0) goto fail;
+  done.copy_seconds = (double)(fps_now_ns() - t0) / 1e9;
+  fps_ckpt_written_t w;
+  rc = fps_ckpt_write(srv->cfg.checkpoint_dir, snap, srv->cfg.checkpoint_keep, &w, why, why_len);
+  if (rc < 0) goto fail;
+  if (w.prune_err) FPS_SLOG(FPS_LOG_WARN, "checkpoint %s written, but pruning old ones stopped: %s", w.path, why);
+  snprintf(done.path, sizeof done.path, "%s", w.path);
+  done.seq = w.seq;
+  done.bytes = w.file_bytes;
+  done.tensors = fps_ckpt_snapshot_count(snap);
+  done.seconds = (double)(fps_now_ns() - t0) / 1e9;
+  fps_ckpt_snapshot_destroy(snap);
+  pthread_mutex_unlock(&srv->ckpt_mu);
+  FPS_SLOG(FPS_LOG_INFO,
+           "checkpoint %s: %" PRIu64 " tensors, %" PRIu64 " bytes in %.3f s (%.0f MB/s; copying %.3f s, "
+           "longest tensor lock %.6f s)%s",
+           done.path, done.tensors, done.bytes, done.seconds,
+           done.seconds > 0 ? (double)done.bytes / 1e6 / done.seconds : 0.0, done.copy_seconds,
+           done.max_hold_seconds, done.skipped ? "; tensors still initialising were left out" : "");
+  if (out) *out = done;
+  return 0;
+fail:
+  fps_ckpt_snapshot_destroy(snap);
+  pthread_mutex_unlock(&srv->ckpt_mu);
+  FPS_SLOG(FPS_LOG_ERROR, "checkpoint into %s failed: %s (%s)", srv->cfg.checkpoint_dir, why, fps_strerror(rc));
+  return rc;
+}
+
+static void *fps__ckpt_thread(void *arg) {
+  fps_server_t *srv = arg;
+  pthread_mutex_lock(&srv->ckpt_thread_mu);
+  while (!srv->ckpt_thread_stop) {
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    double iv = srv->cfg.checkpoint_interval;
+    until.tv_sec += (time_t)iv;
+    until.tv_nsec += (long)((iv - (double)(time_t)iv) * 1e9);
+    if (until.tv_nsec >= 1000000000L) {
+      until.tv_sec++;
+      until.tv_nsec -= 1000000000L;
+    }
+    while (!srv->ckpt_thread_stop &&
+           pthread_cond_timedwait(&srv->ckpt_thread_cv, &srv->ckpt_thread_mu, &until) == 0) {
+    }
+    if (srv->ckpt_thread_stop) break;
+    pthread_mutex_unlock(&srv->ckpt_thread_mu);
+    char why[FPS_CKPT_WHY_MAX] = "";
+    /* A failure is logged by fps_checkpoint_write; the next interval tries
+     * again (a full disk may clear). */
+    (void)fps_checkpoint_write(srv, NULL, why, sizeof why);
+    pthread_mutex_lock(&srv->ckpt_thread_mu);
+  }
+  pthread_mutex_unlock(&srv->ckpt_thread_mu);
+  return NULL;
+}
+
+int fps_checkpoint_start(fps_server_t *srv) {
+  if (!*srv->cfg.checkpoint_dir || srv->cfg.checkpoint_interval <= 0) return 0;
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&srv->ckpt_thread_cv, &ca);
+  pthread_condattr_destroy(&ca);
+  pthread_mutex_init(&srv->ckpt_thread_mu, NULL);
+  srv->ckpt_thread_stop = false;
+  if (pthread_create(&srv->ckpt_thread, NULL, fps__ckpt_thread, srv) != 0) {
+    pthread_cond_destroy(&srv->ckpt_thread_cv);
+    pthread_mutex_destroy(&srv->ckpt_thread_mu);
+    return FPS_ENOMEM;
+  }
+  srv->ckpt_thread_on = true;
+  return 0;
+}
+
+void fps_checkpoint_stop(fps_server_t *srv) {
+  if (srv->ckpt_thread_on) {
+    pthread_mutex_lock(&srv->ckpt_thread_mu);
+    srv->ckpt_thread_stop = true;
+    pthread_cond_broadcast(&srv->ckpt_thread_cv);
+    pthread_mutex_unlock(&srv->ckpt_thread_mu);
+    pthread_join(srv->ckpt_thread, NULL);
+    pthread_cond_destroy(&srv->ckpt_thread_cv);
+    pthread_mutex_destroy(&srv->ckpt_thread_mu);
+    srv->ckpt_thread_on = false;
+  }
+  if (srv->ckpt_dir_fd >= 0) {
+    close(srv->ckpt_dir_fd);
+    srv->ckpt_dir_fd = -1;
+  }
+}
+
+void fps_checkpoint_ahead_hint(const fps_tensor_t *t, char *buf, size_t len) {
+  size_t n = strlen(buf);
+  if (!t->restored_seq || n + 1 >= len) return;
+  snprintf(buf + n, len - n,
+           "; this shard restarted and restored the tensor from checkpoint %" PRIu64 " at version %" PRIu64
+           ": pull this shard's tensors, take their versions as the step and push again"
+           " (see Checkpoints and recovery in the README)",
+           t->restored_seq, t->restored_version);
+}

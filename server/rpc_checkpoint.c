@@ -1,0 +1,84 @@
+/* Checkpoint: writes a durable checkpoint now (unary). The write runs on
+ * the poller thread that received the call: it holds no tensor lock while
+ * hashing and writing (see checkpoint.c), so other pollers keep serving
+ * pushes; a concurrent periodic checkpoint is waited for, not duplicated in
+ * parallel (srv->ckpt_mu). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint.h"
+#include "wire.h"
+
+typedef struct fps_ckpt_call_s {
+  fps_call_t base;
+} fps_ckpt_call_t;
+
+static void fps__ckpt_call_destroy(fps_call_t *c) { free(c); }
+
+static void fps__ckpt_call_run(fps_ckpt_call_t *cc) {
+  fps_server_t *srv = cc->base.srv;
+  if (!*srv->cfg.checkpoint_dir) {
+    fps_call_fail(&cc->base, GRPC_STATUS_FAILED_PRECONDITION,
+                  "Checkpoint: shard %u was started without --checkpoint-dir", srv->cfg.shard_id);
+    return;
+  }
+  if (atomic_load(&srv->shutting_down)) {
+    fps_call_fail(&cc->base, GRPC_STATUS_UNAVAILABLE,
+                  "Checkpoint: shard is shutting down (it writes a checkpoint on its way out)");
+    return;
+  }
+  fps_ckpt_done_t done;
+  char why[FPS_CKPT_WHY_MAX] = "";
+  int rc = fps_checkpoint_write(srv, &done, why, sizeof why);
+  if (rc < 0) {
+    grpc_status_code code = rc == FPS_ENOMEM ? GRPC_STATUS_RESOURCE_EXHAUSTED
+                            : rc == FPS_EAGAIN ? GRPC_STATUS_UNAVAILABLE
+                                               : GRPC_STATUS_INTERNAL;
+    fps_call_fail(&cc->base, code, "Checkpoint into %s failed: %s (%s)", srv->cfg.checkpoint_dir, why,
+                  fps_strerror(rc));
+    return;
+  }
+  Factorps__V1__CheckpointResponse resp = FACTORPS__V1__CHECKPOINT_RESPONSE__INIT;
+  resp.path = done.path;
+  resp.sequence = done.seq;
+  resp.bytes = done.bytes;
+  resp.tensors = done.tensors;
+  resp.seconds = done.seconds;
+  grpc_byte_buffer *bb = fps_pack_message(&resp);
+  if (!bb)
+    fps_call_fail(&cc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Checkpoint: out of memory packing the reply");
+  else
+    fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
+}
+
+void fps_rpc_checkpoint_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
+                              grpc_metadata_array *md, grpc_byte_buffer *payload) {
+  fps_ckpt_call_t *cc = calloc(1, sizeof *cc);
+  if (!cc) {
+    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
+    grpc_call_unref(call);
+    grpc_metadata_array_destroy(md);
+    if (payload) grpc_byte_buffer_destroy(payload);
+    return;
+  }
+  cc->base.destroy = fps__ckpt_call_destroy;
+  if (fps_call_begin(&cc->base, srv, call, deadline, md, "Checkpoint") < 0) {
+    if (payload) grpc_byte_buffer_destroy(payload);
+    return;
+  }
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  Factorps__V1__CheckpointRequest *req = NULL;
+  if (!payload) {
+    fps_call_fail(&cc->base, GRPC_STATUS_INVALID_ARGUMENT, "Checkpoint: the request message is missing");
+  } else if (fps_bb_flatten(payload, &buf, &len) < 0 ||
+             !(req = factorps__v1__checkpoint_request__unpack(NULL, len, buf))) {
+    fps_call_fail(&cc->base, GRPC_STATUS_INVALID_ARGUMENT, "Checkpoint: malformed CheckpointRequest (%zu bytes)",
+                  len);
+  } else {
+    fps__ckpt_call_run(cc);
+  }
+  if (req) factorps__v1__checkpoint_request__free_unpacked(req, NULL);
+  free(buf);
+  if (payload) grpc_byte_buffer_destroy(payload);
+}

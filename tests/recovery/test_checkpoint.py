@@ -1,0 +1,296 @@
+"""Checkpoints and recovery of one shard: the Checkpoint RPC, SIGTERM,
+damaged files, --require-checkpoint, and SIGKILL in the middle of a large
+write. Every test runs real shards (see _recovery.py) and checks what is on
+disk with `factorps checkpoint verify`."""
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+import unittest
+
+import numpy as np
+
+from _recovery import SERVER, CkptShards, flip_byte, need_server, truncate, verify
+
+import factorps
+from factorps import TensorSpec, optimizer_config
+
+RNG = np.random.default_rng(7)
+SPECS = [
+    # factored (row/col state), unfactored (var), hf with momentum (mom)
+    ("m", (12, 9), optimizer_config("torch", lr=0.01)),
+    ("v", (17,), optimizer_config("torch", lr=0.02, weight_decay=0.01)),
+    ("h", (5, 4), optimizer_config("hf", lr=0.001, relative_step=False, beta1=0.9)),
+]
+INIT = {n: RNG.standard_normal(s).astype(np.float32) for n, s, _ in SPECS}
+GRADS = [{n: RNG.standard_normal(s).astype(np.float32) for n, s, _ in SPECS} for _ in range(8)]
+
+
+def connect(addrs, **kw):
+    kw.setdefault("deadline", 20)
+    c = factorps.connect(addrs, **kw)
+    c.create([TensorSpec(n, s, init=INIT[n], optimizer=o) for n, s, o in SPECS])
+    return c
+
+
+def push(c, k):
+    params, versions = c.push_pull(GRADS[k], step=k)
+    return {n: np.array(p) for n, p in params.items()}, dict(versions)
+
+
+def wait_exit(proc, timeout=30):
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        raise
+
+
+@need_server
+class Checkpoints(unittest.TestCase):
+    def test_rpc_checkpoint_restart_restores_everything(self):
+        # Two identical one-shard jobs: `ref` is never restarted, `ck` is
+        # checkpointed, killed and restored; identical further steps must
+        # then give bit-identical params (so the optimizer state came back).
+        with CkptShards(1) as ref, CkptShards(1) as ck:
+            cr, cc = connect(ref.addrs), connect(ck.addrs)
+            for k in range(3):
+                push(cr, k)
+                push(cc, k)
+            info = cc.checkpoint()
+            self.assertEqual(len(info), 1)
+            self.assertEqual(info[0]["tensors"], 3)
+            self.assertEqual(info[0]["sequence"], 1)
+            self.assertTrue(os.path.exists(info[0]["path"]), info)
+            self.assertEqual(os.path.getsize(info[0]["path"]), info[0]["bytes"])
+            before, vb = cc.pull()
+            before = {n: np.array(p) for n, p in before.items()}
+            cc.close()
+            ck.restart(0)  # SIGKILL, then a fresh process on the same port
+            self.assertIn("restored 3 tensors", ck.log(0))
+            cc = factorps.connect(ck.addrs, deadline=20)
+            cc.create([TensorSpec(n, s, init=INIT[n], optimizer=o) for n, s, o in SPECS])
+            after, va = cc.pull()
+            self.assertEqual(dict(va), dict(vb))
+            self.assertEqual(dict(va), {"m": 3, "v": 3, "h": 3})
+            for n in before:
+                np.testing.assert_array_equal(np.array(after[n]), before[n], err_msg=n)
+            for k in range(3, 6):
+                pr, vr = push(cr, k)
+                pc, vc = push(cc, k)
+                self.assertEqual(vr, vc)
+                for n in pr:
+                    np.testing.assert_array_equal(pc[n], pr[n], err_msg=f"{n} after step {k}")
+            cr.close()
+            cc.close()
+            rc, out = verify(ck.ckdir(0), "--shard-id", "0", "--shard-count", "1", "--mode", "sync")
+            self.assertEqual(rc, 0, out)
+
+    def test_ahead_of_restored_shard_says_what_to_do(self):
+        with CkptShards(1) as ck:
+            c = connect(ck.addrs)
+            push(c, 0)
+            c.checkpoint()
+            push(c, 1)
+            push(c, 2)
+            c.close()
+            ck.restart(0)
+            c = factorps.connect(ck.addrs, deadline=20)
+            c.create([TensorSpec(n, s, init=INIT[n], optimizer=o) for n, s, o in SPECS])
+            with self.assertRaises(factorps.FailedPreconditionError) as cm:
+                c.push_pull(GRADS[3], step=3)
+            msg = str(cm.exception)
+            self.assertIn("ahead of shard", msg)
+            self.assertRegex(msg, r"restored the tensor from checkpoint 1 at version 1")
+            self.assertIn("pull", msg)
+            # The documented recovery: pull, take the versions as the step.
+            _, versions = c.pull()
+            self.assertEqual(set(dict(versions).values()), {1})
+            c.push_pull(GRADS[3], step=1)
+            c.close()
+
+    def test_sigterm_writes_a_final_checkpoint(self):
+        with CkptShards(1) as ck:
+            c = connect(ck.addrs)
+            push(c, 0)
+            push(c, 1)
+            c.close()
+            self.assertEqual(ck.files(0), [])
+            ck.procs[0].send_signal(signal.SIGTERM)
+            self.assertEqual(wait_exit(ck.procs[0]), 0, ck.log(0))
+            ck.procs[0] = None
+            files = ck.files(0)
+            self.assertEqual(len(files), 1, files)
+            rc, out = verify(ck.ckdir(0))
+            self.assertEqual(rc, 0, out)
+            ck.start(0, ck.ports[0])
+            c = factorps.connect(ck.addrs, deadline=20)
+            c.create([TensorSpec(n, s, init=INIT[n], optimizer=o) for n, s, o in SPECS])
+            _, v = c.pull()
+            self.assertEqual(dict(v), {"m": 2, "v": 2, "h": 2})
+            c.close()
+
+    def test_truncated_and_corrupted_checkpoints_are_skipped(self):
+        with CkptShards(1, ckpt=["--checkpoint-keep", "5"]) as ck:
+            c = connect(ck.addrs)
+            for k in range(3):
+                push(c, k)
+                c.checkpoint()  # sequence k+1 holds version k+1
+            c.close()
+            ck.kill(0)
+            f1, f2, f3 = ck.files(0)
+            flip_byte(f2)         # data corrupted: SHA-256 mismatch
+            truncate(f3, 0.6)     # truncated
+            rc, out = verify(ck.ckdir(0))
+            self.assertEqual(rc, 1, out)
+            self.assertEqual(len(re.findall(r"^BAD ", out, re.M)), 2, out)
+            ck.start(0, ck.ports[0])
+            log = ck.log(0)
+            self.assertRegex(log, r"checkpoint \S*ckpt-0+3\.safetensors skipped \(FPS_EFORMAT\): .*trying the previous")
+            self.assertRegex(log, r"checkpoint \S*ckpt-0+2\.safetensors skipped \(FPS_EFORMAT\): .*trying the previous")
+            self.assertRegex(log, r"restored 3 tensors .*ckpt-0+1\.safetensors")
+            c = factorps.connect(ck.addrs, deadline=20)
+            c.create([TensorSpec(n, s, init=INIT[n], optimizer=o) for n, s, o in SPECS])
+            _, v = c.pull()
+            self.assertEqual(dict(v), {"m": 1, "v": 1, "h": 1})
+            c.close()
+
+    def test_mismatched_placement_is_skipped(self):
+        with CkptShards(1) as ck:
+            c = connect(ck.addrs)
+            push(c, 0)
+            c.checkpoint()
+            c.close()
+            ck.kill(0)
+            # The same directory given to a shard of another mode.
+            ck.mode = "async"
+            with self.assertRaises(RuntimeError):
+                ck.ckpt = ["--require-checkpoint"]
+                ck.start(0)
+            self.assertRegex(ck.log(0), r"skipped \(FPS_ESTATE\)")
+
+    def test_require_checkpoint_refuses_to_start(self):
+        with CkptShards(1) as ck:
+            c = connect(ck.addrs)
+            push(c, 0)
+            c.checkpoint()
+            c.close()
+            ck.kill(0)
+            for f in ck.files(0):
+                truncate(f, 0.3)
+            ck.ckpt = ["--require-checkpoint"]
+            with self.assertRaisesRegex(RuntimeError, "exited with 3"):
+                ck.start(0)
+            log = ck.log(0)
+            self.assertIn("holds no valid checkpoint and --require-checkpoint is set", log)
+            self.assertFalse(os.path.exists(os.path.join(ck.dir, "shard0.port")))
+            # An empty directory is refused too, and nothing is written into it.
+            empty = os.path.join(ck.root, "empty")
+            p = subprocess.run([SERVER, "--listen", "127.0.0.1:0", "--checkpoint-dir", empty,
+                                "--require-checkpoint"], capture_output=True, text=True, timeout=30,
+                               stdin=subprocess.DEVNULL)
+            self.assertEqual(p.returncode, 3, p.stderr)
+            self.assertIn("holds no checkpoint", p.stderr)
+            self.assertEqual([f for f in os.listdir(empty) if "ckpt" in f], [])
+
+
+@need_server
+class KillDuringWrite(unittest.TestCase):
+    # A 1-D tensor keeps a full second moment: 2 x 4 bytes per element on
+    # disk, so 40M elements make a 320 MB checkpoint (several seconds of
+    # writing on this machine, plenty of time to kill it inside the write).
+    N = int(os.environ.get("FPS_RECOVERY_BIG_ELEMENTS", 40_000_000))
+
+    def test_sigkill_inside_a_large_write_then_recover(self):
+        with CkptShards(1, extra=["--max-message-bytes", str(64 << 20)]) as ck:
+            c = factorps.connect(ck.addrs, deadline=120, max_message_bytes=64 << 20)
+            init = np.linspace(-1, 1, self.N, dtype=np.float32)
+            small = np.zeros(8, np.float32)
+            c.create([TensorSpec("big", (self.N,), init=init), TensorSpec("small", (8,), init=small)])
+            first = c.checkpoint()[0]
+            mbps = first["bytes"] / 1e6 / max(first["seconds"], 1e-9)
+            print(f"\ncheckpoint of {first['bytes'] / 1e6:.0f} MB in {first['seconds']:.2f} s: "
+                  f"{mbps:.0f} MB/s", flush=True)
+            # Pushes to a small tensor while the big one is written: they
+            # wait for no more than a tensor's copy (they never share a lock
+            # with the write).
+            c.push_pull({"big": np.full(self.N, 0.5, np.float32), "small": small}, step=0,
+                        want_params=False)
+            lat, stop = [], threading.Event()
+
+            def pusher():
+                k = 1
+                while not stop.is_set():
+                    t0 = time.monotonic()
+                    try:
+                        c.push_pull({"small": np.ones(8, np.float32)}, step=k, want_params=False)
+                    except factorps.Error:
+                        return
+                    lat.append(time.monotonic() - t0)
+                    k += 1
+
+            th = threading.Thread(target=pusher)
+            th.start()
+            second = c.checkpoint()[0]
+            stop.set()
+            th.join(30)
+            self.assertGreater(len(lat), 0)
+            print(f"pushes to another tensor during a {second['seconds']:.2f} s checkpoint: "
+                  f"{len(lat)}, max latency {max(lat) * 1e3:.1f} ms, median "
+                  f"{sorted(lat)[len(lat) // 2] * 1e3:.2f} ms", flush=True)
+            m = re.findall(r"longest tensor lock ([0-9.]+) s", ck.log(0))
+            if m:
+                print(f"longest tensor lock held for a copy: {float(m[-1]) * 1e3:.1f} ms", flush=True)
+            c.push_pull({"big": np.full(self.N, 0.25, np.float32)}, step=1, want_params=False)
+            good = ck.files(0)
+            self.assertEqual(len(good), 2)
+            # Now a third checkpoint, killed as soon as its temp file appears.
+            d = ck.ckdir(0)
+            err = []
+            t = threading.Thread(target=lambda: err.append(self._try(c.checkpoint)))
+            t.start()
+            end = time.monotonic() + 60
+            tmp = []
+            while time.monotonic() < end and not tmp:
+                tmp = [f for f in os.listdir(d) if f.endswith(".tmp")]
+                time.sleep(0.002)
+            self.assertTrue(tmp, "no temporary checkpoint file appeared")
+            time.sleep(0.05)  # inside the write (it takes seconds)
+            ck.kill(0)
+            t.join(150)
+            self.assertFalse(t.is_alive())
+            self.assertIsInstance(err[0], factorps.Error)  # the call saw the crash
+            self.assertEqual(ck.files(0), good)  # no partial checkpoint under a final name
+            self.assertTrue([f for f in os.listdir(d) if f.endswith(".tmp")])
+            rc, out = verify(d)
+            self.assertEqual(rc, 0, out)
+            self.assertIn("temporary file of an interrupted write", out)
+            ck.start(0, ck.ports[0])
+            self.assertRegex(ck.log(0), r"restored 2 tensors .*ckpt-0+2\.safetensors")
+            c.close()
+            c = factorps.connect(ck.addrs, deadline=120, max_message_bytes=64 << 20)
+            c.create([TensorSpec("big", (self.N,)), TensorSpec("small", (8,))])
+            p, v = c.pull(["big"])
+            self.assertEqual(dict(v)["big"], 1)
+            self.assertFalse(np.array_equal(np.array(p["big"]), init))
+            # The next write removes the leftover temporary file.
+            c.checkpoint()
+            self.assertEqual([f for f in os.listdir(d) if f.endswith(".tmp")], [])
+            rc, out = verify(d)
+            self.assertEqual(rc, 0, out)
+            c.close()
+
+    @staticmethod
+    def _try(fn):
+        try:
+            return fn()
+        except factorps.Error as e:
+            return e
+
+
+if __name__ == "__main__":
+    unittest.main()
