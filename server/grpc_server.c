@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "auth.h"
 #include "metrics.h"
 #include "server.h"
 
@@ -334,6 +335,57 @@ void fps_calls_expire(fps_server_t *srv, int64_t now_ns) {
   pthread_mutex_unlock(&srv->calls_mu);
 }
 
+/* ---------------------------------------------------------- admission */
+
+/* TLS and tokens (auth.c), set up by fps_grpc_start(). */
+static fps_auth_t *fps__auth;
+/* Calls admitted but maybe not yet linked into srv->calls: counted with
+ * srv->ncalls so that pollers admitting at the same moment cannot together
+ * pass --max-concurrent-calls (a call is briefly counted twice, which errs
+ * on the side of refusing). */
+static atomic_uint_fast64_t fps__arriving;
+
+/* Decides, before any handler state exists, whether a call may run: its
+ * bearer token (UNAUTHENTICATED) and the shard's call limit
+ * (RESOURCE_EXHAUSTED). A refused call is answered here and its payload
+ * freed; an admitted one must be followed by fps__call_admitted() once the
+ * handler has started. */
+static bool fps__call_admit(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
+                            grpc_metadata_array *md, grpc_byte_buffer *payload, int method) {
+  static const char prefix[] = "/factorps.v1.ParameterServer/";
+  const char *name = method < M_GENERIC ? fps__method_path[method] + sizeof prefix - 1 : "unknown method";
+  char why[512];
+  grpc_status_code code = fps_auth_check(fps__auth, md, why, sizeof why);
+  if (code == GRPC_STATUS_OK) {
+    uint64_t arriving = atomic_fetch_add(&fps__arriving, 1) + 1;
+    pthread_mutex_lock(&srv->calls_mu);
+    uint64_t running = srv->ncalls;
+    pthread_mutex_unlock(&srv->calls_mu);
+    if (running + arriving <= srv->cfg.max_concurrent_calls) return true;
+    atomic_fetch_sub(&fps__arriving, 1);
+    code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+    snprintf(why, sizeof why,
+             "shard %u is at its limit of %u concurrent calls (--max-concurrent-calls); retry later",
+             srv->cfg.shard_id, srv->cfg.max_concurrent_calls);
+  }
+  fps__auth_log_refusal(call, name, why);
+  if (payload) grpc_byte_buffer_destroy(payload);
+  /* Answer through a throwaway base, so the refusal is metered like any
+   * other status of that method. */
+  fps_call_t *c = calloc(1, sizeof *c);
+  if (!c) {
+    grpc_call_cancel_with_status(call, code, why, NULL);
+    grpc_call_unref(call);
+    grpc_metadata_array_destroy(md);
+    return false;
+  }
+  c->destroy = (void (*)(fps_call_t *))free;
+  if (fps_call_begin(c, srv, call, deadline, md, name) == 0) fps_call_fail(c, code, "%s", why);
+  return false;
+}
+
+static void fps__call_admitted(void) { atomic_fetch_sub(&fps__arriving, 1); }
+
 /* -------------------------------------------------------------- slots */
 
 static int fps__slot_post(fps_slot_t *s);
@@ -366,6 +418,7 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
     if (method == M_GENERIC) grpc_call_details_destroy(&s->details);
     free(s);
   }
+  if (!fps__call_admit(srv, call, deadline, &md, payload, method)) return;
   switch (method) {
     case M_CREATE: fps_rpc_create_start(srv, call, deadline, &md, payload); break;
     case M_PUSHPULL: fps_rpc_pushpull_start(srv, call, deadline, &md); break;
@@ -387,6 +440,7 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
       break;
     }
   }
+  fps__call_admitted();
 }
 
 static int fps__slot_post(fps_slot_t *s) {
@@ -442,6 +496,10 @@ static void fps__shutdown_done(fps_tag_t *tag, bool ok) {
 }
 
 int fps_grpc_start(fps_server_t *srv) {
+  /* Bad TLS files or tokens stop the start before anything listens. */
+  int rc = fps_auth_create(&srv->cfg, &fps__auth);
+  if (rc < 0) return rc;
+  FPS_SLOG(FPS_LOG_INFO, "gRPC security: %s", fps_auth_describe(fps__auth));
   grpc_arg args[3];
   args[0].type = GRPC_ARG_INTEGER;
   args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
@@ -480,7 +538,8 @@ int fps_grpc_start(fps_server_t *srv) {
         m == M_PUSHPULL ? GRPC_SRM_PAYLOAD_NONE : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
     if (!srv->method[m]) return FPS_EPROTO;
   }
-  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  grpc_server_credentials *creds = fps_auth_server_credentials(fps__auth);
+  if (!creds) return FPS_ENOMEM;
   srv->port = grpc_server_add_http2_port(srv->server, srv->cfg.listen, creds);
   grpc_server_credentials_release(creds);
   if (srv->port <= 0) {
@@ -540,6 +599,8 @@ void fps_grpc_stop(fps_server_t *srv, double grace_s) {
   fps__npollers = 0;
   grpc_completion_queue_destroy(srv->cq);
   srv->cq = NULL;
+  fps_auth_destroy(fps__auth);
+  fps__auth = NULL;
   pthread_mutex_destroy(&t->mu);
   pthread_cond_destroy(&t->cv);
 }

@@ -82,6 +82,11 @@ typedef struct fps_config_s {
   uint64_t max_tensors;       /* Create beyond this: RESOURCE_EXHAUSTED */
   uint64_t max_bytes;         /* parameter bytes beyond this: RESOURCE_EXHAUSTED */
   uint64_t max_staging_bytes; /* gradient staging + reply snapshots, all calls */
+  uint32_t max_concurrent_calls; /* calls in progress; more: RESOURCE_EXHAUSTED */
+  char *tls_cert;             /* PEM chain, "" = plaintext (auth.c) */
+  char *tls_key;              /* PEM key of tls_cert */
+  char *tls_client_ca;        /* PEM CA: client certificates required, "" = none */
+  char *auth_token_file;      /* bearer tokens, one a line, "" = none */
   uint32_t apply_log;         /* per-tensor apply records kept for Stats */
   char *log_level;            /* error, warn, info, debug */
   char *simd;                 /* scalar|avx2|neon|auto */

@@ -1,0 +1,345 @@
+/* The shard's security: TLS credentials and bearer tokens (see auth.h).
+ *
+ * OpenSSL parses the PEM files once at start-up only to give clear errors;
+ * gRPC gets the PEM text itself and does the handshakes. */
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include <openssl/bio.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
+#include <grpc/support/alloc.h>
+
+#include "auth.h"
+
+#define FPS_AUTH_DIGEST 32 /* SHA-256 */
+
+struct fps_auth_s {
+  char *cert_pem;             /* --tls-cert, NULL: plaintext */
+  char *key_pem;              /* --tls-key */
+  char *client_ca_pem;        /* --tls-client-ca, NULL: no client certificates */
+  unsigned char (*token)[FPS_AUTH_DIGEST]; /* SHA-256 of each token */
+  size_t ntokens;             /* 0: no token check */
+  char describe[64];
+};
+
+/* Last time (s, monotonic) a rejected call was logged: a client retrying a
+ * wrong token in a loop must not flood the log. */
+static atomic_int_fast64_t fps__auth_last_log_s;
+
+/* Reads a whole file (at most FPS_AUTH_FILE_MAX bytes), NUL-terminated. */
+static int fps__auth_read(const char *flag, const char *path, char **out, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  char *buf = NULL;
+  size_t n = 0;
+  int rc = FPS_EIO;
+  if (!f) {
+    fprintf(stderr, "factorps-server: --%s '%s': %s\n", flag, path, strerror(errno));
+    return FPS_EIO;
+  }
+  if (!(buf = malloc(FPS_AUTH_FILE_MAX + 1))) {
+    rc = FPS_ENOMEM;
+    goto fail;
+  }
+  n = fread(buf, 1, FPS_AUTH_FILE_MAX + 1, f);
+  if (ferror(f)) {
+    fprintf(stderr, "factorps-server: --%s '%s': read error\n", flag, path);
+    goto fail;
+  }
+  if (n > FPS_AUTH_FILE_MAX) {
+    fprintf(stderr, "factorps-server: --%s '%s': larger than %u bytes\n", flag, path,
+            FPS_AUTH_FILE_MAX);
+    rc = FPS_EINVAL;
+    goto fail;
+  }
+  buf[n] = 0;
+  if (strlen(buf) != n) {
+    fprintf(stderr, "factorps-server: --%s '%s': contains a NUL byte (not a PEM/text file)\n", flag,
+            path);
+    rc = FPS_EINVAL;
+    goto fail;
+  }
+  fclose(f);
+  *out = buf;
+  if (len) *len = n;
+  return 0;
+fail:
+  fclose(f);
+  free(buf);
+  return rc;
+}
+
+/* Secrets readable by others are worth a warning (not an error: a
+ * container may run everything as one user on a private volume). */
+static void fps__auth_warn_mode(const char *flag, const char *path) {
+  struct stat st;
+  if (stat(path, &st) == 0 && (st.st_mode & 0077))
+    FPS_SLOG(FPS_LOG_WARN, "--%s '%s' is readable by group or others (mode %03o); chmod 600 it",
+             flag, path, (unsigned)(st.st_mode & 0777));
+}
+
+/* Parses every certificate of a PEM bundle; returns the count (0: none or
+ * junk) and the first one in *first (caller frees) if first is non-NULL. */
+static int fps__auth_certs(const char *pem, X509 **first) {
+  BIO *b = BIO_new_mem_buf(pem, -1);
+  int n = 0;
+  if (first) *first = NULL;
+  if (!b) return 0;
+  for (;;) {
+    X509 *x = PEM_read_bio_X509(b, NULL, NULL, NULL);
+    if (!x) break;
+    if (n == 0 && first) *first = x;
+    else X509_free(x);
+    n++;
+  }
+  BIO_free(b);
+  return n;
+}
+
+static int fps__auth_check_dates(const char *flag, const char *path, X509 *x) {
+  if (X509_cmp_current_time(X509_get0_notAfter(x)) < 0) {
+    fprintf(stderr, "factorps-server: --%s '%s': the certificate has expired\n", flag, path);
+    return FPS_EINVAL;
+  }
+  if (X509_cmp_current_time(X509_get0_notBefore(x)) > 0) {
+    fprintf(stderr, "factorps-server: --%s '%s': the certificate is not valid yet\n", flag, path);
+    return FPS_EINVAL;
+  }
+  return 0;
+}
+
+static int fps__auth_tls_load(fps_auth_t *a, const fps_config_t *cfg) {
+  X509 *cert = NULL;
+  EVP_PKEY *key = NULL;
+  BIO *b = NULL;
+  int rc;
+  if ((rc = fps__auth_read("tls-cert", cfg->tls_cert, &a->cert_pem, NULL)) < 0) goto fail;
+  if ((rc = fps__auth_read("tls-key", cfg->tls_key, &a->key_pem, NULL)) < 0) goto fail;
+  fps__auth_warn_mode("tls-key", cfg->tls_key);
+  rc = FPS_EINVAL;
+  if (fps__auth_certs(a->cert_pem, &cert) == 0) {
+    fprintf(stderr, "factorps-server: --tls-cert '%s': no PEM certificate in it\n", cfg->tls_cert);
+    goto fail;
+  }
+  if ((rc = fps__auth_check_dates("tls-cert", cfg->tls_cert, cert)) < 0) goto fail;
+  rc = FPS_EINVAL;
+  if (!(b = BIO_new_mem_buf(a->key_pem, -1)) || !(key = PEM_read_bio_PrivateKey(b, NULL, NULL, NULL))) {
+    fprintf(stderr, "factorps-server: --tls-key '%s': no unencrypted PEM private key in it\n",
+            cfg->tls_key);
+    goto fail;
+  }
+  if (X509_check_private_key(cert, key) != 1) {
+    fprintf(stderr, "factorps-server: --tls-key '%s' does not belong to --tls-cert '%s'\n",
+            cfg->tls_key, cfg->tls_cert);
+    goto fail;
+  }
+  if (*cfg->tls_client_ca) {
+    if ((rc = fps__auth_read("tls-client-ca", cfg->tls_client_ca, &a->client_ca_pem, NULL)) < 0)
+      goto fail;
+    rc = FPS_EINVAL;
+    if (fps__auth_certs(a->client_ca_pem, NULL) == 0) {
+      fprintf(stderr, "factorps-server: --tls-client-ca '%s': no PEM certificate in it\n",
+              cfg->tls_client_ca);
+      goto fail;
+    }
+  }
+  rc = 0;
+fail:
+  X509_free(cert);
+  EVP_PKEY_free(key);
+  BIO_free(b);
+  return rc;
+}
+
+static int fps__auth_digest(const char *s, size_t n, unsigned char out[FPS_AUTH_DIGEST]) {
+  unsigned int len = 0;
+  if (EVP_Digest(s, n, out, &len, EVP_sha256(), NULL) != 1 || len != FPS_AUTH_DIGEST) return FPS_EIO;
+  return 0;
+}
+
+/* One token per line; blank lines and lines starting with '#' are skipped,
+ * so a file can hold the old and the new token while clients rotate. */
+static int fps__auth_tokens_load(fps_auth_t *a, const char *path) {
+  char *text = NULL;
+  int rc = fps__auth_read("auth-token-file", path, &text, NULL);
+  if (rc < 0) return rc;
+  fps__auth_warn_mode("auth-token-file", path);
+  rc = FPS_ENOMEM;
+  if (!(a->token = calloc(FPS_AUTH_TOKENS_MAX, sizeof *a->token))) goto fail;
+  rc = FPS_EINVAL;
+  int lineno = 0;
+  for (char *line = text, *next; line; line = next) {
+    next = strchr(line, '\n');
+    if (next) *next++ = 0;
+    lineno++;
+    size_t n = strlen(line);
+    while (n > 0 && (line[n - 1] == '\r' || line[n - 1] == ' ' || line[n - 1] == '\t')) line[--n] = 0;
+    while (*line == ' ' || *line == '\t') line++, n--;
+    if (n == 0 || *line == '#') continue;
+    /* Visible ASCII only: what an HTTP/2 header value can carry
+     * unchanged, and no space that would split "Bearer <token>". */
+    for (size_t i = 0; i < n; i++) {
+      if (line[i] < 0x21 || line[i] > 0x7e) {
+        fprintf(stderr,
+                "factorps-server: --auth-token-file '%s' line %d: a token may contain only visible "
+                "ASCII characters (no spaces)\n",
+                path, lineno);
+        goto fail;
+      }
+    }
+    if (n < 16)
+      FPS_SLOG(FPS_LOG_WARN, "--auth-token-file '%s' line %d: token shorter than 16 characters is "
+               "easy to guess", path, lineno);
+    if (a->ntokens == FPS_AUTH_TOKENS_MAX) {
+      fprintf(stderr, "factorps-server: --auth-token-file '%s': more than %d tokens\n", path,
+              FPS_AUTH_TOKENS_MAX);
+      goto fail;
+    }
+    if ((rc = fps__auth_digest(line, n, a->token[a->ntokens])) < 0) goto fail;
+    rc = FPS_EINVAL;
+    a->ntokens++;
+  }
+  if (a->ntokens == 0) {
+    fprintf(stderr, "factorps-server: --auth-token-file '%s' holds no token\n", path);
+    goto fail;
+  }
+  rc = 0;
+fail:
+  /* The plaintext tokens do not outlive start-up. */
+  if (text) OPENSSL_cleanse(text, strlen(text));
+  free(text);
+  return rc;
+}
+
+int fps_auth_create(const fps_config_t *cfg, fps_auth_t **out) {
+  fps_auth_t *a = calloc(1, sizeof *a);
+  int rc = FPS_EINVAL;
+  *out = NULL;
+  if (!a) return FPS_ENOMEM;
+  bool cert = *cfg->tls_cert, key = *cfg->tls_key, ca = *cfg->tls_client_ca;
+  if (cert != key) {
+    fprintf(stderr, "factorps-server: --tls-cert and --tls-key must be given together\n");
+    goto fail;
+  }
+  if (ca && !cert) {
+    fprintf(stderr, "factorps-server: --tls-client-ca needs --tls-cert and --tls-key (mutual TLS "
+                    "is TLS first)\n");
+    goto fail;
+  }
+  if (cert && (rc = fps__auth_tls_load(a, cfg)) < 0) goto fail;
+  if (*cfg->auth_token_file && (rc = fps__auth_tokens_load(a, cfg->auth_token_file)) < 0) goto fail;
+  if (a->ntokens && !cert)
+    FPS_SLOG(FPS_LOG_WARN, "--auth-token-file without --tls-cert: tokens travel in plaintext and "
+             "anyone on the path can read and replay them");
+  snprintf(a->describe, sizeof a->describe, "%s%s",
+           !cert ? "plaintext" : ca ? "mutual TLS" : "TLS", a->ntokens ? ", bearer tokens" : "");
+  *out = a;
+  return 0;
+fail:
+  fps_auth_destroy(a);
+  return rc;
+}
+
+void fps_auth_destroy(fps_auth_t *a) {
+  if (!a) return;
+  if (a->key_pem) OPENSSL_cleanse(a->key_pem, strlen(a->key_pem));
+  free(a->cert_pem);
+  free(a->key_pem);
+  free(a->client_ca_pem);
+  free(a->token);
+  free(a);
+}
+
+grpc_server_credentials *fps_auth_server_credentials(const fps_auth_t *a) {
+  if (!a->cert_pem) return grpc_insecure_server_credentials_create();
+  grpc_ssl_pem_key_cert_pair pair = {.private_key = a->key_pem, .cert_chain = a->cert_pem};
+  /* With a client CA, a client without a certificate, or with one the CA
+   * did not sign (or an expired one), fails the handshake: it never gets
+   * as far as a call. */
+  return grpc_ssl_server_credentials_create_ex(
+      a->client_ca_pem, &pair, 1,
+      a->client_ca_pem ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                       : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
+      NULL);
+}
+
+static bool fps__slice_eq_ci(grpc_slice s, const char *lit) {
+  size_t n = strlen(lit);
+  if (GRPC_SLICE_LENGTH(s) != n) return false;
+  const unsigned char *p = GRPC_SLICE_START_PTR(s);
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = p[i];
+    if (c >= 'A' && c <= 'Z') c = (unsigned char)(c + 32);
+    if (c != (unsigned char)lit[i]) return false;
+  }
+  return true;
+}
+
+grpc_status_code fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, char *why,
+                                size_t why_len) {
+  if (!a || a->ntokens == 0) return GRPC_STATUS_OK;
+  const grpc_metadata *found = NULL;
+  size_t count = 0;
+  for (size_t i = 0; i < md->count; i++) {
+    if (fps__slice_eq_ci(md->metadata[i].key, "authorization")) {
+      found = &md->metadata[i];
+      count++;
+    }
+  }
+  if (count == 0) {
+    snprintf(why, why_len, "this shard requires a bearer token: send metadata 'authorization: "
+                           "Bearer <token>'");
+    return GRPC_STATUS_UNAUTHENTICATED;
+  }
+  if (count > 1) {
+    snprintf(why, why_len, "more than one 'authorization' metadata entry");
+    return GRPC_STATUS_UNAUTHENTICATED;
+  }
+  const char *v = (const char *)GRPC_SLICE_START_PTR(found->value);
+  size_t n = GRPC_SLICE_LENGTH(found->value);
+  static const char scheme[] = "bearer ";
+  size_t sl = sizeof scheme - 1;
+  bool bearer = n > sl;
+  for (size_t i = 0; bearer && i < sl; i++) {
+    char c = v[i];
+    if (c >= 'A' && c <= 'Z') c = (char)(c + 32);
+    bearer = c == scheme[i];
+  }
+  if (!bearer) {
+    snprintf(why, why_len, "the 'authorization' metadata must be 'Bearer <token>'");
+    return GRPC_STATUS_UNAUTHENTICATED;
+  }
+  /* Both sides hashed to 32 bytes: the comparison takes the same time
+   * whatever the guess's length or how many leading bytes match. */
+  unsigned char d[FPS_AUTH_DIGEST];
+  if (fps__auth_digest(v + sl, n - sl, d) < 0) {
+    snprintf(why, why_len, "cannot hash the bearer token");
+    return GRPC_STATUS_UNAUTHENTICATED;
+  }
+  int match = 0;
+  for (size_t i = 0; i < a->ntokens; i++) match |= CRYPTO_memcmp(d, a->token[i], sizeof d) == 0;
+  if (match) return GRPC_STATUS_OK;
+  snprintf(why, why_len, "the bearer token is not valid for this shard");
+  return GRPC_STATUS_UNAUTHENTICATED;
+}
+
+void fps__auth_log_refusal(grpc_call *call, const char *method, const char *why) {
+  int64_t now = fps_now_ns() / 1000000000;
+  int64_t last = atomic_load(&fps__auth_last_log_s);
+  if (now == last || !atomic_compare_exchange_strong(&fps__auth_last_log_s, &last, now)) return;
+  char *peer = grpc_call_get_peer(call);
+  FPS_SLOG(FPS_LOG_WARN, "%s from %s refused: %s (further refusals this second not logged)", method,
+           peer ? peer : "?", why);
+  gpr_free(peer);
+}
+
+int fps_auth_tls(const fps_auth_t *a) { return a && a->cert_pem; }
+
+const char *fps_auth_describe(const fps_auth_t *a) { return a ? a->describe : "plaintext"; }

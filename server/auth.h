@@ -1,0 +1,57 @@
+/* The shard's security: TLS server credentials (optionally requiring and
+ * verifying client certificates) and bearer tokens checked on every call.
+ *
+ * Everything that can be wrong with the files (missing, unreadable, not
+ * PEM, a key that does not match its certificate, an expired certificate,
+ * an empty token file) is found at start-up with a message naming the flag
+ * and the file, instead of as failed handshakes later. */
+#ifndef FPS_SERVER_AUTH_H
+#define FPS_SERVER_AUTH_H
+
+#include <stddef.h>
+
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/status.h>
+
+#include "server.h"
+
+typedef struct fps_auth_s fps_auth_t;
+
+/* Largest file read for a certificate, key, CA bundle or token list. */
+#define FPS_AUTH_FILE_MAX (1u << 20)
+/* Most tokens one --auth-token-file may list (one per line). */
+#define FPS_AUTH_TOKENS_MAX 64
+
+/* Loads and checks --tls-cert, --tls-key, --tls-client-ca and
+ * --auth-token-file. Returns 0 and *out (free with fps_auth_destroy), or
+ * FPS_EINVAL / FPS_EIO / FPS_ENOMEM after printing the problem to stderr.
+ * Flags that are empty switch their feature off. */
+int fps_auth_create(const fps_config_t *cfg, fps_auth_t **out);
+/* NULL is a no-op. REQUIRES: no call is being checked any more. */
+void fps_auth_destroy(fps_auth_t *a);
+
+/* New server credentials for grpc_server_add_http2_port(): TLS (with
+ * client certificates required and verified when --tls-client-ca is set) or
+ * plaintext. Caller releases them. NULL on OOM. */
+grpc_server_credentials *fps_auth_server_credentials(const fps_auth_t *a);
+
+/* Checks a call's request metadata for "authorization: Bearer <token>"
+ * when tokens are configured. Returns GRPC_STATUS_OK, or
+ * GRPC_STATUS_UNAUTHENTICATED with the reason in why (never the token).
+ * Each token is compared as a SHA-256 digest with CRYPTO_memcmp, against
+ * every configured token, so neither the time taken nor an early exit tells
+ * how much of a guess was right or how long the token is. Thread-safe. */
+grpc_status_code fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, char *why,
+                                size_t why_len);
+
+/* Logs a refused call (peer, method, reason) at most once a second, so a
+ * client retrying in a loop cannot flood the log. Thread-safe. */
+void fps__auth_log_refusal(grpc_call *call, const char *method, const char *why);
+
+/* True when TLS is on; for the start-up line. */
+int fps_auth_tls(const fps_auth_t *a);
+/* "plaintext", "TLS" or "mutual TLS", plus ", bearer tokens" if set. */
+const char *fps_auth_describe(const fps_auth_t *a);
+
+#endif
