@@ -42,6 +42,10 @@ class CkptShards(Shards):
         finally:
             self.extra = base
 
+    def log_path(self, i):
+        """Shard i's whole log (all its restarts; log() returns the tail)."""
+        return os.path.join(self.dir, f"shard{i}.log")
+
     def files(self, i):
         """The checkpoint files of shard i, oldest first (temp files not included)."""
         d = self.ckdir(i)
