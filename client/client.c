@@ -3,6 +3,7 @@
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/time.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,12 +86,94 @@ static int options_check(const fps_client_options_t *o, fps_status_t *st) {
     return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
                            "max_message_bytes must be in [64 KiB, 1 GiB], not %llu",
                            (unsigned long long)o->max_message_bytes);
-  /* Refuse rather than silently talk plaintext to a shard the caller wants
-   * authenticated. */
-  if (o->tls_ca_file || o->tls_cert_file || o->tls_key_file)
+  /* Refuse half a configuration rather than silently talk plaintext (or
+   * without a certificate) to a shard the caller wants authenticated. */
+  if (!o->tls_cert_file != !o->tls_key_file)
     return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
-                           "TLS options are not implemented by this libfactorps");
+                           "tls_cert_file and tls_key_file must be given together");
+  if ((o->tls_cert_file || o->tls_server_name) && !o->tls_ca_file)
+    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+                           "%s needs tls_ca_file (the CA that signed the shards' certificates)",
+                           o->tls_cert_file ? "tls_cert_file" : "tls_server_name");
+  if (o->tls_server_name && !o->tls_server_name[0])
+    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "tls_server_name is empty");
+  if (o->auth_token) {
+    /* Visible ASCII only: an HTTP/2 header value, and no space that would
+     * make "Bearer <token>" ambiguous. The token itself is never echoed. */
+    size_t n = strlen(o->auth_token);
+    if (n == 0)
+      return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "auth_token is empty");
+    if (n > 4096)
+      return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+                             "auth_token is longer than 4096 bytes");
+    for (size_t i = 0; i < n; i++)
+      if (o->auth_token[i] < 0x21 || o->auth_token[i] > 0x7e)
+        return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+                               "auth_token may contain only visible ASCII characters (byte %zu "
+                               "is not)",
+                               i);
+  }
   return 0;
+}
+
+/* Reads a PEM file (at most 1 MiB) NUL-terminated into *out. */
+static int read_pem(const char *path, const char *what, char **out, fps_status_t *st) {
+  enum { PEM_MAX = 1 << 20 };
+  FILE *f = fopen(path, "rb");
+  char *buf = NULL;
+  size_t n = 0;
+  *out = NULL;
+  if (!f)
+    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "%s '%s': %s", what, path,
+                           strerror(errno));
+  if (!(buf = malloc(PEM_MAX + 1))) {
+    fclose(f);
+    return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory reading %s", what);
+  }
+  n = fread(buf, 1, PEM_MAX + 1, f);
+  int bad = ferror(f);
+  fclose(f);
+  buf[n > PEM_MAX ? PEM_MAX : n] = 0;
+  /* gRPC only looks at the files at the first handshake; catching an
+   * obviously wrong file here gives the error a name. */
+  const char *why = bad ? "read error" : n > PEM_MAX ? "larger than 1 MiB"
+                      : strlen(buf) != n ? "contains a NUL byte"
+                      : !strstr(buf, "-----BEGIN ") ? "not a PEM file" : NULL;
+  if (why) {
+    free(buf);
+    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "%s '%s': %s", what, path, why);
+  }
+  *out = buf;
+  return 0;
+}
+
+/* Plaintext or TLS credentials from the options (checked already). */
+static int make_credentials(const fps_client_options_t *o, grpc_channel_credentials **out,
+                            fps_status_t *st) {
+  char *ca = NULL, *cert = NULL, *key = NULL;
+  int rc;
+  *out = NULL;
+  if (!o->tls_ca_file) {
+    *out = grpc_insecure_credentials_create();
+    return *out ? 0 : fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+  }
+  if ((rc = read_pem(o->tls_ca_file, "tls_ca_file", &ca, st))) goto done;
+  if (o->tls_cert_file && (rc = read_pem(o->tls_cert_file, "tls_cert_file", &cert, st))) goto done;
+  if (o->tls_key_file && (rc = read_pem(o->tls_key_file, "tls_key_file", &key, st))) goto done;
+  grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
+  /* gRPC copies the PEM text. */
+  *out = grpc_ssl_credentials_create(ca, cert ? &pair : NULL, NULL, NULL);
+  rc = *out ? 0 : fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "gRPC refused the TLS files");
+done:
+  free(ca);
+  free(cert);
+  if (key) {
+    /* Do not leave the private key lying in freed heap memory. */
+    volatile char *p = key;
+    while (*p) *p++ = 0;
+  }
+  free(key);
+  return rc;
 }
 
 fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
@@ -121,7 +204,7 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
   c->n_shards = n_shards;
   c->opts = o;
   c->opts.tls_ca_file = c->opts.tls_cert_file = c->opts.tls_key_file = NULL;
-  c->opts.auth_token = NULL;
+  c->opts.auth_token = c->opts.tls_server_name = NULL;
   if (pthread_rwlock_init(&c->lock, NULL)) goto nomem_lock;
   if (o.auth_token) {
     size_t n = strlen(o.auth_token) + sizeof "Bearer ";
@@ -145,7 +228,7 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
      * how long an unreachable shard is tried. A local subchannel pool gives
      * each client its own connection, so W clients in one process (the load
      * generator's workers) do not share one TCP stream. */
-    grpc_arg args[6];
+    grpc_arg args[7];
     int max_recv = (int)(o.max_message_bytes + (1u << 20));
     args[0] = (grpc_arg){.type = GRPC_ARG_INTEGER,
                          .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
@@ -168,8 +251,14 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
     args[5] = (grpc_arg){.type = GRPC_ARG_INTEGER,
                          .key = GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL,
                          .value.integer = 1};
-    grpc_channel_args ca = {.num_args = sizeof args / sizeof args[0], .args = args};
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    /* The name the shards' certificates must carry, when it differs from
+     * the host in the address (e.g. shards dialled by IP address). */
+    args[6] = (grpc_arg){.type = GRPC_ARG_STRING,
+                         .key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG,
+                         .value.string = (char *)o.tls_server_name};
+    grpc_channel_args ca = {.num_args = o.tls_server_name ? 7 : 6, .args = args};
+    grpc_channel_credentials *creds = NULL;
+    if (make_credentials(&o, &creds, status)) goto fail;
     for (size_t i = 0; i < n_shards; i++) {
       c->channels[i] = grpc_channel_create(c->addrs[i], creds, &ca);
       if (!c->channels[i]) {

@@ -82,3 +82,59 @@ int fps_cli_count(const char *s, const char *what, unsigned long long *out) {
   *out = v * mul;
   return 0;
 }
+
+/* ----------------------------------------------- TLS and token options */
+
+int fps_cli_sec_opt(fps_cli_sec_t *s, int opt, const char *arg) {
+  switch (opt) {
+    case FPS_CLI_OPT_TLS_CA: s->ca = arg; return 1;
+    case FPS_CLI_OPT_TLS_CERT: s->cert = arg; return 1;
+    case FPS_CLI_OPT_TLS_KEY: s->key = arg; return 1;
+    case FPS_CLI_OPT_TLS_SERVER_NAME: s->server_name = arg; return 1;
+    case FPS_CLI_OPT_TOKEN_FILE: s->token_file = arg; return 1;
+    default: return 0;
+  }
+}
+
+int fps_cli_sec_load(fps_cli_sec_t *s) {
+  /* A token on the command line would show in ps and shell history: it
+   * comes from a file, first non-empty line, surrounding blanks dropped. */
+  if (!s->token_file) return 0;
+  FILE *f = fopen(s->token_file, "r");
+  if (!f) {
+    fprintf(stderr, "factorps: --token-file '%s': %s\n", s->token_file, strerror(errno));
+    return -1;
+  }
+  char line[4100];
+  while (fgets(line, sizeof line, f)) {
+    char *p = line + strspn(line, " \t\r\n");
+    size_t n = strcspn(p, "\r\n");
+    while (n > 0 && (p[n - 1] == ' ' || p[n - 1] == '\t')) n--;
+    if (n == 0 || *p == '#') continue;
+    s->token = strndup(p, n);
+    break;
+  }
+  fclose(f);
+  explicit_bzero(line, sizeof line);
+  if (!s->token) {
+    fprintf(stderr, "factorps: --token-file '%s' holds no token\n", s->token_file);
+    return -1;
+  }
+  return 0;
+}
+
+void fps_cli_sec_fill(const fps_cli_sec_t *s, fps_client_options_t *o) {
+  o->tls_ca_file = s->ca;
+  o->tls_cert_file = s->cert;
+  o->tls_key_file = s->key;
+  o->tls_server_name = s->server_name;
+  o->auth_token = s->token;
+}
+
+void fps_cli_sec_free(fps_cli_sec_t *s) {
+  if (s->token) {
+    explicit_bzero(s->token, strlen(s->token));
+    free(s->token);
+    s->token = NULL;
+  }
+}

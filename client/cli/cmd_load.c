@@ -37,6 +37,7 @@ typedef struct load_cfg_s {
   double deadline;
   unsigned long long max_message;
   const char *mode_hint;
+  fps_cli_sec_t sec;                   /* TLS and token options */
   int processes;
   /* The model. */
   fps_tensor_def_t *defs;
@@ -76,7 +77,8 @@ static void usage(FILE *out) {
           "(default 10M; k/M/G suffixes) and report steps/s, GB/s (gradients pushed + params\n"
           "received) and push_pull latency percentiles over the steps after the first K\n"
           "(default 1). Sync shards must run with --workers W. --mode-hint states the mode\n"
-          "the shards should run in; a mismatch with what they report is an error.\n");
+          "the shards should run in; a mismatch with what they report is an error.\n"
+          FPS_CLI_SEC_USAGE);
 }
 
 static void def_add(load_cfg_t *cfg, const char *name, uint32_t ndim, uint64_t d0, uint64_t d1) {
@@ -185,6 +187,7 @@ static void worker_run(worker_t *w) {
   bytes_per_step = 2.0 * (double)cfg->total * 4.0;
 
   fps_client_options_init(&o);
+  fps_cli_sec_fill(&cfg->sec, &o);
   o.deadline_seconds = cfg->deadline;
   o.max_message_bytes = cfg->max_message;
   if (!(c = fps_client_create((const char *const *)cfg->addrs, cfg->n_shards, &o, &st))) goto fail;
@@ -311,6 +314,7 @@ static int check_mode(const load_cfg_t *cfg) {
   fps_shard_stats_t *s = calloc(cfg->n_shards, sizeof *s);
   int rc = -1;
   fps_client_options_init(&o);
+  fps_cli_sec_fill(&cfg->sec, &o);
   o.deadline_seconds = cfg->deadline < 10 ? cfg->deadline : 10;
   fps_client_t *c = fps_client_create((const char *const *)cfg->addrs, cfg->n_shards, &o, &st);
   if (!s || !c || fps_client_stats(c, s, cfg->n_shards, &st)) {
@@ -348,6 +352,7 @@ int fps_cli_load(int argc, char **argv) {
                                            {"deadline", required_argument, NULL, 'd'},
                                            {"max-message", required_argument, NULL, 'M'},
                                            {"help", no_argument, NULL, 'h'},
+                                           FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
   load_cfg_t cfg = {.workers = 2, .params = 10000000, .steps = 20, .warmup = 1, .deadline = 120,
                     .max_message = 4u << 20};
@@ -390,7 +395,10 @@ int fps_cli_load(int argc, char **argv) {
         if (fps_cli_count(optarg, "--max-message", &cfg.max_message)) return 2;
         break;
       case 'h': usage(stdout); return 0;
-      default: usage(stderr); return 2;
+      default:
+        if (fps_cli_sec_opt(&cfg.sec, opt, optarg)) break;
+        usage(stderr);
+        return 2;
     }
   }
   if (!shards || optind != argc) {
@@ -412,6 +420,10 @@ int fps_cli_load(int argc, char **argv) {
    * (--malloc-tune); the library leaves malloc to its host program. */
   if (!mallopt(M_MMAP_MAX, 0) || !mallopt(M_TRIM_THRESHOLD, -1) || !mallopt(M_TOP_PAD, 64 << 20))
     fprintf(stderr, "factorps load: mallopt tuning refused; continuing untuned\n");
+  if (fps_cli_sec_load(&cfg.sec)) {
+    rc = 2;
+    goto done;
+  }
   if (build_model(&cfg)) goto done;
   /* The mode check talks gRPC, which must not happen before fork(). */
   if (cfg.mode_hint && !cfg.processes && check_mode(&cfg)) goto done;
@@ -473,5 +485,6 @@ done:
   free(cfg.defs);
   free(cfg.names);
   fps_cli_split_free(cfg.addrs);
+  fps_cli_sec_free(&cfg.sec);
   return rc;
 }

@@ -16,7 +16,8 @@ static void usage(FILE *out) {
   fprintf(out,
           "usage: factorps pull --shards HOST:PORT[,...] [--out FILE] [--deadline S] NAME...\n"
           "Prints each tensor's shard, version, shape and a summary of its values; with --out,\n"
-          "writes the values as raw little-endian float32, tensors in the order named.\n");
+          "writes the values as raw little-endian float32, tensors in the order named.\n"
+          FPS_CLI_SEC_USAGE);
 }
 
 static void summary(const float *v, uint64_t n) {
@@ -39,8 +40,10 @@ int fps_cli_pull(int argc, char **argv) {
                                            {"out", required_argument, NULL, 'o'},
                                            {"deadline", required_argument, NULL, 'd'},
                                            {"help", no_argument, NULL, 'h'},
+                                           FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
   const char *shards = NULL, *out_path = NULL;
+  fps_cli_sec_t sec = {0};
   double deadline = 60;
   int opt, rc = 1;
   char **addrs = NULL;
@@ -60,7 +63,10 @@ int fps_cli_pull(int argc, char **argv) {
         if (fps_cli_double(optarg, "--deadline", 0.001, 86400, &deadline)) return 2;
         break;
       case 'h': usage(stdout); return 0;
-      default: usage(stderr); return 2;
+      default:
+        if (fps_cli_sec_opt(&sec, opt, optarg)) break;
+        usage(stderr);
+        return 2;
     }
   }
   if (!shards || optind >= argc) {
@@ -71,7 +77,12 @@ int fps_cli_pull(int argc, char **argv) {
     fprintf(stderr, "factorps pull: bad --shards list '%s'\n", shards);
     return 2;
   }
+  if (fps_cli_sec_load(&sec)) {
+    fps_cli_split_free(addrs);
+    return 2;
+  }
   fps_client_options_init(&o);
+  fps_cli_sec_fill(&sec, &o);
   o.deadline_seconds = deadline;
   if (!(c = fps_client_create((const char *const *)addrs, n, &o, &status))) goto fail;
   if (fps_client_discover(c, NULL, &status)) goto fail;
@@ -124,5 +135,6 @@ done:
   free(buf);
   fps_client_destroy(c);
   fps_cli_split_free(addrs);
+  fps_cli_sec_free(&sec);
   return rc;
 }

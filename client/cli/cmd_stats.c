@@ -11,7 +11,8 @@ static void usage(FILE *out) {
   fprintf(out,
           "usage: factorps stats --shards HOST:PORT[,HOST:PORT...] [--json] [--deadline SECONDS]\n"
           "Prints each shard's mode, tensors, parameter and optimizer-state sizes (with AdamW's\n"
-          "equivalent), push counts and latencies. --json prints one JSON object.\n");
+          "equivalent), push counts and latencies. --json prints one JSON object.\n"
+          FPS_CLI_SEC_USAGE);
 }
 
 static void print_json_str(const char *s) {
@@ -90,8 +91,10 @@ int fps_cli_stats(int argc, char **argv) {
                                            {"json", no_argument, NULL, 'j'},
                                            {"deadline", required_argument, NULL, 'd'},
                                            {"help", no_argument, NULL, 'h'},
+                                           FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
   const char *shards = NULL;
+  fps_cli_sec_t sec = {0};
   int json = 0, opt, rc = 1;
   double deadline = 10;
   char **addrs = NULL;
@@ -110,7 +113,10 @@ int fps_cli_stats(int argc, char **argv) {
         if (fps_cli_double(optarg, "--deadline", 0.001, 86400, &deadline)) return 2;
         break;
       case 'h': usage(stdout); return 0;
-      default: usage(stderr); return 2;
+      default:
+        if (fps_cli_sec_opt(&sec, opt, optarg)) break;
+        usage(stderr);
+        return 2;
     }
   }
   if (!shards || optind != argc) {
@@ -121,7 +127,12 @@ int fps_cli_stats(int argc, char **argv) {
     fprintf(stderr, "factorps stats: bad --shards list '%s'\n", shards);
     return 2;
   }
+  if (fps_cli_sec_load(&sec)) {
+    fps_cli_split_free(addrs);
+    return 2;
+  }
   fps_client_options_init(&o);
+  fps_cli_sec_fill(&sec, &o);
   o.deadline_seconds = deadline;
   o.max_retries = 2;
   if (!(c = fps_client_create((const char *const *)addrs, n, &o, &status))) goto fail;
@@ -139,5 +150,6 @@ done:
   free(st);
   fps_client_destroy(c);
   fps_cli_split_free(addrs);
+  fps_cli_sec_free(&sec);
   return rc;
 }

@@ -6,6 +6,8 @@
 
 #include <stddef.h>
 
+#include "factorps/client.h"
+
 int fps_cli_replay(int argc, char **argv);
 int fps_cli_stats(int argc, char **argv);
 int fps_cli_pull(int argc, char **argv);
@@ -26,5 +28,44 @@ int fps_cli_u64(const char *s, const char *what, unsigned long long lo, unsigned
 int fps_cli_double(const char *s, const char *what, double lo, double hi, double *out);
 /* Parses a count with an optional k/M/G suffix (decimal: 10M = 10000000). */
 int fps_cli_count(const char *s, const char *what, unsigned long long *out);
+
+/* TLS and bearer-token options of the subcommands that talk to shards:
+ * add FPS_CLI_SEC_LONGOPTS to the getopt_long table, pass unknown option
+ * values to fps_cli_sec_opt(), then fps_cli_sec_load() once and
+ * fps_cli_sec_fill() into each fps_client_options_t. */
+enum {
+  FPS_CLI_OPT_TLS_CA = 0x1000,
+  FPS_CLI_OPT_TLS_CERT,
+  FPS_CLI_OPT_TLS_KEY,
+  FPS_CLI_OPT_TLS_SERVER_NAME,
+  FPS_CLI_OPT_TOKEN_FILE,
+};
+#define FPS_CLI_SEC_LONGOPTS                                                  \
+  {"tls-ca", required_argument, NULL, FPS_CLI_OPT_TLS_CA},                    \
+      {"tls-cert", required_argument, NULL, FPS_CLI_OPT_TLS_CERT},            \
+      {"tls-key", required_argument, NULL, FPS_CLI_OPT_TLS_KEY},              \
+      {"tls-server-name", required_argument, NULL, FPS_CLI_OPT_TLS_SERVER_NAME}, \
+      {"token-file", required_argument, NULL, FPS_CLI_OPT_TOKEN_FILE}
+#define FPS_CLI_SEC_USAGE                                                               \
+  "  --tls-ca FILE          PEM CA of the shards' certificates: connect with TLS\n"     \
+  "  --tls-cert FILE        PEM client certificate (mutual TLS; with --tls-key)\n"      \
+  "  --tls-key FILE         its PEM private key\n"                                      \
+  "  --tls-server-name NAME name the shards' certificates carry, if not the host\n"     \
+  "  --token-file FILE      bearer token (first non-empty line) sent on every call\n"
+
+typedef struct fps_cli_sec_s {
+  const char *ca, *cert, *key, *server_name, *token_file; /* argv strings */
+  char *token;                                             /* read from token_file */
+} fps_cli_sec_t;
+
+/* 1 if opt is one of FPS_CLI_OPT_* (recorded), else 0. */
+int fps_cli_sec_opt(fps_cli_sec_t *s, int opt, const char *arg);
+/* Reads --token-file; 0, or -1 after printing why. */
+int fps_cli_sec_load(fps_cli_sec_t *s);
+/* Points o's TLS and token fields at s (which must outlive the client's
+ * creation). */
+void fps_cli_sec_fill(const fps_cli_sec_t *s, fps_client_options_t *o);
+/* Wipes and frees the token. */
+void fps_cli_sec_free(fps_cli_sec_t *s);
 
 #endif

@@ -99,10 +99,17 @@ typedef struct fps_client_options_s {
   uint64_t max_message_bytes;    /* largest message sent or expected (the
                                     shard's --max-message); >= 64 KiB;
                                     default 4 MiB */
-  const char *tls_ca_file;       /* NULL: plaintext (reserved for TLS) */
-  const char *tls_cert_file;     /* client certificate for mTLS, or NULL */
-  const char *tls_key_file;
-  const char *auth_token;        /* bearer token, or NULL */
+  const char *tls_ca_file;       /* PEM CA bundle: TLS, shards verified
+                                    against it; NULL: plaintext */
+  const char *tls_cert_file;     /* PEM client certificate for mutual TLS,
+                                    or NULL (needs tls_ca_file) */
+  const char *tls_key_file;      /* its unencrypted PEM private key */
+  const char *auth_token;        /* bearer token sent as "authorization:
+                                    Bearer <token>" on every call, or NULL;
+                                    visible ASCII, no spaces */
+  const char *tls_server_name;   /* name the shards' certificates must
+                                    carry when not the address's host
+                                    (e.g. shards dialled by IP), or NULL */
 } fps_client_options_t;
 
 /* Optimizer flavors and hyperparameters, as in the wire contract
@@ -143,9 +150,13 @@ FPS_EXTERN void fps_client_options_init(fps_client_options_t *o);
 
 /* Connects to `n_shards` shards (addresses "host:port", shard i at index i).
  * `opts` may be NULL (defaults). Returns NULL and fills `status` on bad
- * arguments (INVALID_ARGUMENT: no shards, empty address, a TLS option, which
- * this version does not implement, or out-of-range options); connection
- * happens lazily, so an unreachable shard is reported by the first call.
+ * arguments (INVALID_ARGUMENT: no shards, empty address, out-of-range
+ * options, half a TLS configuration, an unreadable or non-PEM TLS file);
+ * connection happens lazily, so an unreachable shard is reported by the
+ * first call. A failed TLS handshake (a shard's certificate not signed by
+ * tls_ca_file or not naming the shard, a client certificate the shard does
+ * not accept, a plaintext shard) is reported by calls as UNAVAILABLE; a
+ * missing or wrong token as UNAUTHENTICATED.
  * Caller owns the result and frees it with fps_client_destroy(). Copies
  * `addrs` and the option strings. Thread-safe (initialises gRPC). */
 FPS_EXTERN fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,

@@ -49,6 +49,7 @@ class ClientOptions(ctypes.Structure):
         ("tls_cert_file", ctypes.c_char_p),
         ("tls_key_file", ctypes.c_char_p),
         ("auth_token", ctypes.c_char_p),
+        ("tls_server_name", ctypes.c_char_p),
     ]
 
 

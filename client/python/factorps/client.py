@@ -202,7 +202,7 @@ class Client:
 
     def __init__(self, shards, *, worker_id=0, deadline=60.0, max_retries=5, backoff=0.1,
                  max_message_bytes=4 << 20, tls_ca_file=None, tls_cert_file=None,
-                 tls_key_file=None, auth_token=None):
+                 tls_key_file=None, auth_token=None, tls_server_name=None):
         if isinstance(shards, str):
             shards = [s for s in shards.split(",") if s.strip()]
         shards = [str(s).strip() for s in shards]
@@ -229,9 +229,10 @@ class Client:
         opts.max_message_bytes = int(max_message_bytes)
         # Keep the encoded strings alive as long as the options struct.
         self._opt_strings = [None if v is None else str(v).encode()
-                             for v in (tls_ca_file, tls_cert_file, tls_key_file, auth_token)]
+                             for v in (tls_ca_file, tls_cert_file, tls_key_file, auth_token,
+                                       tls_server_name)]
         (opts.tls_ca_file, opts.tls_cert_file, opts.tls_key_file,
-         opts.auth_token) = self._opt_strings
+         opts.auth_token, opts.tls_server_name) = self._opt_strings
         addrs = (ctypes.c_char_p * len(shards))(*[s.encode() for s in shards])
         st = _lib.Status()
         handle = self._lib.fps_client_create(addrs, len(shards), ctypes.byref(opts),
@@ -556,6 +557,10 @@ def connect(shards, **options):
     at index i) or one comma-separated string. Options: worker_id (default
     0), deadline (seconds per call, 60), max_retries (on UNAVAILABLE, 5),
     backoff (first retry delay, 0.1 s), max_message_bytes (4 MiB),
-    tls_ca_file, tls_cert_file, tls_key_file, auth_token.
-    Connection is lazy: an unreachable shard fails the first call."""
+    tls_ca_file (PEM CA: TLS), tls_cert_file + tls_key_file (PEM: mutual
+    TLS), auth_token (bearer token), tls_server_name (the name the shards'
+    certificates carry, when not the address's host).
+    Connection is lazy: an unreachable shard fails the first call; a failed
+    TLS handshake raises UnavailableError, a missing or wrong token
+    UnauthenticatedError."""
     return Client(shards, **options)
