@@ -292,6 +292,10 @@ static int write_all(int fd, const void *buf, size_t len) {
       if (errno == EINTR) continue;
       return FPS_EIO;
     }
+    if (w == 0) { /* no progress (seen under qemu-user at a size limit): never spin */
+      errno = ENOSPC;
+      return FPS_EIO;
+    }
     p += w;
     len -= (size_t)w;
   }
@@ -304,6 +308,10 @@ static int pwrite_all(int fd, const void *buf, size_t len, off_t off) {
     ssize_t w = pwrite(fd, p, len, off);
     if (w < 0) {
       if (errno == EINTR) continue;
+      return FPS_EIO;
+    }
+    if (w == 0) {
+      errno = ENOSPC;
       return FPS_EIO;
     }
     p += w;
