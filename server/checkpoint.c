@@ -240,6 +240,10 @@ void fps_checkpoint_stop(fps_server_t *srv) {
     pthread_mutex_destroy(&srv->ckpt_thread_mu);
     srv->ckpt_thread_on = false;
   }
+}
+
+void fps_checkpoint_close(fps_server_t *srv) {
+  fps_checkpoint_stop(srv);
   if (srv->ckpt_dir_fd >= 0) {
     close(srv->ckpt_dir_fd);
     srv->ckpt_dir_fd = -1;

@@ -192,12 +192,13 @@ out:
   fps_grpc_stop(&srv, FPS_SHUTDOWN_GRACE_S);
   fps_metrics_http_stop(http);
   if (timer) fps_sync_stop(&srv);
+  fps_checkpoint_stop(&srv); /* no periodic write after the final one */
   if (ckpt_on_exit) {
     /* After gRPC stopped: no update can follow, so this checkpoint holds
      * the shard's final state. A failure makes the exit status non-zero. */
     if (fps_checkpoint_write(&srv, NULL, why, sizeof why) < 0) exit_code = 1;
   }
-  fps_checkpoint_stop(&srv);
+  fps_checkpoint_close(&srv);
   fps_store_destroy(&srv.store);
   fps_pool_destroy(srv.pool);
   grpc_shutdown_blocking();

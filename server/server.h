@@ -381,14 +381,15 @@ int fps_checkpoint_open(fps_server_t *srv);
  * Returns 0, FPS_ESTATE (no --checkpoint-dir), or FPS_E* with `why`. */
 int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, size_t why_len);
 /* Periodic checkpoints (--checkpoint-interval > 0); start is a no-op
- * otherwise. stop joins the thread and releases the directory lease. */
+ * otherwise. stop joins the thread (a write in progress finishes first);
+ * close stops it too and releases the directory lease. */
 int fps_checkpoint_start(fps_server_t *srv);
 void fps_checkpoint_stop(fps_server_t *srv);
+void fps_checkpoint_close(fps_server_t *srv);
 /* Appends to `buf` what a worker ahead of a restored tensor must do
  * (nothing if the tensor was not restored). No lock needed: the
  * restored_* fields are written before gRPC starts and never change. */
 void fps_checkpoint_ahead_hint(const fps_tensor_t *t, char *buf, size_t len);
-
 
 /* Timer and waits (sync.c). */
 int fps_sync_start(fps_server_t *srv);
