@@ -26,6 +26,7 @@ int main(void) {
   FIELD(fps_client_options_t, tls_cert_file);
   FIELD(fps_client_options_t, tls_key_file);
   FIELD(fps_client_options_t, auth_token);
+  FIELD(fps_client_options_t, tls_server_name);
 
   SIZE(fps_optim_config_t);
   FIELD(fps_optim_config_t, flavor);
