@@ -14,7 +14,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 
-from _support import SERVER, Shards, need_server  # noqa: E402,F401
+from _support import SERVER, Shards, need_server  # noqa: E402,F401 (re-exported)
 
 CLI = os.environ.get("FACTORPS_CLI", "")
 

@@ -13,7 +13,7 @@ import unittest
 
 import numpy as np
 
-from _recovery import SERVER, CkptShards, flip_byte, need_server, truncate, verify
+from _recovery import CLI, SERVER, CkptShards, Shards, flip_byte, need_server, truncate, verify
 
 import factorps
 from factorps import TensorSpec, optimizer_config
@@ -196,6 +196,40 @@ class Checkpoints(unittest.TestCase):
             self.assertEqual(p.returncode, 3, p.stderr)
             self.assertIn("holds no checkpoint", p.stderr)
             self.assertEqual([f for f in os.listdir(empty) if "ckpt" in f], [])
+
+    def test_cli_checkpoint_and_flags(self):
+        with CkptShards(2, mode="async") as ck:
+            c = connect(ck.addrs)
+            c.push_pull(GRADS[0], step=0)
+            c.close()
+            p = subprocess.run([CLI, "checkpoint", "--shards", ",".join(ck.addrs)], capture_output=True,
+                               text=True, timeout=60, stdin=subprocess.DEVNULL)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertRegex(p.stdout, r"shard 0 .*sequence 1 .*ckpt-0+1\.safetensors")
+            self.assertRegex(p.stdout, r"shard 1 .*sequence 1 ")
+            for i in range(2):
+                rc, out = verify(ck.ckdir(i), "--shard-id", str(i), "--shard-count", "2")
+                self.assertEqual(rc, 0, out)
+                rc, out = verify(ck.ckdir(i), "--shard-id", str(1 - i), "--shard-count", "2")
+                self.assertEqual(rc, 1, out)  # placement mismatch is a bad file for that shard
+                rc, out = verify(ck.ckdir(i), "--mode", "sync")
+                self.assertEqual(rc, 1, out)
+        with Shards(1) as plain:  # no --checkpoint-dir
+            p = subprocess.run([CLI, "checkpoint", "--shards", plain.addrs[0]], capture_output=True,
+                               text=True, timeout=60, stdin=subprocess.DEVNULL)
+            self.assertEqual(p.returncode, 1)
+            self.assertIn("FAILED_PRECONDITION", p.stderr)
+            self.assertIn("without --checkpoint-dir", p.stderr)
+        rc, out = verify("/nonexistent/fps-ckpt")
+        self.assertEqual(rc, 1, out)
+        for args, msg in ((["--checkpoint-interval", "1"], "--checkpoint-interval needs --checkpoint-dir"),
+                          (["--require-checkpoint"], "--require-checkpoint needs --checkpoint-dir"),
+                          (["--checkpoint-dir", "/tmp/x", "--require-checkpoint=maybe"], "true or false"),
+                          (["--checkpoint-dir", "/tmp/x", "--checkpoint-keep", "0"], "--checkpoint-keep")):
+            p = subprocess.run([SERVER, "--listen", "127.0.0.1:0", *args], capture_output=True, text=True,
+                               timeout=30, stdin=subprocess.DEVNULL)
+            self.assertEqual(p.returncode, 2, (args, p.stderr))
+            self.assertIn(msg, p.stderr)
 
 
 @need_server
