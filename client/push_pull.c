@@ -27,6 +27,7 @@
 
 #include "factorps/v1/factorps.pb-c.h"
 #include "internal.h"
+#include "tsan.h"
 
 typedef struct pp_item_s {
   const fps__tensor_t *t;               /* in the client's list */
@@ -73,6 +74,7 @@ typedef struct pp_shard_s {
  * while a write is still in flight). */
 static void data_slice_released(void *user) {
   pp_job_t *job = user;
+  FPS_TSAN_ACQUIRE(job); /* gRPC may drop the slice on any thread */
   pthread_mutex_lock(&job->mu);
   if (--job->live_slices == 0) pthread_cond_broadcast(&job->cv);
   pthread_mutex_unlock(&job->mu);
@@ -123,6 +125,7 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
     pthread_mutex_lock(&job->mu);
     job->live_slices++;
     pthread_mutex_unlock(&job->mu);
+    FPS_TSAN_RELEASE(job);
     sl[n_sl++] = grpc_slice_new_with_user_data((void *)(job->grads[r->it->idx] + r->off),
                                                (size_t)r->count * 4, data_slice_released, job);
   }

@@ -21,6 +21,7 @@
 #include "auth.h"
 #include "metrics.h"
 #include "server.h"
+#include "tsan.h"
 
 #define FPS_SLOTS_PER_METHOD 8
 
@@ -84,6 +85,14 @@ static void fps__call_meter_locked(fps_call_t *c, grpc_status_code code) {
   if (m >= 0)
     fps_metrics_rpc_observe((fps_metrics_method_t)m, (int)code,
                             (double)(fps_now_ns() - c->start_ns) / 1e9, 0, 0);
+}
+
+/* grpc_call_start_batch with the hand-off of `tag` to the thread that will
+ * take it from the queue (tsan.h). The arguments are read before the
+ * release, so nothing of the call is touched after it. */
+static grpc_call_error fps__start_batch(grpc_call *call, const grpc_op *ops, size_t n, void *tag) {
+  FPS_TSAN_RELEASE(tag);
+  return grpc_call_start_batch(call, ops, n, tag, NULL);
 }
 
 static void fps__call_unref(fps_call_t *c) {
@@ -151,7 +160,7 @@ int fps_call_begin(fps_call_t *c, fps_server_t *srv, grpc_call *call, gpr_timesp
   op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
   op.data.recv_close_on_server.cancelled = &c->cancelled;
   pthread_mutex_lock(&c->mu);
-  grpc_call_error e = grpc_call_start_batch(call, &op, 1, &c->close_tag, NULL);
+  grpc_call_error e = fps__start_batch(call, &op, 1, &c->close_tag);
   pthread_mutex_unlock(&c->mu);
   if (e != GRPC_CALL_OK) {
     FPS_SLOG(FPS_LOG_ERROR, "%s: RECV_CLOSE_ON_SERVER failed: %d", method, (int)e);
@@ -173,7 +182,7 @@ int fps_call_recv(fps_call_t *c) {
     grpc_byte_buffer_destroy(c->recv_buf);
     c->recv_buf = NULL;
   }
-  grpc_call_error e = grpc_call_start_batch(c->call, &op, 1, &c->batch_tag, NULL);
+  grpc_call_error e = fps__start_batch(c->call, &op, 1, &c->batch_tag);
   pthread_mutex_unlock(&c->mu);
   return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
 }
@@ -200,7 +209,7 @@ int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
     c->status_sent = true;
     fps__call_meter_locked(c, GRPC_STATUS_OK);
   }
-  grpc_call_error e = grpc_call_start_batch(c->call, ops, n, final ? &c->status_tag : &c->batch_tag, NULL);
+  grpc_call_error e = fps__start_batch(c->call, ops, n, final ? &c->status_tag : &c->batch_tag);
   pthread_mutex_unlock(&c->mu);
   if (e != GRPC_CALL_OK && final) fps__call_unref(c);
   /* The send op holds its own reference to the message's slices. */
@@ -235,7 +244,7 @@ void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_li
   ops[n++].data.send_status_from_server.status_details = &c->status_details;
   c->status_sent = true;
   fps__call_meter_locked(c, code);
-  grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->status_tag, NULL);
+  grpc_call_error e = fps__start_batch(c->call, ops, n, &c->status_tag);
   pthread_mutex_unlock(&c->mu);
   if (e != GRPC_CALL_OK) {
     /* No completion will come: release the logic reference here. */
@@ -253,6 +262,7 @@ void fps_call_fail(fps_call_t *c, grpc_status_code code, const char *fmt, ...) {
 
 /* Frees the packed bytes when gRPC drops the slice. */
 static void fps__free_packed(void *p, size_t len) {
+  FPS_TSAN_ACQUIRE(p); /* gRPC may drop the slice on any thread */
   (void)len;
   free(p);
 }
@@ -265,6 +275,7 @@ grpc_byte_buffer *fps_pack_message(const void *m) {
   protobuf_c_message_pack(pm, buf);
   /* The slice takes ownership of buf: the packed bytes go to the transport
    * without another copy. */
+  FPS_TSAN_RELEASE(buf);
   grpc_slice s = grpc_slice_new_with_len(buf, len, fps__free_packed);
   grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
   grpc_slice_unref(s);
@@ -446,12 +457,16 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
 static int fps__slot_post(fps_slot_t *s) {
   fps_server_t *srv = s->srv;
   grpc_call_error e;
-  if (s->method == M_GENERIC) {
+  int method = s->method;
+  /* Nothing of the slot is read after the release (tsan.h). */
+  if (method == M_GENERIC) {
+    FPS_TSAN_RELEASE(&s->tag);
     e = grpc_server_request_call(srv->server, &s->call, &s->details, &s->md, srv->cq, srv->cq, &s->tag);
   } else {
-    e = grpc_server_request_registered_call(srv->server, srv->method[s->method], &s->call, &s->deadline,
-                                            &s->md, s->method == M_PUSHPULL ? NULL : &s->payload,
-                                            srv->cq, srv->cq, &s->tag);
+    grpc_byte_buffer **payload = method == M_PUSHPULL ? NULL : &s->payload;
+    FPS_TSAN_RELEASE(&s->tag);
+    e = grpc_server_request_registered_call(srv->server, srv->method[method], &s->call, &s->deadline,
+                                            &s->md, payload, srv->cq, srv->cq, &s->tag);
   }
   return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
 }
@@ -482,6 +497,7 @@ static void *fps__poller_main(void *arg) {
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     if (ev.type != GRPC_OP_COMPLETE) continue;
     fps_tag_t *tag = ev.tag;
+    FPS_TSAN_ACQUIRE(tag); /* from the thread that handed it to gRPC (tsan.h) */
     tag->fn(tag, ev.success != 0);
   }
   return NULL;
@@ -565,6 +581,7 @@ void fps_grpc_stop(fps_server_t *srv, double grace_s) {
   pthread_mutex_lock(&t->mu);
   t->done = false;
   pthread_mutex_unlock(&t->mu);
+  FPS_TSAN_RELEASE(&t->tag);
   grpc_server_shutdown_and_notify(srv->server, srv->cq, &t->tag);
   /* Calls parked in sync rounds or ssp waits would only end at their
    * deadline: fail them now. */
