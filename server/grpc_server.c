@@ -608,9 +608,10 @@ void fps_grpc_stop(fps_server_t *srv, double grace_s) {
    * pollers (which run the final unrefs) exit. */
   grpc_server_cancel_all_calls(srv->server);
   grpc_server_destroy(srv->server);
-  srv->server = NULL;
   grpc_completion_queue_shutdown(srv->cq);
   for (uint32_t i = 0; i < fps__npollers; i++) pthread_join(fps__pollers[i].th, NULL);
+  /* Only now: a poller re-posting a slot reads srv->server until it exits. */
+  srv->server = NULL;
   free(fps__pollers);
   fps__pollers = NULL;
   fps__npollers = 0;
