@@ -1,0 +1,210 @@
+#!/usr/bin/python3
+"""Security tests from Python: a grpcio client (stubs generated at test time
+by tests/interop/fpsharness.py, code nobody on this project wrote) and the
+factorps package, against real shards with TLS, mutual TLS and tokens.
+
+The grpcio side checks every method, the PushPull stream included, and the
+malformed ways of sending a token that libfactorps never produces; the
+package side checks that connect(tls_*=..., auth_token=...) reaches the C
+options. Certificates come from gencerts.sh (openssl CLI).
+
+Environment (set by CMake): FPS_SERVER, FPS_PROTO_DIR, FPS_GENCERTS, and
+FACTORPS_LIB for the package tests (absent in sanitizer builds: then they
+are skipped; the C tests cover libfactorps there).
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "tests", "interop"))
+sys.path.insert(0, os.path.join(REPO, "client", "python"))
+
+import fpsharness as H  # noqa: E402
+
+CERTS = None
+
+
+def setUpModule():
+    global CERTS
+    CERTS = tempfile.mkdtemp(prefix="fps-sec-py-")
+    script = os.environ.get("FPS_GENCERTS", os.path.join(HERE, "gencerts.sh"))
+    subprocess.run(["sh", script, CERTS], check=True, timeout=60)
+
+
+def tearDownModule():
+    shutil.rmtree(CERTS, True)
+
+
+def cert(name):
+    return os.path.join(CERTS, name)
+
+
+def read(name):
+    with open(cert(name), "rb") as f:
+        return f.read()
+
+
+def token(name="token"):
+    return read(name).decode().strip()
+
+
+def secure_server(*extra):
+    return H.Server("--mode", "async", "--tls-cert", cert("server.pem"), "--tls-key", cert("server.key"),
+                    "--tls-client-ca", cert("ca.pem"), "--auth-token-file", cert("tokens.txt"), *extra)
+
+
+class WithMetadata:
+    """A stub whose every call carries fixed metadata (or none)."""
+
+    def __init__(self, stub, md):
+        self._stub, self._md = stub, md
+
+    def __getattr__(self, name):
+        fn = getattr(self._stub, name)
+        return lambda *a, **kw: fn(*a, metadata=self._md, **kw)
+
+
+class Grpcio(unittest.TestCase):
+    def channel(self, srv, client="client", call_token=None):
+        _, _, grpc = H.stubs()
+        creds = grpc.ssl_channel_credentials(root_certificates=read("ca.pem"),
+                                             private_key=read(client + ".key") if client else None,
+                                             certificate_chain=read(client + ".pem") if client else None)
+        if call_token:
+            # grpcio's own bearer-token credentials: the standard way a
+            # gRPC client sends "authorization: Bearer <token>".
+            creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(call_token))
+        return grpc.secure_channel(srv.addr, creds)
+
+    def test_every_method_needs_the_token(self):
+        pb, pbg, grpc = H.stubs()
+        srv = secure_server()
+        try:
+            good_ch = self.channel(srv, call_token=token())
+            good = pbg.ParameterServerStub(good_ch)
+            init = np.arange(12, dtype=np.float32)
+            H.create(good, "w", [3, 4], init)
+            H.push(good, 0, 0, {"w": ([3, 4], np.ones(12, np.float32))})
+            before, versions = H.pull(good, {"w": [3, 4]})
+            self.assertEqual(versions, {"w": 1})
+            st_before, _ = H.stats(good)
+
+            bare_ch = self.channel(srv)
+            bare = pbg.ParameterServerStub(bare_ch)
+            wrong = token("wrong-token")
+            variants = {
+                "missing": [],
+                "wrong": [("authorization", "Bearer " + wrong)],
+                "not bearer": [("authorization", "Basic " + token())],
+                "no space": [("authorization", "Bearer" + token())],
+                "empty": [("authorization", "Bearer ")],
+                "twice": [("authorization", "Bearer " + token()), ("authorization", "Bearer " + wrong)],
+                "prefix": [("authorization", "Bearer " + token()[:-1])],
+                "longer": [("authorization", "Bearer " + token() + "0")],
+            }
+            for what, md in variants.items():
+                stub = WithMetadata(bare, md)
+                calls = {
+                    "Create": lambda: H.create(stub, "evil", [2], np.ones(2, np.float32), timeout=10),
+                    "PushPull": lambda: H.push(stub, 0, 1, {"w": ([3, 4], np.ones(12, np.float32))},
+                                               timeout=10),
+                    "Pull": lambda: H.pull(stub, {"w": [3, 4]}, timeout=10),
+                    "Stats": lambda: H.stats(stub, timeout=10),
+                }
+                if hasattr(pb, "CheckpointRequest"):
+                    calls["Checkpoint"] = lambda: stub.Checkpoint(pb.CheckpointRequest(), timeout=10)
+                for method, call in calls.items():
+                    with self.subTest(token=what, method=method):
+                        with self.assertRaises(grpc.RpcError) as cm:
+                            call()
+                        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAUTHENTICATED,
+                                         cm.exception.details())
+                        # The reply never echoes what was sent.
+                        self.assertNotIn(wrong, cm.exception.details() or "")
+                        self.assertNotIn(token(), cm.exception.details() or "")
+            # An unknown method is refused before it is found unknown.
+            nope = bare_ch.unary_unary("/factorps.v1.ParameterServer/Nope")
+            with self.assertRaises(grpc.RpcError) as cm:
+                nope(b"", timeout=10)
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+
+            # Nothing changed; the second token of the file works too.
+            two = pbg.ParameterServerStub(self.channel(srv, call_token=token("token2")))
+            after, versions = H.pull(two, {"w": [3, 4]})
+            self.assertEqual(versions, {"w": 1})
+            np.testing.assert_array_equal(after["w"], before["w"])
+            st_after, tensors = H.stats(two)
+            self.assertEqual(list(tensors), ["w"])
+            self.assertEqual(st_after.shard.pushes, st_before.shard.pushes)
+            self.assertEqual(st_after.shard.pushes, 1)
+            good_ch.close()
+            bare_ch.close()
+        finally:
+            srv.stop()
+
+    def test_handshake_refusals_are_unavailable(self):
+        _, pbg, grpc = H.stubs()
+        srv = secure_server()
+        try:
+            for what, ch in [("plaintext", grpc.insecure_channel(srv.addr)),
+                             ("no certificate", self.channel(srv, client=None, call_token=token())),
+                             ("other CA", self.channel(srv, client="other", call_token=token())),
+                             ("expired", self.channel(srv, client="expired", call_token=token()))]:
+                with self.subTest(what):
+                    stub = pbg.ParameterServerStub(ch)
+                    with self.assertRaises(grpc.RpcError) as cm:
+                        H.create(stub, "evil", [2], np.ones(2, np.float32), timeout=10)
+                    self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+                    ch.close()
+            good = pbg.ParameterServerStub(self.channel(srv, call_token=token()))
+            _, tensors = H.stats(good)
+            self.assertEqual(tensors, {})
+        finally:
+            srv.stop()
+
+
+@unittest.skipUnless(os.environ.get("FACTORPS_LIB"), "FACTORPS_LIB not set (sanitizer build)")
+class Package(unittest.TestCase):
+    def test_connect_options(self):
+        import factorps
+        srv = secure_server()
+        try:
+            opts = dict(tls_ca_file=cert("ca.pem"), tls_cert_file=cert("client.pem"),
+                        tls_key_file=cert("client.key"), deadline=10, max_retries=0)
+            with factorps.connect([srv.addr], auth_token=token(), **opts) as c:
+                c.create([{"name": "w", "shape": [2, 3], "init": np.ones((2, 3), np.float32)}])
+                params, versions = c.push_pull({"w": np.full((2, 3), 0.5, np.float32)})
+                self.assertEqual(versions["w"], 1)
+                before = params["w"].copy()
+            for kw, err in [({}, factorps.UnauthenticatedError),
+                            ({"auth_token": token("wrong-token")}, factorps.UnauthenticatedError),
+                            ({"auth_token": token(), "tls_cert_file": cert("other.pem"),
+                              "tls_key_file": cert("other.key")}, factorps.UnavailableError),
+                            ({"auth_token": token(), "tls_server_name": "evil.example"},
+                             factorps.UnavailableError)]:
+                with self.subTest(kw=sorted(kw)):
+                    o = dict(opts, **kw)
+                    with factorps.connect([srv.addr], **o) as c:
+                        with self.assertRaises(err):
+                            c.stats()
+            with self.assertRaises(factorps.InvalidArgumentError):
+                factorps.connect([srv.addr], tls_cert_file=cert("client.pem"))
+            with factorps.connect([srv.addr], auth_token=token("token2"),
+                                  tls_server_name="shard.factorps.test", **opts) as c:
+                c.discover()
+                params, versions = c.pull(["w"])
+                self.assertEqual(versions["w"], 1)
+                np.testing.assert_array_equal(params["w"], before)
+        finally:
+            srv.stop()
+
+
+if __name__ == "__main__":
+    unittest.main()
