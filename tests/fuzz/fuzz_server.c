@@ -21,10 +21,12 @@
 
 #define FZ_INBOX_MAX 64
 
-/* server/main.c is not linked (it has main()): its two log symbols. The
- * level stays below ERROR so nothing is formatted or printed per input. */
-int fps__log_level = -1;
-void fps__log(int level, const char *fmt, ...) {
+/* server/main.c is not linked (it has main()): its two log symbols, weak
+ * so that they give way if the server ever defines them in another file.
+ * fz_server_new() keeps the level below ERROR: nothing is formatted or
+ * printed per input. */
+__attribute__((weak)) int fps__log_level = -1;
+__attribute__((weak)) void fps__log(int level, const char *fmt, ...) {
   (void)level;
   (void)fmt;
 }
@@ -374,6 +376,7 @@ fps_server_t *fz_server_new(int mode, uint32_t workers, uint32_t staleness) {
                                .simd = fps_kernels_name(kernels), .version = "fuzz"};
     fps_metrics_init(&mc);
   }
+  fps__log_level = -1;
   fps_server_t *srv = calloc(1, sizeof *srv);
   if (!srv) abort();
   fps_config_t *cfg = &srv->cfg;
