@@ -183,8 +183,22 @@ fail:
   return rc;
 }
 
+/* What the shard's state looks like from outside the locks: updates
+ * applied and tensors known. Equal values mean nothing changed since, unless
+ * a tensor was still initialising then (its init slices change it without
+ * an update). */
+static void fps__ckpt_mark(fps_server_t *srv, uint64_t *updates, uint64_t *count) {
+  pthread_rwlock_rdlock(&srv->store.mu);
+  *count = srv->store.count;
+  *updates = atomic_load(&srv->counters.updates);
+  pthread_rwlock_unlock(&srv->store.mu);
+}
+
 static void *fps__ckpt_thread(void *arg) {
   fps_server_t *srv = arg;
+  /* An idle shard does not rewrite the same state every interval. */
+  bool have_last = false, last_skipped = false;
+  uint64_t last_updates = 0, last_count = 0;
   pthread_mutex_lock(&srv->ckpt_thread_mu);
   while (!srv->ckpt_thread_stop) {
     struct timespec until;
@@ -201,10 +215,21 @@ static void *fps__ckpt_thread(void *arg) {
     }
     if (srv->ckpt_thread_stop) break;
     pthread_mutex_unlock(&srv->ckpt_thread_mu);
-    char why[FPS_CKPT_WHY_MAX] = "";
-    /* A failure is logged by fps_checkpoint_write; the next interval tries
-     * again (a full disk may clear). */
-    (void)fps_checkpoint_write(srv, NULL, why, sizeof why);
+    uint64_t updates, count;
+    fps__ckpt_mark(srv, &updates, &count);
+    if (!have_last || last_skipped || updates != last_updates || count != last_count) {
+      char why[FPS_CKPT_WHY_MAX] = "";
+      fps_ckpt_done_t done;
+      /* A failure is logged by fps_checkpoint_write; the next interval
+       * tries again (a full disk may clear). The mark is taken before the
+       * copy, so an update racing with it only causes one more write. */
+      if (fps_checkpoint_write(srv, &done, why, sizeof why) == 0) {
+        have_last = true;
+        last_skipped = done.skipped > 0;
+        last_updates = updates;
+        last_count = count;
+      }
+    }
     pthread_mutex_lock(&srv->ckpt_thread_mu);
   }
   pthread_mutex_unlock(&srv->ckpt_thread_mu);

@@ -197,6 +197,24 @@ class Checkpoints(unittest.TestCase):
             self.assertIn("holds no checkpoint", p.stderr)
             self.assertEqual([f for f in os.listdir(empty) if "ckpt" in f], [])
 
+    def test_interval_writes_only_when_something_changed(self):
+        with CkptShards(1, ckpt=["--checkpoint-interval", "0.1", "--checkpoint-keep", "100"]) as ck:
+            c = connect(ck.addrs)
+            push(c, 0)
+            time.sleep(1.0)
+            n1 = len(ck.files(0))
+            self.assertGreaterEqual(n1, 1)
+            self.assertLessEqual(n1, 2)  # idle: no new file every 0.1 s
+            push(c, 1)
+            end = time.monotonic() + 10
+            while len(ck.files(0)) == n1 and time.monotonic() < end:
+                time.sleep(0.05)
+            time.sleep(0.5)
+            self.assertEqual(len(ck.files(0)), n1 + 1)
+            c.close()
+            rc, out = verify(ck.ckdir(0))
+            self.assertEqual(rc, 0, out)
+
     def test_cli_checkpoint_and_flags(self):
         with CkptShards(2, mode="async") as ck:
             c = connect(ck.addrs)
