@@ -28,7 +28,8 @@
  * apply logs, kept short here, filling up). After it, the largest sample may
  * exceed the first post-warm-up sample by at most max(4 MiB, 5%): anything
  * kept per push (a snapshot, a message, a call) would grow by far more over
- * the tens of thousands of pushes that follow.
+ * the tens of thousands of pushes that follow. Not asserted in sanitizer
+ * builds (see RSS_BOUNDED).
  *
  * Knobs (environment): FPS_LOAD_SECONDS (default 20), FPS_LOAD_CLIENTS
  * (default 64). Bounded in count as well: at most MAX_PUSHES per client. */
@@ -58,6 +59,15 @@
 #define MSG_BYTES (64u * 1024u)
 #define APPLY_LOG 512u
 #define MAX_SAMPLES 4096
+
+/* Under a sanitizer (the shards are built like this test) the runtime's
+ * own memory (TSan's shadow and histories, ASan's quarantine) dominates
+ * VmRSS and grows by design: the series is still printed, not bounded. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define RSS_BOUNDED 0
+#else
+#define RSS_BOUNDED 1
+#endif
 
 /* --------------------------------------------------------------- model */
 
@@ -477,6 +487,10 @@ static void test_load_async_exact_and_flat(void **state) {
     long bound = base / 20 > 4 * 1024 ? base / 20 : 4 * 1024;
     printf("shard %d: VmRSS after warm-up %.1f MiB, peak %.1f MiB, growth %.2f MiB (bound %.1f MiB)\n", s,
            base / 1024.0, peak / 1024.0, (peak - base) / 1024.0, bound / 1024.0);
+    if (!RSS_BOUNDED) {
+      printf("shard %d: sanitizer build, RSS bound not asserted\n", s);
+      continue;
+    }
     if (peak - base > bound)
       fail_msg("shard %d: resident memory grew by %.2f MiB after warm-up (bound %.1f MiB)", s,
                (peak - base) / 1024.0, bound / 1024.0);
