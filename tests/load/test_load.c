@@ -24,11 +24,12 @@
  * (one whose effect is unknown, e.g. DEADLINE_EXCEEDED) fails the test.
  *
  * Memory: a sampler reads VmRSS of both shards from /proc every 250 ms. The
- * first quarter of the run is warm-up (allocator arenas, gRPC buffers, the
- * apply logs, kept short here, filling up). After it, the largest sample may
- * exceed the first post-warm-up sample by at most max(4 MiB, 5%): anything
- * kept per push (a snapshot, a message, a call) would grow by far more over
- * the tens of thousands of pushes that follow. Not asserted in sanitizer
+ * first 40% of the run is warm-up (64 connections ramping up, allocator
+ * arenas, gRPC buffers, the apply logs, kept short here, filling up; at
+ * 25% it was sometimes still growing). The baseline is the largest sample
+ * of the next 10%; the largest sample of the second half may exceed it by
+ * at most max(4 MiB, 5%): anything kept per push (a snapshot, a message, a
+ * call) would grow by far more over the ten thousand pushes that follow. Not asserted in sanitizer
  * builds (see RSS_BOUNDED).
  *
  * Knobs (environment): FPS_LOAD_SECONDS (default 20), FPS_LOAD_CLIENTS
@@ -300,7 +301,7 @@ static void test_load_async_exact_and_flat(void **state) {
   (void)state;
   unsigned seconds = env_uint("FPS_LOAD_SECONDS", 20, 4, 3600);
   unsigned n_clients = env_uint("FPS_LOAD_CLIENTS", 64, 1, MAX_CLIENTS);
-  double warmup = seconds / 4.0;
+  double warmup = seconds * 0.4, base_end = seconds * 0.5;
   static job_t job;
   static sampler_t smp;
   static client_t cls[MAX_CLIENTS];
@@ -482,10 +483,11 @@ static void test_load_async_exact_and_flat(void **state) {
     long base = smp.kib[first][s], peak = base;
     for (size_t i = first; i < smp.n; i++) {
       if (smp.kib[i][s] < 0) fail_msg("shard %d: VmRSS unreadable at %.1f s", s, smp.t[i]);
+      if (smp.t[i] < base_end && smp.kib[i][s] > base) base = smp.kib[i][s];
       if (smp.kib[i][s] > peak) peak = smp.kib[i][s];
     }
     long bound = base / 20 > 4 * 1024 ? base / 20 : 4 * 1024;
-    printf("shard %d: VmRSS after warm-up %.1f MiB, peak %.1f MiB, growth %.2f MiB (bound %.1f MiB)\n", s,
+    printf("shard %d: VmRSS baseline after warm-up %.1f MiB, peak %.1f MiB, growth %.2f MiB (bound %.1f MiB)\n", s,
            base / 1024.0, peak / 1024.0, (peak - base) / 1024.0, bound / 1024.0);
     if (!RSS_BOUNDED) {
       printf("shard %d: sanitizer build, RSS bound not asserted\n", s);
