@@ -198,8 +198,12 @@ static void gate_watch(engine_t *e, grpc_connectivity_state st) {
 }
 
 static void gate_fail_unavailable(engine_t *e) {
-  fps__stream_fail(e->s, FPS_CODE_UNAVAILABLE, "cannot connect to %s",
-                   e->c->addrs[e->s->shard]);
+  /* gRPC does not say why a channel failed; a TLS mismatch looks like a
+   * dead shard from here, so the message names the likely suspects. */
+  fps__stream_fail(e->s, FPS_CODE_UNAVAILABLE, "cannot connect to %s%s", e->c->addrs[e->s->shard],
+                   e->c->tls ? " (shard down, or the TLS handshake failed: check tls_ca_file, the "
+                               "client certificate and the name the shard's certificate carries)"
+                             : " (shard down, or it serves TLS and needs tls_ca_file)");
   e->retryable = 1; /* no call was made: safe for every method */
 }
 

@@ -205,6 +205,7 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
   c->opts = o;
   c->opts.tls_ca_file = c->opts.tls_cert_file = c->opts.tls_key_file = NULL;
   c->opts.auth_token = c->opts.tls_server_name = NULL;
+  c->tls = o.tls_ca_file != NULL;
   if (pthread_rwlock_init(&c->lock, NULL)) goto nomem_lock;
   if (o.auth_token) {
     size_t n = strlen(o.auth_token) + sizeof "Bearer ";

@@ -52,6 +52,7 @@ struct fps_client_s {
   grpc_channel **channels;             /* one per shard */
   fps_client_options_t opts;           /* string members point to copies below */
   char *auth_header;                   /* "Bearer <token>" or NULL */
+  int tls;                             /* channels use TLS (for error hints) */
   pthread_rwlock_t lock;               /* guards `tensors` */
   fps__tensor_list_t tensors;
 };
