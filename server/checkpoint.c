@@ -156,6 +156,16 @@ int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, siz
   }
   pthread_rwlock_unlock(&srv->store.mu);
   if (rc < 0) goto fail;
+  if (fps_ckpt_snapshot_count(snap) == 0) {
+    /* Nothing worth a file: writing one would only prune real checkpoints
+     * (e.g. a shard that started empty because it was given the wrong
+     * --mode and then got SIGTERM). */
+    snprintf(why, why_len, "the shard holds no %stensors to write", done.skipped ? "initialised " : "");
+    fps_ckpt_snapshot_destroy(snap);
+    pthread_mutex_unlock(&srv->ckpt_mu);
+    FPS_SLOG(FPS_LOG_INFO, "no checkpoint written: %s", why);
+    return FPS_ENOTFOUND;
+  }
   done.copy_seconds = (double)(fps_now_ns() - t0) / 1e9;
   fps_ckpt_written_t w;
   rc = fps_ckpt_write(srv->cfg.checkpoint_dir, snap, srv->cfg.checkpoint_keep, &w, why, why_len);

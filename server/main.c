@@ -196,7 +196,8 @@ out:
   if (ckpt_on_exit) {
     /* After gRPC stopped: no update can follow, so this checkpoint holds
      * the shard's final state. A failure makes the exit status non-zero. */
-    if (fps_checkpoint_write(&srv, NULL, why, sizeof why) < 0) exit_code = 1;
+    rc = fps_checkpoint_write(&srv, NULL, why, sizeof why);
+    if (rc < 0 && rc != FPS_ENOTFOUND) exit_code = 1;
   }
   fps_checkpoint_close(&srv);
   fps_store_destroy(&srv.store);

@@ -31,9 +31,10 @@ static void fps__ckpt_call_run(fps_ckpt_call_t *cc) {
   char why[FPS_CKPT_WHY_MAX] = "";
   int rc = fps_checkpoint_write(srv, &done, why, sizeof why);
   if (rc < 0) {
-    grpc_status_code code = rc == FPS_ENOMEM ? GRPC_STATUS_RESOURCE_EXHAUSTED
-                            : rc == FPS_EAGAIN ? GRPC_STATUS_UNAVAILABLE
-                                               : GRPC_STATUS_INTERNAL;
+    grpc_status_code code = rc == FPS_ENOMEM      ? GRPC_STATUS_RESOURCE_EXHAUSTED
+                            : rc == FPS_EAGAIN    ? GRPC_STATUS_UNAVAILABLE
+                            : rc == FPS_ENOTFOUND ? GRPC_STATUS_FAILED_PRECONDITION
+                                                  : GRPC_STATUS_INTERNAL;
     fps_call_fail(&cc->base, code, "Checkpoint into %s failed: %s (%s)", srv->cfg.checkpoint_dir, why,
                   fps_strerror(rc));
     return;

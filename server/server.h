@@ -378,7 +378,8 @@ typedef struct fps_ckpt_done_s {
 int fps_checkpoint_open(fps_server_t *srv);
 /* Writes a checkpoint now: copies every ready tensor under its own lock,
  * writes outside every lock. Thread-safe (serialised by srv->ckpt_mu).
- * Returns 0, FPS_ESTATE (no --checkpoint-dir), or FPS_E* with `why`. */
+ * Returns 0, FPS_ESTATE (no --checkpoint-dir), FPS_ENOTFOUND (no ready
+ * tensor: nothing written, nothing pruned), or FPS_E* with `why`. */
 int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, size_t why_len);
 /* Periodic checkpoints (--checkpoint-interval > 0); start is a no-op
  * otherwise. stop joins the thread (a write in progress finishes first);

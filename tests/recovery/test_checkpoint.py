@@ -232,6 +232,16 @@ class Checkpoints(unittest.TestCase):
                 self.assertEqual(rc, 1, out)  # placement mismatch is a bad file for that shard
                 rc, out = verify(ck.ckdir(i), "--mode", "sync")
                 self.assertEqual(rc, 1, out)
+        with CkptShards(1) as empty:
+            p = subprocess.run([CLI, "checkpoint", "--shards", empty.addrs[0]], capture_output=True,
+                               text=True, timeout=60, stdin=subprocess.DEVNULL)
+            self.assertEqual(p.returncode, 1)
+            self.assertIn("FAILED_PRECONDITION", p.stderr)
+            self.assertIn("no tensors to write", p.stderr)
+            empty.procs[0].send_signal(signal.SIGTERM)
+            self.assertEqual(wait_exit(empty.procs[0]), 0, empty.log(0))
+            empty.procs[0] = None
+            self.assertEqual(empty.files(0), [])  # an empty shard writes (and prunes) nothing
         with Shards(1) as plain:  # no --checkpoint-dir
             p = subprocess.run([CLI, "checkpoint", "--shards", plain.addrs[0]], capture_output=True,
                                text=True, timeout=60, stdin=subprocess.DEVNULL)
@@ -323,6 +333,10 @@ class KillDuringWrite(unittest.TestCase):
             self.assertIn("temporary file of an interrupted write", out)
             ck.start(0, ck.ports[0])
             self.assertRegex(ck.log(0), r"restored 2 tensors .*ckpt-0+2\.safetensors")
+            m = re.findall(r"restored 2 tensors \((\d+) bytes.* in ([0-9.]+) s", ck.log(0))
+            if m:
+                print(f"restore of {int(m[-1][0]) / 1e6:.0f} MB at start-up: {float(m[-1][1]):.2f} s",
+                      flush=True)
             c.close()
             c = factorps.connect(ck.addrs, deadline=120, max_message_bytes=64 << 20)
             c.create([TensorSpec("big", (self.N,)), TensorSpec("small", (8,))])
