@@ -304,9 +304,10 @@ typedef struct fps_checkpoint_info_s {
  * NULL (then n must be 0); otherwise n must equal the shard count and
  * out[i] gets shard i's result. Each shard's checkpoint is consistent per
  * tensor, not across shards (see the README). Errors: FAILED_PRECONDITION
- * (a shard has no --checkpoint-dir, or no initialised tensor), INTERNAL (a write failed: disk full,
- * permissions; the message says why), UNAVAILABLE after retries (a shard is
- * down or shutting down), INVALID_ARGUMENT. Retried on UNAVAILABLE (a
+ * (a shard has no --checkpoint-dir, or no initialised tensor), INTERNAL
+ * (a write failed: disk full, permissions; the message says why),
+ * UNAVAILABLE after retries (a shard is down or shutting down),
+ * INVALID_ARGUMENT. Retried on UNAVAILABLE (a
  * repeated checkpoint is harmless). Thread-safe. */
 FPS_EXTERN int fps_client_checkpoint(fps_client_t *c, fps_checkpoint_info_t *out, size_t n,
                                      fps_status_t *status);
