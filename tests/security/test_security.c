@@ -410,7 +410,7 @@ static void *push_thread(void *arg) {
   fps_status_t st;
   fps_client_options_t o;
   fps_client_options_init(&o);
-  o.deadline_seconds = 4;
+  o.deadline_seconds = 6;
   o.max_retries = 0;
   const char *addrs[1] = {p->addr};
   fps_client_t *c = fps_client_create(addrs, 1, &o, &st);
@@ -427,7 +427,15 @@ static void *push_thread(void *arg) {
     const char *names[1] = {"w"};
     const float *grads[1] = {grad};
     float *params[1] = {NULL}; /* versions only */
-    p->code = fps_client_push_pull(c, p->worker, 0, names, grads, params, NULL, 1, &st);
+    /* The main thread's Stats polls and the other pusher compete for the
+     * two slots until both pushes are parked: a refused push tries again
+     * (nothing was applied; bounded by the loop). */
+    for (int i = 0; i < 200; i++) {
+      p->code = fps_client_push_pull(c, p->worker, 0, names, grads, params, NULL, 1, &st);
+      if (p->code != FPS_CODE_RESOURCE_EXHAUSTED) break;
+      struct timespec ts = {0, 10 * 1000000L};
+      nanosleep(&ts, NULL);
+    }
   } else {
     p->code = st.code;
   }
@@ -462,15 +470,18 @@ static void test_concurrent_call_limit(void **state) {
     if (n == 2) break;
     sleep_ms(5);
   }
-  /* Wait (bounded) until both pushes are parked: then Stats is refused. */
-  int code = 0;
+  /* Wait (bounded) until both pushes are parked: then Stats is refused,
+   * every time (five in a row rule out a moment when a push was merely
+   * arriving). */
+  int code = 0, refused = 0;
   fps_shard_stats_t ss;
-  for (int i = 0; i < 300; i++) {
+  for (int i = 0; i < 250 && refused < 5; i++) {
     code = fps_client_stats(c, &ss, 1, &st);
-    if (code == FPS_CODE_RESOURCE_EXHAUSTED) break;
-    sleep_ms(10);
+    refused = code == FPS_CODE_RESOURCE_EXHAUSTED ? refused + 1 : 0;
+    sleep_ms(5);
   }
   assert_code(code, FPS_CODE_RESOURCE_EXHAUSTED, st);
+  assert_int_equal(refused, 5);
   assert_non_null(strstr(st.message, "max-concurrent-calls"));
   for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
   /* The round never completed: both pushes failed at their deadline. */
