@@ -120,21 +120,12 @@ int main(int argc, char **argv) {
     return 1;
   }
 
+  srv.ckpt_dir_fd = -1; /* fps_checkpoint_close() may run before fps_checkpoint_open() */
   grpc_init();
   srv.started_ns = fps_now_ns();
   int exit_code = 0;
   bool timer = false;
   bool ckpt_on_exit = false;
-  /* Restore before anything can reach the store: no call may see the
-   * empty shard that a restarted one briefly is. */
-  rc = fps_checkpoint_open(&srv);
-  if (rc < 0) {
-    fprintf(stderr, "factorps-server: %s\n",
-            rc == FPS_ENOTFOUND ? "no valid checkpoint to load and --require-checkpoint is set; not starting"
-                                : "cannot restore from --checkpoint-dir (see the log above); not starting");
-    exit_code = rc == FPS_ENOTFOUND ? 3 : 1;
-    goto out;
-  }
   if (fps_sync_start(&srv) < 0) {
     fprintf(stderr, "factorps-server: cannot start the timer thread\n");
     exit_code = 1;
@@ -150,6 +141,18 @@ int main(int argc, char **argv) {
       exit_code = 1;
       goto out;
     }
+  }
+  /* Restore after /healthz is up (a large restore takes a while and must
+   * not look like a dead process to a liveness probe) and before gRPC, so
+   * no call can see the empty shard that a restarted one briefly is;
+   * /readyz says 503 until the end of start-up. */
+  rc = fps_checkpoint_open(&srv);
+  if (rc < 0) {
+    fprintf(stderr, "factorps-server: %s\n",
+            rc == FPS_ENOTFOUND ? "no valid checkpoint to load and --require-checkpoint is set; not starting"
+                                : "cannot restore from --checkpoint-dir (see the log above); not starting");
+    exit_code = rc == FPS_ENOTFOUND ? 3 : 1;
+    goto out;
   }
   if (fps_grpc_start(&srv) < 0) {
     exit_code = 1;
