@@ -32,6 +32,11 @@
  * call) would grow by far more over the ten thousand pushes that follow. Not asserted in sanitizer
  * builds (see RSS_BOUNDED).
  *
+ * Each shard also writes a checkpoint every second (--checkpoint-interval 1)
+ * into its own temporary directory, so the checkpoint path runs under the
+ * load (and under TSan in `scripts/test.sh --tsan`); at least one must have
+ * been written.
+ *
  * Knobs (environment): FPS_LOAD_SECONDS (default 20), FPS_LOAD_CLIENTS
  * (default 64). Bounded in count as well: at most MAX_PUSHES per client. */
 #include <errno.h>
@@ -46,6 +51,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <dirent.h>
+#include <ftw.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -283,11 +291,40 @@ static void *sampler_main(void *arg) {
   return NULL;
 }
 
+/* ---------------------------------------------------------- checkpoints */
+
+static char g_ckpt_root[256];
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+  (void)st;
+  (void)flag;
+  (void)ftw;
+  return remove(path);
+}
+
+static void ckpt_cleanup(void) {
+  if (g_ckpt_root[0]) nftw(g_ckpt_root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+  g_ckpt_root[0] = 0;
+}
+
+/* Regular files in dir whose name does not start with '.' (a temporary
+ * file or the lease), or -1 if dir cannot be read. */
+static int count_files(const char *dir) {
+  DIR *d = opendir(dir);
+  if (!d) return -1;
+  int n = 0;
+  for (struct dirent *e; (e = readdir(d));)
+    if (e->d_name[0] != '.' && strstr(e->d_name, ".safetensors")) n++;
+  closedir(d);
+  return n;
+}
+
 /* --------------------------------------------------------------- the test */
 
 static int teardown(void **state) {
   (void)state;
   fps_test_servers_stop_all();
+  ckpt_cleanup();
   return 0;
 }
 
@@ -308,8 +345,17 @@ static void test_load_async_exact_and_flat(void **state) {
   fps_status_t st;
   memset(&job, 0, sizeof job);
 
-  const char *extra[] = {"--apply-log", "512", "--log-level", "warn", NULL};
-  assert_int_equal(fps_test_servers_start(job.srv, SHARDS, "async", 1, extra), 0);
+  const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+  char ckpt_dir[SHARDS][300];
+  snprintf(g_ckpt_root, sizeof g_ckpt_root, "%s/fps-load-XXXXXX", tmp);
+  if (!mkdtemp(g_ckpt_root)) fail_msg("mkdtemp %s: %s", g_ckpt_root, strerror(errno));
+  for (int i = 0; i < SHARDS; i++) {
+    snprintf(ckpt_dir[i], sizeof ckpt_dir[i], "%s/shard%d", g_ckpt_root, i);
+    if (mkdir(ckpt_dir[i], 0700)) fail_msg("mkdir %s: %s", ckpt_dir[i], strerror(errno));
+    const char *extra[] = {"--apply-log", "512", "--log-level", "warn", "--checkpoint-dir", ckpt_dir[i],
+                           "--checkpoint-interval", "1", NULL};
+    assert_int_equal(fps_test_server_start(&job.srv[i], i, SHARDS, "async", 1, extra), 0);
+  }
 
   /* Create with values from one client; learn the placement. */
   fps_client_t *ctl = client_new(&job, &st);
@@ -500,8 +546,12 @@ static void test_load_async_exact_and_flat(void **state) {
 
   fps_client_destroy(ctl);
   for (unsigned i = 0; i < n_clients; i++) free(cls[i].rec);
-  for (int s = 0; s < SHARDS; s++)
+  for (int s = 0; s < SHARDS; s++) {
     if (fps_test_server_stop(&job.srv[s]) != 0) fail_msg("shard %d did not exit cleanly", s);
+    int n = count_files(ckpt_dir[s]);
+    printf("shard %d: %d checkpoints kept in %s\n", s, n, ckpt_dir[s]);
+    if (n < 1) fail_msg("shard %d wrote no checkpoint under load", s);
+  }
 }
 
 int main(int argc, char **argv) {
