@@ -516,6 +516,10 @@ int fps_grpc_start(fps_server_t *srv) {
   int rc = fps_auth_create(&srv->cfg, &fps__auth);
   if (rc < 0) return rc;
   FPS_SLOG(FPS_LOG_INFO, "gRPC security: %s", fps_auth_describe(fps__auth));
+  if (srv->cfg.mode == FPS_MODE_SYNC && srv->cfg.max_concurrent_calls < srv->cfg.workers)
+    FPS_SLOG(FPS_LOG_WARN, "--max-concurrent-calls %u is below --workers %u: a round needs every "
+             "worker's push parked at once and can never complete", srv->cfg.max_concurrent_calls,
+             srv->cfg.workers);
   grpc_arg args[3];
   args[0].type = GRPC_ARG_INTEGER;
   args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
