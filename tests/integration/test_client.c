@@ -545,7 +545,10 @@ static void test_one_gib_round_trip(void **state) {
   fps_test_server_t srv;
   fps_status_t st;
   fps_client_options_t o;
-  assert_int_equal(fps_test_server_start(&srv, 0, 1, "async", 1, NULL), 0);
+  /* The shard caps every call at its --deadline (60 s by default); under
+   * ASan on a loaded machine a 1 GiB push can take longer than that. */
+  const char *extra[] = {"--deadline", "300", NULL};
+  assert_int_equal(fps_test_server_start(&srv, 0, 1, "async", 1, extra), 0);
   float *buf = malloc(n * sizeof *buf);
   assert_non_null(buf);
   for (uint64_t i = 0; i < n; i++) buf[i] = (float)(i % 1000) * 1e-3f;
