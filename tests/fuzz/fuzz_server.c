@@ -380,6 +380,11 @@ fps_server_t *fz_server_new(int mode, uint32_t workers, uint32_t staleness) {
   fps_server_t *srv = calloc(1, sizeof *srv);
   if (!srv) abort();
   fps_config_t *cfg = &srv->cfg;
+  /* The real defaults first (every string set, as in a running shard),
+   * then what the fuzzer varies and the small limits. */
+  char arg0[] = "factorps-server";
+  char *argv[] = {arg0, NULL};
+  if (fps_config_load(cfg, 1, argv) != 0) abort();
   cfg->shard_id = 0;
   cfg->shard_count = 1;
   cfg->mode = mode;
@@ -430,6 +435,7 @@ void fz_server_free(fps_server_t *srv) {
       }
     }
   fps_store_destroy(&srv->store);
+  fps_config_free(&srv->cfg);
   free(srv->ssp_clock);
   pthread_mutex_destroy(&srv->calls_mu);
   pthread_mutex_destroy(&srv->ssp_mu);
