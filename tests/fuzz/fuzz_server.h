@@ -27,7 +27,7 @@
 
 #include "server.h"
 
-typedef enum fz_method_e { FZ_CREATE, FZ_PUSHPULL, FZ_PULL, FZ_STATS } fz_method_t;
+typedef enum fz_method_e { FZ_CREATE, FZ_PUSHPULL, FZ_PULL, FZ_STATS, FZ_CHECKPOINT } fz_method_t;
 
 typedef struct fz_call_s fz_call_t;
 
