@@ -21,7 +21,8 @@ static void usage(FILE *out) {
           "       factorps checkpoint verify DIR [--shard-id I --shard-count N] [--mode sync|async|ssp]\n"
           "The first form asks every shard to write a durable checkpoint into its --checkpoint-dir\n"
           "and prints one line per shard. The second verifies every checkpoint file in DIR (header,\n"
-          "bounds, SHA-256 of header and data, and the placement if given) and exits 1 if any is bad.\n");
+          "bounds, SHA-256 of header and data, and the placement if given) and exits 1 if any is bad.\n"
+          "Options of the first form:\n" FPS_CLI_SEC_USAGE);
 }
 
 static int verify(int argc, char **argv) {
@@ -102,8 +103,10 @@ int fps_cli_checkpoint(int argc, char **argv) {
   static const struct option longopts[] = {{"shards", required_argument, NULL, 's'},
                                            {"deadline", required_argument, NULL, 'd'},
                                            {"help", no_argument, NULL, 'h'},
+                                           FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
   const char *shards = NULL;
+  fps_cli_sec_t sec = {0};
   int opt, rc = 1;
   double deadline = 300;
   char **addrs = NULL;
@@ -120,7 +123,10 @@ int fps_cli_checkpoint(int argc, char **argv) {
         if (fps_cli_double(optarg, "--deadline", 0.001, 86400, &deadline)) return 2;
         break;
       case 'h': usage(stdout); return 0;
-      default: usage(stderr); return 2;
+      default:
+        if (fps_cli_sec_opt(&sec, opt, optarg)) break;
+        usage(stderr);
+        return 2;
     }
   }
   if (!shards || optind != argc) {
@@ -131,7 +137,12 @@ int fps_cli_checkpoint(int argc, char **argv) {
     fprintf(stderr, "factorps checkpoint: bad --shards list '%s'\n", shards);
     return 2;
   }
+  if (fps_cli_sec_load(&sec)) {
+    fps_cli_split_free(addrs);
+    return 2;
+  }
   fps_client_options_init(&o);
+  fps_cli_sec_fill(&sec, &o);
   o.deadline_seconds = deadline;
   o.max_retries = 2;
   memset(&status, 0, sizeof status);
@@ -154,5 +165,6 @@ done:
   free(info);
   fps_client_destroy(c);
   fps_cli_split_free(addrs);
+  fps_cli_sec_free(&sec);
   return rc;
 }
