@@ -38,7 +38,7 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
      "ssp: how many steps a worker may run ahead of the slowest"},
     {"workers", CFG_U32, OFF(workers), "1", 1, 65536, "sync/ssp: number of workers W"},
     {"deadline", CFG_DOUBLE, OFF(deadline), "60", 0.001, 86400,
-     "seconds: deadline of calls that set none, and of a sync round"},
+     "seconds: the longest any call may take (a longer client deadline is capped), and a sync round"},
     {"max-message-bytes", CFG_U64, OFF(max_message_bytes), "67108864", 65536, 2147483647.0,
      "largest gRPC message accepted (bigger: RESOURCE_EXHAUSTED)"},
     {"threads", CFG_U32, OFF(threads), "0", 0, 256, "completion-queue threads (0: number of CPUs, at least 2)"},
