@@ -50,36 +50,40 @@ float fps_bf16_to_f32(uint16_t h) {
   return f;
 }
 
-/* The exponent field all ones means NaN or Inf; testing the bits keeps the
- * loop branch-free and independent of -ffast-math. */
-static inline int fps__nonfinite_bits(uint32_t u) {
-  return (u & 0x7f800000u) == 0x7f800000u;
+/* An exponent field of 0xBE or more means |x| >= 2^63 = FPS_GRAD_ABS_LIMIT,
+ * NaN and Inf (all ones) included; testing the bits keeps the loop
+ * branch-free and independent of -ffast-math. */
+#define FPS__BAD_GRAD_EXP 0x5f000000u
+static inline int fps__bad_grad_bits(uint32_t u) {
+  return (u & 0x7f800000u) >= FPS__BAD_GRAD_EXP;
 }
 
 int fps_dtype_decode(int dtype, const void *src, uint64_t n, float *dst,
-                     uint64_t *first_nonfinite) {
+                     uint64_t *first_bad_grad) {
   const unsigned char *p = src;
   uint64_t bad = n;
   if (dtype == FPS_DTYPE_F32) {
     /* One pass: copy a cache-sized block, then test it while it is hot.
-     * (bits & exponent) + 2^23 carries into bit 31 only for an all-ones
-     * exponent (NaN/Inf); the OR over a fixed-size block is branch-free,
-     * so the compiler vectorises it. Only a block with a hit is scanned. */
+     * (bits & exponent) + (2^31 - FPS__BAD_GRAD_EXP) carries into bit 31
+     * only for an exponent field of 0xBE or more (|x| >= 2^63, NaN, Inf);
+     * the OR over a fixed-size block is branch-free, so the compiler
+     * vectorises it. Only a block with a hit is scanned. */
+    const uint32_t carry = 0x80000000u - FPS__BAD_GRAD_EXP;
     enum { B = 1024 };
     for (uint64_t i = 0; i < n; i += B) {
       uint64_t m = n - i < B ? n - i : B;
       memcpy(dst + i, p + 4 * i, m * 4);
-      if (!first_nonfinite || bad != n) continue;
+      if (!first_bad_grad || bad != n) continue;
       const uint32_t *w = (const uint32_t *)(const void *)(dst + i);
       uint32_t acc = 0;
       if (m == B) {
-        for (uint64_t j = 0; j < B; j++) acc |= (w[j] & 0x7f800000u) + 0x00800000u;
+        for (uint64_t j = 0; j < B; j++) acc |= (w[j] & 0x7f800000u) + carry;
       } else {
-        for (uint64_t j = 0; j < m; j++) acc |= (w[j] & 0x7f800000u) + 0x00800000u;
+        for (uint64_t j = 0; j < m; j++) acc |= (w[j] & 0x7f800000u) + carry;
       }
       if (acc & 0x80000000u) {
         for (uint64_t j = 0; j < m; j++) {
-          if (fps__nonfinite_bits(w[j])) {
+          if (fps__bad_grad_bits(w[j])) {
             bad = i + j;
             break;
           }
@@ -90,13 +94,13 @@ int fps_dtype_decode(int dtype, const void *src, uint64_t n, float *dst,
     for (uint64_t i = 0; i < n; i++) {
       uint16_t h;
       memcpy(&h, p + 2 * i, 2);
-      if (bad == n && (h & 0x7f80u) == 0x7f80u) bad = i;
+      if (bad == n && fps__bad_grad_bits((uint32_t)h << 16)) bad = i;
       dst[i] = fps_bf16_to_f32(h);
     }
   } else {
     return FPS_EINVAL;
   }
-  if (first_nonfinite) *first_nonfinite = bad;
+  if (first_bad_grad) *first_bad_grad = bad;
   return 0;
 }
 

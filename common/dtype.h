@@ -32,13 +32,22 @@ uint16_t fps_f32_to_bf16(float f);
 /* bf16 -> fp32; exact (bf16 is the top half of an fp32). */
 float fps_bf16_to_f32(uint16_t h);
 
+/* Gradient elements must be finite and smaller in magnitude than this
+ * (2^63, about 9.2e18). Adafactor squares every gradient element and keeps
+ * the second-moment statistics in fp32: below 2^63, g^2 < 2^126 stays a
+ * factor 4 under FLT_MAX, so neither the squares nor their running averages
+ * can overflow to Inf and turn the whole tensor into NaN (which one worker's
+ * finite but huge gradient would otherwise do, to every worker). */
+#define FPS_GRAD_ABS_LIMIT 9223372036854775808.0
+
 /* Decodes n elements of little-endian `dtype` data at src (any alignment)
- * into dst as fp32. If first_nonfinite is non-NULL it receives the index of
- * the first NaN/Inf element, or n if every element is finite; the check
+ * into dst as fp32. If first_bad_grad is non-NULL it receives the index of
+ * the first element that is not a valid gradient (NaN, Inf, or a magnitude
+ * of FPS_GRAD_ABS_LIMIT or more), or n if every element is valid; the check
  * rides on the same pass over memory as the copy.
  * Returns 0 or FPS_EINVAL (unsupported dtype). */
 int fps_dtype_decode(int dtype, const void *src, uint64_t n, float *dst,
-                     uint64_t *first_nonfinite);
+                     uint64_t *first_bad_grad);
 
 /* Encodes n fp32 values to little-endian `dtype` bytes at dst (any
  * alignment; fps_dtype_size(dtype) * n bytes). Returns 0 or FPS_EINVAL. */

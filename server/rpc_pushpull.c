@@ -19,6 +19,7 @@
  * received bytes exist twice more (gRPC's slices, the flattened and
  * unpacked message), bounded by the message size, not the tensor size. */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -378,8 +379,15 @@ static grpc_status_code fps__pp_message(fps_pp_call_t *pp, const Factorps__V1__P
     uint64_t bad = count;
     fps_dtype_decode((int)s->dtype, s->data.data, count, e->grad + s->offset, &bad);
     if (bad < count) {
-      snprintf(why, wl, "tensor '%s': gradient element %" PRIu64 " is %s; nothing was applied", name,
-               s->offset + bad, e->grad[s->offset + bad] != e->grad[s->offset + bad] ? "NaN" : "Inf");
+      float v = e->grad[s->offset + bad];
+      if (isnan(v) || isinf(v))
+        snprintf(why, wl, "tensor '%s': gradient element %" PRIu64 " is %s; nothing was applied", name,
+                 s->offset + bad, isnan(v) ? "NaN" : "Inf");
+      else
+        snprintf(why, wl,
+                 "tensor '%s': gradient element %" PRIu64 " is %g, beyond the largest magnitude the shard "
+                 "accepts (2^63 = %g: its square would overflow float32); nothing was applied",
+                 name, s->offset + bad, (double)v, FPS_GRAD_ABS_LIMIT);
       return GRPC_STATUS_INVALID_ARGUMENT;
     }
     atomic_fetch_add(&srv->counters.bytes_received, s->data.len);

@@ -128,6 +128,15 @@ class BadInput(BadInputBase):
                           self.grpc.StatusCode.INVALID_ARGUMENT, "'w'", "element 11", "Inf")
         self.assertUnchanged()
 
+    def test_huge_gradient(self):
+        # Finite, but its square overflows the fp32 second-moment statistics
+        # and would turn the tensor into NaN for every worker.
+        g = np.ones(N, np.float32)
+        g[3] = 1e20
+        self.assertStatus(lambda: self.pushpull(self.pushmsgs(self.slice(data=g))),
+                          self.grpc.StatusCode.INVALID_ARGUMENT, "'w'", "element 3", "2^63")
+        self.assertUnchanged()
+
     def test_nan_in_second_slice(self):
         g = np.ones(6, np.float32)
         bad = g.copy()

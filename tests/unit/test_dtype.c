@@ -96,6 +96,39 @@ static void test_decode_f32_finite_check(void **state) {
   assert_int_equal(bad, 0);
 }
 
+/* A finite gradient whose square overflows the fp32 statistics would turn
+ * the whole tensor into NaN: decode flags |g| >= 2^63, of either sign and
+ * dtype, and accepts everything just below it. */
+static void test_decode_gradient_magnitude_limit(void **state) {
+  (void)state;
+  const float limit = (float)FPS_GRAD_ABS_LIMIT;
+  const float below = nextafterf(limit, 0.0f);
+  assert_true((double)limit == 9223372036854775808.0);
+  for (int pos = 0; pos < 2; pos++) {
+    /* pos 0: inside a full 1024-element block; pos 1: in the short tail. */
+    enum { N = 1030 };
+    static float src[N], dst[N];
+    uint64_t at = pos ? N - 2 : 700, bad = 0;
+    for (int i = 0; i < N; i++) src[i] = (i & 1) ? below : -below;
+    assert_int_equal(fps_dtype_decode(FPS_DTYPE_F32, src, N, dst, &bad), 0);
+    assert_int_equal(bad, N);
+    src[at] = -limit;
+    assert_int_equal(fps_dtype_decode(FPS_DTYPE_F32, src, N, dst, &bad), 0);
+    assert_int_equal(bad, at);
+    src[at] = 1e20f;
+    assert_int_equal(fps_dtype_decode(FPS_DTYPE_F32, src, N, dst, &bad), 0);
+    assert_int_equal(bad, at);
+  }
+  /* bf16: 2^63 is exact in bf16 (0x5f00); the value just below is 0x5eff. */
+  uint16_t h[3] = {0x5effu, 0xdeffu, 0x5f00u};
+  float out[3];
+  uint64_t bad = 0;
+  assert_int_equal(fps_dtype_decode(FPS_DTYPE_BF16, h, 2, out, &bad), 0);
+  assert_int_equal(bad, 2);
+  assert_int_equal(fps_dtype_decode(FPS_DTYPE_BF16, h, 3, out, &bad), 0);
+  assert_int_equal(bad, 2);
+}
+
 static void test_decode_encode_bf16(void **state) {
   (void)state;
   float src[5] = {1.0f, -3.5f, 0.0f, 1e-3f, 2.0f};
@@ -123,6 +156,7 @@ int main(void) {
       cmocka_unit_test(test_bf16_round_nearest_even),
       cmocka_unit_test(test_bf16_nan_inf),
       cmocka_unit_test(test_decode_f32_finite_check),
+      cmocka_unit_test(test_decode_gradient_magnitude_limit),
       cmocka_unit_test(test_decode_encode_bf16),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
