@@ -209,16 +209,18 @@ int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
     c->status_sent = true;
     fps__call_meter_locked(c, GRPC_STATUS_OK);
   }
+  /* A final send's status completion may drop the last reference on
+   * another poller before we unlock: hold one of our own until we are done
+   * with c. */
+  atomic_fetch_add(&c->refs, 1);
   grpc_call_error e = fps__start_batch(c->call, ops, n, final ? &c->status_tag : &c->batch_tag);
   pthread_mutex_unlock(&c->mu);
   if (e != GRPC_CALL_OK && final) fps__call_unref(c);
   /* The send op holds its own reference to the message's slices. */
   grpc_byte_buffer_destroy(msg);
-  if (e != GRPC_CALL_OK) {
-    FPS_SLOG(FPS_LOG_ERROR, "%s: start_batch(send) failed: %d", c->method, (int)e);
-    return FPS_EPROTO;
-  }
-  return 0;
+  if (e != GRPC_CALL_OK) FPS_SLOG(FPS_LOG_ERROR, "%s: start_batch(send) failed: %d", c->method, (int)e);
+  fps__call_unref(c);
+  return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
 }
 
 void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_list ap) {
@@ -244,6 +246,9 @@ void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_li
   ops[n++].data.send_status_from_server.status_details = &c->status_details;
   c->status_sent = true;
   fps__call_meter_locked(c, code);
+  /* The status completion may drop the last reference on another poller
+   * before we unlock: hold one of our own until we are done with c. */
+  atomic_fetch_add(&c->refs, 1);
   grpc_call_error e = fps__start_batch(c->call, ops, n, &c->status_tag);
   pthread_mutex_unlock(&c->mu);
   if (e != GRPC_CALL_OK) {
@@ -251,6 +256,7 @@ void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_li
     FPS_SLOG(FPS_LOG_ERROR, "%s: start_batch(status) failed: %d", c->method, (int)e);
     fps__call_unref(c);
   }
+  fps__call_unref(c);
 }
 
 void fps_call_fail(fps_call_t *c, grpc_status_code code, const char *fmt, ...) {
