@@ -12,6 +12,9 @@
 #include "internal.h"
 
 #define FPS__MIN_MESSAGE_BYTES (64u * 1024u)
+/* The largest reply message a shard sends (server.h FPS_REPLY_BUDGET plus
+ * framing): shards cut replies at this size whatever the client sends. */
+#define FPS__SHARD_REPLY_BYTES (4u * 1024u * 1024u)
 
 const char *fps_code_name(int code) {
   static const char *const names[] = {
@@ -222,21 +225,24 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
   grpc_init();
   grpc_up = 1;
   {
-    /* The receive limit must admit the shard's largest reply: it slices to
-     * its own --max-message, which the caller mirrors in max_message_bytes;
-     * the slack covers framing. Reconnect backoff is kept short so the
+    /* The receive limit must admit the shard's largest reply message,
+     * which is up to FPS__SHARD_REPLY_BYTES whatever this client sends
+     * (server/reply.c), so it is never below that; the send limit is the
+     * caller's max_message_bytes. The slack covers framing. Reconnect backoff is kept short so the
      * client's own retry loop (not gRPC's default 1-120 s backoff) decides
      * how long an unreachable shard is tried. A local subchannel pool gives
      * each client its own connection, so W clients in one process (the load
      * generator's workers) do not share one TCP stream. */
     grpc_arg args[7];
-    int max_recv = (int)(o.max_message_bytes + (1u << 20));
+    uint64_t recv = o.max_message_bytes > FPS__SHARD_REPLY_BYTES ? o.max_message_bytes : FPS__SHARD_REPLY_BYTES;
+    int max_recv = (int)(recv + (1u << 20));
+    int max_send = (int)(o.max_message_bytes + (1u << 20));
     args[0] = (grpc_arg){.type = GRPC_ARG_INTEGER,
                          .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
                          .value.integer = max_recv};
     args[1] = (grpc_arg){.type = GRPC_ARG_INTEGER,
                          .key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
-                         .value.integer = max_recv};
+                         .value.integer = max_send};
     args[2] = (grpc_arg){.type = GRPC_ARG_INTEGER,
                          .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
                          .value.integer = 100};

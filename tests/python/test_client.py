@@ -173,6 +173,19 @@ class LargeTensorTest(unittest.TestCase):
             np.testing.assert_allclose(g, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
             np.testing.assert_array_equal(c.pull(["big"])[0]["big"], g)
 
+    def test_small_message_limit(self):
+        # A client that sends in 256 KiB messages must still take the
+        # shard's replies, which come in messages of up to 4 MiB.
+        shape = (1200, 1000)
+        w0 = np.full(shape, 0.25, np.float32)
+        with Shards(1) as shards, factorps.connect(shards.addrs, deadline=30,
+                                                   max_message_bytes=256 * 1024) as c:
+            c.create([factorps.TensorSpec("big", shape, w0)])
+            np.testing.assert_array_equal(c.pull(["big"])[0]["big"], w0)
+            params, versions = c.push_pull({"big": np.ones(shape, np.float32)})
+            self.assertEqual(versions["big"], 1)
+            self.assertTrue(np.all(params["big"] < 0.25))
+
 
 class OptionsTest(unittest.TestCase):
     def test_bad_options_raise_before_any_network(self):

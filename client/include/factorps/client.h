@@ -96,9 +96,10 @@ typedef struct fps_client_options_s {
   double deadline_seconds;       /* per call, retries included; default 60 */
   int max_retries;               /* on UNAVAILABLE, with backoff; default 5 */
   double backoff_initial_seconds;/* default 0.1, doubling, capped at 5 */
-  uint64_t max_message_bytes;    /* largest message sent or expected (the
-                                    shard's --max-message); >= 64 KiB;
-                                    default 4 MiB */
+  uint64_t max_message_bytes;    /* largest message sent (at most the
+                                    shard's --max-message-bytes); >= 64 KiB;
+                                    default 4 MiB. Replies of up to 4 MiB
+                                    are accepted whatever this is. */
   const char *tls_ca_file;       /* PEM CA bundle: TLS, shards verified
                                     against it; NULL: plaintext */
   const char *tls_cert_file;     /* PEM client certificate for mutual TLS,
