@@ -172,6 +172,41 @@ int fps_call_begin(fps_call_t *c, fps_server_t *srv, grpc_call *call, gpr_timesp
   return 0;
 }
 
+void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
+                           grpc_metadata_array *md, grpc_byte_buffer *payload, size_t size,
+                           void (*destroy)(fps_call_t *), void (*on_batch)(fps_call_t *, bool),
+                           const char *method, const ProtobufCMessageDescriptor *desc,
+                           fps_call_t **out) {
+  *out = NULL;
+  fps_call_t *c = calloc(1, size);
+  if (!c) {
+    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
+    grpc_call_unref(call);
+    grpc_metadata_array_destroy(md);
+    if (payload) grpc_byte_buffer_destroy(payload);
+    return NULL;
+  }
+  c->destroy = destroy;
+  c->on_batch = on_batch;
+  if (fps_call_begin(c, srv, call, deadline, md, method) < 0) {
+    if (payload) grpc_byte_buffer_destroy(payload);
+    return NULL;
+  }
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  ProtobufCMessage *req = NULL;
+  if (!payload) {
+    fps_call_fail(c, GRPC_STATUS_INVALID_ARGUMENT, "%s: the request message is missing", method);
+  } else if (fps_bb_flatten(payload, &buf, &len) < 0 || !(req = protobuf_c_message_unpack(desc, NULL, len, buf))) {
+    fps_call_fail(c, GRPC_STATUS_INVALID_ARGUMENT, "%s: malformed %s (%zu bytes)", method, desc->short_name, len);
+  }
+  /* protobuf-c copies bytes fields: the flat buffer is not needed after. */
+  free(buf);
+  if (payload) grpc_byte_buffer_destroy(payload);
+  if (req) *out = c;
+  return req;
+}
+
 int fps_call_recv(fps_call_t *c) {
   grpc_op op;
   memset(&op, 0, sizeof op);

@@ -54,32 +54,10 @@ static void fps__ckpt_call_run(fps_ckpt_call_t *cc) {
 
 void fps_rpc_checkpoint_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                               grpc_metadata_array *md, grpc_byte_buffer *payload) {
-  fps_ckpt_call_t *cc = calloc(1, sizeof *cc);
-  if (!cc) {
-    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
-    grpc_call_unref(call);
-    grpc_metadata_array_destroy(md);
-    if (payload) grpc_byte_buffer_destroy(payload);
-    return;
-  }
-  cc->base.destroy = fps__ckpt_call_destroy;
-  if (fps_call_begin(&cc->base, srv, call, deadline, md, "Checkpoint") < 0) {
-    if (payload) grpc_byte_buffer_destroy(payload);
-    return;
-  }
-  uint8_t *buf = NULL;
-  size_t len = 0;
-  Factorps__V1__CheckpointRequest *req = NULL;
-  if (!payload) {
-    fps_call_fail(&cc->base, GRPC_STATUS_INVALID_ARGUMENT, "Checkpoint: the request message is missing");
-  } else if (fps_bb_flatten(payload, &buf, &len) < 0 ||
-             !(req = factorps__v1__checkpoint_request__unpack(NULL, len, buf))) {
-    fps_call_fail(&cc->base, GRPC_STATUS_INVALID_ARGUMENT, "Checkpoint: malformed CheckpointRequest (%zu bytes)",
-                  len);
-  } else {
-    fps__ckpt_call_run(cc);
-  }
-  if (req) factorps__v1__checkpoint_request__free_unpacked(req, NULL);
-  free(buf);
-  if (payload) grpc_byte_buffer_destroy(payload);
+  fps_call_t *c;
+  Factorps__V1__CheckpointRequest *req = fps_call_start_unary(srv, call, deadline, md, payload, sizeof(fps_ckpt_call_t),
+      fps__ckpt_call_destroy, NULL, "Checkpoint", &factorps__v1__checkpoint_request__descriptor, &c);
+  if (!req) return;
+  fps__ckpt_call_run((fps_ckpt_call_t *)c);
+  protobuf_c_message_free_unpacked(&req->base, NULL);
 }

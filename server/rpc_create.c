@@ -282,31 +282,10 @@ done:
 
 void fps_rpc_create_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                           grpc_metadata_array *md, grpc_byte_buffer *payload) {
-  fps_create_call_t *cc = calloc(1, sizeof *cc);
-  if (!cc) {
-    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
-    grpc_call_unref(call);
-    grpc_metadata_array_destroy(md);
-    if (payload) grpc_byte_buffer_destroy(payload);
-    return;
-  }
-  cc->base.destroy = fps__create_destroy;
-  if (fps_call_begin(&cc->base, srv, call, deadline, md, "Create") < 0) {
-    if (payload) grpc_byte_buffer_destroy(payload);
-    return;
-  }
-  uint8_t *buf = NULL;
-  size_t len = 0;
-  Factorps__V1__CreateRequest *req = NULL;
-  if (!payload) {
-    fps_call_fail(&cc->base, GRPC_STATUS_INVALID_ARGUMENT, "Create: the request message is missing");
-  } else if (fps_bb_flatten(payload, &buf, &len) < 0 ||
-             !(req = factorps__v1__create_request__unpack(NULL, len, buf))) {
-    fps_call_fail(&cc->base, GRPC_STATUS_INVALID_ARGUMENT, "Create: malformed CreateRequest (%zu bytes)", len);
-  } else {
-    fps__create_run(cc, req);
-  }
-  if (req) factorps__v1__create_request__free_unpacked(req, NULL);
-  free(buf);
-  if (payload) grpc_byte_buffer_destroy(payload);
+  fps_call_t *c;
+  Factorps__V1__CreateRequest *req = fps_call_start_unary(srv, call, deadline, md, payload, sizeof(fps_create_call_t),
+      fps__create_destroy, NULL, "Create", &factorps__v1__create_request__descriptor, &c);
+  if (!req) return;
+  fps__create_run((fps_create_call_t *)c, req);
+  protobuf_c_message_free_unpacked(&req->base, NULL);
 }

@@ -122,32 +122,10 @@ static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *
 
 void fps_rpc_pull_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                         grpc_metadata_array *md, grpc_byte_buffer *payload) {
-  fps_pull_call_t *pc = calloc(1, sizeof *pc);
-  if (!pc) {
-    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
-    grpc_call_unref(call);
-    grpc_metadata_array_destroy(md);
-    if (payload) grpc_byte_buffer_destroy(payload);
-    return;
-  }
-  pc->base.destroy = fps__pull_destroy;
-  pc->base.on_batch = fps__pull_on_batch;
-  if (fps_call_begin(&pc->base, srv, call, deadline, md, "Pull") < 0) {
-    if (payload) grpc_byte_buffer_destroy(payload);
-    return;
-  }
-  uint8_t *buf = NULL;
-  size_t len = 0;
-  Factorps__V1__PullRequest *req = NULL;
-  if (!payload) {
-    fps_call_fail(&pc->base, GRPC_STATUS_INVALID_ARGUMENT, "Pull: the request message is missing");
-  } else if (fps_bb_flatten(payload, &buf, &len) < 0 ||
-             !(req = factorps__v1__pull_request__unpack(NULL, len, buf))) {
-    fps_call_fail(&pc->base, GRPC_STATUS_INVALID_ARGUMENT, "Pull: malformed PullRequest (%zu bytes)", len);
-  } else {
-    fps__pull_run(pc, req);
-  }
-  if (req) factorps__v1__pull_request__free_unpacked(req, NULL);
-  free(buf);
-  if (payload) grpc_byte_buffer_destroy(payload);
+  fps_call_t *c;
+  Factorps__V1__PullRequest *req = fps_call_start_unary(srv, call, deadline, md, payload, sizeof(fps_pull_call_t),
+      fps__pull_destroy, fps__pull_on_batch, "Pull", &factorps__v1__pull_request__descriptor, &c);
+  if (!req) return;
+  fps__pull_run((fps_pull_call_t *)c, req);
+  protobuf_c_message_free_unpacked(&req->base, NULL);
 }

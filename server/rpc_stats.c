@@ -159,31 +159,10 @@ out:
 
 void fps_rpc_stats_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                          grpc_metadata_array *md, grpc_byte_buffer *payload) {
-  fps_stats_call_t *sc = calloc(1, sizeof *sc);
-  if (!sc) {
-    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
-    grpc_call_unref(call);
-    grpc_metadata_array_destroy(md);
-    if (payload) grpc_byte_buffer_destroy(payload);
-    return;
-  }
-  sc->base.destroy = fps__stats_destroy;
-  if (fps_call_begin(&sc->base, srv, call, deadline, md, "Stats") < 0) {
-    if (payload) grpc_byte_buffer_destroy(payload);
-    return;
-  }
-  uint8_t *buf = NULL;
-  size_t len = 0;
-  Factorps__V1__StatsRequest *req = NULL;
-  if (!payload) {
-    fps_call_fail(&sc->base, GRPC_STATUS_INVALID_ARGUMENT, "Stats: the request message is missing");
-  } else if (fps_bb_flatten(payload, &buf, &len) < 0 ||
-             !(req = factorps__v1__stats_request__unpack(NULL, len, buf))) {
-    fps_call_fail(&sc->base, GRPC_STATUS_INVALID_ARGUMENT, "Stats: malformed StatsRequest (%zu bytes)", len);
-  } else {
-    fps__stats_run(sc, req);
-  }
-  if (req) factorps__v1__stats_request__free_unpacked(req, NULL);
-  free(buf);
-  if (payload) grpc_byte_buffer_destroy(payload);
+  fps_call_t *c;
+  Factorps__V1__StatsRequest *req = fps_call_start_unary(srv, call, deadline, md, payload, sizeof(fps_stats_call_t),
+      fps__stats_destroy, NULL, "Stats", &factorps__v1__stats_request__descriptor, &c);
+  if (!req) return;
+  fps__stats_run((fps_stats_call_t *)c, req);
+  protobuf_c_message_free_unpacked(&req->base, NULL);
 }

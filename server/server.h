@@ -38,6 +38,7 @@
 #include <stdint.h>
 
 #include <grpc/grpc.h>
+#include <protobuf-c/protobuf-c.h>
 
 #include "adafactor.h"
 #include "dtype.h"
@@ -274,6 +275,17 @@ struct fps_call_s {
  * derived parts and the base is already released. */
 int fps_call_begin(fps_call_t *c, fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                    grpc_metadata_array *md, const char *method);
+/* The start of every unary handler (Create, Pull, Stats, Checkpoint):
+ * allocates the handler's call state (`size` bytes, fps_call_t first,
+ * zeroed), begins the call and decodes the request with `desc`. Returns the
+ * request (free it with protobuf_c_message_free_unpacked) and sets *out to
+ * the call; on failure the call has been answered or cancelled and NULL is
+ * returned. Takes ownership of call, md and payload in every case. */
+void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
+                           grpc_metadata_array *md, grpc_byte_buffer *payload, size_t size,
+                           void (*destroy)(fps_call_t *), void (*on_batch)(fps_call_t *, bool),
+                           const char *method, const ProtobufCMessageDescriptor *desc,
+                           fps_call_t **out);
 /* Starts RECV_MESSAGE into c->recv_buf; on_batch runs on completion. */
 int fps_call_recv(fps_call_t *c);
 /* Sends one message (ownership of msg passes); with final, OK status too.
