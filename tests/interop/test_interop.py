@@ -252,11 +252,18 @@ class Interop(unittest.TestCase):
                     def half():
                         yield from H.grad_messages(2, 0, {n0: (shapes[n0], np.ones(shapes[n0], np.float32))},
                                                    slice_elems=4)
-                        hold.wait(5)
+                        # Never half-close before the cancel below: a stream
+                        # that half-closed would be a real push of worker 2's
+                        # step 0 (the workers' own pushes would then be
+                        # duplicates). A timeout here let a starved thread do
+                        # exactly that on a loaded machine.
+                        hold.wait()
                     call = stub.PushPull(half(), timeout=5)
-                    time.sleep(0.005)
-                    call.cancel()
-                    hold.set()
+                    try:
+                        time.sleep(0.005)
+                        call.cancel()
+                    finally:
+                        hold.set()
                     time.sleep(0.005)
 
             ths = [threading.Thread(target=worker, args=(w,)) for w in range(W)]
