@@ -138,3 +138,26 @@ void fps_cli_sec_free(fps_cli_sec_t *s) {
     s->token = NULL;
   }
 }
+
+int fps_cli_connect(const char *cmd, const char *shards, fps_cli_sec_t *sec, double deadline,
+                    int max_retries, char ***addrs, size_t *n, fps_client_t **c,
+                    fps_status_t *status) {
+  *c = NULL;
+  memset(status, 0, sizeof *status);
+  if (!(*addrs = fps_cli_split(shards, n))) {
+    fprintf(stderr, "factorps %s: bad --shards list '%s'\n", cmd, shards);
+    return 2;
+  }
+  if (fps_cli_sec_load(sec)) {
+    fps_cli_split_free(*addrs);
+    *addrs = NULL;
+    return 2;
+  }
+  fps_client_options_t o;
+  fps_client_options_init(&o);
+  fps_cli_sec_fill(sec, &o);
+  o.deadline_seconds = deadline;
+  if (max_retries >= 0) o.max_retries = max_retries;
+  *c = fps_client_create((const char *const *)*addrs, *n, &o, status);
+  return *c ? 0 : 1;
+}

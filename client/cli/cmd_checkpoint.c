@@ -114,7 +114,6 @@ int fps_cli_checkpoint(int argc, char **argv) {
   fps_client_t *c = NULL;
   fps_checkpoint_info_t *info = NULL;
   fps_status_t status;
-  fps_client_options_t o;
   optind = 1;
   while ((opt = getopt_long(argc, argv, "hs:d:", longopts, NULL)) != -1) {
     switch (opt) {
@@ -133,20 +132,9 @@ int fps_cli_checkpoint(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  if (!(addrs = fps_cli_split(shards, &n))) {
-    fprintf(stderr, "factorps checkpoint: bad --shards list '%s'\n", shards);
-    return 2;
-  }
-  if (fps_cli_sec_load(&sec)) {
-    fps_cli_split_free(addrs);
-    return 2;
-  }
-  fps_client_options_init(&o);
-  fps_cli_sec_fill(&sec, &o);
-  o.deadline_seconds = deadline;
-  o.max_retries = 2;
-  memset(&status, 0, sizeof status);
-  if (!(c = fps_client_create((const char *const *)addrs, n, &o, &status))) goto fail;
+  int crc = fps_cli_connect("checkpoint", shards, &sec, deadline, 2, &addrs, &n, &c, &status);
+  if (crc == 2) return 2;
+  if (crc) goto fail;
   if (!(info = calloc(n, sizeof *info))) {
     snprintf(status.message, sizeof status.message, "out of memory");
     status.code = FPS_CODE_RESOURCE_EXHAUSTED;

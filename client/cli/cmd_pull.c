@@ -50,7 +50,6 @@ int fps_cli_pull(int argc, char **argv) {
   size_t n = 0;
   fps_client_t *c = NULL;
   fps_status_t status;
-  fps_client_options_t o;
   float *buf = NULL;
   FILE *out = NULL;
 
@@ -73,18 +72,9 @@ int fps_cli_pull(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  if (!(addrs = fps_cli_split(shards, &n))) {
-    fprintf(stderr, "factorps pull: bad --shards list '%s'\n", shards);
-    return 2;
-  }
-  if (fps_cli_sec_load(&sec)) {
-    fps_cli_split_free(addrs);
-    return 2;
-  }
-  fps_client_options_init(&o);
-  fps_cli_sec_fill(&sec, &o);
-  o.deadline_seconds = deadline;
-  if (!(c = fps_client_create((const char *const *)addrs, n, &o, &status))) goto fail;
+  int crc = fps_cli_connect("pull", shards, &sec, deadline, -1, &addrs, &n, &c, &status);
+  if (crc == 2) return 2;
+  if (crc) goto fail;
   if (fps_client_discover(c, NULL, &status)) goto fail;
   if (out_path && !(out = fopen(out_path, "wb"))) {
     perror(out_path);

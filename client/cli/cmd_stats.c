@@ -102,7 +102,6 @@ int fps_cli_stats(int argc, char **argv) {
   fps_client_t *c = NULL;
   fps_shard_stats_t *st = NULL;
   fps_status_t status;
-  fps_client_options_t o;
 
   optind = 1;
   while ((opt = getopt_long(argc, argv, "hs:jd:", longopts, NULL)) != -1) {
@@ -123,19 +122,9 @@ int fps_cli_stats(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  if (!(addrs = fps_cli_split(shards, &n))) {
-    fprintf(stderr, "factorps stats: bad --shards list '%s'\n", shards);
-    return 2;
-  }
-  if (fps_cli_sec_load(&sec)) {
-    fps_cli_split_free(addrs);
-    return 2;
-  }
-  fps_client_options_init(&o);
-  fps_cli_sec_fill(&sec, &o);
-  o.deadline_seconds = deadline;
-  o.max_retries = 2;
-  if (!(c = fps_client_create((const char *const *)addrs, n, &o, &status))) goto fail;
+  int crc = fps_cli_connect("stats", shards, &sec, deadline, 2, &addrs, &n, &c, &status);
+  if (crc == 2) return 2;
+  if (crc) goto fail;
   if (!(st = calloc(n, sizeof *st))) goto fail;
   if (fps_client_stats(c, st, n, &status)) goto fail;
   if (json)
