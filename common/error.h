@@ -23,7 +23,11 @@
   X(TIMEOUT, "deadline exceeded")                                          \
   X(UNAVAILABLE, "service unavailable")                                    \
   X(LIMIT, "resource limit reached")                                       \
-  X(AGAIN, "try again")
+  X(AGAIN, "try again")                                                    \
+  X(STALE, "stale step")                                                   \
+  X(AHEAD, "step ahead of the shard")                                      \
+  X(DUP, "duplicate")                                                      \
+  X(CANCELLED, "cancelled")
 
 typedef enum fps_errno_e {
   FPS_OK = 0,

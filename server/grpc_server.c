@@ -62,17 +62,16 @@ typedef struct fps_shutdown_tag_s {
 } fps_shutdown_tag_t;
 static fps_shutdown_tag_t fps__shutdown_tag;
 
-int64_t fps_now_ns(void) {
-  gpr_timespec t = gpr_now(GPR_CLOCK_MONOTONIC);
-  return t.tv_sec * INT64_C(1000000000) + t.tv_nsec;
-}
-
-/* Monotonic ns of a gRPC deadline; INT64_MAX for "none". */
-static int64_t fps__deadline_ns(gpr_timespec d) {
+/* A gRPC deadline on the shard's clock (clock.h); INT64_MAX for "none".
+ * gRPC's monotonic clock has its own origin, so only the time left is
+ * carried over. */
+static int64_t fps__deadline_ns(gpr_timespec d, int64_t now_ns) {
   if (gpr_time_cmp(d, gpr_inf_future(d.clock_type)) == 0) return INT64_MAX;
-  gpr_timespec m = gpr_convert_clock_type(d, GPR_CLOCK_MONOTONIC);
-  if (m.tv_sec > INT64_MAX / 1000000000 - 1) return INT64_MAX;
-  return m.tv_sec * INT64_C(1000000000) + m.tv_nsec;
+  gpr_timespec left = gpr_time_sub(gpr_convert_clock_type(d, GPR_CLOCK_MONOTONIC), gpr_now(GPR_CLOCK_MONOTONIC));
+  left.clock_type = GPR_TIMESPAN;
+  if (left.tv_sec < 0) return now_ns;
+  if (left.tv_sec > INT64_MAX / 1000000000 / 2) return INT64_MAX;
+  return now_ns + left.tv_sec * INT64_C(1000000000) + left.tv_nsec;
 }
 
 /* ------------------------------------------------------------ call base */
@@ -150,8 +149,8 @@ int fps_call_begin(fps_call_t *c, fps_server_t *srv, grpc_call *call, gpr_timesp
   pthread_mutex_init(&c->mu, NULL);
   atomic_init(&c->refs, 2); /* logic + close */
   c->start_ns = fps_now_ns();
-  int64_t client = fps__deadline_ns(deadline);
-  int64_t ours = c->start_ns + (int64_t)(srv->cfg.deadline * 1e9);
+  int64_t client = fps__deadline_ns(deadline, c->start_ns);
+  int64_t ours = fps_clock_after(c->start_ns, srv->cfg.deadline);
   c->deadline_ns = client < ours ? client : ours;
   fps_calls_link(srv, c);
 
@@ -373,7 +372,8 @@ void fps_calls_unlink(fps_server_t *srv, fps_call_t *c) {
   pthread_mutex_unlock(&srv->calls_mu);
 }
 
-void fps_calls_expire(fps_server_t *srv, int64_t now_ns) {
+void fps_calls_expire(void *arg, int64_t now_ns) {
+  fps_server_t *srv = arg;
   pthread_mutex_lock(&srv->calls_mu);
   for (fps_call_t *c = srv->calls; c; c = c->next) {
     if (c->cancel_requested || c->deadline_ns > now_ns) continue;

@@ -124,14 +124,14 @@ int main(int argc, char **argv) {
   grpc_init();
   srv.started_ns = fps_now_ns();
   int exit_code = 0;
-  bool timer = false;
   bool ckpt_on_exit = false;
-  if (fps_sync_start(&srv) < 0) {
+  /* The deadline thread runs the hooks of rounds, ssp waits and calls. */
+  if (fps_timer_create(&srv.timer, 0) < 0 || fps_sync_start(&srv) < 0 ||
+      fps_timer_add(srv.timer, fps_calls_expire, &srv) < 0 || fps_timer_start(srv.timer) < 0) {
     fprintf(stderr, "factorps-server: cannot start the timer thread\n");
     exit_code = 1;
     goto out;
   }
-  timer = true;
   /* Health first: /healthz answers (and /readyz says 503) while gRPC starts. */
   if (*srv.cfg.metrics_listen) {
     fps_metrics_http_opts_t ho = {.listen = srv.cfg.metrics_listen,
@@ -194,7 +194,9 @@ out:
   fps_metrics_ready_set(false);
   fps_grpc_stop(&srv, FPS_SHUTDOWN_GRACE_S);
   fps_metrics_http_stop(http);
-  if (timer) fps_sync_stop(&srv);
+  fps_timer_destroy(srv.timer);
+  srv.timer = NULL;
+  fps_sync_stop(&srv);
   fps_checkpoint_stop(&srv); /* no periodic write after the final one */
   if (ckpt_on_exit) {
     /* After gRPC stopped: no update can follow, so this checkpoint holds

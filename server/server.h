@@ -7,7 +7,10 @@
  *   config.c        fps_config_t and its table (flags, FACTORPS_* env, --help)
  *   ranges.c        sorted interval sets (slice coverage and overlap checks)
  *   tensor_store.c  the name -> tensor map, tensor lifetime, apply + log
- *   sync.c          sync rounds, ssp waits, the deadline/timer thread
+ *   sync.c          sync rounds, ssp waits and their expiry hook
+ *   clock.c         fps_now_ns(): the monotonic clock of every deadline
+ *   timer.c         the deadline thread: runs the hooks modules register
+ *   status.c        the one FPS_E* -> gRPC status table
  *   grpc_server.c   completion queue, poller threads, request slots and the
  *                   per-call base state machine (send/recv/status helpers)
  *   wire.c          proto <-> internal helpers shared by the handlers
@@ -19,8 +22,9 @@
  *
  * Threads: T pollers run grpc_completion_queue_next() and every handler
  * step (handlers never sleep: a sync round or an ssp wait parks its call and
- * whoever completes the round resumes it); one timer thread expires rounds,
- * ssp waits and calls past their deadline; one signal thread turns
+ * whoever completes the round resumes it); one timer thread (timer.c) runs
+ * the hooks that expire rounds, ssp waits and calls past their deadline;
+ * one signal thread turns
  * SIGTERM/SIGINT into a shutdown.
  *
  * Locks, in acquisition order (never the reverse): store->mu (rwlock) ->
@@ -41,8 +45,11 @@
 #include <protobuf-c/protobuf-c.h>
 
 #include "adafactor.h"
+#include "clock.h"
 #include "dtype.h"
 #include "error.h"
+#include "status.h"
+#include "timer.h"
 
 #define FPS_NAME_MAX 256                 /* bytes of UTF-8 in a tensor name */
 /* Payload budget of one reply message: a little under gRPC's default 4 MiB
@@ -302,8 +309,6 @@ grpc_byte_buffer *fps_pack_message(const void *protobuf_c_message);
 /* Flattens a received byte buffer (one copy). Caller frees *out. */
 int fps_bb_flatten(grpc_byte_buffer *bb, uint8_t **out, size_t *len);
 
-int64_t fps_now_ns(void);
-
 /* ---------------------------------------------------------- the shard */
 
 typedef struct fps_counters_s {
@@ -354,11 +359,7 @@ struct fps_server_s {
   /* Tensors with an open sync round (for the timer). */
   pthread_mutex_t rounds_mu;
   fps_tensor_t *rounds;
-  /* Timer thread. */
-  pthread_t timer;
-  pthread_mutex_t timer_mu;
-  pthread_cond_t timer_cv;
-  bool timer_stop;
+  fps_timer_t *timer;               /* deadline thread (timer.c) */
   /* Checkpoints (checkpoint.c). */
   pthread_mutex_t ckpt_mu;          /* one checkpoint at a time */
   int ckpt_dir_fd;                  /* lease on --checkpoint-dir, -1: none */
@@ -404,7 +405,8 @@ void fps_checkpoint_close(fps_server_t *srv);
  * restored_* fields are written before gRPC starts and never change. */
 void fps_checkpoint_ahead_hint(const fps_tensor_t *t, char *buf, size_t len);
 
-/* Timer and waits (sync.c). */
+/* Waits (sync.c): start allocates the ssp clocks and registers the
+ * expiry hook of rounds and ssp waits with srv->timer; stop frees them. */
 int fps_sync_start(fps_server_t *srv);
 void fps_sync_stop(fps_server_t *srv);
 /* Fails every parked call (shutdown): UNAVAILABLE. */
@@ -416,8 +418,8 @@ int fps_grpc_start(fps_server_t *srv);
 void fps_grpc_stop(fps_server_t *srv, double grace_s);
 void fps_calls_link(fps_server_t *srv, fps_call_t *c);
 void fps_calls_unlink(fps_server_t *srv, fps_call_t *c);
-/* Timer hook: cancels calls past their deadline. */
-void fps_calls_expire(fps_server_t *srv, int64_t now_ns);
+/* Timer hook (arg: the server): cancels calls past their deadline. */
+void fps_calls_expire(void *srv, int64_t now_ns);
 
 /* Method entry points: each takes ownership of call, md and payload. */
 void fps_rpc_create_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,

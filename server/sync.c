@@ -11,12 +11,14 @@
  * DEADLINE_EXCEEDED and leaves the tensor untouched.
  *
  * ssp: a call from a worker more than S steps ahead of the slowest waits in
- * a list until fps_ssp_advance() lets it go or the timer fails it. */
+ * a list until fps_ssp_advance() lets it go or the timer fails it.
+ *
+ * Deadlines are enforced by the timer thread (timer.c) through the hook
+ * registered in fps_sync_start(). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "metrics.h"
 #include "server.h"
@@ -25,7 +27,6 @@
  * the members hear which workers were missing rather than a bare
  * DEADLINE_EXCEEDED from their own gRPC timer. */
 #define FPS_ROUND_MARGIN_NS INT64_C(200000000)
-#define FPS_TIMER_TICK_NS INT64_C(20000000)
 
 /* ------------------------------------------------------- open rounds */
 
@@ -179,7 +180,7 @@ grpc_status_code fps_sync_join(fps_server_t *srv, fps_push_entry_t **e, size_t n
         t->round.step = step;
         t->round.joined = 0;
         t->round.started_ns = now;
-        __atomic_store_n(&t->round.deadline_ns, now + (int64_t)(srv->cfg.deadline * 1e9), __ATOMIC_RELAXED);
+        __atomic_store_n(&t->round.deadline_ns, fps_clock_after(now, srv->cfg.deadline), __ATOMIC_RELAXED);
         fps__rounds_link(srv, t);
       }
       int64_t d = call_deadline_ns == INT64_MAX ? INT64_MAX : call_deadline_ns - FPS_ROUND_MARGIN_NS;
@@ -382,48 +383,20 @@ static void fps__expire_rounds(fps_server_t *srv, int64_t now, bool force, grpc_
   }
 }
 
-static void *fps__timer_main(void *arg) {
+/* Timer hook: fails rounds and ssp waits past their deadline. */
+static void fps__sync_expire(void *arg, int64_t now) {
   fps_server_t *srv = arg;
-  pthread_mutex_lock(&srv->timer_mu);
-  while (!srv->timer_stop) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_nsec += FPS_TIMER_TICK_NS;
-    if (ts.tv_nsec >= 1000000000) {
-      ts.tv_sec++;
-      ts.tv_nsec -= 1000000000;
-    }
-    pthread_cond_timedwait(&srv->timer_cv, &srv->timer_mu, &ts);
-    if (srv->timer_stop) break;
-    pthread_mutex_unlock(&srv->timer_mu);
-    int64_t now = fps_now_ns();
-    fps__expire_rounds(srv, now, false, GRPC_STATUS_DEADLINE_EXCEEDED, NULL);
-    fps__ssp_expire(srv, now, false, GRPC_STATUS_DEADLINE_EXCEEDED, NULL);
-    fps_calls_expire(srv, now);
-    pthread_mutex_lock(&srv->timer_mu);
-  }
-  pthread_mutex_unlock(&srv->timer_mu);
-  return NULL;
+  fps__expire_rounds(srv, now, false, GRPC_STATUS_DEADLINE_EXCEEDED, NULL);
+  fps__ssp_expire(srv, now, false, GRPC_STATUS_DEADLINE_EXCEEDED, NULL);
 }
 
 int fps_sync_start(fps_server_t *srv) {
   srv->ssp_clock = calloc(srv->cfg.workers, sizeof *srv->ssp_clock);
   if (!srv->ssp_clock) return FPS_ENOMEM;
-  pthread_mutex_init(&srv->timer_mu, NULL);
-  pthread_cond_init(&srv->timer_cv, NULL);
-  srv->timer_stop = false;
-  if (pthread_create(&srv->timer, NULL, fps__timer_main, srv) != 0) return FPS_ENOMEM;
-  return 0;
+  return fps_timer_add(srv->timer, fps__sync_expire, srv);
 }
 
 void fps_sync_stop(fps_server_t *srv) {
-  pthread_mutex_lock(&srv->timer_mu);
-  srv->timer_stop = true;
-  pthread_cond_broadcast(&srv->timer_cv);
-  pthread_mutex_unlock(&srv->timer_mu);
-  pthread_join(srv->timer, NULL);
-  pthread_mutex_destroy(&srv->timer_mu);
-  pthread_cond_destroy(&srv->timer_cv);
   free(srv->ssp_clock);
   srv->ssp_clock = NULL;
 }
