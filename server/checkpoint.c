@@ -13,6 +13,7 @@
  * checkpoint that verifies completely (both SHA-256s, every bound) and was
  * written for this shard's id, count and mode is loaded; the library logs
  * and skips every other one. */
+#include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -22,7 +23,40 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "metrics.h"
 #include "server.h"
+
+/* The checkpoint's "created" (RFC 3339 UTC, "2026-01-02T03:04:05.123456789Z")
+ * as unix seconds; 0 if it does not parse. */
+static double fps__ckpt_created_unix(const char *created) {
+  struct tm tm;
+  memset(&tm, 0, sizeof tm);
+  char frac[16] = "";
+  if (sscanf(created, "%4d-%2d-%2dT%2d:%2d:%2d.%15[0-9]", &tm.tm_year, &tm.tm_mon, &tm.tm_mday, &tm.tm_hour,
+             &tm.tm_min, &tm.tm_sec, frac) < 6)
+    return 0;
+  tm.tm_year -= 1900;
+  tm.tm_mon -= 1;
+  time_t t = timegm(&tm);
+  if (t == (time_t)-1) return 0;
+  char num[20] = "0.";
+  snprintf(num + 2, sizeof num - 2, "%s", frac);
+  return (double)t + strtod(num, NULL);
+}
+
+/* The metrics reason of a failed fps_checkpoint_write(). `why` holds the
+ * system's message (strerror) for FPS_EIO. */
+static fps_metrics_ckpt_reason_t fps__ckpt_reason(int rc, const char *why) {
+  switch (rc) {
+    case FPS_EIO:
+      return strstr(why, strerror(ENOSPC)) || strstr(why, strerror(EDQUOT)) ? FPS_METRICS_CKPT_NO_SPACE
+                                                                             : FPS_METRICS_CKPT_IO;
+    case FPS_ENOMEM: return FPS_METRICS_CKPT_NO_MEMORY;
+    case FPS_ENOTFOUND: return FPS_METRICS_CKPT_NO_DIRECTORY;
+    case FPS_EAGAIN: return FPS_METRICS_CKPT_BUSY;
+    default: return FPS_METRICS_CKPT_OTHER;
+  }
+}
 
 static void fps__ckpt_rejected(void *ctx, const char *path, int err, const char *why) {
   (void)ctx;
@@ -66,13 +100,16 @@ static int fps__ckpt_restore(fps_server_t *srv) {
     if (srv->cfg.require_checkpoint) {
       FPS_SLOG(FPS_LOG_ERROR, "--checkpoint-dir %s %s and --require-checkpoint is set: refusing to start",
                srv->cfg.checkpoint_dir, what);
+      fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
       return FPS_ENOTFOUND;
     }
     FPS_SLOG(FPS_LOG_INFO, "--checkpoint-dir %s %s: starting empty", srv->cfg.checkpoint_dir, what);
+    fps_metrics_restore_set(FPS_METRICS_RESTORE_EMPTY, 0, 0, (double)(fps_now_ns() - t0) / 1e9);
     return 0;
   }
   if (rc < 0) {
     FPS_SLOG(FPS_LOG_ERROR, "cannot read --checkpoint-dir %s: %s", srv->cfg.checkpoint_dir, fps_strerror(rc));
+    fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
     return rc;
   }
   uint64_t bytes = 0;
@@ -83,6 +120,7 @@ static int fps__ckpt_restore(fps_server_t *srv) {
              " / --max-bytes %" PRIu64 " allow: refusing to start",
              ck->path, ck->n_tensors, bytes, srv->cfg.max_tensors, srv->cfg.max_bytes);
     fps_ckpt_destroy(ck);
+    fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
     return FPS_ELIMIT;
   }
   pthread_rwlock_wrlock(&srv->store.mu);
@@ -92,9 +130,12 @@ static int fps__ckpt_restore(fps_server_t *srv) {
   if (rc < 0) {
     FPS_SLOG(FPS_LOG_ERROR, "restoring %s: %s", ck->path, fps_strerror(rc));
     fps_ckpt_destroy(ck);
+    fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
     return rc;
   }
   srv->ckpt_restored_seq = ck->info.seq;
+  fps_metrics_restore_set(FPS_METRICS_RESTORE_RESTORED, ck->info.seq, fps__ckpt_created_unix(ck->info.created),
+                          (double)(fps_now_ns() - t0) / 1e9);
   FPS_SLOG(FPS_LOG_INFO, "restored %zu tensors (%" PRIu64 " bytes of data) from %s (sequence %" PRIu64
            ", written %s) in %.3f s",
            ck->n_tensors, ck->info.data_bytes, ck->path, ck->info.seq, ck->info.created,
@@ -111,6 +152,7 @@ int fps_checkpoint_open(fps_server_t *srv) {
   int fd = fps_ckpt_dir_lock(srv->cfg.checkpoint_dir, true, why, sizeof why);
   if (fd < 0) {
     FPS_SLOG(FPS_LOG_ERROR, "--checkpoint-dir %s: %s (%s)", srv->cfg.checkpoint_dir, why, fps_strerror(fd));
+    fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
     return fd;
   }
   srv->ckpt_dir_fd = fd;
@@ -126,6 +168,7 @@ int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, siz
   }
   pthread_mutex_lock(&srv->ckpt_mu);
   int64_t t0 = fps_now_ns();
+  uint64_t mark = fps_metrics_checkpoint_mark(); /* before any tensor is copied */
   fps_ckpt_snapshot_t *snap = NULL;
   int rc = fps_ckpt_snapshot_create(&snap, srv->cfg.shard_id, srv->cfg.shard_count, fps_mode_name(srv->cfg.mode));
   if (rc < 0) {
@@ -176,6 +219,12 @@ int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, siz
   done.bytes = w.file_bytes;
   done.tensors = fps_ckpt_snapshot_count(snap);
   done.seconds = (double)(fps_now_ns() - t0) / 1e9;
+  {
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    fps_metrics_checkpoint_written(done.seq, (double)now.tv_sec + (double)now.tv_nsec / 1e9, done.seconds,
+                                   done.bytes, mark);
+  }
   fps_ckpt_snapshot_destroy(snap);
   pthread_mutex_unlock(&srv->ckpt_mu);
   FPS_SLOG(FPS_LOG_INFO,
@@ -187,6 +236,7 @@ int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, siz
   if (out) *out = done;
   return 0;
 fail:
+  fps_metrics_checkpoint_failed(fps__ckpt_reason(rc, why));
   fps_ckpt_snapshot_destroy(snap);
   pthread_mutex_unlock(&srv->ckpt_mu);
   FPS_SLOG(FPS_LOG_ERROR, "checkpoint into %s failed: %s (%s)", srv->cfg.checkpoint_dir, why, fps_strerror(rc));

@@ -106,7 +106,8 @@ int main(int argc, char **argv) {
   fps_metrics_config_t mcfg = {.shard_id = srv.cfg.shard_id, .shard_count = srv.cfg.shard_count,
                                .mode = fps_mode_name(srv.cfg.mode), .workers = srv.cfg.workers,
                                .staleness = srv.cfg.staleness,
-                               .simd = fps_kernels_name(srv.kernels), .version = FPS_VERSION};
+                               .simd = fps_kernels_name(srv.kernels), .version = FPS_VERSION,
+                               .checkpoint_interval = *srv.cfg.checkpoint_dir ? srv.cfg.checkpoint_interval : 0};
   fps_metrics_init(&mcfg);
   fps_metrics_http_t *http = NULL;
 

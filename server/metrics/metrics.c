@@ -43,17 +43,31 @@ static const char *const method_names[] = {
 #undef FPS__STR
 };
 
+static const char *const ckpt_reason_names[] = {
+#define FPS__STR(id, label) label,
+    FPS_METRICS_CKPT_REASON_MAP(FPS__STR)
+#undef FPS__STR
+};
+
+static const char *const restore_names[] = {
+#define FPS__STR(id, label) label,
+    FPS_METRICS_RESTORE_MAP(FPS__STR)
+#undef FPS__STR
+};
+
 /* HTTP statuses the endpoint can answer with; anything else is counted as
  * the last entry. */
 static const int http_codes[] = {200, 400, 404, 405, 408, 413, 414, 431, 500, 503};
 enum { NHTTP = sizeof http_codes / sizeof http_codes[0] };
 
 /* Label dimensions of a family, and how many series each has. */
-enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP };
+enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP, DIM_CKPT_REASON, DIM_RESTORE };
 #define DIMN_NONE 1
 #define DIMN_METHOD FPS_METRICS_METHOD_COUNT
 #define DIMN_METHOD_CODE (FPS_METRICS_METHOD_COUNT * NCODES)
 #define DIMN_HTTP NHTTP
+#define DIMN_CKPT_REASON FPS_METRICS_CKPT_REASON_COUNT
+#define DIMN_RESTORE FPS_METRICS_RESTORE_COUNT
 
 /* Stored counters and gauges: X(field, type, name, dim, help). */
 #define FPS__SERIES_MAP(X)                                                           \
@@ -77,7 +91,13 @@ enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP };
   X(http_rejected, counter, "factorps_http_rejected_connections_total", NONE,        \
     "HTTP connections refused with 503 because too many were open.")                 \
   X(http_connections, gauge, "factorps_http_connections", NONE,                      \
-    "HTTP connections open now.")
+    "HTTP connections open now.")                                                    \
+  X(ckpt_written_bytes, counter, "factorps_checkpoint_written_bytes_total", NONE,    \
+    "Bytes of checkpoint files written successfully.")                               \
+  X(ckpt_failures, counter, "factorps_checkpoint_failures_total", CKPT_REASON,       \
+    "Checkpoint writes that failed, by reason.")                                     \
+  X(restore_outcome, gauge, "factorps_checkpoint_restore_outcome", RESTORE,          \
+    "What start-up did with the checkpoint directory: 1 for the outcome taken.")
 
 /* Histograms: X(field, name, dim, bucket set, help). */
 #define FPS__HIST_MAP(X)                                                             \
@@ -88,7 +108,9 @@ enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP };
   X(step_wait, "factorps_sync_wait_duration_seconds", NONE, latency,                 \
     "sync: how long a round's first push waited for the last worker's.")             \
   X(staleness, "factorps_ssp_staleness_steps", NONE, staleness,                      \
-    "ssp: steps the pushing worker was ahead of the slowest worker when admitted.")
+    "ssp: steps the pushing worker was ahead of the slowest worker when admitted.")   \
+  X(ckpt_duration, "factorps_checkpoint_duration_seconds", NONE, checkpoint,         \
+    "Successful checkpoint writes: snapshot, hash, write and fsync.")
 
 /* Bucket sets. `scale` converts an observed value into the integer units
  * the sum is kept in (nanoseconds for seconds), so the sum is one atomic
@@ -103,9 +125,13 @@ static const double latency_le[] = {25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 
                                     5e-3,  10e-3, 25e-3,  50e-3,  0.1,  0.25, 0.5,
                                     1,     2.5,   5,      10};
 static const double staleness_le[] = {0, 1, 2, 4, 8, 16, 32, 64};
+static const double checkpoint_le[] = {0.01, 0.05, 0.1, 0.25, 0.5, 1,   2.5,
+                                       5,    10,   30,  60,   120, 300, 600};
 static const bucket_set_t set_latency = {latency_le, sizeof latency_le / sizeof(double), 1e9};
 static const bucket_set_t set_staleness = {staleness_le, sizeof staleness_le / sizeof(double), 1};
+static const bucket_set_t set_checkpoint = {checkpoint_le, sizeof checkpoint_le / sizeof(double), 1e9};
 _Static_assert(sizeof latency_le / sizeof(double) <= FPS__HIST_MAX_BUCKETS, "bucket storage");
+_Static_assert(sizeof checkpoint_le / sizeof(double) <= FPS__HIST_MAX_BUCKETS, "bucket storage");
 
 typedef struct hist_s {
   _Atomic uint64_t bucket[FPS__HIST_MAX_BUCKETS + 1];  /* not cumulative; last: +Inf */
@@ -127,9 +153,14 @@ static struct {
 #define FPS__FIELD(f) _Atomic uint64_t state_##f;
   FPS__STATE_FIELDS(FPS__FIELD)
 #undef FPS__FIELD
+  /* Checkpoints: the last successful write (or the restored checkpoint)
+   * and the update count marked when its snapshot began. */
+  _Atomic uint64_t ckpt_last_unix_bits /* a double's bits */, ckpt_last_seq, ckpt_last_bytes, ckpt_mark;
+  _Atomic uint64_t restored_seq, restore_ns;
   atomic_bool ready;
   /* Written once by fps_metrics_init, before threads start. */
   uint32_t shard_id, shard_count, workers, staleness_bound;
+  double checkpoint_interval;
   char mode[FPS__LABEL_MAX], simd[FPS__LABEL_MAX], version[FPS__LABEL_MAX];
 } g;
 
@@ -142,6 +173,8 @@ int fps_metrics_init(const fps_metrics_config_t *cfg) {
   g.shard_count = cfg->shard_count;
   g.workers = cfg->workers;
   g.staleness_bound = cfg->staleness;
+  g.checkpoint_interval = cfg->checkpoint_interval > 0 ? cfg->checkpoint_interval : 0;
+  atomic_store(&g.restore_outcome[FPS_METRICS_RESTORE_DISABLED], 1);
   snprintf(g.mode, sizeof g.mode, "%s", cfg->mode ? cfg->mode : "unknown");
   snprintf(g.simd, sizeof g.simd, "%s", cfg->simd ? cfg->simd : "unknown");
   snprintf(g.version, sizeof g.version, "%s",
@@ -231,6 +264,64 @@ void fps_metrics_state_add(const fps_metrics_state_t *d) {
 #undef FPS__FIELD
 }
 
+/* Seconds to integer nanoseconds, clamped (a negative or NaN time is 0). */
+static uint64_t to_ns(double s) {
+  if (!(s > 0)) return 0;
+  return s < 1.8e10 ? (uint64_t)(s * 1e9 + 0.5) : UINT64_MAX / 2;
+}
+
+/* A double kept in an atomic uint64 (its bits), for wall-clock times that
+ * must come back exactly. */
+static uint64_t dbits(double d) {
+  uint64_t u;
+  memcpy(&u, &d, sizeof u);
+  return u;
+}
+static double bitsd(uint64_t u) {
+  double d;
+  memcpy(&d, &u, sizeof d);
+  return d;
+}
+
+/* Tensor updates so far: the update histogram's count. */
+static uint64_t updates_total(void) {
+  uint64_t n = 0;
+  for (int k = 0; k <= FPS__HIST_MAX_BUCKETS; k++)
+    n += atomic_load_explicit(&g.update_duration[0].bucket[k], RELAXED);
+  return n;
+}
+
+void fps_metrics_restore_set(fps_metrics_restore_t outcome, uint64_t seq, double created_unix,
+                             double seconds) {
+  if ((unsigned)outcome >= FPS_METRICS_RESTORE_COUNT) return;
+  for (int i = 0; i < FPS_METRICS_RESTORE_COUNT; i++)
+    atomic_store_explicit(&g.restore_outcome[i], i == (int)outcome, RELAXED);
+  atomic_store_explicit(&g.restored_seq, outcome == FPS_METRICS_RESTORE_RESTORED ? seq : 0, RELAXED);
+  atomic_store_explicit(&g.restore_ns, to_ns(seconds), RELAXED);
+  if (outcome == FPS_METRICS_RESTORE_RESTORED) {
+    atomic_store_explicit(&g.ckpt_last_seq, seq, RELAXED);
+    atomic_store_explicit(&g.ckpt_last_unix_bits, dbits(created_unix > 0 ? created_unix : 0), RELAXED);
+    atomic_store_explicit(&g.ckpt_mark, updates_total(), RELAXED);
+  }
+}
+
+uint64_t fps_metrics_checkpoint_mark(void) { return updates_total(); }
+
+void fps_metrics_checkpoint_written(uint64_t seq, double unix_time, double seconds, uint64_t bytes,
+                                    uint64_t mark) {
+  hist_observe(&g.ckpt_duration[0], &set_checkpoint, seconds);
+  atomic_fetch_add_explicit(&g.ckpt_written_bytes[0], bytes, RELAXED);
+  atomic_store_explicit(&g.ckpt_last_bytes, bytes, RELAXED);
+  atomic_store_explicit(&g.ckpt_last_seq, seq, RELAXED);
+  atomic_store_explicit(&g.ckpt_mark, mark, RELAXED);
+  atomic_store_explicit(&g.ckpt_last_unix_bits, dbits(unix_time > 0 ? unix_time : 0), RELAXED);
+}
+
+void fps_metrics_checkpoint_failed(fps_metrics_ckpt_reason_t reason) {
+  if ((unsigned)reason >= FPS_METRICS_CKPT_REASON_COUNT) reason = FPS_METRICS_CKPT_OTHER;
+  atomic_fetch_add_explicit(&g.ckpt_failures[reason], 1, RELAXED);
+}
+
 void fps_metrics_ready_set(bool ready) { atomic_store(&g.ready, ready); }
 bool fps__metrics_ready_get(void) { return atomic_load(&g.ready); }
 
@@ -312,6 +403,14 @@ static bool dim_labels(char *out, size_t cap, const char *shard, enum dim d, int
       if (value == 0 && http_codes[i] != 200) return false;
       snprintf(out, cap, "%s,code=\"%d\"", shard, http_codes[i]);
       return true;
+    /* Every reason and outcome, zeros included: increase() and "== 1" need
+     * the series to exist before the first failure. */
+    case DIM_CKPT_REASON:
+      snprintf(out, cap, "%s,reason=\"%s\"", shard, ckpt_reason_names[i]);
+      return true;
+    case DIM_RESTORE:
+      snprintf(out, cap, "%s,outcome=\"%s\"", shard, restore_names[i]);
+      return true;
   }
   return false;
 }
@@ -389,6 +488,32 @@ static void render_state(fps__mbuf_t *b, const char *shard) {
                (double)tensors);
 }
 
+static void render_checkpoint(fps__mbuf_t *b, const char *shard) {
+  uint64_t mark = atomic_load_explicit(&g.ckpt_mark, RELAXED), now = updates_total();
+  render_gauge(b, "factorps_checkpoint_interval_seconds",
+               "Seconds between periodic checkpoints (0: none).", shard, g.checkpoint_interval);
+  render_gauge(b, "factorps_checkpoint_last_success_timestamp_seconds",
+               "Unix time of the last successful checkpoint, or of the one restored at start-up "
+               "(0: none yet).",
+               shard, bitsd(atomic_load_explicit(&g.ckpt_last_unix_bits, RELAXED)));
+  render_gauge(b, "factorps_checkpoint_last_success_sequence",
+               "Sequence number of that checkpoint (0: none yet).", shard,
+               (double)atomic_load_explicit(&g.ckpt_last_seq, RELAXED));
+  render_gauge(b, "factorps_checkpoint_last_success_size_bytes",
+               "File size of the last checkpoint this process wrote.", shard,
+               (double)atomic_load_explicit(&g.ckpt_last_bytes, RELAXED));
+  render_gauge(b, "factorps_checkpoint_unsaved_updates",
+               "Tensor updates applied since the last successful checkpoint began: at most "
+               "what a crash now loses.",
+               shard, (double)(now > mark ? now - mark : 0));
+  render_gauge(b, "factorps_checkpoint_restored_sequence",
+               "Sequence number of the checkpoint restored at start-up (0: none).", shard,
+               (double)atomic_load_explicit(&g.restored_seq, RELAXED));
+  render_gauge(b, "factorps_checkpoint_restore_duration_seconds",
+               "How long the start-up restore took.", shard,
+               (double)atomic_load_explicit(&g.restore_ns, RELAXED) / 1e9);
+}
+
 int fps_metrics_render(char **out, size_t *len) {
   if (out == NULL || len == NULL) return FPS_EINVAL;
   fps__mbuf_t b = {0};
@@ -429,6 +554,7 @@ int fps_metrics_render(char **out, size_t *len) {
                "Adafactor kernel throughput since start (update bytes / update seconds).", shard,
                us > 0 ? (double)ub / us : 0);
 
+  render_checkpoint(&b, shard);
   fps__metrics_render_process(&b, shard);
   if (b.oom || b.p == NULL) {
     free(b.p);

@@ -16,10 +16,12 @@
  *   ... after every update:    fps_metrics_update_observe(secs, bytes_moved);
  *   ... a tensor registered:   fps_metrics_state_add_tensor(numel, &size)
  *   ... sync/ssp:              fps_metrics_step_observe / _staleness_observe / _waiting_add
+ *   ... checkpoints:           fps_metrics_restore_set (start-up), then per write
+ *                              fps_metrics_checkpoint_mark + _written or _failed
  *   fps_metrics_ready_set(false); fps_metrics_http_stop(http);
  *
  * server/main.c, grpc_server.c, sync.c, tensor_store.c, rpc_create.c,
- * rpc_pushpull.c and reply.c make exactly these calls (grep fps_metrics_).
+ * rpc_pushpull.c, reply.c and checkpoint.c make exactly these calls (grep fps_metrics_).
  *
  * Hot-path calls (the *_observe, *_add and *_set functions) are lock-free:
  * relaxed atomic adds on static storage, no allocation, no syscalls, safe
@@ -60,6 +62,42 @@ typedef enum fps_metrics_method_e {
   X(VAR, "var")                                                            \
   X(MOM, "momentum")
 
+/* Why a checkpoint write failed (label reason="<name>"): no_space (ENOSPC
+ * or EDQUOT), io (any other I/O error), no_memory, no_directory (the
+ * checkpoint directory vanished), busy (another writer holds it), other. */
+#define FPS_METRICS_CKPT_REASON_MAP(X)                                     \
+  X(NO_SPACE, "no_space")                                                  \
+  X(IO, "io")                                                              \
+  X(NO_MEMORY, "no_memory")                                                \
+  X(NO_DIRECTORY, "no_directory")                                          \
+  X(BUSY, "busy")                                                          \
+  X(OTHER, "other")
+
+typedef enum fps_metrics_ckpt_reason_e {
+#define FPS_METRICS_REASON_ENUM(id, label) FPS_METRICS_CKPT_##id,
+  FPS_METRICS_CKPT_REASON_MAP(FPS_METRICS_REASON_ENUM)
+#undef FPS_METRICS_REASON_ENUM
+  FPS_METRICS_CKPT_REASON_COUNT
+} fps_metrics_ckpt_reason_t;
+
+/* What start-up did with --checkpoint-dir (label outcome="<name>"):
+ * disabled (no --checkpoint-dir), empty (the directory held no valid
+ * checkpoint: started with no tensors), restored, refused (the shard exits:
+ * --require-checkpoint without a valid checkpoint, unreadable directory,
+ * checkpoint over the limits). */
+#define FPS_METRICS_RESTORE_MAP(X)                                         \
+  X(DISABLED, "disabled")                                                  \
+  X(EMPTY, "empty")                                                        \
+  X(RESTORED, "restored")                                                  \
+  X(REFUSED, "refused")
+
+typedef enum fps_metrics_restore_e {
+#define FPS_METRICS_RESTORE_ENUM(id, label) FPS_METRICS_RESTORE_##id,
+  FPS_METRICS_RESTORE_MAP(FPS_METRICS_RESTORE_ENUM)
+#undef FPS_METRICS_RESTORE_ENUM
+  FPS_METRICS_RESTORE_COUNT
+} fps_metrics_restore_t;
+
 /* The shard's state totals. Element counts, not bytes: bytes are derived
  * (4 per fp32 element) when rendering. */
 typedef struct fps_metrics_state_s {
@@ -79,6 +117,7 @@ typedef struct fps_metrics_config_s {
   uint32_t staleness;       /* ssp: bound on how far a worker may run ahead */
   const char *simd;         /* kernel variant in use: "scalar", "avx2", "neon" */
   const char *version;      /* NULL: the version this library was built as */
+  double checkpoint_interval; /* seconds between periodic checkpoints (0: none) */
 } fps_metrics_config_t;
 
 /* Sets the static facts and zeroes every counter, gauge and histogram.
@@ -129,6 +168,22 @@ void fps_metrics_state_add(const fps_metrics_state_t *delta);
 /* Adds one new tensor: numel elements with optimizer state `size` (from
  * fps_adafactor_state_size()). NULL size is ignored. */
 void fps_metrics_state_add_tensor(uint64_t numel, const fps_state_size_t *size);
+
+/* Checkpoints. Start-up: _restore_set once, with the restored checkpoint's
+ * sequence, its creation time (unix seconds; it also becomes the last
+ * successful checkpoint's time and sequence) and the restore's duration
+ * (0s for other outcomes). Until called the outcome is "disabled".
+ * Every write: _mark before the first tensor is copied (it returns the
+ * number of tensor updates applied so far), then _written with that mark on
+ * success or _failed with the reason. factorps_checkpoint_unsaved_updates is
+ * the updates applied since the mark of the last successful write: at most
+ * what a crash now would lose. Lock-free, any thread. */
+void fps_metrics_restore_set(fps_metrics_restore_t outcome, uint64_t seq, double created_unix,
+                             double seconds);
+uint64_t fps_metrics_checkpoint_mark(void);
+void fps_metrics_checkpoint_written(uint64_t seq, double unix_time, double seconds, uint64_t bytes,
+                                    uint64_t mark);
+void fps_metrics_checkpoint_failed(fps_metrics_ckpt_reason_t reason);
 
 /* Readiness (/readyz): true once the state is loaded and the gRPC port is
  * bound; false again while shutting down. Default false. */

@@ -147,6 +147,70 @@ static void test_state_and_update(void **st) {
   free(t);
 }
 
+static void test_checkpoint_series(void **st) {
+  (void)st;
+  fps_metrics_config_t c = {.shard_id = 3, .checkpoint_interval = 300};
+  assert_int_equal(fps_metrics_init(&c), 0);
+  char *t = render();
+  /* Before start-up decides: disabled, nothing written, every reason at 0. */
+  assert_has(t, "factorps_checkpoint_interval_seconds{shard=\"3\"} 300\n");
+  assert_has(t, "factorps_checkpoint_restore_outcome{shard=\"3\",outcome=\"disabled\"} 1\n");
+  assert_has(t, "factorps_checkpoint_restore_outcome{shard=\"3\",outcome=\"restored\"} 0\n");
+  assert_has(t, "factorps_checkpoint_failures_total{shard=\"3\",reason=\"no_space\"} 0\n");
+  assert_has(t, "factorps_checkpoint_failures_total{shard=\"3\",reason=\"other\"} 0\n");
+  assert_has(t, "factorps_checkpoint_last_success_timestamp_seconds{shard=\"3\"} 0\n");
+  assert_has(t, "factorps_checkpoint_duration_seconds_count{shard=\"3\"} 0\n");
+  free(t);
+
+  fps_metrics_restore_set(FPS_METRICS_RESTORE_RESTORED, 41, 1700000000.5, 2.25);
+  fps_metrics_restore_set((fps_metrics_restore_t)99, 1, 1, 1); /* ignored */
+  fps_metrics_update_observe(0.001, 10);
+  fps_metrics_update_observe(0.001, 10);
+  t = render();
+  assert_has(t, "factorps_checkpoint_restore_outcome{shard=\"3\",outcome=\"disabled\"} 0\n");
+  assert_has(t, "factorps_checkpoint_restore_outcome{shard=\"3\",outcome=\"restored\"} 1\n");
+  assert_has(t, "factorps_checkpoint_restored_sequence{shard=\"3\"} 41\n");
+  assert_has(t, "factorps_checkpoint_restore_duration_seconds{shard=\"3\"} 2.25\n");
+  assert_has(t, "factorps_checkpoint_last_success_sequence{shard=\"3\"} 41\n");
+  assert_has(t, "factorps_checkpoint_last_success_timestamp_seconds{shard=\"3\"} 1700000000.5\n");
+  assert_has(t, "factorps_checkpoint_unsaved_updates{shard=\"3\"} 2\n");
+  free(t);
+
+  uint64_t mark = fps_metrics_checkpoint_mark();
+  assert_int_equal(mark, 2);
+  fps_metrics_update_observe(0.001, 10); /* races with the copy: still counted unsaved */
+  fps_metrics_checkpoint_written(42, 1700000300.25, 1.5, 1000, mark);
+  fps_metrics_checkpoint_written(43, 1700000600.75, 20, 3000, fps_metrics_checkpoint_mark());
+  fps_metrics_checkpoint_failed(FPS_METRICS_CKPT_NO_SPACE);
+  fps_metrics_checkpoint_failed(FPS_METRICS_CKPT_NO_SPACE);
+  fps_metrics_checkpoint_failed(FPS_METRICS_CKPT_IO);
+  fps_metrics_checkpoint_failed((fps_metrics_ckpt_reason_t)77); /* counted as other */
+  fps_metrics_update_observe(0.001, 10);
+  t = render();
+  assert_has(t, "factorps_checkpoint_last_success_sequence{shard=\"3\"} 43\n");
+  assert_has(t, "factorps_checkpoint_last_success_timestamp_seconds{shard=\"3\"} 1700000600.75\n");
+  assert_has(t, "factorps_checkpoint_last_success_size_bytes{shard=\"3\"} 3000\n");
+  assert_has(t, "factorps_checkpoint_written_bytes_total{shard=\"3\"} 4000\n");
+  assert_has(t, "factorps_checkpoint_unsaved_updates{shard=\"3\"} 1\n");
+  assert_has(t, "factorps_checkpoint_duration_seconds_bucket{shard=\"3\",le=\"1\"} 0\n");
+  assert_has(t, "factorps_checkpoint_duration_seconds_bucket{shard=\"3\",le=\"2.5\"} 1\n");
+  assert_has(t, "factorps_checkpoint_duration_seconds_bucket{shard=\"3\",le=\"30\"} 2\n");
+  assert_has(t, "factorps_checkpoint_duration_seconds_sum{shard=\"3\"} 21.5\n");
+  assert_has(t, "factorps_checkpoint_duration_seconds_count{shard=\"3\"} 2\n");
+  assert_has(t, "factorps_checkpoint_failures_total{shard=\"3\",reason=\"no_space\"} 2\n");
+  assert_has(t, "factorps_checkpoint_failures_total{shard=\"3\",reason=\"io\"} 1\n");
+  assert_has(t, "factorps_checkpoint_failures_total{shard=\"3\",reason=\"other\"} 1\n");
+  assert_has(t, "factorps_checkpoint_failures_total{shard=\"3\",reason=\"busy\"} 0\n");
+  free(t);
+
+  fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 5, 9, 0);
+  t = render();
+  assert_has(t, "factorps_checkpoint_restore_outcome{shard=\"3\",outcome=\"refused\"} 1\n");
+  assert_has(t, "factorps_checkpoint_restore_outcome{shard=\"3\",outcome=\"restored\"} 0\n");
+  assert_has(t, "factorps_checkpoint_restored_sequence{shard=\"3\"} 0\n");
+  free(t);
+}
+
 static void test_http_start_stop(void **st) {
   (void)st;
   fps_metrics_http_t *h = NULL;
@@ -220,6 +284,7 @@ int main(void) {
       cmocka_unit_test(test_init_rejects_null),
       cmocka_unit_test(test_rpc_series),
       cmocka_unit_test(test_state_and_update),
+      cmocka_unit_test(test_checkpoint_series),
       cmocka_unit_test(test_http_start_stop),
       cmocka_unit_test(test_render_oom_sweep),
   };
