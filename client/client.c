@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "internal.h"
+#include "name.h"
 
 #define FPS__MIN_MESSAGE_BYTES (64u * 1024u)
 /* The largest reply message a shard sends (server.h FPS_REPLY_BUDGET plus
@@ -34,6 +35,9 @@ int fps__status_set(fps_status_t *st, int code, int shard, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(st->message, sizeof st->message, fmt, ap);
     va_end(ap);
+    /* Messages carry names and the shard's text: keep them UTF-8 even
+     * when vsnprintf cut one short (common/name.h). */
+    fps_utf8_fix(st->message);
   }
   return code;
 }

@@ -13,14 +13,16 @@
 
 #include "error.h"
 #include "internal.h"
+#include "name.h"
 
 /* Same bound as the server's kernel (common/adafactor.h FPS_MAX_NUMEL). */
 #define FPS__MAX_NUMEL (UINT64_C(1) << 40)
 
 int fps__name_valid(const char *name) {
   if (!name) return 0;
-  size_t n = strnlen(name, FPS_CLIENT_NAME_MAX + 1);
-  return n >= 1 && n <= FPS_CLIENT_NAME_MAX;
+  char why[256];
+  /* The shard's rule (common/name.h): UTF-8 without control characters. */
+  return fps_name_check(name, strnlen(name, FPS_CLIENT_NAME_MAX + 1), why, sizeof why) == 0;
 }
 
 uint64_t fps__shape_numel(uint32_t ndim, const uint64_t *shape, char *err, size_t errlen) {

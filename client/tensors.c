@@ -173,7 +173,8 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
     const fps_tensor_def_t *d = &defs[i];
     if (!fps__name_valid(d->name)) {
       rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
-                           "tensor %zu: name must be 1..%d bytes", i, FPS_CLIENT_NAME_MAX);
+                           "tensor %zu: name must be 1..%d bytes of UTF-8 without control characters", i,
+                           FPS_CLIENT_NAME_MAX);
       goto fail;
     }
     numel[i] = fps__shape_numel(d->ndim, d->shape, err, sizeof err);

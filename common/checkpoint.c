@@ -2,6 +2,7 @@
  * arrays a tensor stores, tensor names, per-tensor metadata, directory
  * scans. The layout itself is documented in checkpoint.h. */
 #include "checkpoint_internal.h"
+#include "name.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -86,27 +87,6 @@ int fps__ckpt_layout(const fps_shape_t *shape, const fps_adafactor_hparams_t *hp
   return n;
 }
 
-/* Length of the UTF-8 sequence starting at s (at most `left` bytes), or 0
- * if it is not well-formed (overlong forms, surrogates and code points past
- * U+10FFFF are not). */
-static size_t utf8_seq(const unsigned char *s, size_t left) {
-  unsigned c = s[0];
-  size_t n;
-  unsigned min, cp;
-  if (c < 0x80) return 1;
-  if (c >= 0xc2 && c <= 0xdf) n = 2, min = 0x80, cp = c & 0x1f;
-  else if (c >= 0xe0 && c <= 0xef) n = 3, min = 0x800, cp = c & 0x0f;
-  else if (c >= 0xf0 && c <= 0xf4) n = 4, min = 0x10000, cp = c & 0x07;
-  else return 0;
-  if (n > left) return 0;
-  for (size_t i = 1; i < n; i++) {
-    if ((s[i] & 0xc0) != 0x80) return 0;
-    cp = (cp << 6) | (s[i] & 0x3f);
-  }
-  if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return 0;
-  return n;
-}
-
 int fps__ckpt_name_check(const char *name, size_t len, char *why, size_t why_len) {
   if (len == 0 || len > FPS_CKPT_NAME_MAX) {
     fps__ckpt_why(why, why_len, "tensor name is %zu bytes, must be 1..%d", len, FPS_CKPT_NAME_MAX);
@@ -116,20 +96,12 @@ int fps__ckpt_name_check(const char *name, size_t len, char *why, size_t why_len
     fps__ckpt_why(why, why_len, "tensor name \"__metadata__\" is reserved by safetensors");
     return FPS_EINVAL;
   }
-  const unsigned char *s = (const unsigned char *)name;
-  for (size_t i = 0; i < len;) {
-    /* Control characters would be escaped in JSON and are never a
-     * reasonable tensor name; rejecting them keeps names printable in logs. */
-    if (s[i] < 0x20 || s[i] == 0x7f) {
-      fps__ckpt_why(why, why_len, "tensor name has a control character at byte %zu", i);
-      return FPS_EINVAL;
-    }
-    size_t n = utf8_seq(s + i, len - i);
-    if (n == 0) {
-      fps__ckpt_why(why, why_len, "tensor name is not valid UTF-8 at byte %zu", i);
-      return FPS_EINVAL;
-    }
-    i += n;
+  /* The rule every name follows (common/name.h): UTF-8, no control
+   * characters, which would be escaped in JSON and unreadable in logs. */
+  char nwhy[256];
+  if (fps_name_check(name, len, nwhy, sizeof nwhy) < 0) {
+    fps__ckpt_why(why, why_len, "%s", nwhy);
+    return FPS_EINVAL;
   }
   return 0;
 }

@@ -20,8 +20,10 @@
 
 #include "auth.h"
 #include "metrics.h"
+#include "name.h"
 #include "server.h"
 #include "tsan.h"
+#include "wire.h"
 
 #define FPS_SLOTS_PER_METHOD 8
 
@@ -196,8 +198,13 @@ void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec dead
   ProtobufCMessage *req = NULL;
   if (!payload) {
     fps_call_fail(c, GRPC_STATUS_INVALID_ARGUMENT, "%s: the request message is missing", method);
-  } else if (fps_bb_flatten(payload, &buf, &len) < 0 || !(req = protobuf_c_message_unpack(desc, NULL, len, buf))) {
-    fps_call_fail(c, GRPC_STATUS_INVALID_ARGUMENT, "%s: malformed %s (%zu bytes)", method, desc->short_name, len);
+  } else if (fps_bb_flatten(payload, &buf, &len) < 0) {
+    fps_call_fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s: out of memory reading a %zu-byte request", method,
+                  grpc_byte_buffer_length(payload));
+  } else {
+    char why[FPS_WHY_MAX];
+    grpc_status_code code = fps_wire_unpack(desc, buf, len, &req, why, sizeof why);
+    if (code != GRPC_STATUS_OK) fps_call_fail(c, code, "%s: %s", method, why);
   }
   /* protobuf-c copies bytes fields: the flat buffer is not needed after. */
   free(buf);
@@ -260,6 +267,9 @@ int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
 void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_list ap) {
   char msg[2048];
   vsnprintf(msg, sizeof msg, fmt, ap);
+  /* Status messages are UTF-8 on the wire: a name or a truncation must
+   * never leave half a character (common/name.h). */
+  fps_utf8_fix(msg);
   grpc_op ops[2];
   size_t n = 0;
   memset(ops, 0, sizeof ops);

@@ -423,10 +423,8 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
     code = GRPC_STATUS_RESOURCE_EXHAUSTED;
     snprintf(why, sizeof why, "PushPull: out of memory reading a %zu-byte message",
              grpc_byte_buffer_length(c->recv_buf));
-  } else if (!(m = factorps__v1__push_pull_request__unpack(NULL, len, buf))) {
-    code = GRPC_STATUS_INVALID_ARGUMENT;
-    snprintf(why, sizeof why, "PushPull: malformed PushPullRequest (%zu bytes)", len);
-  } else {
+  } else if ((code = fps_wire_unpack(&factorps__v1__push_pull_request__descriptor, buf, len,
+                                     (ProtobufCMessage **)&m, why, sizeof why)) == GRPC_STATUS_OK) {
     /* Drop the wire copy before decoding into staging: keeps the peak at
      * one extra message rather than two. */
     free(buf);
@@ -434,6 +432,10 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
     grpc_byte_buffer_destroy(c->recv_buf);
     c->recv_buf = NULL;
     code = fps__pp_message(pp, m, why, sizeof why);
+  } else {
+    char w2[FPS_WHY_MAX + 16];
+    snprintf(w2, sizeof w2, "PushPull: %s", why);
+    snprintf(why, sizeof why, "%.*s", (int)sizeof why - 1, w2);
   }
   if (m) factorps__v1__push_pull_request__free_unpacked(m, NULL);
   free(buf);

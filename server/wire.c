@@ -1,55 +1,19 @@
 /* Wire-to-internal conversion and the validation every handler shares, so
  * the same bad input gets the same status and wording from every method. */
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "name.h"
 #include "wire.h"
 
-/* Strict UTF-8: no overlongs, no surrogates, nothing above U+10FFFF. */
-static bool fps__utf8_valid(const unsigned char *s, size_t n) {
-  size_t i = 0;
-  while (i < n) {
-    unsigned c = s[i];
-    size_t k;
-    unsigned min;
-    if (c < 0x80) {
-      i++;
-      continue;
-    } else if ((c & 0xe0) == 0xc0) {
-      k = 1, min = 0x80, c &= 0x1f;
-    } else if ((c & 0xf0) == 0xe0) {
-      k = 2, min = 0x800, c &= 0x0f;
-    } else if ((c & 0xf8) == 0xf0) {
-      k = 3, min = 0x10000, c &= 0x07;
-    } else {
-      return false;
-    }
-    for (size_t j = 1; j <= k; j++) {
-      if (i + j >= n || (s[i + j] & 0xc0) != 0x80) return false;
-      c = (c << 6) | (s[i + j] & 0x3f);
-    }
-    if (c < min || c > 0x10ffff || (c >= 0xd800 && c <= 0xdfff)) return false;
-    i += k + 1;
-  }
-  return true;
-}
-
 grpc_status_code fps_wire_name(const char *name, char *why, size_t why_len) {
-  size_t n = name ? strlen(name) : 0;
-  if (n == 0) {
-    snprintf(why, why_len, "tensor name is empty (names are 1..%d bytes of UTF-8)", FPS_NAME_MAX);
-    return GRPC_STATUS_INVALID_ARGUMENT;
-  }
-  if (n > FPS_NAME_MAX) {
-    snprintf(why, why_len, "tensor name '%.40s...' is %zu bytes long, longer than the limit of %d", name, n,
-             FPS_NAME_MAX);
-    return GRPC_STATUS_INVALID_ARGUMENT;
-  }
-  if (!fps__utf8_valid((const unsigned char *)name, n)) {
-    snprintf(why, why_len, "tensor name is not valid UTF-8");
-    return GRPC_STATUS_INVALID_ARGUMENT;
-  }
+  /* The rule lives in common/name.c. NUL bytes inside a name never get
+   * here: protobuf-c's strings end at the first NUL, so fps_wire_unpack()
+   * checks every string field on the wire, before unpacking. */
+  if (fps_name_check(name, name ? strlen(name) : 0, why, why_len) < 0) return GRPC_STATUS_INVALID_ARGUMENT;
   return GRPC_STATUS_OK;
 }
 
@@ -187,4 +151,212 @@ uint64_t fps_wire_first_nonfinite(int dtype, const uint8_t *data, uint64_t n) {
     }
   }
   return n;
+}
+
+/* ------------------------------------------- the wire, before unpacking
+ *
+ * Two things protobuf-c's unpacker cannot do for us:
+ *  - its strings are C strings, so a name's length on the wire is lost and
+ *    "w\0evil" would unpack as "w": every string field (all of them are
+ *    tensor names in requests) is checked here, on the wire bytes;
+ *  - it merges a singular message field that occurs twice (valid protobuf:
+ *    the parts merge), but protobuf-c 1.4.1's merge_messages() fails when a
+ *    oneof is absent from both parts (AdafactorConfig's fields are all
+ *    oneofs), so a valid request was refused as malformed. Merging two
+ *    encodings equals parsing their concatenation, so when such a repeat
+ *    exists the message is rewritten with each repeated field's parts
+ *    concatenated into one occurrence, and protobuf-c never merges.
+ * Anything malformed is left to protobuf-c, which refuses it. */
+
+#define FPS__WIRE_DEPTH 32
+
+typedef struct fps_wfield_s {
+  uint32_t num;
+  int wt;
+  const uint8_t *start;   /* the key */
+  const uint8_t *payload; /* after the key (and the length for wt 2) */
+  uint64_t len;           /* payload bytes (wt 2) */
+  const uint8_t *end;     /* after the field */
+} fps_wfield_t;
+
+static bool fps__wire_varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
+  uint64_t x = 0;
+  for (int shift = 0; shift < 64 && *p < end; shift += 7) {
+    uint8_t b = *(*p)++;
+    x |= (uint64_t)(b & 0x7f) << shift;
+    if (!(b & 0x80)) {
+      *v = x;
+      return true;
+    }
+  }
+  return false;
+}
+
+/* Next field at *p; false at the end or on anything malformed. */
+static bool fps__wire_next(const uint8_t **p, const uint8_t *end, fps_wfield_t *f) {
+  if (*p >= end) return false;
+  f->start = *p;
+  uint64_t key, v;
+  if (!fps__wire_varint(p, end, &key)) return false;
+  f->num = (uint32_t)(key >> 3);
+  f->wt = (int)(key & 7);
+  f->len = 0;
+  switch (f->wt) {
+    case 0:
+      if (!fps__wire_varint(p, end, &v)) return false;
+      break;
+    case 1:
+      if ((size_t)(end - *p) < 8) return false;
+      *p += 8;
+      break;
+    case 5:
+      if ((size_t)(end - *p) < 4) return false;
+      *p += 4;
+      break;
+    case 2:
+      if (!fps__wire_varint(p, end, &f->len) || f->len > (uint64_t)(end - *p)) return false;
+      f->payload = *p;
+      *p += f->len;
+      break;
+    default:
+      return false; /* groups and junk: protobuf-c decides */
+  }
+  if (f->wt != 2) f->payload = f->start;
+  f->end = *p;
+  return true;
+}
+
+static bool fps__wire_nested(const ProtobufCFieldDescriptor *fd, const fps_wfield_t *f) {
+  return fd && f->wt == 2 && fd->type == PROTOBUF_C_TYPE_MESSAGE;
+}
+
+/* Checks the strings of one message (recursively) and finds repeats of a
+ * singular message field. Returns GRPC_STATUS_OK or INVALID_ARGUMENT with
+ * why filled. */
+static grpc_status_code fps__wire_walk(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, int depth,
+                                       bool *repeats, char *why, size_t wl) {
+  const uint8_t *end = p + n;
+  uint64_t seen = 0; /* singular message fields met, by index (< 64) */
+  fps_wfield_t f;
+  while (fps__wire_next(&p, end, &f)) {
+    const ProtobufCFieldDescriptor *fd = protobuf_c_message_descriptor_get_field(d, f.num);
+    if (!fd || f.wt != 2) continue;
+    if (fd->type == PROTOBUF_C_TYPE_STRING && f.len > 0) {
+      const char *s = (const char *)f.payload;
+      bool bad = memchr(s, '\0', f.len) != NULL || !fps_utf8_valid(s, f.len);
+      for (size_t i = 0; !bad && i < f.len; i++) bad = (unsigned char)s[i] < 0x20 || s[i] == 0x7f;
+      if (bad && fps_name_check(s, f.len, why, wl) < 0) return GRPC_STATUS_INVALID_ARGUMENT;
+    } else if (fps__wire_nested(fd, &f) && depth < FPS__WIRE_DEPTH) {
+      size_t idx = (size_t)(fd - d->fields);
+      if (fd->label != PROTOBUF_C_LABEL_REPEATED && idx < 64) {
+        if (seen & (UINT64_C(1) << idx)) *repeats = true;
+        seen |= UINT64_C(1) << idx;
+      }
+      grpc_status_code c = fps__wire_walk(fd->descriptor, f.payload, f.len, depth + 1, repeats, why, wl);
+      if (c != GRPC_STATUS_OK) return c;
+    }
+  }
+  return GRPC_STATUS_OK;
+}
+
+static size_t fps__wire_put_varint(uint8_t *o, uint64_t v) {
+  size_t n = 0;
+  do {
+    o[n++] = (uint8_t)((v & 0x7f) | (v > 0x7f ? 0x80 : 0));
+    v >>= 7;
+  } while (v);
+  return n;
+}
+
+/* Writes the canonical form of one message to out (at most n bytes, which
+ * is enough: concatenating parts never lengthens them). Returns the bytes
+ * written, or -1 on OOM. */
+static ptrdiff_t fps__wire_merge(const ProtobufCMessageDescriptor *d, const uint8_t *in, size_t n, int depth,
+                                 uint8_t *out) {
+  const uint8_t *p = in, *end = in + n;
+  uint8_t *o = out;
+  uint64_t done = 0; /* singular message fields written, by index (< 64) */
+  fps_wfield_t f;
+  while (fps__wire_next(&p, end, &f)) {
+    const ProtobufCFieldDescriptor *fd = protobuf_c_message_descriptor_get_field(d, f.num);
+    if (!fps__wire_nested(fd, &f) || depth >= FPS__WIRE_DEPTH) {
+      memcpy(o, f.start, (size_t)(f.end - f.start));
+      o += f.end - f.start;
+      continue;
+    }
+    size_t idx = (size_t)(fd - d->fields);
+    bool singular = fd->label != PROTOBUF_C_LABEL_REPEATED && idx < 64;
+    if (singular) {
+      /* Only the first occurrence is written, carrying every part. */
+      if (done & (UINT64_C(1) << idx)) continue;
+      done |= UINT64_C(1) << idx;
+    }
+    size_t total = f.len;
+    if (singular) {
+      const uint8_t *q = f.end;
+      fps_wfield_t g;
+      while (fps__wire_next(&q, end, &g))
+        if (g.num == f.num && g.wt == 2) total += g.len;
+    }
+    uint8_t *cat = malloc(total ? total : 1);
+    uint8_t *canon = malloc(total ? total : 1);
+    if (!cat || !canon) {
+      free(cat);
+      free(canon);
+      return -1;
+    }
+    memcpy(cat, f.payload, f.len);
+    size_t off = f.len;
+    if (singular) {
+      const uint8_t *q = f.end;
+      fps_wfield_t g;
+      while (fps__wire_next(&q, end, &g))
+        if (g.num == f.num && g.wt == 2) {
+          memcpy(cat + off, g.payload, g.len);
+          off += g.len;
+        }
+    }
+    ptrdiff_t m = fps__wire_merge(fd->descriptor, cat, total, depth + 1, canon);
+    free(cat);
+    if (m < 0) {
+      free(canon);
+      return -1;
+    }
+    o += fps__wire_put_varint(o, ((uint64_t)f.num << 3) | 2);
+    o += fps__wire_put_varint(o, (uint64_t)m);
+    memcpy(o, canon, (size_t)m);
+    o += m;
+    free(canon);
+  }
+  /* A malformed tail stays as it was, for protobuf-c to refuse. */
+  memcpy(o, p, (size_t)(end - p));
+  o += end - p;
+  return o - out;
+}
+
+grpc_status_code fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len,
+                                 ProtobufCMessage **out, char *why, size_t wl) {
+  *out = NULL;
+  bool repeats = false;
+  grpc_status_code code = fps__wire_walk(desc, buf, len, 0, &repeats, why, wl);
+  if (code != GRPC_STATUS_OK) return code;
+  uint8_t *canon = NULL;
+  if (repeats) {
+    canon = malloc(len ? len : 1);
+    ptrdiff_t m = canon ? fps__wire_merge(desc, buf, len, 0, canon) : -1;
+    if (m < 0) {
+      free(canon);
+      snprintf(why, wl, "%s: out of memory merging a %zu-byte message", desc->short_name, len);
+      return GRPC_STATUS_RESOURCE_EXHAUSTED;
+    }
+    buf = canon;
+    len = (size_t)m;
+  }
+  *out = protobuf_c_message_unpack(desc, NULL, len, buf);
+  free(canon);
+  if (!*out) {
+    snprintf(why, wl, "malformed %s (%zu bytes)", desc->short_name, len);
+    return GRPC_STATUS_INVALID_ARGUMENT;
+  }
+  return GRPC_STATUS_OK;
 }

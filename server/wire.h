@@ -34,6 +34,15 @@ grpc_status_code fps_wire_slice(const char *name, const Factorps__V1__TensorSlic
  * data (any alignment), or n if all are finite. */
 uint64_t fps_wire_first_nonfinite(int dtype, const uint8_t *data, uint64_t n);
 
+/* Unpacks a request: checks every string field on the wire first (names
+ * with NUL or control characters: INVALID_ARGUMENT naming the name), merges
+ * repeated parts of singular message fields (valid protobuf that
+ * protobuf-c 1.4.1 refuses when a oneof is absent), then unpacks. Returns
+ * GRPC_STATUS_OK with *out set (free with protobuf_c_message_free_unpacked),
+ * INVALID_ARGUMENT ("malformed <Type> (N bytes)") or RESOURCE_EXHAUSTED. */
+grpc_status_code fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len,
+                                 ProtobufCMessage **out, char *why, size_t why_len);
+
 /* Equal shapes? */
 bool fps_shape_equal(const fps_shape_t *a, const fps_shape_t *b);
 

@@ -1,0 +1,107 @@
+#!/usr/bin/python3
+"""Wire rules every method shares (issue 11): names with NUL or control
+characters, status messages that stay UTF-8 when cut, protobuf messages that
+repeat an embedded field (the parts merge), Each case checks
+the exact status, that the shard's state is unchanged, and the counters."""
+import unittest
+
+import numpy as np
+
+import fpsharness as H
+from test_bad_input import BadInputBase, N, SHAPE
+
+
+class Names(BadInputBase):
+    ARGS = ("--mode", "async")
+
+    def counters(self):
+        s, _ = H.stats(self.srv.stub)
+        return s.shard.pushes, s.shard.push_errors, s.shard.updates
+
+    def test_nul_name_does_not_alias(self):
+        # "w\0evil" is valid UTF-8; as a C string it would be "w".
+        bad = "w\0evil"
+        c0 = self.counters()
+        for name, byte, at in ((bad, "0x00", 1), ("w\x1b[2J", "0x1b", 1), ("w\x7f", "0x7f", 1),
+                               ("\nw", "0x0a", 0)):
+            self.assertStatus(lambda: H.create(self.srv.stub, name, SHAPE, np.zeros(N, np.float32)),
+                              self.grpc.StatusCode.INVALID_ARGUMENT, "control character (%s) at byte %d" % (byte, at))
+            self.assertStatus(lambda: H.pull(self.srv.stub, {name: SHAPE}),
+                              self.grpc.StatusCode.INVALID_ARGUMENT, "control character (%s)" % byte)
+            self.assertStatus(lambda: self.pushpull(self.pushmsgs(self.slice(name=name))),
+                              self.grpc.StatusCode.INVALID_ARGUMENT, "control character (%s)" % byte)
+        # The message shows the name escaped, and no push counted as OK.
+        d = self.assertStatus(lambda: self.pushpull(self.pushmsgs(self.slice(name=bad))),
+                              self.grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("'w\\x00evil'", d)
+        self.assertUnchanged()
+        p, e, u = self.counters()
+        self.assertEqual((p, u), c0[::2])
+        self.assertEqual(e, c0[1] + 5)
+        # A control character in a Create's init slice name too.
+        pb = self.pb
+        req = pb.CreateRequest(shard_id=0, shard_count=1, tensors=[pb.TensorCreate(
+            name="w", shape=SHAPE, optimizer=H.optimizer(),
+            init=pb.TensorSlice(name="w\0", dtype=pb.DTYPE_F32, data=np.ones(N, np.float32).tobytes()))])
+        self.assertStatus(lambda: self.srv.stub.Create(req, timeout=10), self.grpc.StatusCode.INVALID_ARGUMENT,
+                          "control character (0x00)")
+        self.assertUnchanged()
+
+    def test_status_message_cut_on_a_character(self):
+        # 'a' + 200 two-byte characters: the old message cut the name at byte
+        # 40, in the middle of a character.
+        long = "a" + "é" * 200
+        for fn in (lambda: H.create(self.srv.stub, long, [2]), lambda: H.pull(self.srv.stub, {long: [2]}),
+                   lambda: self.pushpull(self.pushmsgs(self.slice(name=long)))):
+            with self.assertRaises(self.grpc.RpcError) as cm:
+                fn()
+            e = cm.exception
+            self.assertEqual(e.code(), self.grpc.StatusCode.INVALID_ARGUMENT)
+            d = e.details()
+            self.assertNotIn("\ufffd", d)
+            d.encode("utf-8")  # never a lone surrogate
+            self.assertIn("'a" + "é" * 19 + "...'", d)
+            self.assertIn("401 bytes long", d)
+        # A 4-byte character cut by the limit: still whole characters only.
+        self.assertStatus(lambda: H.create(self.srv.stub, "😀" * 70, [2]),
+                          self.grpc.StatusCode.INVALID_ARGUMENT, "'" + "😀" * 10 + "...'", "280 bytes")
+        self.assertUnchanged()
+
+
+class Merge(BadInputBase):
+    """Protobuf: a singular embedded message sent in several parts merges."""
+    ARGS = ("--mode", "async")
+
+    def test_repeated_embedded_message_merges(self):
+        pb = self.pb
+        ch = self.srv.channel()
+        create = ch.unary_unary("/factorps.v1.ParameterServer/Create")
+        # One TensorCreate in two parts: the optimizer is split (flavor in
+        # the first, lr in the second), the init slice too (dtype first,
+        # data second).
+        part1 = pb.TensorCreate(name="m", shape=[2], optimizer=pb.AdafactorConfig(flavor=pb.FLAVOR_TORCH),
+                                init=pb.TensorSlice(dtype=pb.DTYPE_F32)).SerializeToString()
+        part2 = pb.TensorCreate(optimizer=pb.AdafactorConfig(lr=0.5),
+                                init=pb.TensorSlice(data=np.array([1, 2], np.float32).tobytes())).SerializeToString()
+        tc = part1 + part2
+        self.assertEqual(pb.TensorCreate.FromString(tc).optimizer.lr, 0.5)  # what protobuf says it means
+        req = pb.CreateRequest(shard_id=0, shard_count=1).SerializeToString() + b"\x0a" + bytes([len(tc)]) + tc
+        resp = pb.CreateResponse.FromString(create(req, timeout=10))
+        self.assertTrue(resp.tensors[0].created and resp.tensors[0].ready)
+        got, ver = H.pull(self.srv.stub, {"m": [2]})
+        np.testing.assert_array_equal(got["m"], [1, 2])
+        # The merged settings are the tensor's: the same Create in one part
+        # matches, one without lr=0.5 does not.
+        H.create(self.srv.stub, "m", [2], opt=H.optimizer(lr=0.5))
+        self.assertStatus(lambda: H.create(self.srv.stub, "m", [2]), self.grpc.StatusCode.ALREADY_EXISTS, "'m'", "lr")
+        # The tensor works like any other.
+        _, ver = H.push(self.srv.stub, 0, 0, {"m": ([2], np.ones(2, np.float32))}, timeout=10)
+        self.assertEqual(ver["m"], 1)
+        s, ts = H.stats(self.srv.stub)
+        self.assertEqual(ts["m"].version, 1)
+        self.assertEqual((s.shard.pushes, s.shard.push_errors, s.shard.updates), (1, 0, 1))
+        ch.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
