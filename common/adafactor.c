@@ -98,6 +98,11 @@ int fps_adafactor_validate(const fps_adafactor_hparams_t *hp, char *why, size_t 
     return fail_msg(FPS_EHPARAM, why, why_len, "eps2 must be >= 0, got %g", hp->eps2);
   if (hp->clip <= 0)
     return fail_msg(FPS_EHPARAM, why, why_len, "%s must be > 0, got %g", n_clip, hp->clip);
+  /* torch.optim.Adafactor refuses d < 1 ("Clipping threshold d should be
+   * >= 1"); transformers' clip_threshold has no such bound. */
+  if (!hf && hp->clip < 1)
+    return fail_msg(FPS_EHPARAM, why, why_len, "d (the clipping threshold) must be >= 1 as in torch, got %g",
+                    hp->clip);
   if (hp->weight_decay < 0)
     return fail_msg(FPS_EHPARAM, why, why_len, "weight_decay must be >= 0, got %g",
                     hp->weight_decay);

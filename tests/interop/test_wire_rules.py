@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Wire rules every method shares (issue 11): names with NUL or control
 characters, status messages that stay UTF-8 when cut, protobuf messages that
-repeat an embedded field (the parts merge), Each case checks
+repeat an embedded field (the parts merge), torch's d >= 1. Each case checks
 the exact status, that the shard's state is unchanged, and the counters."""
 import unittest
 
@@ -101,6 +101,22 @@ class Merge(BadInputBase):
         self.assertEqual(ts["m"].version, 1)
         self.assertEqual((s.shard.pushes, s.shard.push_errors, s.shard.updates), (1, 0, 1))
         ch.close()
+
+
+class TorchD(BadInputBase):
+    ARGS = ("--mode", "async")
+
+    def test_torch_d_below_one_refused(self):
+        for d in (0.5, 0.999, 1e-9):
+            self.assertStatus(lambda: H.create(self.srv.stub, "d", [2], opt=H.optimizer("torch", clip_threshold=d)),
+                              self.grpc.StatusCode.INVALID_ARGUMENT, "'d'", "must be >= 1")
+        self.assertUnchanged()
+        H.create(self.srv.stub, "d1", [2], np.zeros(2, np.float32), opt=H.optimizer("torch", clip_threshold=1.0))
+        # hf's clip_threshold has no such bound upstream.
+        H.create(self.srv.stub, "h", [2], np.zeros(2, np.float32),
+                 opt=H.optimizer("hf", clip_threshold=0.5, relative_step=True))
+        _, ts = H.stats(self.srv.stub)
+        self.assertEqual(set(ts), {"w", "d1", "h"})
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ static void m_hf_warmup(fps_adafactor_hparams_t *h) {
 static void m_hf_nolr(fps_adafactor_hparams_t *h) { h->relative_step = false; }
 static void m_d0(fps_adafactor_hparams_t *h) { h->clip = 0; }
 static void m_dneg(fps_adafactor_hparams_t *h) { h->clip = -1; }
+static void m_dhalf(fps_adafactor_hparams_t *h) { h->clip = 0.5; }
 static void m_nan_lr(fps_adafactor_hparams_t *h) { h->lr = NAN; }
 static void m_inf_eps2(fps_adafactor_hparams_t *h) { h->eps2 = INFINITY; }
 static void m_nan_decay(fps_adafactor_hparams_t *h) { h->decay = NAN; }
@@ -75,6 +76,7 @@ static void bad_hparams_are_named_errors(void **u) {
       {H, m_hf_nolr, FPS_EHPARAM, "lr"},
       {T, m_d0, FPS_EHPARAM, "d "},
       {T, m_dneg, FPS_EHPARAM, "d "},
+      {T, m_dhalf, FPS_EHPARAM, "d (the clipping threshold) must be >= 1"},
       {H, m_d0, FPS_EHPARAM, "clip_threshold"},
       {T, m_nan_lr, FPS_EHPARAM, "lr"},
       {T, m_inf_eps2, FPS_EHPARAM, "eps2"},
