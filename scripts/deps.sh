@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages factorps needs to build, test and run.
-# Usage: scripts/deps.sh [build|test|demo]   (default: test)
+# Usage: scripts/deps.sh [--list] [build|test|demo]   (default: test)
 # As root it installs what is missing with apt-get; as another user it only
-# lists what is missing and fails.
+# lists what is missing and fails. --list prints the list, one per line, and
+# installs nothing (scripts/check-demo-deps.sh builds with only those).
 set -euo pipefail
 
 build_pkgs=(build-essential cmake pkg-config libgrpc-dev protobuf-c-compiler libprotobuf-c-dev
@@ -14,12 +15,18 @@ test_pkgs=(libcmocka-dev python3-numpy python3-grpcio python3-protobuf protobuf-
   python3-pip python3-setuptools python3-wheel)
 demo_pkgs=(python3-numpy python3-torch python3-sklearn)
 
+list=0
+if [[ ${1:-} == --list ]]; then list=1; shift; fi
 case "${1:-test}" in
   build) want=("${build_pkgs[@]}") ;;
   test) want=("${build_pkgs[@]}" "${test_pkgs[@]}") ;;
   demo) want=("${build_pkgs[@]}" "${demo_pkgs[@]}") ;;
-  *) echo "usage: $0 [build|test|demo]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--list] [build|test|demo]" >&2; exit 2 ;;
 esac
+if ((list)); then
+  printf '%s\n' "${want[@]}"
+  exit 0
+fi
 
 missing=()
 for p in "${want[@]}"; do

@@ -23,7 +23,7 @@ done
 
 scripts/deps.sh test
 jobs=$(nproc)
-args=(-DFPS_WERROR=ON)
+args=(-DFPS_WERROR=ON -DFPS_BUILD_TESTS=ON)  # demo.sh turns tests off in build/
 case $variant in
   normal) dir=build ;;
   asan) dir=build-asan; args+=(-DFPS_SANITIZE=asan -DCMAKE_BUILD_TYPE=Debug -DFPS_BUILD_BENCH=OFF) ;;

@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 import torch
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the package, when run from the source tree
@@ -56,8 +58,6 @@ def parse_args():
 
 
 def load_data(seed, worker_id, workers):
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype(np.float32)  # pixels are 0..16
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=seed,
