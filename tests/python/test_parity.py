@@ -27,7 +27,7 @@ import torch
 import _support  # noqa: F401  (puts client/python on sys.path)
 from _support import Shards, need_server, run_workers
 from factorps.reference import ReferenceAdafactor
-from factorps.torch import RemoteAdafactor
+from factorps.torch import RemoteAdafactor, RemoteHFAdafactor
 
 STEPS = 8
 TOL = 1e-6
@@ -76,10 +76,9 @@ def train_worker(addrs, worker_id, num_workers, config, steps):
     model = Net()
     named = dict(model.named_parameters())
     init = {n: p.detach().numpy().copy() for n, p in named.items()}
-    opt = RemoteAdafactor([dict(params=[(n, named[n]) for n in names], **hp)
-                           for names, hp in groups],
-                          flavor=flavor, shards=addrs, worker_id=worker_id,
-                          num_workers=num_workers, deadline=30)
+    cls = RemoteAdafactor if flavor == "torch" else RemoteHFAdafactor
+    opt = cls([dict(params=[(n, named[n]) for n in names], **hp) for names, hp in groups],
+              shards=addrs, worker_id=worker_id, num_workers=num_workers, deadline=30)
     opt.setup()
     g = torch.Generator().manual_seed(100 + worker_id)
     x, y = torch.randn(32, 10, generator=g), torch.randn(32, 3, generator=g)

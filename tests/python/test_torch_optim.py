@@ -2,8 +2,10 @@
 names, creation and start-up, None gradients, closures, state_dict, new
 parameter groups, and what it refuses."""
 
+import inspect
+import os
+import pydoc
 import unittest
-import warnings
 
 import numpy as np
 import torch
@@ -24,16 +26,47 @@ def _params():
 
 
 class ArgumentsTest(unittest.TestCase):
+    def setUp(self):
+        # The launcher defaults read these; the tests set them explicitly.
+        for k in ("RANK", "WORLD_SIZE", "FACTORPS_SHARDS"):
+            if k in os.environ:
+                self.addCleanup(os.environ.__setitem__, k, os.environ.pop(k))
+
     def test_torch_defaults_and_names(self):
         opt = RemoteAdafactor(_params(), shards=NOWHERE)
         g = opt.param_groups[0]
         self.assertEqual((g["lr"], g["beta2_decay"], g["eps"], g["d"], g["weight_decay"],
-                          g["maximize"]), (1e-2, -0.8, (None, 1e-3), 1.0, 0.0, False))
+                          g["foreach"], g["maximize"]),
+                         (1e-2, -0.8, (None, 1e-3), 1.0, 0.0, None, False))
+        self.assertEqual(opt.defaults, {k: v for k, v in g.items() if k != "params"})
         self.assertEqual(opt.param_names(), ["g0.p0", "g0.p1"])
+        self.assertIsInstance(opt, torch.optim.Optimizer)
         opt.close()
 
+    def test_signatures_are_upstreams(self):
+        sig = inspect.signature(RemoteAdafactor)
+        ps = list(sig.parameters.values())
+        self.assertEqual([p.name for p in ps[:6]],
+                         ["params", "lr", "beta2_decay", "eps", "d", "weight_decay"])
+        self.assertEqual([p.default for p in ps[1:6]], [1e-2, -0.8, (None, 1e-3), 1.0, 0.0])
+        for name in ("foreach", "maximize", "shards", "worker_id", "num_workers", "mode",
+                     "namespace", "on_existing"):
+            self.assertEqual(sig.parameters[name].kind, inspect.Parameter.KEYWORD_ONLY, name)
+        self.assertIn("beta2_decay: float = -0.8", pydoc.render_doc(RemoteAdafactor))
+        hf = list(inspect.signature(RemoteHFAdafactor).parameters.values())
+        self.assertEqual([(p.name, p.default) for p in hf[1:10]],
+                         [("lr", None), ("eps", (1e-30, 1e-3)), ("clip_threshold", 1.0),
+                          ("decay_rate", -0.8), ("beta1", None), ("weight_decay", 0.0),
+                          ("scale_parameter", True), ("relative_step", True),
+                          ("warmup_init", False)])
+        self.assertTrue(all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in hf[10:]))
+        # maximize is keyword-only, as upstream.
+        with self.assertRaises(TypeError):
+            RemoteAdafactor(_params(), 1e-2, -0.8, (None, 1e-3), 1.0, 0.0, True,
+                            shards=NOWHERE)
+
     def test_hf_defaults_and_positional_order(self):
-        opt = RemoteAdafactor(_params(), flavor="hf", shards=NOWHERE)
+        opt = RemoteHFAdafactor(_params(), shards=NOWHERE)
         g = opt.param_groups[0]
         self.assertEqual((g["lr"], g["eps"], g["clip_threshold"], g["decay_rate"], g["beta1"],
                           g["weight_decay"], g["scale_parameter"], g["relative_step"],
@@ -46,37 +79,46 @@ class ArgumentsTest(unittest.TestCase):
         self.assertEqual(opt2.flavor, "hf")
 
     def test_arguments_of_the_other_flavor_are_refused(self):
-        with self.assertRaisesRegex(TypeError, "decay_rate"):
-            RemoteAdafactor(_params(), beta2_decay=-0.5, flavor="hf", shards=NOWHERE)
+        with self.assertRaises(TypeError):
+            RemoteHFAdafactor(_params(), beta2_decay=-0.5, shards=NOWHERE)
         with self.assertRaises(TypeError):
             RemoteAdafactor(_params(), clip_threshold=1.0, shards=NOWHERE)
-        with self.assertRaises(ValueError):
-            RemoteAdafactor(_params(), flavor="adam", shards=NOWHERE)
+        with self.assertRaises(TypeError):  # the old spelling: use RemoteHFAdafactor
+            RemoteAdafactor(_params(), flavor="hf", shards=NOWHERE)
 
     def test_upstream_validation(self):
         bad = [dict(lr=-1.0), dict(beta2_decay=0.5), dict(eps=(-1.0, 1e-3)), dict(d=0.5),
-               dict(weight_decay=-0.1)]
+               dict(weight_decay=-0.1), dict(lr=torch.tensor([1e-2, 1e-3]))]
         for kw in bad:
             with self.assertRaises(ValueError, msg=kw):
                 RemoteAdafactor(_params(), shards=NOWHERE, **kw)
-        for kw in (dict(lr=1e-3), dict(warmup_init=True, relative_step=False, lr=1e-3),
-                   dict(relative_step=False)):
-            with self.assertRaises(ValueError, msg=kw):
-                RemoteAdafactor(_params(), flavor="hf", shards=NOWHERE, **kw)
+        with self.assertRaisesRegex(ValueError, "Cannot combine manual `lr` and "
+                                    "`relative_step=True`"):
+            RemoteHFAdafactor(_params(), lr=1e-3, shards=NOWHERE)
+        with self.assertRaisesRegex(ValueError, "`warmup_init=True` requires"):
+            RemoteHFAdafactor(_params(), lr=1e-3, warmup_init=True, relative_step=False,
+                              shards=NOWHERE)
+        with self.assertRaisesRegex(ValueError, "requires a manual `lr`"):
+            RemoteHFAdafactor(_params(), relative_step=False, shards=NOWHERE)
         # Per group too.
         with self.assertRaises(ValueError):
             RemoteAdafactor([{"params": _params(), "lr": -2.0}], shards=NOWHERE)
+        for kw in (dict(mode="fast"), dict(on_existing="replace")):
+            with self.assertRaises(ValueError, msg=kw):
+                RemoteAdafactor(_params(), shards=NOWHERE, **kw)
 
     def test_worker_and_shards_are_required(self):
-        with self.assertRaises(ValueError):
+        with self.assertRaisesRegex(ValueError, "FACTORPS_SHARDS"):
             RemoteAdafactor(_params())
-        with self.assertRaises(ValueError):
+        with self.assertRaisesRegex(ValueError, "worker_id=2 num_workers=2"):
             RemoteAdafactor(_params(), shards=NOWHERE, worker_id=2, num_workers=2)
 
-    def test_named_parameters_and_prefix(self):
+    def test_named_parameters_and_namespace(self):
         model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
-        opt = RemoteAdafactor(model.named_parameters(), shards=NOWHERE, name_prefix="m/")
+        opt = RemoteAdafactor(model.named_parameters(), shards=NOWHERE, namespace="m/")
         self.assertEqual(opt.param_names(), ["m/0.weight", "m/0.bias", "m/1.weight", "m/1.bias"])
+        self.assertEqual(opt.param_groups[0]["param_names"],
+                         ["0.weight", "0.bias", "1.weight", "1.bias"])
         named = list(model.named_parameters())
         opt = RemoteAdafactor([{"params": named[:2]}, {"params": named[2:], "lr": 1e-3}],
                               shards=NOWHERE)
@@ -137,15 +179,19 @@ class RemoteTest(unittest.TestCase):
         self.assertAlmostEqual(loss.item(), 5.0, places=5)
         self.assertLess((p ** 2).sum().item(), 5.0)
 
-    def test_hparams_are_fixed_once_created(self):
+    def test_fixed_hparams_refuse_to_change(self):
         ps = _params()
         opt = self.opt(ps)
         for p in ps:
             p.grad = torch.ones_like(p)
         opt.step()
-        opt.param_groups[0]["lr"] = 0.5  # e.g. an LR scheduler
-        with self.assertRaisesRegex(ValueError, "hyperparameters changed"):
+        before = [p.detach().clone() for p in ps]
+        opt.param_groups[0]["beta2_decay"] = -0.5
+        with self.assertRaisesRegex(ValueError, "beta2_decay changed from -0.8 to -0.5 after "
+                                    "the tensors were created; only lr and weight_decay"):
             opt.step()
+        for a, b in zip(ps, before):
+            torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
 
     def test_param_group_added_mid_training_is_refused_in_sync(self):
         ps = _params()
@@ -163,34 +209,34 @@ class RemoteTest(unittest.TestCase):
         with self.assertRaises(factorps.FailedPreconditionError):
             opt.step()
 
-    def test_two_runs_resume_from_the_shards(self):
+    def test_a_second_run_on_live_shards(self):
         ps = _params()
         opt = self.opt(ps)
         for _ in range(3):
             for p in ps:
                 p.grad = torch.ones_like(p)
             opt.step()
-        sd = opt.state_dict()
-        self.assertEqual(sd["state"], {})
-        self.assertEqual(sd["factorps"]["step"], 3)
-        self.assertEqual(sd["factorps"]["names"], ["g0.p0", "g0.p1"])
-        self.assertEqual(sd["param_groups"][0]["params"], [0, 1])
         trained = [p.detach().clone() for p in ps]
 
-        # "Run 2": a fresh model (other initial values) and optimizer.
+        # "Run 2": a fresh model (other initial values) and optimizer. The
+        # shards hold its tensor names: an error unless the run says what to do.
         ps2 = [torch.nn.Parameter(torch.zeros_like(p)) for p in ps]
         opt2 = self.opt(ps2)
-        opt2.load_state_dict(sd)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # shards at step 3, as the state_dict says
+        with self.assertRaisesRegex(factorps.AlreadyExistsError,
+                                    r"already hold 2 of this job's 2 tensors .*'g0.p0' at "
+                                    r"version 3.*on_existing='adopt'"):
             opt2.setup()
-        self.assertEqual(opt2.remote_step, 3)
+        for p in ps2:
+            torch.testing.assert_close(p.detach(), torch.zeros_like(p), rtol=0, atol=0)
+        opt3 = self.opt(ps2, on_existing="adopt")
+        opt3.setup()
+        self.assertEqual(opt3.remote_step, 3)
         for a, b in zip(ps2, trained):
             torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
         for p in ps2:
             p.grad = torch.ones_like(p)
-        opt2.step()
-        self.assertEqual(opt2.remote_step, 4)
+        opt3.step()
+        self.assertEqual(opt3.remote_step, 4)
 
     def test_load_state_dict_checks_the_model(self):
         opt = self.opt(_params())
@@ -199,7 +245,7 @@ class RemoteTest(unittest.TestCase):
                           torch.nn.Parameter(torch.ones(4))])
         with self.assertRaisesRegex(ValueError, "shape"):
             other.load_state_dict(sd)
-        hf = RemoteAdafactor(_params(), flavor="hf", shards=self.shards.addrs)
+        hf = RemoteHFAdafactor(_params(), shards=self.shards.addrs)
         self.addCleanup(hf.close)
         with self.assertRaisesRegex(ValueError, "flavor"):
             hf.load_state_dict(sd)

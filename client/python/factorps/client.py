@@ -173,24 +173,60 @@ def _fill_optim(cfg, optim, name):
         setattr(cfg, "has_" + key, 1)
 
 
+STATE_KINDS = ("row", "col", "var", "mom")
+MODES = {None: 0, "sync": 1, "async": 2, "ssp": 3}
+
+
+def state_sizes(shape, has_mom=False):
+    """{kind: elements} of a tensor's Adafactor state in the wire's flat layouts
+    (tests/vectors/README.md): factored (ndim >= 2) row = lead*R, col = lead*C,
+    otherwise var = numel; mom = numel with hf beta1."""
+    shape = tuple(int(s) for s in shape)
+    out = {}
+    if len(shape) >= 2:
+        lead = _numel(shape[:-2])
+        out["row"], out["col"] = lead * shape[-2], lead * shape[-1]
+    else:
+        out["var"] = _numel(shape)
+    if has_mom:
+        out["mom"] = _numel(shape)
+    return out
+
+
 class TensorSpec:
     """One tensor for `Client.create()`: name, shape, optional initial values
     (`init`, any float array of that shape; None registers the tensor and
     waits for another worker's values) and an optimizer config (a dict from
-    `optimizer_config()`; default: torch flavor, upstream defaults)."""
+    `optimizer_config()`; default: torch flavor, upstream defaults).
 
-    __slots__ = ("name", "shape", "init", "optimizer")
+    Resume and ownership (with `init`): `step` > 0 starts the tensor at that
+    Adafactor step and version, with `state` = {"row", "col" | "var", "mom"
+    (hf beta1)}: flat float arrays in the layouts of `state_sizes()`, and
+    `rms` (hf's RMS scalar). `replace=True` replaces a tensor the shards
+    already hold (params, state, step, version) instead of matching it."""
 
-    def __init__(self, name, shape, init=None, optimizer=None):
+    __slots__ = ("name", "shape", "init", "optimizer", "step", "state", "rms", "replace")
+
+    def __init__(self, name, shape, init=None, optimizer=None, step=0, state=None, rms=0.0,
+                 replace=False):
         self.name = name
         self.shape = shape
         self.init = init
         self.optimizer = optimizer
+        self.step = step
+        self.state = state
+        self.rms = rms
+        self.replace = replace
 
     def __repr__(self):
         init = "<values>" if self.init is not None else None
+        extra = ""
+        if self.step:
+            extra += f", step={self.step}, state={sorted(self.state or {})}"
+        if self.replace:
+            extra += ", replace=True"
         return (f"TensorSpec({self.name!r}, {tuple(self.shape)!r}, init={init}, "
-                f"optimizer={self.optimizer!r})")
+                f"optimizer={self.optimizer!r}{extra})")
 
 
 class Client:
@@ -215,6 +251,7 @@ class Client:
         self.worker_id = int(worker_id)
         self.step = 0  # pushes completed; push_pull's default `step`
         self._shapes = OrderedDict()
+        self._has_mom = {}  # name -> whether its state has momentum (from create())
         self._cv = threading.Condition()
         self._inflight = 0
         self._exclusive = False
@@ -350,11 +387,52 @@ class Client:
                 buf = _In(t.init, t.name, shape, "init")
                 keep.append(buf)
                 d.init = buf.ptr
+            if t.step or t.state or t.replace:
+                keep += self._fill_resume(d, t, shape)
         # If the call fails, C's tensor list is unknown: allow no push until
         # a create succeeds, rather than validate against stale shapes.
         self._shapes = OrderedDict()
         self._call(self._lib.fps_client_create_tensors, defs, len(specs), exclusive=True)
         self._shapes = shapes
+        self._has_mom = {t.name: (t.optimizer or {}).get("flavor") == "hf"
+                         and (t.optimizer or {}).get("beta1") is not None for t in specs}
+
+    @staticmethod
+    def _fill_resume(d, t, shape):
+        """Sets the resume/replace fields of one fps_tensor_def_t; returns the
+        buffers to keep alive."""
+        if not hasattr(d, "replace"):
+            raise UnimplementedError(f"this libfactorps ({_lib.path()}) cannot create tensors "
+                                     "with a step, state or replace (needs issue 9's Create)")
+        keep = []
+        step = int(t.step or 0)
+        if step < 0:
+            raise InvalidArgumentError(f"tensor '{t.name}': step must be >= 0, got {step}")
+        if (step or t.replace) and t.init is None:
+            raise InvalidArgumentError(f"tensor '{t.name}': a step or replace needs init values")
+        state = dict(t.state or {})
+        bad = set(state) - set(STATE_KINDS)
+        if bad:
+            raise InvalidArgumentError(f"tensor '{t.name}': unknown state kind(s) {sorted(bad)} "
+                                       f"(expected {STATE_KINDS})")
+        if step:
+            want = state_sizes(shape, "mom" in state)
+            if set(state) != set(want):
+                raise InvalidArgumentError(
+                    f"tensor '{t.name}' of shape {shape}: state must hold {sorted(want)}, "
+                    f"got {sorted(state)}")
+            for kind, n in want.items():
+                buf = _In(np.asarray(state[kind], np.float32).reshape(-1)
+                          if not _is_torch(state[kind]) else state[kind].reshape(-1),
+                          t.name, (n,), f"state {kind}")
+                keep.append(buf)
+                setattr(d, "state_" + kind, buf.ptr)
+        elif state:
+            raise InvalidArgumentError(f"tensor '{t.name}': state without a step > 0")
+        d.step = step
+        d.rms = float(t.rms or 0.0)
+        d.replace = int(bool(t.replace))
+        return keep
 
     def tensors(self):
         """{name: shape} of the tensor list from the last successful create()."""
@@ -379,14 +457,33 @@ class Client:
         fn = self._need("fps_client_discover")
         found = ctypes.c_size_t()
         self._shapes = OrderedDict()
+        self._has_mom = {}
         self._call(fn, ctypes.byref(found), exclusive=True)
         return int(found.value)
+
+    def holds(self, names):
+        """The subset of `names` that the shards hold now, as {name: shape}
+        (one Stats exchange). Leaves this client without a tensor list: call
+        create() next."""
+        self.discover()
+        h = self._enter()
+        try:
+            out = OrderedDict()
+            for name in names:
+                try:
+                    out[name] = self._shape_of(name, h)
+                except NotFoundError:
+                    pass
+            return out
+        finally:
+            self._leave()
 
     def tensor_stats(self, name, log=0):
         """Per-tensor figures of `name` (shape, version, ready, factored,
         flavor, sizes, optimizer state and AdamW's for comparison) as a dict,
         with its last `log` applied updates under "apply_log" (oldest first:
-        dicts of worker_id, step, version)."""
+        dicts of worker_id, step, version and, with issue 9's library, the lr
+        and weight_decay applied)."""
         fn = self._need("fps_client_tensor_stats")
         ts = _lib.TensorStats()
         cap = max(0, int(log))
@@ -402,11 +499,12 @@ class Client:
             d[field] = v
         d["shape"] = tuple(int(ts.shape[i]) for i in range(ts.ndim))
         d["flavor"] = {1: "torch", 2: "hf"}.get(ts.flavor, ts.flavor)
-        d["apply_log"] = [dict(worker_id=r.worker_id, step=r.step, version=r.version)
+        d["apply_log"] = [{f: getattr(r, f) for f, _ in _lib.ApplyRecord._fields_}
                           for r in recs[:got.value]]
         return d
 
-    def push_pull(self, grads, *, step=None, out=None, worker_id=None, want_params=True):
+    def push_pull(self, grads, *, step=None, out=None, worker_id=None, want_params=True,
+                  num_workers=None, expect_mode=None, settings=None):
         """Pushes gradients and returns (params, versions).
 
         `grads`: {name: array} (or (name, array) pairs) with each tensor's
@@ -418,16 +516,32 @@ class Client:
         (versions only). On error an Error is raised, `self.step` does not
         advance, and outputs may be partly written (some shards may have
         applied the step: pull() tells where each tensor stands).
+
+        Issue 9 (fps_client_push_pull_ex): `num_workers` (the job's worker
+        count; the shards refuse a mismatch at once), `expect_mode` ("sync",
+        "async", "ssp": refused if the shards run another), and `settings`
+        {name: {"lr": float, "weight_decay": float, "no_grad": bool, "step":
+        int}}: this update's lr / weight decay, no gradient this step (the
+        grad may then be None: no update, no decay), this tensor's step if it
+        differs from `step`.
         """
         items = self._items(grads, "push_pull grads")
         if not items:
             raise InvalidArgumentError("push_pull: no gradients")
         out = dict(self._items(out, "push_pull out"))
+        settings = dict(settings or {})
+        if expect_mode not in MODES:
+            raise InvalidArgumentError(f"push_pull: expect_mode must be one of "
+                                       f"{sorted(m for m in MODES if m)} or None, not "
+                                       f"{expect_mode!r}")
+        extended = bool(settings) or num_workers is not None or expect_mode is not None
+        fn_ex = self._need("fps_client_push_pull_ex") if extended else None
         n = len(items)
         names = (ctypes.c_char_p * n)()
         gptr = (_lib.c_float_p * n)()
         pptr = (_lib.c_float_p * n)()
         versions = (ctypes.c_uint64 * n)()
+        per = (_lib.TensorPush * n)() if extended else None
         keep, outs = [], []
         if step is None:
             step = self.step
@@ -440,15 +554,33 @@ class Client:
                 bname = name.encode()
                 keep.append(bname)
                 names[i] = bname
-                gin = _In(g, name, shape, "gradient")
-                keep.append(gin)
-                gptr[i] = gin.ptr
+                s = settings.get(name) or {}
+                no_grad = bool(s.get("no_grad"))
+                if extended:
+                    self._fill_push(per[i], name, s)
+                if g is None:
+                    if not no_grad:
+                        raise InvalidArgumentError(f"tensor '{name}': gradient is None "
+                                                   "(set no_grad in its settings)")
+                else:
+                    gin = _In(g, name, shape, "gradient")
+                    keep.append(gin)
+                    gptr[i] = gin.ptr
                 if want_params:
                     o = _Out(out.get(name), name, shape)
                     outs.append((name, o))
                     pptr[i] = o.ptr
-            rc = self._lib.fps_client_push_pull(h, wid, int(step), names, gptr, pptr, versions,
-                                                n, ctypes.byref(st))
+            if extended:
+                args = _lib.PushArgs()
+                args.worker_id = wid
+                args.num_workers = int(num_workers or 0)
+                args.step = int(step)
+                args.expect_mode = MODES[expect_mode]
+                rc = fn_ex(h, ctypes.byref(args), names, gptr, per, pptr, versions, n,
+                           ctypes.byref(st))
+            else:
+                rc = self._lib.fps_client_push_pull(h, wid, int(step), names, gptr, pptr,
+                                                    versions, n, ctypes.byref(st))
         finally:
             self._leave()
         if rc != 0:
@@ -459,6 +591,91 @@ class Client:
             o.finish()
             params[name] = o.result
         return params, OrderedDict((name, int(versions[i])) for i, (name, _) in enumerate(items))
+
+    @staticmethod
+    def _fill_push(p, name, s):
+        bad = set(s) - {"lr", "weight_decay", "no_grad", "step"}
+        if bad:
+            raise InvalidArgumentError(f"tensor '{name}': unknown push setting(s) {sorted(bad)}")
+        for key in ("lr", "weight_decay"):
+            v = s.get(key)
+            if v is None:
+                continue
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(f"tensor '{name}': bad {key} {v!r}")
+            setattr(p, "has_" + key, 1)
+            setattr(p, key, v)
+        p.no_grad = int(bool(s.get("no_grad")))
+        if s.get("step") is not None:
+            p.has_step = 1
+            p.step = int(s["step"])
+
+    def get_state(self, names=None):
+        """Reads the Adafactor state of `names` (default: every tensor of the
+        last create()) from their shards: {name: {"version", "step", "rms",
+        "lr", "weight_decay", "row", "col", "var", "mom"}}, the arrays flat
+        float32 in the layouts of `state_sizes()` (None for kinds the tensor
+        does not have). Each tensor is read at one version."""
+        fn = self._need("fps_client_get_state")
+        if names is None:
+            names = list(self._shapes)
+        elif isinstance(names, str):
+            names = [names]
+        names = list(names)
+        if not names:
+            return OrderedDict()
+        n = len(names)
+        cnames = (ctypes.c_char_p * n)()
+        infos = (_lib.TensorState * n)()
+        ptrs = {k: (_lib.c_float_p * n)() for k in STATE_KINDS}
+        arrays = {k: [None] * n for k in STATE_KINDS}
+        keep = []
+        h = self._enter()
+        try:
+            unknown = False
+            for i, name in enumerate(names):
+                shape = self._shape_of(name, h)
+                b = name.encode()
+                keep.append(b)
+                cnames[i] = b
+                has_mom = self._has_mom.get(name)
+                if has_mom is None:
+                    unknown = True
+                    continue
+                for kind, size in state_sizes(shape, has_mom).items():
+                    a = np.empty(size, np.float32)
+                    arrays[kind][i] = a
+                    ptrs[kind][i] = a.ctypes.data_as(_lib.c_float_p)
+        finally:
+            self._leave()
+        if unknown:
+            # Sizes first (NULL arrays), then the data.
+            self._call(fn, cnames, n, infos, None, None, None, None)
+            for i in range(n):
+                for kind in STATE_KINDS:
+                    size = int(getattr(infos[i], kind + "_elements"))
+                    if size:
+                        a = np.empty(size, np.float32)
+                        arrays[kind][i] = a
+                        ptrs[kind][i] = a.ctypes.data_as(_lib.c_float_p)
+        self._call(fn, cnames, n, infos, ptrs["row"], ptrs["col"], ptrs["var"], ptrs["mom"])
+        out = OrderedDict()
+        for i, name in enumerate(names):
+            info = infos[i]
+            d = {"version": int(info.version), "step": int(info.step), "rms": float(info.rms),
+                 "lr": float(info.lr), "weight_decay": float(info.weight_decay)}
+            for kind in STATE_KINDS:
+                a = arrays[kind][i]
+                got = int(getattr(info, kind + "_elements"))
+                if a is not None and got != a.size:
+                    raise InvalidArgumentError(
+                        f"tensor '{name}': the shard reports {got} {kind} state elements, "
+                        f"expected {a.size}")
+                d[kind] = a
+            out[name] = d
+        return out
 
     def pull(self, names=None, *, out=None, want_params=True):
         """Reads current values: returns (params, versions) for `names`

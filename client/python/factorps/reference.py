@@ -12,6 +12,7 @@ the shard's float32 rounding, not ours.
 
     ref = ReferenceAdafactor(shape, flavor="torch", lr=1e-2)
     param = ref.step(param, grad)   # float32 arrays in, float32 array out
+    param = ref.step(param, grad, lr=5e-3, weight_decay=0.01)  # this step's values (schedules)
 """
 
 import math
@@ -82,6 +83,7 @@ class ReferenceAdafactor:
         self.shape = tuple(int(s) for s in shape)
         self.factored = len(self.shape) >= 2
         self.step_count = 0
+        self.rms = 0.0  # hf's RMS state: RMS(param) before the last step
         lead = self.shape[:-2]
         # Canonical flat layouts of tests/vectors: row = lead*R, col = lead*C.
         if self.factored:
@@ -95,8 +97,22 @@ class ReferenceAdafactor:
         if flavor == "hf" and self.hp["beta1"] is not None:
             self.mom = np.zeros(self.shape, np.float32)
 
-    def step(self, param, grad):
-        """Returns the param (float32, same shape) after one step with `grad`."""
+    def step(self, param, grad, lr=None, weight_decay=None):
+        """Returns the param (float32, same shape) after one step with `grad`.
+
+        `lr` / `weight_decay` (optional) replace the constructor's values for
+        this step and the following ones, as a learning-rate scheduler writing
+        a param group does (hf with relative_step=True ignores `lr`, as
+        transformers does)."""
+        if lr is not None:
+            if not (math.isfinite(lr) and lr >= 0.0):
+                raise ValueError(f"lr must be finite and >= 0, got {lr}")
+            if not (self.flavor == "hf" and self.hp["relative_step"]):
+                self.hp["lr"] = float(lr)
+        if weight_decay is not None:
+            if not (math.isfinite(weight_decay) and weight_decay >= 0.0):
+                raise ValueError(f"weight_decay must be finite and >= 0, got {weight_decay}")
+            self.hp["weight_decay"] = float(weight_decay)
         param = np.asarray(param, np.float32)
         grad = np.asarray(grad, np.float32)
         if param.shape != self.shape or grad.shape != self.shape:
@@ -149,6 +165,7 @@ class ReferenceAdafactor:
         self.step_count += 1
         t = self.step_count
         rms = _rms(p)
+        self.rms = rms
         if hp["relative_step"]:
             rel = min(1e-6 * t if hp["warmup_init"] else 1e-2, 1.0 / math.sqrt(t))
         else:

@@ -1,81 +1,816 @@
-"""factorps.torch: a torch.optim.Optimizer whose Adafactor runs on the shards.
+"""factorps.torch: torch.optim optimizers whose Adafactor runs on factorps shards.
 
     from factorps.torch import RemoteAdafactor
-    opt = RemoteAdafactor(model.parameters(), lr=1e-2,          # torch's names
-                          shards=["127.0.0.1:7000", "127.0.0.1:7001"],
-                          worker_id=rank, num_workers=world)
-    loss.backward(); opt.step(); opt.zero_grad()
+    opt = RemoteAdafactor(model.named_parameters(), lr=1e-2)   # torch.optim.Adafactor's arguments
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_decay)
+    for x, y in loader:
+        loss_fn(model(x), y).backward()
+        opt.step(); sched.step(); opt.zero_grad()
 
-Constructor: torch.optim.Adafactor's arguments and defaults (PyTorch >= 2.5:
-lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0,
-maximize=False), or with flavor="hf" transformers' Adafactor's (lr=None,
-eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
-weight_decay=0.0, scale_parameter=True, relative_step=True,
-warmup_init=False; `RemoteHFAdafactor` takes them in transformers'
-positional order). Passing an argument the chosen flavor does not have is a
-TypeError. Parameter groups may override any of them.
+`RemoteAdafactor` takes torch.optim.Adafactor's arguments (PyTorch >= 2.5),
+`RemoteHFAdafactor` transformers' Adafactor's, both with the same
+keyword-only factorps options (see `_RemoteAdafactorBase`). What is the same
+as the local optimizer and what is not:
 
-Behaviour, and where it differs from a local optimizer:
-- Tensor names: "g{group}.p{index}" (e.g. "g0.p3"), or the names from
-  `model.named_parameters()` if `params` holds (name, tensor) pairs; both
-  with `name_prefix` in front (to share shards between models). Every worker
-  must build the optimizer over the same parameter list.
-- The first step() (or an explicit setup()) creates the tensors on the
-  shards, idempotently: worker 0 sends its initial values, the other workers
-  register without values and wait for them; then every worker pulls the
-  shards' values into its parameters, so all start from the same weights
-  (a rerun against live shards resumes from their weights and versions).
-- step() pushes every parameter's .grad and writes the fresh values into the
-  parameters in place. A parameter whose .grad is None is pushed as zeros:
-  sync rounds need every worker's push for every tensor. Unlike a local
-  Adafactor (which skips such a parameter) the shard still counts a step and
-  applies weight decay to it.
-- Hyperparameters are fixed when the tensors are created (the shards hold
-  them). Changing a group's hyperparameters afterwards (e.g. an LR
-  scheduler) raises ValueError at the next step() instead of being ignored.
-- state_dict() holds no optimizer tensors (those live on the shards, and
-  persisting them is the shards' job): it records the hyperparameters, the
-  tensor names and shapes, the shard addresses, worker id/count and the
-  step. load_state_dict() checks that the names and shapes match and
-  restores hyperparameters and the step; setup() then warns if the shards'
-  versions disagree with that step.
-- Errors from the shards raise factorps.Error subclasses, and a failed
-  step() does not advance the step. A rejected push (NaN gradient, wrong
-  shape) changes nothing anywhere and may be retried. If a shard fails in
-  the middle (restart, crash), other shards may already have applied the
-  step and written their parameters; setup() re-reads every value and
-  version, and refuses a sync job whose shards no longer agree on the step.
+- Ownership: the shards hold the master weights and the optimizer state once
+  the first step() (or setup()) has created the tensors. Every step() pushes
+  the gradients and writes the shards' fresh values into the parameters in
+  place. At the first step worker 0's values initialise the tensors and the
+  other workers wait for them and start from them. If the shards already hold
+  a tensor of that name (another job, an earlier run), `on_existing` decides:
+  "error" (the default, unless a state dict was loaded), "adopt" (continue
+  from the shards' weights and state), "overwrite" (replace them by this
+  process's weights and a fresh state, or by the loaded state dict's).
+  `namespace` is prefixed to every tensor name so that jobs can share shards.
+- A parameter changed locally between steps (a reloaded layer, a
+  re-initialisation: seen by its version counter, storage and checksum) is
+  written to the shards before the next push, with the shard's optimizer
+  state kept (worker 0; in a multi-worker sync job, or on another worker, it
+  is an error instead, because the other workers' copies would not follow).
+- Per step, each param group's current `lr` and `weight_decay` travel with the
+  push, so every torch.optim.lr_scheduler (and any code that writes
+  `param_groups[i]["lr"]`) works; hf groups with relative_step=True ignore
+  `lr` (the shard's relative step applies), as transformers does. The other
+  hyperparameters are fixed when the tensors are created: changing one later
+  is a ValueError that says which.
+- A parameter whose .grad is None is not updated and not decayed (as torch);
+  in a sync job the workers must agree on which parameters have gradients.
+- `optimizer.state[p]` is the shard's state under the upstream names and
+  shapes (torch: step, row_var [..., R, 1] and col_var [..., 1, C], or
+  variance; hf: step, RMS, exp_avg_sq_row / exp_avg_sq_col or exp_avg_sq,
+  exp_avg with beta1), read from the shards when first accessed after a
+  step: a read-only snapshot. Every tensor on the shards has an entry (zeros
+  before its first update), so the sizes add up to the shards' Stats.
+- state_dict() / load_state_dict() carry that state (and, under "factorps",
+  names, shapes and versions); resuming against new, empty shards creates the
+  tensors with the loaded state and step, and continues exactly.
+- Recovery: when a shard restarts from its checkpoint, or a push fails in the
+  middle (UNAVAILABLE, a stale or ahead step), step() pulls what the shards
+  hold, redoes the push of what was not applied, and logs once (logger
+  "factorps.torch") how many updates were lost; it gives up with the error
+  after `recovery_timeout` seconds. A shard that restarted empty (no
+  checkpoint) raises NotFoundError.
+- `foreach` is accepted and ignored (the shards run their own kernels).
 """
 
-import warnings
+import logging
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
+from . import _lib
 from .client import Client, TensorSpec
-from .errors import FailedPreconditionError
+from .errors import (AbortedError, AlreadyExistsError, DeadlineExceededError, Error,
+                     FailedPreconditionError, UnavailableError)
 
 __all__ = ["RemoteAdafactor", "RemoteHFAdafactor"]
 
-_UNSET = object()
+ParamsT = Union[Iterable[Tensor], Iterable[Tuple[str, Tensor]], Iterable[Dict[str, Any]]]
 
-TORCH_DEFAULTS = dict(lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0,
-                      maximize=False, foreach=None)
-HF_DEFAULTS = dict(lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
-                   weight_decay=0.0, scale_parameter=True, relative_step=True, warmup_init=False)
-_DEFAULTS = {"torch": TORCH_DEFAULTS, "hf": HF_DEFAULTS}
-# Group keys that are ours, not hyperparameters.
-_META_KEYS = {"params", "param_names", "initial_lr", "foreach"}
+log = logging.getLogger("factorps.torch")
 
+ON_EXISTING = ("error", "adopt", "overwrite")
 
-def _num(x):
-    return float(x.item()) if isinstance(x, torch.Tensor) else x
+# Group keys that are not hyperparameters (ours, and what schedulers add).
+_TORCH_FIXED = ("beta2_decay", "eps", "d", "maximize")
+_HF_FIXED = ("eps", "clip_threshold", "decay_rate", "beta1", "scale_parameter", "relative_step",
+             "warmup_init")
 
 
-def _validate_group(flavor, g):
-    """Upstream's constructor checks, applied to every group."""
-    if flavor == "torch":
+def _num(x: Any) -> Any:
+    return float(x.item()) if isinstance(x, Tensor) else x
+
+
+def _split_named(params: List[Any]) -> Tuple[List[Any], Optional[List[str]]]:
+    """(tensors, names or None) from a list of tensors or of (name, tensor) pairs."""
+    if params and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                      for p in params):
+        return [p for _, p in params], [n for n, _ in params]
+    return params, None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _launcher(worker_id: Optional[int], num_workers: Optional[int]) -> Tuple[int, int, str]:
+    """Worker id and count: the arguments, else torch.distributed's rank and
+    world size when it is initialised, else RANK / WORLD_SIZE, else 0 / 1."""
+    src = "arguments"
+    if worker_id is None or num_workers is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank, world, src = dist.get_rank(), dist.get_world_size(), "torch.distributed"
+        elif "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+            rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+            src = f"RANK={os.environ.get('RANK', '')!s} WORLD_SIZE={os.environ.get('WORLD_SIZE', '')}"
+        else:
+            rank, world, src = 0, 1, "defaults"
+        worker_id = rank if worker_id is None else worker_id
+        num_workers = world if num_workers is None else num_workers
+    worker_id, num_workers = int(worker_id), int(num_workers)
+    if num_workers < 1 or not 0 <= worker_id < num_workers:
+        raise ValueError(f"worker_id must be in [0, num_workers), got worker_id={worker_id} "
+                         f"num_workers={num_workers} (from {src})")
+    return worker_id, num_workers, src
+
+
+def _fingerprint(p: Tensor) -> Tuple[int, int, float]:
+    """What tells a local change of `p` between steps: its version counter
+    (in-place ops), its storage (`p.data = ...`) and a float64 checksum
+    (writes through `p.data`, which bypass the counter)."""
+    return (p._version, p.data_ptr(), float(p.detach().sum(dtype=torch.float64)))
+
+
+def _same_fingerprint(a: Tuple[int, int, float], b: Tuple[int, int, float]) -> bool:
+    return a[:2] == b[:2] and (a[2] == b[2] or (math.isnan(a[2]) and math.isnan(b[2])))
+
+
+class _ShardState(Mapping):
+    """`optimizer.state`: param -> the shard's state under upstream names,
+    fetched (GetState) on first access after each step. A snapshot: writing
+    into it changes nothing on the shards."""
+
+    def __init__(self, opt: "_RemoteAdafactorBase") -> None:
+        self._opt = opt
+
+    def _all(self) -> Dict[Tensor, Dict[str, Any]]:
+        return self._opt._fetch_state()
+
+    def __getitem__(self, p: Tensor) -> Dict[str, Any]:
+        got = self._all()
+        if p in got:
+            return got[p]
+        if isinstance(p, Tensor) and id(p) in self._opt._names:
+            return {}  # like torch's defaultdict before the first step
+        raise KeyError(p)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __contains__(self, p: object) -> bool:
+        return p in self._all()
+
+    def __repr__(self) -> str:
+        return f"<factorps shard state of {len(self._opt._names)} tensors>"
+
+
+class _RemoteAdafactorBase(Optimizer):
+    """What both flavors share. The factorps options (keyword-only):
+
+    shards: "host:port" of every shard, in shard order (a list or one
+        comma-separated string). Default: $FACTORPS_SHARDS.
+    worker_id, num_workers: this worker and the job's worker count. Default:
+        torch.distributed's rank and world size when it is initialised, else
+        $RANK and $WORLD_SIZE (torchrun), else 0 and 1. Sent with every push:
+        the shards refuse a count that is not theirs at once.
+    mode: "sync", "async" or "ssp": checked against the shards at the first
+        step (None: any).
+    namespace: prefix of every tensor name on the shards, so that several
+        jobs can share them.
+    on_existing: "error", "adopt" or "overwrite": what the first step does
+        when the shards already hold a tensor of this job's name (None: "error",
+        or after load_state_dict() "overwrite" with the loaded state).
+    client: an open factorps.Client to use instead of connecting.
+    deadline, max_retries, client_options: the Client's (seconds per call,
+        retries of unreachable shards, further factorps.connect options).
+    recovery_timeout: seconds step() spends re-synchronising after a failed
+        push before it raises (default: `deadline`).
+    """
+
+    flavor = ""
+    _FIXED: Tuple[str, ...] = ()
+
+    def _init_remote(self, params: ParamsT, defaults: Dict[str, Any], *,
+                     shards: Optional[Union[str, Sequence[str]]], worker_id: Optional[int],
+                     num_workers: Optional[int], mode: Optional[str], namespace: str,
+                     on_existing: Optional[str], client: Optional[Client], deadline: float,
+                     max_retries: int, recovery_timeout: Optional[float],
+                     client_options: Optional[Dict[str, Any]]) -> None:
+        if mode not in (None, "sync", "async", "ssp"):
+            raise ValueError(f"mode must be 'sync', 'async', 'ssp' or None, not {mode!r}")
+        if on_existing not in (None,) + ON_EXISTING:
+            raise ValueError(f"on_existing must be one of {ON_EXISTING} or None, not "
+                             f"{on_existing!r}")
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
+        self.worker_id, self.num_workers, self._launcher_src = _launcher(worker_id, num_workers)
+        if client is None:
+            if shards is None:
+                shards = os.environ.get("FACTORPS_SHARDS") or None
+            if not shards:
+                raise ValueError(f"{type(self).__name__} needs shards=[\"host:port\", ...] "
+                                 "(or $FACTORPS_SHARDS, or client=)")
+        self.mode = mode
+        self.namespace = namespace
+        self.on_existing = on_existing
+        self.deadline = float(deadline)
+        self.recovery_timeout = float(self.deadline if recovery_timeout is None
+                                      else recovery_timeout)
+        self._names: Dict[int, str] = {}      # id(param) -> tensor name on the shards
+        self._created = False
+        self._fixed: List[Dict[str, Any]] = []  # per group: the values fixed at creation
+        self._versions: Dict[str, int] = {}   # tensor name -> its version (last seen)
+        self._pushes = 0                      # this worker's completed pushes (async/ssp)
+        self._dirty = False                   # a push failed: re-read values and versions
+        self._created_hp: Dict[str, Dict[str, float]] = {}
+        self._prints: Dict[int, Tuple[int, int, float]] = {}
+        self._loaded: Optional[Dict[Tensor, Dict[str, Any]]] = None
+        self._state_cache: Optional[Dict[Tensor, Dict[str, Any]]] = None
+        self._shard_mode: Optional[str] = None
+        self._own_client = False
+        self.client: Optional[Client] = None
+        super().__init__(params, defaults)
+        if client is not None:
+            self.client = client
+        else:
+            self.client = Client(shards, worker_id=self.worker_id, deadline=self.deadline,
+                                 max_retries=max_retries, **(client_options or {}))
+            self._own_client = True
+        self.client.worker_id = self.worker_id
+
+    # -- torch.optim.Optimizer plumbing ------------------------------------------
+
+    @property
+    def state(self) -> _ShardState:  # type: ignore[override]
+        return _ShardState(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        # Optimizer.__init__ assigns an empty defaultdict: the state lives on
+        # the shards. Anything else comes through __setstate__.
+        if value:
+            raise AttributeError("optimizer.state is read from the shards; use "
+                                 "load_state_dict() to set it")
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # Optimizer.load_state_dict() ends here with the loaded, re-keyed state.
+        state = dict(state)
+        loaded = state.pop("state", None)
+        super().__setstate__(state)
+        self._loaded = {k: v for k, v in (loaded or {}).items() if isinstance(k, Tensor)}
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError(f"{type(self).__name__} holds a connection to the shards and cannot be "
+                        "pickled; save state_dict() instead")
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """As torch's; a group may hold (name, tensor) pairs (the names are
+        kept under "param_names", as PyTorch >= 2.6 does). In a sync job all
+        groups must exist before the first step (the new tensors would start
+        at another version)."""
+        param_group = dict(param_group)
+        ps = param_group["params"]
+        if not isinstance(ps, Tensor):
+            ps, names = _split_named(list(ps))
+            param_group["params"] = ps
+            if names is not None:
+                param_group["param_names"] = names
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        gi = len(self.param_groups) - 1
+        try:
+            self._validate_group(g)
+            for p in g["params"]:
+                if p.is_sparse:
+                    raise ValueError(f"{type(self).__name__} does not support sparse parameters")
+                if torch.is_complex(p):
+                    raise ValueError(f"{type(self).__name__} does not support complex "
+                                     "parameters")
+            names = g.get("param_names")
+            if names is not None and len(names) != len(g["params"]):
+                raise ValueError("param_names and params differ in length")
+            taken = set(self._names.values())
+            new = {}
+            for pi, p in enumerate(g["params"]):
+                name = self.namespace + (names[pi] if names is not None else f"g{gi}.p{pi}")
+                if name in taken:
+                    raise ValueError(f"two parameters are both named '{name}'")
+                taken.add(name)
+                new[id(p)] = name
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        self._names.update(new)
+        self._created = False  # the job's tensor list changed: create again
+
+    def _validate_group(self, g: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _wire_config(self, g: Dict[str, Any]) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def _push_hparams(self, gi: int, g: Dict[str, Any]) -> Dict[str, float]:
+        """This step's lr / weight_decay of group `gi` for the push."""
+        raise NotImplementedError
+
+    def _state_view(self, p: Tensor, st: Dict[str, Any]) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def _state_arrays(self, p: Tensor, name: str, st: Dict[str, Any]) -> Tuple[int, Dict[str, Any], float]:
+        raise NotImplementedError
+
+    # -- names ------------------------------------------------------------------
+
+    def param_names(self) -> List[str]:
+        """Tensor names on the shards, in group/parameter order (namespace included)."""
+        return [self._names[id(p)] for g in self.param_groups for p in g["params"]]
+
+    def _params(self) -> List[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @property
+    def remote_step(self) -> int:
+        """Sync: the version most tensors are at (the next push's step);
+        async/ssp: this worker's completed pushes."""
+        if self._shard_mode == "sync" and self._versions:
+            return Counter(self._versions.values()).most_common(1)[0][0]
+        return self._pushes
+
+    # -- creation and ownership -------------------------------------------------
+
+    def _check_shards(self) -> None:
+        first = self.client.stats()[0]
+        mode, workers = first["mode"], int(first.get("workers") or 0)
+        if self.mode is not None and mode != self.mode:
+            raise FailedPreconditionError(
+                f"the shards run {mode} mode, but this optimizer expects mode={self.mode!r}")
+        if mode in ("sync", "ssp") and workers and workers != self.num_workers:
+            raise FailedPreconditionError(
+                f"the shards run {mode} mode for {workers} workers, but this optimizer has "
+                f"num_workers={self.num_workers} (from {self._launcher_src})")
+        self._shard_mode = mode
+
+    def _existing(self, names: List[str]) -> Dict[str, Dict[str, Any]]:
+        """The tensors of `names` the shards already hold with values."""
+        found = self.client.holds(names)
+        out = {}
+        for name in found:
+            ts = self.client.tensor_stats(name)
+            if ts["ready"]:
+                out[name] = ts
+        return out
+
+    @torch.no_grad()
+    def setup(self) -> None:
+        """Creates the job's tensors on the shards (see on_existing) and pulls
+        their values into the parameters. The first step() calls it; call it
+        yourself to start every worker from the same weights before the first
+        forward pass."""
+        self._check_shards()
+        params = self._params()
+        names = [self._names[id(p)] for p in params]
+        loaded = self._loaded
+        policy = self.on_existing or ("overwrite" if loaded is not None else "error")
+        existing: Dict[str, Dict[str, Any]] = {}
+        if self.worker_id == 0:
+            # Tensors this optimizer created itself are not "existing".
+            existing = self._existing([n for n in names if n not in self._versions])
+            if existing and policy == "error":
+                some = sorted(existing)
+                raise AlreadyExistsError(
+                    f"the shards already hold {len(some)} of this job's {len(names)} tensors "
+                    f"({', '.join(repr(n) for n in some[:4])}{', ...' if len(some) > 4 else ''}"
+                    f", e.g. '{some[0]}' at version {existing[some[0]]['version']}); pass "
+                    "on_existing='adopt' to continue from them, 'overwrite' to replace them, "
+                    "or another namespace= for a separate job")
+        specs = []
+        for g in self.param_groups:
+            cfg = self._wire_config(g)
+            for p in g["params"]:
+                name = self._names[id(p)]
+                spec = TensorSpec(name, tuple(p.shape), None, cfg)
+                if self.worker_id == 0:
+                    spec.init = p.detach()
+                    st = loaded.get(p) if loaded is not None else None
+                    if name in existing:
+                        if policy == "overwrite":
+                            spec.replace = True
+                        else:
+                            st = None  # adopt: the shards' values and state win
+                    if st:
+                        spec.step, spec.state, spec.rms = self._state_arrays(p, name, st)
+                        if not spec.step:
+                            spec.state = None  # never updated: a fresh state
+                specs.append(spec)
+        self.client.create(specs)
+        _, versions = self.client.pull(names, out={n: p for n, p in zip(names, params)})
+        gone = [n for n in names if versions[n] == 0 and self._versions.get(n, 0) > 0]
+        self._versions = dict(versions)
+        self._dirty = False
+        if existing and policy == "adopt":
+            log.info("factorps: adopted %d tensors the shards already held", len(existing))
+        self._pushes = 0
+        self._loaded = None
+        self._state_cache = None
+        self._fixed = [{k: g[k] for k in self._FIXED} for g in self.param_groups]
+        self._created_hp = {self._names[id(p)]: self._push_hparams(gi, g)
+                            for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        self._prints = {id(p): _fingerprint(p) for p in params}
+        self._created = True
+        if gone:
+            raise FailedPreconditionError(
+                f"{len(gone)} tensor(s) of this job ('{gone[0]}', ...) are back at version 0: "
+                "their shard restarted without a checkpoint and lost their weights and "
+                "optimizer state (versions went back to 0). They were created again from this "
+                "worker's current values with a fresh state; step() continues from there")
+
+    # -- state ------------------------------------------------------------------
+
+    def _fetch_state(self) -> Dict[Tensor, Dict[str, Any]]:
+        if not self._created or self.client is None:
+            return dict(self._loaded or {})  # what the next step creates the tensors with
+        if self._state_cache is None:
+            params = self._params()
+            names = [self._names[id(p)] for p in params]
+            got = self.client.get_state(names)
+            self._state_cache = {p: self._state_view(p, got[n]) for p, n in zip(params, names)}
+        return self._state_cache
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's state dict (the shards' state under upstream names, the
+        param groups), plus under "factorps" the tensor names, shapes,
+        versions, flavor, namespace and worker count."""
+        sd = super().state_dict()
+        params = self._params()
+        sd["factorps"] = {
+            "format": 2,
+            "flavor": self.flavor,
+            "namespace": self.namespace,
+            "names": [self._names[id(p)] for p in params],
+            "shapes": [list(p.shape) for p in params],
+            "versions": [self._versions.get(self._names[id(p)], 0) for p in params],
+            "num_workers": self.num_workers,
+            "mode": self._shard_mode,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state dict of this class (or of the upstream optimizer with
+        the same names): the next step() creates the tensors with its state
+        and step (on_existing default: overwrite what the shards hold).
+        A dict that does not match these parameters is a ValueError."""
+        meta = state_dict.get("factorps")
+        params = self._params()
+        names = [self._names[id(p)] for p in params]
+        if meta is not None:
+            if meta.get("format") != 2:
+                raise ValueError(f"this state dict has factorps format {meta.get('format')!r}, "
+                                 "this version reads format 2 (format 1 held no optimizer "
+                                 "state: resume from the shards with on_existing='adopt')")
+            if meta.get("flavor") != self.flavor:
+                raise ValueError(f"the state dict is of flavor {meta.get('flavor')!r}, this "
+                                 f"optimizer is {self.flavor!r}")
+            if list(meta["names"]) != names:
+                diff = next(i for i, (a, b) in enumerate(zip(list(meta["names"]) + [None] * len(
+                    names), names + [None] * len(meta["names"]))) if a != b)
+                raise ValueError(f"the state dict's tensor names differ from this optimizer's "
+                                 f"at position {diff}: {meta['names'][diff:diff + 1]} vs "
+                                 f"{names[diff:diff + 1]}")
+            for name, shape, p in zip(names, meta["shapes"], params):
+                if list(p.shape) != list(shape):
+                    raise ValueError(f"tensor '{name}' has shape {list(p.shape)}, the state "
+                                     f"dict says {list(shape)}")
+        saved = state_dict["param_groups"]
+        if len(saved) == len(self.param_groups):
+            for s, g in zip(saved, self.param_groups):
+                if "param_names" in s and "param_names" in g and s["param_names"] != g[
+                        "param_names"]:
+                    raise ValueError(f"the state dict's group names {s['param_names'][:3]}... "
+                                     f"differ from {g['param_names'][:3]}...")
+        super().load_state_dict(state_dict)  # checks group sizes; ends in __setstate__
+        for g in self.param_groups:
+            if "eps" in g:
+                g["eps"] = tuple(g["eps"])
+            self._validate_group(g)
+        loaded = self._loaded or {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = loaded.get(p)
+                if st:
+                    self._state_arrays(p, self._names[id(p)], st)  # validates names/shapes
+        self._loaded = loaded
+        self._created = False
+        self._state_cache = None
+
+    # -- step -------------------------------------------------------------------
+
+    def _check_fixed(self) -> None:
+        for gi, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
+            for k, v in fixed.items():
+                now = tuple(g[k]) if isinstance(g[k], list) else g[k]
+                if now != v:
+                    raise ValueError(
+                        f"param group {gi}: {k} changed from {v!r} to {now!r} after the tensors "
+                        f"were created; only lr and weight_decay may change during training "
+                        f"(they travel with every push). {k} is fixed on the shards (it "
+                        "decides the state's layout or the update rule); create a new "
+                        "optimizer with on_existing='overwrite' to change it")
+
+    def _write_local_changes(self) -> None:
+        changed = [p for p in self._params()
+                   if not _same_fingerprint(self._prints[id(p)], _fingerprint(p))]
+        if not changed:
+            return
+        names = [self._names[id(p)] for p in changed]
+        some = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+        if self.worker_id != 0 or (self._shard_mode == "sync" and self.num_workers > 1):
+            raise RuntimeError(
+                f"parameter(s) {some} changed locally since the last step; the shards hold the "
+                "master weights, and the next step would overwrite the change. "
+                + ("Only worker 0 can write a change to the shards (its copy is the job's)."
+                   if self.worker_id != 0 else
+                   "In a sync job with several workers a change cannot be written mid-round: "
+                   "make it before the first step, or save state_dict(), change the model and "
+                   "resume with load_state_dict() in a new optimizer."))
+        states = self.client.get_state(names)
+        specs = []
+        by_name = dict(zip(names, changed))
+        for g in self.param_groups:
+            cfg = self._wire_config(g)
+            for p in g["params"]:
+                name = self._names[id(p)]
+                spec = TensorSpec(name, tuple(p.shape), None, cfg)
+                if name in by_name:
+                    st = states[name]
+                    spec.init = p.detach()
+                    spec.replace = True
+                    spec.step = st["version"] if st["step"] else 0
+                    spec.rms = st["rms"]
+                    if spec.step:
+                        spec.state = {k: st[k] for k in ("row", "col", "var", "mom")
+                                      if st[k] is not None}
+                specs.append(spec)
+        self.client.create(specs)
+        log.info("factorps: wrote %d locally changed parameter(s) to the shards (%s)",
+                 len(names), some)
+        for p in changed:
+            self._prints[id(p)] = _fingerprint(p)
+        self._state_cache = None
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """Performs a single optimization step on the shards: pushes every
+        parameter's gradient with its group's current lr and weight decay and
+        writes the updated values into the parameters in place.
+
+        Args:
+            closure (Callable, optional): A closure that reevaluates the model
+                and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._created:
+            self.setup()
+        else:
+            self._check_fixed()
+            if self._dirty:
+                self._refresh()
+            self._write_local_changes()
+        grads: Dict[str, Optional[Tensor]] = {}
+        settings: Dict[str, Dict[str, Any]] = {}
+        out: Dict[str, Tensor] = {}
+        for gi, g in enumerate(self.param_groups):
+            hp = self._push_hparams(gi, g)
+            for p in g["params"]:
+                name = self._names[id(p)]
+                s = dict(hp)
+                if p.grad is None:
+                    s["no_grad"] = True
+                    grads[name] = None
+                else:
+                    if p.grad.is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse "
+                                           "gradients")
+                    grads[name] = p.grad
+                settings[name] = s
+                out[name] = p
+        try:
+            self._push(grads, settings, out)
+        except BaseException:
+            # Some shards may have applied it: re-read where every tensor
+            # stands before the next push.
+            self._dirty = True
+            raise
+        finally:
+            self._state_cache = None
+            self._prints = {id(p): _fingerprint(p) for p in self._params()}
+        return loss
+
+    def _refresh(self) -> None:
+        """Re-reads every parameter's value and version from the shards."""
+        params = self._params()
+        names = [self._names[id(p)] for p in params]
+        _, versions = self.client.pull(names, out=dict(zip(names, params)))
+        self._versions.update(versions)
+        self._prints = {id(p): _fingerprint(p) for p in params}
+        self._dirty = False
+
+    def _push_once(self, names: List[str], grads: Dict[str, Optional[Tensor]],
+                   settings: Dict[str, Dict[str, Any]], out: Dict[str, Tensor]) -> Dict[str, int]:
+        if not _lib.has(self.client._lib, "fps_client_push_pull_ex"):
+            return self._push_once_legacy(names, grads, settings, out)
+        sync = self._shard_mode == "sync"
+        if sync:
+            step = Counter(self._versions[n] for n in names).most_common(1)[0][0]
+            settings = {n: dict(settings[n], step=self._versions[n])
+                        if self._versions[n] != step else settings[n] for n in names}
+        else:
+            step = self._pushes
+            settings = {n: settings[n] for n in names}
+        _, versions = self.client.push_pull(
+            {n: grads[n] for n in names}, step=step, out={n: out[n] for n in names},
+            num_workers=self.num_workers, expect_mode=self.mode, settings=settings)
+        return versions
+
+    def _push_once_legacy(self, names: List[str], grads: Dict[str, Optional[Tensor]],
+                          settings: Dict[str, Dict[str, Any]],
+                          out: Dict[str, Tensor]) -> Dict[str, int]:
+        """A libfactorps without issue 9's push: one step number, no per-push
+        hyperparameters (they must keep their creation values), None
+        gradients pushed as zeros."""
+        for n in names:
+            now = {k: v for k, v in settings[n].items() if k in ("lr", "weight_decay")}
+            if now != self._created_hp[n]:
+                raise ValueError(
+                    f"tensor '{n}': lr/weight_decay changed from {self._created_hp[n]} to {now}, "
+                    f"but this libfactorps ({_lib.path()}) cannot send them with a push (it "
+                    "predates issue 9): the shards keep the values the tensors were created "
+                    "with")
+        grads = {n: (torch.zeros(out[n].shape) if grads[n] is None else grads[n]) for n in names}
+        if self._shard_mode == "sync":
+            step = Counter(self._versions[n] for n in names).most_common(1)[0][0]
+        else:
+            step = self._pushes
+        _, versions = self.client.push_pull(grads, step=step, out={n: out[n] for n in names})
+        return versions
+
+    @staticmethod
+    def _recoverable(e: Error) -> bool:
+        if isinstance(e, (UnavailableError, DeadlineExceededError, AbortedError)):
+            return True
+        return isinstance(e, FailedPreconditionError) and (
+            "stale push" in e.message or "ahead of shard" in e.message)
+
+    def _push(self, grads: Dict[str, Optional[Tensor]], settings: Dict[str, Dict[str, Any]],
+              out: Dict[str, Tensor]) -> None:
+        pending = list(grads)
+        give_up = time.monotonic() + self.recovery_timeout
+        first_error: Optional[Error] = None
+        lost: Dict[str, int] = {}
+        pause = 0.05
+        while True:
+            try:
+                versions = self._push_once(pending, grads, settings, out)
+            except Error as e:
+                if not self._recoverable(e) or not _lib.has(self.client._lib,
+                                                            "fps_client_push_pull_ex"):
+                    raise
+                if first_error is None:
+                    first_error = e
+                if time.monotonic() >= give_up:
+                    raise
+                pending = self._resync(pending, e, out, lost, give_up)
+                if not pending:
+                    break
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+                continue
+            self._versions.update(versions)
+            break
+        self._pushes += 1
+        if first_error is not None:
+            if lost:
+                log.warning(
+                    "factorps: recovered from %s: %d tensor(s) went back to their shard's "
+                    "checkpoint, %d update(s) lost (e.g. '%s': %d); training continues",
+                    first_error, len(lost), sum(lost.values()), next(iter(lost)),
+                    next(iter(lost.values())))
+            else:
+                log.warning("factorps: recovered from %s; no update lost", first_error)
+
+    def _resync(self, pending: List[str], e: Error, out: Dict[str, Tensor],
+                lost: Dict[str, int], give_up: float) -> List[str]:
+        """After a failed push: reads every pending tensor's value and version
+        (waiting for a restarting shard until `give_up`) and returns what
+        still has to be pushed."""
+        pause = 0.05
+        while True:
+            try:
+                _, now = self.client.pull(pending, out={n: out[n] for n in pending})
+                break
+            except Error as pe:
+                if not isinstance(pe, (UnavailableError, DeadlineExceededError)) or \
+                        time.monotonic() >= give_up:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+        redo = []
+        for n in pending:
+            sent, v = self._versions[n], now[n]
+            if v < sent:
+                lost[n] = lost.get(n, 0) + sent - v
+            if self._shard_mode == "sync":
+                # A sync round at `sent` completes only with this worker's
+                # push: one past it means ours was applied.
+                if v != sent + 1:
+                    redo.append(n)
+            elif v < sent or e.shard < 0 or self.client.shard_of(n) == e.shard:
+                redo.append(n)
+            self._versions[n] = v
+        return redo
+
+    def close(self) -> None:
+        """Closes the connection if this optimizer opened it."""
+        if self._own_client and self.client is not None:
+            self.client.close()
+
+
+class RemoteAdafactor(_RemoteAdafactorBase):
+    r"""torch.optim.Adafactor (PyTorch >= 2.5) with its state and update on factorps shards.
+
+    Args:
+        params: iterable of parameters, of (name, parameter) pairs (e.g.
+            ``model.named_parameters()``: the names become the tensor names),
+            or of dicts defining parameter groups.
+        lr (float, Tensor, optional): upper bound of the relative step size
+            rho_t and coefficient of the weight decay (default: 1e-2); may
+            change every step (schedulers).
+        beta2_decay (float, optional): decay rate of beta2 (default: -0.8).
+        eps (Tuple[float, float], optional): epsilon1 (None: the dtype's
+            machine epsilon) and epsilon2 (default: (None, 1e-3)).
+        d (float, optional): clipping threshold of the update's RMS (default: 1.0).
+        weight_decay (float, optional): decoupled weight decay coefficient
+            (default: 0.0); may change every step.
+        foreach (bool, optional): accepted for compatibility; no effect.
+        maximize (bool, optional): maximize the objective (default: False).
+
+    The factorps options (shards, worker_id, num_workers, mode, namespace,
+    on_existing, client, deadline, max_retries, recovery_timeout,
+    client_options) are described in the module and in
+    ``_RemoteAdafactorBase``.
+    """
+
+    flavor = "torch"
+    _FIXED = _TORCH_FIXED
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: Union[float, Tensor] = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: Tuple[Optional[float], float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        *,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        shards: Optional[Union[str, Sequence[str]]] = None,
+        worker_id: Optional[int] = None,
+        num_workers: Optional[int] = None,
+        mode: Optional[str] = None,
+        namespace: str = "",
+        on_existing: Optional[str] = None,
+        client: Optional[Client] = None,
+        deadline: float = 60.0,
+        max_retries: int = 5,
+        recovery_timeout: Optional[float] = None,
+        client_options: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        defaults = {"lr": lr, "beta2_decay": beta2_decay, "eps": tuple(eps), "d": d,
+                    "weight_decay": weight_decay, "foreach": foreach, "maximize": maximize}
+        self._validate_group(defaults)
+        self._init_remote(params, defaults, shards=shards, worker_id=worker_id,
+                          num_workers=num_workers, mode=mode, namespace=namespace,
+                          on_existing=on_existing, client=client, deadline=deadline,
+                          max_retries=max_retries, recovery_timeout=recovery_timeout,
+                          client_options=client_options)
+
+    def _validate_group(self, g: Dict[str, Any]) -> None:
+        """torch.optim.Adafactor's checks, for every group."""
         lr = _num(g["lr"])
+        if len(tuple(g["eps"])) != 2:
+            raise ValueError(f"eps must be a pair (eps1, eps2), got {g['eps']!r}")
         eps1, eps2 = g["eps"]
         if not 0.0 <= lr:
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
@@ -89,306 +824,222 @@ def _validate_group(flavor, g):
             raise ValueError(f"Clipping threshold d should be >= 1 but is: {g['d']}")
         if not 0.0 <= g["weight_decay"]:
             raise ValueError(f"weight_decay should be >= 0 but is: {g['weight_decay']}")
-    else:
-        if g["lr"] is not None and g["relative_step"]:
+
+    def _wire_config(self, g: Dict[str, Any]) -> Dict[str, Any]:
+        eps1, eps2 = g["eps"]
+        return dict(flavor="torch", lr=_num(g["lr"]), beta2_decay=g["beta2_decay"], eps1=eps1,
+                    eps2=eps2, clip_threshold=g["d"], weight_decay=_num(g["weight_decay"]),
+                    maximize=bool(g["maximize"]))
+
+    def _push_hparams(self, gi: int, g: Dict[str, Any]) -> Dict[str, float]:
+        lr, wd = float(_num(g["lr"])), float(_num(g["weight_decay"]))
+        if not (math.isfinite(lr) and lr >= 0.0):
+            raise ValueError(f"param group {gi}: lr must be finite and >= 0, got {lr}")
+        if not (math.isfinite(wd) and wd >= 0.0):
+            raise ValueError(f"param group {gi}: weight_decay must be finite and >= 0, got {wd}")
+        return {"lr": lr, "weight_decay": wd}
+
+    def _state_view(self, p: Tensor, st: Dict[str, Any]) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"step": torch.tensor(float(st["step"]), dtype=torch.float32)}
+        shape = list(p.shape)
+        if p.dim() > 1:
+            out["row_var"] = torch.from_numpy(st["row"]).reshape(shape[:-1] + [1])
+            out["col_var"] = torch.from_numpy(st["col"]).reshape(shape[:-2] + [1, shape[-1]])
+        else:
+            out["variance"] = torch.from_numpy(st["var"]).reshape(shape)
+        return out
+
+    def _state_arrays(self, p: Tensor, name: str,
+                      st: Dict[str, Any]) -> Tuple[int, Dict[str, Any], float]:
+        shape = list(p.shape)
+        if p.dim() > 1:
+            want = {"row_var": shape[:-1] + [1], "col_var": shape[:-2] + [1, shape[-1]]}
+        else:
+            want = {"variance": shape}
+        return _check_state(name, st, want, ("step",), {"row_var": "row", "col_var": "col",
+                                                        "variance": "var"}, None)
+
+
+class RemoteHFAdafactor(_RemoteAdafactorBase):
+    r"""transformers' Adafactor with its state and update on factorps shards.
+
+    Args (transformers' names, order and defaults):
+        params: iterable of parameters, of (name, parameter) pairs, or of dicts
+            defining parameter groups.
+        lr (float, optional): the external learning rate (with
+            relative_step=False; may change every step).
+        eps (Tuple[float, float], optional): regularisation constants for the
+            square gradient and the parameter scale (default: (1e-30, 1e-3)).
+        clip_threshold (float, optional): threshold of the update's RMS (default: 1.0).
+        decay_rate (float, optional): coefficient for the running average of
+            the square (default: -0.8).
+        beta1 (float, optional): coefficient of the running average of the
+            update (default: None, no first moment).
+        weight_decay (float, optional): weight decay (default: 0.0); may change
+            every step.
+        scale_parameter (bool, optional): scale the lr by the parameter's RMS
+            (default: True).
+        relative_step (bool, optional): use the time-dependent relative step
+            instead of `lr` (default: True).
+        warmup_init (bool, optional): warm the relative step up from 1e-6*t
+            (default: False).
+
+    The factorps options are keyword-only, as in RemoteAdafactor. With
+    relative_step=True the shard computes the learning rate; `_get_lr(group,
+    state)` reports it from `optimizer.state`, so transformers'
+    AdafactorSchedule reads the real value, and a scheduler's `lr` in such a
+    group is ignored, as transformers ignores it.
+    """
+
+    flavor = "hf"
+    _FIXED = _HF_FIXED
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: Optional[float] = None,
+        eps: Tuple[float, float] = (1e-30, 1e-3),
+        clip_threshold: float = 1.0,
+        decay_rate: float = -0.8,
+        beta1: Optional[float] = None,
+        weight_decay: float = 0.0,
+        scale_parameter: bool = True,
+        relative_step: bool = True,
+        warmup_init: bool = False,
+        *,
+        shards: Optional[Union[str, Sequence[str]]] = None,
+        worker_id: Optional[int] = None,
+        num_workers: Optional[int] = None,
+        mode: Optional[str] = None,
+        namespace: str = "",
+        on_existing: Optional[str] = None,
+        client: Optional[Client] = None,
+        deadline: float = 60.0,
+        max_retries: int = 5,
+        recovery_timeout: Optional[float] = None,
+        client_options: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        if lr is not None and relative_step:
             raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
+        if warmup_init and not relative_step:
+            raise ValueError("`warmup_init=True` requires `relative_step=True`")
+        defaults = {"lr": lr, "eps": tuple(eps), "clip_threshold": clip_threshold,
+                    "decay_rate": decay_rate, "beta1": beta1, "weight_decay": weight_decay,
+                    "scale_parameter": scale_parameter, "relative_step": relative_step,
+                    "warmup_init": warmup_init}
+        self._validate_group(defaults)
+        self._init_remote(params, defaults, shards=shards, worker_id=worker_id,
+                          num_workers=num_workers, mode=mode, namespace=namespace,
+                          on_existing=on_existing, client=client, deadline=deadline,
+                          max_retries=max_retries, recovery_timeout=recovery_timeout,
+                          client_options=client_options)
+
+    @staticmethod
+    def _get_lr(param_group: Dict[str, Any], param_state: Dict[str, Any]) -> float:
+        """The learning rate of the last update of a parameter with state
+        `param_state` (transformers' Adafactor._get_lr)."""
+        rel_step_sz = param_group["lr"]
+        if param_group["relative_step"]:
+            t = param_state["step"]
+            rel_step_sz = min(1e-6 * t if param_group["warmup_init"] else 1e-2,
+                              1.0 / math.sqrt(t))
+        scale = 1.0
+        if param_group["scale_parameter"]:
+            scale = max(param_group["eps"][1], param_state["RMS"])
+        return scale * rel_step_sz
+
+    def _validate_group(self, g: Dict[str, Any]) -> None:
+        if len(tuple(g["eps"])) != 2:
+            raise ValueError(f"eps must be a pair (eps1, eps2), got {g['eps']!r}")
         if g["warmup_init"] and not g["relative_step"]:
             raise ValueError("`warmup_init=True` requires `relative_step=True`")
         if g["lr"] is None and not g["relative_step"]:
+            # transformers fails at its first step(); the shards need an lr.
             raise ValueError("`relative_step=False` requires a manual `lr`")
-    if len(tuple(g["eps"])) != 2:
-        raise ValueError(f"eps must be a pair (eps1, eps2), got {g['eps']!r}")
 
+    def _wire_config(self, g: Dict[str, Any]) -> Dict[str, Any]:
+        eps1, eps2 = g["eps"]
+        lr = None if g["relative_step"] else _num(g["lr"])
+        return dict(flavor="hf", lr=lr, beta2_decay=g["decay_rate"], eps1=eps1, eps2=eps2,
+                    clip_threshold=g["clip_threshold"], weight_decay=_num(g["weight_decay"]),
+                    beta1=g["beta1"], scale_parameter=bool(g["scale_parameter"]),
+                    relative_step=bool(g["relative_step"]), warmup_init=bool(g["warmup_init"]))
 
-def _wire_config(flavor, g):
-    """A group's hyperparameters in the wire contract's names (factorps.optimizer_config)."""
-    eps1, eps2 = g["eps"]
-    if flavor == "torch":
-        return dict(flavor="torch", lr=_num(g["lr"]), beta2_decay=g["beta2_decay"], eps1=eps1,
-                    eps2=eps2, clip_threshold=g["d"], weight_decay=g["weight_decay"],
-                    maximize=bool(g["maximize"]))
-    return dict(flavor="hf", lr=_num(g["lr"]), beta2_decay=g["decay_rate"], eps1=eps1, eps2=eps2,
-                clip_threshold=g["clip_threshold"], weight_decay=g["weight_decay"],
-                beta1=g["beta1"], scale_parameter=bool(g["scale_parameter"]),
-                relative_step=bool(g["relative_step"]), warmup_init=bool(g["warmup_init"]))
+    def _push_hparams(self, gi: int, g: Dict[str, Any]) -> Dict[str, float]:
+        wd = float(_num(g["weight_decay"]))
+        if not (math.isfinite(wd) and wd >= 0.0):
+            raise ValueError(f"param group {gi}: weight_decay must be finite and >= 0, got {wd}")
+        out = {"weight_decay": wd}
+        if not g["relative_step"]:  # else the shard's relative step; group["lr"] is ignored
+            if g["lr"] is None:
+                raise ValueError(f"param group {gi}: relative_step=False requires an lr")
+            lr = float(_num(g["lr"]))
+            if not (math.isfinite(lr) and lr >= 0.0):
+                raise ValueError(f"param group {gi}: lr must be finite and >= 0, got {lr}")
+            out["lr"] = lr
+        return out
 
+    def _has_mom(self, p: Tensor) -> bool:
+        for g in self.param_groups:
+            if any(q is p for q in g["params"]):
+                return g["beta1"] is not None
+        return False
 
-def _hparams(g):
-    return {k: (_num(v) if not isinstance(v, (tuple, list)) else tuple(v))
-            for k, v in g.items() if k not in _META_KEYS}
-
-
-def _split_named(params):
-    """(tensors, names or None) from a list of tensors or of (name, tensor) pairs."""
-    params = list(params)
-    if params and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
-                      for p in params):
-        return [p for _, p in params], [n for n, _ in params]
-    return params, None
-
-
-class RemoteAdafactor(Optimizer):
-    """Adafactor whose state and update live on factorps shards (see the module doc)."""
-
-    def __init__(self, params, lr=_UNSET, beta2_decay=_UNSET, eps=_UNSET, d=_UNSET,
-                 weight_decay=_UNSET, maximize=_UNSET, *, foreach=_UNSET, flavor="torch",
-                 clip_threshold=_UNSET, decay_rate=_UNSET, beta1=_UNSET,
-                 scale_parameter=_UNSET, relative_step=_UNSET, warmup_init=_UNSET,
-                 shards=None, worker_id=0, num_workers=1, name_prefix="", client=None,
-                 deadline=60.0, max_retries=5, client_options=None):
-        if flavor not in _DEFAULTS:
-            raise ValueError(f"flavor must be 'torch' or 'hf', not {flavor!r}")
-        given = dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay,
-                     maximize=maximize, foreach=foreach, clip_threshold=clip_threshold,
-                     decay_rate=decay_rate, beta1=beta1, scale_parameter=scale_parameter,
-                     relative_step=relative_step, warmup_init=warmup_init)
-        defaults = dict(_DEFAULTS[flavor])
-        for key, value in given.items():
-            if value is _UNSET:
-                continue
-            if key not in defaults:
-                hint = {"beta2_decay": "decay_rate", "d": "clip_threshold",
-                        "decay_rate": "beta2_decay", "clip_threshold": "d"}.get(key)
-                raise TypeError(f"RemoteAdafactor(flavor={flavor!r}) has no argument {key!r}"
-                                + (f" (this flavor calls it {hint!r})" if hint else ""))
-            defaults[key] = value
-        if not 0 <= int(worker_id) < int(num_workers):
-            raise ValueError(f"worker_id must be in [0, num_workers), got {worker_id} of "
-                             f"{num_workers}")
-        if client is None and not shards:
-            raise ValueError("RemoteAdafactor needs shards=[\"host:port\", ...] (or client=)")
-        self.flavor = flavor
-        self.worker_id = int(worker_id)
-        self.num_workers = int(num_workers)
-        self.name_prefix = str(name_prefix)
-        self._names = {}       # id(param) -> tensor name
-        self._created = False
-        self._created_hparams = None
-        self._zeros = {}
-        self._loaded_step = None
-
-        # Groups: accept tensors, (name, tensor) pairs, or dicts of either.
-        params = list(params)
-        if not params:
-            raise ValueError("optimizer got an empty parameter list")
-        if not isinstance(params[0], dict):
-            params = [{"params": params}]
-        groups = []
-        for g in params:
-            g = dict(g)
-            ps = g["params"]
-            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-            g["params"], names = _split_named(ps)
-            if names is not None:
-                g["param_names"] = names
-            groups.append(g)
-        super().__init__(groups, defaults)
-
-        if client is not None:
-            self.client, self._own_client = client, False
+    def _state_view(self, p: Tensor, st: Dict[str, Any]) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"step": int(st["step"])}
+        shape = list(p.shape)
+        if st["mom"] is not None:
+            out["exp_avg"] = torch.from_numpy(st["mom"]).reshape(shape)
+        if p.dim() >= 2:
+            out["exp_avg_sq_row"] = torch.from_numpy(st["row"]).reshape(shape[:-1])
+            out["exp_avg_sq_col"] = torch.from_numpy(st["col"]).reshape(shape[:-2] + shape[-1:])
         else:
-            self.client = Client(shards, worker_id=self.worker_id, deadline=deadline,
-                                 max_retries=max_retries, **(client_options or {}))
-            self._own_client = True
-        self.client.worker_id = self.worker_id
+            out["exp_avg_sq"] = torch.from_numpy(st["var"]).reshape(shape)
+        out["RMS"] = torch.tensor(st["rms"], dtype=torch.float32)
+        return out
 
-    # -- groups and names -------------------------------------------------------
-
-    def add_param_group(self, param_group):
-        names = param_group.get("param_names")
-        ps = param_group["params"]
-        if names is None and not isinstance(ps, torch.Tensor):
-            ps, names = _split_named(ps)
-            param_group = dict(param_group, params=ps)
-            if names is not None:
-                param_group["param_names"] = names
-        super().add_param_group(param_group)
-        g = self.param_groups[-1]
-        gi = len(self.param_groups) - 1
-        _validate_group(self.flavor, g)
-        for p in g["params"]:
-            if p.is_sparse:
-                raise ValueError("RemoteAdafactor does not support sparse parameters")
-        names = g.get("param_names")
-        if names is not None and len(names) != len(g["params"]):
-            raise ValueError("param_names and params differ in length")
-        taken = set(self._names.values())
-        for pi, p in enumerate(g["params"]):
-            name = self.name_prefix + (names[pi] if names is not None else f"g{gi}.p{pi}")
-            if name in taken:
-                raise ValueError(f"two parameters are both named '{name}'")
-            taken.add(name)
-            self._names[id(p)] = name
-        # A new group changes the job's tensor list: create again at next step.
-        self._created = False
-
-    def param_names(self):
-        """Tensor names, in group/parameter order (what the shards see)."""
-        return [self._names[id(p)] for g in self.param_groups for p in g["params"]]
-
-    # -- remote set-up ----------------------------------------------------------
-
-    def _specs(self):
-        specs = []
-        for g in self.param_groups:
-            cfg = _wire_config(self.flavor, g)
-            for p in g["params"]:
-                # Worker 0's values win; the others wait for them.
-                init = p.detach() if self.worker_id == 0 else None
-                specs.append(TensorSpec(self._names[id(p)], tuple(p.shape), init, cfg))
-        return specs
-
-    @torch.no_grad()
-    def setup(self):
-        """Creates the tensors on the shards (idempotent) and pulls their values
-        into the parameters. step() calls it the first time; call it yourself to
-        start every worker from the same weights before the first forward pass."""
-        self.client.create(self._specs())
-        params = [p for g in self.param_groups for p in g["params"]]
-        _, versions = self.client.pull([self._names[id(p)] for p in params],
-                                       out={self._names[id(p)]: p for p in params})
-        vs = set(versions.values())
-        # Sync shards require step == every tensor's version, so a worker that
-        # joins live shards continues at their version.
-        mode, shard_workers = None, None
-        try:
-            first = self.client.stats()[0]
-            mode, shard_workers = first["mode"], first.get("workers")
-        except Exception:  # noqa: BLE001 - stats are informational here
-            pass
-        if mode == "sync" and shard_workers and shard_workers != self.num_workers:
-            # Otherwise every sync round would wait for workers that never
-            # come (or finish without some), and fail only at the deadline.
-            raise FailedPreconditionError(
-                f"the shards run sync mode for {shard_workers} workers, but this optimizer "
-                f"was told num_workers={self.num_workers}")
-        if mode == "sync":
-            if len(vs) != 1:
-                raise FailedPreconditionError(
-                    f"shards hold tensors at different versions {sorted(vs)}; a sync job "
-                    "needs them equal (restore every shard from the same checkpoint)")
-            self.client.step = vs.pop()
+    def _state_arrays(self, p: Tensor, name: str,
+                      st: Dict[str, Any]) -> Tuple[int, Dict[str, Any], float]:
+        shape = list(p.shape)
+        if p.dim() >= 2:
+            want = {"exp_avg_sq_row": shape[:-1], "exp_avg_sq_col": shape[:-2] + shape[-1:]}
         else:
-            self.client.step = 0
-        if self._loaded_step is not None and self._loaded_step != self.client.step:
-            warnings.warn(f"factorps: the loaded state_dict is at step {self._loaded_step} "
-                          f"but the shards are at step {self.client.step}; continuing from "
-                          "the shards'")
-        self._created = True
-        self._created_hparams = [_hparams(g) for g in self.param_groups]
-
-    # -- step -----------------------------------------------------------------
-
-    def _grad_of(self, p, name):
-        if p.grad is None:
-            z = self._zeros.get(name)
-            if z is None or z.shape != p.shape:
-                z = self._zeros[name] = torch.zeros(p.shape, dtype=torch.float32)
-            return z
-        if p.grad.is_sparse:
-            raise RuntimeError("RemoteAdafactor does not support sparse gradients")
-        return p.grad
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Pushes every parameter's gradient and writes back the fresh values."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self._created:
-            self.setup()
-        elif [_hparams(g) for g in self.param_groups] != self._created_hparams:
-            raise ValueError(
-                "RemoteAdafactor: a parameter group's hyperparameters changed after the tensors "
-                "were created; the shards keep the values they were created with (no LR "
-                "schedulers). Create the optimizer with the final values.")
-        grads, out = {}, {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                name = self._names[id(p)]
-                grads[name] = self._grad_of(p, name)
-                out[name] = p
-        self.client.push_pull(grads, out=out)
-        return loss
-
-    @property
-    def remote_step(self):
-        """Steps the shards have applied for this worker (the next push's step)."""
-        return self.client.step
-
-    # -- state ----------------------------------------------------------------
-
-    def state_dict(self):
-        groups, index = [], 0
-        for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k not in ("params", "param_names")}
-            packed["params"] = list(range(index, index + len(g["params"])))
-            packed["param_names"] = [self._names[id(p)] for p in g["params"]]
-            index += len(g["params"])
-            groups.append(packed)
-        params = [p for g in self.param_groups for p in g["params"]]
-        return {
-            "state": {},  # Adafactor's tensors live on the shards
-            "param_groups": groups,
-            "factorps": {
-                "format": 1,
-                "flavor": self.flavor,
-                "shards": list(self.client.shards),
-                "worker_id": self.worker_id,
-                "num_workers": self.num_workers,
-                "names": [self._names[id(p)] for p in params],
-                "shapes": [list(p.shape) for p in params],
-                "step": self.client.step,
-            },
-        }
-
-    def load_state_dict(self, state_dict):
-        meta = state_dict.get("factorps")
-        if meta is None or meta.get("format") != 1:
-            raise ValueError("not a RemoteAdafactor state_dict (no 'factorps' section)")
-        if meta["flavor"] != self.flavor:
-            raise ValueError(f"state_dict is for flavor {meta['flavor']!r}, optimizer is "
-                             f"{self.flavor!r}")
-        params = [p for g in self.param_groups for p in g["params"]]
-        names = [self._names[id(p)] for p in params]
-        if meta["names"] != names:
-            raise ValueError("state_dict names differ from this optimizer's parameters: "
-                             f"{meta['names'][:5]}... vs {names[:5]}...")
-        for name, shape, p in zip(names, meta["shapes"], params):
-            if list(p.shape) != list(shape):
-                raise ValueError(f"parameter '{name}' has shape {list(p.shape)}, state_dict "
-                                 f"says {shape}")
-        saved = state_dict["param_groups"]
-        if len(saved) != len(self.param_groups) or any(
-                len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)):
-            raise ValueError("state_dict has a different group structure")
-        for s, g in zip(saved, self.param_groups):
-            for k, v in s.items():
-                if k not in ("params", "param_names"):
-                    g[k] = tuple(v) if k == "eps" else v
-            _validate_group(self.flavor, g)
-        self._loaded_step = int(meta["step"])
-        if not self._created:
-            self.client.step = self._loaded_step
-
-    def close(self):
-        """Closes the connection if this optimizer opened it."""
-        if self._own_client:
-            self.client.close()
-
-    def __repr__(self):
-        return (f"RemoteAdafactor(flavor={self.flavor!r}, shards={self.client.shards}, "
-                f"worker {self.worker_id}/{self.num_workers}, {len(self._names)} tensors)")
+            want = {"exp_avg_sq": shape}
+        if self._has_mom(p):
+            want["exp_avg"] = shape
+        return _check_state(name, st, want, ("step", "RMS"),
+                            {"exp_avg_sq_row": "row", "exp_avg_sq_col": "col",
+                             "exp_avg_sq": "var", "exp_avg": "mom"}, "RMS")
 
 
-class RemoteHFAdafactor(RemoteAdafactor):
-    """RemoteAdafactor(flavor="hf") with transformers' Adafactor positional order."""
-
-    def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0,
-                 decay_rate=-0.8, beta1=None, weight_decay=0.0, scale_parameter=True,
-                 relative_step=True, warmup_init=False, **remote):
-        super().__init__(params, lr=lr, eps=eps, clip_threshold=clip_threshold,
-                         decay_rate=decay_rate, beta1=beta1, weight_decay=weight_decay,
-                         scale_parameter=scale_parameter, relative_step=relative_step,
-                         warmup_init=warmup_init, flavor="hf", **remote)
+def _check_state(name: str, st: Dict[str, Any], want: Dict[str, List[int]],
+                 scalars: Tuple[str, ...], kinds: Dict[str, str],
+                 rms_key: Optional[str]) -> Tuple[int, Dict[str, Any], float]:
+    """Validates one parameter's loaded state against the names and shapes
+    this tensor needs and returns (step, {kind: flat float32 array}, rms)."""
+    have = set(st)
+    need = set(want) | set(scalars)
+    if have != need:
+        raise ValueError(f"tensor '{name}': the state dict holds {sorted(have)}, this optimizer "
+                         f"needs {sorted(need)} (missing {sorted(need - have)}, unexpected "
+                         f"{sorted(have - need)})")
+    step = st["step"]
+    step_f = float(step.item() if isinstance(step, Tensor) else step)
+    if not (step_f >= 0 and step_f == int(step_f)):
+        raise ValueError(f"tensor '{name}': step must be a whole number >= 0, got {step_f}")
+    arrays = {}
+    for key, shape in want.items():
+        t = st[key]
+        if not isinstance(t, Tensor):
+            raise ValueError(f"tensor '{name}': state '{key}' is a {type(t).__name__}, not a "
+                             "tensor")
+        if list(t.shape) != list(shape):
+            raise ValueError(f"tensor '{name}': state '{key}' has shape {list(t.shape)}, this "
+                             f"parameter needs {list(shape)}")
+        arrays[kinds[key]] = t.detach().to(device="cpu", dtype=torch.float32).contiguous() \
+            .reshape(-1).numpy()
+    rms = 0.0
+    if rms_key is not None:
+        r = st[rms_key]
+        rms = float(r.item() if isinstance(r, Tensor) else r)
+    return int(step_f), arrays, rms
