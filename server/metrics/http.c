@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <uv.h>
 
 #include "error.h"
@@ -175,12 +176,60 @@ static int on_url(http_parser *p, const char *at, size_t len) {
   return 0;
 }
 
+/* RFC 9110 field names are tokens. http-parser (not built strict) lets
+ * "Host : x" through as a field named "Host "; RFC 9112 5.1 says a server
+ * MUST answer whitespace before the colon with 400, since proxies disagree
+ * about what such a field means. Called per chunk of the name. */
+static int on_header_field(http_parser *p, const char *at, size_t len) {
+  conn_t *c = p->data;
+  static const char tchar[] = "!#$%&'*+-.^_`|~";
+  for (size_t i = 0; i < len; i++) {
+    unsigned char ch = (unsigned char)at[i];
+    bool ok = (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+              (ch != 0 && strchr(tchar, ch) != NULL);
+    if (!ok) {
+      c->status = 400;
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* The path of the request target: origin-form ("/metrics?x") as it is,
+ * absolute-form ("http://host:port/metrics", which RFC 9112 3.2.2 says a
+ * server MUST accept) reduced to its path; the query is dropped (Prometheus
+ * may add parameters; they mean nothing here). Returns false if the target
+ * is neither. */
+static bool target_path(conn_t *c) {
+  char *q = strchr(c->url, '?');
+  if (q) *q = '\0';
+  if (c->url[0] == '/') return true;
+  struct http_parser_url u;
+  http_parser_url_init(&u);
+  if (http_parser_parse_url(c->url, strlen(c->url), 0, &u) != 0 || !(u.field_set & (1 << UF_SCHEMA)) ||
+      !(u.field_set & (1 << UF_HOST)))
+    return false;
+  size_t sl = u.field_data[UF_SCHEMA].len;
+  if (!((sl == 4 && strncasecmp(c->url, "http", 4) == 0) || (sl == 5 && strncasecmp(c->url, "https", 5) == 0)))
+    return false;
+  if (!(u.field_set & (1 << UF_PATH))) {
+    strcpy(c->url, "/");
+    return true;
+  }
+  memmove(c->url, c->url + u.field_data[UF_PATH].off, u.field_data[UF_PATH].len);
+  c->url[u.field_data[UF_PATH].len] = '\0';
+  return true;
+}
+
 /* Decides the answer from method, path and declared body size, then pauses
  * the parser: nothing after the headers is ever needed. */
 static int on_headers_complete(http_parser *p) {
   conn_t *c = p->data;
-  char *q = strchr(c->url, '?');
-  if (q) *q = '\0'; /* Prometheus may add query parameters; they mean nothing here. */
+  if (!target_path(c)) {
+    c->status = 400;
+    http_parser_pause(p, 1);
+    return 0;
+  }
   bool known = strcmp(c->url, "/metrics") == 0 || strcmp(c->url, "/healthz") == 0 ||
                strcmp(c->url, "/readyz") == 0;
   bool get = p->method == HTTP_GET || p->method == HTTP_HEAD;
@@ -356,6 +405,7 @@ int fps_metrics_http_start(const fps_metrics_http_opts_t *opts, fps_metrics_http
   if (!h->o.max_body_bytes) h->o.max_body_bytes = 1024;
   http_parser_settings_init(&h->settings);
   h->settings.on_url = on_url;
+  h->settings.on_header_field = on_header_field;
   h->settings.on_headers_complete = on_headers_complete;
 
   /* libuv writes with plain write(): a peer that resets must not kill us. */

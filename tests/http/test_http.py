@@ -184,6 +184,39 @@ class HttpTest(unittest.TestCase):
             self.assertEqual(st, 400, bad)
         self.assertStillServing()
 
+    def responses(self, code):
+        _, _, body = self.shard.get("/metrics")
+        return metric_value(body.decode(), "factorps_http_responses_total", {"code": str(code)}) or 0
+
+    def test_whitespace_before_colon(self):
+        # RFC 9112 5.1: whitespace between a field name and its colon is 400.
+        before = self.responses(400)
+        for bad in (b"GET /metrics HTTP/1.1\r\nHost : x\r\n\r\n",
+                    b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept\t: */*\r\n\r\n",
+                    b"GET /healthz HTTP/1.1\r\nHo(st: x\r\n\r\n"):
+            st, _, body = self.shard.raw(bad)
+            self.assertEqual(st, 400, bad)
+            self.assertEqual(body, b"Bad Request\n")
+        self.assertEqual(self.responses(400), before + 3)
+        # Whitespace after the colon is fine.
+        self.assertEqual(self.shard.raw(b"GET /healthz HTTP/1.1\r\nHost:   x \r\n\r\n")[0], 200)
+        self.assertStillServing()
+
+    def test_absolute_form_target(self):
+        # RFC 9112 3.2.2: a server MUST accept the absolute form.
+        before = self.responses(200)
+        st, h, body = self.shard.get("http://x/metrics")
+        self.assertEqual(st, 200)
+        self.assertIn("version=0.0.4", h["content-type"])
+        self.assertIsNotNone(metric_value(body.decode(), "factorps_http_connections"))
+        self.assertEqual(self.shard.get("HTTP://127.0.0.1:%d/healthz?x=1" % self.shard.port)[:3:2], (200, b"ok\n"))
+        self.assertEqual(self.shard.get("http://x")[0], 404)  # path "/"
+        self.assertEqual(self.shard.get("http://x/nope")[0], 404)
+        self.assertEqual(self.shard.get("ftp://x/metrics")[0], 400)
+        self.assertEqual(self.shard.get("*")[0], 400)
+        self.assertEqual(self.responses(200), before + 2 + 1)  # + the responses() call itself
+        self.assertStillServing()
+
     def test_oversized_headers(self):
         big = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n"
         self.assertEqual(self.shard.raw(big)[0], 431)
