@@ -86,11 +86,9 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
 
   char why[256] = "";
-  if (!strcmp(srv.cfg.simd, "auto")) {
-    rc = fps_kernels_from_env(&srv.kernels, why, sizeof why);
-  } else {
-    rc = fps_kernels_by_name(srv.cfg.simd, &srv.kernels, why, sizeof why);
-  }
+  /* cfg.simd already holds FACTORPS_SIMD overridden by --simd (config.c):
+   * reading the environment again here would let it beat the flag. */
+  rc = fps_kernels_by_name(*srv.cfg.simd ? srv.cfg.simd : "auto", &srv.kernels, why, sizeof why);
   if (rc < 0) {
     fprintf(stderr, "factorps-server: --simd %s: %s\n", srv.cfg.simd, why);
     fps_config_free(&srv.cfg);

@@ -17,7 +17,7 @@ typedef struct fps_kernels_s fps_kernels_t;
  * error instead). Chosen once; thread-safe. */
 const fps_kernels_t *fps_kernels_best(void);
 
-/* Looks a variant up by name. Returns 0, FPS_EUNSUPPORTED (known variant
+/* Looks a variant up by name ("auto": the best this CPU supports). Returns 0, FPS_EUNSUPPORTED (known variant
  * this CPU or build cannot run) or FPS_EINVAL (unknown name). */
 int fps_kernels_by_name(const char *name, const fps_kernels_t **out, char *why, size_t why_len);
 

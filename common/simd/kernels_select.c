@@ -41,10 +41,18 @@ static void set_why(char *why, size_t why_len, const char *fmt, const char *arg)
   if (why && why_len) snprintf(why, why_len, fmt, arg);
 }
 
+static const fps_kernels_t *detect_best(void);
+
 int fps_kernels_by_name(const char *name, const fps_kernels_t **out, char *why, size_t why_len) {
   if (!name || !out) {
     set_why(why, why_len, "%s", "no SIMD variant name given");
     return FPS_EINVAL;
+  }
+  /* "auto" is a name too (README: FACTORPS_SIMD=auto), so that an
+   * environment or flag can say "detect" explicitly. */
+  if (!strcmp(name, "auto")) {
+    *out = detect_best();
+    return 0;
   }
   if (!strcmp(name, "scalar")) {
     *out = &fps__kernels_scalar;

@@ -119,5 +119,28 @@ class TorchD(BadInputBase):
         self.assertEqual(set(ts), {"w", "d1", "h"})
 
 
+class Simd(unittest.TestCase):
+    """FACTORPS_SIMD=auto (README) and --simd auto over the environment."""
+
+    def simd_of(self, *args, env=None):
+        srv = H.Server(*args, env=env)
+        try:
+            s, _ = H.stats(srv.stub)
+            return s.shard.simd
+        finally:
+            srv.stop()
+
+    def test_simd_auto_env_and_flag(self):
+        H.stubs()
+        best = self.simd_of(env={"FACTORPS_SIMD": ""})
+        self.assertIn(best, ("scalar", "avx2", "avx512", "neon"))
+        self.assertEqual(self.simd_of(env={"FACTORPS_SIMD": "auto"}), best)
+        self.assertEqual(self.simd_of("--simd", "scalar", env={"FACTORPS_SIMD": "auto"}), "scalar")
+        if best == "scalar":
+            self.skipTest("this CPU has no SIMD variant: the flag cannot be told from the env")
+        # The flag wins over the environment, "auto" included.
+        self.assertEqual(self.simd_of("--simd", "auto", env={"FACTORPS_SIMD": "scalar"}), best)
+
+
 if __name__ == "__main__":
     unittest.main()
