@@ -8,6 +8,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "simd/kernels_impl.h"
+
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
                "factorps' wire format is little-endian; add byte swapping for this target");
 
@@ -91,12 +93,8 @@ int fps_dtype_decode(int dtype, const void *src, uint64_t n, float *dst,
       }
     }
   } else if (dtype == FPS_DTYPE_BF16) {
-    for (uint64_t i = 0; i < n; i++) {
-      uint16_t h;
-      memcpy(&h, p + 2 * i, 2);
-      if (bad == n && fps__bad_grad_bits((uint32_t)h << 16)) bad = i;
-      dst[i] = fps_bf16_to_f32(h);
-    }
+    /* The SIMD variant converts and checks in one pass (exact: a shift). */
+    bad = fps_kernels_best()->bf16_decode(dst, p, (size_t)n);
   } else {
     return FPS_EINVAL;
   }
@@ -109,10 +107,8 @@ int fps_dtype_encode(int dtype, const float *src, uint64_t n, void *dst) {
   if (dtype == FPS_DTYPE_F32) {
     memcpy(p, src, n * 4);
   } else if (dtype == FPS_DTYPE_BF16) {
-    for (uint64_t i = 0; i < n; i++) {
-      uint16_t h = fps_f32_to_bf16(src[i]);
-      memcpy(p + 2 * i, &h, 2);
-    }
+    /* Every variant rounds exactly as fps_f32_to_bf16() (kernels_impl.h). */
+    fps_kernels_best()->bf16_encode(p, src, (size_t)n);
   } else {
     return FPS_EINVAL;
   }

@@ -59,7 +59,7 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
     {"apply-log", CFG_U32, OFF(apply_log), "4096", 0, 1 << 24,
      "per-tensor apply records kept for Stats.apply_log"},
     {"log-level", CFG_STR, OFF(log_level), "info", 0, 0, "error, warn, info or debug"},
-    {"simd", CFG_STR, OFF(simd), "auto", 0, 0, "kernel variant: auto, scalar, avx2, neon"},
+    {"simd", CFG_STR, OFF(simd), "auto", 0, 0, "kernel variant: auto, scalar, avx2, avx512, neon"},
     {"kernel-threads", CFG_U32, OFF(kernel_threads), "0", 0, 256,
      "threads one large tensor's update is split over (0: number of CPUs; 1: none)"},
     {"metrics-listen", CFG_STR, OFF(metrics_listen), "", 0, 0,

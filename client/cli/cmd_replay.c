@@ -1,4 +1,4 @@
-/* `factorps replay VECTORS_DIR OUT_DIR [--simd scalar|avx2|neon] [--threads N]`
+/* `factorps replay VECTORS_DIR OUT_DIR [--simd scalar|avx2|avx512|neon] [--threads N]`
  *
  * Runs every golden-vector case in VECTORS_DIR (adafactor-golden-v1: one
  * directory per case with hparams.txt, param_0.bin, grad_<t>.bin) through
@@ -17,7 +17,7 @@
 
 static void replay_usage(FILE *out) {
   fprintf(out,
-          "usage: factorps replay VECTORS_DIR OUT_DIR [--simd scalar|avx2|neon] [--threads N]\n"
+          "usage: factorps replay VECTORS_DIR OUT_DIR [--simd scalar|avx2|avx512|neon] [--threads N]\n"
           "       [--case SUBSTR]\n"
           "Replays Adafactor golden vectors and writes OUT_DIR/<case>/param_<t>.bin and\n"
           "state_<name>.bin. --simd defaults to $FACTORPS_SIMD or the best variant;\n"

@@ -1,8 +1,10 @@
 /* SIMD kernels for the Adafactor step, with runtime dispatch.
  *
  * Variants: "scalar" (the reference, always built), "avx2" (AVX2+FMA,
- * x86-64 only) and "neon" (aarch64 only). One is chosen once per process
- * from what the CPU supports; FACTORPS_SIMD=scalar|avx2|neon forces one.
+ * x86-64 only), "avx512" (AVX-512 F+BW+VL, x86-64 only, FPS_WITH_AVX512)
+ * and "neon" (aarch64 only). One is chosen once per process from what the
+ * CPU supports (avx512 > avx2 > neon > scalar);
+ * FACTORPS_SIMD=scalar|avx2|avx512|neon forces one.
  * The function table itself is internal (kernels_impl.h). */
 #ifndef FPS_SIMD_KERNELS_H
 #define FPS_SIMD_KERNELS_H
@@ -26,10 +28,10 @@ int fps_kernels_by_name(const char *name, const fps_kernels_t **out, char *why, 
  * error instead of a silent fallback. */
 int fps_kernels_from_env(const fps_kernels_t **out, char *why, size_t why_len);
 
-/* "scalar", "avx2" or "neon". */
+/* "scalar", "avx2", "avx512" or "neon". */
 const char *fps_kernels_name(const fps_kernels_t *k);
 
-/* Every variant name known to the build, in order scalar, avx2, neon
+/* Every variant name known to the build, in order scalar, avx2, avx512, neon
  * (NULL-terminated); fps_kernels_by_name() says which ones run here. */
 extern const char *const fps_kernels_all_names[];
 

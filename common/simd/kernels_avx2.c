@@ -12,6 +12,8 @@
  * arithmetic: two 4-double accumulators per sum hide the add latency. */
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 
 #include "kernels_impl.h"
 
@@ -200,6 +202,86 @@ static void apply_elem_avx2(float *p, const float *g, float *mom, const float *c
   }
 }
 
+static void add_f32_avx2(float *dst, const float *src, size_t n) {
+  size_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m256 a0 = _mm256_add_ps(_mm256_loadu_ps(dst + j), _mm256_loadu_ps(src + j));
+    __m256 a1 = _mm256_add_ps(_mm256_loadu_ps(dst + j + 8), _mm256_loadu_ps(src + j + 8));
+    _mm256_storeu_ps(dst + j, a0);
+    _mm256_storeu_ps(dst + j + 8, a1);
+  }
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(dst + j, _mm256_add_ps(_mm256_loadu_ps(dst + j), _mm256_loadu_ps(src + j)));
+  for (; j < n; j++) dst[j] += src[j];
+}
+
+static void div_f32_avx2(float *dst, size_t n, float d) {
+  const __m256 dv = _mm256_set1_ps(d);
+  size_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, _mm256_div_ps(_mm256_loadu_ps(dst + j), dv));
+  for (; j < n; j++) dst[j] /= d;
+}
+
+/* The same integer rounding as fps_f32_to_bf16() (dtype.c), 8 lanes. */
+static inline __m256i bf16_round8(__m256i u) {
+  /* both sides are below 2^31, so the signed compare is the unsigned one */
+  __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                   _mm256_set1_epi32(0x7f800000));
+  __m256i hi = _mm256_srli_epi32(u, 16);
+  __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  __m256i q = _mm256_or_si256(hi, _mm256_set1_epi32(0x0040));
+  return _mm256_blendv_epi8(r, q, nan);
+}
+
+static uint16_t bf16_one(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void bf16_encode_avx2(void *dst, const float *src, size_t n) {
+  unsigned char *d = dst;
+  size_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m256i a = bf16_round8(_mm256_castps_si256(_mm256_loadu_ps(src + j)));
+    __m256i b = bf16_round8(_mm256_castps_si256(_mm256_loadu_ps(src + j + 8)));
+    /* packus works per 128-bit lane: a0-3 b0-3 a4-7 b4-7; reorder */
+    __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+    _mm256_storeu_si256((__m256i *)(void *)(d + 2 * j), h);
+  }
+  for (; j < n; j++) {
+    uint16_t h = bf16_one(src[j]);
+    memcpy(d + 2 * j, &h, 2);
+  }
+}
+
+static size_t bf16_decode_avx2(float *dst, const void *src, size_t n) {
+  const unsigned char *s = src;
+  const __m256i expm = _mm256_set1_epi32(0x7f800000), lim1 = _mm256_set1_epi32(0x5f000000 - 1);
+  size_t bad = n, j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256i u = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(s + 2 * j))), 16);
+    _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(u));
+    if (bad == n) {
+      int hit = _mm256_movemask_ps(
+          _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_and_si256(u, expm), lim1)));
+      if (hit) bad = j + (size_t)__builtin_ctz((unsigned)hit);
+    }
+  }
+  for (; j < n; j++) {
+    uint16_t h;
+    memcpy(&h, s + 2 * j, 2);
+    if (bad == n && (h & 0x7f80u) >= 0x5f00u) bad = j;
+    uint32_t u = (uint32_t)h << 16;
+    memcpy(dst + j, &u, 4);
+  }
+  return bad;
+}
+
 const fps_kernels_t fps__kernels_avx2 = {
     .name = "avx2",
     .row_stats = row_stats_avx2,
@@ -208,4 +290,8 @@ const fps_kernels_t fps__kernels_avx2 = {
     .row_u2_clamped = row_u2_clamped_avx2,
     .apply_rowcol = apply_rowcol_avx2,
     .apply_elem = apply_elem_avx2,
+    .add_f32 = add_f32_avx2,
+    .div_f32 = div_f32_avx2,
+    .bf16_encode = bf16_encode_avx2,
+    .bf16_decode = bf16_decode_avx2,
 };

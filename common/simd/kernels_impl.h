@@ -10,6 +10,7 @@
 #define FPS_SIMD_KERNELS_IMPL_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "kernels.h"
 
@@ -44,11 +45,30 @@ struct fps_kernels_s {
    * c = the variance) and for torch's clamped factored case. */
   void (*apply_elem)(float *p, const float *g, float *mom, const float *c, size_t n, float rr,
                      float floor, float s, float pmul, float beta1);
+
+  /* The sync round's sum, one worker at a time in worker-id order:
+   * dst[j] += src[j] (fp32), then once per round div_f32: dst[j] /= d
+   * (a true division, not a multiply by 1/d). Bit-identical in every
+   * variant, so a round's result never depends on the CPU. */
+  void (*add_f32)(float *dst, const float *src, size_t n);
+  void (*div_f32)(float *dst, size_t n, float d);
+
+  /* fp32 -> bf16 exactly as fps_f32_to_bf16() (round to nearest even, NaN
+   * quieted, sign kept), written little-endian at dst (any alignment). */
+  void (*bf16_encode)(void *dst, const float *src, size_t n);
+
+  /* bf16 (little-endian, any alignment) -> fp32, exact. Returns the index
+   * of the first element that is not a valid gradient (exponent field of
+   * 0xBE or more: |x| >= 2^63, Inf, NaN; see dtype.h), or n. */
+  size_t (*bf16_decode)(float *dst, const void *src, size_t n);
 };
 
 extern const fps_kernels_t fps__kernels_scalar;
 #if defined(__x86_64__) && defined(FPS_HAVE_AVX2)
 extern const fps_kernels_t fps__kernels_avx2;
+#endif
+#if defined(__x86_64__) && defined(FPS_HAVE_AVX512)
+extern const fps_kernels_t fps__kernels_avx512;
 #endif
 #if defined(__aarch64__)
 extern const fps_kernels_t fps__kernels_neon;

@@ -8,6 +8,8 @@
  * vmaxq so that a NaN and -0.0 behave exactly like the scalar ?: does. */
 #include <arm_neon.h>
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 
 #include "kernels_impl.h"
 
@@ -167,6 +169,81 @@ static void apply_elem_neon(float *p, const float *g, float *mom, const float *c
   }
 }
 
+static void add_f32_neon(float *dst, const float *src, size_t n) {
+  size_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    float32x4_t a0 = vaddq_f32(vld1q_f32(dst + j), vld1q_f32(src + j));
+    float32x4_t a1 = vaddq_f32(vld1q_f32(dst + j + 4), vld1q_f32(src + j + 4));
+    vst1q_f32(dst + j, a0);
+    vst1q_f32(dst + j + 4, a1);
+  }
+  for (; j + 4 <= n; j += 4) vst1q_f32(dst + j, vaddq_f32(vld1q_f32(dst + j), vld1q_f32(src + j)));
+  for (; j < n; j++) dst[j] += src[j];
+}
+
+static void div_f32_neon(float *dst, size_t n, float d) {
+  const float32x4_t dv = vdupq_n_f32(d);
+  size_t j = 0;
+  for (; j + 4 <= n; j += 4) vst1q_f32(dst + j, vdivq_f32(vld1q_f32(dst + j), dv));
+  for (; j < n; j++) dst[j] /= d;
+}
+
+static uint16_t bf16_one(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The same integer rounding as fps_f32_to_bf16() (dtype.c), 4 lanes;
+ * bytes in and out so that dst needs no alignment. */
+static void bf16_encode_neon(void *dst, const float *src, size_t n) {
+  unsigned char *d = dst;
+  const uint32x4_t absm = vdupq_n_u32(0x7fffffffu), inf = vdupq_n_u32(0x7f800000u);
+  const uint32x4_t one = vdupq_n_u32(1), bias = vdupq_n_u32(0x7fffu), quiet = vdupq_n_u32(0x40u);
+  size_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    uint32x4_t u = vreinterpretq_u32_f32(vld1q_f32(src + j));
+    uint32x4_t nan = vcgtq_u32(vandq_u32(u, absm), inf);
+    uint32x4_t hi = vshrq_n_u32(u, 16);
+    uint32x4_t r = vshrq_n_u32(vaddq_u32(u, vaddq_u32(vandq_u32(hi, one), bias)), 16);
+    uint16x4_t h = vmovn_u32(vbslq_u32(nan, vorrq_u32(hi, quiet), r));
+    vst1_u8(d + 2 * j, vreinterpret_u8_u16(h));
+  }
+  for (; j < n; j++) {
+    uint16_t h = bf16_one(src[j]);
+    memcpy(d + 2 * j, &h, 2);
+  }
+}
+
+static size_t bf16_decode_neon(float *dst, const void *src, size_t n) {
+  const unsigned char *s = src;
+  const uint32x4_t expm = vdupq_n_u32(0x7f800000u), lim = vdupq_n_u32(0x5f000000u);
+  size_t bad = n, j = 0;
+  for (; j + 4 <= n; j += 4) {
+    uint32x4_t u = vshll_n_u16(vreinterpret_u16_u8(vld1_u8(s + 2 * j)), 16);
+    vst1q_f32(dst + j, vreinterpretq_f32_u32(u));
+    if (bad == n && vmaxvq_u32(vcgeq_u32(vandq_u32(u, expm), lim))) {
+      for (size_t k = j; k < j + 4; k++) {
+        uint16_t h;
+        memcpy(&h, s + 2 * k, 2);
+        if ((h & 0x7f80u) >= 0x5f00u) {
+          bad = k;
+          break;
+        }
+      }
+    }
+  }
+  for (; j < n; j++) {
+    uint16_t h;
+    memcpy(&h, s + 2 * j, 2);
+    if (bad == n && (h & 0x7f80u) >= 0x5f00u) bad = j;
+    uint32_t u = (uint32_t)h << 16;
+    memcpy(dst + j, &u, 4);
+  }
+  return bad;
+}
+
 const fps_kernels_t fps__kernels_neon = {
     .name = "neon",
     .row_stats = row_stats_neon,
@@ -175,4 +252,8 @@ const fps_kernels_t fps__kernels_neon = {
     .row_u2_clamped = row_u2_clamped_neon,
     .apply_rowcol = apply_rowcol_neon,
     .apply_elem = apply_elem_neon,
+    .add_f32 = add_f32_neon,
+    .div_f32 = div_f32_neon,
+    .bf16_encode = bf16_encode_neon,
+    .bf16_decode = bf16_decode_neon,
 };

@@ -1,7 +1,9 @@
 /* Scalar reference kernels: plain C, always built. The SIMD variants must
  * match these formulas operation for operation (see kernels_impl.h). */
 #include <math.h>
+#include <string.h>
 
+#include "dtype.h"
 #include "kernels_impl.h"
 
 static void row_stats_scalar(const float *g, const float *p, size_t n, double *col, double *gsq,
@@ -87,6 +89,34 @@ static void apply_elem_scalar(float *p, const float *g, float *mom, const float 
   }
 }
 
+static void add_f32_scalar(float *dst, const float *src, size_t n) {
+  for (size_t j = 0; j < n; j++) dst[j] += src[j];
+}
+
+static void div_f32_scalar(float *dst, size_t n, float d) {
+  for (size_t j = 0; j < n; j++) dst[j] /= d;
+}
+
+static void bf16_encode_scalar(void *dst, const float *src, size_t n) {
+  unsigned char *p = dst;
+  for (size_t j = 0; j < n; j++) {
+    uint16_t h = fps_f32_to_bf16(src[j]);
+    memcpy(p + 2 * j, &h, 2);
+  }
+}
+
+static size_t bf16_decode_scalar(float *dst, const void *src, size_t n) {
+  const unsigned char *p = src;
+  size_t bad = n;
+  for (size_t j = 0; j < n; j++) {
+    uint16_t h;
+    memcpy(&h, p + 2 * j, 2);
+    if (bad == n && (h & 0x7f80u) >= 0x5f00u) bad = j;
+    dst[j] = fps_bf16_to_f32(h);
+  }
+  return bad;
+}
+
 const fps_kernels_t fps__kernels_scalar = {
     .name = "scalar",
     .row_stats = row_stats_scalar,
@@ -95,4 +125,8 @@ const fps_kernels_t fps__kernels_scalar = {
     .row_u2_clamped = row_u2_clamped_scalar,
     .apply_rowcol = apply_rowcol_scalar,
     .apply_elem = apply_elem_scalar,
+    .add_f32 = add_f32_scalar,
+    .div_f32 = div_f32_scalar,
+    .bf16_encode = bf16_encode_scalar,
+    .bf16_decode = bf16_decode_scalar,
 };

@@ -1,6 +1,9 @@
 /* Chooses the kernel variant: CPUID + XGETBV on x86-64 (AVX2 and FMA in
- * the CPU, and YMM state enabled by the OS), HWCAP on aarch64 (ASIMD is
- * architectural there, but we still ask). Decided once per process. */
+ * the CPU, and YMM state enabled by the OS; for AVX-512 also F, BW and VL
+ * in the CPU and the opmask and both ZMM state components enabled), HWCAP
+ * on aarch64 (ASIMD is architectural there, but we still ask). Decided
+ * once per process; the best is avx512, then avx2, then neon, then
+ * scalar. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,7 +12,7 @@
 #include "error.h"
 #include "kernels_impl.h"
 
-#if defined(__x86_64__) && defined(FPS_HAVE_AVX2)
+#if defined(__x86_64__) && (defined(FPS_HAVE_AVX2) || defined(FPS_HAVE_AVX512))
 #include <cpuid.h>
 #endif
 #if defined(__aarch64__)
@@ -19,7 +22,31 @@
 #endif
 #endif
 
-const char *const fps_kernels_all_names[] = {"scalar", "avx2", "neon", NULL};
+const char *const fps_kernels_all_names[] = {"scalar", "avx2", "avx512", "neon", NULL};
+
+#if defined(__x86_64__) && (defined(FPS_HAVE_AVX2) || defined(FPS_HAVE_AVX512))
+/* XCR0, the state components the OS saves and restores; 0 unless CPUID
+ * says OSXSAVE (XGETBV itself would fault otherwise). */
+static unsigned long long os_xcr0(void) {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return ((unsigned long long)hi << 32) | lo;
+}
+#endif
+
+#if defined(__x86_64__) && defined(FPS_HAVE_AVX512)
+static int cpu_has_avx512(void) {
+  unsigned a, b, c, d;
+  /* XCR0 bits: 1 SSE, 2 AVX (YMM), 5 opmask, 6 ZMM_Hi256, 7 Hi16_ZMM */
+  if ((os_xcr0() & 0xe6u) != 0xe6u) return 0;
+  if (__get_cpuid_max(0, NULL) < 7) return 0;
+  __cpuid_count(7, 0, a, b, c, d);
+  const unsigned f = 1u << 16, bw = 1u << 30, vl = 1u << 31;
+  return (b & (f | bw | vl)) == (f | bw | vl);
+}
+#endif
 
 #if defined(__x86_64__) && defined(FPS_HAVE_AVX2)
 static int cpu_has_avx2_fma(void) {
@@ -28,9 +55,7 @@ static int cpu_has_avx2_fma(void) {
   const unsigned fma = 1u << 12, osxsave = 1u << 27, avx = 1u << 28;
   if ((c & (fma | osxsave | avx)) != (fma | osxsave | avx)) return 0;
   /* XGETBV(0): the OS saves XMM (bit 1) and YMM (bit 2) state. */
-  unsigned lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  if ((lo & 6u) != 6u) return 0;
+  if ((os_xcr0() & 6u) != 6u) return 0;
   if (__get_cpuid_max(0, NULL) < 7) return 0;
   __cpuid_count(7, 0, a, b, c, d);
   return (b & (1u << 5)) != 0; /* AVX2 */
@@ -70,6 +95,22 @@ int fps_kernels_by_name(const char *name, const fps_kernels_t **out, char *why, 
 #endif
     return FPS_EUNSUPPORTED;
   }
+  if (!strcmp(name, "avx512")) {
+#if defined(__x86_64__) && defined(FPS_HAVE_AVX512)
+    if (cpu_has_avx512()) {
+      *out = &fps__kernels_avx512;
+      return 0;
+    }
+    set_why(why, why_len,
+            "SIMD variant '%s' needs AVX-512 F, BW and VL with ZMM state enabled by the OS, "
+            "which this machine lacks",
+            name);
+#else
+    set_why(why, why_len, "SIMD variant '%s' was not built (x86-64 only, FPS_WITH_AVX512=ON)",
+            name);
+#endif
+    return FPS_EUNSUPPORTED;
+  }
   if (!strcmp(name, "neon")) {
 #if defined(__aarch64__)
     if (getauxval(AT_HWCAP) & HWCAP_ASIMD) {
@@ -82,12 +123,13 @@ int fps_kernels_by_name(const char *name, const fps_kernels_t **out, char *why, 
 #endif
     return FPS_EUNSUPPORTED;
   }
-  set_why(why, why_len, "unknown SIMD variant '%s' (expected scalar, avx2 or neon)", name);
+  set_why(why, why_len, "unknown SIMD variant '%s' (expected scalar, avx2, avx512 or neon)", name);
   return FPS_EINVAL;
 }
 
 static const fps_kernels_t *detect_best(void) {
   const fps_kernels_t *k = NULL;
+  if (fps_kernels_by_name("avx512", &k, NULL, 0) == 0) return k;
   if (fps_kernels_by_name("avx2", &k, NULL, 0) == 0) return k;
   if (fps_kernels_by_name("neon", &k, NULL, 0) == 0) return k;
   return &fps__kernels_scalar;

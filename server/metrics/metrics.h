@@ -115,7 +115,7 @@ typedef struct fps_metrics_config_s {
   const char *mode;         /* "sync", "async", "ssp" */
   uint32_t workers;         /* sync/ssp: workers per step */
   uint32_t staleness;       /* ssp: bound on how far a worker may run ahead */
-  const char *simd;         /* kernel variant in use: "scalar", "avx2", "neon" */
+  const char *simd;         /* kernel variant in use: "scalar", "avx2", "avx512", "neon" */
   const char *version;      /* NULL: the version this library was built as */
   double checkpoint_interval; /* seconds between periodic checkpoints (0: none) */
 } fps_metrics_config_t;

@@ -171,7 +171,7 @@ int main(int argc, char **argv) {
     if (only_shape && strcmp(only_shape, shapes[si].label)) continue;
     uint64_t n;
     fps_shape_validate(&shapes[si].shape, &n, NULL, 0);
-    kcase_t cases[3];
+    kcase_t cases[4];
     int nc = 0;
     for (int vi = 0; fps_kernels_all_names[vi]; vi++) {
       const fps_kernels_t *k;

@@ -56,7 +56,7 @@ class Interop(unittest.TestCase):
             self.assertEqual(s.shard.param_elements, 64 * 33)
             self.assertEqual(s.shard.pushes, 2)
             self.assertEqual(s.shard.updates, 2)
-            self.assertIn(s.shard.simd, ("scalar", "avx2", "neon"))
+            self.assertIn(s.shard.simd, ("scalar", "avx2", "avx512", "neon"))
             t = ts["layer.w"]
             self.assertEqual((t.version, t.ready, t.factored), (2, True, True))
             self.assertEqual(list(t.shape), [64, 33])

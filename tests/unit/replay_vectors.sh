@@ -8,7 +8,7 @@ set -eu
 factorps=$1 python=$2 vectors=$3 checker=$4 out=$5
 rm -rf "$out"
 ran=0
-for simd in scalar avx2 neon; do
+for simd in scalar avx2 avx512 neon; do
   for threads in 1 2; do
     dir="$out/$simd-t$threads"
     set +e

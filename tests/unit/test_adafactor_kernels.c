@@ -12,7 +12,14 @@
  *    1e-6 of max|param| and state within 1e-6 relative; in practice they
  *    differ by at most an ulp, because only the per-step scalars (through
  *    the sums) can differ.
- * Elements past the end of every output are canaries and must not change. */
+ * Elements past the end of every output are canaries and must not change.
+ *
+ * The sync sum (add_f32 / div_f32) and the bf16 conversions of every
+ * variant, scalar included, are checked bit for bit against plain loops
+ * written here: the sync round's ((g0 + g1) + g2) ... / W, and
+ * fps_f32_to_bf16() / the dtype.h gradient rule on every fp32 bit class
+ * (random bit patterns: NaNs with payloads, Inf, denormals, rounding
+ * ties), at odd byte offsets for the bf16 side. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -24,6 +31,7 @@
 #include <cmocka.h>
 
 #include "adafactor.h"
+#include "dtype.h"
 #include "simd/kernels_impl.h"
 
 #define MAXN 257
@@ -177,7 +185,148 @@ static void parity(const char *variant) {
 }
 
 static void parity_avx2(void **u) { (void)u; parity("avx2"); }
+static void parity_avx512(void **u) { (void)u; parity("avx512"); }
 static void parity_neon(void **u) { (void)u; parity("neon"); }
+
+/* ---- sync sum and bf16, every variant against plain loops ---- */
+
+static const fps_kernels_t *variant_or_skip(const char *variant) {
+  const fps_kernels_t *k;
+  char why[256];
+  int rc = fps_kernels_by_name(variant, &k, why, sizeof why);
+  if (rc == FPS_EUNSUPPORTED) {
+    print_message("skipping %s: %s\n", variant, why);
+    skip();
+  }
+  assert_int_equal(rc, 0);
+  return k;
+}
+
+static uint32_t rbits(void) {
+  urand();
+  return (uint32_t)(rng >> 17);
+}
+static float f_of(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static uint32_t bits_of(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+/* Inputs that hit every path: ordinary values, then NaN/Inf/denormal and
+ * exact ties among them. */
+static float special_f32(size_t i) {
+  switch (i % 8) {
+    case 0: return f_of(rbits());                                  /* any bits */
+    case 1: return f_of((rbits() & 0x807fffffu) | (i & 1 ? 0x7f800000u : 0)); /* NaN/Inf or denormal */
+    case 2: return f_of((rbits() & 0xffff0000u) | 0x8000u);        /* a tie */
+    case 3: return f_of((rbits() & 0xffff0000u) | 0x7fffu);        /* just below a tie */
+    default: return nrand() * (i % 3 ? 1.0f : 1e-38f);
+  }
+}
+
+static void sum_parity(const char *variant) {
+  const fps_kernels_t *k = variant_or_skip(variant);
+  const size_t offs[] = {0, 1, 3, 5};
+  enum { W = 4 };
+  float *base = aligned_alloc(64, (W + 2) * 512 * sizeof(float));
+  assert_non_null(base);
+  for (size_t oi = 0; oi < 4; oi++) {
+    float *g[W], *ref = base + W * 512 + offs[oi], *dst = base + (W + 1) * 512 + (offs[oi] + 2) % 8;
+    for (int w = 0; w < W; w++) g[w] = base + w * 512 + (offs[oi] + (size_t)w) % 8;
+    for (size_t n = 0; n <= MAXN; n++) {
+      for (int w = 0; w < W; w++)
+        for (size_t i = 0; i < n + PAD; i++) {
+          /* finite (the shard rejects others before summing), denormals
+           * and huge values included; NaN payloads may legally differ */
+          uint32_t b = bits_of(i % 17 == 0 ? special_f32(i) : nrand());
+          if ((b & 0x7f800000u) == 0x7f800000u) b &= 0xdfffffffu;
+          g[w][i] = f_of(b);
+        }
+      for (size_t i = 0; i < n + PAD; i++) ref[i] = dst[i] = g[0][i];
+      /* sync.c's round: ((g0 + g1) + g2) + g3 in fp32, then / W */
+      for (int w = 1; w < W; w++)
+        for (size_t i = 0; i < n; i++) ref[i] += g[w][i];
+      for (size_t i = 0; i < n; i++) ref[i] /= (float)W;
+      for (int w = 1; w < W; w++) k->add_f32(dst, g[w], n);
+      k->div_f32(dst, n, (float)W);
+      if (memcmp(ref, dst, (n + PAD) * sizeof(float))) {
+        print_error("%s: n=%zu off=%zu: sum differs from the plain loop\n", variant, n, offs[oi]);
+        fail();
+      }
+    }
+  }
+  free(base);
+}
+
+static void bf16_parity(const char *variant) {
+  const fps_kernels_t *k = variant_or_skip(variant);
+  float *src = aligned_alloc(64, 1024 * sizeof(float));
+  unsigned char *hb = aligned_alloc(64, 1024), *rb = aligned_alloc(64, 1024);
+  float *dec = aligned_alloc(64, 1024 * sizeof(float)), *rdec = aligned_alloc(64, 1024 * sizeof(float));
+  assert_true(src && hb && rb && dec && rdec);
+  const size_t offs[] = {0, 1, 3, 5};
+  for (size_t oi = 0; oi < 4; oi++) {
+    float *f = src + offs[oi];
+    unsigned char *h = hb + offs[oi] * 3 % 7; /* odd byte offsets too */
+    for (size_t n = 0; n <= MAXN; n++) {
+      for (size_t i = 0; i < n + PAD; i++) f[i] = special_f32(i + n);
+      memset(hb, 0xa5, 1024);
+      k->bf16_encode(h, f, n);
+      for (size_t i = 0; i < n; i++) {
+        uint16_t got, want = fps_f32_to_bf16(f[i]);
+        memcpy(&got, h + 2 * i, 2);
+        if (got != want) {
+          print_error("%s: bf16(0x%08x) = 0x%04x, scalar 0x%04x\n", variant, bits_of(f[i]), got,
+                      want);
+          fail();
+        }
+      }
+      for (size_t i = 2 * n; i < 2 * (n + PAD); i++) assert_int_equal(h[i], 0xa5); /* canaries */
+      /* decode: random bf16 patterns, the first bad one (if any) anywhere */
+      for (size_t i = 0; i < n; i++) {
+        uint16_t v = (uint16_t)(rbits() & (i % 5 ? 0xbfffu : 0xffffu)); /* mostly valid */
+        memcpy(h + 2 * i, &v, 2);
+      }
+      for (int pass = 0; pass < 2; pass++) {
+        if (pass && n) { /* a valid prefix, then one bad element */
+          for (size_t i = 0; i < n; i++) {
+            uint16_t v = (uint16_t)(rbits() & 0x3fffu);
+            memcpy(h + 2 * i, &v, 2);
+          }
+          uint16_t badv = (uint16_t)(0x5f00u | (rbits() & 0x80ffu));
+          memcpy(h + 2 * (n * 7 / 11), &badv, 2);
+        }
+        size_t want = n;
+        for (size_t i = 0; i < n; i++) {
+          uint16_t v;
+          memcpy(&v, h + 2 * i, 2);
+          if (want == n && (bits_of(fps_bf16_to_f32(v)) & 0x7f800000u) >= 0x5f000000u) want = i;
+          rdec[i] = fps_bf16_to_f32(v);
+        }
+        for (size_t i = n; i < n + PAD; i++) rdec[i] = dec[i] = -7.0f;
+        size_t got = k->bf16_decode(dec, h, n);
+        if (got != want) print_error("%s: n=%zu first bad %zu, want %zu\n", variant, n, got, want);
+        assert_int_equal(got, want);
+        assert_memory_equal(dec, rdec, (n + PAD) * sizeof(float));
+      }
+    }
+  }
+  free(src), free(hb), free(rb), free(dec), free(rdec);
+}
+
+static void sum_scalar(void **u) { (void)u; sum_parity("scalar"); }
+static void sum_avx2(void **u) { (void)u; sum_parity("avx2"); }
+static void sum_avx512(void **u) { (void)u; sum_parity("avx512"); }
+static void sum_neon(void **u) { (void)u; sum_parity("neon"); }
+static void bf16_scalar(void **u) { (void)u; bf16_parity("scalar"); }
+static void bf16_avx2(void **u) { (void)u; bf16_parity("avx2"); }
+static void bf16_avx512(void **u) { (void)u; bf16_parity("avx512"); }
+static void bf16_neon(void **u) { (void)u; bf16_parity("neon"); }
 
 /* ---- full steps on odd shapes ---- */
 
@@ -198,7 +347,10 @@ static void step_parity(const char *variant) {
   const fps_kernels_t *k;
   char why[256];
   int rc = fps_kernels_by_name(variant, &k, why, sizeof why);
-  if (rc == FPS_EUNSUPPORTED) skip();
+  if (rc == FPS_EUNSUPPORTED) {
+    print_message("skipping %s: %s\n", variant, why);
+    skip();
+  }
   assert_int_equal(rc, 0);
   const fps_shape_t shapes[] = {
       {.ndim = 0},
@@ -266,14 +418,18 @@ static void step_parity(const char *variant) {
 }
 
 static void steps_avx2(void **u) { (void)u; step_parity("avx2"); }
+static void steps_avx512(void **u) { (void)u; step_parity("avx512"); }
 static void steps_neon(void **u) { (void)u; step_parity("neon"); }
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(parity_avx2),
-      cmocka_unit_test(parity_neon),
-      cmocka_unit_test(steps_avx2),
-      cmocka_unit_test(steps_neon),
+      cmocka_unit_test(parity_avx2),  cmocka_unit_test(parity_avx512),
+      cmocka_unit_test(parity_neon),  cmocka_unit_test(steps_avx2),
+      cmocka_unit_test(steps_avx512), cmocka_unit_test(steps_neon),
+      cmocka_unit_test(sum_scalar),   cmocka_unit_test(sum_avx2),
+      cmocka_unit_test(sum_avx512),   cmocka_unit_test(sum_neon),
+      cmocka_unit_test(bf16_scalar),  cmocka_unit_test(bf16_avx2),
+      cmocka_unit_test(bf16_avx512),  cmocka_unit_test(bf16_neon),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
