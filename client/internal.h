@@ -177,6 +177,12 @@ int fps__wire_parse_params(const uint8_t *buf, size_t len, const fps__wire_sink_
 size_t fps__wire_slice_header(uint8_t *buf, unsigned field, const char *name, size_t name_len,
                               int dtype, uint32_t ndim, const uint64_t *shape, uint64_t offset,
                               size_t data_len);
+/* Most bytes fps__wire_tensor_push() writes for a name of `name_len`. */
+#define FPS__WIRE_TENSOR_PUSH_MAX(name_len) (56 + (name_len))
+/* Writes a PushPullRequest.TensorPush as field `field` (name and the
+ * present settings of tp). Returns the bytes written. */
+size_t fps__wire_tensor_push(uint8_t *buf, unsigned field, const char *name, size_t name_len,
+                             const fps_tensor_push_t *tp);
 /* Writes varint field `field` = v; returns the bytes written (<= 11). */
 size_t fps__wire_put_varint_field(uint8_t *buf, unsigned field, uint64_t v);
 

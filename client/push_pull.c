@@ -43,6 +43,9 @@ typedef struct pp_job_s {
   unsigned char *got_version;           /* per caller index */
   uint32_t worker_id;
   uint64_t step;
+  uint32_t num_workers;                 /* 0: unchecked */
+  int expect_mode;                      /* 0: any */
+  const fps_tensor_push_t *per;         /* per caller index, or NULL */
   pthread_mutex_t mu;                   /* guards live_slices */
   pthread_cond_t cv;
   size_t live_slices;                   /* data slices gRPC still holds */
@@ -86,11 +89,23 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   uint64_t budget = job->c->opts.max_message_bytes, used = FPS__MESSAGE_OVERHEAD;
   size_t k = 0, hdr_cap = 40;
 
-  /* Plan this message: which runs of which tensors it carries. */
+  /* Plan this message: which runs of which tensors it carries. A tensor's
+   * TensorPush travels with its first run (a count-0 run for no_grad). */
   while (sh->pos < sh->n) {
     const pp_item_t *it = &sh->items[sh->pos];
     size_t name_len = strlen(it->t->name);
-    uint64_t over = FPS__WIRE_SLICE_HEADER_MAX(name_len, it->t->ndim);
+    const fps_tensor_push_t *tp = job->per ? &job->per[it->idx] : NULL;
+    if (tp && !(tp->has_lr || tp->has_weight_decay || tp->no_grad || tp->has_step)) tp = NULL;
+    uint64_t tp_over = tp && sh->off == 0 ? FPS__WIRE_TENSOR_PUSH_MAX(name_len) : 0;
+    if (tp && tp->no_grad) {
+      if (k > 0 && used + tp_over > budget) break; /* the message is full */
+      sh->plan[k++] = (pp_run_t){it, 0, 0};
+      hdr_cap += tp_over;
+      used += tp_over;
+      sh->pos++;
+      continue;
+    }
+    uint64_t over = FPS__WIRE_SLICE_HEADER_MAX(name_len, it->t->ndim) + tp_over;
     uint64_t room = budget > used + over ? (budget - used - over) / 4 : 0;
     uint64_t left = it->t->numel - sh->off;
     uint64_t count = left < room ? left : room;
@@ -113,10 +128,16 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   if (job->worker_id) hn += fps__wire_put_varint_field(h + hn, 1, job->worker_id);
   if (job->step) hn += fps__wire_put_varint_field(h + hn, 2, job->step);
   if (sh->skip_params) hn += fps__wire_put_varint_field(h + hn, 4, 1);
+  if (job->num_workers) hn += fps__wire_put_varint_field(h + hn, 6, job->num_workers);
+  if (job->expect_mode) hn += fps__wire_put_varint_field(h + hn, 7, (uint64_t)job->expect_mode);
   size_t mark = 0;
   for (size_t i = 0; i < k; i++) {
     const pp_run_t *r = &sh->plan[i];
     const fps__tensor_t *t = r->it->t;
+    const fps_tensor_push_t *tp = job->per ? &job->per[r->it->idx] : NULL;
+    if (tp && r->off == 0 && (tp->has_lr || tp->has_weight_decay || tp->no_grad || tp->has_step))
+      hn += fps__wire_tensor_push(h + hn, 5, t->name, strlen(t->name), tp);
+    if (r->count == 0 && tp && tp->no_grad) continue; /* settings only */
     hn += fps__wire_slice_header(h + hn, 3, t->name, strlen(t->name),
                                  FACTORPS__V1__DTYPE__DTYPE_F32, t->ndim, t->shape, r->off,
                                  (size_t)r->count * 4);
@@ -286,7 +307,7 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
                            "tensor '%s' is not in this client's tensor list", names[i]);
       goto done;
     }
-    if (is_push && !job->grads[i]) {
+    if (is_push && !job->grads[i] && !(job->per && job->per[i].no_grad)) {
       rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': gradient is NULL",
                            names[i]);
       goto done;
@@ -386,6 +407,24 @@ int fps_client_push_pull(fps_client_t *c, uint32_t worker_id, uint64_t step,
                          fps_status_t *status) {
   pp_job_t job = {.c = c, .grads = grads, .params = params, .versions = versions,
                   .worker_id = worker_id, .step = step};
+  pthread_mutex_init(&job.mu, NULL);
+  pthread_cond_init(&job.cv, NULL);
+  int rc = run(c, &job, names, n, 1, status);
+  pthread_cond_destroy(&job.cv);
+  pthread_mutex_destroy(&job.mu);
+  return rc;
+}
+
+int fps_client_push_pull_ex(fps_client_t *c, const fps_push_args_t *args, const char *const *names,
+                            const float *const *grads, const fps_tensor_push_t *per, float *const *params,
+                            uint64_t *versions, size_t n, fps_status_t *status) {
+  if (!args) return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "args is NULL");
+  if (args->expect_mode < 0 || args->expect_mode > 3)
+    return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
+                           "expect_mode %d is not a mode (0 any, 1 sync, 2 async, 3 ssp)", args->expect_mode);
+  pp_job_t job = {.c = c, .grads = grads, .params = params, .versions = versions,
+                  .worker_id = args->worker_id, .step = args->step, .num_workers = args->num_workers,
+                  .expect_mode = args->expect_mode, .per = per};
   pthread_mutex_init(&job.mu, NULL);
   pthread_cond_init(&job.cv, NULL);
   int rc = run(c, &job, names, n, 1, status);

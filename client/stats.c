@@ -189,7 +189,7 @@ int fps_client_tensor_stats(fps_client_t *c, const char *name, fps_tensor_stats_
       size_t first = t->n_apply_log - k;
       for (size_t m = 0; m < k; m++) {
         const Factorps__V1__ApplyRecord *a = t->apply_log[first + m];
-        log[m] = (fps_apply_record_t){a->worker_id, a->step, a->version};
+        log[m] = (fps_apply_record_t){a->worker_id, a->step, a->version, a->lr, a->weight_decay};
       }
       if (log_len) *log_len = k;
       rc = 0;

@@ -184,6 +184,36 @@ size_t fps__wire_put_varint_field(uint8_t *buf, unsigned field, uint64_t v) {
   return n + put_varint(buf + n, v);
 }
 
+static size_t put_double_field(uint8_t *p, unsigned field, double v) {
+  size_t n = put_varint(p, ((uint64_t)field << 3) | 1);
+  memcpy(p + n, &v, 8); /* little-endian host (internal.h) */
+  return n + 8;
+}
+
+size_t fps__wire_tensor_push(uint8_t *buf, unsigned field, const char *name, size_t name_len,
+                             const fps_tensor_push_t *tp) {
+  /* The body first, at its final place after a 10-byte-max length: write
+   * it past the header's maximum, then move it down. */
+  uint8_t *body = buf + 11;
+  size_t b = 0;
+  body[b++] = (1 << 3) | 2;
+  b += put_varint(body + b, name_len);
+  memcpy(body + b, name, name_len);
+  b += name_len;
+  /* oneof members: written whenever present, 0.0 included. */
+  if (tp->has_lr) b += put_double_field(body + b, 2, tp->lr);
+  if (tp->has_weight_decay) b += put_double_field(body + b, 3, tp->weight_decay);
+  if (tp->no_grad) b += fps__wire_put_varint_field(body + b, 4, 1);
+  if (tp->has_step) {
+    body[b++] = 5 << 3;
+    b += put_varint(body + b, tp->step);
+  }
+  size_t n = put_varint(buf, ((uint64_t)field << 3) | 2);
+  n += put_varint(buf + n, b);
+  memmove(buf + n, body, b);
+  return n + b;
+}
+
 size_t fps__wire_slice_header(uint8_t *buf, unsigned field, const char *name, size_t name_len,
                               int dtype, uint32_t ndim, const uint64_t *shape, uint64_t offset,
                               size_t data_len) {

@@ -175,6 +175,17 @@ int fps_adafactor_hparams_diff(const fps_adafactor_hparams_t *a, const fps_adafa
   return 0;
 }
 
+int fps_adafactor_hparams_diff_fixed(const fps_adafactor_hparams_t *a, const fps_adafactor_hparams_t *b,
+                                     char *why, size_t why_len) {
+  if (a->flavor == b->flavor && a->relative_step != b->relative_step)
+    return fail_msg(FPS_EEXISTS, why, why_len, "relative_step %s vs %s", a->relative_step ? "true" : "false",
+                    b->relative_step ? "true" : "false");
+  fps_adafactor_hparams_t x = *b;
+  if (x.has_lr == a->has_lr) x.lr = a->lr;
+  x.weight_decay = a->weight_decay;
+  return fps_adafactor_hparams_diff(a, &x, why, why_len);
+}
+
 int fps_shape_validate(const fps_shape_t *s, uint64_t *numel, char *why, size_t why_len) {
   if (!s) return fail_msg(FPS_EINVAL, why, why_len, "no shape given");
   if (s->ndim > FPS_MAX_DIMS)

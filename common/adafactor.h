@@ -112,6 +112,13 @@ int fps_adafactor_validate(const fps_adafactor_hparams_t *hp, char *why, size_t 
 int fps_adafactor_hparams_diff(const fps_adafactor_hparams_t *a, const fps_adafactor_hparams_t *b,
                                char *why, size_t why_len);
 
+/* Like fps_adafactor_hparams_diff() but ignores what a push may change
+ * per update (lr, when both have one, and weight_decay): the settings that
+ * stay fixed for a tensor's lifetime. 0 or FPS_EEXISTS with the first
+ * differing fixed field in `why`. */
+int fps_adafactor_hparams_diff_fixed(const fps_adafactor_hparams_t *a, const fps_adafactor_hparams_t *b,
+                                     char *why, size_t why_len);
+
 /* "torch" / "hf". parse returns FPS_EFLAVOR for anything else. */
 int fps_flavor_parse(const char *s, fps_flavor_t *out);
 const char *fps_flavor_name(fps_flavor_t f); /* "unknown" if not a flavor */

@@ -167,7 +167,7 @@ static int add_u64(cJSON *obj, const char *key, uint64_t v) {
 }
 
 cJSON *fps__ckpt_tensor_meta(const fps_adafactor_hparams_t *hp, uint64_t version, uint64_t step,
-                             float rms) {
+                             float rms, double last_lr, double last_weight_decay) {
   cJSON *o = cJSON_CreateObject();
   if (!o) return NULL;
   int rc = 0;
@@ -192,6 +192,8 @@ cJSON *fps__ckpt_tensor_meta(const fps_adafactor_hparams_t *hp, uint64_t version
   rc |= add_str(o, "scale_parameter", hp->scale_parameter ? "true" : "false");
   rc |= add_str(o, "relative_step", hp->relative_step ? "true" : "false");
   rc |= add_str(o, "warmup_init", hp->warmup_init ? "true" : "false");
+  rc |= add_double(o, "last_lr", last_lr);
+  rc |= add_double(o, "last_weight_decay", last_weight_decay);
   if (rc) {
     cJSON_Delete(o);
     return NULL;
@@ -217,11 +219,13 @@ static int parse_bool(const char *s, bool *out) {
   return 0;
 }
 
-/* Every key of the per-tensor object, each required exactly once. */
+/* Every key of the per-tensor object, each at most once; all required but
+ * the last two (the values the last update applied, added after format
+ * version 1's first writers: TM_OPTIONAL and later are optional). */
 #define TENSOR_META_KEYS(X)                                                           \
   X(version) X(step) X(rms) X(flavor) X(has_lr) X(lr) X(decay) X(eps1) X(eps2) X(clip) \
   X(weight_decay) X(maximize) X(has_beta1) X(beta1) X(scale_parameter) X(relative_step) \
-  X(warmup_init)
+  X(warmup_init) X(last_lr) X(last_weight_decay)
 
 enum {
 #define TM_ENUM(k) TM_##k,
@@ -229,6 +233,7 @@ enum {
 #undef TM_ENUM
   TM_COUNT
 };
+#define TM_OPTIONAL TM_last_lr
 
 static const char *const tm_names[TM_COUNT] = {
 #define TM_NAME(k) #k,
@@ -237,7 +242,8 @@ static const char *const tm_names[TM_COUNT] = {
 };
 
 int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, uint64_t *version,
-                                uint64_t *step, float *rms, char *why, size_t why_len) {
+                                uint64_t *step, float *rms, double *last_lr, double *last_weight_decay,
+                                char *why, size_t why_len) {
   const char *val[TM_COUNT] = {0};
   int rc = FPS_EFORMAT;
   cJSON *o = cJSON_Parse(text);
@@ -262,7 +268,7 @@ int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, u
     }
     val[k] = it->valuestring;
   }
-  for (int k = 0; k < TM_COUNT; k++) {
+  for (int k = 0; k < TM_OPTIONAL; k++) {
     if (!val[k]) {
       fps__ckpt_why(why, why_len, "tensor metadata lacks \"%s\"", tm_names[k]);
       goto fail;
@@ -296,6 +302,10 @@ int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, u
   else if (parse_bool(val[TM_scale_parameter], &h.scale_parameter) < 0) bad = TM_scale_parameter;
   else if (parse_bool(val[TM_relative_step], &h.relative_step) < 0) bad = TM_relative_step;
   else if (parse_bool(val[TM_warmup_init], &h.warmup_init) < 0) bad = TM_warmup_init;
+  double llr = h.has_lr ? h.lr : 0.0, lwd = h.weight_decay;
+  if (bad < 0 && val[TM_last_lr] && (parse_double(val[TM_last_lr], &llr) < 0 || llr < 0)) bad = TM_last_lr;
+  if (bad < 0 && val[TM_last_weight_decay] && (parse_double(val[TM_last_weight_decay], &lwd) < 0 || lwd < 0))
+    bad = TM_last_weight_decay;
   if (bad >= 0) {
     fps__ckpt_why(why, why_len, "tensor metadata \"%s\" has a bad value \"%.40s\"", tm_names[bad],
                   val[bad]);
@@ -309,6 +319,8 @@ int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, u
   }
   *hp = h;
   *rms = (float)r;
+  *last_lr = llr;
+  *last_weight_decay = lwd;
   rc = 0;
 fail:
   cJSON_Delete(o);

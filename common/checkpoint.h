@@ -46,7 +46,11 @@
  *                    "flavor" ("torch"/"hf"), "has_lr", "lr", "decay",
  *                    "eps1", "eps2", "clip", "weight_decay", "maximize",
  *                    "has_beta1", "beta1", "scale_parameter",
- *                    "relative_step", "warmup_init" (booleans "true"/"false")
+ *                    "relative_step", "warmup_init" (booleans "true"/"false");
+ *                    optional (absent in files of earlier writers):
+ *                    "last_lr", "last_weight_decay", the values the
+ *                    tensor's last update applied (hf relative_step: the
+ *                    relative step size), restored with the tensor
  *   "data_sha256"    SHA-256 (lowercase hex) of the whole data section
  *   "header_sha256"  SHA-256 of the first 8 + N bytes of the file as they
  *                    are except that this value's 64 hex digits are replaced
@@ -162,6 +166,15 @@ int fps_ckpt_snapshot_add(fps_ckpt_snapshot_t *s, const char *name, const fps_sh
 int fps_ckpt_snapshot_copy(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
                            const float *param, const fps_adafactor_state_t *st);
 
+/* Records the lr and weight decay the tensor's last update applied (they
+ * travel with each push; see TensorPush in the proto), stored as the
+ * per-tensor metadata "last_lr" / "last_weight_decay". Without this call a
+ * tensor stores its hyperparameters' lr (0 without one) and weight_decay.
+ * Call it with fps_ckpt_snapshot_copy(), under the same lock.
+ * Returns 0 or FPS_EINVAL (bad index, a negative or non-finite value). */
+int fps_ckpt_snapshot_set_applied(fps_ckpt_snapshot_t *s, size_t idx, double last_lr,
+                                  double last_weight_decay);
+
 /* Tensors added, and bytes of array data held (the data section's size). */
 size_t fps_ckpt_snapshot_count(const fps_ckpt_snapshot_t *s);
 uint64_t fps_ckpt_snapshot_bytes(const fps_ckpt_snapshot_t *s);
@@ -232,6 +245,8 @@ typedef struct fps_ckpt_tensor_s {
   char name[FPS_CKPT_NAME_MAX + 1];
   fps_adafactor_hparams_t hparams;
   uint64_t version;                     /* updates applied */
+  double last_lr;                       /* lr of the last update ("last_lr") */
+  double last_weight_decay;             /* its weight decay */
   float *param;                         /* state.numel floats, 64-byte aligned */
   fps_adafactor_state_t state;          /* from fps_adafactor_state_init(); step, rms set */
 } fps_ckpt_tensor_t;

@@ -52,11 +52,14 @@ int fps__ckpt_mode_check(const char *mode);
 /* The per-tensor metadata object ("tensor:<name>" value, before printing).
  * NULL when out of memory. */
 cJSON *fps__ckpt_tensor_meta(const fps_adafactor_hparams_t *hp, uint64_t version, uint64_t step,
-                             float rms);
+                             float rms, double last_lr, double last_weight_decay);
 /* Parses and validates one. Returns 0 or FPS_EFORMAT/FPS_EHPARAM/
- * FPS_EFLAVOR with a reason. */
+ * FPS_EFLAVOR with a reason. last_lr / last_weight_decay are optional in
+ * the file (older writers lack them): absent, they are hp's lr (0 without
+ * one) and weight_decay. */
 int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, uint64_t *version,
-                                uint64_t *step, float *rms, char *why, size_t why_len);
+                                uint64_t *step, float *rms, double *last_lr, double *last_weight_decay,
+                                char *why, size_t why_len);
 
 /* Strict decimal uint64: digits only, no sign, no leading zeros, no
  * overflow. Returns 0 or FPS_EFORMAT. */

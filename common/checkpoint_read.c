@@ -41,6 +41,7 @@ typedef struct tmeta_s {
   fps_adafactor_hparams_t hp;
   uint64_t version, step;
   float rms;
+  double last_lr, last_weight_decay;
   fps__ckpt_array_t arr[FPS__CKPT_KINDS];
   int n_arr;
   entry_t *ent[FPS__CKPT_KINDS];        /* the header entry of each array */
@@ -296,7 +297,7 @@ static int parse_structure(reader_t *r) {
         REJECT(r, FPS_EFORMAT, "metadata \"%.300s\": %s", it->string, nwhy);
       char twhy[256];
       if (fps__ckpt_tensor_meta_parse(it->valuestring, &t->hp, &t->version, &t->step, &t->rms,
-                                      twhy, sizeof twhy) < 0)
+                                      &t->last_lr, &t->last_weight_decay, twhy, sizeof twhy) < 0)
         REJECT(r, FPS_EFORMAT, "tensor \"%s\": %s", t->name, twhy);
       r->nt++;
       continue;
@@ -493,6 +494,8 @@ static int alloc_result(reader_t *r, fps_ckpt_t **out) {
     snprintf(ct->name, sizeof ct->name, "%s", t->name);
     ct->hparams = t->hp;
     ct->version = t->version;
+    ct->last_lr = t->last_lr;
+    ct->last_weight_decay = t->last_weight_decay;
     int rc = fps_adafactor_state_init(&ct->state, &t->arr[0].shape, &t->hp);
     void *p = NULL;
     if (rc == 0 && posix_memalign(&p, 64, (size_t)t->arr[0].count * sizeof(float)) != 0)

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +31,7 @@ typedef struct snap_tensor_s {
   bool copied;                            /* fps_ckpt_snapshot_copy was called */
   uint64_t version, step;
   float rms;
+  double last_lr, last_weight_decay;      /* fps_ckpt_snapshot_set_applied */
 } snap_tensor_t;
 
 struct fps_ckpt_snapshot_s {
@@ -80,6 +82,8 @@ int fps_ckpt_snapshot_add(fps_ckpt_snapshot_t *s, const char *name, const fps_sh
   t.n_arr = rc;
   snprintf(t.name, sizeof t.name, "%s", name);
   t.hp = *hp;
+  t.last_lr = hp->has_lr ? hp->lr : 0.0;
+  t.last_weight_decay = hp->weight_decay;
   for (int i = 0; i < t.n_arr; i++) t.floats += t.arr[i].count;
   if (t.floats > SIZE_MAX / sizeof(float)) {
     fps__ckpt_why(why, why_len, "tensor \"%s\" does not fit in memory", name);
@@ -132,6 +136,16 @@ int fps_ckpt_snapshot_copy(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
   t->step = st->step;
   t->rms = st->rms;
   t->copied = true;
+  return 0;
+}
+
+int fps_ckpt_snapshot_set_applied(fps_ckpt_snapshot_t *s, size_t idx, double last_lr,
+                                  double last_weight_decay) {
+  if (!s || idx >= s->n || !(last_lr >= 0) || !(last_weight_decay >= 0) || !isfinite(last_lr) ||
+      !isfinite(last_weight_decay))
+    return FPS_EINVAL;
+  s->t[idx].last_lr = last_lr;
+  s->t[idx].last_weight_decay = last_weight_decay;
   return 0;
 }
 
@@ -240,7 +254,8 @@ static char *build_header(const fps_ckpt_snapshot_t *s, uint64_t seq, size_t *le
   uint64_t off = 0;
   for (size_t i = 0; i < s->n; i++) {
     const snap_tensor_t *t = &s->t[i];
-    cJSON *tm_obj = fps__ckpt_tensor_meta(&t->hp, t->version, t->step, t->rms);
+    cJSON *tm_obj = fps__ckpt_tensor_meta(&t->hp, t->version, t->step, t->rms, t->last_lr,
+                                           t->last_weight_decay);
     char *tm_text = tm_obj ? cJSON_PrintUnformatted(tm_obj) : NULL;
     cJSON_Delete(tm_obj);
     if (!tm_text) goto done;

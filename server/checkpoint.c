@@ -81,6 +81,8 @@ static int fps__ckpt_adopt_locked(fps_server_t *srv, const fps_ckpt_t *ck, fps_c
   memset(&ct->state, 0, sizeof ct->state);
   t->ready = true;
   t->version = ct->version;
+  t->last_lr = ct->last_lr;
+  t->last_weight_decay = ct->last_weight_decay;
   t->restored_seq = ck->info.seq;
   t->restored_version = ct->version;
   t->round.step = t->version;
@@ -192,6 +194,7 @@ int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, siz
     int64_t h0 = fps_now_ns();
     pthread_mutex_lock(&t->mu);
     rc = fps_ckpt_snapshot_copy(snap, idx, t->version, t->param, &t->st);
+    if (rc == 0) rc = fps_ckpt_snapshot_set_applied(snap, idx, t->last_lr, t->last_weight_decay);
     pthread_mutex_unlock(&t->mu);
     double held = (double)(fps_now_ns() - h0) / 1e9;
     if (held > done.max_hold_seconds) done.max_hold_seconds = held;

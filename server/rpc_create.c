@@ -74,12 +74,21 @@ static grpc_status_code fps__create_check(fps_server_t *srv, fps_plan_t *p, size
       char a[256], b[256];
       fps_shape_format(want_shape, a, sizeof a);
       fps_shape_format(&it->shape, b, sizeof b);
-      snprintf(why, wl, "tensor '%s' already exists with shape %s, not %s", name, a, b);
+      snprintf(why, wl,
+               "tensor '%s' already exists with shape %s, not %s: a tensor's shape (and with it whether its "
+               "optimizer state is factored) is fixed when it is first created",
+               name, a, b);
       return GRPC_STATUS_ALREADY_EXISTS;
     }
     char d[256] = "";
-    if (fps_adafactor_hparams_diff(want_hp, &it->hp, d, sizeof d) != 0) {
-      snprintf(why, wl, "tensor '%s' already exists with different optimizer settings: %s (existing vs requested)",
+    /* lr and weight_decay may differ: a schedule changes them, and they
+     * travel with each push (TensorPush); the existing tensor keeps its
+     * first Create's values as the defaults. */
+    if (fps_adafactor_hparams_diff_fixed(want_hp, &it->hp, d, sizeof d) != 0) {
+      snprintf(why, wl,
+               "tensor '%s' already exists with different optimizer settings: %s (existing vs requested); "
+               "the flavor and every setting but lr and weight_decay are fixed when a tensor is first created "
+               "(its optimizer state was built for them); lr and weight_decay may change per push",
                name, d);
       return GRPC_STATUS_ALREADY_EXISTS;
     }

@@ -36,6 +36,8 @@ typedef struct fps_pp_call_s {
   bool have_header;           /* worker_id/step taken from the first message */
   uint32_t worker_id;
   uint64_t step;
+  uint32_t num_workers;       /* the worker's W, 0: unchecked */
+  int expect_mode;            /* the worker's expected mode, 0: any */
   bool skip_params;
   fps_push_entry_t **e;       /* entries in first-seen order */
   size_t n, cap;
@@ -146,7 +148,9 @@ static void fps__pp_apply_all(fps_pp_call_t *pp) {
     fps_push_entry_t *e = pp->e[i];
     fps_tensor_t *t = e->t;
     pthread_mutex_lock(&t->mu);
-    int rc = fps__tensor_apply_locked(srv, t, e->grad, pp->worker_id, pp->step);
+    /* no_grad: nothing to apply (no update, no weight decay); the reply
+     * carries the current params. */
+    int rc = e->no_grad ? 0 : fps__tensor_apply_locked(srv, t, e->grad, pp->worker_id, e->step, &e->uh);
     e->version = t->version;
     if (rc == 0 && !e->skip_params) memcpy(e->grad, t->param, t->numel * sizeof(float));
     pthread_mutex_unlock(&t->mu);
@@ -201,6 +205,8 @@ static void fps__pp_commit(fps_pp_call_t *pp) {
   fps_server_t *srv = pp->base.srv;
   for (size_t i = 0; i < pp->n; i++) {
     fps_push_entry_t *e = pp->e[i];
+    fps_push_settings_resolve(e);
+    if (e->no_grad) continue;
     if (e->got.covered != e->t->numel) {
       uint64_t gap = fps_ranges_first_gap(&e->got, e->t->numel);
       fps__pp_fail(pp, GRPC_STATUS_INVALID_ARGUMENT,
@@ -218,7 +224,7 @@ static void fps__pp_commit(fps_pp_call_t *pp) {
   if (srv->cfg.mode == FPS_MODE_SYNC && pp->n > 0) {
     char why[FPS_WHY_MAX];
     grpc_status_code code =
-        fps_sync_join(srv, pp->e, pp->n, pp->worker_id, pp->step, pp->base.deadline_ns, why, sizeof why);
+        fps_sync_join(srv, pp->e, pp->n, pp->worker_id, pp->base.deadline_ns, why, sizeof why);
     if (code != GRPC_STATUS_OK) {
       fps__pp_fail(pp, code, "%s", why); /* joined none of the rounds */
       return;
@@ -291,81 +297,154 @@ static fps_push_entry_t *fps__pp_entry(fps_pp_call_t *pp, fps_tensor_t *t, int d
   e->skip_params = pp->skip_params;
   e->deadline_ns = pp->base.deadline_ns;
   e->dtype = dtype;
+  e->step = pp->step;
   pp->e[pp->n++] = e;
   *fps__pp_slot(pp, t) = e;
   return e;
+}
+
+/* The ready tensor `name` of this shard, or NULL with a status in why. */
+static fps_tensor_t *fps__pp_tensor(fps_pp_call_t *pp, const char *name, uint64_t *version,
+                                    grpc_status_code *code, char *why, size_t wl) {
+  fps_server_t *srv = pp->base.srv;
+  if ((*code = fps_wire_name(name, why, wl)) != GRPC_STATUS_OK) return NULL;
+  pthread_rwlock_rdlock(&srv->store.mu);
+  fps_tensor_t *t = fps__store_find_locked(&srv->store, name, strlen(name));
+  pthread_rwlock_unlock(&srv->store.mu);
+  if (!t) {
+    snprintf(why, wl, "tensor '%s' not found on shard %u", name, srv->cfg.shard_id);
+    *code = GRPC_STATUS_NOT_FOUND;
+    return NULL;
+  }
+  pthread_mutex_lock(&t->mu);
+  bool ready = t->ready;
+  *version = t->version;
+  pthread_mutex_unlock(&t->mu);
+  if (!ready) {
+    snprintf(why, wl, "tensor '%s' is still initialising: push after every initial value is sent", name);
+    *code = GRPC_STATUS_FAILED_PRECONDITION;
+    return NULL;
+  }
+  return t;
+}
+
+/* A new entry for t at `step`: fails early on a sync step that cannot join
+ * (the join re-checks), or on staging limits. */
+static fps_push_entry_t *fps__pp_new_entry(fps_pp_call_t *pp, fps_tensor_t *t, uint64_t version, int dtype,
+                                           uint64_t step, grpc_status_code *code, char *why, size_t wl) {
+  fps_server_t *srv = pp->base.srv;
+  if (srv->cfg.mode == FPS_MODE_SYNC && step != version) {
+    snprintf(why, wl,
+             step < version
+                 ? "tensor '%s': stale push: worker %u sent step %" PRIu64 " but the tensor is at version %" PRIu64
+                 : "tensor '%s': worker %u sent step %" PRIu64 ", ahead of shard: the tensor is at version %" PRIu64,
+             t->name, pp->worker_id, step, version);
+    if (step > version) fps_checkpoint_ahead_hint(t, why, wl);
+    *code = GRPC_STATUS_FAILED_PRECONDITION;
+    return NULL;
+  }
+  bool over = false;
+  fps_push_entry_t *e = fps__pp_entry(pp, t, dtype, &over);
+  if (!e && over) {
+    snprintf(why, wl,
+             "tensor '%s': staging its %" PRIu64 "-byte gradient would pass the shard's limit of %" PRIu64
+             " bytes for in-flight tensors (--max-staging-bytes); retry later",
+             t->name, t->numel * 4, srv->cfg.max_staging_bytes);
+    *code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+    return NULL;
+  }
+  if (!e) {
+    snprintf(why, wl, "tensor '%s': out of memory staging a %" PRIu64 "-element gradient", t->name, t->numel);
+    *code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+    return NULL;
+  }
+  e->step = step;
+  return e;
+}
+
+/* One TensorPush: validated, recorded in its tensor's entry. */
+static grpc_status_code fps__pp_tensor_push(fps_pp_call_t *pp, const Factorps__V1__PushPullRequest__TensorPush *tp,
+                                            char *why, size_t wl) {
+  const char *name = tp->name ? tp->name : "";
+  grpc_status_code code;
+  uint64_t version;
+  fps_tensor_t *t = fps__pp_tensor(pp, name, &version, &code, why, wl);
+  if (!t) return code;
+  fps_push_entry_t *e = pp->hcap ? *fps__pp_slot(pp, t) : NULL;
+  if (e && e->has_push) {
+    snprintf(why, wl, "tensor '%s': named by two TensorPush entries in one PushPull call (at most one each)", name);
+    return GRPC_STATUS_INVALID_ARGUMENT;
+  }
+  if (e) {
+    snprintf(why, wl,
+             "tensor '%s': its TensorPush came after its first gradient slice; send it in the same message "
+             "as that slice or earlier",
+             name);
+    return GRPC_STATUS_INVALID_ARGUMENT;
+  }
+  bool has_lr = tp->has_lr_case == FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__HAS_LR_LR;
+  bool has_wd = tp->has_weight_decay_case == FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__HAS_WEIGHT_DECAY_WEIGHT_DECAY;
+  bool has_step = tp->has_step_case == FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__HAS_STEP_STEP;
+  int rc = fps_push_settings_check(t, has_lr, tp->lr, has_wd, tp->weight_decay, why, wl);
+  if (rc < 0) return fps_wire_status(rc);
+  e = fps__pp_new_entry(pp, t, version, FACTORPS__V1__DTYPE__DTYPE_F32, has_step ? tp->step : pp->step, &code,
+                        why, wl);
+  if (!e) return code;
+  e->has_push = true;
+  e->has_lr = has_lr;
+  e->lr = tp->lr;
+  e->has_weight_decay = has_wd;
+  e->weight_decay = tp->weight_decay;
+  e->no_grad = tp->no_grad;
+  return GRPC_STATUS_OK;
 }
 
 /* Validates one request message and stages its slices. */
 static grpc_status_code fps__pp_message(fps_pp_call_t *pp, const Factorps__V1__PushPullRequest *m, char *why,
                                         size_t wl) {
   fps_server_t *srv = pp->base.srv;
-  bool per_worker = srv->cfg.mode != FPS_MODE_ASYNC;
   if (!pp->have_header) {
     pp->have_header = true;
     pp->worker_id = m->worker_id;
     pp->step = m->step;
     pp->skip_params = m->skip_params;
-    if (per_worker && m->worker_id >= srv->cfg.workers) {
-      snprintf(why, wl, "worker id %u is beyond the %u workers this shard expects (--workers; ids 0..%u)",
-               m->worker_id, srv->cfg.workers, srv->cfg.workers - 1);
-      return GRPC_STATUS_INVALID_ARGUMENT;
-    }
-  } else if (m->worker_id != pp->worker_id || m->step != pp->step) {
+    pp->num_workers = m->num_workers;
+    pp->expect_mode = (int)m->expect_mode;
+    int rc = fps_push_header_check(&srv->cfg, m->worker_id, m->num_workers, (int)m->expect_mode, why, wl);
+    if (rc < 0) return fps_wire_status(rc);
+  } else if (m->worker_id != pp->worker_id || m->step != pp->step || m->num_workers != pp->num_workers ||
+             (int)m->expect_mode != pp->expect_mode) {
     snprintf(why, wl,
-             "worker_id/step changed within one PushPull stream (%u/%" PRIu64 " then %u/%" PRIu64 ")",
-             pp->worker_id, pp->step, m->worker_id, m->step);
+             "worker_id/step/num_workers/expect_mode changed within one PushPull stream (%u/%" PRIu64
+             "/%u/%d then %u/%" PRIu64 "/%u/%d)",
+             pp->worker_id, pp->step, pp->num_workers, pp->expect_mode, m->worker_id, m->step, m->num_workers,
+             (int)m->expect_mode);
     return GRPC_STATUS_INVALID_ARGUMENT;
   }
+  grpc_status_code code;
+  /* Settings first: a message may carry a tensor's TensorPush together
+   * with its first slice. */
+  for (size_t i = 0; i < m->n_tensors; i++)
+    if ((code = fps__pp_tensor_push(pp, m->tensors[i], why, wl)) != GRPC_STATUS_OK) return code;
   for (size_t i = 0; i < m->n_grads; i++) {
     const Factorps__V1__TensorSlice *s = m->grads[i];
     const char *name = s->name ? s->name : "";
-    grpc_status_code code;
-    if ((code = fps_wire_name(name, why, wl)) != GRPC_STATUS_OK) return code;
-    pthread_rwlock_rdlock(&srv->store.mu);
-    fps_tensor_t *t = fps__store_find_locked(&srv->store, name, strlen(name));
-    pthread_rwlock_unlock(&srv->store.mu);
-    if (!t) {
-      snprintf(why, wl, "tensor '%s' not found on shard %u", name, srv->cfg.shard_id);
-      return GRPC_STATUS_NOT_FOUND;
-    }
-    pthread_mutex_lock(&t->mu);
-    bool ready = t->ready;
-    uint64_t version = t->version;
-    pthread_mutex_unlock(&t->mu);
-    if (!ready) {
-      snprintf(why, wl, "tensor '%s' is still initialising: push after every initial value is sent", name);
-      return GRPC_STATUS_FAILED_PRECONDITION;
-    }
+    uint64_t version;
+    fps_tensor_t *t = fps__pp_tensor(pp, name, &version, &code, why, wl);
+    if (!t) return code;
     uint64_t count;
     if ((code = fps_wire_slice(name, s, &t->shape, t->numel, true, &count, why, wl)) != GRPC_STATUS_OK)
       return code;
     fps_push_entry_t *e = pp->hcap ? *fps__pp_slot(pp, t) : NULL;
     if (!e) {
-      /* Fail early on a step that cannot join (the join re-checks). */
-      if (srv->cfg.mode == FPS_MODE_SYNC && pp->step != version) {
-        snprintf(why, wl,
-                 pp->step < version
-                     ? "tensor '%s': stale push: worker %u sent step %" PRIu64 " but the tensor is at version %" PRIu64
-                     : "tensor '%s': worker %u sent step %" PRIu64 ", ahead of shard: the tensor is at version %" PRIu64,
-                 name, pp->worker_id, pp->step, version);
-        if (pp->step > version) fps_checkpoint_ahead_hint(t, why, wl);
-        return GRPC_STATUS_FAILED_PRECONDITION;
-      }
-      bool over = false;
-      e = fps__pp_entry(pp, t, (int)s->dtype, &over);
-      if (!e && over) {
-        snprintf(why, wl,
-                 "tensor '%s': staging its %" PRIu64 "-byte gradient would pass the shard's limit of %" PRIu64
-                 " bytes for in-flight tensors (--max-staging-bytes); retry later",
-                 name, t->numel * 4, srv->cfg.max_staging_bytes);
-        return GRPC_STATUS_RESOURCE_EXHAUSTED;
-      }
-      if (!e) {
-        snprintf(why, wl, "tensor '%s': out of memory staging a %" PRIu64 "-element gradient", name, t->numel);
-        return GRPC_STATUS_RESOURCE_EXHAUSTED;
-      }
+      e = fps__pp_new_entry(pp, t, version, (int)s->dtype, pp->step, &code, why, wl);
+      if (!e) return code;
+    } else if (e->no_grad) {
+      snprintf(why, wl, "tensor '%s': gradient slices sent for a tensor its TensorPush marks no_grad", name);
+      return GRPC_STATUS_INVALID_ARGUMENT;
     }
+    if (!e->has_slices) e->dtype = (int)s->dtype; /* the first slice's dtype: the reply's */
+    e->has_slices = true;
     int rc = fps_ranges_add(&e->got, s->offset, s->offset + count);
     if (rc == FPS_EEXISTS) {
       snprintf(why, wl, "tensor '%s': slice [%" PRIu64 ", %" PRIu64 ") overlaps a slice already received", name,

@@ -98,6 +98,8 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
         recs[nrec].worker_id = a->worker_id;
         recs[nrec].step = a->step;
         recs[nrec].version = a->version;
+        recs[nrec].lr = a->lr;
+        recs[nrec].weight_decay = a->weight_decay;
         recp[nrec] = &recs[nrec];
         nrec++;
       }

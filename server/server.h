@@ -169,7 +169,16 @@ typedef struct fps_apply_rec_s {
   uint32_t worker_id;
   uint64_t step;
   uint64_t version;
+  double lr;                  /* applied (hf relative_step: rel_t) */
+  double weight_decay;        /* applied */
 } fps_apply_rec_t;
+
+/* The hyperparameters one update applies: the push's TensorPush values,
+ * Create's where absent (push_settings.c). */
+typedef struct fps_update_hp_s {
+  double lr;
+  double weight_decay;
+} fps_update_hp_t;
 
 /* The sync round of one tensor: at most one is open (its step equals the
  * tensor's version). */
@@ -194,6 +203,8 @@ struct fps_tensor_s {
   bool ready;                 /* every element initialised */
   fps_ranges_t init;          /* initialised ranges while !ready */
   uint64_t version;           /* updates applied */
+  double last_lr;             /* lr of the last update (Create's before one) */
+  double last_weight_decay;   /* weight decay of the last update */
   uint64_t restored_seq;      /* checkpoint it was restored from, 0: none */
   uint64_t restored_version;  /* its version in that checkpoint */
   fps_round_t round;          /* sync mode */
@@ -229,10 +240,11 @@ fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t 
                                 uint64_t numel, const fps_adafactor_hparams_t *hp,
                                 uint32_t workers, uint32_t log_cap);
 void fps_tensor_destroy(fps_tensor_t *t);
-/* One Adafactor step with grad (finite, numel floats), version+1, apply log,
- * counters. REQUIRES t->mu held. */
+/* One Adafactor step with grad (finite, numel floats) and the update's
+ * hyperparameters uh (NULL: Create's), version+1, apply log, counters.
+ * REQUIRES t->mu held. */
 int fps__tensor_apply_locked(fps_server_t *srv, fps_tensor_t *t, const float *grad,
-                             uint32_t worker_id, uint64_t step);
+                             uint32_t worker_id, uint64_t step, const fps_update_hp_t *uh);
 /* "[3, 5]" into buf. */
 void fps_shape_format(const fps_shape_t *s, char *buf, size_t len);
 
@@ -470,6 +482,13 @@ struct fps_push_entry_s {
   float *grad;                /* numel floats: staging, becomes the reply snapshot */
   fps_ranges_t got;           /* slices received */
   int dtype;                  /* dtype of the first slice: reply dtype */
+  uint64_t step;              /* this tensor's step (TensorPush.step or the call's) */
+  bool has_slices;            /* a gradient slice arrived */
+  bool has_push;              /* a TensorPush named it */
+  bool no_grad;               /* TensorPush.no_grad: nothing to apply */
+  bool has_lr, has_weight_decay;
+  double lr, weight_decay;    /* TensorPush values when has_* */
+  fps_update_hp_t uh;         /* effective values (set at commit) */
   bool in_round;              /* member of t->round (t->mu) */
   bool resolved;              /* round done or failed (owner->base.mu) */
   grpc_status_code code;      /* result when resolved */
@@ -486,11 +505,12 @@ void fps_pushpull_ssp_resume(struct fps_pp_call_s *pp);
 /* ssp: fail a parked call. */
 void fps_pushpull_ssp_fail(struct fps_pp_call_s *pp, grpc_status_code code, const char *msg);
 
-/* sync.c: joins every entry of a call to its tensor's round (all or none).
+/* sync.c: joins every entry of a call to its tensor's round (all or none),
+ * each at its own step (e->step).
  * On a validation failure returns the gRPC code and fills why. Entries of
  * rounds that complete here are resolved before returning. */
 grpc_status_code fps_sync_join(fps_server_t *srv, fps_push_entry_t **e, size_t n,
-                               uint32_t worker_id, uint64_t step, int64_t call_deadline_ns,
+                               uint32_t worker_id, int64_t call_deadline_ns,
                                char *why, size_t why_len);
 /* Withdraws entries still waiting in a round (cancelled call). Returns how
  * many were withdrawn (they are resolved as CANCELLED by the caller). */
@@ -505,5 +525,29 @@ void fps_ssp_advance(fps_server_t *srv, uint32_t worker_id, uint64_t step);
 bool fps_ssp_unpark(fps_server_t *srv, fps_ssp_wait_t *w);
 
 void fps_counters_push_done(fps_server_t *srv, bool ok, double seconds);
+
+/* ------------------------------------- per-push settings (push_settings.c)
+ *
+ * gRPC-free: each returns 0 or a negative FPS_E* with a message in `why`
+ * naming the tensor and the problem (wire.c's fps_wire_status() maps the
+ * code to the gRPC status). */
+
+/* The stream header against the shard's configuration: worker_id < W and
+ * num_workers == W (unless 0) in sync/ssp, expect_mode (0: any) equal to
+ * the shard's mode. FPS_ESTATE on a mismatch. */
+int fps_push_header_check(const fps_config_t *cfg, uint32_t worker_id, uint32_t num_workers,
+                          int expect_mode, char *why, size_t why_len);
+/* Validates a TensorPush's lr / weight decay for tensor t with its flavor's
+ * own rules (as Create does): FPS_EHPARAM. */
+int fps_push_settings_check(const fps_tensor_t *t, bool has_lr, double lr, bool has_wd, double wd,
+                            char *why, size_t why_len);
+/* e->uh from e's TensorPush values and t's Create settings. */
+void fps_push_settings_resolve(fps_push_entry_t *e);
+/* A full sync round's members m[0..W-1] against each other: identical
+ * effective lr/weight decay (FPS_ESTATE naming the workers and values), a
+ * gradient from all or none (FPS_ESTATE naming who had and who lacked one).
+ * *all_no_grad is set when no member has a gradient. */
+int fps_round_agree(const fps_tensor_t *t, fps_push_entry_t *const *m, uint32_t W, bool *all_no_grad,
+                    char *why, size_t why_len);
 
 #endif

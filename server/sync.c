@@ -71,14 +71,55 @@ static size_t fps__round_take_locked(fps_server_t *srv, fps_tensor_t *t, fps_pus
   return n;
 }
 
-/* The round is full: average in worker-id order, apply, snapshot. Members
- * are moved to out[] with their results set. REQUIRES t->mu. */
+/* The round is full: check that its members agree (settings, who has a
+ * gradient), average in worker-id order, apply, snapshot. Members are
+ * moved to out[] with their results set. REQUIRES t->mu. */
 static size_t fps__round_complete_locked(fps_server_t *srv, fps_tensor_t *t, fps_push_entry_t **out) {
   uint32_t W = srv->cfg.workers;
   fps_push_entry_t **m = t->round.member;
   uint64_t n = t->numel;
   uint64_t step = t->round.step;
   float *sum = m[0]->grad;
+  char why[1024];
+  bool none = false;
+  if (fps_round_agree(t, m, W, &none, why, sizeof why) < 0) {
+    /* A disagreement fails every member; nothing is applied. */
+    size_t k = fps__round_take_locked(srv, t, out);
+    for (size_t i = 0; i < k; i++) {
+      out[i]->code = GRPC_STATUS_FAILED_PRECONDITION;
+      out[i]->msg = strdup(why);
+    }
+    return k;
+  }
+  if (none) {
+    /* Every worker said no_grad: the round completes with nothing applied;
+     * every member gets the current params at the current version. */
+    bool want = false;
+    for (uint32_t w = 0; w < W; w++) want |= !m[w]->skip_params;
+    fps_snap_t *snap = NULL;
+    if (want) {
+      memcpy(sum, t->param, n * sizeof(float));
+      m[0]->grad = NULL;
+      snap = fps_snap_wrap(srv, sum, n, t->version, (int)W);
+    }
+    uint64_t version = t->version;
+    size_t k = fps__round_take_locked(srv, t, out);
+    for (size_t i = 0; i < k; i++) {
+      fps_push_entry_t *e = out[i];
+      fps_tbuf_free(srv, e->grad, n);
+      e->grad = NULL;
+      if (!snap && want && !e->skip_params) {
+        e->code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+        e->msg = strdup("out of memory for the parameter snapshot");
+        continue;
+      }
+      e->code = GRPC_STATUS_OK;
+      e->version = version;
+      if (snap && !e->skip_params) e->snap = snap;
+      else if (snap) fps_snap_unref(snap);
+    }
+    return k;
+  }
   fps_metrics_step_observe(W, (double)(fps_now_ns() - t->round.started_ns) / 1e9);
   /* ((g0 + g1) + g2) + ... in fp32, then one division by W: the exact
    * arithmetic a local replay must use to match bit for bit. */
@@ -90,7 +131,7 @@ static size_t fps__round_complete_locked(fps_server_t *srv, fps_tensor_t *t, fps
     const float fw = (float)W;
     for (uint64_t i = 0; i < n; i++) sum[i] /= fw;
   }
-  int rc = fps__tensor_apply_locked(srv, t, sum, 0, step);
+  int rc = fps__tensor_apply_locked(srv, t, sum, 0, step, &m[0]->uh);
   fps_snap_t *snap = NULL;
   if (rc == 0) {
     bool want = false;
@@ -130,7 +171,7 @@ static int fps__cmp_entry_tensor(const void *a, const void *b) {
 }
 
 grpc_status_code fps_sync_join(fps_server_t *srv, fps_push_entry_t **e, size_t n, uint32_t worker_id,
-                               uint64_t step, int64_t call_deadline_ns, char *why, size_t why_len) {
+                               int64_t call_deadline_ns, char *why, size_t why_len) {
   uint32_t W = srv->cfg.workers;
   grpc_status_code code = GRPC_STATUS_OK;
   /* Lock every tensor of the call in address order (no deadlock with a
@@ -149,6 +190,7 @@ grpc_status_code fps_sync_join(fps_server_t *srv, fps_push_entry_t **e, size_t n
   for (size_t i = 0; i < n; i++) pthread_mutex_lock(&sorted[i]->t->mu);
   for (size_t i = 0; i < n && code == GRPC_STATUS_OK; i++) {
     fps_tensor_t *t = sorted[i]->t;
+    uint64_t step = sorted[i]->step;
     if (step < t->version) {
       code = GRPC_STATUS_FAILED_PRECONDITION;
       snprintf(why, why_len,
@@ -177,7 +219,7 @@ grpc_status_code fps_sync_join(fps_server_t *srv, fps_push_entry_t **e, size_t n
       fps_tensor_t *t = x->t;
       if (!t->round.open) {
         t->round.open = true;
-        t->round.step = step;
+        t->round.step = x->step;
         t->round.joined = 0;
         t->round.started_ns = now;
         __atomic_store_n(&t->round.deadline_ns, fps_clock_after(now, srv->cfg.deadline), __ATOMIC_RELAXED);

@@ -102,6 +102,8 @@ fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t 
   t->shape = *shape;
   t->numel = numel;
   t->hp = *hp;
+  t->last_lr = hp->has_lr ? hp->lr : 0.0;
+  t->last_weight_decay = hp->weight_decay;
   t->name = malloc(len + 1);
   /* Parameters are written by Create's init slices; malloc (not calloc)
    * leaves untouched pages unfaulted until then. At least one float so a
@@ -135,18 +137,28 @@ void fps_tensor_destroy(fps_tensor_t *t) {
 }
 
 int fps__tensor_apply_locked(fps_server_t *srv, fps_tensor_t *t, const float *grad,
-                             uint32_t worker_id, uint64_t step) {
+                             uint32_t worker_id, uint64_t step, const fps_update_hp_t *uh) {
   fps_adafactor_trace_t tr;
   memset(&tr, 0, sizeof tr);
+  /* This update's settings: Create's, with the push's lr and weight decay
+   * (validated against the flavor's rules when they arrived). */
+  fps_adafactor_hparams_t hp = t->hp;
+  if (uh) {
+    hp.lr = uh->lr;
+    hp.weight_decay = uh->weight_decay;
+  }
   int64_t t0 = fps_now_ns();
   fps_pool_t *pool = t->numel >= FPS_POOL_MIN_NUMEL ? srv->pool : NULL;
-  int rc = fps_adafactor_step(srv->kernels, &t->hp, &t->st, t->param, grad, pool, &tr);
+  int rc = fps_adafactor_step(srv->kernels, &hp, &t->st, t->param, grad, pool, &tr);
   int64_t t1 = fps_now_ns();
   if (rc < 0) {
     FPS_SLOG(FPS_LOG_ERROR, "tensor '%s': Adafactor step failed: %s", t->name, fps_strerror(rc));
     return rc;
   }
   t->version++;
+  /* hf relative_step: the lr is the relative step size this step used. */
+  t->last_lr = hp.flavor == FPS_FLAVOR_HF && hp.relative_step ? tr.rel_step : hp.lr;
+  t->last_weight_decay = hp.weight_decay;
   if (t->log_len == t->log_cap && t->log_cap < t->log_max) {
     /* Not wrapped yet (head is 0), so growing keeps the order. */
     uint32_t cap = t->log_cap ? t->log_cap * 2 : 16;
@@ -163,7 +175,7 @@ int fps__tensor_apply_locked(fps_server_t *srv, fps_tensor_t *t, const float *gr
     uint32_t slot = (t->log_head + t->log_len) % t->log_cap;
     if (t->log_len == t->log_cap) t->log_head = (t->log_head + 1) % t->log_cap;
     else t->log_len++;
-    t->log[slot] = (fps_apply_rec_t){worker_id, step, t->version};
+    t->log[slot] = (fps_apply_rec_t){worker_id, step, t->version, t->last_lr, t->last_weight_decay};
   }
   atomic_fetch_add(&srv->counters.updates, 1);
   atomic_fetch_add(&srv->counters.update_bytes, tr.bytes);

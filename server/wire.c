@@ -89,6 +89,22 @@ grpc_status_code fps_wire_hparams(const char *name, const Factorps__V1__Adafacto
   return GRPC_STATUS_OK;
 }
 
+grpc_status_code fps_wire_status(int fps_err) {
+  switch (fps_err) {
+    case 0: return GRPC_STATUS_OK;
+    case FPS_EINVAL: case FPS_ESHAPE: case FPS_EHPARAM: case FPS_EFLAVOR: case FPS_EFORMAT:
+    case FPS_ENONFINITE: case FPS_EPROTO: return GRPC_STATUS_INVALID_ARGUMENT;
+    case FPS_ENOMEM: case FPS_ELIMIT: case FPS_EOVERFLOW: return GRPC_STATUS_RESOURCE_EXHAUSTED;
+    case FPS_ENOTFOUND: return GRPC_STATUS_NOT_FOUND;
+    case FPS_EEXISTS: return GRPC_STATUS_ALREADY_EXISTS;
+    case FPS_ESTATE: return GRPC_STATUS_FAILED_PRECONDITION;
+    case FPS_ETIMEOUT: return GRPC_STATUS_DEADLINE_EXCEEDED;
+    case FPS_EUNAVAILABLE: case FPS_EAGAIN: return GRPC_STATUS_UNAVAILABLE;
+    case FPS_EUNSUPPORTED: return GRPC_STATUS_UNIMPLEMENTED;
+    default: return GRPC_STATUS_INTERNAL;
+  }
+}
+
 bool fps_shape_equal(const fps_shape_t *a, const fps_shape_t *b) {
   if (a->ndim != b->ndim) return false;
   for (uint32_t i = 0; i < a->ndim; i++)

@@ -43,6 +43,9 @@ uint64_t fps_wire_first_nonfinite(int dtype, const uint8_t *data, uint64_t n);
 grpc_status_code fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len,
                                  ProtobufCMessage **out, char *why, size_t why_len);
 
+/* The gRPC status of an FPS_E* code from the gRPC-free checks (one table). */
+grpc_status_code fps_wire_status(int fps_err);
+
 /* Equal shapes? */
 bool fps_shape_equal(const fps_shape_t *a, const fps_shape_t *b);
 

@@ -77,23 +77,25 @@ class Merge(BadInputBase):
         ch = self.srv.channel()
         create = ch.unary_unary("/factorps.v1.ParameterServer/Create")
         # One TensorCreate in two parts: the optimizer is split (flavor in
-        # the first, lr in the second), the init slice too (dtype first,
+        # the first, eps2 in the second), the init slice too (dtype first,
         # data second).
         part1 = pb.TensorCreate(name="m", shape=[2], optimizer=pb.AdafactorConfig(flavor=pb.FLAVOR_TORCH),
                                 init=pb.TensorSlice(dtype=pb.DTYPE_F32)).SerializeToString()
-        part2 = pb.TensorCreate(optimizer=pb.AdafactorConfig(lr=0.5),
+        part2 = pb.TensorCreate(optimizer=pb.AdafactorConfig(eps2=0.5),
                                 init=pb.TensorSlice(data=np.array([1, 2], np.float32).tobytes())).SerializeToString()
         tc = part1 + part2
-        self.assertEqual(pb.TensorCreate.FromString(tc).optimizer.lr, 0.5)  # what protobuf says it means
+        self.assertEqual(pb.TensorCreate.FromString(tc).optimizer.eps2, 0.5)  # what protobuf says it means
         req = pb.CreateRequest(shard_id=0, shard_count=1).SerializeToString() + b"\x0a" + bytes([len(tc)]) + tc
         resp = pb.CreateResponse.FromString(create(req, timeout=10))
         self.assertTrue(resp.tensors[0].created and resp.tensors[0].ready)
         got, ver = H.pull(self.srv.stub, {"m": [2]})
         np.testing.assert_array_equal(got["m"], [1, 2])
         # The merged settings are the tensor's: the same Create in one part
-        # matches, one without lr=0.5 does not.
-        H.create(self.srv.stub, "m", [2], opt=H.optimizer(lr=0.5))
-        self.assertStatus(lambda: H.create(self.srv.stub, "m", [2]), self.grpc.StatusCode.ALREADY_EXISTS, "'m'", "lr")
+        # matches, one without eps2=0.5 does not (eps2 is fixed at Create;
+        # lr would not do here: it may differ, it changes per push).
+        H.create(self.srv.stub, "m", [2], opt=H.optimizer(eps2=0.5))
+        self.assertStatus(lambda: H.create(self.srv.stub, "m", [2]), self.grpc.StatusCode.ALREADY_EXISTS, "'m'",
+                          "eps2")
         # The tensor works like any other.
         _, ver = H.push(self.srv.stub, 0, 0, {"m": ([2], np.ones(2, np.float32))}, timeout=10)
         self.assertEqual(ver["m"], 1)

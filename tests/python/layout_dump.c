@@ -95,6 +95,23 @@ int main(void) {
   FIELD(fps_apply_record_t, worker_id);
   FIELD(fps_apply_record_t, step);
   FIELD(fps_apply_record_t, version);
+  FIELD(fps_apply_record_t, lr);
+  FIELD(fps_apply_record_t, weight_decay);
+
+  SIZE(fps_tensor_push_t);
+  FIELD(fps_tensor_push_t, has_lr);
+  FIELD(fps_tensor_push_t, lr);
+  FIELD(fps_tensor_push_t, has_weight_decay);
+  FIELD(fps_tensor_push_t, weight_decay);
+  FIELD(fps_tensor_push_t, no_grad);
+  FIELD(fps_tensor_push_t, has_step);
+  FIELD(fps_tensor_push_t, step);
+
+  SIZE(fps_push_args_t);
+  FIELD(fps_push_args_t, worker_id);
+  FIELD(fps_push_args_t, num_workers);
+  FIELD(fps_push_args_t, step);
+  FIELD(fps_push_args_t, expect_mode);
 
   SIZE(fps_tensor_stats_t);
   FIELD(fps_tensor_stats_t, name);

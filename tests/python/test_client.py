@@ -116,7 +116,8 @@ class ClientTest(unittest.TestCase):
         self.assertTrue(t["factored"])
         self.assertEqual(t["flavor"], "torch")
         self.assertEqual(t["state_elements"], 40 + 16)
-        self.assertEqual(t["apply_log"], [dict(worker_id=0, step=0, version=1)])
+        # The values the update applied: the Create defaults (torch lr 1e-2, wd 0).
+        self.assertEqual(t["apply_log"], [dict(worker_id=0, step=0, version=1, lr=1e-2, weight_decay=0.0)])
 
     def test_threads_share_one_client(self):
         errors = []

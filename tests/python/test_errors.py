@@ -111,10 +111,11 @@ class ShardErrorsTest(unittest.TestCase):
                 run2.create([factorps.TensorSpec("w", (5, 3), np.ones((5, 3))),
                              factorps.TensorSpec("b", (3,), np.zeros(3))])
             self.assertIn("w", cm.exception.message)
-            # Same shape, other optimizer settings: also a mismatch.
+            # Same shape, other fixed optimizer settings: also a mismatch
+            # (lr and weight_decay may differ: they change per push).
             with self.assertRaises(factorps.AlreadyExistsError):
                 run2.create([factorps.TensorSpec("w", (4, 3), self.w0,
-                                                 factorps.optimizer_config("torch", lr=0.5)),
+                                                 factorps.optimizer_config("torch", eps2=0.5)),
                              factorps.TensorSpec("b", (3,), np.zeros(3))])
             # The unchanged model still attaches, and sees run 1's values.
             run2.create([factorps.TensorSpec("w", (4, 3), np.ones((4, 3))),

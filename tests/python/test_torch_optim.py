@@ -154,7 +154,9 @@ class RemoteTest(unittest.TestCase):
             np.testing.assert_allclose(p.detach().numpy(), want, rtol=0, atol=1e-6)
         self.assertEqual(opt.remote_step, 1)
 
-    def test_none_gradients_are_pushed_as_zeros(self):
+    def test_none_gradients_are_not_stepped(self):
+        # Issue 9: a parameter without a gradient gets no update (no_grad on
+        # the wire), as in torch: its shard version stays 0.
         ps = _params()
         before = [p.detach().clone() for p in ps]
         opt = self.opt(ps)
@@ -163,7 +165,7 @@ class RemoteTest(unittest.TestCase):
         torch.testing.assert_close(ps[1].detach(), before[1], rtol=0, atol=0)
         self.assertFalse(torch.equal(ps[0].detach(), before[0]))
         _, versions = opt.client.pull(want_params=False)
-        self.assertEqual(set(versions.values()), {1})  # every tensor stepped
+        self.assertEqual(sorted(versions.values()), [0, 1])
 
     def test_closure(self):
         p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
@@ -204,10 +206,11 @@ class RemoteTest(unittest.TestCase):
         extra.grad = torch.ones(5, 2)
         for p in ps:
             p.grad = torch.ones_like(p)
-        # The old tensors are at version 1, the new one at 0: a sync shard
-        # cannot take one step number for both, and says so.
-        with self.assertRaises(factorps.FailedPreconditionError):
-            opt.step()
+        # The old tensors are at version 1, the new one at 0: each travels
+        # with its own step (TensorPush.step), so the sync shard takes both.
+        opt.step()
+        _, versions = opt.client.pull(want_params=False)
+        self.assertEqual(sorted(versions.values()), [1, 2, 2])
 
     def test_a_second_run_on_live_shards(self):
         ps = _params()

@@ -277,6 +277,36 @@ static void round_trip(void **unused) {
   remove_dir(dir);
 }
 
+/* The lr and weight decay of a tensor's last update (per-push settings)
+ * are stored and restored; without fps_ckpt_snapshot_set_applied() the
+ * tensor's own hyperparameters are stored. */
+static void applied_settings_round_trip(void **unused) {
+  (void)unused;
+  char *dir = make_dir();
+  live_t lv[NSPECS];
+  fps_ckpt_snapshot_t *s = snapshot_of(lv, 1, 0, 2);
+  assert_int_equal(fps_ckpt_snapshot_set_applied(s, 0, 0.125, 0.75), 0);
+  assert_int_equal(fps_ckpt_snapshot_set_applied(s, 3, 0.0, 0.0), 0);
+  assert_int_equal(fps_ckpt_snapshot_set_applied(s, NSPECS, 0.1, 0.1), FPS_EINVAL);
+  assert_int_equal(fps_ckpt_snapshot_set_applied(s, 1, -0.1, 0.1), FPS_EINVAL);
+  assert_int_equal(fps_ckpt_snapshot_set_applied(s, 1, 0.1, NAN), FPS_EINVAL);
+  fps_ckpt_written_t w;
+  char why[FPS_CKPT_WHY_MAX] = "";
+  int rc = fps_ckpt_write(dir, s, 1, &w, why, sizeof why);
+  if (rc) fail_msg("write: %s", why);
+  fps_ckpt_snapshot_destroy(s);
+  fps_ckpt_t *c = NULL;
+  assert_int_equal(fps_ckpt_load_file(w.path, &EXPECT, &c, why, sizeof why), 0);
+  assert_true(c->tensors[0].last_lr == 0.125 && c->tensors[0].last_weight_decay == 0.75);
+  assert_true(c->tensors[3].last_lr == 0.0 && c->tensors[3].last_weight_decay == 0.0);
+  /* Not set: the tensor's own lr (hf relative_step: none, 0) and decay. */
+  assert_true(c->tensors[1].last_lr == 1e-2 && c->tensors[1].last_weight_decay == 0.01);
+  assert_true(c->tensors[2].last_lr == 0.0 && c->tensors[2].last_weight_decay == 0.0);
+  fps_ckpt_destroy(c);
+  for (size_t i = 0; i < NSPECS; i++) live_free(&lv[i]);
+  remove_dir(dir);
+}
+
 /* A diverged tensor (NaN weights and RMS) still checkpoints and restores
  * bit for bit: the file records what was there. */
 static void non_finite_values_round_trip(void **unused) {
@@ -828,6 +858,13 @@ static void m_t_step(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "step", "-3"); 
 static void m_t_rms_big(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "rms", "1e39"); }
 static void m_t_rms_inexact(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "rms", "0.1"); }
 static void m_t_missing(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "decay", NULL); }
+static void m_t_no_applied(cJSON *r, cJSON *m) {
+  (void)r;
+  set_tmeta(m, "last_lr", NULL);
+  set_tmeta(m, "last_weight_decay", NULL);
+}
+static void m_t_last_lr_neg(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "last_lr", "-0.5"); }
+static void m_t_last_wd_nan(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "last_weight_decay", "nan"); }
 static void m_t_hf_beta1(cJSON *r, cJSON *m) {
   /* Momentum on without a "bias/mom" array stored. */
   (void)r;
@@ -903,6 +940,9 @@ static const mutation_t MUTATIONS[] = {
     {"rms beyond float", m_t_rms_big, "\"rms\" has a bad value"},
     {"rms not a float", m_t_rms_inexact, "\"rms\" has a bad value"},
     {"missing hparam", m_t_missing, "lacks \"decay\""},
+    {"no last_lr/last_weight_decay (an earlier writer)", m_t_no_applied, NULL},
+    {"negative last_lr", m_t_last_lr_neg, "\"last_lr\" has a bad value"},
+    {"NaN last_weight_decay", m_t_last_wd_nan, "\"last_weight_decay\" has a bad value"},
     {"momentum without its array", m_t_hf_beta1, "no \"bias/mom\" entry"},
     {"tensor metadata not JSON", m_t_not_json, "not a JSON object"},
     {"empty tensor name", m_bad_name, "tensor name"},
@@ -1202,6 +1242,7 @@ static void directory_lease(void **unused) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(round_trip),
+      cmocka_unit_test(applied_settings_round_trip),
       cmocka_unit_test(non_finite_values_round_trip),
       cmocka_unit_test(empty_snapshot),
       cmocka_unit_test(keeps_last_k_and_loads_newest),

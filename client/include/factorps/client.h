@@ -212,6 +212,47 @@ FPS_EXTERN int fps_client_push_pull(fps_client_t *c, uint32_t worker_id, uint64_
                                     float *const *params, uint64_t *versions, size_t n,
                                     fps_status_t *status);
 
+/* Per-tensor settings of one push (the wire's PushPullRequest.TensorPush):
+ * a has_* flag of 0 means "the tensor's Create value" (lr, weight_decay)
+ * or "the call's step". */
+typedef struct fps_tensor_push_s {
+  int has_lr;           double lr;           /* this update's lr: finite, >= 0;
+                                                hf relative_step=true: must be 0
+                                                (INVALID_ARGUMENT from the shard) */
+  int has_weight_decay; double weight_decay; /* this update's weight decay, >= 0 */
+  int no_grad;          /* no gradient this step (frozen/unused): no update, no
+                           weight decay, version unchanged; grads[i] may be NULL
+                           and is not sent */
+  int has_step;         uint64_t step;       /* this tensor's step, if it differs
+                                                from args->step */
+} fps_tensor_push_t;
+
+/* The call-wide arguments of fps_client_push_pull_ex(). */
+typedef struct fps_push_args_s {
+  uint32_t worker_id;
+  uint32_t num_workers; /* the job's worker count W, checked by sync/ssp
+                           shards at the first message (FAILED_PRECONDITION
+                           when it differs from their --workers); 0 = unchecked */
+  uint64_t step;        /* default step of every tensor (see push_pull) */
+  int expect_mode;      /* 0 any, 1 sync, 2 async, 3 ssp (the proto's Mode):
+                           a shard in another mode answers FAILED_PRECONDITION */
+} fps_push_args_t;
+
+/* fps_client_push_pull() with per-tensor settings and the job checks:
+ * `per` (n entries, or NULL for none) gives each tensor's lr, weight decay,
+ * no_grad and step for this update only (the tensor's Create settings stay
+ * its defaults); see TensorPush in the proto for the shard's rules (sync:
+ * every worker of a round must send the same effective lr and weight decay
+ * and agree on no_grad, else every one of them gets FAILED_PRECONDITION
+ * and nothing is applied). A no_grad tensor's params[i] and versions[i]
+ * still get its current values. Errors as fps_client_push_pull(), plus
+ * INVALID_ARGUMENT for a NULL args, an expect_mode outside 0..3, or a NULL
+ * grads[i] without no_grad. Thread-safe. */
+FPS_EXTERN int fps_client_push_pull_ex(fps_client_t *c, const fps_push_args_t *args,
+                                       const char *const *names, const float *const *grads,
+                                       const fps_tensor_push_t *per, float *const *params,
+                                       uint64_t *versions, size_t n, fps_status_t *status);
+
 /* Reads the current values and versions of `n` tensors into `params[i]`
  * (numel floats each; NULL skips the data) and `versions` (may be NULL).
  * Errors as fps_client_push_pull(); retried on UNAVAILABLE. Thread-safe. */
@@ -247,6 +288,8 @@ typedef struct fps_apply_record_s {
   uint32_t worker_id;           /* sync: the lowest worker id of the round */
   uint64_t step;                /* the pushing worker's step */
   uint64_t version;             /* the tensor's version after the update */
+  double lr;                    /* the lr it applied (hf relative_step: rel_t) */
+  double weight_decay;          /* the weight decay it applied */
 } fps_apply_record_t;
 
 /* Per-tensor figures, as in the wire contract's TensorStats. */

@@ -112,6 +112,26 @@ class ApplyRecord(ctypes.Structure):
         ("worker_id", ctypes.c_uint32),
         ("step", ctypes.c_uint64),
         ("version", ctypes.c_uint64),
+        ("lr", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+    ]
+
+
+class TensorPush(ctypes.Structure):
+    _fields_ = [
+        ("has_lr", ctypes.c_int), ("lr", ctypes.c_double),
+        ("has_weight_decay", ctypes.c_int), ("weight_decay", ctypes.c_double),
+        ("no_grad", ctypes.c_int),
+        ("has_step", ctypes.c_int), ("step", ctypes.c_uint64),
+    ]
+
+
+class PushArgs(ctypes.Structure):
+    _fields_ = [
+        ("worker_id", ctypes.c_uint32),
+        ("num_workers", ctypes.c_uint32),
+        ("step", ctypes.c_uint64),
+        ("expect_mode", ctypes.c_int),
     ]
 
 
@@ -154,6 +174,8 @@ STRUCTS = {
     "fps_apply_record_t": ApplyRecord,
     "fps_tensor_stats_t": TensorStats,
     "fps_checkpoint_info_t": CheckpointInfo,
+    "fps_tensor_push_t": TensorPush,
+    "fps_push_args_t": PushArgs,
 }
 
 _P = ctypes.POINTER
@@ -168,6 +190,9 @@ _SIGNATURES = {
     "fps_client_push_pull": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64,
                                             _P(ctypes.c_char_p), _P(c_float_p), _P(c_float_p),
                                             _P(ctypes.c_uint64), ctypes.c_size_t, _P(Status)]),
+    "fps_client_push_pull_ex": (ctypes.c_int, [ctypes.c_void_p, _P(PushArgs), _P(ctypes.c_char_p),
+                                               _P(c_float_p), _P(TensorPush), _P(c_float_p),
+                                               _P(ctypes.c_uint64), ctypes.c_size_t, _P(Status)]),
     "fps_client_pull": (ctypes.c_int, [ctypes.c_void_p, _P(ctypes.c_char_p), _P(c_float_p),
                                        _P(ctypes.c_uint64), ctypes.c_size_t, _P(Status)]),
     "fps_client_stats": (ctypes.c_int, [ctypes.c_void_p, _P(ShardStats), ctypes.c_size_t,
@@ -215,7 +240,7 @@ def candidates():
 # Functions added to client.h after its first draft: a library without them
 # still loads, and the methods that need them raise UnimplementedError.
 OPTIONAL = {"fps_code_name", "fps_client_tensor_shape", "fps_client_tensor_stats",
-            "fps_client_discover"}
+            "fps_client_discover", "fps_client_push_pull_ex"}
 
 
 def _bind(lib):
