@@ -26,6 +26,7 @@
 #include "wire.h"
 
 #define FPS_SLOTS_PER_METHOD 8
+#define FPS_MAX_METADATA_BYTES 8192
 
 enum { M_CREATE, M_PUSHPULL, M_PULL, M_STATS, M_CHECKPOINT, M_GENERIC };
 static const char *const fps__method_path[] = {
@@ -571,7 +572,7 @@ int fps_grpc_start(fps_server_t *srv) {
     FPS_SLOG(FPS_LOG_WARN, "--max-concurrent-calls %u is below --workers %u: a round needs every "
              "worker's push parked at once and can never complete", srv->cfg.max_concurrent_calls,
              srv->cfg.workers);
-  grpc_arg args[3];
+  grpc_arg args[4];
   args[0].type = GRPC_ARG_INTEGER;
   args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
   args[0].value.integer = (int)srv->cfg.max_message_bytes;
@@ -583,7 +584,16 @@ int fps_grpc_start(fps_server_t *srv) {
   args[2].type = GRPC_ARG_INTEGER;
   args[2].key = GRPC_ARG_ALLOW_REUSEPORT;
   args[2].value.integer = 0;
-  grpc_channel_args ca = {3, args};
+  /* Request metadata per call (gRPC's default, set so it is a decision):
+   * our clients send at most a 4 KiB token and a few hundred bytes of
+   * standard headers. gRPC 1.51's C core answers metadata above this by
+   * closing the whole HTTP/2 connection (every call on it fails), which
+   * the application cannot change; a higher limit would only let one
+   * stream hold more memory. Other connections are not affected. */
+  args[3].type = GRPC_ARG_INTEGER;
+  args[3].key = GRPC_ARG_MAX_METADATA_SIZE;
+  args[3].value.integer = FPS_MAX_METADATA_BYTES;
+  grpc_channel_args ca = {4, args};
   srv->server = grpc_server_create(&ca, NULL);
   srv->cq = grpc_completion_queue_create_for_next(NULL);
   if (!srv->server || !srv->cq) return FPS_ENOMEM;

@@ -3,6 +3,8 @@
 characters, status messages that stay UTF-8 when cut, protobuf messages that
 repeat an embedded field (the parts merge), torch's d >= 1. Each case checks
 the exact status, that the shard's state is unchanged, and the counters."""
+import threading
+import time
 import unittest
 
 import numpy as np
@@ -142,6 +144,56 @@ class Simd(unittest.TestCase):
             self.skipTest("this CPU has no SIMD variant: the flag cannot be told from the env")
         # The flag wins over the environment, "auto" included.
         self.assertEqual(self.simd_of("--simd", "auto", env={"FACTORPS_SIMD": "scalar"}), best)
+
+
+class Metadata(BadInputBase):
+    """Request metadata is capped at 8 KiB (GRPC_ARG_MAX_METADATA_SIZE). gRPC
+    1.51's C core answers an oversized header block by closing that HTTP/2
+    connection (README, Security); calls on other connections go on."""
+    ARGS = ("--mode", "sync", "--workers", 2, "--deadline", 20)
+
+    def conn(self):
+        # grpcio shares one connection between a process's channels to the
+        # same address unless told otherwise.
+        return self.grpc.insecure_channel(self.srv.addr, options=[("grpc.use_local_subchannel_pool", 1)])
+
+    def test_oversized_metadata_spares_other_connections(self):
+        H.create(self.srv.stub, "md", SHAPE, self.p0)
+        parked = {}
+        a = self.conn()
+        stub_a = H.stubs()[1].ParameterServerStub(a)
+
+        def w0():
+            try:
+                parked["r"] = H.push(stub_a, 0, 0, {"md": (SHAPE, np.ones(N, np.float32))}, timeout=20)
+            except self.grpc.RpcError as e:
+                parked["r"] = e
+        th = threading.Thread(target=w0)
+        th.start()
+        time.sleep(0.5)
+        b = self.conn()
+        stats_b = b.unary_unary("/factorps.v1.ParameterServer/Stats")
+        req = self.pb.StatsRequest().SerializeToString()
+        stats_b(req, timeout=10, metadata=[("x-pad", "a" * 6000)])  # under the cap
+        with self.assertRaises(self.grpc.RpcError) as cm:
+            stats_b(req, timeout=10, metadata=[("x-pad", "a" * 9000)])
+        self.assertIn(cm.exception.code(), (self.grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            self.grpc.StatusCode.UNAVAILABLE), cm.exception.details())
+        b.close()
+        # Worker 0's call on connection A is still parked; worker 1 completes
+        # the round on a third connection, and both get the update.
+        c = self.conn()
+        _, ver = H.push(H.stubs()[1].ParameterServerStub(c), 1, 0, {"md": (SHAPE, np.ones(N, np.float32))},
+                        timeout=20)
+        c.close()
+        th.join(20)
+        self.assertEqual(ver["md"], 1)
+        self.assertNotIsInstance(parked["r"], Exception, parked["r"])
+        self.assertEqual(parked["r"][1]["md"], 1)
+        a.close()
+        s, ts = H.stats(self.srv.stub)
+        self.assertEqual(ts["md"].version, 1)
+        self.assertEqual((s.shard.pushes, s.shard.updates), (2, 1))
 
 
 if __name__ == "__main__":
