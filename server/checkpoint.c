@@ -243,7 +243,9 @@ fail:
   fps_ckpt_snapshot_destroy(snap);
   pthread_mutex_unlock(&srv->ckpt_mu);
   FPS_SLOG(FPS_LOG_ERROR, "checkpoint into %s failed: %s (%s)", srv->cfg.checkpoint_dir, why, fps_strerror(rc));
-  return rc;
+  /* FPS_ENOTFOUND means "nothing to write" to callers (SIGTERM exits 0
+   * then): a directory that vanished is an I/O failure. */
+  return rc == FPS_ENOTFOUND ? FPS_EIO : rc;
 }
 
 /* What the shard's state looks like from outside the locks: updates
