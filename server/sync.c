@@ -122,15 +122,10 @@ static size_t fps__round_complete_locked(fps_server_t *srv, fps_tensor_t *t, fps
   }
   fps_metrics_step_observe(W, (double)(fps_now_ns() - t->round.started_ns) / 1e9);
   /* ((g0 + g1) + g2) + ... in fp32, then one division by W: the exact
-   * arithmetic a local replay must use to match bit for bit. */
-  for (uint32_t w = 1; w < W; w++) {
-    const float *g = m[w]->grad;
-    for (uint64_t i = 0; i < n; i++) sum[i] += g[i];
-  }
-  if (W > 1) {
-    const float fw = (float)W;
-    for (uint64_t i = 0; i < n; i++) sum[i] /= fw;
-  }
+   * arithmetic a local replay must use to match bit for bit; the SIMD
+   * variants (common/simd) give exactly the plain loop's bits. */
+  for (uint32_t w = 1; w < W; w++) fps_kernels_add_f32(srv->kernels, sum, m[w]->grad, (size_t)n);
+  if (W > 1) fps_kernels_div_f32(srv->kernels, sum, (size_t)n, (float)W);
   int rc = fps__tensor_apply_locked(srv, t, sum, 0, step, &m[0]->uh);
   fps_snap_t *snap = NULL;
   if (rc == 0) {

@@ -28,6 +28,14 @@ int fps_kernels_by_name(const char *name, const fps_kernels_t **out, char *why, 
  * error instead of a silent fallback. */
 int fps_kernels_from_env(const fps_kernels_t **out, char *why, size_t why_len);
 
+/* The sync round's deterministic sum with variant k (NULL: the best):
+ * dst[i] += src[i] in fp32, and dst[i] /= d (a true division). Every
+ * variant gives the bits of the plain C loops, so summing the workers'
+ * gradients one at a time in worker-id order and dividing once by W is
+ * bit-identical to a local replay in that order on any CPU. */
+void fps_kernels_add_f32(const fps_kernels_t *k, float *dst, const float *src, size_t n);
+void fps_kernels_div_f32(const fps_kernels_t *k, float *dst, size_t n, float d);
+
 /* "scalar", "avx2", "avx512" or "neon". */
 const char *fps_kernels_name(const fps_kernels_t *k);
 

@@ -171,4 +171,12 @@ int fps_kernels_from_env(const fps_kernels_t **out, char *why, size_t why_len) {
   return rc;
 }
 
+void fps_kernels_add_f32(const fps_kernels_t *k, float *dst, const float *src, size_t n) {
+  (k ? k : fps_kernels_best())->add_f32(dst, src, n);
+}
+
+void fps_kernels_div_f32(const fps_kernels_t *k, float *dst, size_t n, float d) {
+  (k ? k : fps_kernels_best())->div_f32(dst, n, d);
+}
+
 const char *fps_kernels_name(const fps_kernels_t *k) { return k ? k->name : "none"; }
