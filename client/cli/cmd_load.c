@@ -39,6 +39,7 @@ typedef struct load_cfg_s {
   const char *mode_hint;
   fps_cli_sec_t sec;                   /* TLS and token options */
   int processes;
+  long worker_id;                      /* -1: run all W workers; else only this one */
   /* The model. */
   fps_tensor_def_t *defs;
   char (*names)[64];
@@ -71,13 +72,15 @@ static void usage(FILE *out) {
   fprintf(out,
           "usage: factorps load --shards HOST:PORT[,...] [--workers W] [--params N] [--steps S]\n"
           "                     [--warmup K] [--mode-hint sync|async|ssp] [--threads|--processes]\n"
-          "                     [--deadline SECONDS] [--max-message BYTES]\n"
+          "                     [--deadline SECONDS] [--max-message BYTES] [--worker-id I]\n"
           "Synthetic load: W workers (default 2, threads unless --processes) each push S steps\n"
           "(default 20) of gradients for a transformer-like model of about N parameters\n"
           "(default 10M; k/M/G suffixes) and report steps/s, GB/s (gradients pushed + params\n"
           "received) and push_pull latency percentiles over the steps after the first K\n"
           "(default 1). Sync shards must run with --workers W. --mode-hint states the mode\n"
           "the shards should run in; a mismatch with what they report is an error.\n"
+          "--worker-id I runs only worker I of the W (one worker per process or pod, e.g. a\n"
+          "Kubernetes Indexed Job's completion index); its figures are that worker's alone.\n"
           FPS_CLI_SEC_USAGE);
 }
 
@@ -351,11 +354,12 @@ int fps_cli_load(int argc, char **argv) {
                                            {"processes", no_argument, NULL, 'p'},
                                            {"deadline", required_argument, NULL, 'd'},
                                            {"max-message", required_argument, NULL, 'M'},
+                                           {"worker-id", required_argument, NULL, 'i'},
                                            {"help", no_argument, NULL, 'h'},
                                            FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
   load_cfg_t cfg = {.workers = 2, .params = 10000000, .steps = 20, .warmup = 1, .deadline = 120,
-                    .max_message = 4u << 20};
+                    .max_message = 4u << 20, .worker_id = -1};
   const char *shards = NULL;
   unsigned long long v;
   int opt, rc = 1;
@@ -363,7 +367,7 @@ int fps_cli_load(int argc, char **argv) {
   double *all = NULL;
 
   optind = 1;
-  while ((opt = getopt_long(argc, argv, "hs:w:n:S:k:m:tpd:M:", longopts, NULL)) != -1) {
+  while ((opt = getopt_long(argc, argv, "hs:w:n:S:k:m:tpd:M:i:", longopts, NULL)) != -1) {
     switch (opt) {
       case 's': shards = optarg; break;
       case 'w':
@@ -394,6 +398,10 @@ int fps_cli_load(int argc, char **argv) {
       case 'M':
         if (fps_cli_count(optarg, "--max-message", &cfg.max_message)) return 2;
         break;
+      case 'i':
+        if (fps_cli_u64(optarg, "--worker-id", 0, 1023, &v)) return 2;
+        cfg.worker_id = (long)v;
+        break;
       case 'h': usage(stdout); return 0;
       default:
         if (fps_cli_sec_opt(&cfg.sec, opt, optarg)) break;
@@ -403,6 +411,11 @@ int fps_cli_load(int argc, char **argv) {
   }
   if (!shards || optind != argc) {
     usage(stderr);
+    return 2;
+  }
+  if (cfg.worker_id >= (long)cfg.workers) {
+    fprintf(stderr, "factorps load: --worker-id (%ld) must be below --workers (%u)\n", cfg.worker_id,
+            cfg.workers);
     return 2;
   }
   if (cfg.warmup >= cfg.steps) {
@@ -429,12 +442,15 @@ int fps_cli_load(int argc, char **argv) {
   if (cfg.mode_hint && !cfg.processes && check_mode(&cfg)) goto done;
 
   size_t n_lat = cfg.steps - cfg.warmup;
-  ws = calloc(cfg.workers, sizeof *ws);
-  all = calloc(n_lat * cfg.workers, sizeof *all);
+  /* The workers this process runs: all W, or just --worker-id. */
+  unsigned nrun = cfg.worker_id >= 0 ? 1 : cfg.workers;
+  unsigned first = cfg.worker_id >= 0 ? (unsigned)cfg.worker_id : 0;
+  ws = calloc(nrun, sizeof *ws);
+  all = calloc(n_lat * nrun, sizeof *all);
   if (!ws || !all) goto done;
-  for (unsigned i = 0; i < cfg.workers; i++) {
+  for (unsigned i = 0; i < nrun; i++) {
     ws[i].cfg = &cfg;
-    ws[i].id = i;
+    ws[i].id = first + i;
     ws[i].lat = all + (size_t)i * n_lat;
   }
   printf("factorps load: %zu shard(s), %u worker %s, %llu parameters in %zu tensors "
@@ -444,19 +460,19 @@ int fps_cli_load(int argc, char **argv) {
          cfg.warmup);
   fflush(stdout);
   if (cfg.processes) {
-    if (run_processes(ws, cfg.workers, n_lat)) goto done;
+    if (run_processes(ws, nrun, n_lat)) goto done;
   } else {
     unsigned started = 0;
-    for (; started < cfg.workers; started++)
+    for (; started < nrun; started++)
       if (pthread_create(&ws[started].thread, NULL, worker_thread, &ws[started])) break;
     for (unsigned i = 0; i < started; i++) pthread_join(ws[i].thread, NULL);
-    if (started < cfg.workers) {
+    if (started < nrun) {
       fprintf(stderr, "factorps load: cannot start worker threads\n");
       goto done;
     }
   }
   double t0 = INFINITY, t1 = 0, bytes = 0;
-  for (unsigned i = 0; i < cfg.workers; i++) {
+  for (unsigned i = 0; i < nrun; i++) {
     if (!ws[i].res.ok) {
       fprintf(stderr, "factorps load: %s\n", ws[i].res.error);
       goto done;
@@ -466,12 +482,12 @@ int fps_cli_load(int argc, char **argv) {
     bytes += ws[i].res.bytes;
   }
   double secs = t1 - t0, steps_s = (double)n_lat / secs, gbs = bytes / secs / 1e9;
-  size_t n_all = n_lat * cfg.workers;
+  size_t n_all = n_lat * nrun;
   qsort(all, n_all, sizeof *all, cmp_double);
   double p50 = pct(all, n_all, 50) * 1e3, p90 = pct(all, n_all, 90) * 1e3,
          p99 = pct(all, n_all, 99) * 1e3, mx = all[n_all - 1] * 1e3;
   printf("  %.3f s for %zu timed steps: %.2f steps/s per worker, %.2f worker-steps/s\n", secs,
-         n_lat, steps_s, steps_s * cfg.workers);
+         n_lat, steps_s, steps_s * nrun);
   printf("  %.3f GB/s (gradients pushed + parameters received, all workers)\n", gbs);
   printf("  push_pull latency ms: p50 %.2f  p90 %.2f  p99 %.2f  max %.2f\n", p50, p90, p99, mx);
   printf("RESULT shards=%zu workers=%u params=%llu steps=%zu steps_per_s=%.3f gb_per_s=%.3f "
