@@ -2,7 +2,11 @@
 # Static checks of deploy/ (no Docker engine or cluster needed):
 #   yamllint on every YAML file, `docker-compose config` on the compose file,
 #   `promtool check config` on both Prometheus configurations, and every
-#   PromQL expression of the Grafana dashboard through `promtool check rules`.
+#   PromQL expression of the Grafana dashboard through `promtool check rules`,
+#   the alert unit tests (`promtool test rules`), and every shipped shard
+#   definition (compose, compose in sync, the StatefulSet, its sync overlay)
+#   through layouts.py: checkpoints on a persistent volume, an interval,
+#   a grace period for the final checkpoint, sync worker counts in one place.
 # Usage: deploy/check.sh   (exit 0: all good; 77: a tool is missing)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -29,6 +33,9 @@ promtool check config prometheus/prometheus.yml
 
 echo "== promtool check rules (alerts)"
 promtool check rules prometheus/alerts.yml
+
+echo "== promtool test rules (alert unit tests)"
+promtool test rules prometheus/alerts_test.yml
 
 echo "== promtool check config (kubernetes ConfigMap)"
 "$py" - "$tmp/k8s-prometheus.yml" <<'PY'
@@ -90,4 +97,7 @@ assert shards == ["factorps-shard-%d.factorps-shard:50051" % i
                   for i in range(sts["spec"]["replicas"])], shards
 print("ok")
 PY
+echo "== shard definitions: checkpoints on persistent volumes, sync worker counts"
+"$py" layouts.py check
+
 echo "deploy/check.sh: all checks passed"

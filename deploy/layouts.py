@@ -1,0 +1,422 @@
+#!/usr/bin/python3
+"""The shard definitions deploy/ ships, read from the files themselves: the
+image (Dockerfile: ENTRYPOINT, USER, WORKDIR, ENV), the compose services
+(as `docker-compose config` renders them), the StatefulSet of
+deploy/kubernetes and of the sync overlay deploy/kubernetes-sync (as
+`kubectl kustomize` renders them, or the small renderer below when kubectl
+is absent). deploy/check.sh asserts on them; tests/http/test_deploy_layouts.py
+starts shards exactly as they say.
+
+Usage: layouts.py check    (exit 0: every assertion holds; 1 otherwise)
+"""
+import copy
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Shard:
+    """One shard container as the orchestrator would start it.
+    argv: the process's argument vector (entrypoint + command, shell forms
+    left to /bin/sh as the image would run them); env: the environment on
+    top of the image's; mounts: {container path: (volume name, persistent)};
+    read_only: read-only root; tmpfs: container paths of tmpfs mounts;
+    user: (uid, gid); fs_group: the volume's group (Kubernetes fsGroup);
+    workdir; grace: seconds between SIGTERM and SIGKILL; hostname."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def __repr__(self):
+        return "Shard(%s)" % self.name
+
+    def option(self, flag):
+        """The value a flag gets: from argv (--flag V / --flag=V), else from
+        the environment (FACTORPS_FLAG), else None."""
+        for i, a in enumerate(self.argv):
+            if a == "--" + flag and i + 1 < len(self.argv):
+                return self.argv[i + 1]
+            if a.startswith("--" + flag + "="):
+                return a.split("=", 1)[1]
+        return self.env.get("FACTORPS_" + flag.upper().replace("-", "_"))
+
+    def volume_of(self, path):
+        """(mount point, volume name, persistent) holding `path`, or None."""
+        best = None
+        for mp, (vol, persistent) in self.mounts.items():
+            if path == mp or path.startswith(mp.rstrip("/") + "/"):
+                if best is None or len(mp) > len(best[0]):
+                    best = (mp, vol, persistent)
+        return best
+
+
+# --------------------------------------------------------------- image
+
+def image():
+    """ENTRYPOINT, USER, WORKDIR and ENV of the runtime stage."""
+    text = open(os.path.join(HERE, "Dockerfile")).read()
+    final = text.split("\nFROM ")[-1]
+    joined = re.sub(r"\\\n\s*", " ", final)
+    env, entry, user, workdir = {}, None, None, "/"
+    for line in joined.splitlines():
+        line = line.strip()
+        if line.startswith("ENV "):
+            for tok in shlex.split(line[4:]):
+                k, v = tok.split("=", 1)
+                env[k] = v
+        elif line.startswith("ENTRYPOINT "):
+            entry = json.loads(line[len("ENTRYPOINT "):])
+        elif line.startswith("USER "):
+            uid, _, gid = line[5:].strip().partition(":")
+            user = (int(uid), int(gid or uid))
+        elif line.startswith("WORKDIR "):
+            workdir = line[8:].strip()
+    return {"env": env, "entrypoint": entry, "user": user, "workdir": workdir}
+
+
+# ------------------------------------------------------------- compose
+
+def _subst(value, environ):
+    """${VAR:-default} and ${VAR} as compose substitutes them."""
+    def one(m):
+        name, dflt = m.group(1), m.group(3)
+        v = environ.get(name)
+        return v if v not in (None, "") else (dflt or "")
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-([^}]*))?\}", one, value)
+
+
+def compose_config(environ=None):
+    """The compose file as docker-compose renders it (variables, anchors,
+    merges); without docker-compose, PyYAML plus the ${VAR:-d} rule."""
+    environ = dict(os.environ if environ is None else environ)
+    path = os.path.join(HERE, "docker-compose.yml")
+    if shutil.which("docker-compose"):
+        out = subprocess.run(["docker-compose", "-f", path, "config"], capture_output=True,
+                             text=True, env=environ, timeout=60, check=True).stdout
+        return yaml.safe_load(out)
+
+    def walk(x):
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return _subst(x, environ) if isinstance(x, str) else x
+    return walk(yaml.safe_load(open(path)))
+
+
+def _seconds(s):
+    m = re.fullmatch(r"(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", str(s))
+    if not m or not s:
+        raise ValueError("duration %r" % s)
+    return int(m.group(1) or 0) * 60 + float(m.group(2) or 0)
+
+
+def compose_shards(environ=None):
+    cfg = compose_config(environ)
+    img = image()
+    named = set((cfg.get("volumes") or {}).keys())
+    shards = []
+    for name, svc in sorted(cfg["services"].items()):
+        if not str(svc.get("image", "")).split(":")[0].endswith("factorps"):
+            continue  # Prometheus, Grafana: other images
+        entry = svc.get("entrypoint", img["entrypoint"])
+        if isinstance(entry, str):
+            entry = shlex.split(entry)
+        if not entry or os.path.basename(entry[0]) != "factorps-server":
+            continue
+        cmd = svc.get("command") or []
+        if isinstance(cmd, str):
+            cmd = shlex.split(cmd)
+        env = dict(img["env"])
+        e = svc.get("environment") or {}
+        if isinstance(e, list):
+            e = dict(x.split("=", 1) for x in e)
+        env.update({k: "" if v is None else str(v) for k, v in e.items()})
+        mounts = {}
+        for v in svc.get("volumes") or []:
+            if isinstance(v, str):
+                src, _, rest = v.partition(":")
+                tgt = rest.split(":")[0]
+                v = {"type": "volume" if not src.startswith((".", "/")) else "bind",
+                     "source": src, "target": tgt}
+            # A named volume outlives the container; a bind mount is the
+            # host's business; anonymous volumes are not persistent.
+            persistent = v.get("type") == "volume" and v.get("source") in named
+            mounts[v["target"]] = (v.get("source"), persistent)
+        tmpfs = svc.get("tmpfs") or []
+        tmpfs = [tmpfs] if isinstance(tmpfs, str) else list(tmpfs)
+        user = img["user"]
+        if svc.get("user"):
+            uid, _, gid = str(svc["user"]).partition(":")
+            user = (int(uid), int(gid or uid))
+        shards.append(Shard(
+            name=name, layout="compose", argv=list(entry) + list(cmd), env=env, mounts=mounts,
+            read_only=bool(svc.get("read_only")), tmpfs=[t.split(":")[0] for t in tmpfs],
+            user=user, fs_group=None, workdir=svc.get("working_dir", img["workdir"]),
+            grace=_seconds(svc.get("stop_grace_period", "10s")), hostname=svc.get("hostname", name),
+            restart=svc.get("restart", "no")))
+    return shards
+
+
+# ---------------------------------------------------------- kubernetes
+
+def _merge(base, patch):
+    """Strategic merge as kustomize applies it to the fields used here:
+    maps merge, lists of maps with `name` merge by name, other lists and
+    scalars are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = _merge(base[k], v) if k in base else copy.deepcopy(v)
+        return out
+    if (isinstance(base, list) and isinstance(patch, list) and patch
+            and all(isinstance(x, dict) and "name" in x for x in base + patch)):
+        out = [copy.deepcopy(x) for x in base]
+        names = [x["name"] for x in out]
+        for p in patch:
+            if p["name"] in names:
+                i = names.index(p["name"])
+                out[i] = _merge(out[i], p)
+            else:
+                out.insert(0, copy.deepcopy(p))  # kustomize puts new entries first
+                names.insert(0, p["name"])
+        return out
+    return copy.deepcopy(patch)
+
+
+def _path(doc, field):
+    """Splits kustomize's fieldPath (a.b.[name=x].c) and walks to the parent."""
+    parts = re.findall(r"\[[^\]]*\]|[^.\[\]]+", field)
+    cur = doc
+    for p in parts[:-1]:
+        cur = _step(cur, p)
+    return cur, parts[-1]
+
+
+def _step(cur, p):
+    if p.startswith("["):
+        k, v = p[1:-1].split("=", 1)
+        return next(x for x in cur if x.get(k) == v)
+    return cur[int(p)] if isinstance(cur, list) else cur[p]
+
+
+def _mini_kustomize(d):
+    """The subset of kustomize deploy/ uses: resources (files and
+    directories), namespace, patches (strategic merge, by file), and
+    replacements from one field to others, local-config sources dropped."""
+    k = yaml.safe_load(open(os.path.join(d, "kustomization.yaml")))
+    docs = []
+    for r in k.get("resources", []):
+        p = os.path.normpath(os.path.join(d, r))
+        docs += _mini_kustomize(p) if os.path.isdir(p) else [x for x in yaml.safe_load_all(open(p))
+                                                            if x]
+    for p in k.get("patches", []):
+        patch = yaml.safe_load(open(os.path.join(d, p["path"])))
+        for i, doc in enumerate(docs):
+            if doc["kind"] == patch["kind"] and doc["metadata"]["name"] == patch["metadata"]["name"]:
+                docs[i] = _merge(doc, patch)
+    for r in k.get("replacements", []):
+        s = r["source"]
+        src = next(x for x in docs if x["kind"] == s["kind"] and x["metadata"]["name"] == s["name"])
+        parent, last = _path(src, s["fieldPath"])
+        value = _step(parent, last)
+        for t in r["targets"]:
+            for doc in docs:
+                if doc["kind"] == t["select"]["kind"] and doc["metadata"]["name"] == t["select"]["name"]:
+                    for f in t["fieldPaths"]:
+                        parent, last = _path(doc, f)
+                        old = _step(parent, last)
+                        # kustomize keeps the target's type: a number stays a number.
+                        v = int(value) if isinstance(old, int) and not isinstance(old, bool) else value
+                        if isinstance(parent, list):
+                            parent[int(last)] = v
+                        else:
+                            parent[last] = v
+    docs = [x for x in docs if (x.get("metadata", {}).get("annotations") or {})
+            .get("config.kubernetes.io/local-config") != "true"]
+    if k.get("namespace"):
+        for doc in docs:
+            if doc["kind"] != "Namespace":
+                doc["metadata"]["namespace"] = k["namespace"]
+    return docs
+
+
+def kustomize(d, renderer=None):
+    """The documents `kubectl apply -k d` would apply. renderer: "kubectl",
+    "mini", or None (kubectl when installed)."""
+    d = os.path.join(HERE, d)
+    if renderer == "kubectl" or (renderer is None and shutil.which("kubectl")):
+        out = subprocess.run(["kubectl", "kustomize", d], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+        return [x for x in yaml.safe_load_all(out) if x]
+    return _mini_kustomize(d)
+
+
+def _k8s_expand(s, env):
+    """$(VAR) in command/args, as the kubelet expands it ($$ escapes)."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), s)
+
+
+def k8s_shards(docs):
+    img = image()
+    sts = next(x for x in docs if x["kind"] == "StatefulSet")
+    spec = sts["spec"]
+    pod = spec["template"]["spec"]
+    c = next(x for x in pod["containers"] if x["name"] == "shard")
+    claims = {t["metadata"]["name"] for t in spec.get("volumeClaimTemplates") or []}
+    vols = {v["name"]: v for v in pod.get("volumes") or []}
+    psc, csc = pod.get("securityContext") or {}, c.get("securityContext") or {}
+    uid = csc.get("runAsUser", psc.get("runAsUser", img["user"][0]))
+    gid = csc.get("runAsGroup", psc.get("runAsGroup", img["user"][1]))
+    shards = []
+    for i in range(spec["replicas"]):
+        hostname = "%s-%d" % (sts["metadata"]["name"], i)
+        env = dict(img["env"])
+        env["HOSTNAME"] = hostname
+        for e in c.get("env") or []:
+            if "value" in e:
+                env[e["name"]] = _k8s_expand(str(e["value"]), env)
+        argv = [_k8s_expand(a, env) for a in (c.get("command") or img["entrypoint"])]
+        argv += [_k8s_expand(a, env) for a in c.get("args") or []]
+        mounts, tmpfs = {}, []
+        for m in c.get("volumeMounts") or []:
+            if m["name"] in claims:
+                mounts[m["mountPath"]] = ("%s-%s" % (m["name"], hostname), True)
+            elif m["name"] in vols and "emptyDir" in vols[m["name"]]:
+                tmpfs.append(m["mountPath"])
+                mounts[m["mountPath"]] = (m["name"], False)
+            else:
+                mounts[m["mountPath"]] = (m["name"], False)
+        shards.append(Shard(
+            name=hostname, layout="statefulset", argv=argv, env=env, mounts=mounts,
+            read_only=bool(csc.get("readOnlyRootFilesystem")), tmpfs=tmpfs, user=(uid, gid),
+            fs_group=psc.get("fsGroup"), workdir=c.get("workingDir", img["workdir"]),
+            grace=pod.get("terminationGracePeriodSeconds", 30), hostname=hostname,
+            restart="pod"))
+    return shards
+
+
+def worker_job(docs):
+    job = next(x for x in docs if x["kind"] == "Job")
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    return job, c
+
+
+# ---------------------------------------------------------------- check
+
+# The final checkpoint of the documented shard (1 GiB of parameters, a
+# 1.03 GB file) took 4-7 s here; the grace must cover 5 s of call draining
+# plus that write on a disk several times slower.
+MIN_GRACE_S = 30
+
+
+def check(renderer=None):
+    """Every assertion deploy/ promises; returns a list of failures."""
+    bad = []
+
+    def need(cond, what):
+        if not cond:
+            bad.append(what)
+
+    layouts = [("compose", compose_shards()),
+               ("compose sync", compose_shards(dict(os.environ, FACTORPS_MODE="sync",
+                                                    FACTORPS_WORKERS="3"))),
+               ("kubernetes", k8s_shards(kustomize("kubernetes", renderer))),
+               ("kubernetes-sync", k8s_shards(kustomize("kubernetes-sync", renderer)))]
+    for layout, shards in layouts:
+        need(shards, "%s: no shard definition found" % layout)
+        for s in shards:
+            where = "%s %s" % (layout, s.name)
+            d = s.option("checkpoint-dir")
+            need(d and d.startswith("/"), "%s: no absolute checkpoint directory" % where)
+            if not d:
+                continue
+            vol = s.volume_of(d)
+            need(vol is not None and vol[2],
+                 "%s: checkpoint directory %s is not on a persistent volume (%r)" % (where, d, vol))
+            need(vol is None or vol[0] != d,
+                 "%s: checkpoint directory %s is the mount point itself (use a subdirectory: "
+                 "a volume root may hold lost+found)" % (where, d))
+            iv = float(s.option("checkpoint-interval") or 0)
+            need(iv > 0, "%s: no periodic checkpoints (--checkpoint-interval %s)" % (where, iv))
+            need(int(s.option("checkpoint-keep") or 3) >= 2, "%s: keep fewer than 2" % where)
+            need(s.grace >= MIN_GRACE_S, "%s: %ss between SIGTERM and SIGKILL is too short for the "
+                 "final checkpoint (at least %ss)" % (where, s.grace, MIN_GRACE_S))
+            need(s.read_only, "%s: root filesystem is writable" % where)
+            need(s.option("require-checkpoint") in (None, "false", "true"),
+                 "%s: FACTORPS_REQUIRE_CHECKPOINT must be true or false" % where)
+    # Compose sync: the same variable sets the shards' and the worker's count.
+    cfg = compose_config(dict(os.environ, FACTORPS_MODE="sync", FACTORPS_WORKERS="3"))
+    w = cfg["services"]["worker"]["command"]
+    need(w[w.index("--workers") + 1] == "3", "compose sync: worker --workers is not FACTORPS_WORKERS")
+    for s in layouts[1][1]:
+        need(s.option("workers") == "3" and s.option("mode") == "sync",
+             "compose sync: %s does not take FACTORPS_MODE/FACTORPS_WORKERS" % s.name)
+    # Kubernetes sync: W in one place.
+    docs = kustomize("kubernetes-sync", renderer)
+    job, c = worker_job(docs)
+    env = {e["name"]: e.get("value") for e in c.get("env") or []}
+    par, comp = job["spec"].get("parallelism"), job["spec"].get("completions")
+    for s in k8s_shards(docs):
+        need(s.option("mode") == "sync", "kubernetes-sync: %s is not in sync mode" % s.name)
+        need(str(s.option("workers")) == str(par) == str(comp) == env.get("FACTORPS_WORKERS"),
+             "kubernetes-sync: shard workers %s, Job parallelism %s, completions %s, worker env %s"
+             % (s.option("workers"), par, comp, env.get("FACTORPS_WORKERS")))
+    need(isinstance(par, int) and par >= 1, "kubernetes-sync: parallelism %r is not a count" % par)
+    need(job["spec"].get("completionMode") == "Indexed", "kubernetes-sync: the Job is not Indexed")
+    cmd = c["command"]
+    need(cmd[cmd.index("--workers") + 1] == "$(FACTORPS_WORKERS)",
+         "kubernetes-sync: the worker's --workers is not $(FACTORPS_WORKERS)")
+    need(cmd[cmd.index("--worker-id") + 1] == "$(WORKER_ID)" and "WORKER_ID" in env,
+         "kubernetes-sync: the worker's --worker-id is not its completion index")
+    # Kubernetes: the budget selects the shard pods; claims are retained.
+    for name in ("kubernetes", "kubernetes-sync"):
+        docs = kustomize(name, renderer)
+        sts = next(x for x in docs if x["kind"] == "StatefulSet")
+        pdb = [x for x in docs if x["kind"] == "PodDisruptionBudget"]
+        need(len(pdb) == 1, "%s: no PodDisruptionBudget" % name)
+        if pdb:
+            sel = pdb[0]["spec"]["selector"]["matchLabels"]
+            labels = sts["spec"]["template"]["metadata"]["labels"]
+            need(all(labels.get(k) == v for k, v in sel.items()),
+                 "%s: the PodDisruptionBudget does not select the shard pods" % name)
+        need(sts["spec"].get("persistentVolumeClaimRetentionPolicy", {}).get("whenDeleted")
+             == "Retain", "%s: claims are not retained when the StatefulSet is deleted" % name)
+        fsg = sts["spec"]["template"]["spec"].get("securityContext", {}).get("fsGroup")
+        need(fsg is not None, "%s: no fsGroup, the shard user may not write the volume" % name)
+    return bad
+
+
+def main():
+    if sys.argv[1:] != ["check"]:
+        print(__doc__, file=sys.stderr)
+        return 2
+    renderer = "kubectl" if shutil.which("kubectl") else "mini"
+    bad = check(renderer)
+    if renderer == "kubectl":
+        # The small renderer must agree with kustomize wherever both exist.
+        for d in ("kubernetes", "kubernetes-sync"):
+            a = [s.__dict__ for s in k8s_shards(kustomize(d, "kubectl"))]
+            b = [s.__dict__ for s in k8s_shards(kustomize(d, "mini"))]
+            if a != b:
+                bad.append("%s: the fallback renderer disagrees with kubectl kustomize" % d)
+    for b in bad:
+        print("FAIL " + b)
+    print("%d shard definitions checked (%s renderer): %s"
+          % (sum(len(x) for x in (compose_shards(), k8s_shards(kustomize("kubernetes", renderer)),
+                                  k8s_shards(kustomize("kubernetes-sync", renderer)))),
+             renderer, "ok" if not bad else "%d problems" % len(bad)))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
