@@ -58,11 +58,17 @@ class Shard:
         return best
 
 
+def _load(path, all_docs=False):
+    with open(path) as f:
+        return list(yaml.safe_load_all(f)) if all_docs else yaml.safe_load(f)
+
+
 # --------------------------------------------------------------- image
 
 def image():
     """ENTRYPOINT, USER, WORKDIR and ENV of the runtime stage."""
-    text = open(os.path.join(HERE, "Dockerfile")).read()
+    with open(os.path.join(HERE, "Dockerfile")) as f:
+        text = f.read()
     final = text.split("\nFROM ")[-1]
     joined = re.sub(r"\\\n\s*", " ", final)
     env, entry, user, workdir = {}, None, None, "/"
@@ -109,7 +115,7 @@ def compose_config(environ=None):
         if isinstance(x, list):
             return [walk(v) for v in x]
         return _subst(x, environ) if isinstance(x, str) else x
-    return walk(yaml.safe_load(open(path)))
+    return walk(_load(path))
 
 
 def _seconds(s):
@@ -212,14 +218,13 @@ def _mini_kustomize(d):
     """The subset of kustomize deploy/ uses: resources (files and
     directories), namespace, patches (strategic merge, by file), and
     replacements from one field to others, local-config sources dropped."""
-    k = yaml.safe_load(open(os.path.join(d, "kustomization.yaml")))
+    k = _load(os.path.join(d, "kustomization.yaml"))
     docs = []
     for r in k.get("resources", []):
         p = os.path.normpath(os.path.join(d, r))
-        docs += _mini_kustomize(p) if os.path.isdir(p) else [x for x in yaml.safe_load_all(open(p))
-                                                            if x]
+        docs += _mini_kustomize(p) if os.path.isdir(p) else [x for x in _load(p, True) if x]
     for p in k.get("patches", []):
-        patch = yaml.safe_load(open(os.path.join(d, p["path"])))
+        patch = _load(os.path.join(d, p["path"]))
         for i, doc in enumerate(docs):
             if doc["kind"] == patch["kind"] and doc["metadata"]["name"] == patch["metadata"]["name"]:
                 docs[i] = _merge(doc, patch)
