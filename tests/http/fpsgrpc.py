@@ -278,7 +278,7 @@ def free_port(host="127.0.0.1"):
 
 class Prometheus:
     """Debian's prometheus with deploy/prometheus/prometheus.yml, unchanged
-    except a 1 s scrape interval, and a targets file for `targets`
+    except 1 s scrape and rule evaluation intervals, and a targets file for `targets`
     (host:port of each shard's metrics endpoint)."""
 
     def __init__(self, targets, host="127.0.0.1", prefix=(), query_prefix=()):
@@ -288,6 +288,7 @@ class Prometheus:
         self.dir = tempfile.mkdtemp(prefix="fps-prom-")
         cfg = read_text(os.path.join(REPO, "deploy", "prometheus", "prometheus.yml"))
         cfg = cfg.replace("scrape_interval: 15s", "scrape_interval: 1s")
+        cfg = cfg.replace("evaluation_interval: 15s", "evaluation_interval: 1s")
         cfg = cfg.replace("scrape_timeout: 5s", "scrape_timeout: 1s")
         cfg = cfg.replace("refresh_interval: 30s", "refresh_interval: 1s")
         write_text(os.path.join(self.dir, "prometheus.yml"), cfg)

@@ -1,8 +1,11 @@
 #!/usr/bin/python3
-"""Issue 14 item 3 against the real factorps-server on loopback: the
+"""Issue 14 items 3 and 4 against the real factorps-server on loopback: the
 checkpoint series after real checkpoints, a real failure (the directory
 taken away; a full file system in a private mount namespace), and the
 restore outcome and sequence of a restarted shard; promtool accepts it all.
+Then a real Prometheus with deploy/prometheus/ (alerts.yml unchanged)
+scrapes real shards whose checkpoints fail, grow old and restart empty, and
+each checkpoint alert becomes active.
 
 Environment: FACTORPS_SERVER (factorps-server path; set by ctest).
 """
@@ -168,6 +171,83 @@ class CheckpointSeries(unittest.TestCase):
         ch.close()
         # The final checkpoint fails too: the exit status says so.
         self.assertEqual(s.stop(), 1)
+
+
+def active_alerts(prom, name):
+    """Labels of the ALERTS series of alert `name` (pending or firing)."""
+    return [m for m, v in prom.query('ALERTS{alertname="%s"}' % name) if v == 1]
+
+
+@unittest.skipUnless(SERVER and os.access(SERVER, os.X_OK), "FACTORPS_SERVER not set")
+@unittest.skipUnless(shutil.which("prometheus"), "prometheus not installed")
+class AlertsWithPrometheus(unittest.TestCase):
+    """Shard 0 of 2 restores a checkpoint, then its directory vanishes while
+    it keeps being trained: FactorpsCheckpointFailing (reason no_directory)
+    fires and, once the last checkpoint is 3 intervals old,
+    FactorpsCheckpointTooOld is pending (its `for` is 5 minutes). Shard 1
+    starts empty beside the restored shard 0: FactorpsShardRestartedEmpty."""
+
+    def test_checkpoint_alerts_become_active(self):
+        root = tempfile.mkdtemp(prefix="fps-ckalerts-")
+        ck0, ck1 = os.path.join(root, "ck0"), os.path.join(root, "ck1")
+        iv = "1"
+        flags = ["--checkpoint-interval", iv]
+        shards, prom = [], None
+        try:
+            tensors = F.shard_tensors(0)
+            first = F.Shard(SERVER, 0, 2, mode="async", extra=["--checkpoint-dir", ck0, *flags])
+            shards.append(first)
+            ch, stub = F.channel(first.addr)
+            F.create(stub, 0, 2, tensors)
+            F.push(stub, 0, 0, tensors)
+            ch.close()
+            self.assertEqual(first.stop(), 0)  # final checkpoint
+            s0 = F.Shard(SERVER, 0, 2, mode="async",
+                         extra=["--checkpoint-dir", ck0, "--require-checkpoint", *flags])
+            s1 = F.Shard(SERVER, 1, 2, mode="async", extra=["--checkpoint-dir", ck1, *flags])
+            shards += [s0, s1]
+            prom = F.Prometheus(["%s:%d" % (s.host, s.metrics_port) for s in (s0, s1)])
+            # Prometheus must have seen the failure counters at 0 first.
+            wait_for(lambda: len(prom.query('factorps_checkpoint_failures_total{reason="no_directory"}'))
+                     == 2, "both shards scraped", timeout=40)
+            time.sleep(1.5)
+            self.assertEqual(active_alerts(prom, "FactorpsCheckpointFailing"), [])
+            os.rename(ck0, ck0 + ".away")
+            ch, stub = F.channel(s0.addr)
+            for step in range(1, 4):
+                F.push(stub, 0, step, tensors)
+            ch.close()
+
+            def alert(name, **labels):
+                got = active_alerts(prom, name)
+                return [m for m in got if all(m.get(k) == v for k, v in labels.items())]
+            fail = wait_for(lambda: alert("FactorpsCheckpointFailing", shard="0"),
+                            "FactorpsCheckpointFailing", timeout=40)
+            self.assertEqual(fail[0]["reason"], "no_directory")
+            self.assertEqual(fail[0]["alertstate"], "firing")
+            old = wait_for(lambda: alert("FactorpsCheckpointTooOld", shard="0"),
+                           "FactorpsCheckpointTooOld", timeout=40)
+            self.assertEqual(old[0]["alertstate"], "pending")
+            empty = wait_for(lambda: alert("FactorpsShardRestartedEmpty"),
+                             "FactorpsShardRestartedEmpty", timeout=40)
+            self.assertEqual([m["shard"] for m in empty], ["1"])
+            # Shard 1 is idle and healthy: no checkpoint alert of its own.
+            self.assertEqual(alert("FactorpsCheckpointFailing", shard="1"), [])
+            self.assertEqual(alert("FactorpsCheckpointTooOld", shard="1"), [])
+            os.rename(ck0 + ".away", ck0)
+        except BaseException:
+            for s in shards:
+                print(s.read_log(), file=sys.stderr)
+            if prom:
+                print(prom.read_log(), file=sys.stderr)
+            raise
+        finally:
+            if prom:
+                prom.stop()
+            for s in shards:
+                if s.p.poll() is None:
+                    s.stop()
+            shutil.rmtree(root, True)
 
 
 if __name__ == "__main__":
