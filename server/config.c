@@ -79,13 +79,22 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
 #undef OFF
 #define FPS_CFG_N (sizeof fps__cfg_table / sizeof fps__cfg_table[0])
 
-const char *fps_mode_name(int mode) {
-  switch (mode) {
-    case FPS_MODE_SYNC: return "sync";
-    case FPS_MODE_ASYNC: return "async";
-    case FPS_MODE_SSP: return "ssp";
-    default: return "unknown";
-  }
+void fps_config_shard_opts(const fps_config_t *cfg, fps_shard_opts_t *o) {
+  memset(o, 0, sizeof *o);
+  o->shard_id = cfg->shard_id;
+  o->shard_count = cfg->shard_count;
+  o->mode = cfg->mode;
+  o->staleness = cfg->staleness;
+  o->workers = cfg->workers;
+  o->deadline = cfg->deadline;
+  o->max_tensors = cfg->max_tensors;
+  o->max_bytes = cfg->max_bytes;
+  o->max_staging_bytes = cfg->max_staging_bytes;
+  o->apply_log = cfg->apply_log;
+  o->checkpoint_dir = cfg->checkpoint_dir ? cfg->checkpoint_dir : "";
+  o->checkpoint_interval = cfg->checkpoint_interval;
+  o->checkpoint_keep = cfg->checkpoint_keep;
+  o->require_checkpoint = cfg->require_checkpoint;
 }
 
 static void fps__env_name(const fps_cfg_entry_t *e, char *buf, size_t len) {

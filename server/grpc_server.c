@@ -204,8 +204,8 @@ void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec dead
                   grpc_byte_buffer_length(payload));
   } else {
     char why[FPS_WHY_MAX];
-    grpc_status_code code = fps_wire_unpack(desc, buf, len, &req, why, sizeof why);
-    if (code != GRPC_STATUS_OK) fps_call_fail(c, code, "%s: %s", method, why);
+    int rc = fps_wire_unpack(desc, buf, len, &req, why, sizeof why);
+    if (rc < 0) fps_call_fail(c, fps_status_from_err(rc), "%s: %s", method, why);
   }
   /* protobuf-c copies bytes fields: the flat buffer is not needed after. */
   free(buf);
@@ -650,7 +650,7 @@ void fps_grpc_stop(fps_server_t *srv, double grace_s) {
   grpc_server_shutdown_and_notify(srv->server, srv->cq, &t->tag);
   /* Calls parked in sync rounds or ssp waits would only end at their
    * deadline: fail them now. */
-  fps_sync_fail_all(srv, GRPC_STATUS_UNAVAILABLE, "shard is shutting down");
+  fps_shard_fail_waiting(&srv->shard, FPS_EUNAVAILABLE, "shard is shutting down");
 
   struct timespec until;
   clock_gettime(CLOCK_REALTIME, &until);

@@ -10,7 +10,6 @@
  * --checkpoint-dir), frees everything and exits 0. */
 #include <malloc.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,25 +22,6 @@
 #include "server.h"
 
 #define FPS_SHUTDOWN_GRACE_S 5.0
-
-int fps__log_level = FPS_LOG_INFO;
-
-void fps__log(int level, const char *fmt, ...) {
-  static const char *const names[] = {"error", "warn", "info", "debug"};
-  char msg[2048];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  struct tm tm;
-  gmtime_r(&ts.tv_sec, &tm);
-  /* One fprintf per line keeps lines from different threads whole. */
-  fprintf(stderr, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ factorps-server %s: %s\n", tm.tm_year + 1900,
-          tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
-          names[level < 0 ? 0 : level > 3 ? 3 : level], msg);
-}
 
 static void fps__dump_line(const char *line) { FPS_SLOG(FPS_LOG_DEBUG, "config %s", line); }
 
@@ -86,46 +66,45 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
 
   char why[256] = "";
+  const fps_kernels_t *kernels = NULL;
+  fps_pool_t *pool = NULL; /* splits large tensors' updates */
   /* cfg.simd already holds FACTORPS_SIMD overridden by --simd (config.c):
    * reading the environment again here would let it beat the flag. */
-  rc = fps_kernels_by_name(*srv.cfg.simd ? srv.cfg.simd : "auto", &srv.kernels, why, sizeof why);
+  rc = fps_kernels_by_name(*srv.cfg.simd ? srv.cfg.simd : "auto", &kernels, why, sizeof why);
   if (rc < 0) {
     fprintf(stderr, "factorps-server: --simd %s: %s\n", srv.cfg.simd, why);
     fps_config_free(&srv.cfg);
     return 2;
   }
   fps_config_dump(&srv.cfg, fps__dump_line);
-  if (srv.cfg.kernel_threads != 1 && fps_pool_create(&srv.pool, srv.cfg.kernel_threads) < 0) {
+  if (srv.cfg.kernel_threads != 1 && fps_pool_create(&pool, srv.cfg.kernel_threads) < 0) {
     /* Not fatal: updates run on the calling thread, just slower. */
     FPS_SLOG(FPS_LOG_WARN, "cannot start %u kernel threads; large updates run single-threaded",
              srv.cfg.kernel_threads);
-    srv.pool = NULL;
+    pool = NULL;
   }
   fps_metrics_config_t mcfg = {.shard_id = srv.cfg.shard_id, .shard_count = srv.cfg.shard_count,
                                .mode = fps_mode_name(srv.cfg.mode), .workers = srv.cfg.workers,
                                .staleness = srv.cfg.staleness,
-                               .simd = fps_kernels_name(srv.kernels), .version = FPS_VERSION,
+                               .simd = fps_kernels_name(kernels), .version = FPS_VERSION,
                                .checkpoint_interval = *srv.cfg.checkpoint_dir ? srv.cfg.checkpoint_interval : 0};
   fps_metrics_init(&mcfg);
   fps_metrics_http_t *http = NULL;
 
   pthread_mutex_init(&srv.calls_mu, NULL);
-  pthread_mutex_init(&srv.ssp_mu, NULL);
-  pthread_mutex_init(&srv.rounds_mu, NULL);
-  pthread_mutex_init(&srv.counters.mu, NULL);
-  srv.started_ns = 0;
-  if (fps_store_init(&srv.store) < 0) {
+  fps_shard_opts_t opts;
+  fps_config_shard_opts(&srv.cfg, &opts);
+  if (fps_shard_init(&srv.shard, &opts, kernels, pool) < 0) {
     fprintf(stderr, "factorps-server: out of memory\n");
     return 1;
   }
 
-  srv.ckpt_dir_fd = -1; /* fps_checkpoint_close() may run before fps_checkpoint_open() */
   grpc_init();
-  srv.started_ns = fps_now_ns();
+  srv.shard.started_ns = fps_now_ns();
   int exit_code = 0;
   bool ckpt_on_exit = false;
   /* The deadline thread runs the hooks of rounds, ssp waits and calls. */
-  if (fps_timer_create(&srv.timer, 0) < 0 || fps_sync_start(&srv) < 0 ||
+  if (fps_timer_create(&srv.timer, 0) < 0 || fps_timer_add(srv.timer, fps_shard_expire, &srv.shard) < 0 ||
       fps_timer_add(srv.timer, fps_calls_expire, &srv) < 0 || fps_timer_start(srv.timer) < 0) {
     fprintf(stderr, "factorps-server: cannot start the timer thread\n");
     exit_code = 1;
@@ -145,7 +124,7 @@ int main(int argc, char **argv) {
    * not look like a dead process to a liveness probe) and before gRPC, so
    * no call can see the empty shard that a restarted one briefly is;
    * /readyz says 503 until the end of start-up. */
-  rc = fps_checkpoint_open(&srv);
+  rc = fps_checkpoint_open(&srv.shard);
   if (rc < 0) {
     fprintf(stderr, "factorps-server: %s\n",
             rc == FPS_ENOTFOUND ? "no valid checkpoint to load and --require-checkpoint is set; not starting"
@@ -170,11 +149,11 @@ int main(int argc, char **argv) {
     if (colon) *colon = 0;
     printf("factorps-server: listening on %s:%d (shard %u of %u, mode %s, workers %u, simd %s)\n", host, srv.port,
            srv.cfg.shard_id, srv.cfg.shard_count, fps_mode_name(srv.cfg.mode), srv.cfg.workers,
-           fps_kernels_name(srv.kernels));
+           fps_kernels_name(kernels));
     fflush(stdout);
   }
 
-  if (fps_checkpoint_start(&srv) < 0) {
+  if (fps_checkpoint_start(&srv.shard) < 0) {
     fprintf(stderr, "factorps-server: cannot start the checkpoint thread\n");
     exit_code = 1;
     goto out;
@@ -195,22 +174,18 @@ out:
   fps_metrics_http_stop(http);
   fps_timer_destroy(srv.timer);
   srv.timer = NULL;
-  fps_sync_stop(&srv);
-  fps_checkpoint_stop(&srv); /* no periodic write after the final one */
+  fps_checkpoint_stop(&srv.shard); /* no periodic write after the final one */
   if (ckpt_on_exit) {
     /* After gRPC stopped: no update can follow, so this checkpoint holds
      * the shard's final state. A failure makes the exit status non-zero. */
-    rc = fps_checkpoint_write(&srv, NULL, why, sizeof why);
+    rc = fps_checkpoint_write(&srv.shard, NULL, why, sizeof why);
     if (rc < 0 && rc != FPS_ENOTFOUND) exit_code = 1;
   }
-  fps_checkpoint_close(&srv);
-  fps_store_destroy(&srv.store);
-  fps_pool_destroy(srv.pool);
+  fps_checkpoint_close(&srv.shard);
+  fps_shard_destroy(&srv.shard);
+  fps_pool_destroy(pool);
   grpc_shutdown_blocking();
   pthread_mutex_destroy(&srv.calls_mu);
-  pthread_mutex_destroy(&srv.ssp_mu);
-  pthread_mutex_destroy(&srv.rounds_mu);
-  pthread_mutex_destroy(&srv.counters.mu);
   fps_config_free(&srv.cfg);
   if (exit_code == 0) FPS_SLOG(FPS_LOG_INFO, "stopped cleanly");
   return exit_code;

@@ -116,7 +116,7 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
     m.versions = versp;
     bb = fps_pack_message(&m);
   }
-  if (bb) atomic_fetch_add(&srv->counters.bytes_sent, payload);
+  if (bb) atomic_fetch_add(&srv->shard.counters.bytes_sent, payload);
   if (bb) fps_metrics_rpc_bytes(r->pull ? FPS_METRICS_PULL : FPS_METRICS_PUSHPULL, 0, payload);
 fail:
   for (size_t i = 0; i < ns; i++) free(sc[i].enc);

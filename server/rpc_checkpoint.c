@@ -29,7 +29,7 @@ static void fps__ckpt_call_run(fps_ckpt_call_t *cc) {
   }
   fps_ckpt_done_t done;
   char why[FPS_CKPT_WHY_MAX] = "";
-  int rc = fps_checkpoint_write(srv, &done, why, sizeof why);
+  int rc = fps_checkpoint_write(&srv->shard, &done, why, sizeof why);
   if (rc < 0) {
     grpc_status_code code = rc == FPS_ENOMEM      ? GRPC_STATUS_RESOURCE_EXHAUSTED
                             : rc == FPS_EAGAIN    ? GRPC_STATUS_UNAVAILABLE

@@ -1,8 +1,8 @@
 /* Pull: current parameters and versions of named tensors, streamed.
  *
- * Every tensor is snapshotted (one copy, under its lock, briefly) before
- * the first message goes out, so the reply is all-or-nothing and a slow
- * reader never holds a tensor lock. */
+ * Every tensor is snapshotted by the core (fps_shard_snapshot: one copy,
+ * under its lock, briefly) before the first message goes out, so the reply
+ * is all-or-nothing and a slow reader never holds a tensor lock. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,7 +47,7 @@ static void fps__pull_on_batch(fps_call_t *c, bool ok) {
 static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *req) {
   fps_server_t *srv = pc->base.srv;
   char why[FPS_WHY_MAX];
-  grpc_status_code code = GRPC_STATUS_OK;
+  int rc = 0;
   int dtype = req->dtype == 0 ? FPS_DTYPE_F32 : (int)req->dtype;
   if (fps_dtype_size(dtype) == 0) {
     fps_call_fail(&pc->base, GRPC_STATUS_INVALID_ARGUMENT,
@@ -60,61 +60,18 @@ static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *
     fps_call_fail(&pc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Pull: out of memory");
     return;
   }
-  for (size_t i = 0; i < req->n_names && code == GRPC_STATUS_OK; i++) {
+  for (size_t i = 0; i < req->n_names && rc == 0; i++) {
     const char *name = req->names[i] ? req->names[i] : "";
-    if ((code = fps_wire_name(name, why, sizeof why)) != GRPC_STATUS_OK) break;
-    pthread_rwlock_rdlock(&srv->store.mu);
-    fps_tensor_t *t = fps__store_find_locked(&srv->store, name, strlen(name));
-    pthread_rwlock_unlock(&srv->store.mu);
-    if (!t) {
-      code = GRPC_STATUS_NOT_FOUND;
-      snprintf(why, sizeof why, "tensor '%s' not found on shard %u", name, srv->cfg.shard_id);
-      break;
-    }
-    bool over = false;
-    float *copy = fps_tbuf_alloc(srv, t->numel, &over);
-    if (!copy && over) {
-      code = GRPC_STATUS_RESOURCE_EXHAUSTED;
-      snprintf(why, sizeof why,
-               "tensor '%s': its %" PRIu64 "-byte snapshot would pass the shard's limit of %" PRIu64
-               " bytes for in-flight tensors (--max-staging-bytes); retry later",
-               name, t->numel * 4, srv->cfg.max_staging_bytes);
-      break;
-    }
-    if (!copy) {
-      code = GRPC_STATUS_RESOURCE_EXHAUSTED;
-      snprintf(why, sizeof why, "tensor '%s': out of memory for a %" PRIu64 "-element snapshot", name, t->numel);
-      break;
-    }
-    pthread_mutex_lock(&t->mu);
-    bool ready = t->ready;
-    uint64_t version = t->version;
-    uint64_t inited = t->init.covered;
-    if (ready) memcpy(copy, t->param, t->numel * sizeof(float));
-    pthread_mutex_unlock(&t->mu);
-    if (!ready) {
-      fps_tbuf_free(srv, copy, t->numel);
-      code = GRPC_STATUS_FAILED_PRECONDITION;
-      snprintf(why, sizeof why,
-               "tensor '%s' is still initialising (%" PRIu64 " of %" PRIu64 " elements have initial values)", name,
-               inited, t->numel);
-      break;
-    }
+    if ((rc = fps_shard_name_check(name, why, sizeof why)) < 0) break;
     fps_reply_item_t *it = &pc->reply.items[pc->reply.n];
-    it->t = t;
-    it->version = version;
+    if ((rc = fps_shard_snapshot(&srv->shard, name, &it->t, &it->snap, why, sizeof why)) < 0) break;
+    it->version = it->snap->version;
     it->dtype = dtype;
-    it->snap = fps_snap_wrap(srv, copy, t->numel, version, 1);
-    if (!it->snap) {
-      code = GRPC_STATUS_RESOURCE_EXHAUSTED;
-      snprintf(why, sizeof why, "tensor '%s': out of memory", name);
-      break;
-    }
     pc->reply.n++;
   }
-  if (code != GRPC_STATUS_OK) {
+  if (rc < 0) {
     fps_reply_free(&pc->reply);
-    fps_call_fail(&pc->base, code, "%s", why);
+    fps_call_fail(&pc->base, fps_status_from_err(rc), "%s", why);
     return;
   }
   fps__pull_send_next(pc);

@@ -30,6 +30,7 @@ static void fps__state_fill(Factorps__V1__StateSize *o, const fps_state_size_t *
 
 static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsRequest *req) {
   fps_server_t *srv = sc->base.srv;
+  fps_shard_t *shard = &srv->shard;
   Factorps__V1__StatsResponse resp = FACTORPS__V1__STATS_RESPONSE__INIT;
   Factorps__V1__ShardStats sh = FACTORPS__V1__SHARD_STATS__INIT;
   Factorps__V1__StateSize sh_state;
@@ -41,8 +42,8 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   fps_state_size_t total;
   memset(&total, 0, sizeof total);
 
-  pthread_rwlock_rdlock(&srv->store.mu);
-  uint64_t count = srv->store.count;
+  pthread_rwlock_rdlock(&shard->store.mu);
+  uint64_t count = shard->store.count;
   if (req->include_tensors && count) {
     uint32_t lim = req->apply_log_limit < srv->cfg.apply_log ? req->apply_log_limit : srv->cfg.apply_log;
     ts = calloc(count, sizeof *ts);
@@ -54,14 +55,14 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
       recp = calloc(count * lim, sizeof *recp);
     }
     if (!ts || !tsp || !tstate || !shapes || (lim && (!recs || !recp))) {
-      pthread_rwlock_unlock(&srv->store.mu);
+      pthread_rwlock_unlock(&shard->store.mu);
       fps_call_fail(&sc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Stats: out of memory for %llu tensors",
                     (unsigned long long)count);
       goto out;
     }
   }
   uint64_t param_elements = 0;
-  for (fps_tensor_t *t = srv->store.first; t; t = t->next) {
+  for (fps_tensor_t *t = shard->store.first; t; t = t->next) {
     param_elements += t->numel;
     total.row += t->size.row;
     total.col += t->size.col;
@@ -109,15 +110,15 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
     tsp[nt] = o;
     nt++;
   }
-  pthread_rwlock_unlock(&srv->store.mu);
+  pthread_rwlock_unlock(&shard->store.mu);
 
-  fps_counters_t *c = &srv->counters;
+  fps_counters_t *c = &shard->counters;
   sh.shard_id = srv->cfg.shard_id;
   sh.shard_count = srv->cfg.shard_count;
   sh.mode = (Factorps__V1__Mode)srv->cfg.mode;
   sh.workers = srv->cfg.workers;
   sh.staleness = srv->cfg.mode == FPS_MODE_SSP ? srv->cfg.staleness : 0;
-  sh.simd = (char *)fps_kernels_name(srv->kernels);
+  sh.simd = (char *)fps_kernels_name(shard->kernels);
   sh.version = (char *)FPS_VERSION;
   sh.tensors = count;
   sh.param_elements = param_elements;
@@ -142,7 +143,7 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
     sh.push_seconds_p50 = lat[(nl - 1) / 2];
     sh.push_seconds_p99 = lat[(size_t)((nl - 1) * 0.99)];
   }
-  sh.uptime_seconds = (double)(fps_now_ns() - srv->started_ns) / 1e9;
+  sh.uptime_seconds = (double)(fps_now_ns() - shard->started_ns) / 1e9;
   resp.shard = &sh;
   resp.n_tensors = nt;
   resp.tensors = tsp;

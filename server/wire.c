@@ -1,5 +1,5 @@
-/* Wire-to-internal conversion and the validation every handler shares, so
- * the same bad input gets the same status and wording from every method. */
+/* Wire-to-core conversion shared by the handlers (see wire.h): protobuf-c
+ * types to the core's, and the checks only the wire bytes allow. */
 #include <inttypes.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -9,44 +9,15 @@
 #include "name.h"
 #include "wire.h"
 
-grpc_status_code fps_wire_name(const char *name, char *why, size_t why_len) {
-  /* The rule lives in common/name.c. NUL bytes inside a name never get
-   * here: protobuf-c's strings end at the first NUL, so fps_wire_unpack()
-   * checks every string field on the wire, before unpacking. */
-  if (fps_name_check(name, name ? strlen(name) : 0, why, why_len) < 0) return GRPC_STATUS_INVALID_ARGUMENT;
-  return GRPC_STATUS_OK;
-}
-
-grpc_status_code fps_wire_shape(const char *name, const uint64_t *dims, size_t n, fps_shape_t *out,
-                                uint64_t *numel, char *why, size_t why_len) {
-  memset(out, 0, sizeof *out);
-  if (n > FPS_MAX_DIMS) {
-    snprintf(why, why_len, "tensor '%s': shape has %zu dimensions, at most %d are supported", name, n,
-             FPS_MAX_DIMS);
-    return GRPC_STATUS_INVALID_ARGUMENT;
-  }
-  out->ndim = (uint32_t)n;
-  for (size_t i = 0; i < n; i++) out->dim[i] = dims[i];
-  char kwhy[256] = "";
-  int rc = fps_shape_validate(out, numel, kwhy, sizeof kwhy);
-  if (rc < 0) {
-    char sh[256];
-    fps_shape_format(out, sh, sizeof sh);
-    snprintf(why, why_len, "tensor '%s': invalid shape %s: %s", name, sh, kwhy);
-    return rc == FPS_EOVERFLOW ? GRPC_STATUS_RESOURCE_EXHAUSTED : GRPC_STATUS_INVALID_ARGUMENT;
-  }
-  return GRPC_STATUS_OK;
-}
-
-grpc_status_code fps_wire_hparams(const char *name, const Factorps__V1__AdafactorConfig *c,
-                                  fps_adafactor_hparams_t *hp, char *why, size_t why_len) {
+int fps_wire_hparams(const char *name, const Factorps__V1__AdafactorConfig *c, fps_adafactor_hparams_t *hp,
+                     char *why, size_t why_len) {
   if (!c) {
     snprintf(why, why_len, "tensor '%s': optimizer settings are missing", name);
-    return GRPC_STATUS_INVALID_ARGUMENT;
+    return FPS_EINVAL;
   }
   if (c->flavor != FACTORPS__V1__FLAVOR__FLAVOR_TORCH && c->flavor != FACTORPS__V1__FLAVOR__FLAVOR_HF) {
     snprintf(why, why_len, "tensor '%s': optimizer flavor %d is not torch (1) or hf (2)", name, (int)c->flavor);
-    return GRPC_STATUS_INVALID_ARGUMENT;
+    return FPS_EINVAL;
   }
   bool torch = c->flavor == FACTORPS__V1__FLAVOR__FLAVOR_TORCH;
   const char *lacks = NULL;
@@ -61,7 +32,7 @@ grpc_status_code fps_wire_hparams(const char *name, const Factorps__V1__Adafacto
   if (lacks) {
     snprintf(why, why_len, "tensor '%s': flavor %s has no setting '%s' (leave it absent)", name,
              torch ? "torch" : "hf", lacks);
-    return GRPC_STATUS_INVALID_ARGUMENT;
+    return FPS_EINVAL;
   }
   fps_adafactor_defaults(hp, torch ? FPS_FLAVOR_TORCH : FPS_FLAVOR_HF);
   if (c->has_lr_case) {
@@ -84,89 +55,18 @@ grpc_status_code fps_wire_hparams(const char *name, const Factorps__V1__Adafacto
   char kwhy[256] = "";
   if (fps_adafactor_validate(hp, kwhy, sizeof kwhy) < 0) {
     snprintf(why, why_len, "tensor '%s': invalid optimizer settings: %s", name, kwhy);
-    return GRPC_STATUS_INVALID_ARGUMENT;
+    return FPS_EINVAL;
   }
-  return GRPC_STATUS_OK;
+  return 0;
 }
 
-grpc_status_code fps_wire_status(int fps_err) {
-  switch (fps_err) {
-    case 0: return GRPC_STATUS_OK;
-    case FPS_EINVAL: case FPS_ESHAPE: case FPS_EHPARAM: case FPS_EFLAVOR: case FPS_EFORMAT:
-    case FPS_ENONFINITE: case FPS_EPROTO: return GRPC_STATUS_INVALID_ARGUMENT;
-    case FPS_ENOMEM: case FPS_ELIMIT: case FPS_EOVERFLOW: return GRPC_STATUS_RESOURCE_EXHAUSTED;
-    case FPS_ENOTFOUND: return GRPC_STATUS_NOT_FOUND;
-    case FPS_EEXISTS: return GRPC_STATUS_ALREADY_EXISTS;
-    case FPS_ESTATE: return GRPC_STATUS_FAILED_PRECONDITION;
-    case FPS_ETIMEOUT: return GRPC_STATUS_DEADLINE_EXCEEDED;
-    case FPS_EUNAVAILABLE: case FPS_EAGAIN: return GRPC_STATUS_UNAVAILABLE;
-    case FPS_EUNSUPPORTED: return GRPC_STATUS_UNIMPLEMENTED;
-    default: return GRPC_STATUS_INTERNAL;
-  }
-}
-
-bool fps_shape_equal(const fps_shape_t *a, const fps_shape_t *b) {
-  if (a->ndim != b->ndim) return false;
-  for (uint32_t i = 0; i < a->ndim; i++)
-    if (a->dim[i] != b->dim[i]) return false;
-  return true;
-}
-
-grpc_status_code fps_wire_slice(const char *name, const Factorps__V1__TensorSlice *s,
-                                const fps_shape_t *shape, uint64_t numel, bool shape_required,
-                                uint64_t *count, char *why, size_t why_len) {
-  size_t esz = fps_dtype_size((int)s->dtype);
-  if (esz == 0) {
-    snprintf(why, why_len, "tensor '%s': unsupported dtype %d (supported: DTYPE_F32 = 1, DTYPE_BF16 = 2)", name,
-             (int)s->dtype);
-    return GRPC_STATUS_INVALID_ARGUMENT;
-  }
-  if (s->n_shape || shape_required) {
-    bool same = s->n_shape == shape->ndim;
-    for (size_t i = 0; same && i < s->n_shape; i++) same = s->shape[i] == shape->dim[i];
-    if (!same) {
-      char want[256], got[256] = "[";
-      fps_shape_format(shape, want, sizeof want);
-      size_t n = 1;
-      for (size_t i = 0; i < s->n_shape && n < sizeof got - 24; i++)
-        n += (size_t)snprintf(got + n, sizeof got - n, "%s%" PRIu64, i ? ", " : "", s->shape[i]);
-      snprintf(got + n, sizeof got - n, "]");
-      snprintf(why, why_len, "tensor '%s': wrong shape %s, the tensor's shape is %s", name, got, want);
-      return GRPC_STATUS_INVALID_ARGUMENT;
-    }
-  }
-  if (s->data.len % esz != 0) {
-    snprintf(why, why_len, "tensor '%s': slice data is %zu bytes, not a whole number of %s elements", name,
-             s->data.len, fps_dtype_name((int)s->dtype));
-    return GRPC_STATUS_INVALID_ARGUMENT;
-  }
-  uint64_t n = s->data.len / esz;
-  if (s->offset > numel || n > numel - s->offset) {
-    snprintf(why, why_len,
-             "tensor '%s': slice [%" PRIu64 ", %" PRIu64 ") is out of range: the tensor has %" PRIu64
-             " elements (wrong element count for its shape?)",
-             name, s->offset, s->offset + n, numel);
-    return GRPC_STATUS_INVALID_ARGUMENT;
-  }
-  *count = n;
-  return GRPC_STATUS_OK;
-}
-
-uint64_t fps_wire_first_nonfinite(int dtype, const uint8_t *data, uint64_t n) {
-  if (dtype == FPS_DTYPE_F32) {
-    for (uint64_t i = 0; i < n; i++) {
-      uint32_t u;
-      memcpy(&u, data + 4 * i, 4);
-      if ((u & 0x7f800000u) == 0x7f800000u) return i;
-    }
-  } else if (dtype == FPS_DTYPE_BF16) {
-    for (uint64_t i = 0; i < n; i++) {
-      uint16_t h;
-      memcpy(&h, data + 2 * i, 2);
-      if ((h & 0x7f80u) == 0x7f80u) return i;
-    }
-  }
-  return n;
+void fps_wire_slice_view(const Factorps__V1__TensorSlice *s, fps_slice_t *out) {
+  out->dtype = (int)s->dtype;
+  out->shape = s->shape;
+  out->n_shape = s->n_shape;
+  out->offset = s->offset;
+  out->data = s->data.data;
+  out->len = s->data.len;
 }
 
 /* ------------------------------------------- the wire, before unpacking
@@ -247,9 +147,8 @@ static bool fps__wire_nested(const ProtobufCFieldDescriptor *fd, const fps_wfiel
 }
 
 /* Checks the strings of one message (recursively) and finds repeats of a
- * singular message field. Returns GRPC_STATUS_OK or INVALID_ARGUMENT with
- * why filled. */
-static grpc_status_code fps__wire_walk(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, int depth,
+ * singular message field. Returns 0 or FPS_EINVAL with why filled. */
+static int fps__wire_walk(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, int depth,
                                        bool *repeats, char *why, size_t wl) {
   const uint8_t *end = p + n;
   uint64_t seen = 0; /* singular message fields met, by index (< 64) */
@@ -261,18 +160,18 @@ static grpc_status_code fps__wire_walk(const ProtobufCMessageDescriptor *d, cons
       const char *s = (const char *)f.payload;
       bool bad = memchr(s, '\0', f.len) != NULL || !fps_utf8_valid(s, f.len);
       for (size_t i = 0; !bad && i < f.len; i++) bad = (unsigned char)s[i] < 0x20 || s[i] == 0x7f;
-      if (bad && fps_name_check(s, f.len, why, wl) < 0) return GRPC_STATUS_INVALID_ARGUMENT;
+      if (bad && fps_name_check(s, f.len, why, wl) < 0) return FPS_EINVAL;
     } else if (fps__wire_nested(fd, &f) && depth < FPS__WIRE_DEPTH) {
       size_t idx = (size_t)(fd - d->fields);
       if (fd->label != PROTOBUF_C_LABEL_REPEATED && idx < 64) {
         if (seen & (UINT64_C(1) << idx)) *repeats = true;
         seen |= UINT64_C(1) << idx;
       }
-      grpc_status_code c = fps__wire_walk(fd->descriptor, f.payload, f.len, depth + 1, repeats, why, wl);
-      if (c != GRPC_STATUS_OK) return c;
+      int c = fps__wire_walk(fd->descriptor, f.payload, f.len, depth + 1, repeats, why, wl);
+      if (c < 0) return c;
     }
   }
-  return GRPC_STATUS_OK;
+  return 0;
 }
 
 static size_t fps__wire_put_varint(uint8_t *o, uint64_t v) {
@@ -350,12 +249,12 @@ static ptrdiff_t fps__wire_merge(const ProtobufCMessageDescriptor *d, const uint
   return o - out;
 }
 
-grpc_status_code fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len,
-                                 ProtobufCMessage **out, char *why, size_t wl) {
+int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, ProtobufCMessage **out,
+                    char *why, size_t wl) {
   *out = NULL;
   bool repeats = false;
-  grpc_status_code code = fps__wire_walk(desc, buf, len, 0, &repeats, why, wl);
-  if (code != GRPC_STATUS_OK) return code;
+  int code = fps__wire_walk(desc, buf, len, 0, &repeats, why, wl);
+  if (code < 0) return code;
   uint8_t *canon = NULL;
   if (repeats) {
     canon = malloc(len ? len : 1);
@@ -363,7 +262,7 @@ grpc_status_code fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const u
     if (m < 0) {
       free(canon);
       snprintf(why, wl, "%s: out of memory merging a %zu-byte message", desc->short_name, len);
-      return GRPC_STATUS_RESOURCE_EXHAUSTED;
+      return FPS_ENOMEM;
     }
     buf = canon;
     len = (size_t)m;
@@ -372,7 +271,7 @@ grpc_status_code fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const u
   free(canon);
   if (!*out) {
     snprintf(why, wl, "malformed %s (%zu bytes)", desc->short_name, len);
-    return GRPC_STATUS_INVALID_ARGUMENT;
+    return FPS_EPROTO;
   }
-  return GRPC_STATUS_OK;
+  return 0;
 }

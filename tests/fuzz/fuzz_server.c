@@ -400,16 +400,12 @@ fps_server_t *fz_server_new(int mode, uint32_t workers, uint32_t staleness) {
   cfg->max_bytes = 64u << 10;
   cfg->max_staging_bytes = 256u << 10;
   cfg->apply_log = 4;
-  srv->kernels = kernels;
   pthread_mutex_init(&srv->calls_mu, NULL);
-  pthread_mutex_init(&srv->ssp_mu, NULL);
-  pthread_mutex_init(&srv->rounds_mu, NULL);
-  pthread_mutex_init(&srv->counters.mu, NULL);
-  /* What fps_sync_start allocates; its timer thread is not started, so no
-   * deadline fires and every input replays the same way. */
-  srv->ssp_clock = calloc(cfg->workers, sizeof *srv->ssp_clock);
-  if (!srv->ssp_clock || fps_store_init(&srv->store) < 0) abort();
-  srv->started_ns = fps_now_ns();
+  /* The real core; no timer thread is started, so no deadline fires and
+   * every input replays the same way. */
+  fps_shard_opts_t opts;
+  fps_config_shard_opts(cfg, &opts);
+  if (fps_shard_init(&srv->shard, &opts, kernels, NULL) < 0) abort();
   fz__fixture_tensors(srv);
   return srv;
 }
@@ -420,14 +416,14 @@ void fz_server_free(fps_server_t *srv) {
     fprintf(stderr, "fuzz: %llu calls still linked at teardown\n", (unsigned long long)srv->ncalls);
     abort();
   }
-  if (srv->ssp_waits || srv->rounds) {
+  if (srv->shard.ssp_waits || srv->shard.rounds) {
     fprintf(stderr, "fuzz: a parked call or an open round outlived its call\n");
     abort();
   }
   /* Finite gradients must never make the weights NaN or Inf: one such
    * push would silently poison every later step of every worker. */
   if (getenv("FPS_FUZZ_CHECK_FINITE"))
-    for (fps_tensor_t *t = srv->store.first; t; t = t->next) {
+    for (fps_tensor_t *t = srv->shard.store.first; t; t = t->next) {
       uint64_t bad = 0;
       for (uint64_t i = 0; t->ready && i < t->numel; i++) bad += !isfinite(t->param[i]);
       if (bad) {
@@ -436,13 +432,9 @@ void fz_server_free(fps_server_t *srv) {
         abort();
       }
     }
-  fps_store_destroy(&srv->store);
+  fps_shard_destroy(&srv->shard);
   fps_config_free(&srv->cfg);
-  free(srv->ssp_clock);
   pthread_mutex_destroy(&srv->calls_mu);
-  pthread_mutex_destroy(&srv->ssp_mu);
-  pthread_mutex_destroy(&srv->rounds_mu);
-  pthread_mutex_destroy(&srv->counters.mu);
   free(srv);
 }
 

@@ -1,4 +1,4 @@
-/* Unit tests for server/ranges.c: the interval sets that check slice
+/* Unit tests for server/shard/ranges.c: the interval sets that check slice
  * coverage (no overlap, no gap) for Create's init slices and PushPull's
  * gradient slices. */
 #include <setjmp.h>
@@ -9,7 +9,7 @@
 
 #include <cmocka.h>
 
-#include "server.h"
+#include "shard/shard.h"
 
 static void test_in_order_merges(void **state) {
   (void)state;

@@ -24,7 +24,7 @@
 
 #include "checkpoint.h"
 #include "metrics.h"
-#include "server.h"
+#include "shard.h"
 
 /* The checkpoint's "created" (RFC 3339 UTC, "2026-01-02T03:04:05.123456789Z")
  * as unix seconds; 0 if it does not parse. */
@@ -65,10 +65,10 @@ static void fps__ckpt_rejected(void *ctx, const char *path, int err, const char 
 }
 
 /* Moves one loaded tensor into the store. REQUIRES store->mu for writing. */
-static int fps__ckpt_adopt_locked(fps_server_t *srv, const fps_ckpt_t *ck, fps_ckpt_tensor_t *ct) {
+static int fps__ckpt_adopt_locked(fps_shard_t *sh, const fps_ckpt_t *ck, fps_ckpt_tensor_t *ct) {
   size_t len = strlen(ct->name);
   fps_tensor_t *t = fps_tensor_create(ct->name, len, &ct->state.shape, ct->state.numel, &ct->hparams,
-                                      srv->cfg.workers, srv->cfg.apply_log);
+                                      sh->cfg.workers, sh->cfg.apply_log);
   if (!t) return FPS_ENOMEM;
   /* Take the loaded arrays instead of copying them: the tensor's own
    * param buffer and zeroed state are released, the checkpoint's fields are
@@ -86,56 +86,56 @@ static int fps__ckpt_adopt_locked(fps_server_t *srv, const fps_ckpt_t *ck, fps_c
   t->restored_seq = ck->info.seq;
   t->restored_version = ct->version;
   t->round.step = t->version;
-  int rc = fps__store_insert_locked(&srv->store, t);
+  int rc = fps__store_insert_locked(&sh->store, t);
   if (rc < 0) fps_tensor_destroy(t);
   return rc;
 }
 
-static int fps__ckpt_restore(fps_server_t *srv) {
-  fps_ckpt_expect_t ex = {.shard_id = srv->cfg.shard_id, .shard_count = srv->cfg.shard_count,
-                          .mode = fps_mode_name(srv->cfg.mode)};
+static int fps__ckpt_restore(fps_shard_t *sh) {
+  fps_ckpt_expect_t ex = {.shard_id = sh->cfg.shard_id, .shard_count = sh->cfg.shard_count,
+                          .mode = fps_mode_name(sh->cfg.mode)};
   fps_ckpt_t *ck = NULL;
   int64_t t0 = fps_now_ns();
-  int rc = fps_ckpt_load_newest(srv->cfg.checkpoint_dir, &ex, fps__ckpt_rejected, srv, &ck);
+  int rc = fps_ckpt_load_newest(sh->cfg.checkpoint_dir, &ex, fps__ckpt_rejected, sh, &ck);
   if (rc == FPS_ENOTFOUND || rc == FPS_EFORMAT) {
     const char *what = rc == FPS_ENOTFOUND ? "holds no checkpoint" : "holds no valid checkpoint";
-    if (srv->cfg.require_checkpoint) {
+    if (sh->cfg.require_checkpoint) {
       FPS_SLOG(FPS_LOG_ERROR, "--checkpoint-dir %s %s and --require-checkpoint is set: refusing to start",
-               srv->cfg.checkpoint_dir, what);
+               sh->cfg.checkpoint_dir, what);
       fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
       return FPS_ENOTFOUND;
     }
-    FPS_SLOG(FPS_LOG_INFO, "--checkpoint-dir %s %s: starting empty", srv->cfg.checkpoint_dir, what);
+    FPS_SLOG(FPS_LOG_INFO, "--checkpoint-dir %s %s: starting empty", sh->cfg.checkpoint_dir, what);
     fps_metrics_restore_set(FPS_METRICS_RESTORE_EMPTY, 0, 0, (double)(fps_now_ns() - t0) / 1e9);
     return 0;
   }
   if (rc < 0) {
-    FPS_SLOG(FPS_LOG_ERROR, "cannot read --checkpoint-dir %s: %s", srv->cfg.checkpoint_dir, fps_strerror(rc));
+    FPS_SLOG(FPS_LOG_ERROR, "cannot read --checkpoint-dir %s: %s", sh->cfg.checkpoint_dir, fps_strerror(rc));
     fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
     return rc;
   }
   uint64_t bytes = 0;
   for (size_t i = 0; i < ck->n_tensors; i++) bytes += ck->tensors[i].state.numel * 4;
-  if (ck->n_tensors > srv->cfg.max_tensors || bytes > srv->cfg.max_bytes) {
+  if (ck->n_tensors > sh->cfg.max_tensors || bytes > sh->cfg.max_bytes) {
     FPS_SLOG(FPS_LOG_ERROR,
              "checkpoint %s holds %zu tensors and %" PRIu64 " parameter bytes, more than --max-tensors %" PRIu64
              " / --max-bytes %" PRIu64 " allow: refusing to start",
-             ck->path, ck->n_tensors, bytes, srv->cfg.max_tensors, srv->cfg.max_bytes);
+             ck->path, ck->n_tensors, bytes, sh->cfg.max_tensors, sh->cfg.max_bytes);
     fps_ckpt_destroy(ck);
     fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
     return FPS_ELIMIT;
   }
-  pthread_rwlock_wrlock(&srv->store.mu);
-  rc = fps__store_reserve_locked(&srv->store, ck->n_tensors);
-  for (size_t i = 0; rc == 0 && i < ck->n_tensors; i++) rc = fps__ckpt_adopt_locked(srv, ck, &ck->tensors[i]);
-  pthread_rwlock_unlock(&srv->store.mu);
+  pthread_rwlock_wrlock(&sh->store.mu);
+  rc = fps__store_reserve_locked(&sh->store, ck->n_tensors);
+  for (size_t i = 0; rc == 0 && i < ck->n_tensors; i++) rc = fps__ckpt_adopt_locked(sh, ck, &ck->tensors[i]);
+  pthread_rwlock_unlock(&sh->store.mu);
   if (rc < 0) {
     FPS_SLOG(FPS_LOG_ERROR, "restoring %s: %s", ck->path, fps_strerror(rc));
     fps_ckpt_destroy(ck);
     fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
     return rc;
   }
-  srv->ckpt_restored_seq = ck->info.seq;
+  sh->ckpt_restored_seq = ck->info.seq;
   fps_metrics_restore_set(FPS_METRICS_RESTORE_RESTORED, ck->info.seq, fps__ckpt_created_unix(ck->info.created),
                           (double)(fps_now_ns() - t0) / 1e9);
   FPS_SLOG(FPS_LOG_INFO, "restored %zu tensors (%" PRIu64 " bytes of data) from %s (sequence %" PRIu64
@@ -146,41 +146,40 @@ static int fps__ckpt_restore(fps_server_t *srv) {
   return 0;
 }
 
-int fps_checkpoint_open(fps_server_t *srv) {
-  srv->ckpt_dir_fd = -1;
-  pthread_mutex_init(&srv->ckpt_mu, NULL);
-  if (!*srv->cfg.checkpoint_dir) return 0;
+int fps_checkpoint_open(fps_shard_t *sh) {
+  sh->ckpt_dir_fd = -1;
+  if (!*sh->cfg.checkpoint_dir) return 0;
   char why[FPS_CKPT_WHY_MAX] = "";
-  int fd = fps_ckpt_dir_lock(srv->cfg.checkpoint_dir, true, why, sizeof why);
+  int fd = fps_ckpt_dir_lock(sh->cfg.checkpoint_dir, true, why, sizeof why);
   if (fd < 0) {
-    FPS_SLOG(FPS_LOG_ERROR, "--checkpoint-dir %s: %s (%s)", srv->cfg.checkpoint_dir, why, fps_strerror(fd));
+    FPS_SLOG(FPS_LOG_ERROR, "--checkpoint-dir %s: %s (%s)", sh->cfg.checkpoint_dir, why, fps_strerror(fd));
     fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
     return fd;
   }
-  srv->ckpt_dir_fd = fd;
-  return fps__ckpt_restore(srv);
+  sh->ckpt_dir_fd = fd;
+  return fps__ckpt_restore(sh);
 }
 
-int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, size_t why_len) {
+int fps_checkpoint_write(fps_shard_t *sh, fps_ckpt_done_t *out, char *why, size_t why_len) {
   fps_ckpt_done_t done;
   memset(&done, 0, sizeof done);
-  if (!*srv->cfg.checkpoint_dir) {
+  if (!*sh->cfg.checkpoint_dir) {
     snprintf(why, why_len, "this shard has no --checkpoint-dir");
     return FPS_ESTATE;
   }
-  pthread_mutex_lock(&srv->ckpt_mu);
+  pthread_mutex_lock(&sh->ckpt_mu);
   int64_t t0 = fps_now_ns();
   uint64_t mark = fps_metrics_checkpoint_mark(); /* before any tensor is copied */
   fps_ckpt_snapshot_t *snap = NULL;
-  int rc = fps_ckpt_snapshot_create(&snap, srv->cfg.shard_id, srv->cfg.shard_count, fps_mode_name(srv->cfg.mode));
+  int rc = fps_ckpt_snapshot_create(&snap, sh->cfg.shard_id, sh->cfg.shard_count, fps_mode_name(sh->cfg.mode));
   if (rc < 0) {
     snprintf(why, why_len, "cannot create a snapshot: %s", fps_strerror(rc));
     goto fail;
   }
   /* The store's read lock only keeps the tensor list still (tensors are
    * never removed); pushes take it for reading too, so they are not held up. */
-  pthread_rwlock_rdlock(&srv->store.mu);
-  for (fps_tensor_t *t = srv->store.first; t && rc == 0; t = t->next) {
+  pthread_rwlock_rdlock(&sh->store.mu);
+  for (fps_tensor_t *t = sh->store.first; t && rc == 0; t = t->next) {
     pthread_mutex_lock(&t->mu);
     bool ready = t->ready;
     pthread_mutex_unlock(&t->mu);
@@ -200,7 +199,7 @@ int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, siz
     if (held > done.max_hold_seconds) done.max_hold_seconds = held;
     if (rc < 0) snprintf(why, why_len, "tensor '%s': cannot copy it: %s", t->name, fps_strerror(rc));
   }
-  pthread_rwlock_unlock(&srv->store.mu);
+  pthread_rwlock_unlock(&sh->store.mu);
   if (rc < 0) goto fail;
   if (fps_ckpt_snapshot_count(snap) == 0) {
     /* Nothing worth a file: writing one would only prune real checkpoints
@@ -208,13 +207,13 @@ int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, siz
      * --mode and then got SIGTERM). */
     snprintf(why, why_len, "the shard holds no %stensors to write", done.skipped ? "initialised " : "");
     fps_ckpt_snapshot_destroy(snap);
-    pthread_mutex_unlock(&srv->ckpt_mu);
+    pthread_mutex_unlock(&sh->ckpt_mu);
     FPS_SLOG(FPS_LOG_INFO, "no checkpoint written: %s", why);
     return FPS_ENOTFOUND;
   }
   done.copy_seconds = (double)(fps_now_ns() - t0) / 1e9;
   fps_ckpt_written_t w;
-  rc = fps_ckpt_write(srv->cfg.checkpoint_dir, snap, srv->cfg.checkpoint_keep, &w, why, why_len);
+  rc = fps_ckpt_write(sh->cfg.checkpoint_dir, snap, sh->cfg.checkpoint_keep, &w, why, why_len);
   if (rc < 0) goto fail;
   if (w.prune_err) FPS_SLOG(FPS_LOG_WARN, "checkpoint %s written, but pruning old ones stopped: %s", w.path, why);
   snprintf(done.path, sizeof done.path, "%s", w.path);
@@ -229,7 +228,7 @@ int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, siz
                                    done.bytes, mark);
   }
   fps_ckpt_snapshot_destroy(snap);
-  pthread_mutex_unlock(&srv->ckpt_mu);
+  pthread_mutex_unlock(&sh->ckpt_mu);
   FPS_SLOG(FPS_LOG_INFO,
            "checkpoint %s: %" PRIu64 " tensors, %" PRIu64 " bytes in %.3f s (%.0f MB/s; copying %.3f s, "
            "longest tensor lock %.6f s)%s",
@@ -241,8 +240,8 @@ int fps_checkpoint_write(fps_server_t *srv, fps_ckpt_done_t *out, char *why, siz
 fail:
   fps_metrics_checkpoint_failed(fps__ckpt_reason(rc, why));
   fps_ckpt_snapshot_destroy(snap);
-  pthread_mutex_unlock(&srv->ckpt_mu);
-  FPS_SLOG(FPS_LOG_ERROR, "checkpoint into %s failed: %s (%s)", srv->cfg.checkpoint_dir, why, fps_strerror(rc));
+  pthread_mutex_unlock(&sh->ckpt_mu);
+  FPS_SLOG(FPS_LOG_ERROR, "checkpoint into %s failed: %s (%s)", sh->cfg.checkpoint_dir, why, fps_strerror(rc));
   /* FPS_ENOTFOUND means "nothing to write" to callers (SIGTERM exits 0
    * then): a directory that vanished is an I/O failure. */
   return rc == FPS_ENOTFOUND ? FPS_EIO : rc;
@@ -252,91 +251,91 @@ fail:
  * applied and tensors known. Equal values mean nothing changed since, unless
  * a tensor was still initialising then (its init slices change it without
  * an update). */
-static void fps__ckpt_mark(fps_server_t *srv, uint64_t *updates, uint64_t *count) {
-  pthread_rwlock_rdlock(&srv->store.mu);
-  *count = srv->store.count;
-  *updates = atomic_load(&srv->counters.updates);
-  pthread_rwlock_unlock(&srv->store.mu);
+static void fps__ckpt_mark(fps_shard_t *sh, uint64_t *updates, uint64_t *count) {
+  pthread_rwlock_rdlock(&sh->store.mu);
+  *count = sh->store.count;
+  *updates = atomic_load(&sh->counters.updates);
+  pthread_rwlock_unlock(&sh->store.mu);
 }
 
 static void *fps__ckpt_thread(void *arg) {
-  fps_server_t *srv = arg;
+  fps_shard_t *sh = arg;
   /* An idle shard does not rewrite the same state every interval. */
   bool have_last = false, last_skipped = false;
   uint64_t last_updates = 0, last_count = 0;
-  pthread_mutex_lock(&srv->ckpt_thread_mu);
-  while (!srv->ckpt_thread_stop) {
+  pthread_mutex_lock(&sh->ckpt_thread_mu);
+  while (!sh->ckpt_thread_stop) {
     struct timespec until;
     clock_gettime(CLOCK_MONOTONIC, &until);
-    double iv = srv->cfg.checkpoint_interval;
+    double iv = sh->cfg.checkpoint_interval;
     until.tv_sec += (time_t)iv;
     until.tv_nsec += (long)((iv - (double)(time_t)iv) * 1e9);
     if (until.tv_nsec >= 1000000000L) {
       until.tv_sec++;
       until.tv_nsec -= 1000000000L;
     }
-    while (!srv->ckpt_thread_stop &&
-           pthread_cond_timedwait(&srv->ckpt_thread_cv, &srv->ckpt_thread_mu, &until) == 0) {
+    while (!sh->ckpt_thread_stop &&
+           pthread_cond_timedwait(&sh->ckpt_thread_cv, &sh->ckpt_thread_mu, &until) == 0) {
     }
-    if (srv->ckpt_thread_stop) break;
-    pthread_mutex_unlock(&srv->ckpt_thread_mu);
+    if (sh->ckpt_thread_stop) break;
+    pthread_mutex_unlock(&sh->ckpt_thread_mu);
     uint64_t updates, count;
-    fps__ckpt_mark(srv, &updates, &count);
+    fps__ckpt_mark(sh, &updates, &count);
     if (!have_last || last_skipped || updates != last_updates || count != last_count) {
       char why[FPS_CKPT_WHY_MAX] = "";
       fps_ckpt_done_t done;
       /* A failure is logged by fps_checkpoint_write; the next interval
        * tries again (a full disk may clear). The mark is taken before the
        * copy, so an update racing with it only causes one more write. */
-      if (fps_checkpoint_write(srv, &done, why, sizeof why) == 0) {
+      if (fps_checkpoint_write(sh, &done, why, sizeof why) == 0) {
         have_last = true;
         last_skipped = done.skipped > 0;
         last_updates = updates;
         last_count = count;
       }
     }
-    pthread_mutex_lock(&srv->ckpt_thread_mu);
+    pthread_mutex_lock(&sh->ckpt_thread_mu);
   }
-  pthread_mutex_unlock(&srv->ckpt_thread_mu);
+  pthread_mutex_unlock(&sh->ckpt_thread_mu);
   return NULL;
 }
 
-int fps_checkpoint_start(fps_server_t *srv) {
-  if (!*srv->cfg.checkpoint_dir || srv->cfg.checkpoint_interval <= 0) return 0;
+int fps_checkpoint_start(fps_shard_t *sh) {
+  if (!*sh->cfg.checkpoint_dir || sh->cfg.checkpoint_interval <= 0) return 0;
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&srv->ckpt_thread_cv, &ca);
+  pthread_cond_init(&sh->ckpt_thread_cv, &ca);
   pthread_condattr_destroy(&ca);
-  pthread_mutex_init(&srv->ckpt_thread_mu, NULL);
-  srv->ckpt_thread_stop = false;
-  if (pthread_create(&srv->ckpt_thread, NULL, fps__ckpt_thread, srv) != 0) {
-    pthread_cond_destroy(&srv->ckpt_thread_cv);
-    pthread_mutex_destroy(&srv->ckpt_thread_mu);
+  pthread_mutex_init(&sh->ckpt_thread_mu, NULL);
+  sh->ckpt_thread_stop = false;
+  if (pthread_create(&sh->ckpt_thread, NULL, fps__ckpt_thread, sh) != 0) {
+    pthread_cond_destroy(&sh->ckpt_thread_cv);
+    pthread_mutex_destroy(&sh->ckpt_thread_mu);
     return FPS_ENOMEM;
   }
-  srv->ckpt_thread_on = true;
+  sh->ckpt_thread_on = true;
   return 0;
 }
 
-void fps_checkpoint_stop(fps_server_t *srv) {
-  if (srv->ckpt_thread_on) {
-    pthread_mutex_lock(&srv->ckpt_thread_mu);
-    srv->ckpt_thread_stop = true;
-    pthread_cond_broadcast(&srv->ckpt_thread_cv);
-    pthread_mutex_unlock(&srv->ckpt_thread_mu);
-    pthread_join(srv->ckpt_thread, NULL);
-    pthread_cond_destroy(&srv->ckpt_thread_cv);
-    pthread_mutex_destroy(&srv->ckpt_thread_mu);
-    srv->ckpt_thread_on = false;
+void fps_checkpoint_stop(fps_shard_t *sh) {
+  if (sh->ckpt_thread_on) {
+    pthread_mutex_lock(&sh->ckpt_thread_mu);
+    sh->ckpt_thread_stop = true;
+    pthread_cond_broadcast(&sh->ckpt_thread_cv);
+    pthread_mutex_unlock(&sh->ckpt_thread_mu);
+    pthread_join(sh->ckpt_thread, NULL);
+    pthread_cond_destroy(&sh->ckpt_thread_cv);
+    pthread_mutex_destroy(&sh->ckpt_thread_mu);
+    sh->ckpt_thread_on = false;
   }
 }
 
-void fps_checkpoint_close(fps_server_t *srv) {
-  fps_checkpoint_stop(srv);
-  if (srv->ckpt_dir_fd >= 0) {
-    close(srv->ckpt_dir_fd);
-    srv->ckpt_dir_fd = -1;
+void fps_checkpoint_close(fps_shard_t *sh) {
+  fps_checkpoint_stop(sh);
+  if (sh->ckpt_dir_fd >= 0) {
+    close(sh->ckpt_dir_fd);
+    sh->ckpt_dir_fd = -1;
   }
 }
 

@@ -1,7 +1,7 @@
 /* Per-push settings: the stream header's job checks (worker count, mode),
  * each TensorPush's learning rate and weight decay, and the agreement of a
- * sync round's members. gRPC-free: plain checks returning FPS_E* with a
- * message, called by the PushPull handler and the sync rounds.
+ * sync round's members: plain checks returning FPS_E* with a message,
+ * called by the push path (push.c) and the sync rounds (sync.c).
  *
  * The tensor's Create settings stay its defaults; a push's values apply to
  * that update only (see TensorPush in the proto). */
@@ -10,9 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server.h"
+#include "shard.h"
 
-int fps_push_header_check(const fps_config_t *cfg, uint32_t worker_id, uint32_t num_workers,
+int fps_push_header_check(const fps_shard_opts_t *cfg, uint32_t worker_id, uint32_t num_workers,
                           int expect_mode, char *why, size_t why_len) {
   if (expect_mode != 0 && expect_mode != cfg->mode) {
     const char *want = expect_mode >= FPS_MODE_SYNC && expect_mode <= FPS_MODE_SSP ? fps_mode_name(expect_mode)

@@ -1,0 +1,467 @@
+/* One worker's push: gradient slices for some tensors, staged, checked,
+ * then applied the way the shard's mode says (see shard.h).
+ *
+ * Life of a push (state):
+ *   RECV  fps_push_header() / fps_push_slice() per message: each slice is
+ *         validated and decoded straight into its tensor's staging buffer
+ *   WAIT  fps_push_commit(): sync joins the rounds (and is resolved by
+ *         whoever completes them), ssp may park until the slowest worker
+ *         catches up, async applies at once
+ *   DONE  resolved: fps_push_result() and fps_push_take() give the outcome
+ * A failure at any point leaves every tensor as it was: nothing is applied
+ * before the whole push has been validated.
+ *
+ * Who resolves a waiting push runs its done callback: `pending` counts the
+ * entries still in rounds (sync) or the ssp wait, plus one hold that
+ * fps_push_commit() keeps until it returns, so the callback can never run
+ * while the committing thread still touches the push.
+ *
+ * Copies of one tensor while a push is in flight: the parameters
+ * themselves, plus one staging buffer per push (the gradient in fp32),
+ * which after the update becomes the reply snapshot (sync: the W workers'
+ * buffers are summed into the lowest worker's, which becomes the one
+ * snapshot all W share; the others are freed). */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "metrics.h"
+#include "shard.h"
+
+enum { PUSH_RECV, PUSH_WAIT, PUSH_DONE };
+
+struct fps_push_s {
+  fps_shard_t *sh;
+  pthread_mutex_t mu;         /* state, cancelled, pending */
+  int state;                  /* PUSH_* */
+  bool cancelled;             /* fps_push_cancel() was called */
+  bool have_header;           /* worker_id/step taken from the first message */
+  uint32_t worker_id;
+  uint64_t step;
+  uint32_t num_workers;       /* the worker's W, 0: unchecked */
+  int expect_mode;            /* the worker's expected mode, 0: any */
+  bool skip_params;
+  int64_t deadline_ns;
+  fps_push_entry_t **e;       /* entries in first-seen order */
+  size_t n, cap;
+  fps_push_entry_t **htab;    /* tensor pointer -> entry, open addressing */
+  size_t hcap;
+  size_t pending;             /* unresolved entries / wait + 1 hold */
+  fps_ssp_wait_t wait;
+  int err;                    /* push-level failure (ssp), 0: none */
+  char *msg;                  /* its message */
+  fps_push_done_fn done;
+  void *arg;
+};
+
+int fps_push_create(fps_shard_t *sh, int64_t deadline_ns, fps_push_done_fn done, void *arg, fps_push_t **out) {
+  *out = NULL;
+  fps_push_t *p = calloc(1, sizeof *p);
+  if (!p) return FPS_ENOMEM;
+  pthread_mutex_init(&p->mu, NULL);
+  p->sh = sh;
+  p->state = PUSH_RECV;
+  p->deadline_ns = deadline_ns;
+  p->done = done;
+  p->arg = arg;
+  *out = p;
+  return 0;
+}
+
+void fps_push_destroy(fps_push_t *p) {
+  if (!p) return;
+  for (size_t i = 0; i < p->n; i++) {
+    fps_push_entry_t *e = p->e[i];
+    fps_tbuf_free(p->sh, e->grad, e->t->numel);
+    fps_ranges_free(&e->got);
+    free(e->msg);
+    fps_snap_unref(e->snap);
+    free(e);
+  }
+  free(p->e);
+  free(p->htab);
+  free(p->msg);
+  pthread_mutex_destroy(&p->mu);
+  free(p);
+}
+
+uint32_t fps_push_worker(const fps_push_t *p) { return p->worker_id; }
+
+void fps_push_set_deadline(fps_push_t *p, int64_t deadline_ns) { p->deadline_ns = deadline_ns; }
+
+/* Drops k pending counts; true when that resolved the push. */
+static bool fps__push_release(fps_push_t *p, size_t k) {
+  pthread_mutex_lock(&p->mu);
+  p->pending -= k;
+  bool last = p->pending == 0;
+  if (last) p->state = PUSH_DONE;
+  pthread_mutex_unlock(&p->mu);
+  return last;
+}
+
+void fps__push_entry_resolved(fps_push_entry_t *e) {
+  fps_push_t *p = e->owner;
+  if (fps__push_release(p, 1)) p->done(p, p->arg);
+}
+
+/* async/ssp: applies every entry now (each under its tensor's lock); its
+ * staging buffer becomes the snapshot. */
+static void fps__push_apply_all(fps_push_t *p) {
+  fps_shard_t *sh = p->sh;
+  for (size_t i = 0; i < p->n; i++) {
+    fps_push_entry_t *e = p->e[i];
+    fps_tensor_t *t = e->t;
+    fps_snap_t *snap = NULL;
+    pthread_mutex_lock(&t->mu);
+    /* no_grad: nothing to apply (no update, no weight decay); the reply
+     * carries the current params. */
+    int rc = fps__tensor_apply_locked(sh, t, e->grad, !e->no_grad, p->worker_id, e->step, &e->uh, !e->skip_params, 1,
+                                      &snap);
+    e->version = t->version;
+    pthread_mutex_unlock(&t->mu);
+    if (rc < 0) {
+      e->err = rc;
+      e->msg = strdup("the Adafactor step failed");
+      continue;
+    }
+    e->err = 0;
+    if (!e->skip_params) {
+      e->grad = NULL; /* consumed */
+      e->snap = snap;
+      if (!snap) {
+        e->err = FPS_ENOMEM;
+        e->msg = strdup("out of memory for the parameter snapshot");
+      }
+    } else {
+      fps_tbuf_free(sh, e->grad, t->numel);
+      e->grad = NULL;
+    }
+  }
+  if (sh->cfg.mode == FPS_MODE_SSP) fps__ssp_advance(sh, p->worker_id, p->step);
+}
+
+void fps__push_ssp_resume(fps_push_t *p) {
+  fps__push_apply_all(p);
+  if (fps__push_release(p, 1)) p->done(p, p->arg);
+}
+
+void fps__push_ssp_fail(fps_push_t *p, int err, const char *msg) {
+  p->err = err;
+  p->msg = strdup(msg);
+  if (fps__push_release(p, 1)) p->done(p, p->arg);
+}
+
+static const char fps__ssp_cancel_msg[] = "PushPull: cancelled while waiting for slower workers";
+
+void fps_push_cancel(fps_push_t *p) {
+  fps_shard_t *sh = p->sh;
+  pthread_mutex_lock(&p->mu);
+  p->cancelled = true;
+  int state = p->state;
+  pthread_mutex_unlock(&p->mu);
+  if (state != PUSH_WAIT) return; /* RECV: the commit refuses; DONE: too late */
+  if (sh->cfg.mode == FPS_MODE_SYNC) {
+    size_t k = fps__sync_withdraw(sh, p->e, p->n);
+    if (k && fps__push_release(p, k)) p->done(p, p->arg);
+  } else if (sh->cfg.mode == FPS_MODE_SSP && fps__ssp_unpark(sh, &p->wait)) {
+    fps__push_ssp_fail(p, FPS_ECANCELLED, fps__ssp_cancel_msg);
+  }
+}
+
+int fps_push_result(fps_push_t *p, char *why, size_t wl) {
+  if (p->err) {
+    snprintf(why, wl, "%s", p->msg ? p->msg : fps_strerror(p->err));
+    return p->err;
+  }
+  for (size_t i = 0; i < p->n; i++) {
+    fps_push_entry_t *e = p->e[i];
+    if (e->err) {
+      snprintf(why, wl, "%s", e->msg ? e->msg : "PushPull: the call was cancelled");
+      return e->err;
+    }
+  }
+  return 0;
+}
+
+size_t fps_push_count(const fps_push_t *p) { return p->n; }
+
+void fps_push_take(fps_push_t *p, size_t i, fps_push_out_t *out) {
+  fps_push_entry_t *e = p->e[i];
+  out->t = e->t;
+  out->snap = e->snap;
+  e->snap = NULL;
+  out->version = e->version;
+  out->dtype = e->dtype;
+}
+
+int fps_push_commit(fps_push_t *p, char *why, size_t wl) {
+  fps_shard_t *sh = p->sh;
+  for (size_t i = 0; i < p->n; i++) {
+    fps_push_entry_t *e = p->e[i];
+    fps_push_settings_resolve(e);
+    if (e->no_grad) continue;
+    if (e->got.covered != e->t->numel) {
+      uint64_t gap = fps_ranges_first_gap(&e->got, e->t->numel);
+      snprintf(why, wl,
+               "tensor '%s': missing slices: the gradient covers %" PRIu64 " of %" PRIu64
+               " elements (first missing element %" PRIu64 ")",
+               e->t->name, e->got.covered, e->t->numel, gap);
+      return FPS_EINVAL;
+    }
+  }
+  pthread_mutex_lock(&p->mu);
+  bool cancelled = p->cancelled;
+  p->state = cancelled ? PUSH_DONE : PUSH_WAIT;
+  p->pending = 1; /* this thread's hold until it is done here */
+  pthread_mutex_unlock(&p->mu);
+  if (cancelled) {
+    snprintf(why, wl, "PushPull: the call was cancelled");
+    return FPS_ECANCELLED;
+  }
+
+  if (sh->cfg.mode == FPS_MODE_SYNC && p->n > 0) {
+    pthread_mutex_lock(&p->mu);
+    p->pending += p->n;
+    pthread_mutex_unlock(&p->mu);
+    int rc = fps__sync_join(sh, p->e, p->n, p->worker_id, p->deadline_ns, why, wl);
+    if (rc < 0) {
+      /* Joined none of the rounds. */
+      pthread_mutex_lock(&p->mu);
+      p->pending = 0;
+      p->state = PUSH_DONE;
+      pthread_mutex_unlock(&p->mu);
+      return rc;
+    }
+    pthread_mutex_lock(&p->mu);
+    cancelled = p->cancelled;
+    pthread_mutex_unlock(&p->mu);
+    if (cancelled) {
+      /* The cancel raced the join: take back what is still waiting. */
+      size_t k = fps__sync_withdraw(sh, p->e, p->n);
+      if (k) fps__push_release(p, k); /* never the last: the hold */
+    }
+    return fps__push_release(p, 1) ? 0 : FPS_EAGAIN;
+  }
+  if (sh->cfg.mode == FPS_MODE_SSP && p->n > 0) {
+    p->wait.p = p;
+    p->wait.worker_id = p->worker_id;
+    p->wait.step = p->step;
+    p->wait.deadline_ns = p->deadline_ns;
+    pthread_mutex_lock(&p->mu);
+    p->pending++; /* the wait: released by whoever resumes or fails it */
+    pthread_mutex_unlock(&p->mu);
+    if (!fps__ssp_admit_or_park(sh, &p->wait)) {
+      pthread_mutex_lock(&p->mu);
+      cancelled = p->cancelled;
+      pthread_mutex_unlock(&p->mu);
+      if (cancelled && fps__ssp_unpark(sh, &p->wait)) fps__push_ssp_fail(p, FPS_ECANCELLED, fps__ssp_cancel_msg);
+      return fps__push_release(p, 1) ? 0 : FPS_EAGAIN;
+    }
+    fps__push_release(p, 1); /* admitted: the wait is over at once */
+  }
+  fps__push_apply_all(p);
+  fps__push_release(p, 1);
+  return 0;
+}
+
+int fps_push_header(fps_push_t *p, uint32_t worker_id, uint64_t step, bool skip_params, uint32_t num_workers,
+                    int expect_mode, char *why, size_t wl) {
+  if (!p->have_header) {
+    p->have_header = true;
+    p->worker_id = worker_id;
+    p->step = step;
+    p->skip_params = skip_params;
+    p->num_workers = num_workers;
+    p->expect_mode = expect_mode;
+    return fps_push_header_check(&p->sh->cfg, worker_id, num_workers, expect_mode, why, wl);
+  }
+  if (worker_id != p->worker_id || step != p->step || num_workers != p->num_workers ||
+      expect_mode != p->expect_mode) {
+    snprintf(why, wl,
+             "worker_id/step/num_workers/expect_mode changed within one PushPull stream (%u/%" PRIu64
+             "/%u/%d then %u/%" PRIu64 "/%u/%d)",
+             p->worker_id, p->step, p->num_workers, p->expect_mode, worker_id, step, num_workers, expect_mode);
+    return FPS_EINVAL;
+  }
+  return 0;
+}
+
+static fps_push_entry_t **fps__push_slot(fps_push_t *p, const fps_tensor_t *t) {
+  size_t h = ((uintptr_t)t >> 4) * UINT64_C(0x9E3779B97F4A7C15) & (p->hcap - 1);
+  while (p->htab[h] && p->htab[h]->t != t) h = (h + 1) & (p->hcap - 1);
+  return &p->htab[h];
+}
+
+/* The entry for t in this push, created on first sight; NULL on OOM or
+ * (with *over_limit) when staging would pass max_staging_bytes. */
+static fps_push_entry_t *fps__push_entry(fps_push_t *p, fps_tensor_t *t, int dtype, bool *over_limit) {
+  if (p->hcap && *fps__push_slot(p, t)) return *fps__push_slot(p, t);
+  if ((p->n + 1) * 2 > p->hcap) {
+    size_t cap = p->hcap ? p->hcap * 2 : 16;
+    fps_push_entry_t **nt = calloc(cap, sizeof *nt);
+    if (!nt) return NULL;
+    free(p->htab);
+    p->htab = nt;
+    p->hcap = cap;
+    for (size_t i = 0; i < p->n; i++) *fps__push_slot(p, p->e[i]->t) = p->e[i];
+  }
+  if (p->n == p->cap) {
+    size_t cap = p->cap ? p->cap * 2 : 8;
+    fps_push_entry_t **ne = realloc(p->e, cap * sizeof *ne);
+    if (!ne) return NULL;
+    p->e = ne;
+    p->cap = cap;
+  }
+  fps_push_entry_t *e = calloc(1, sizeof *e);
+  if (!e) return NULL;
+  e->grad = fps_tbuf_alloc(p->sh, t->numel, over_limit);
+  if (!e->grad) {
+    free(e);
+    return NULL;
+  }
+  e->owner = p;
+  e->t = t;
+  e->worker_id = p->worker_id;
+  e->skip_params = p->skip_params;
+  e->dtype = dtype;
+  e->step = p->step;
+  p->e[p->n++] = e;
+  *fps__push_slot(p, t) = e;
+  return e;
+}
+
+/* The ready tensor `name` of this shard, or NULL with FPS_E* in *rc. */
+static fps_tensor_t *fps__push_find(fps_push_t *p, const char *name, uint64_t *version, int *rc, char *why,
+                                    size_t wl) {
+  fps_shard_t *sh = p->sh;
+  if ((*rc = fps_shard_name_check(name, why, wl)) < 0) return NULL;
+  fps_tensor_t *t = fps_store_find(&sh->store, name);
+  if (!t) {
+    snprintf(why, wl, "tensor '%s' not found on shard %u", name, sh->cfg.shard_id);
+    *rc = FPS_ENOTFOUND;
+    return NULL;
+  }
+  pthread_mutex_lock(&t->mu);
+  bool ready = t->ready;
+  *version = t->version;
+  pthread_mutex_unlock(&t->mu);
+  if (!ready) {
+    snprintf(why, wl, "tensor '%s' is still initialising: push after every initial value is sent", name);
+    *rc = FPS_ESTATE;
+    return NULL;
+  }
+  return t;
+}
+
+/* A new entry for t at `step`: fails early on a sync step that cannot join
+ * (the join re-checks), or on staging limits. */
+static fps_push_entry_t *fps__push_new_entry(fps_push_t *p, fps_tensor_t *t, uint64_t version, int dtype,
+                                             uint64_t step, int *rc, char *why, size_t wl) {
+  fps_shard_t *sh = p->sh;
+  if (sh->cfg.mode == FPS_MODE_SYNC && step != version) {
+    snprintf(why, wl,
+             step < version
+                 ? "tensor '%s': stale push: worker %u sent step %" PRIu64 " but the tensor is at version %" PRIu64
+                 : "tensor '%s': worker %u sent step %" PRIu64 ", ahead of shard: the tensor is at version %" PRIu64,
+             t->name, p->worker_id, step, version);
+    if (step > version) fps_checkpoint_ahead_hint(t, why, wl);
+    *rc = step < version ? FPS_ESTALE : FPS_EAHEAD;
+    return NULL;
+  }
+  bool over = false;
+  fps_push_entry_t *e = fps__push_entry(p, t, dtype, &over);
+  if (!e && over) {
+    snprintf(why, wl,
+             "tensor '%s': staging its %" PRIu64 "-byte gradient would pass the shard's limit of %" PRIu64
+             " bytes for in-flight tensors (--max-staging-bytes); retry later",
+             t->name, t->numel * 4, sh->cfg.max_staging_bytes);
+    *rc = FPS_ELIMIT;
+    return NULL;
+  }
+  if (!e) {
+    snprintf(why, wl, "tensor '%s': out of memory staging a %" PRIu64 "-element gradient", t->name, t->numel);
+    *rc = FPS_ENOMEM;
+    return NULL;
+  }
+  e->step = step;
+  return e;
+}
+
+int fps_push_tensor(fps_push_t *p, const fps_push_tensor_t *tp, char *why, size_t wl) {
+  const char *name = tp->name ? tp->name : "";
+  int rc;
+  uint64_t version;
+  fps_tensor_t *t = fps__push_find(p, name, &version, &rc, why, wl);
+  if (!t) return rc;
+  fps_push_entry_t *e = p->hcap ? *fps__push_slot(p, t) : NULL;
+  if (e && e->has_push) {
+    snprintf(why, wl, "tensor '%s': named by two TensorPush entries in one PushPull call (at most one each)", name);
+    return FPS_EINVAL;
+  }
+  if (e) {
+    snprintf(why, wl,
+             "tensor '%s': its TensorPush came after its first gradient slice; send it in the same message "
+             "as that slice or earlier",
+             name);
+    return FPS_EINVAL;
+  }
+  rc = fps_push_settings_check(t, tp->has_lr, tp->lr, tp->has_weight_decay, tp->weight_decay, why, wl);
+  if (rc < 0) return rc;
+  e = fps__push_new_entry(p, t, version, FPS_DTYPE_F32, tp->has_step ? tp->step : p->step, &rc, why, wl);
+  if (!e) return rc;
+  e->has_push = true;
+  e->has_lr = tp->has_lr;
+  e->lr = tp->lr;
+  e->has_weight_decay = tp->has_weight_decay;
+  e->weight_decay = tp->weight_decay;
+  e->no_grad = tp->no_grad;
+  return 0;
+}
+
+int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *why, size_t wl) {
+  fps_shard_t *sh = p->sh;
+  int rc;
+  uint64_t version;
+  fps_tensor_t *t = fps__push_find(p, name, &version, &rc, why, wl);
+  if (!t) return rc;
+  uint64_t count;
+  if ((rc = fps_shard_slice_check(name, s, &t->shape, t->numel, true, &count, why, wl)) < 0) return rc;
+  fps_push_entry_t *e = p->hcap ? *fps__push_slot(p, t) : NULL;
+  if (!e) {
+    e = fps__push_new_entry(p, t, version, s->dtype, p->step, &rc, why, wl);
+    if (!e) return rc;
+  } else if (e->no_grad) {
+    snprintf(why, wl, "tensor '%s': gradient slices sent for a tensor its TensorPush marks no_grad", name);
+    return FPS_EINVAL;
+  }
+  if (!e->has_slices) e->dtype = s->dtype; /* the first slice's dtype: the reply's */
+  e->has_slices = true;
+  rc = fps_ranges_add(&e->got, s->offset, s->offset + count);
+  if (rc == FPS_EEXISTS) {
+    snprintf(why, wl, "tensor '%s': slice [%" PRIu64 ", %" PRIu64 ") overlaps a slice already received", name,
+             s->offset, s->offset + count);
+    return FPS_EINVAL;
+  }
+  if (rc < 0) {
+    snprintf(why, wl, "tensor '%s': out of memory", name);
+    return FPS_ENOMEM;
+  }
+  uint64_t bad = count;
+  fps_dtype_decode(s->dtype, s->data, count, e->grad + s->offset, &bad);
+  if (bad < count) {
+    float v = e->grad[s->offset + bad];
+    if (isnan(v) || isinf(v))
+      snprintf(why, wl, "tensor '%s': gradient element %" PRIu64 " is %s; nothing was applied", name,
+               s->offset + bad, isnan(v) ? "NaN" : "Inf");
+    else
+      snprintf(why, wl,
+               "tensor '%s': gradient element %" PRIu64 " is %g, beyond the largest magnitude the shard "
+               "accepts (2^63 = %g: its square would overflow float32); nothing was applied",
+               name, s->offset + bad, (double)v, FPS_GRAD_ABS_LIMIT);
+    return FPS_EINVAL;
+  }
+  atomic_fetch_add(&sh->counters.bytes_received, s->len);
+  return 0;
+}

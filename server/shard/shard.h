@@ -1,0 +1,556 @@
+/* The shard core: everything a shard decides, and nothing of how calls
+ * reach it (README "Layout"; DESIGN "Inside the shard").
+ *
+ *   store.c       tensors and the store (name -> tensor), the one
+ *                 apply-and-snapshot path of every mode, snapshots for
+ *                 Pull, staging-buffer accounting, counters, the name and
+ *                 slice rules
+ *   create.c      Create's rules: create-or-match, init coverage, limits
+ *   push.c        one worker's push: staging, the checks, then async
+ *                 apply, a sync round or an ssp wait
+ *   push_settings.c  per-push lr / weight decay / no_grad, the job checks
+ *                 of the stream header, a round's agreement
+ *   sync.c        sync rounds: join all-or-none, completion in worker-id
+ *                 order, deadline, duplicate/stale/ahead, withdraw
+ *   ssp.c         ssp waits: admit, park, advance, expire
+ *   checkpoint.c  durable checkpoints: restore, snapshots, the interval
+ *   ranges.c      sorted interval sets (slice coverage and overlap)
+ *   log.c         the log line
+ *
+ * The core includes no gRPC and no protobuf-c header (the fps_shard library
+ * does not link them, so such an include fails the build). Functions return
+ * 0 or a negative FPS_E* (common/error.h) and write a message naming the
+ * tensor and the problem into a `why` buffer; the RPC layer translates the
+ * code (server/status.c) and sends the message. A push that has to wait (a
+ * sync round, an ssp wait) is resumed through the callback its creator
+ * registered (fps_push_done_fn), on whichever thread completes it.
+ *
+ * Locks, in acquisition order (never the reverse): store->mu (rwlock) ->
+ * tensor->mu -> sh->ssp_mu -> push->mu -> sh->rounds_mu. A round is
+ * completed with its tensor lock held only to sum, apply and collect its
+ * members; their pushes are resolved (callbacks run) after it is
+ * released. */
+#ifndef FPS_SHARD_H
+#define FPS_SHARD_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "adafactor.h"
+#include "clock.h"
+#include "dtype.h"
+#include "error.h"
+#include "name.h"
+
+#define FPS_NAME_MAX FPS_TENSOR_NAME_MAX /* bytes of UTF-8 in a tensor name (name.h) */
+#define FPS_WHY_MAX 2048                 /* room for any message of the core */
+#define FPS_LATENCY_RING 1024            /* recent pushes kept for p50/p99 */
+/* Tensors at least this big are updated on the kernel pool; smaller ones on
+ * the calling thread (the pool runs one job at a time, and many small
+ * tensors already spread over the pollers). */
+#define FPS_POOL_MIN_NUMEL (UINT64_C(1) << 22)
+/* A round fails this long before its earliest member's own deadline, so
+ * the members hear which workers were missing rather than a bare
+ * DEADLINE_EXCEEDED from their own transport timer. */
+#define FPS_ROUND_MARGIN_NS INT64_C(200000000)
+
+/* ------------------------------------------------------------ logging */
+
+typedef enum fps_log_level_e { FPS_LOG_ERROR = 0, FPS_LOG_WARN, FPS_LOG_INFO, FPS_LOG_DEBUG } fps_log_level_t;
+extern int fps__log_level;
+void fps__log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Checks the level before evaluating the arguments. */
+#define FPS_SLOG(level, ...)                            \
+  do {                                                  \
+    if ((level) <= fps__log_level) fps__log(level, __VA_ARGS__); \
+  } while (0)
+
+/* ------------------------------------------------------------- ranges */
+
+/* Sorted, merged, non-overlapping half-open intervals [lo, hi). */
+typedef struct fps_range_s {
+  uint64_t lo, hi;
+} fps_range_t;
+
+typedef struct fps_ranges_s {
+  fps_range_t *v;
+  size_t n, cap;
+  uint64_t covered;           /* sum of hi - lo */
+} fps_ranges_t;
+
+/* Adds [lo, hi). Returns 0, FPS_EEXISTS if it overlaps what is there
+ * (nothing changes then), FPS_ENOMEM. An empty interval is a no-op. */
+int fps_ranges_add(fps_ranges_t *r, uint64_t lo, uint64_t hi);
+/* First gap in [0, total) or total if none (for "missing slice" messages). */
+uint64_t fps_ranges_first_gap(const fps_ranges_t *r, uint64_t total);
+int fps_ranges_copy(fps_ranges_t *dst, const fps_ranges_t *src);
+void fps_ranges_free(fps_ranges_t *r);
+
+/* ------------------------------------------------------ options, rules */
+
+typedef enum fps_mode_e { FPS_MODE_SYNC = 1, FPS_MODE_ASYNC = 2, FPS_MODE_SSP = 3 } fps_mode_t;
+
+/* What the core needs of the shard's configuration (main.c fills it from
+ * fps_config_t: the fields have the same names and meanings there). */
+typedef struct fps_shard_opts_s {
+  uint32_t shard_id;          /* this shard's index */
+  uint32_t shard_count;       /* shards in the job */
+  int mode;                   /* fps_mode_t */
+  uint32_t staleness;         /* ssp: max steps ahead of the slowest worker */
+  uint32_t workers;           /* sync/ssp: number of workers W (>= 1) */
+  double deadline;            /* seconds: sync round deadline */
+  uint64_t max_tensors;       /* Create beyond this: FPS_ELIMIT */
+  uint64_t max_bytes;         /* parameter bytes beyond this: FPS_ELIMIT */
+  uint64_t max_staging_bytes; /* gradient staging + snapshots, all pushes */
+  uint32_t apply_log;         /* per-tensor apply records kept */
+  const char *checkpoint_dir; /* "" = off (borrowed) */
+  double checkpoint_interval; /* seconds between periodic checkpoints, 0 = off */
+  uint32_t checkpoint_keep;   /* newest checkpoints kept */
+  int require_checkpoint;     /* refuse to start without a loaded checkpoint */
+} fps_shard_opts_t;
+
+const char *fps_mode_name(int mode);
+
+/* One slice of a tensor as it came off the wire: data is little-endian
+ * elements of dtype, any alignment. */
+typedef struct fps_slice_s {
+  int dtype;                  /* FPS_DTYPE_* */
+  const uint64_t *shape;      /* the sender's idea of the shape, n_shape dims */
+  size_t n_shape;             /* 0: not given */
+  uint64_t offset;            /* first element */
+  const uint8_t *data;
+  size_t len;                 /* bytes */
+} fps_slice_t;
+
+/* Name rule (common/name.h): 1..FPS_NAME_MAX bytes of UTF-8 without
+ * control characters. 0 or FPS_EINVAL. */
+int fps_shard_name_check(const char *name, char *why, size_t why_len);
+/* Shape from dims (dims >= 1, ndim <= FPS_MAX_DIMS, numel bounded):
+ * 0, FPS_EINVAL or FPS_EOVERFLOW. */
+int fps_shard_shape_check(const char *name, const uint64_t *dims, size_t n, fps_shape_t *out, uint64_t *numel,
+                          char *why, size_t why_len);
+/* A slice against a tensor of shape/numel: dtype supported, data a whole
+ * number of elements, shape (if given, or if required) equal,
+ * [offset, offset+count) within numel. *count gets the element count.
+ * 0 or FPS_EINVAL. */
+int fps_shard_slice_check(const char *name, const fps_slice_t *s, const fps_shape_t *shape, uint64_t numel,
+                          bool shape_required, uint64_t *count, char *why, size_t why_len);
+/* Index of the first NaN/Inf among n little-endian elements of dtype at
+ * data (any alignment), or n if all are finite. */
+uint64_t fps_shard_first_nonfinite(int dtype, const uint8_t *data, uint64_t n);
+bool fps_shape_equal(const fps_shape_t *a, const fps_shape_t *b);
+/* "[3, 5]" into buf. */
+void fps_shape_format(const fps_shape_t *s, char *buf, size_t len);
+
+/* ------------------------------------------------------ tensors, store */
+
+typedef struct fps_shard_s fps_shard_t;
+typedef struct fps_tensor_s fps_tensor_t;
+typedef struct fps_push_s fps_push_t;
+typedef struct fps_push_entry_s fps_push_entry_t;
+
+/* A refcounted fp32 copy of a tensor's parameters at one version: what a
+ * reply streams from, so a slow reader never holds the tensor's lock. */
+typedef struct fps_snap_s {
+  atomic_int refs;
+  fps_shard_t *sh;            /* whose buffer accounting data counts in */
+  float *data;                /* numel floats, owned */
+  uint64_t numel;
+  uint64_t version;
+} fps_snap_t;
+
+/* Takes ownership of data (from fps_tbuf_alloc). Returns NULL on OOM (data
+ * freed). */
+fps_snap_t *fps_snap_wrap(fps_shard_t *sh, float *data, uint64_t numel, uint64_t version, int refs);
+/* Drops one reference; the last frees. NULL is a no-op. Thread-safe. */
+void fps_snap_unref(fps_snap_t *s);
+
+/* Tensor-sized transient buffers (gradient staging, reply snapshots) are
+ * counted against max_staging_bytes, so many concurrent pushes cannot
+ * exhaust memory. alloc returns NULL with *over_limit set when the limit
+ * would be passed, or NULL on OOM. free(NULL) is a no-op. */
+float *fps_tbuf_alloc(fps_shard_t *sh, uint64_t numel, bool *over_limit);
+void fps_tbuf_free(fps_shard_t *sh, float *p, uint64_t numel);
+
+typedef struct fps_apply_rec_s {
+  uint32_t worker_id;
+  uint64_t step;
+  uint64_t version;
+  double lr;                  /* applied (hf relative_step: rel_t) */
+  double weight_decay;        /* applied */
+} fps_apply_rec_t;
+
+/* The hyperparameters one update applies: the push's TensorPush values,
+ * Create's where absent (push_settings.c). */
+typedef struct fps_update_hp_s {
+  double lr;
+  double weight_decay;
+} fps_update_hp_t;
+
+/* The sync round of one tensor: at most one is open (its step equals the
+ * tensor's version). */
+typedef struct fps_round_s {
+  bool open;
+  uint64_t step;
+  uint32_t joined;            /* members present */
+  fps_push_entry_t **member;  /* [workers], by worker id, NULL = missing */
+  int64_t started_ns;         /* first join */
+  int64_t deadline_ns;        /* fails the round at this time */
+} fps_round_t;
+
+struct fps_tensor_s {
+  char *name;                 /* NUL-terminated, <= FPS_NAME_MAX bytes */
+  fps_shape_t shape;
+  uint64_t numel;
+  fps_adafactor_hparams_t hp;
+  fps_state_size_t size;      /* optimizer state sizes (constant) */
+  pthread_mutex_t mu;         /* guards everything below */
+  float *param;               /* numel floats */
+  fps_adafactor_state_t st;
+  bool ready;                 /* every element initialised */
+  fps_ranges_t init;          /* initialised ranges while !ready */
+  uint64_t version;           /* updates applied */
+  double last_lr;             /* lr of the last update (Create's before one) */
+  double last_weight_decay;   /* weight decay of the last update */
+  uint64_t restored_seq;      /* checkpoint it was restored from, 0: none */
+  uint64_t restored_version;  /* its version in that checkpoint */
+  fps_round_t round;          /* sync mode */
+  fps_apply_rec_t *log;       /* ring of the last updates, log_cap slots */
+  uint32_t log_cap, log_len, log_head;
+  uint32_t log_max;           /* apply_log: the ring grows up to this */
+  fps_tensor_t *rprev, *rnext; /* open-round list (sh->rounds_mu) */
+  bool in_rounds;             /* linked in the open-round list */
+  fps_tensor_t *hnext;        /* hash chain (store->mu) */
+  fps_tensor_t *next;         /* creation order (store->mu) */
+};
+
+typedef struct fps_store_s {
+  pthread_rwlock_t mu;        /* map structure; tensors are never removed */
+  fps_tensor_t **bucket;
+  size_t nbucket;             /* power of two */
+  uint64_t count;
+  uint64_t param_bytes;
+  fps_tensor_t *first, *last; /* creation order */
+} fps_store_t;
+
+int fps_store_init(fps_store_t *st);
+void fps_store_destroy(fps_store_t *st);
+/* Lookup; REQUIRES store->mu held (read or write). */
+fps_tensor_t *fps__store_find_locked(fps_store_t *st, const char *name, size_t len);
+/* Lookup under the read lock. Tensors are never removed while the shard
+ * runs, so the pointer stays valid. NULL if there is none. */
+fps_tensor_t *fps_store_find(fps_store_t *st, const char *name);
+/* Grows the table for n tensors, so that n inserts cannot fail.
+ * REQUIRES store->mu held for writing. */
+int fps__store_reserve_locked(fps_store_t *st, uint64_t n);
+/* Inserts t (its name unique); REQUIRES store->mu held for writing. */
+int fps__store_insert_locked(fps_store_t *st, fps_tensor_t *t);
+/* Allocates a tensor (params uninitialised, state zeroed) or NULL on OOM. */
+fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t *shape,
+                                uint64_t numel, const fps_adafactor_hparams_t *hp,
+                                uint32_t workers, uint32_t log_cap);
+void fps_tensor_destroy(fps_tensor_t *t);
+
+/* The one apply-and-snapshot path of every mode. With update: one
+ * Adafactor step of t with grad (finite, numel floats) and the update's
+ * hyperparameters uh (NULL: Create's), version+1, apply log, counters;
+ * without (no_grad): nothing changes. With want_snap, grad's buffer (an
+ * fps_tbuf_alloc buffer of t->numel) is then consumed: overwritten with the
+ * current parameters, it becomes *snap with `refs` references (or is
+ * freed, *snap NULL, if the wrapper cannot be allocated; an update stays
+ * applied). Without want_snap, grad stays the caller's. Returns 0, or the
+ * step's FPS_E* (nothing changed, nothing consumed). REQUIRES t->mu. */
+int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool update, uint32_t worker_id,
+                             uint64_t step, const fps_update_hp_t *uh, bool want_snap, int refs, fps_snap_t **snap);
+
+/* Pull's view of a tensor: a snapshot of its parameters (one copy under
+ * its lock) and its version. Returns 0, FPS_ENOTFOUND, FPS_ESTATE (still
+ * initialising), FPS_ELIMIT (staging limit) or FPS_ENOMEM, with why. */
+int fps_shard_snapshot(fps_shard_t *sh, const char *name, fps_tensor_t **t, fps_snap_t **snap, char *why,
+                       size_t why_len);
+
+/* ---------------------------------------------------------------- create */
+
+/* One TensorCreate: the hyperparameters are decoded (and validated) by
+ * the caller; name and shape are checked here again. */
+typedef struct fps_create_item_s {
+  const char *name;
+  const uint64_t *dims;
+  size_t ndim;
+  fps_adafactor_hparams_t hp;
+  const fps_slice_t *init;    /* initial values, NULL: none */
+} fps_create_item_t;
+
+typedef struct fps_create_info_s {
+  fps_tensor_t *t;            /* the tensor this item names */
+  uint64_t version;
+  bool ready;
+  uint64_t initialised;       /* elements with initial values */
+  bool created;               /* first item of a tensor this call created */
+} fps_create_info_t;
+
+/* Create-or-match for n items (several may name one tensor: they must
+ * agree). All is validated before anything changes: shard placement
+ * (FPS_ESTATE), names and shapes (FPS_EINVAL), a tensor that exists with
+ * another shape or settings (FPS_EEXISTS), init slices (range, dtype,
+ * finite, no overlap with what is initialised: FPS_EINVAL), limits
+ * (max_tensors, max_bytes: FPS_ELIMIT), memory (FPS_ENOMEM). On success
+ * the new tensors are in the store, the init slices written (ignored for a
+ * tensor that was already ready: the first values win), out[i] filled for
+ * every item and *received set to the init bytes written. Thread-safe. */
+int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, const fps_create_item_t *items,
+                     size_t n, fps_create_info_t *out, uint64_t *received, char *why, size_t why_len);
+
+/* ---------------------------------------------------------------- push */
+
+/* Called once when a push that fps_push_commit() left waiting is resolved
+ * (applied, failed, cancelled): on the thread that resolved it (another
+ * push's, the timer's), with no core lock held. The push stays owned by its
+ * creator; fps_push_result() tells how it ended. */
+typedef void (*fps_push_done_fn)(fps_push_t *p, void *arg);
+
+/* A new push (one PushPull call). deadline_ns: the call's deadline on the
+ * fps_now_ns() clock (INT64_MAX: none); done/arg: see fps_push_done_fn.
+ * Returns 0 or FPS_ENOMEM. Free with fps_push_destroy(). */
+int fps_push_create(fps_shard_t *sh, int64_t deadline_ns, fps_push_done_fn done, void *arg, fps_push_t **out);
+/* The call's deadline, when it is known only after the push exists.
+ * REQUIRES: before fps_push_commit(). */
+void fps_push_set_deadline(fps_push_t *p, int64_t deadline_ns);
+/* Frees p, its staging and its results. REQUIRES p not waiting (never
+ * committed, failed, or resolved). NULL is a no-op. */
+void fps_push_destroy(fps_push_t *p);
+/* The header of each message: the first call sets worker_id/step/
+ * skip_params and checks the job (fps_push_header_check: FPS_ESTATE);
+ * later ones must repeat worker_id, step, num_workers and expect_mode
+ * (FPS_EINVAL). */
+int fps_push_header(fps_push_t *p, uint32_t worker_id, uint64_t step, bool skip_params, uint32_t num_workers,
+                    int expect_mode, char *why, size_t why_len);
+/* One tensor's settings for this push (TensorPush in the proto). */
+typedef struct fps_push_tensor_s {
+  const char *name;
+  bool has_lr;
+  double lr;                  /* this update's lr (absent: Create's) */
+  bool has_weight_decay;
+  double weight_decay;        /* this update's weight decay (absent: Create's) */
+  bool no_grad;               /* no gradient this step: nothing applied */
+  bool has_step;
+  uint64_t step;              /* this tensor's step, if not the push's */
+} fps_push_tensor_t;
+/* Records tp for its tensor: the tensor must exist and be ready, be named
+ * once and before its first slice (FPS_EINVAL), its lr/weight decay pass
+ * the flavor's rules (FPS_EHPARAM); sync: its step must be the tensor's
+ * version (FPS_ESTALE, FPS_EAHEAD). */
+int fps_push_tensor(fps_push_t *p, const fps_push_tensor_t *tp, char *why, size_t why_len);
+/* One gradient slice of tensor `name`: the tensor must exist (FPS_ENOTFOUND)
+ * and be ready (FPS_ESTATE); sync: the step must be the tensor's version
+ * (FPS_ESTALE, FPS_EAHEAD); the slice must fit (FPS_EINVAL), not overlap
+ * one already received (FPS_EINVAL) and hold finite values below
+ * FPS_GRAD_ABS_LIMIT (FPS_EINVAL); its tensor is staged within
+ * max_staging_bytes (FPS_ELIMIT). The data is decoded into staging;
+ * nothing is applied before fps_push_commit(). */
+int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *why, size_t why_len);
+/* The stream is complete: every staged tensor must be covered (FPS_EINVAL).
+ * async: applies now. ssp: applies now or parks until the slowest worker
+ * is close enough. sync: joins every tensor's round or none (FPS_ESTALE,
+ * FPS_EAHEAD, FPS_EDUP); the push that completes a round applies it.
+ * Returns 0 when the push is resolved on return (fps_push_result() tells
+ * how; done is not called), FPS_EAGAIN when it waits (done is called once,
+ * maybe before this returns), or another FPS_E* when it was refused before
+ * joining or waiting (nothing applied, done is not called). */
+int fps_push_commit(fps_push_t *p, char *why, size_t why_len);
+/* The call went away: a push still waiting withdraws from its rounds or
+ * its ssp wait (a withdrawn member never counts) and is resolved with
+ * FPS_ECANCELLED (done is called if it was waiting). Before the commit,
+ * it only marks p, so a later commit withdraws at once. Thread-safe. */
+void fps_push_cancel(fps_push_t *p);
+/* How a resolved push ended: 0, or the FPS_E* of its first failed tensor
+ * with its message in why. */
+int fps_push_result(fps_push_t *p, char *why, size_t why_len);
+/* The tensors of a resolved push, in first-seen order. */
+size_t fps_push_count(const fps_push_t *p);
+typedef struct fps_push_out_s {
+  fps_tensor_t *t;
+  fps_snap_t *snap;           /* the parameters after the update; NULL with skip_params */
+  uint64_t version;           /* version after the update */
+  int dtype;                  /* dtype of the first slice received */
+} fps_push_out_t;
+/* Item i of a successful push; the snapshot reference moves to the caller
+ * (a second take of the same item gets snap NULL). */
+void fps_push_take(fps_push_t *p, size_t i, fps_push_out_t *out);
+uint32_t fps_push_worker(const fps_push_t *p);
+
+/* --------------------------------------------------- the shard, counters */
+
+typedef struct fps_counters_s {
+  atomic_uint_fast64_t pushes;
+  atomic_uint_fast64_t push_errors;
+  atomic_uint_fast64_t updates;
+  atomic_uint_fast64_t bytes_received;
+  atomic_uint_fast64_t bytes_sent;
+  atomic_uint_fast64_t update_bytes;
+  pthread_mutex_t mu;               /* the doubles and the latency ring */
+  double push_seconds_sum;
+  double update_seconds_sum;
+  double latency[FPS_LATENCY_RING];
+  uint32_t latency_n, latency_head;
+} fps_counters_t;
+
+/* An ssp push waiting for the slowest worker (embedded in the push). */
+typedef struct fps_ssp_wait_s {
+  fps_push_t *p;
+  uint32_t worker_id;
+  uint64_t step;
+  int64_t deadline_ns;
+  bool parked;                      /* linked (sh->ssp_mu) */
+  struct fps_ssp_wait_s *prev, *next;
+} fps_ssp_wait_t;
+
+struct fps_shard_s {
+  fps_shard_opts_t cfg;
+  const fps_kernels_t *kernels;
+  fps_pool_t *pool;                 /* splits large tensors' updates; NULL: none */
+  atomic_uint_fast64_t tbuf_bytes;  /* bytes in fps_tbuf_alloc buffers */
+  fps_store_t store;
+  fps_counters_t counters;
+  int64_t started_ns;
+  /* ssp: per-worker completed pushes and the parked pushes. */
+  pthread_mutex_t ssp_mu;
+  uint64_t *ssp_clock;              /* [workers] */
+  fps_ssp_wait_t *ssp_waits;
+  /* Tensors with an open sync round (for the expiry hook). */
+  pthread_mutex_t rounds_mu;
+  fps_tensor_t *rounds;
+  /* Checkpoints (checkpoint.c). */
+  pthread_mutex_t ckpt_mu;          /* one checkpoint at a time */
+  int ckpt_dir_fd;                  /* lease on checkpoint_dir, -1: none */
+  uint64_t ckpt_restored_seq;       /* checkpoint loaded at start-up, 0: none */
+  pthread_t ckpt_thread;            /* periodic checkpoints */
+  bool ckpt_thread_on;
+  pthread_mutex_t ckpt_thread_mu;
+  pthread_cond_t ckpt_thread_cv;
+  bool ckpt_thread_stop;
+};
+
+/* An empty shard: copies opts (checkpoint_dir stays borrowed), uses
+ * kernels and pool (NULL: none; the pool stays the caller's). Returns 0 or
+ * FPS_ENOMEM. */
+int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kernels_t *kernels, fps_pool_t *pool);
+/* Frees the store and the waits. REQUIRES no push in progress. */
+void fps_shard_destroy(fps_shard_t *sh);
+/* Expiry hook (timer.h; arg: the shard): fails rounds and ssp waits past
+ * their deadline with FPS_ETIMEOUT. */
+void fps_shard_expire(void *sh, int64_t now_ns);
+/* Fails every waiting push (shutdown) with err and why. */
+void fps_shard_fail_waiting(fps_shard_t *sh, int err, const char *why);
+/* Counts a finished push (ok: its latency too). Thread-safe. */
+void fps_counters_push_done(fps_shard_t *sh, bool ok, double seconds);
+
+/* sync.c, for push.c: joins every entry of a push to its tensor's round
+ * (all or none), each at its own step (e->step); entries of rounds that
+ * complete here are resolved before returning. 0 or FPS_ESTALE /
+ * FPS_EAHEAD / FPS_EDUP / FPS_ENOMEM. */
+int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t worker_id, int64_t deadline_ns,
+                   char *why, size_t why_len);
+/* Withdraws entries still waiting in a round; returns how many (they are
+ * resolved FPS_ECANCELLED by the caller). */
+size_t fps__sync_withdraw(fps_shard_t *sh, fps_push_entry_t **e, size_t n);
+void fps__sync_expire(fps_shard_t *sh, int64_t now, bool force, int err, const char *reason);
+/* ssp.c, for push.c. admit_or_park: true if the worker may go now,
+ * otherwise parks w. advance: records a finished push and resumes parked
+ * pushes that may go now. unpark: true if w was parked (and no longer is). */
+bool fps__ssp_admit_or_park(fps_shard_t *sh, fps_ssp_wait_t *w);
+void fps__ssp_advance(fps_shard_t *sh, uint32_t worker_id, uint64_t step);
+bool fps__ssp_unpark(fps_shard_t *sh, fps_ssp_wait_t *w);
+void fps__ssp_expire(fps_shard_t *sh, int64_t now, bool force, int err, const char *reason);
+/* push.c, for sync.c and ssp.c. */
+void fps__push_entry_resolved(fps_push_entry_t *e);
+void fps__push_ssp_resume(fps_push_t *p);
+void fps__push_ssp_fail(fps_push_t *p, int err, const char *msg);
+
+/* One tensor's gradient within one push. */
+struct fps_push_entry_s {
+  fps_push_t *owner;
+  fps_tensor_t *t;
+  uint32_t worker_id;         /* the pushing worker */
+  bool skip_params;           /* no snapshot wanted */
+  float *grad;                /* numel floats: staging, becomes the snapshot */
+  fps_ranges_t got;           /* slices received */
+  int dtype;                  /* dtype of the first slice: reply dtype */
+  uint64_t step;              /* this tensor's step (TensorPush.step or the push's) */
+  bool has_slices;            /* a gradient slice arrived */
+  bool has_push;              /* a TensorPush named it */
+  bool no_grad;               /* TensorPush.no_grad: nothing to apply */
+  bool has_lr, has_weight_decay;
+  double lr, weight_decay;    /* TensorPush values when has_* */
+  fps_update_hp_t uh;         /* effective values (set at commit) */
+  bool in_round;              /* member of t->round (t->mu) */
+  int err;                    /* result when resolved: 0 or FPS_E* */
+  char *msg;                  /* error text when err != 0 */
+  fps_snap_t *snap;           /* result params (ok, unless skip_params) */
+  uint64_t version;           /* version after the update */
+};
+
+/* ------------------------------------- per-push settings (push_settings.c)
+ *
+ * Each returns 0 or a negative FPS_E* with a message in `why` naming the
+ * tensor and the problem. */
+
+/* The stream header against the shard's configuration: worker_id < W and
+ * num_workers == W (unless 0) in sync/ssp, expect_mode (0: any) equal to
+ * the shard's mode. FPS_ESTATE on a mismatch. */
+int fps_push_header_check(const fps_shard_opts_t *cfg, uint32_t worker_id, uint32_t num_workers, int expect_mode,
+                          char *why, size_t why_len);
+/* Validates a TensorPush's lr / weight decay for tensor t with its flavor's
+ * own rules (as Create does): FPS_EHPARAM. */
+int fps_push_settings_check(const fps_tensor_t *t, bool has_lr, double lr, bool has_wd, double wd, char *why,
+                            size_t why_len);
+/* e->uh from e's TensorPush values and t's Create settings. */
+void fps_push_settings_resolve(fps_push_entry_t *e);
+/* A full sync round's members m[0..W-1] against each other: identical
+ * effective lr/weight decay (FPS_ESTATE naming the workers and values), a
+ * gradient from all or none (FPS_ESTATE naming who had and who lacked one).
+ * *all_no_grad is set when no member has a gradient. */
+int fps_round_agree(const fps_tensor_t *t, fps_push_entry_t *const *m, uint32_t W, bool *all_no_grad, char *why,
+                    size_t why_len);
+
+/* ----------------------------------------------------------- checkpoints */
+
+/* What one checkpoint did (checkpoint.c). */
+typedef struct fps_ckpt_done_s {
+  char path[4096];
+  uint64_t seq;
+  uint64_t bytes;                   /* file size */
+  uint64_t tensors;                 /* tensors written */
+  uint64_t skipped;                 /* tensors still initialising, not written */
+  double seconds;                   /* all of it */
+  double copy_seconds;              /* allocating and copying the snapshot */
+  double max_hold_seconds;          /* longest time one tensor lock was held */
+} fps_ckpt_done_t;
+
+/* At start-up, before serving: takes the lease on checkpoint_dir (creating
+ * it) and loads the newest valid checkpoint into the empty store (files
+ * that fail verification are logged and skipped). Returns 0 (restored, or
+ * nothing to restore and not required), FPS_ENOTFOUND (required but none
+ * valid), or another FPS_E* with the reason logged. No-op without a dir. */
+int fps_checkpoint_open(fps_shard_t *sh);
+/* Writes a checkpoint now: copies every ready tensor under its own lock,
+ * writes outside every lock. Thread-safe (serialised by sh->ckpt_mu).
+ * Returns 0, FPS_ESTATE (no checkpoint_dir), FPS_ENOTFOUND (no ready
+ * tensor: nothing written, nothing pruned), or FPS_E* with `why`. */
+int fps_checkpoint_write(fps_shard_t *sh, fps_ckpt_done_t *out, char *why, size_t why_len);
+/* Periodic checkpoints (checkpoint_interval > 0); start is a no-op
+ * otherwise. stop joins the thread (a write in progress finishes first);
+ * close stops it too and releases the directory lease. */
+int fps_checkpoint_start(fps_shard_t *sh);
+void fps_checkpoint_stop(fps_shard_t *sh);
+void fps_checkpoint_close(fps_shard_t *sh);
+/* Appends to `buf` what a worker ahead of a restored tensor must do
+ * (nothing if the tensor was not restored). No lock needed: the
+ * restored_* fields are written before serving and never change. */
+void fps_checkpoint_ahead_hint(const fps_tensor_t *t, char *buf, size_t len);
+
+#endif

@@ -1,0 +1,107 @@
+/* ssp waits: a push from a worker more than S (--staleness) steps ahead
+ * of the slowest worker waits in a list until fps__ssp_advance() (the
+ * slowest worker finished a push) lets it go, its call goes away
+ * (fps__ssp_unpark) or its deadline passes (fps__ssp_expire, from the
+ * expiry hook). A worker's clock is the number of its pushes completed:
+ * after a push of step s it is s + 1. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "metrics.h"
+#include "shard.h"
+
+static uint64_t fps__ssp_min_locked(fps_shard_t *sh) {
+  uint64_t m = UINT64_MAX;
+  for (uint32_t w = 0; w < sh->cfg.workers; w++)
+    if (sh->ssp_clock[w] < m) m = sh->ssp_clock[w];
+  return m;
+}
+
+bool fps__ssp_admit_or_park(fps_shard_t *sh, fps_ssp_wait_t *w) {
+  pthread_mutex_lock(&sh->ssp_mu);
+  uint64_t min = fps__ssp_min_locked(sh);
+  bool go = w->step <= min + sh->cfg.staleness;
+  fps_metrics_staleness_observe(w->step > min ? w->step - min : 0);
+  if (!go) {
+    fps_metrics_waiting_add(1);
+    w->parked = true;
+    w->prev = NULL;
+    w->next = sh->ssp_waits;
+    if (sh->ssp_waits) sh->ssp_waits->prev = w;
+    sh->ssp_waits = w;
+  }
+  pthread_mutex_unlock(&sh->ssp_mu);
+  return go;
+}
+
+static void fps__ssp_unlink_locked(fps_shard_t *sh, fps_ssp_wait_t *w) {
+  if (w->prev) w->prev->next = w->next;
+  else sh->ssp_waits = w->next;
+  if (w->next) w->next->prev = w->prev;
+  w->prev = w->next = NULL;
+  w->parked = false;
+  fps_metrics_waiting_add(-1);
+}
+
+bool fps__ssp_unpark(fps_shard_t *sh, fps_ssp_wait_t *w) {
+  pthread_mutex_lock(&sh->ssp_mu);
+  bool was = w->parked;
+  if (was) fps__ssp_unlink_locked(sh, w);
+  pthread_mutex_unlock(&sh->ssp_mu);
+  return was;
+}
+
+void fps__ssp_advance(fps_shard_t *sh, uint32_t worker_id, uint64_t step) {
+  fps_ssp_wait_t *go = NULL;
+  pthread_mutex_lock(&sh->ssp_mu);
+  if (worker_id < sh->cfg.workers && sh->ssp_clock[worker_id] < step + 1) sh->ssp_clock[worker_id] = step + 1;
+  uint64_t min = fps__ssp_min_locked(sh);
+  for (fps_ssp_wait_t *w = sh->ssp_waits, *nx; w; w = nx) {
+    nx = w->next;
+    if (w->step <= min + sh->cfg.staleness) {
+      fps__ssp_unlink_locked(sh, w);
+      w->next = go;
+      go = w;
+    }
+  }
+  pthread_mutex_unlock(&sh->ssp_mu);
+  while (go) {
+    fps_ssp_wait_t *nx = go->next;
+    go->next = NULL;
+    fps__push_ssp_resume(go->p);
+    go = nx;
+  }
+}
+
+void fps__ssp_expire(fps_shard_t *sh, int64_t now, bool force, int err, const char *reason) {
+  fps_ssp_wait_t *fail = NULL;
+  uint64_t min;
+  pthread_mutex_lock(&sh->ssp_mu);
+  min = fps__ssp_min_locked(sh);
+  for (fps_ssp_wait_t *w = sh->ssp_waits, *nx; w; w = nx) {
+    nx = w->next;
+    if (force || now >= w->deadline_ns) {
+      fps__ssp_unlink_locked(sh, w);
+      w->next = fail;
+      fail = w;
+    }
+  }
+  pthread_mutex_unlock(&sh->ssp_mu);
+  while (fail) {
+    fps_ssp_wait_t *nx = fail->next;
+    char msg[512];
+    if (reason)
+      snprintf(msg, sizeof msg, "%s", reason);
+    else
+      snprintf(msg, sizeof msg,
+               "ssp: worker %u at step %" PRIu64 " is more than %u steps ahead of the slowest worker (step %" PRIu64
+               ") and the deadline passed while waiting",
+               fail->worker_id, fail->step, sh->cfg.staleness, min);
+    fail->next = NULL;
+    fps__push_ssp_fail(fail->p, err, msg);
+    fail = nx;
+  }
+}
+

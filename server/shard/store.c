@@ -1,0 +1,465 @@
+/* The shard's tensors: a name -> tensor hash map, tensor lifetime, the one
+ * place an Adafactor step is applied and snapshotted (version, apply log,
+ * counters), the refcounted parameter snapshots replies stream from, the
+ * name/shape/slice rules every method shares, and the shard's own
+ * set-up.
+ *
+ * Tensors are never removed while the shard runs, so a pointer found under
+ * the store's read lock stays valid after the lock is dropped. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "metrics.h"
+#include "name.h"
+#include "shard.h"
+
+static uint64_t fps__hash(const char *s, size_t len) {
+  uint64_t h = UINT64_C(1469598103934665603); /* FNV-1a */
+  for (size_t i = 0; i < len; i++) {
+    h ^= (unsigned char)s[i];
+    h *= UINT64_C(1099511628211);
+  }
+  return h;
+}
+
+int fps_store_init(fps_store_t *st) {
+  memset(st, 0, sizeof *st);
+  st->nbucket = 64;
+  st->bucket = calloc(st->nbucket, sizeof *st->bucket);
+  if (!st->bucket) return FPS_ENOMEM;
+  if (pthread_rwlock_init(&st->mu, NULL) != 0) {
+    free(st->bucket);
+    st->bucket = NULL;
+    return FPS_ENOMEM;
+  }
+  return 0;
+}
+
+void fps_store_destroy(fps_store_t *st) {
+  if (!st->bucket) return;
+  fps_tensor_t *t = st->first;
+  while (t) {
+    fps_tensor_t *n = t->next;
+    fps_tensor_destroy(t);
+    t = n;
+  }
+  free(st->bucket);
+  pthread_rwlock_destroy(&st->mu);
+  memset(st, 0, sizeof *st);
+}
+
+fps_tensor_t *fps_store_find(fps_store_t *st, const char *name) {
+  pthread_rwlock_rdlock(&st->mu);
+  fps_tensor_t *t = fps__store_find_locked(st, name, strlen(name));
+  pthread_rwlock_unlock(&st->mu);
+  return t;
+}
+
+fps_tensor_t *fps__store_find_locked(fps_store_t *st, const char *name, size_t len) {
+  fps_tensor_t *t = st->bucket[fps__hash(name, len) & (st->nbucket - 1)];
+  for (; t; t = t->hnext)
+    if (strlen(t->name) == len && memcmp(t->name, name, len) == 0) return t;
+  return NULL;
+}
+
+int fps__store_reserve_locked(fps_store_t *st, uint64_t n) {
+  if (n <= st->nbucket) return 0;
+  /* Keep chains short: grow the table to load factor <= 1. */
+  size_t nb = st->nbucket;
+  while (nb < n) nb *= 2;
+  {
+    fps_tensor_t **b = calloc(nb, sizeof *b);
+    if (!b) return FPS_ENOMEM;
+    for (fps_tensor_t *x = st->first; x; x = x->next) {
+      size_t i = fps__hash(x->name, strlen(x->name)) & (nb - 1);
+      x->hnext = b[i];
+      b[i] = x;
+    }
+    free(st->bucket);
+    st->bucket = b;
+    st->nbucket = nb;
+  }
+  return 0;
+}
+
+int fps__store_insert_locked(fps_store_t *st, fps_tensor_t *t) {
+  int rc = fps__store_reserve_locked(st, st->count + 1);
+  if (rc < 0) return rc;
+  size_t i = fps__hash(t->name, strlen(t->name)) & (st->nbucket - 1);
+  t->hnext = st->bucket[i];
+  st->bucket[i] = t;
+  t->next = NULL;
+  if (st->last) st->last->next = t;
+  else st->first = t;
+  st->last = t;
+  st->count++;
+  st->param_bytes += t->numel * 4;
+  fps_metrics_state_add_tensor(t->numel, &t->size);
+  return 0;
+}
+
+fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t *shape,
+                                uint64_t numel, const fps_adafactor_hparams_t *hp,
+                                uint32_t workers, uint32_t log_cap) {
+  fps_tensor_t *t = calloc(1, sizeof *t);
+  if (!t) return NULL;
+  if (pthread_mutex_init(&t->mu, NULL) != 0) {
+    free(t);
+    return NULL;
+  }
+  t->shape = *shape;
+  t->numel = numel;
+  t->hp = *hp;
+  t->last_lr = hp->has_lr ? hp->lr : 0.0;
+  t->last_weight_decay = hp->weight_decay;
+  t->name = malloc(len + 1);
+  /* Parameters are written by Create's init slices; malloc (not calloc)
+   * leaves untouched pages unfaulted until then. At least one float so a
+   * zero-sized tensor still has a valid pointer. */
+  t->param = malloc((numel ? numel : 1) * sizeof(float));
+  t->round.member = calloc(workers ? workers : 1, sizeof *t->round.member);
+  /* The apply log grows on demand: most tensors of a big model never need
+   * the full --apply-log ring, and 1M tensors x 4096 records would be GBs. */
+  t->log_max = log_cap;
+  if (!t->name || !t->param || !t->round.member) goto fail;
+  memcpy(t->name, name, len);
+  t->name[len] = 0;
+  if (fps_adafactor_state_init(&t->st, shape, hp) < 0) goto fail;
+  if (fps_adafactor_state_size(shape, hp, &t->size) < 0) goto fail;
+  return t;
+fail:
+  fps_tensor_destroy(t);
+  return NULL;
+}
+
+void fps_tensor_destroy(fps_tensor_t *t) {
+  if (!t) return;
+  fps_adafactor_state_destroy(&t->st);
+  fps_ranges_free(&t->init);
+  free(t->round.member);
+  free(t->log);
+  free(t->param);
+  free(t->name);
+  pthread_mutex_destroy(&t->mu);
+  free(t);
+}
+
+int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool update, uint32_t worker_id,
+                             uint64_t step, const fps_update_hp_t *uh, bool want_snap, int refs, fps_snap_t **snap) {
+  if (snap) *snap = NULL;
+  if (update) {
+    fps_adafactor_trace_t tr;
+    memset(&tr, 0, sizeof tr);
+    /* This update's settings: Create's, with the push's lr and weight decay
+     * (validated against the flavor's rules when they arrived). */
+    fps_adafactor_hparams_t hp = t->hp;
+    if (uh) {
+      hp.lr = uh->lr;
+      hp.weight_decay = uh->weight_decay;
+    }
+    int64_t t0 = fps_now_ns();
+    fps_pool_t *pool = t->numel >= FPS_POOL_MIN_NUMEL ? sh->pool : NULL;
+    int rc = fps_adafactor_step(sh->kernels, &hp, &t->st, t->param, grad, pool, &tr);
+    int64_t t1 = fps_now_ns();
+    if (rc < 0) {
+      FPS_SLOG(FPS_LOG_ERROR, "tensor '%s': Adafactor step failed: %s", t->name, fps_strerror(rc));
+      return rc;
+    }
+    t->version++;
+    /* hf relative_step: the lr is the relative step size this step used. */
+    t->last_lr = hp.flavor == FPS_FLAVOR_HF && hp.relative_step ? tr.rel_step : hp.lr;
+    t->last_weight_decay = hp.weight_decay;
+    if (t->log_len == t->log_cap && t->log_cap < t->log_max) {
+      /* Not wrapped yet (head is 0), so growing keeps the order. */
+      uint32_t cap = t->log_cap ? t->log_cap * 2 : 16;
+      if (cap > t->log_max) cap = t->log_max;
+      fps_apply_rec_t *nl = realloc(t->log, cap * sizeof *nl);
+      if (nl) {
+        t->log = nl;
+        t->log_cap = cap;
+      } else {
+        t->log_max = t->log_cap; /* out of memory: keep the ring as it is */
+      }
+    }
+    if (t->log_cap) {
+      uint32_t slot = (t->log_head + t->log_len) % t->log_cap;
+      if (t->log_len == t->log_cap) t->log_head = (t->log_head + 1) % t->log_cap;
+      else t->log_len++;
+      t->log[slot] = (fps_apply_rec_t){worker_id, step, t->version, t->last_lr, t->last_weight_decay};
+    }
+    atomic_fetch_add(&sh->counters.updates, 1);
+    atomic_fetch_add(&sh->counters.update_bytes, tr.bytes);
+    fps_metrics_update_observe((double)(t1 - t0) / 1e9, tr.bytes);
+    pthread_mutex_lock(&sh->counters.mu);
+    sh->counters.update_seconds_sum += (double)(t1 - t0) / 1e9;
+    pthread_mutex_unlock(&sh->counters.mu);
+  }
+  if (want_snap) {
+    /* The gradient is spent: its buffer becomes the snapshot of the
+     * parameters, so an update costs one copy of them and no allocation. */
+    memcpy(grad, t->param, t->numel * sizeof(float));
+    *snap = fps_snap_wrap(sh, grad, t->numel, t->version, refs); /* NULL: grad freed */
+  }
+  return 0;
+}
+
+void fps_shape_format(const fps_shape_t *s, char *buf, size_t len) {
+  size_t n = 0;
+  n += (size_t)snprintf(buf + n, len - n, "[");
+  for (uint32_t i = 0; i < s->ndim && n < len; i++)
+    n += (size_t)snprintf(buf + n, len - n, "%s%" PRIu64, i ? ", " : "", s->dim[i]);
+  if (n < len) snprintf(buf + n, len - n, "]");
+}
+
+float *fps_tbuf_alloc(fps_shard_t *sh, uint64_t numel, bool *over_limit) {
+  uint64_t bytes = (numel ? numel : 1) * sizeof(float);
+  *over_limit = false;
+  uint64_t cur = atomic_load(&sh->tbuf_bytes);
+  do {
+    if (cur + bytes > sh->cfg.max_staging_bytes || cur + bytes < cur) {
+      *over_limit = true;
+      return NULL;
+    }
+  } while (!atomic_compare_exchange_weak(&sh->tbuf_bytes, &cur, cur + bytes));
+  float *p = malloc(bytes);
+  if (!p) atomic_fetch_sub(&sh->tbuf_bytes, bytes);
+  return p;
+}
+
+void fps_tbuf_free(fps_shard_t *sh, float *p, uint64_t numel) {
+  if (!p) return;
+  free(p);
+  atomic_fetch_sub(&sh->tbuf_bytes, (numel ? numel : 1) * sizeof(float));
+}
+
+fps_snap_t *fps_snap_wrap(fps_shard_t *sh, float *data, uint64_t numel, uint64_t version, int refs) {
+  fps_snap_t *s = malloc(sizeof *s);
+  if (!s) {
+    fps_tbuf_free(sh, data, numel);
+    return NULL;
+  }
+  atomic_init(&s->refs, refs);
+  s->sh = sh;
+  s->data = data;
+  s->numel = numel;
+  s->version = version;
+  return s;
+}
+
+void fps_snap_unref(fps_snap_t *s) {
+  if (!s) return;
+  if (atomic_fetch_sub(&s->refs, 1) == 1) {
+    fps_tbuf_free(s->sh, s->data, s->numel);
+    free(s);
+  }
+}
+
+void fps_counters_push_done(fps_shard_t *sh, bool ok, double seconds) {
+  fps_counters_t *c = &sh->counters;
+  if (!ok) {
+    atomic_fetch_add(&c->push_errors, 1);
+    return;
+  }
+  atomic_fetch_add(&c->pushes, 1);
+  pthread_mutex_lock(&c->mu);
+  c->push_seconds_sum += seconds;
+  c->latency[(c->latency_head + c->latency_n) % FPS_LATENCY_RING] = seconds;
+  if (c->latency_n < FPS_LATENCY_RING) c->latency_n++;
+  else c->latency_head = (c->latency_head + 1) % FPS_LATENCY_RING;
+  pthread_mutex_unlock(&c->mu);
+}
+
+int fps_shard_snapshot(fps_shard_t *sh, const char *name, fps_tensor_t **tp, fps_snap_t **snap, char *why,
+                       size_t wl) {
+  *tp = NULL;
+  *snap = NULL;
+  fps_tensor_t *t = fps_store_find(&sh->store, name);
+  if (!t) {
+    snprintf(why, wl, "tensor '%s' not found on shard %u", name, sh->cfg.shard_id);
+    return FPS_ENOTFOUND;
+  }
+  bool over = false;
+  float *copy = fps_tbuf_alloc(sh, t->numel, &over);
+  if (!copy && over) {
+    snprintf(why, wl,
+             "tensor '%s': its %" PRIu64 "-byte snapshot would pass the shard's limit of %" PRIu64
+             " bytes for in-flight tensors (--max-staging-bytes); retry later",
+             name, t->numel * 4, sh->cfg.max_staging_bytes);
+    return FPS_ELIMIT;
+  }
+  if (!copy) {
+    snprintf(why, wl, "tensor '%s': out of memory for a %" PRIu64 "-element snapshot", name, t->numel);
+    return FPS_ENOMEM;
+  }
+  pthread_mutex_lock(&t->mu);
+  bool ready = t->ready;
+  uint64_t version = t->version;
+  uint64_t inited = t->init.covered;
+  if (ready) memcpy(copy, t->param, t->numel * sizeof(float));
+  pthread_mutex_unlock(&t->mu);
+  if (!ready) {
+    fps_tbuf_free(sh, copy, t->numel);
+    snprintf(why, wl, "tensor '%s' is still initialising (%" PRIu64 " of %" PRIu64 " elements have initial values)",
+             name, inited, t->numel);
+    return FPS_ESTATE;
+  }
+  *snap = fps_snap_wrap(sh, copy, t->numel, version, 1);
+  if (!*snap) {
+    snprintf(why, wl, "tensor '%s': out of memory", name);
+    return FPS_ENOMEM;
+  }
+  *tp = t;
+  return 0;
+}
+
+/* ------------------------------------------------------------- rules */
+
+const char *fps_mode_name(int mode) {
+  switch (mode) {
+    case FPS_MODE_SYNC: return "sync";
+    case FPS_MODE_ASYNC: return "async";
+    case FPS_MODE_SSP: return "ssp";
+    default: return "unknown";
+  }
+}
+
+int fps_shard_name_check(const char *name, char *why, size_t why_len) {
+  /* The rule lives in common/name.c (the client and the checkpoint format
+   * share it). */
+  return fps_name_check(name, name ? strlen(name) : 0, why, why_len) < 0 ? FPS_EINVAL : 0;
+}
+
+int fps_shard_shape_check(const char *name, const uint64_t *dims, size_t n, fps_shape_t *out, uint64_t *numel,
+                          char *why, size_t why_len) {
+  memset(out, 0, sizeof *out);
+  if (n > FPS_MAX_DIMS) {
+    snprintf(why, why_len, "tensor '%s': shape has %zu dimensions, at most %d are supported", name, n,
+             FPS_MAX_DIMS);
+    return FPS_EINVAL;
+  }
+  out->ndim = (uint32_t)n;
+  for (size_t i = 0; i < n; i++) out->dim[i] = dims[i];
+  char kwhy[256] = "";
+  int rc = fps_shape_validate(out, numel, kwhy, sizeof kwhy);
+  if (rc < 0) {
+    char sh[256];
+    fps_shape_format(out, sh, sizeof sh);
+    snprintf(why, why_len, "tensor '%s': invalid shape %s: %s", name, sh, kwhy);
+    return rc == FPS_EOVERFLOW ? FPS_EOVERFLOW : FPS_EINVAL;
+  }
+  return 0;
+}
+
+bool fps_shape_equal(const fps_shape_t *a, const fps_shape_t *b) {
+  if (a->ndim != b->ndim) return false;
+  for (uint32_t i = 0; i < a->ndim; i++)
+    if (a->dim[i] != b->dim[i]) return false;
+  return true;
+}
+
+int fps_shard_slice_check(const char *name, const fps_slice_t *s, const fps_shape_t *shape, uint64_t numel,
+                          bool shape_required, uint64_t *count, char *why, size_t why_len) {
+  size_t esz = fps_dtype_size(s->dtype);
+  if (esz == 0) {
+    snprintf(why, why_len, "tensor '%s': unsupported dtype %d (supported: DTYPE_F32 = 1, DTYPE_BF16 = 2)", name,
+             s->dtype);
+    return FPS_EINVAL;
+  }
+  if (s->n_shape || shape_required) {
+    bool same = s->n_shape == shape->ndim;
+    for (size_t i = 0; same && i < s->n_shape; i++) same = s->shape[i] == shape->dim[i];
+    if (!same) {
+      char want[256], got[256] = "[";
+      fps_shape_format(shape, want, sizeof want);
+      size_t n = 1;
+      for (size_t i = 0; i < s->n_shape && n < sizeof got - 24; i++)
+        n += (size_t)snprintf(got + n, sizeof got - n, "%s%" PRIu64, i ? ", " : "", s->shape[i]);
+      snprintf(got + n, sizeof got - n, "]");
+      snprintf(why, why_len, "tensor '%s': wrong shape %s, the tensor's shape is %s", name, got, want);
+      return FPS_EINVAL;
+    }
+  }
+  if (s->len % esz != 0) {
+    snprintf(why, why_len, "tensor '%s': slice data is %zu bytes, not a whole number of %s elements", name, s->len,
+             fps_dtype_name(s->dtype));
+    return FPS_EINVAL;
+  }
+  uint64_t n = s->len / esz;
+  if (s->offset > numel || n > numel - s->offset) {
+    snprintf(why, why_len,
+             "tensor '%s': slice [%" PRIu64 ", %" PRIu64 ") is out of range: the tensor has %" PRIu64
+             " elements (wrong element count for its shape?)",
+             name, s->offset, s->offset + n, numel);
+    return FPS_EINVAL;
+  }
+  *count = n;
+  return 0;
+}
+
+uint64_t fps_shard_first_nonfinite(int dtype, const uint8_t *data, uint64_t n) {
+  if (dtype == FPS_DTYPE_F32) {
+    for (uint64_t i = 0; i < n; i++) {
+      uint32_t u;
+      memcpy(&u, data + 4 * i, 4);
+      if ((u & 0x7f800000u) == 0x7f800000u) return i;
+    }
+  } else if (dtype == FPS_DTYPE_BF16) {
+    for (uint64_t i = 0; i < n; i++) {
+      uint16_t h;
+      memcpy(&h, data + 2 * i, 2);
+      if ((h & 0x7f80u) == 0x7f80u) return i;
+    }
+  }
+  return n;
+}
+
+/* ------------------------------------------------------------- shard */
+
+int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kernels_t *kernels, fps_pool_t *pool) {
+  memset(sh, 0, sizeof *sh);
+  sh->cfg = *opts;
+  if (sh->cfg.workers == 0) sh->cfg.workers = 1;
+  if (!sh->cfg.checkpoint_dir) sh->cfg.checkpoint_dir = "";
+  sh->kernels = kernels;
+  sh->pool = pool;
+  sh->ckpt_dir_fd = -1;
+  atomic_init(&sh->tbuf_bytes, 0);
+  sh->ssp_clock = calloc(sh->cfg.workers, sizeof *sh->ssp_clock);
+  if (!sh->ssp_clock || fps_store_init(&sh->store) < 0) {
+    free(sh->ssp_clock);
+    sh->ssp_clock = NULL;
+    return FPS_ENOMEM;
+  }
+  pthread_mutex_init(&sh->ssp_mu, NULL);
+  pthread_mutex_init(&sh->rounds_mu, NULL);
+  pthread_mutex_init(&sh->counters.mu, NULL);
+  pthread_mutex_init(&sh->ckpt_mu, NULL);
+  sh->started_ns = fps_now_ns();
+  return 0;
+}
+
+void fps_shard_destroy(fps_shard_t *sh) {
+  if (!sh->ssp_clock) return;
+  fps_store_destroy(&sh->store);
+  free(sh->ssp_clock);
+  sh->ssp_clock = NULL;
+  pthread_mutex_destroy(&sh->ssp_mu);
+  pthread_mutex_destroy(&sh->rounds_mu);
+  pthread_mutex_destroy(&sh->counters.mu);
+  pthread_mutex_destroy(&sh->ckpt_mu);
+}
+
+void fps_shard_expire(void *arg, int64_t now_ns) {
+  fps_shard_t *sh = arg;
+  fps__sync_expire(sh, now_ns, false, FPS_ETIMEOUT, NULL);
+  fps__ssp_expire(sh, now_ns, false, FPS_ETIMEOUT, NULL);
+}
+
+void fps_shard_fail_waiting(fps_shard_t *sh, int err, const char *why) {
+  int64_t now = fps_now_ns();
+  fps__sync_expire(sh, now, true, err, why);
+  fps__ssp_expire(sh, now, true, err, why);
+}
