@@ -93,6 +93,10 @@ static int options_check(const fps_client_options_t *o, fps_status_t *st) {
     return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
                            "max_message_bytes must be in [64 KiB, 1 GiB], not %llu",
                            (unsigned long long)o->max_message_bytes);
+  if (o->wire_dtype != 0 && o->wire_dtype != FPS_WIRE_F32 && o->wire_dtype != FPS_WIRE_BF16)
+    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+                           "wire_dtype must be FPS_WIRE_F32 (1) or FPS_WIRE_BF16 (2), not %d",
+                           o->wire_dtype);
   /* Refuse half a configuration rather than silently talk plaintext (or
    * without a certificate) to a shard the caller wants authenticated. */
   if (!o->tls_cert_file != !o->tls_key_file)

@@ -25,6 +25,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "dtype.h"
 #include "factorps/v1/factorps.pb-c.h"
 #include "internal.h"
 #include "tsan.h"
@@ -46,6 +47,8 @@ typedef struct pp_job_s {
   uint32_t num_workers;                 /* 0: unchecked */
   int expect_mode;                      /* 0: any */
   const fps_tensor_push_t *per;         /* per caller index, or NULL */
+  int dtype;                            /* gradients' wire dtype (FPS_DTYPE_*) */
+  uint64_t esz;                         /* its bytes per element */
   pthread_mutex_t mu;                   /* guards live_slices */
   pthread_cond_t cv;
   size_t live_slices;                   /* data slices gRPC still holds */
@@ -106,13 +109,13 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
       continue;
     }
     uint64_t over = FPS__WIRE_SLICE_HEADER_MAX(name_len, it->t->ndim) + tp_over;
-    uint64_t room = budget > used + over ? (budget - used - over) / 4 : 0;
+    uint64_t room = budget > used + over ? (budget - used - over) / job->esz : 0;
     uint64_t left = it->t->numel - sh->off;
     uint64_t count = left < room ? left : room;
     if (count == 0) break; /* the message is full (k > 0: budget >= 64 KiB) */
     sh->plan[k++] = (pp_run_t){it, sh->off, count};
     hdr_cap += over;
-    used += over + count * 4;
+    used += over + count * job->esz;
     sh->off += count;
     if (sh->off == it->t->numel) {
       sh->pos++;
@@ -138,11 +141,19 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
     if (tp && r->off == 0 && (tp->has_lr || tp->has_weight_decay || tp->no_grad || tp->has_step))
       hn += fps__wire_tensor_push(h + hn, 5, t->name, strlen(t->name), tp);
     if (r->count == 0 && tp && tp->no_grad) continue; /* settings only */
-    hn += fps__wire_slice_header(h + hn, 3, t->name, strlen(t->name),
-                                 FACTORPS__V1__DTYPE__DTYPE_F32, t->ndim, t->shape, r->off,
-                                 (size_t)r->count * 4);
+    hn += fps__wire_slice_header(h + hn, 3, t->name, strlen(t->name), job->dtype, t->ndim,
+                                 t->shape, r->off, (size_t)(r->count * job->esz));
     sl[n_sl++] = grpc_slice_sub(hdr, mark, hn);
     mark = hn;
+    if (job->dtype == FPS_DTYPE_BF16) {
+      /* bf16 needs a converted copy (one SIMD pass, half the bytes); it
+       * belongs to gRPC, so the caller's gradient is free at once. */
+      grpc_slice d = grpc_slice_malloc((size_t)r->count * 2);
+      fps_dtype_encode(FPS_DTYPE_BF16, job->grads[r->it->idx] + r->off, r->count,
+                       GRPC_SLICE_START_PTR(d));
+      sl[n_sl++] = d;
+      continue;
+    }
     pthread_mutex_lock(&job->mu);
     job->live_slices++;
     pthread_mutex_unlock(&job->mu);
@@ -198,10 +209,13 @@ static int on_slice(void *ctx, const fps__wire_slice_t *sl) {
     return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "reply carries tensor '%.*s', not asked for",
                             (int)(sl->name_len > 256 ? 256 : sl->name_len), sl->name);
   const fps__tensor_t *t = it->t;
-  if (sl->dtype != FACTORPS__V1__DTYPE__DTYPE_F32)
-    return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "tensor '%s': reply dtype %d, asked f32",
+  /* The shard answers in the dtype of a tensor's first pushed slice (bf16
+   * with wire_dtype bf16, f32 otherwise and for tensors sent no data). */
+  if (sl->dtype != FACTORPS__V1__DTYPE__DTYPE_F32 && sl->dtype != FACTORPS__V1__DTYPE__DTYPE_BF16)
+    return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "tensor '%s': reply dtype %d, not f32 or bf16",
                             t->name, sl->dtype);
-  if (sl->data_len % 4 || sl->offset > t->numel || sl->data_len / 4 > t->numel - sl->offset)
+  const size_t esz = fps_dtype_size(sl->dtype);
+  if (sl->data_len % esz || sl->offset > t->numel || sl->data_len / esz > t->numel - sl->offset)
     return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL,
                             "tensor '%s': reply slice [%llu, +%zu bytes) outside %llu elements",
                             t->name, (unsigned long long)sl->offset, sl->data_len,
@@ -211,8 +225,8 @@ static int on_slice(void *ctx, const fps__wire_slice_t *sl) {
     return fps__stream_fail(&sh->s, FPS_CODE_FAILED_PRECONDITION,
                             "tensor '%s': the shard's shape differs from the client's", t->name);
   float *dst = job->params[it->idx];
-  if (dst) memcpy(dst + sl->offset, sl->data, sl->data_len);
-  job->received[it->idx] += sl->data_len / 4;
+  if (dst) fps_dtype_decode(sl->dtype, sl->data, sl->data_len / esz, dst + sl->offset, NULL);
+  job->received[it->idx] += sl->data_len / esz;
   return 0;
 }
 
@@ -280,6 +294,8 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
 
   if (!c || (n && (!names || (is_push && !job->grads) || !job->params)))
     return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "NULL argument");
+  job->dtype = is_push && c->opts.wire_dtype == FPS_WIRE_BF16 ? FPS_DTYPE_BF16 : FPS_DTYPE_F32;
+  job->esz = fps_dtype_size(job->dtype);
   sh = calloc(c->n_shards, sizeof *sh);
   streams = calloc(c->n_shards, sizeof *streams);
   count = calloc(c->n_shards, sizeof *count);

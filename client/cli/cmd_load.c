@@ -37,6 +37,7 @@ typedef struct load_cfg_s {
   double deadline;
   unsigned long long max_message;
   const char *mode_hint;
+  int wire_dtype;                      /* FPS_WIRE_F32 or FPS_WIRE_BF16 */
   fps_cli_sec_t sec;                   /* TLS and token options */
   int processes;
   long worker_id;                      /* -1: run all W workers; else only this one */
@@ -73,6 +74,7 @@ static void usage(FILE *out) {
           "usage: factorps load --shards HOST:PORT[,...] [--workers W] [--params N] [--steps S]\n"
           "                     [--warmup K] [--mode-hint sync|async|ssp] [--threads|--processes]\n"
           "                     [--deadline SECONDS] [--max-message BYTES] [--worker-id I]\n"
+          "                     [--wire-dtype f32|bf16]\n"
           "Synthetic load: W workers (default 2, threads unless --processes) each push S steps\n"
           "(default 20) of gradients for a transformer-like model of about N parameters\n"
           "(default 10M; k/M/G suffixes) and report steps/s, GB/s (gradients pushed + params\n"
@@ -81,6 +83,8 @@ static void usage(FILE *out) {
           "the shards should run in; a mismatch with what they report is an error.\n"
           "--worker-id I runs only worker I of the W (one worker per process or pod, e.g. a\n"
           "Kubernetes Indexed Job's completion index); its figures are that worker's alone.\n"
+          "--wire-dtype bf16 pushes bf16 gradients and receives bf16 parameters (half the\n"
+          "bytes; GB/s counts the bytes actually moved).\n"
           FPS_CLI_SEC_USAGE);
 }
 
@@ -187,12 +191,13 @@ static void worker_run(worker_t *w) {
     params[i] = param + off;
     off += numel_of(&cfg->defs[i]);
   }
-  bytes_per_step = 2.0 * (double)cfg->total * 4.0;
+  bytes_per_step = 2.0 * (double)cfg->total * (cfg->wire_dtype == FPS_WIRE_BF16 ? 2.0 : 4.0);
 
   fps_client_options_init(&o);
   fps_cli_sec_fill(&cfg->sec, &o);
   o.deadline_seconds = cfg->deadline;
   o.max_message_bytes = cfg->max_message;
+  o.wire_dtype = cfg->wire_dtype;
   if (!(c = fps_client_create((const char *const *)cfg->addrs, cfg->n_shards, &o, &st))) goto fail;
   if (fps_client_create_tensors(c, defs, n, &st)) goto fail;
   for (unsigned long long s = 0; s < cfg->steps; s++) {
@@ -355,11 +360,12 @@ int fps_cli_load(int argc, char **argv) {
                                            {"deadline", required_argument, NULL, 'd'},
                                            {"max-message", required_argument, NULL, 'M'},
                                            {"worker-id", required_argument, NULL, 'i'},
+                                           {"wire-dtype", required_argument, NULL, 'D'},
                                            {"help", no_argument, NULL, 'h'},
                                            FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
   load_cfg_t cfg = {.workers = 2, .params = 10000000, .steps = 20, .warmup = 1, .deadline = 120,
-                    .max_message = 4u << 20, .worker_id = -1};
+                    .max_message = 4u << 20, .worker_id = -1, .wire_dtype = FPS_WIRE_F32};
   const char *shards = NULL;
   unsigned long long v;
   int opt, rc = 1;
@@ -367,7 +373,7 @@ int fps_cli_load(int argc, char **argv) {
   double *all = NULL;
 
   optind = 1;
-  while ((opt = getopt_long(argc, argv, "hs:w:n:S:k:m:tpd:M:i:", longopts, NULL)) != -1) {
+  while ((opt = getopt_long(argc, argv, "hs:w:n:S:k:m:tpd:M:i:D:", longopts, NULL)) != -1) {
     switch (opt) {
       case 's': shards = optarg; break;
       case 'w':
@@ -401,6 +407,16 @@ int fps_cli_load(int argc, char **argv) {
       case 'i':
         if (fps_cli_u64(optarg, "--worker-id", 0, 1023, &v)) return 2;
         cfg.worker_id = (long)v;
+        break;
+      case 'D':
+        if (!strcmp(optarg, "f32") || !strcmp(optarg, "fp32")) {
+          cfg.wire_dtype = FPS_WIRE_F32;
+        } else if (!strcmp(optarg, "bf16")) {
+          cfg.wire_dtype = FPS_WIRE_BF16;
+        } else {
+          fprintf(stderr, "factorps load: --wire-dtype must be f32 or bf16, not '%s'\n", optarg);
+          return 2;
+        }
         break;
       case 'h': usage(stdout); return 0;
       default:
@@ -454,10 +470,10 @@ int fps_cli_load(int argc, char **argv) {
     ws[i].lat = all + (size_t)i * n_lat;
   }
   printf("factorps load: %zu shard(s), %u worker %s, %llu parameters in %zu tensors "
-         "(%.1f MB), %llu steps (%llu warm-up)\n",
+         "(%.1f MB), %llu steps (%llu warm-up), %s on the wire\n",
          cfg.n_shards, cfg.workers, cfg.processes ? "processes" : "threads",
          (unsigned long long)cfg.total, cfg.n_tensors, (double)cfg.total * 4 / 1e6, cfg.steps,
-         cfg.warmup);
+         cfg.warmup, cfg.wire_dtype == FPS_WIRE_BF16 ? "bf16" : "f32");
   fflush(stdout);
   if (cfg.processes) {
     if (run_processes(ws, nrun, n_lat)) goto done;
@@ -491,9 +507,9 @@ int fps_cli_load(int argc, char **argv) {
   printf("  %.3f GB/s (gradients pushed + parameters received, all workers)\n", gbs);
   printf("  push_pull latency ms: p50 %.2f  p90 %.2f  p99 %.2f  max %.2f\n", p50, p90, p99, mx);
   printf("RESULT shards=%zu workers=%u params=%llu steps=%zu steps_per_s=%.3f gb_per_s=%.3f "
-         "p50_ms=%.2f p90_ms=%.2f p99_ms=%.2f max_ms=%.2f\n",
+         "p50_ms=%.2f p90_ms=%.2f p99_ms=%.2f max_ms=%.2f wire=%s\n",
          cfg.n_shards, cfg.workers, (unsigned long long)cfg.total, n_lat, steps_s, gbs, p50, p90,
-         p99, mx);
+         p99, mx, cfg.wire_dtype == FPS_WIRE_BF16 ? "bf16" : "f32");
   rc = 0;
 done:
   free(ws);

@@ -25,6 +25,7 @@
 #include <cmocka.h>
 
 #include "adafactor.h"
+#include "dtype.h"
 #include "factorps/client.h"
 #include "harness.h"
 
@@ -150,6 +151,11 @@ static void replica_free(replica_t *r) {
   free(r->param);
 }
 
+/* x = bf16(x), as the client and the shard round (common/dtype.h). */
+static void round_bf16(float *x, uint64_t n) {
+  for (uint64_t i = 0; i < n; i++) x[i] = fps_bf16_to_f32(fps_f32_to_bf16(x[i]));
+}
+
 /* Bit-for-bit comparison that names the first differing element. */
 static void assert_same_floats(const char *what, const float *got, const float *want, uint64_t n) {
   if (memcmp(got, want, n * sizeof *got) == 0) return;
@@ -190,6 +196,9 @@ typedef struct worker_s {
   pthread_t thread;
 } worker_t;
 
+/* The clients' wire_dtype (0: the default, fp32). */
+static int g_wire_dtype;
+
 static fps_client_t *client_new(fps_test_server_t *srv, int n, double deadline,
                                 fps_status_t *st) {
   const char *addrs[SHARDS];
@@ -198,6 +207,7 @@ static fps_client_t *client_new(fps_test_server_t *srv, int n, double deadline,
   fps_client_options_init(&o);
   o.max_message_bytes = MSG_BYTES;
   o.deadline_seconds = deadline;
+  o.wire_dtype = g_wire_dtype;
   return fps_client_create(addrs, (size_t)n, &o, st);
 }
 
@@ -300,15 +310,20 @@ static void sync_run(int shared) {
     float *sum = malloc(n * sizeof *sum), *g = malloc(n * sizeof *g);
     replica_init(&r, &m, t);
     for (uint64_t s = 0; s < STEPS; s++) {
-      /* The shard's arithmetic: ((g0 + g1) + g2) in fp32, then / (float)W. */
+      /* The shard's arithmetic: ((g0 + g1) + g2) in fp32, then / (float)W;
+       * with bf16 on the wire, of the gradients rounded to bf16. */
       fill_grad(sum, 0, s, t, n);
+      if (g_wire_dtype == FPS_WIRE_BF16) round_bf16(sum, n);
       for (uint32_t w = 1; w < WORKERS; w++) {
         fill_grad(g, w, s, t, n);
+        if (g_wire_dtype == FPS_WIRE_BF16) round_bf16(g, n);
         for (uint64_t i = 0; i < n; i++) sum[i] += g[i];
       }
       for (uint64_t i = 0; i < n; i++) sum[i] /= (float)WORKERS;
       replica_step(&r, sum);
     }
+    /* The shard keeps fp32 weights and sends them back rounded. */
+    if (g_wire_dtype == FPS_WIRE_BF16) round_bf16(r.param, n);
     for (uint32_t w = 0; w < WORKERS; w++) {
       char what[128];
       snprintf(what, sizeof what, "sync%s: worker %u, tensor '%s'", shared ? " (shared client)" : "", w,
@@ -345,6 +360,23 @@ static void test_sync_matches_replay(void **state) {
 static void test_sync_shared_client(void **state) {
   (void)state;
   sync_run(1);
+}
+
+/* bf16 on the wire: the shard sums the bf16 gradients in fp32, steps its
+ * fp32 weights and replies in bf16; one worker per client, and all on one
+ * client with params aliasing the gradients. */
+static void test_sync_bf16_matches_replay(void **state) {
+  (void)state;
+  fps_status_t st;
+  fps_test_server_t none[SHARDS] = {{.addr = "127.0.0.1:1"}, {.addr = "127.0.0.1:1"}};
+  g_wire_dtype = 3; /* not a dtype: refused before any connection */
+  assert_null(client_new(none, SHARDS, 1, &st));
+  assert_int_equal(st.code, FPS_CODE_INVALID_ARGUMENT);
+  assert_non_null(strstr(st.message, "wire_dtype"));
+  g_wire_dtype = FPS_WIRE_BF16;
+  sync_run(0);
+  sync_run(1);
+  g_wire_dtype = 0;
 }
 
 /* async/ssp: replay every tensor in the order its shard applied pushes. */
@@ -604,6 +636,7 @@ int main(int argc, char **argv) {
   if (argc > 1) cmocka_set_test_filter(argv[1]);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_sync_matches_replay, teardown),
+      cmocka_unit_test_teardown(test_sync_bf16_matches_replay, teardown),
       cmocka_unit_test_teardown(test_sync_shared_client, teardown),
       cmocka_unit_test_teardown(test_async_matches_applied_order, teardown),
       cmocka_unit_test_teardown(test_ssp_matches_applied_order, teardown),

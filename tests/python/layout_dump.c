@@ -27,6 +27,7 @@ int main(void) {
   FIELD(fps_client_options_t, tls_key_file);
   FIELD(fps_client_options_t, auth_token);
   FIELD(fps_client_options_t, tls_server_name);
+  FIELD(fps_client_options_t, wire_dtype);
 
   SIZE(fps_optim_config_t);
   FIELD(fps_optim_config_t, flavor);

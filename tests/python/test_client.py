@@ -188,12 +188,40 @@ class LargeTensorTest(unittest.TestCase):
             self.assertTrue(np.all(params["big"] < 0.25))
 
 
+    def test_bf16_on_the_wire(self):
+        # wire_dtype="bf16": the shard gets the gradient rounded to bf16,
+        # steps its fp32 weights, and push_pull returns them rounded to
+        # bf16; pull() still reads the exact fp32 master weights.
+        shape = (300, 257)
+        rng = np.random.default_rng(5)
+        w0 = rng.standard_normal(shape).astype(np.float32)
+        g = rng.standard_normal(shape).astype(np.float32)
+
+        def bf16(x):  # round to nearest even, as libfactorps does (no NaN here)
+            u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16
+            return u.astype(np.uint32).view(np.float32)
+
+        with Shards(1) as shards, factorps.connect(shards.addrs, deadline=30,
+                                                   wire_dtype="bf16") as c:
+            c.create([factorps.TensorSpec("w", shape, w0)])
+            np.testing.assert_array_equal(c.pull(["w"])[0]["w"], w0)  # create is exact fp32
+            params, versions = c.push_pull({"w": g})
+            self.assertEqual(versions["w"], 1)
+            master = c.pull(["w"])[0]["w"]
+            np.testing.assert_array_equal(params["w"], bf16(master))
+            self.assertFalse(np.array_equal(params["w"], master))
+            want = ReferenceAdafactor(shape, "torch").step(w0, bf16(g))
+            np.testing.assert_allclose(master, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
 class OptionsTest(unittest.TestCase):
     def test_bad_options_raise_before_any_network(self):
         with self.assertRaises(factorps.InvalidArgumentError):
             factorps.connect([])
         with self.assertRaises(factorps.InvalidArgumentError):
             factorps.connect(["127.0.0.1:1"], worker_id=-1)
+        with self.assertRaises(factorps.InvalidArgumentError):
+            factorps.connect(["127.0.0.1:1"], wire_dtype="fp8")
         with self.assertRaises(factorps.InvalidArgumentError):
             factorps.optimizer_config("torch", beta1=0.9)  # an hf-only field
         with self.assertRaises(factorps.InvalidArgumentError):

@@ -111,7 +111,19 @@ typedef struct fps_client_options_s {
   const char *tls_server_name;   /* name the shards' certificates must
                                     carry when not the address's host
                                     (e.g. shards dialled by IP), or NULL */
+  int wire_dtype;                /* element type of push_pull payloads:
+                                    FPS_WIRE_F32 (or 0; default) or
+                                    FPS_WIRE_BF16: gradients are rounded to
+                                    bf16 (nearest even) before sending and
+                                    the fresh parameters come back as bf16
+                                    (the shard keeps fp32 master weights and
+                                    state); half the bytes each way. The
+                                    caller's arrays stay fp32. Create and
+                                    Pull always move exact fp32. */
 } fps_client_options_t;
+
+/* Values of fps_client_options_t.wire_dtype (the wire contract's DType). */
+enum { FPS_WIRE_F32 = 1, FPS_WIRE_BF16 = 2 };
 
 /* Optimizer flavors and hyperparameters, as in the wire contract
  * (proto/factorps/v1/factorps.proto, AdafactorConfig). A has_* flag of 0

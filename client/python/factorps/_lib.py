@@ -50,6 +50,7 @@ class ClientOptions(ctypes.Structure):
         ("tls_key_file", ctypes.c_char_p),
         ("auth_token", ctypes.c_char_p),
         ("tls_server_name", ctypes.c_char_p),
+        ("wire_dtype", ctypes.c_int),  # 1 f32, 2 bf16 (FPS_WIRE_*)
     ]
 
 

@@ -238,7 +238,7 @@ class Client:
 
     def __init__(self, shards, *, worker_id=0, deadline=60.0, max_retries=5, backoff=0.1,
                  max_message_bytes=4 << 20, tls_ca_file=None, tls_cert_file=None,
-                 tls_key_file=None, auth_token=None, tls_server_name=None):
+                 tls_key_file=None, auth_token=None, tls_server_name=None, wire_dtype="f32"):
         if isinstance(shards, str):
             shards = [s for s in shards.split(",") if s.strip()]
         shards = [str(s).strip() for s in shards]
@@ -246,6 +246,10 @@ class Client:
             raise InvalidArgumentError("connect: need at least one shard address")
         if int(worker_id) < 0:
             raise InvalidArgumentError(f"connect: worker_id must be >= 0, got {worker_id}")
+        wire = {"f32": 1, "fp32": 1, "float32": 1, "bf16": 2, "bfloat16": 2}.get(
+            str(wire_dtype).lower())
+        if wire is None:
+            raise InvalidArgumentError(f"connect: wire_dtype must be 'f32' or 'bf16', got {wire_dtype!r}")
         self._lib = _lib.load()
         self.shards = list(shards)
         self.worker_id = int(worker_id)
@@ -264,6 +268,7 @@ class Client:
         opts.max_retries = int(max_retries)
         opts.backoff_initial_seconds = float(backoff)
         opts.max_message_bytes = int(max_message_bytes)
+        opts.wire_dtype = wire
         # Keep the encoded strings alive as long as the options struct.
         self._opt_strings = [None if v is None else str(v).encode()
                              for v in (tls_ca_file, tls_cert_file, tls_key_file, auth_token,
@@ -776,7 +781,10 @@ def connect(shards, **options):
     backoff (first retry delay, 0.1 s), max_message_bytes (4 MiB),
     tls_ca_file (PEM CA: TLS), tls_cert_file + tls_key_file (PEM: mutual
     TLS), auth_token (bearer token), tls_server_name (the name the shards'
-    certificates carry, when not the address's host).
+    certificates carry, when not the address's host), wire_dtype ("f32",
+    the default, or "bf16": push_pull sends gradients rounded to bf16 and
+    receives the parameters as bf16, half the bytes each way; arrays stay
+    float32 and the shards keep fp32 weights; pull() stays exact fp32).
     Connection is lazy: an unreachable shard fails the first call; a failed
     TLS handshake raises UnavailableError, a missing or wrong token
     UnauthenticatedError."""
