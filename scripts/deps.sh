@@ -7,7 +7,7 @@
 set -euo pipefail
 
 build_pkgs=(build-essential cmake pkg-config libgrpc-dev protobuf-c-compiler libprotobuf-c-dev
-  libuv1-dev libssl-dev libhttp-parser-dev libcjson-dev)
+  libuv1-dev libssl-dev libhttp-parser-dev libcjson-dev zlib1g-dev)
 test_pkgs=(libcmocka-dev python3-numpy python3-grpcio python3-protobuf protobuf-compiler
   protobuf-compiler-grpc gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user clang
   libclang-rt-14-dev iperf3 prometheus yamllint docker-compose python3-torch python3-sklearn

@@ -186,11 +186,10 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
   size_t len = 0;
   Factorps__V1__PushPullRequest *m = NULL;
   char why[FPS_WHY_MAX];
-  int rc;
-  if (fps_bb_flatten(c->recv_buf, &buf, &len) < 0) {
-    rc = FPS_ENOMEM;
-    snprintf(why, sizeof why, "PushPull: out of memory reading a %zu-byte message",
-             grpc_byte_buffer_length(c->recv_buf));
+  int rc = fps_bb_flatten(c->recv_buf, c->srv->cfg.max_message_bytes, &buf, &len);
+  if (rc < 0) {
+    snprintf(why, sizeof why, "PushPull: cannot take a %zu-byte message: %s",
+             grpc_byte_buffer_length(c->recv_buf), fps_bb_flatten_why(rc));
   } else if ((rc = fps_wire_unpack(&factorps__v1__push_pull_request__descriptor, buf, len, (ProtobufCMessage **)&m,
                                    why, sizeof why)) == 0) {
     /* Drop the wire copy before decoding into staging: keeps the peak at

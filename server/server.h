@@ -172,8 +172,13 @@ void fps_call_fail(fps_call_t *c, grpc_status_code code, const char *fmt, ...)
 void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_list ap);
 /* Packs a protobuf-c message into a byte buffer (no extra copy). */
 grpc_byte_buffer *fps_pack_message(const void *protobuf_c_message);
-/* Flattens a received byte buffer (one copy). Caller frees *out. */
-int fps_bb_flatten(grpc_byte_buffer *bb, uint8_t **out, size_t *len);
+/* Flattens a received byte buffer (one copy), inflating a gzip/deflate
+ * message on the way, never past `limit` bytes. Returns 0 (caller frees
+ * *out), FPS_ELIMIT (larger than limit), FPS_EFORMAT (corrupt compressed
+ * data), FPS_EUNSUPPORTED (other compression), FPS_ENOMEM, FPS_EPROTO;
+ * fps_bb_flatten_why() words the failure for a status message. */
+int fps_bb_flatten(grpc_byte_buffer *bb, uint64_t limit, uint8_t **out, size_t *len);
+const char *fps_bb_flatten_why(int rc);
 
 /* ---------------------------------------------------------- the server */
 

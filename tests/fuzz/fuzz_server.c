@@ -127,7 +127,7 @@ static void fz__cancel(fz_call_t *c, int status, const char *details) {
 static void fz__check_reply(fz_call_t *c, grpc_byte_buffer *bb) {
   uint8_t *buf;
   size_t len;
-  if (fps_bb_flatten(bb, &buf, &len) < 0) abort();
+  if (fps_bb_flatten(bb, UINT64_MAX, &buf, &len) < 0) abort();
   ProtobufCMessage *m = NULL;
   switch (c->method) {
     case FZ_CREATE: m = (ProtobufCMessage *)factorps__v1__create_response__unpack(NULL, len, buf); break;
