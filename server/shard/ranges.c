@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server.h"
+#include "shard.h"
 
 /* Index of the first interval whose hi > lo. */
 static size_t fps__ranges_lower(const fps_ranges_t *r, uint64_t lo) {

@@ -1,0 +1,169 @@
+/* The shard core's push path in async mode, driven directly: a push is
+ * applied at its commit (no callback), through the one apply-and-snapshot
+ * path; a bad push is refused whole and changes nothing. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "shard_fixture.h"
+
+static const uint64_t DIMS[] = {16, 8};
+#define N 128
+
+static void async_applies_at_commit(void **unused) {
+  (void)unused;
+  fps_shard_t sh, ref;
+  fx_shard(&sh, FPS_MODE_ASYNC, 1, 0);
+  fx_shard(&ref, FPS_MODE_ASYNC, 1, 0);
+  float v[N], g[N], a[N], b[N];
+  fx_fill(v, N, 10);
+  fx_fill(g, N, 11);
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, v), 0);
+  assert_int_equal(fx_create(&ref, "w", DIMS, 2, v), 0);
+  fx_done_t d;
+  /* Slices in any order and size make the same update as one slice. */
+  const size_t perm[] = {3, 0, 4, 2, 1};
+  fps_push_t *p = fx_push_new(&sh, 7, 0, INT64_MAX, &d);
+  assert_int_equal(fx_push_grad(p, "w", g, N, 5, perm), 0);
+  assert_int_equal(fx_commit(p, NULL), 0);
+  assert_int_equal(d.calls, 0); /* resolved on return: no callback */
+  char why[FPS_WHY_MAX];
+  assert_int_equal(fps_push_result(p, why, sizeof why), 0);
+  assert_int_equal(fps_push_count(p), 1);
+  fps_push_out_t o;
+  fps_push_take(p, 0, &o);
+  assert_int_equal(o.version, 1);
+  assert_int_equal(o.dtype, FPS_DTYPE_F32);
+  assert_non_null(o.snap);
+  assert_int_equal(fx_params(&sh, "w", a), 1);
+  assert_memory_equal(o.snap->data, a, sizeof a); /* the snapshot is the update's result */
+  fps_snap_unref(o.snap);
+  fps_push_destroy(p);
+  fps_push_t *q = fx_push_new(&ref, 0, 0, INT64_MAX, &d);
+  assert_int_equal(fx_push_grad(q, "w", g, N, 1, NULL), 0);
+  assert_int_equal(fx_commit(q, NULL), 0);
+  fps_push_destroy(q);
+  assert_int_equal(fx_params(&ref, "w", b), 1);
+  assert_memory_equal(a, b, sizeof a);
+  assert_memory_not_equal(a, v, sizeof a);
+  /* The apply log names the worker and step. */
+  fps_tensor_t *t = fps_store_find(&sh.store, "w");
+  assert_int_equal(t->log_len, 1);
+  assert_int_equal(t->log[0].worker_id, 7);
+  assert_int_equal(t->log[0].version, 1);
+  /* Staging is all given back. */
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  fx_shard_free(&sh);
+  fx_shard_free(&ref);
+}
+
+static void refused_pushes_change_nothing(void **unused) {
+  (void)unused;
+  fps_shard_t sh;
+  fx_shard(&sh, FPS_MODE_ASYNC, 1, 0);
+  float v[N], g[N], a[N];
+  fx_fill(v, N, 12);
+  fx_fill(g, N, 13);
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, v), 0);
+  fx_done_t d;
+  char why[FPS_WHY_MAX];
+  /* A gap: missing slices at the commit. */
+  fps_push_t *p = fx_push_new(&sh, 0, 0, INT64_MAX, &d);
+  fps_slice_t half = {.dtype = FPS_DTYPE_F32, .shape = DIMS, .n_shape = 2, .offset = 0, .data = (const uint8_t *)g,
+                      .len = N / 2 * 4};
+  assert_int_equal(fps_push_slice(p, "w", &half, why, sizeof why), 0);
+  assert_int_equal(fx_commit(p, why), FPS_EINVAL);
+  assert_non_null(strstr(why, "missing slices"));
+  fps_push_destroy(p);
+  /* An overlap. */
+  p = fx_push_new(&sh, 0, 0, INT64_MAX, &d);
+  assert_int_equal(fps_push_slice(p, "w", &half, why, sizeof why), 0);
+  assert_int_equal(fps_push_slice(p, "w", &half, why, sizeof why), FPS_EINVAL);
+  assert_non_null(strstr(why, "overlaps"));
+  fps_push_destroy(p);
+  /* A non-finite or huge gradient. */
+  float bad[N];
+  memcpy(bad, g, sizeof bad);
+  bad[9] = 1.0f / 0.0f;
+  p = fx_push_new(&sh, 0, 0, INT64_MAX, &d);
+  assert_int_equal(fx_push_grad(p, "w", bad, N, 1, NULL), FPS_EINVAL);
+  fps_push_destroy(p);
+  bad[9] = 1e20f;
+  p = fx_push_new(&sh, 0, 0, INT64_MAX, &d);
+  assert_int_equal(fx_push_grad(p, "w", bad, N, 1, NULL), FPS_EINVAL);
+  fps_push_destroy(p);
+  /* Unknown tensor, wrong shape. */
+  p = fx_push_new(&sh, 0, 0, INT64_MAX, &d);
+  assert_int_equal(fx_push_grad(p, "nope", g, N, 1, NULL), FPS_ENOTFOUND);
+  const uint64_t wrong[] = {8, 16};
+  fps_slice_t ws = {.dtype = FPS_DTYPE_F32, .shape = wrong, .n_shape = 2, .data = (const uint8_t *)g, .len = N * 4};
+  assert_int_equal(fps_push_slice(p, "w", &ws, why, sizeof why), FPS_EINVAL);
+  assert_non_null(strstr(why, "wrong shape"));
+  /* worker_id/step may not change within a push. */
+  assert_int_equal(fps_push_header(p, 0, 1, false, 0, 0, why, sizeof why), FPS_EINVAL);
+  fps_push_destroy(p);
+  assert_int_equal(fx_params(&sh, "w", a), 0);
+  assert_memory_equal(a, v, sizeof a);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  fx_shard_free(&sh);
+}
+
+static void no_grad_and_skip_params(void **unused) {
+  (void)unused;
+  fps_shard_t sh;
+  fx_shard(&sh, FPS_MODE_ASYNC, 1, 0);
+  float v[N], g[N];
+  fx_fill(v, N, 14);
+  fx_fill(g, N, 15);
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, v), 0);
+  char why[FPS_WHY_MAX];
+  fx_done_t d;
+  /* no_grad: nothing applied, the current params come back. */
+  fps_push_t *p = fx_push_new(&sh, 0, 0, INT64_MAX, &d);
+  fps_push_tensor_t tp = {.name = "w", .no_grad = true};
+  assert_int_equal(fps_push_tensor(p, &tp, why, sizeof why), 0);
+  assert_int_equal(fx_push_grad(p, "w", g, N, 1, NULL), FPS_EINVAL); /* no slices for a no_grad tensor */
+  assert_int_equal(fx_commit(p, NULL), 0);
+  fps_push_out_t o;
+  fps_push_take(p, 0, &o);
+  assert_int_equal(o.version, 0);
+  assert_memory_equal(o.snap->data, v, sizeof v);
+  fps_snap_unref(o.snap);
+  fps_push_destroy(p);
+  /* skip_params: applied, no snapshot. */
+  fps_push_create(&sh, INT64_MAX, NULL, NULL, &p);
+  assert_int_equal(fps_push_header(p, 0, 0, true, 0, 0, why, sizeof why), 0);
+  assert_int_equal(fx_push_grad(p, "w", g, N, 1, NULL), 0);
+  assert_int_equal(fx_commit(p, NULL), 0);
+  fps_push_take(p, 0, &o);
+  assert_int_equal(o.version, 1);
+  assert_null(o.snap);
+  fps_push_destroy(p);
+  /* A per-push lr is applied and logged; an invalid one is refused. */
+  p = fx_push_new(&sh, 0, 0, INT64_MAX, &d);
+  fps_push_tensor_t lr = {.name = "w", .has_lr = true, .lr = 0.5};
+  assert_int_equal(fps_push_tensor(p, &lr, why, sizeof why), 0);
+  assert_int_equal(fx_push_grad(p, "w", g, N, 1, NULL), 0);
+  assert_int_equal(fx_commit(p, NULL), 0);
+  fps_push_destroy(p);
+  fps_tensor_t *t = fps_store_find(&sh.store, "w");
+  assert_true(t->log[t->log_len - 1].lr == 0.5);
+  p = fx_push_new(&sh, 0, 0, INT64_MAX, &d);
+  lr.lr = -1;
+  assert_int_equal(fps_push_tensor(p, &lr, why, sizeof why), FPS_EHPARAM);
+  fps_push_destroy(p);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  fx_shard_free(&sh);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(async_applies_at_commit),
+      cmocka_unit_test(refused_pushes_change_nothing),
+      cmocka_unit_test(no_grad_and_skip_params),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
