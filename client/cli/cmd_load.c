@@ -38,6 +38,8 @@ typedef struct load_cfg_s {
   unsigned long long max_message;
   const char *mode_hint;
   int wire_dtype;                      /* FPS_WIRE_F32 or FPS_WIRE_BF16 */
+  int model_peer;                      /* --model peer */
+  unsigned long long peer_tensors;     /* --tensors K (peer model) */
   fps_cli_sec_t sec;                   /* TLS and token options */
   int processes;
   long worker_id;                      /* -1: run all W workers; else only this one */
@@ -74,7 +76,7 @@ static void usage(FILE *out) {
           "usage: factorps load --shards HOST:PORT[,...] [--workers W] [--params N] [--steps S]\n"
           "                     [--warmup K] [--mode-hint sync|async|ssp] [--threads|--processes]\n"
           "                     [--deadline SECONDS] [--max-message BYTES] [--worker-id I]\n"
-          "                     [--wire-dtype f32|bf16]\n"
+          "                     [--wire-dtype f32|bf16] [--model gpt|peer] [--tensors K]\n"
           "Synthetic load: W workers (default 2, threads unless --processes) each push S steps\n"
           "(default 20) of gradients for a transformer-like model of about N parameters\n"
           "(default 10M; k/M/G suffixes) and report steps/s, GB/s (gradients pushed + params\n"
@@ -84,7 +86,9 @@ static void usage(FILE *out) {
           "--worker-id I runs only worker I of the W (one worker per process or pod, e.g. a\n"
           "Kubernetes Indexed Job's completion index); its figures are that worker's alone.\n"
           "--wire-dtype bf16 pushes bf16 gradients and receives bf16 parameters (half the\n"
-          "bytes; GB/s counts the bytes actually moved).\n"
+          "bytes; GB/s counts the bytes actually moved). --model peer uses the shapes of the\n"
+          "torch.distributed.rpc peer benchmark (K tensors, default 64) instead of the GPT-like\n"
+          "stack.\n"
           FPS_CLI_SEC_USAGE);
 }
 
@@ -139,6 +143,50 @@ static int build_model(load_cfg_t *cfg) {
 #undef L
   }
   def_add(cfg, "ln_f", 1, d, 0);
+  return 0;
+}
+
+/* --model peer: the shapes of the torch.distributed.rpc parameter server
+ * we benchmark against (tests/bench/side_by_side.sh), so both move the
+ * same tensors. K tensors: L = (K-1)/6 layers of Wqkv [3h, h], Wo [h, h],
+ * W1 [4h, h], W2 [h, 4h], b_qkv [3h], b_1 [4h]; h is the largest multiple
+ * of 64 (at least 64) with 12 L h^2 <= 0.88 N; an embedding [V, h] first,
+ * V = (N - the rest) / h, takes the remainder, and K - 1 - 6L vectors [h]
+ * at the end make the count exactly K. (10M: h 256, 10 layers; 100M:
+ * h 832, embedding 20279 x 832.) */
+static int build_model_peer(load_cfg_t *cfg) {
+  uint64_t n = cfg->params, k = cfg->peer_tensors;
+  if (k < 7 || k > 6 * 512 + 1) {
+    fprintf(stderr, "factorps load: --model peer needs --tensors in [7, 3073], not %llu\n",
+            (unsigned long long)k);
+    return -1;
+  }
+  uint64_t layers = (k - 1) / 6, extra = k - 1 - 6 * layers;
+  uint64_t h = (uint64_t)floor(sqrt(0.88 * (double)n / (double)(12 * layers)) / 64.0) * 64;
+  if (h < 64) h = 64;
+  uint64_t used = layers * (12 * h * h + 7 * h) + extra * h;
+  uint64_t vocab = n > used + h ? (n - used) / h : 1;
+  cfg->defs = calloc(k, sizeof *cfg->defs);
+  cfg->names = calloc(k, sizeof *cfg->names);
+  if (!cfg->defs || !cfg->names) return -1;
+  char name[64];
+  def_add(cfg, "embed", 2, vocab, h);
+  for (uint64_t l = 0; l < layers; l++) {
+#define L(suffix, nd, a, b)                                                                \
+  snprintf(name, sizeof name, "layer%03llu.%s", (unsigned long long)l, suffix);           \
+  def_add(cfg, name, nd, a, b)
+    L("wqkv", 2, 3 * h, h);
+    L("wo", 2, h, h);
+    L("w1", 2, 4 * h, h);
+    L("w2", 2, h, 4 * h);
+    L("b_qkv", 1, 3 * h, 0);
+    L("b_1", 1, 4 * h, 0);
+#undef L
+  }
+  for (uint64_t i = 0; i < extra; i++) {
+    snprintf(name, sizeof name, "norm%llu", (unsigned long long)i);
+    def_add(cfg, name, 1, h, 0);
+  }
   return 0;
 }
 
@@ -361,11 +409,14 @@ int fps_cli_load(int argc, char **argv) {
                                            {"max-message", required_argument, NULL, 'M'},
                                            {"worker-id", required_argument, NULL, 'i'},
                                            {"wire-dtype", required_argument, NULL, 'D'},
+                                           {"model", required_argument, NULL, 'o'},
+                                           {"tensors", required_argument, NULL, 'K'},
                                            {"help", no_argument, NULL, 'h'},
                                            FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
   load_cfg_t cfg = {.workers = 2, .params = 10000000, .steps = 20, .warmup = 1, .deadline = 120,
-                    .max_message = 4u << 20, .worker_id = -1, .wire_dtype = FPS_WIRE_F32};
+                    .max_message = 4u << 20, .worker_id = -1, .wire_dtype = FPS_WIRE_F32,
+                    .peer_tensors = 64};
   const char *shards = NULL;
   unsigned long long v;
   int opt, rc = 1;
@@ -373,7 +424,7 @@ int fps_cli_load(int argc, char **argv) {
   double *all = NULL;
 
   optind = 1;
-  while ((opt = getopt_long(argc, argv, "hs:w:n:S:k:m:tpd:M:i:D:", longopts, NULL)) != -1) {
+  while ((opt = getopt_long(argc, argv, "hs:w:n:S:k:m:tpd:M:i:D:o:K:", longopts, NULL)) != -1) {
     switch (opt) {
       case 's': shards = optarg; break;
       case 'w':
@@ -418,6 +469,16 @@ int fps_cli_load(int argc, char **argv) {
           return 2;
         }
         break;
+      case 'o':
+        if (strcmp(optarg, "gpt") && strcmp(optarg, "peer")) {
+          fprintf(stderr, "factorps load: --model must be gpt or peer, not '%s'\n", optarg);
+          return 2;
+        }
+        cfg.model_peer = !strcmp(optarg, "peer");
+        break;
+      case 'K':
+        if (fps_cli_u64(optarg, "--tensors", 7, 3073, &cfg.peer_tensors)) return 2;
+        break;
       case 'h': usage(stdout); return 0;
       default:
         if (fps_cli_sec_opt(&cfg.sec, opt, optarg)) break;
@@ -453,7 +514,7 @@ int fps_cli_load(int argc, char **argv) {
     rc = 2;
     goto done;
   }
-  if (build_model(&cfg)) goto done;
+  if (cfg.model_peer ? build_model_peer(&cfg) : build_model(&cfg)) goto done;
   /* The mode check talks gRPC, which must not happen before fork(). */
   if (cfg.mode_hint && !cfg.processes && check_mode(&cfg)) goto done;
 

@@ -9,8 +9,12 @@
 #   PARAMS="10M 100M"  WORKERS="2 4"  MODES="sync async"
 #   STEPS_10M=12  STEPS_100M=5  (other sizes: STEPS=8)  WARMUP=2
 #   PROCESSES=0 (1: workers as processes instead of threads)
-#   REPS=2 (runs per row, fresh shards each time; the row shows the run
-#           with the most steps/s, as the machine's noise only slows runs)
+#   REPS=3 (runs per row, fresh shards each time; the row shows the median
+#           of each figure over the runs)
+#   MODEL=gpt (factorps load --model: gpt, or peer for the peer's shapes)
+#   WIRE=f32 (factorps load --wire-dtype: f32 or bf16)
+# tests/bench/side_by_side.py runs the same loads interleaved with the
+# torch.distributed.rpc peer.
 #
 # Every server is started on 127.0.0.1:0 (port from --port-file) and killed
 # on exit, also on failure or Ctrl-C. Numbers are noisy on small machines:
@@ -30,7 +34,9 @@ WORKERS=${WORKERS:-"2 4"}
 MODES=${MODES:-"sync async"}
 WARMUP=${WARMUP:-2}
 PROCESSES=${PROCESSES:-0}
-REPS=${REPS:-2}
+REPS=${REPS:-3}
+MODEL=${MODEL:-gpt}
+WIRE=${WIRE:-f32}
 
 tmp=$(mktemp -d)
 pids=()  # live children only
@@ -103,7 +109,8 @@ run_one() {  # run_one MODE WORKERS PARAMS -> sets $result
   [[ $PROCESSES == 1 ]] && kind=--processes
   local out
   out=$("$cli" load --shards "$addrs" --workers "$w" --params "$n" --steps "$steps" \
-    --warmup "$WARMUP" --mode-hint "$mode" "$kind" --deadline 600 2>&1) || {
+    --warmup "$WARMUP" --mode-hint "$mode" "$kind" --deadline 600 --model "$MODEL" \
+    --wire-dtype "$WIRE" 2>&1) || {
     echo "load.sh: factorps load failed ($mode, $w workers, $n):" >&2
     echo "$out" >&2
     exit 1  # the EXIT trap stops the shards
@@ -116,21 +123,25 @@ run_one() {  # run_one MODE WORKERS PARAMS -> sets $result
 
 get() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2"; }
 
-row() {  # row MODE WORKERS PARAMS -> prints the best of REPS runs as a table row
-  local best="" r rep
+# The median of the numbers on stdin (one a line).
+median() { sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else printf "%.3f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+
+row() {  # row MODE WORKERS PARAMS -> prints the medians of REPS runs as a table row
+  local all=() rep k
   for rep in $(seq 1 "$REPS"); do
     run_one "$@"
-    r=$result
-    if [[ -z $best ]] || awk -v a="$(get steps_per_s "$r")" -v b="$(get steps_per_s "$best")" \
-      'BEGIN { exit !(a > b) }'; then
-      best=$r
-    fi
+    all+=("$result")
   done
-  printf "| %s | %s | %s | %s | %s | %s | %s | %s |\n" "$3" "$1" "$2" "$(get steps_per_s "$best")" \
-    "$(get gb_per_s "$best")" "$(get p50_ms "$best")" "$(get p99_ms "$best")" "$loop_gbs"
+  local cols=()
+  for k in steps_per_s gb_per_s p50_ms p99_ms; do
+    cols+=("$(for r in "${all[@]}"; do get "$k" "$r"; done | median)")
+  done
+  printf "| %s | %s | %s | %s | %s | %s | %s | %s |\n" "$3" "$1" "$2" "${cols[0]}" "${cols[1]}" \
+    "${cols[2]}" "${cols[3]}" "$loop_gbs"
 }
 
-echo "# factorps load: 2 shards on 127.0.0.1, $(nproc) CPUs, best of $REPS, $(date -u +%Y-%m-%dT%H:%MZ)"
+echo "# factorps load: 2 shards on 127.0.0.1, $(sed -n 's/^model name[^:]*: //p' /proc/cpuinfo | head -n 1)," \
+  "$(nproc) CPUs, model $MODEL, $WIRE on the wire, medians of $REPS, $(date -u +%Y-%m-%dT%H:%MZ)"
 loop_gbs=$(iperf_gbs)
 echo "# loopback TCP (iperf3, 1 stream, 5 s): $loop_gbs GB/s"
 echo

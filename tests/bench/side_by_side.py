@@ -1,0 +1,297 @@
+#!/usr/bin/python3
+"""factorps against the torch.distributed.rpc peer, side by side.
+
+    /usr/bin/python3 tests/bench/side_by_side.py [--build build] [--reps 3]
+        [--params 10M,100M] [--workers 2,4] [--modes sync,async] [--bf16|--no-bf16]
+        [--steps-10m 8] [--steps-100m 3] [--warmup 1] [--peers DIR] [--json OUT]
+
+For every (params, workers, mode) the contenders run interleaved, A B C A B
+C ..., each on a fresh pair of shards (S = 2 on 127.0.0.1), on the same
+tensors: `factorps load --model peer` (64 tensors shaped like the peer's
+model_shapes), fp32 on the wire; the same with --wire-dtype bf16; and the
+peer, ../shared/peers/torch_rpc_ps.py (TensorPipe's default transport,
+--synthetic-grads). A busy machine slows every contender of a round alike,
+so the ratios of the medians are the figures to read. iperf3 measures the
+loopback before and after. Printed per configuration: median steps/s (per
+worker; in sync, model steps), factorps / peer, bf16 / fp32, bytes moved
+(gradients in + parameters out, all workers) against iperf3's single
+stream, and each shard's peak RSS (VmHWM, max over the runs).
+
+The peer is a measuring tool outside the product: when its folder (default
+../shared/peers next to the repository, or --peers / $FPS_PEERS_DIR) is
+absent, its column is skipped and factorps still runs. Only loopback is
+used; every process started here is stopped on exit.
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = "/usr/bin/python3"
+children = []
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def count(s):
+    m = re.fullmatch(r"(\d+)([kKmMgG]?)", s)
+    if not m:
+        raise SystemExit(f"side_by_side: bad count {s!r}")
+    return int(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()]
+
+
+def vmhwm_mib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float("nan")
+
+
+def stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if p in children:
+            children.remove(p)
+
+
+def start_shards(build, tmp, mode, workers):
+    procs, addrs = [], []
+    for i in range(2):
+        pf = os.path.join(tmp, f"port{i}")
+        if os.path.exists(pf):
+            os.unlink(pf)
+        lf = open(os.path.join(tmp, f"shard{i}.log"), "w")
+        p = subprocess.Popen([os.path.join(build, "server", "factorps-server"), "--listen",
+                              "127.0.0.1:0", "--shard-id", str(i), "--shard-count", "2", "--mode",
+                              mode, "--workers", str(workers), "--deadline", "600", "--port-file",
+                              pf], stdout=lf, stderr=subprocess.STDOUT)
+        children.append(p)
+        procs.append(p)
+    for i, p in enumerate(procs):
+        pf = os.path.join(tmp, f"port{i}")
+        for _ in range(1000):
+            if os.path.exists(pf) and os.path.getsize(pf) > 0:
+                break
+            if p.poll() is not None:
+                stop(procs)
+                raise RuntimeError(f"shard {i} died: {open(os.path.join(tmp, f'shard{i}.log')).read()}")
+            time.sleep(0.02)
+        addrs.append("127.0.0.1:" + open(pf).read().strip())
+    return procs, addrs
+
+
+def expect_params(n, k=64):
+    """The element count of the peer's model_shapes(n, k), written out from
+    its rule (torch_rpc_ps.py's docstring): L = (k-1)//6 layers of 12h^2+7h,
+    k-1-6L vectors of h, an embedding (V, h) for the rest."""
+    import math
+    layers, extra = (k - 1) // 6, (k - 1) % 6
+    h = max(64, int(math.sqrt(0.88 * n / (12 * layers)) // 64 * 64))
+    used = layers * (12 * h * h + 7 * h) + extra * h
+    return used + max(1, (n - used) // h) * h
+
+
+def run_factorps(build, tmp, n, w, mode, steps, warmup, wire):
+    procs, addrs = start_shards(build, tmp, mode, w)
+    try:
+        cmd = [os.path.join(build, "client", "factorps"), "load", "--shards", ",".join(addrs),
+               "--model", "peer", "--params", str(n), "--workers", str(w), "--steps",
+               str(steps + warmup), "--warmup", str(warmup), "--mode-hint", mode,
+               "--wire-dtype", wire, "--deadline", "900"]
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             timeout=1800)
+        hwm = [vmhwm_mib(p.pid) for p in procs]
+    finally:
+        stop(procs)
+    m = re.search(r"^RESULT .*$", out.stdout, re.M)
+    if out.returncode or not m:
+        raise RuntimeError(f"factorps load failed ({out.returncode}): {out.stdout[-2000:]}")
+    kv = dict(x.split("=", 1) for x in m.group(0).split()[1:])
+    return {"steps_per_s": float(kv["steps_per_s"]), "gbps": float(kv["gb_per_s"]),
+            "hwm": max(hwm), "params": int(kv["params"])}
+
+
+def run_peer(peers, n, w, mode, steps, warmup):
+    cmd = [PY, os.path.join(peers, "torch_rpc_ps.py"), "--params", str(n), "--tensors", "64",
+           "--workers", str(w), "--shards", "2", "--steps", str(steps), "--warmup", str(warmup),
+           "--mode", mode, "--synthetic-grads"]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         timeout=1800)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"peer failed ({out.returncode}): {out.stderr[-2000:]}")
+    r = json.loads(lines[-1])
+    if "error" in r:
+        raise RuntimeError(f"peer error: {r['error'][-2000:]}")
+    return {"steps_per_s": r["steps_per_s"], "gbps": r["pushed_GBps"],
+            "hwm": max(s["vmhwm_MiB"] for s in r["servers"]), "params": r["params"]}
+
+
+def iperf3():
+    import random
+    for _ in range(5):
+        port = random.randint(20000, 60000)
+        srv = subprocess.Popen(["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        children.append(srv)
+        time.sleep(0.3)
+        out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", "5", "-J"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        stop([srv])
+        if out.returncode == 0:
+            return json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 8e9
+    return float("nan")
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def shard_simd(tmp):
+    """The kernel variant the shards reported at start-up ("... simd avx512)")."""
+    try:
+        m = re.search(r"simd (\w+)\)", open(os.path.join(tmp, "shard0.log")).read())
+        return m.group(1) if m else "?"
+    except OSError:
+        return "?"
+
+
+def med(xs):
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default=os.path.join(REPO, "build"))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--params", default="10M,100M")
+    ap.add_argument("--workers", default="2,4")
+    ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run factorps with --wire-dtype bf16 (default on)")
+    ap.add_argument("--steps-10m", type=int, default=8, help="timed steps at <= 10M params")
+    ap.add_argument("--steps-100m", type=int, default=3, help="timed steps above 10M params")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--peers", default=os.environ.get("FPS_PEERS_DIR",
+                                                        os.path.join(os.path.dirname(REPO), "shared", "peers")))
+    ap.add_argument("--json", help="also write every run as JSON here")
+    ap.add_argument("--no-iperf", action="store_true", help="skip iperf3 (smoke tests)")
+    a = ap.parse_args()
+    build = os.path.abspath(a.build)
+    for b in ("server/factorps-server", "client/factorps"):
+        if not os.access(os.path.join(build, b), os.X_OK):
+            raise SystemExit(f"side_by_side: {build}/{b} not built (cmake --build {a.build})")
+    have_peer = os.path.isfile(os.path.join(a.peers, "torch_rpc_ps.py"))
+    if not have_peer:
+        log(f"side_by_side: no peer at {a.peers}: running factorps only")
+
+    contenders = [("fps", "f32")] + ([("fps", "bf16")] if a.bf16 else []) + (
+        [("peer", None)] if have_peer else [])
+    configs = [(count(n), n, int(w), m) for n in a.params.split(",") for m in a.modes.split(",")
+               for w in a.workers.split(",")]
+    runs = []
+    tmp = tempfile.mkdtemp(prefix="fps-sbs-")
+    print(f"# side by side: 2 shards on 127.0.0.1, {cpu_model()}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f} at the start, "
+          f"{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}", flush=True)
+    ip = [float("nan") if a.no_iperf else iperf3()]
+    log(f"iperf3 before: {ip[0]:.2f} GB/s")
+    results = {}
+    failures = []
+    for n, label, w, mode in configs:
+        steps = a.steps_10m if n <= 10**7 else a.steps_100m
+        for rep in range(a.reps):
+            for who, wire in contenders:
+                key = (label, w, mode, who, wire)
+                try:
+                    if who == "fps":
+                        r = run_factorps(build, tmp, n, w, mode, steps, a.warmup, wire)
+                    else:
+                        r = run_peer(a.peers, n, w, mode, steps, a.warmup)
+                except Exception as e:  # one failed run must not hide the rest
+                    log(f"side_by_side: {key} rep {rep}: {e}")
+                    r = {"steps_per_s": float("nan"), "gbps": float("nan"), "hwm": float("nan")}
+                if who == "fps" and r.get("params") not in (None, expect_params(n)):
+                    log(f"side_by_side: factorps load made {r['params']} parameters, "
+                        f"the peer's shapes give {expect_params(n)}")
+                    r["steps_per_s"] = float("nan")
+                    failures.append(key)
+                if r["steps_per_s"] != r["steps_per_s"]:
+                    failures.append(key)
+                r.update(params_label=label, workers=w, mode=mode, who=who, wire=wire, rep=rep)
+                runs.append(r)
+                results.setdefault(key, []).append(r)
+                log(f"{label} W{w} {mode} {who}{'/' + wire if wire else ''} rep {rep}: "
+                    f"{r['steps_per_s']:.3f} steps/s, {r['gbps']:.3f} GB/s, VmHWM {r['hwm']:.0f} MiB")
+    ip.append(float("nan") if a.no_iperf else iperf3())
+    log(f"iperf3 after: {ip[1]:.2f} GB/s")
+    loop = med(ip)
+
+    print(f"# factorps shards' SIMD variant: {shard_simd(tmp)}; load average "
+          f"{os.getloadavg()[0]:.1f} at the end")
+    print(f"# medians of {a.reps} interleaved runs; steps/s per worker (sync: model steps); "
+          f"GB/s = gradients in + parameters out, all workers; iperf3 loopback (1 stream) "
+          f"{ip[0]:.2f} / {ip[1]:.2f} GB/s before / after\n")
+    hdr = ["params", "W", "mode", "factorps", "peer", "factorps/peer"]
+    if a.bf16:
+        hdr += ["bf16", "bf16/f32"]
+    hdr += ["GB/s", "/ iperf3", "shard VmHWM MiB", "peer VmHWM MiB"]
+    print("| " + " | ".join(hdr) + " |")
+    print("|" + "---|" * len(hdr))
+    for n, label, w, mode in configs:
+        f = results.get((label, w, mode, "fps", "f32"), [])
+        p = results.get((label, w, mode, "peer", None), [])
+        b = results.get((label, w, mode, "fps", "bf16"), [])
+        fs, ps, bs = (med([r["steps_per_s"] for r in x]) for x in (f, p, b))
+        fg = med([r["gbps"] for r in f])
+        fh = max([r["hwm"] for r in f if r["hwm"] == r["hwm"]] or [float("nan")])
+        ph = max([r["hwm"] for r in p if r["hwm"] == r["hwm"]] or [float("nan")])
+        row = [label, str(w), mode, f"{fs:.3f}", f"{ps:.3f}" if p else "-",
+               f"{fs / ps:.2f}" if p and ps else "-"]
+        if a.bf16:
+            row += [f"{bs:.3f}", f"{bs / fs:.2f}" if fs else "-"]
+        row += [f"{fg:.2f}", f"{fg / loop:.2f}" if loop == loop else "-", f"{fh:.0f}",
+                f"{ph:.0f}" if p else "-"]
+        print("| " + " | ".join(row) + " |", flush=True)
+    if a.json:
+        with open(a.json, "w") as out:
+            json.dump({"iperf3_GBps": ip, "runs": runs}, out, indent=1)
+    if failures:
+        log(f"side_by_side: {len(failures)} run(s) failed")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        stop(list(children))

@@ -1,0 +1,32 @@
+#!/bin/sh
+# CTest `bench_smoke`: the benchmark tooling still runs. factorps load
+# --model peer must build the peer's 64 tensors (10M: 9999872 elements,
+# the total of torch_rpc_ps.py's model_shapes(10M, 64)), and
+# side_by_side.py must complete a tiny sync + async matrix with fp32 and
+# bf16 on the wire (no peer, no iperf3: timings are not checked here).
+#   smoke.sh BUILD_DIR SOURCE_DIR
+set -eu
+build=$1 src=$2
+tmp=$(mktemp -d)
+pid=
+trap 'if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi; rm -rf "$tmp"' EXIT INT TERM
+"$build/server/factorps-server" --listen 127.0.0.1:0 --mode async --port-file "$tmp/port" \
+  >"$tmp/server.log" 2>&1 &
+pid=$!
+i=0
+while [ ! -s "$tmp/port" ]; do
+  i=$((i + 1))
+  [ $i -lt 500 ] || { cat "$tmp/server.log"; echo "smoke: no port" >&2; exit 1; }
+  sleep 0.02
+done
+out=$("$build/client/factorps" load --shards "127.0.0.1:$(cat "$tmp/port")" --model peer \
+  --params 10M --workers 1 --steps 2 --warmup 1 --wire-dtype bf16)
+echo "$out"
+echo "$out" | grep -q "9999872 parameters in 64 tensors" || { echo "smoke: wrong peer model" >&2; exit 1; }
+echo "$out" | grep -q "RESULT .* wire=bf16" || { echo "smoke: no bf16 RESULT" >&2; exit 1; }
+if "$build/client/factorps" load --shards "127.0.0.1:1" --model nope >/dev/null 2>&1; then
+  echo "smoke: --model nope accepted" >&2
+  exit 1
+fi
+/usr/bin/python3 "$src/tests/bench/side_by_side.py" --build "$build" --params 300k --workers 2 \
+  --modes sync,async --reps 1 --steps-10m 2 --peers "$tmp/no-peers" --no-iperf
