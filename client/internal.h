@@ -22,6 +22,7 @@
 #define FPS__METHOD_PULL "/factorps.v1.ParameterServer/Pull"
 #define FPS__METHOD_STATS "/factorps.v1.ParameterServer/Stats"
 #define FPS__METHOD_CHECKPOINT "/factorps.v1.ParameterServer/Checkpoint"
+#define FPS__METHOD_GETSTATE "/factorps.v1.ParameterServer/GetState"
 
 /* Upper bound of the protobuf framing around one TensorSlice besides its
  * name and shape (tags, length prefixes, dtype, offset), and around one

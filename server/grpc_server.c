@@ -29,13 +29,14 @@
 #define FPS_SLOTS_PER_METHOD 8
 #define FPS_MAX_METADATA_BYTES 8192
 
-enum { M_CREATE, M_PUSHPULL, M_PULL, M_STATS, M_CHECKPOINT, M_GENERIC };
+enum { M_CREATE, M_PUSHPULL, M_PULL, M_STATS, M_CHECKPOINT, M_GETSTATE, M_GENERIC };
 static const char *const fps__method_path[] = {
     "/factorps.v1.ParameterServer/Create",
     "/factorps.v1.ParameterServer/PushPull",
     "/factorps.v1.ParameterServer/Pull",
     "/factorps.v1.ParameterServer/Stats",
     "/factorps.v1.ParameterServer/Checkpoint",
+    "/factorps.v1.ParameterServer/GetState",
 };
 
 typedef struct fps_slot_s {
@@ -574,6 +575,7 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
     case M_PULL: fps_rpc_pull_start(srv, call, deadline, &md, payload); break;
     case M_STATS: fps_rpc_stats_start(srv, call, deadline, &md, payload); break;
     case M_CHECKPOINT: fps_rpc_checkpoint_start(srv, call, deadline, &md, payload); break;
+    case M_GETSTATE: fps_rpc_getstate_start(srv, call, deadline, &md, payload); break;
     default: {
       /* Unknown method: answer UNIMPLEMENTED through a throwaway base. */
       fps_call_t *c = calloc(1, sizeof *c);

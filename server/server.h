@@ -188,7 +188,7 @@ struct fps_server_s {
   fps_timer_t *timer;               /* deadline thread (timer.c) */
   grpc_server *server;
   grpc_completion_queue *cq;
-  void *method[5];                  /* registered method handles */
+  void *method[6];                  /* registered method handles */
   int port;
   atomic_bool shutting_down;
   /* Active calls, for deadline enforcement and shutdown. */
@@ -217,6 +217,8 @@ void fps_rpc_pushpull_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
                             grpc_metadata_array *md);
 void fps_rpc_checkpoint_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                               grpc_metadata_array *md, grpc_byte_buffer *payload);
+void fps_rpc_getstate_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
+                            grpc_metadata_array *md, grpc_byte_buffer *payload);
 
 /* ------------------------------------------------------------- replies */
 

@@ -46,7 +46,8 @@
   X(PUSHPULL, "PushPull")                                                  \
   X(PULL, "Pull")                                                          \
   X(STATS, "Stats")                                                        \
-  X(CHECKPOINT, "Checkpoint")
+  X(CHECKPOINT, "Checkpoint")                                              \
+  X(GETSTATE, "GetState")
 
 typedef enum fps_metrics_method_e {
 #define FPS_METRICS_METHOD_ENUM(id, label) FPS_METRICS_##id,

@@ -273,6 +273,26 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool
 int fps_shard_snapshot(fps_shard_t *sh, const char *name, fps_tensor_t **t, fps_snap_t **snap, char *why,
                        size_t why_len);
 
+/* GetState's view of a tensor: its optimizer state copied under its lock
+ * (one version). Kinds in the order row, col, var, mom (FPS_STATE_*), back
+ * to back in data. */
+enum { FPS_STATE_ROW = 0, FPS_STATE_COL, FPS_STATE_VAR, FPS_STATE_MOM, FPS_STATE_KINDS };
+typedef struct fps_state_snap_s {
+  fps_tensor_t *t;
+  uint64_t version, step;
+  double rms, lr, weight_decay;  /* hf RMS; the last update's lr / weight decay */
+  uint64_t n[FPS_STATE_KINDS];  /* elements of each kind */
+  uint64_t total;               /* their sum */
+  float *data;                  /* total floats (fps_tbuf_alloc), or NULL */
+} fps_state_snap_t;
+/* Copies tensor `name`'s state. Returns 0, FPS_ENOTFOUND, FPS_ESTATE (still
+ * initialising), FPS_ELIMIT (staging limit) or FPS_ENOMEM, with why.
+ * Release with fps_state_snap_release() (also after a failure). */
+int fps_shard_state_snap(fps_shard_t *sh, const char *name, fps_state_snap_t *out, char *why, size_t why_len);
+/* The kind's array within a snapshot. */
+const float *fps_state_snap_array(const fps_state_snap_t *s, int kind);
+void fps_state_snap_release(fps_shard_t *sh, fps_state_snap_t *s);
+
 /* ---------------------------------------------------------------- create */
 
 /* One TensorCreate: the hyperparameters are decoded (and validated) by

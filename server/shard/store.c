@@ -315,6 +315,69 @@ int fps_shard_snapshot(fps_shard_t *sh, const char *name, fps_tensor_t **tp, fps
   return 0;
 }
 
+int fps_shard_state_snap(fps_shard_t *sh, const char *name, fps_state_snap_t *out, char *why, size_t wl) {
+  memset(out, 0, sizeof *out);
+  fps_tensor_t *t = fps_store_find(&sh->store, name);
+  if (!t) {
+    snprintf(why, wl, "tensor '%s' not found on shard %u", name, sh->cfg.shard_id);
+    return FPS_ENOTFOUND;
+  }
+  out->t = t;
+  /* Sizes are fixed once the tensor exists: allocate outside the lock. */
+  out->n[FPS_STATE_ROW] = t->size.row;
+  out->n[FPS_STATE_COL] = t->size.col;
+  out->n[FPS_STATE_VAR] = t->size.var;
+  out->n[FPS_STATE_MOM] = t->size.mom;
+  out->total = t->size.elements;
+  if (out->total) {
+    bool over = false;
+    out->data = fps_tbuf_alloc(sh, out->total, &over);
+    if (!out->data) {
+      snprintf(why, wl,
+               over ? "tensor '%s': copying its %" PRIu64 "-element state would pass the shard's limit for "
+                      "in-flight tensors (--max-staging-bytes); retry later"
+                    : "tensor '%s': out of memory copying its %" PRIu64 "-element state",
+               name, out->total);
+      return over ? FPS_ELIMIT : FPS_ENOMEM;
+    }
+  }
+  pthread_mutex_lock(&t->mu);
+  bool ready = t->ready;
+  uint64_t inited = t->init.covered;
+  if (ready) {
+    const float *src[FPS_STATE_KINDS] = {t->st.row, t->st.col, t->st.var, t->st.mom};
+    float *dst = out->data;
+    for (int k = 0; k < FPS_STATE_KINDS; k++) {
+      if (out->n[k]) memcpy(dst, src[k], out->n[k] * sizeof(float));
+      dst += out->n[k];
+    }
+    out->version = t->version;
+    out->step = t->st.step;
+    out->rms = t->st.rms;
+    out->lr = t->last_lr;
+    out->weight_decay = t->last_weight_decay;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (!ready) {
+    fps_state_snap_release(sh, out);
+    snprintf(why, wl, "tensor '%s' is still initialising (%" PRIu64 " of %" PRIu64 " elements have initial values)",
+             name, inited, t->numel);
+    return FPS_ESTATE;
+  }
+  return 0;
+}
+
+const float *fps_state_snap_array(const fps_state_snap_t *s, int kind) {
+  const float *p = s->data;
+  for (int k = 0; k < kind; k++) p += s->n[k];
+  return p;
+}
+
+void fps_state_snap_release(fps_shard_t *sh, fps_state_snap_t *s) {
+  if (s->data) fps_tbuf_free(sh, s->data, s->total);
+  s->data = NULL;
+}
+
 /* ------------------------------------------------------------- rules */
 
 const char *fps_mode_name(int mode) {

@@ -108,6 +108,17 @@ int main(void) {
   FIELD(fps_tensor_push_t, has_step);
   FIELD(fps_tensor_push_t, step);
 
+  SIZE(fps_tensor_state_t);
+  FIELD(fps_tensor_state_t, version);
+  FIELD(fps_tensor_state_t, step);
+  FIELD(fps_tensor_state_t, rms);
+  FIELD(fps_tensor_state_t, lr);
+  FIELD(fps_tensor_state_t, weight_decay);
+  FIELD(fps_tensor_state_t, row_elements);
+  FIELD(fps_tensor_state_t, col_elements);
+  FIELD(fps_tensor_state_t, var_elements);
+  FIELD(fps_tensor_state_t, mom_elements);
+
   SIZE(fps_push_args_t);
   FIELD(fps_push_args_t, worker_id);
   FIELD(fps_push_args_t, num_workers);

@@ -120,6 +120,8 @@ class Grpcio(unittest.TestCase):
                 }
                 if hasattr(pb, "CheckpointRequest"):
                     calls["Checkpoint"] = lambda: stub.Checkpoint(pb.CheckpointRequest(), timeout=10)
+                if hasattr(pb, "GetStateRequest"):
+                    calls["GetState"] = lambda: list(stub.GetState(pb.GetStateRequest(names=["w"]), timeout=10))
                 for method, call in calls.items():
                     with self.subTest(token=what, method=method):
                         with self.assertRaises(grpc.RpcError) as cm:

@@ -368,6 +368,43 @@ typedef struct fps_checkpoint_info_s {
 FPS_EXTERN int fps_client_checkpoint(fps_client_t *c, fps_checkpoint_info_t *out, size_t n,
                                      fps_status_t *status);
 
+/* One tensor's optimizer state figures, as the wire's TensorState. */
+typedef struct fps_tensor_state_s {
+  uint64_t version;             /* updates applied */
+  uint64_t step;                /* Adafactor step count t (torch/hf 'step') */
+  double rms;                   /* hf 'RMS' (RMS(param) before the last step); torch 0 */
+  double lr;                    /* lr of the last update (hf relative_step: rel_t);
+                                   before any, Create's (relative_step: 0) */
+  double weight_decay;          /* weight decay of the last update (or Create's) */
+  uint64_t row_elements;        /* factored (ndim >= 2): lead*R, else 0 */
+  uint64_t col_elements;        /* factored: lead*C, else 0 */
+  uint64_t var_elements;        /* unfactored (ndim <= 1): numel, else 0 */
+  uint64_t mom_elements;        /* hf with beta1: numel, else 0 */
+} fps_tensor_state_t;
+
+/* Reads the optimizer state of `n` tensors (GetState on their shards, in
+ * parallel): info[i] (may be NULL) gets tensor i's figures, and each of
+ * row, col, var, mom (each may be NULL to skip that kind for every tensor;
+ * an entry may be NULL to skip it for one tensor) gets the arrays in the
+ * canonical flat layouts (tests/vectors/README.md), C order:
+ *   row[i]  lead*R floats (shape [..., R, C], lead = product of the
+ *           leading dims; torch's exp_avg_sq_row, hf's exp_avg_sq_row)
+ *   col[i]  lead*C floats (exp_avg_sq_col)
+ *   var[i]  numel floats, for ndim <= 1 (exp_avg_sq)
+ *   mom[i]  numel floats, for hf with beta1 (exp_avg)
+ * A kind the tensor does not have is not written (its *_elements is 0);
+ * the sizes follow from the shape, or come from info with all arrays NULL.
+ * Each tensor's state is of one version (copied under its lock on the
+ * shard); different tensors may be at different versions.
+ * Errors: NOT_FOUND (a name not in the tensor list, or not on its shard),
+ * INVALID_ARGUMENT (NULL names, a name twice), FAILED_PRECONDITION (still
+ * initialising), DATA_LOSS (a reply that does not cover the state
+ * exactly), UNAVAILABLE, DEADLINE_EXCEEDED. Retried on UNAVAILABLE
+ * (read-only). On error the arrays may be partly written. Thread-safe. */
+FPS_EXTERN int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n,
+                                    fps_tensor_state_t *info, float *const *row, float *const *col,
+                                    float *const *var, float *const *mom, fps_status_t *status);
+
 #ifdef __cplusplus
 }
 #endif

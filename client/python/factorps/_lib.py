@@ -127,6 +127,20 @@ class TensorPush(ctypes.Structure):
     ]
 
 
+class TensorState(ctypes.Structure):
+    _fields_ = [
+        ("version", ctypes.c_uint64),
+        ("step", ctypes.c_uint64),
+        ("rms", ctypes.c_double),
+        ("lr", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+        ("row_elements", ctypes.c_uint64),
+        ("col_elements", ctypes.c_uint64),
+        ("var_elements", ctypes.c_uint64),
+        ("mom_elements", ctypes.c_uint64),
+    ]
+
+
 class PushArgs(ctypes.Structure):
     _fields_ = [
         ("worker_id", ctypes.c_uint32),
@@ -177,6 +191,7 @@ STRUCTS = {
     "fps_checkpoint_info_t": CheckpointInfo,
     "fps_tensor_push_t": TensorPush,
     "fps_push_args_t": PushArgs,
+    "fps_tensor_state_t": TensorState,
 }
 
 _P = ctypes.POINTER
@@ -194,6 +209,9 @@ _SIGNATURES = {
     "fps_client_push_pull_ex": (ctypes.c_int, [ctypes.c_void_p, _P(PushArgs), _P(ctypes.c_char_p),
                                                _P(c_float_p), _P(TensorPush), _P(c_float_p),
                                                _P(ctypes.c_uint64), ctypes.c_size_t, _P(Status)]),
+    "fps_client_get_state": (ctypes.c_int, [ctypes.c_void_p, _P(ctypes.c_char_p), ctypes.c_size_t,
+                                            _P(TensorState), _P(c_float_p), _P(c_float_p),
+                                            _P(c_float_p), _P(c_float_p), _P(Status)]),
     "fps_client_pull": (ctypes.c_int, [ctypes.c_void_p, _P(ctypes.c_char_p), _P(c_float_p),
                                        _P(ctypes.c_uint64), ctypes.c_size_t, _P(Status)]),
     "fps_client_stats": (ctypes.c_int, [ctypes.c_void_p, _P(ShardStats), ctypes.c_size_t,
@@ -241,7 +259,8 @@ def candidates():
 # Functions added to client.h after its first draft: a library without them
 # still loads, and the methods that need them raise UnimplementedError.
 OPTIONAL = {"fps_code_name", "fps_client_tensor_shape", "fps_client_tensor_stats",
-            "fps_client_discover", "fps_client_push_pull_ex"}
+            "fps_client_discover", "fps_client_push_pull_ex",
+            "fps_client_get_state"}
 
 
 def _bind(lib):
