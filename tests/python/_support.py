@@ -15,6 +15,7 @@ sets them all):
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,9 +54,13 @@ def _server_env():
 class Shards:
     """N real shards of one job: `with Shards(2, workers=2) as s: s.addrs`."""
 
-    def __init__(self, n=1, mode="sync", workers=1, deadline=None, extra=()):
+    def __init__(self, n=1, mode="sync", workers=1, deadline=None, extra=(), checkpoint=None):
+        """`checkpoint`: seconds between checkpoints; each shard then gets its
+        own --checkpoint-dir (kept across restart()), so a restarted shard
+        comes back from its newest checkpoint."""
         self.n, self.mode, self.workers = n, mode, workers
         self.deadline, self.extra = deadline, list(extra)
+        self.checkpoint = checkpoint
         self.dir = tempfile.mkdtemp(prefix="fps-pytest-")
         self.procs = [None] * n
         self.ports = [0] * n
@@ -81,6 +86,9 @@ class Shards:
                "--workers", str(self.workers), "--log-level", "warn"]
         if self.deadline is not None:
             cmd += ["--deadline", str(self.deadline)]
+        if self.checkpoint is not None:
+            cmd += ["--checkpoint-dir", os.path.join(self.dir, f"ckpt{i}"),
+                    "--checkpoint-interval", str(self.checkpoint)]
         cmd += self.extra
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env(),
                                 stdin=subprocess.DEVNULL)
@@ -120,7 +128,8 @@ class Shards:
         self.procs[i] = None
 
     def restart(self, i):
-        """Kills shard i and starts a fresh (empty) one on the same port."""
+        """Kills shard i (SIGKILL) and starts a new one on the same port: empty,
+        or with `checkpoint` from its newest checkpoint."""
         port = self.ports[i]
         self.kill(i)
         deadline = time.monotonic() + 10
@@ -137,9 +146,7 @@ class Shards:
     def close(self):
         for i in range(len(self.procs)):
             self.kill(i, signal.SIGTERM)
-        for f in os.listdir(self.dir):
-            os.unlink(os.path.join(self.dir, f))
-        os.rmdir(self.dir)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self):
         return self
@@ -194,3 +201,31 @@ def run_workers(target, args_list, timeout=120):
                 p.kill()
             p.join(5)
     return [results[i] for i in range(len(procs))]
+
+
+def run_threads(target, args_list, timeout=120):
+    """Like run_workers, but one thread of this process per args tuple (each
+    worker opens its own connection; libfactorps releases the GIL in its
+    calls, so sync rounds across the threads complete): much cheaper than
+    a process that imports torch. Raises the first worker's exception."""
+    import threading
+    results, errors = {}, []
+
+    def body(i, args):
+        try:
+            results[i] = target(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i, a), daemon=True)
+               for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    if errors:
+        raise errors[0]
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"workers did not finish within {timeout}s")
+    return [results[i] for i in range(len(args_list))]

@@ -323,7 +323,10 @@ class _RemoteAdafactorBase(Optimizer):
     def _state_view(self, p: Tensor, st: Dict[str, Any]) -> Dict[str, Any]:
         raise NotImplementedError
 
-    def _state_arrays(self, p: Tensor, name: str, st: Dict[str, Any]) -> Tuple[int, Dict[str, Any], float]:
+    def _state_arrays(self, p: Tensor, name: str, st: Dict[str, Any],
+                      group: Dict[str, Any]) -> Tuple[int, Dict[str, Any], float]:
+        """Validates a loaded state of `p` (in `group`) and returns (step,
+        {kind: flat array}, rms) for Create."""
         raise NotImplementedError
 
     # -- names ------------------------------------------------------------------
@@ -405,7 +408,7 @@ class _RemoteAdafactorBase(Optimizer):
                         else:
                             st = None  # adopt: the shards' values and state win
                     if st:
-                        spec.step, spec.state, spec.rms = self._state_arrays(p, name, st)
+                        spec.step, spec.state, spec.rms = self._state_arrays(p, name, st, g)
                         if not spec.step:
                             spec.state = None  # never updated: a fresh state
                 specs.append(spec)
@@ -488,24 +491,27 @@ class _RemoteAdafactorBase(Optimizer):
                     raise ValueError(f"tensor '{name}' has shape {list(p.shape)}, the state "
                                      f"dict says {list(shape)}")
         saved = state_dict["param_groups"]
-        if len(saved) == len(self.param_groups):
-            for s, g in zip(saved, self.param_groups):
-                if "param_names" in s and "param_names" in g and s["param_names"] != g[
-                        "param_names"]:
-                    raise ValueError(f"the state dict's group names {s['param_names'][:3]}... "
-                                     f"differ from {g['param_names'][:3]}...")
-        super().load_state_dict(state_dict)  # checks group sizes; ends in __setstate__
-        for g in self.param_groups:
-            if "eps" in g:
-                g["eps"] = tuple(g["eps"])
-            self._validate_group(g)
-        loaded = self._loaded or {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                st = loaded.get(p)
+        if len(saved) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)):
+            raise ValueError(f"the state dict's parameter groups have "
+                             f"{[len(s['params']) for s in saved]} parameters, this optimizer's "
+                             f"{[len(g['params']) for g in self.param_groups]}")
+        # Check everything before anything changes (as torch maps it: by order).
+        for s, g in zip(saved, self.param_groups):
+            if "param_names" in s and "param_names" in g and s["param_names"] != g[
+                    "param_names"]:
+                raise ValueError(f"the state dict's group names {s['param_names'][:3]}... "
+                                 f"differ from {g['param_names'][:3]}...")
+            merged = dict(g, **{k: v for k, v in s.items() if k != "params"})
+            merged["eps"] = tuple(merged["eps"])
+            self._validate_group(merged)
+            for idx, p in zip(s["params"], g["params"]):
+                st = state_dict["state"].get(idx)
                 if st:
-                    self._state_arrays(p, self._names[id(p)], st)  # validates names/shapes
-        self._loaded = loaded
+                    self._state_arrays(p, self._names[id(p)], st, merged)
+        super().load_state_dict(state_dict)  # ends in __setstate__ (self._loaded)
+        for g in self.param_groups:
+            g["eps"] = tuple(g["eps"])
         self._created = False
         self._state_cache = None
 
@@ -686,6 +692,8 @@ class _RemoteAdafactorBase(Optimizer):
                     raise
                 if first_error is None:
                     first_error = e
+                log.debug("worker %d: push of %d tensors failed: %s", self.worker_id,
+                          len(pending), e)
                 if time.monotonic() >= give_up:
                     raise
                 pending = self._resync(pending, e, out, lost, give_up)
@@ -724,6 +732,7 @@ class _RemoteAdafactorBase(Optimizer):
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)
         redo = []
+        sent_all = [self._versions[n] for n in pending]
         for n in pending:
             sent, v = self._versions[n], now[n]
             if v < sent:
@@ -736,6 +745,8 @@ class _RemoteAdafactorBase(Optimizer):
             elif v < sent or e.shard < 0 or self.client.shard_of(n) == e.shard:
                 redo.append(n)
             self._versions[n] = v
+        log.debug("worker %d: resync: sent %s, now %s, redo %s", self.worker_id,
+                  {n: sent_v for n, sent_v in zip(pending, sent_all)}, dict(now), redo)
         return redo
 
     def close(self) -> None:
@@ -849,8 +860,8 @@ class RemoteAdafactor(_RemoteAdafactorBase):
             out["variance"] = torch.from_numpy(st["var"]).reshape(shape)
         return out
 
-    def _state_arrays(self, p: Tensor, name: str,
-                      st: Dict[str, Any]) -> Tuple[int, Dict[str, Any], float]:
+    def _state_arrays(self, p: Tensor, name: str, st: Dict[str, Any],
+                      group: Dict[str, Any]) -> Tuple[int, Dict[str, Any], float]:
         shape = list(p.shape)
         if p.dim() > 1:
             want = {"row_var": shape[:-1] + [1], "col_var": shape[:-2] + [1, shape[-1]]}
@@ -979,12 +990,6 @@ class RemoteHFAdafactor(_RemoteAdafactorBase):
             out["lr"] = lr
         return out
 
-    def _has_mom(self, p: Tensor) -> bool:
-        for g in self.param_groups:
-            if any(q is p for q in g["params"]):
-                return g["beta1"] is not None
-        return False
-
     def _state_view(self, p: Tensor, st: Dict[str, Any]) -> Dict[str, Any]:
         out: Dict[str, Any] = {"step": int(st["step"])}
         shape = list(p.shape)
@@ -998,14 +1003,14 @@ class RemoteHFAdafactor(_RemoteAdafactorBase):
         out["RMS"] = torch.tensor(st["rms"], dtype=torch.float32)
         return out
 
-    def _state_arrays(self, p: Tensor, name: str,
-                      st: Dict[str, Any]) -> Tuple[int, Dict[str, Any], float]:
+    def _state_arrays(self, p: Tensor, name: str, st: Dict[str, Any],
+                      group: Dict[str, Any]) -> Tuple[int, Dict[str, Any], float]:
         shape = list(p.shape)
         if p.dim() >= 2:
             want = {"exp_avg_sq_row": shape[:-1], "exp_avg_sq_col": shape[:-2] + shape[-1:]}
         else:
             want = {"exp_avg_sq": shape}
-        if self._has_mom(p):
+        if group["beta1"] is not None:
             want["exp_avg"] = shape
         return _check_state(name, st, want, ("step", "RMS"),
                             {"exp_avg_sq_row": "row", "exp_avg_sq_col": "col",
