@@ -99,15 +99,22 @@ def _subst(value, environ):
     return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-([^}]*))?\}", one, value)
 
 
+_compose_cache = {}
+
+
 def compose_config(environ=None):
     """The compose file as docker-compose renders it (variables, anchors,
     merges); without docker-compose, PyYAML plus the ${VAR:-d} rule."""
     environ = dict(os.environ if environ is None else environ)
     path = os.path.join(HERE, "docker-compose.yml")
     if shutil.which("docker-compose"):
-        out = subprocess.run(["docker-compose", "-f", path, "config"], capture_output=True,
-                             text=True, env=environ, timeout=60, check=True).stdout
-        return yaml.safe_load(out)
+        with open(path, "rb") as f:
+            key = (path, f.read(), tuple(sorted(environ.items())))
+        if key not in _compose_cache:
+            out = subprocess.run(["docker-compose", "-f", path, "config"], capture_output=True,
+                                 text=True, env=environ, timeout=60, check=True).stdout
+            _compose_cache[key] = out
+        return yaml.safe_load(_compose_cache[key])
 
     def walk(x):
         if isinstance(x, dict):

@@ -388,5 +388,60 @@ class SyncOverlay(unittest.TestCase):
             shutil.rmtree(root, True)
 
 
+class LayoutsCheckCatches(unittest.TestCase):
+    """deploy/check.sh's assertions (layouts.check) fail on the mistakes
+    issue 14 is about, in a copy of deploy/ with one thing broken."""
+
+    def broken(self, path, old, new, renderer="mini"):
+        tmp = tempfile.mkdtemp(prefix="fps-deploy-copy-")
+        try:
+            d = os.path.join(tmp, "deploy")
+            shutil.copytree(os.path.join(REPO, "deploy"), d)
+            f = os.path.join(d, path)
+            text = F.read_text(f)
+            self.assertIn(old, text)
+            F.write_text(f, text.replace(old, new))
+            saved = layouts.HERE
+            layouts.HERE = d
+            try:
+                return layouts.check(renderer)
+            finally:
+                layouts.HERE = saved
+        finally:
+            shutil.rmtree(tmp, True)
+
+    def assertCaught(self, problems, *words):
+        self.assertTrue(any(all(w in p for w in words) for p in problems), problems)
+
+    def test_shipped_files_pass(self):
+        self.assertEqual(layouts.check("mini"), [])
+
+    def test_no_claim_template(self):
+        p = self.broken("kubernetes/shard-statefulset.yaml", "  volumeClaimTemplates:",
+                        "  unusedClaimTemplates:")
+        self.assertCaught(p, "kubernetes factorps-shard-0", "not on a persistent volume")
+
+    def test_checkpoints_on_tmpfs(self):
+        p = self.broken("docker-compose.yml", "FACTORPS_CHECKPOINT_DIR: /var/lib/factorps/checkpoints",
+                        "FACTORPS_CHECKPOINT_DIR: /tmp/checkpoints")
+        self.assertCaught(p, "compose shard-0", "not on a persistent volume")
+
+    def test_no_interval(self):
+        p = self.broken("kubernetes/shard-statefulset.yaml", 'value: "300"', 'value: "0"')
+        self.assertCaught(p, "kubernetes factorps-shard-1", "no periodic checkpoints")
+
+    def test_grace_too_short(self):
+        p = self.broken("docker-compose.yml", "stop_grace_period: 60s", "stop_grace_period: 10s")
+        self.assertCaught(p, "compose shard-1", "too short")
+
+    def test_sync_counts_disagree(self):
+        p = self.broken("kubernetes-sync/kustomization.yaml", "          - spec.parallelism\n", "")
+        self.assertCaught(p, "kubernetes-sync", "parallelism")
+
+    def test_no_budget(self):
+        p = self.broken("kubernetes/kustomization.yaml", "  - pod-disruption-budget.yaml\n", "")
+        self.assertCaught(p, "kubernetes: no PodDisruptionBudget")
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
