@@ -7,6 +7,11 @@
 
 #include "commands.h"
 
+const char *fps_cli_env_shards(void) {
+  const char *s = getenv("FACTORPS_SHARDS");
+  return s && *s ? s : NULL;
+}
+
 void fps_cli_split_free(char **v) {
   if (!v) return;
   for (size_t i = 0; v[i]; i++) free(v[i]);

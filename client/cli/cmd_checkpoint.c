@@ -22,7 +22,7 @@ static void usage(FILE *out) {
           "The first form asks every shard to write a durable checkpoint into its --checkpoint-dir\n"
           "and prints one line per shard. The second verifies every checkpoint file in DIR (header,\n"
           "bounds, SHA-256 of header and data, and the placement if given) and exits 1 if any is bad.\n"
-          "Options of the first form:\n" FPS_CLI_SEC_USAGE);
+          "--shards defaults to $FACTORPS_SHARDS. Options of the first form:\n" FPS_CLI_SEC_USAGE);
 }
 
 static int verify(int argc, char **argv) {
@@ -105,7 +105,7 @@ int fps_cli_checkpoint(int argc, char **argv) {
                                            {"help", no_argument, NULL, 'h'},
                                            FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
-  const char *shards = NULL;
+  const char *shards = fps_cli_env_shards();
   fps_cli_sec_t sec = {0};
   int opt, rc = 1;
   double deadline = 300;
@@ -128,7 +128,12 @@ int fps_cli_checkpoint(int argc, char **argv) {
         return 2;
     }
   }
-  if (!shards || optind != argc) {
+  if (!shards) {
+    fprintf(stderr, "factorps %s: no shards: pass --shards HOST:PORT[,...] or set FACTORPS_SHARDS\n",
+            "checkpoint");
+    return 2;
+  }
+  if (optind != argc) {
     usage(stderr);
     return 2;
   }

@@ -88,7 +88,7 @@ static void usage(FILE *out) {
           "--wire-dtype bf16 pushes bf16 gradients and receives bf16 parameters (half the\n"
           "bytes; GB/s counts the bytes actually moved). --model peer uses the shapes of the\n"
           "torch.distributed.rpc peer benchmark (K tensors, default 64) instead of the GPT-like\n"
-          "stack.\n"
+          "stack. --shards defaults to $FACTORPS_SHARDS.\n"
           FPS_CLI_SEC_USAGE);
 }
 
@@ -417,7 +417,7 @@ int fps_cli_load(int argc, char **argv) {
   load_cfg_t cfg = {.workers = 2, .params = 10000000, .steps = 20, .warmup = 1, .deadline = 120,
                     .max_message = 4u << 20, .worker_id = -1, .wire_dtype = FPS_WIRE_F32,
                     .peer_tensors = 64};
-  const char *shards = NULL;
+  const char *shards = fps_cli_env_shards();
   unsigned long long v;
   int opt, rc = 1;
   worker_t *ws = NULL;
@@ -486,7 +486,12 @@ int fps_cli_load(int argc, char **argv) {
         return 2;
     }
   }
-  if (!shards || optind != argc) {
+  if (!shards) {
+    fprintf(stderr, "factorps %s: no shards: pass --shards HOST:PORT[,...] or set FACTORPS_SHARDS\n",
+            "load");
+    return 2;
+  }
+  if (optind != argc) {
     usage(stderr);
     return 2;
   }

@@ -17,7 +17,7 @@ static void usage(FILE *out) {
           "usage: factorps pull --shards HOST:PORT[,...] [--out FILE] [--deadline S] NAME...\n"
           "Prints each tensor's shard, version, shape and a summary of its values; with --out,\n"
           "writes the values as raw little-endian float32, tensors in the order named.\n"
-          FPS_CLI_SEC_USAGE);
+          "--shards defaults to $FACTORPS_SHARDS.\n" FPS_CLI_SEC_USAGE);
 }
 
 static void summary(const float *v, uint64_t n) {
@@ -42,7 +42,7 @@ int fps_cli_pull(int argc, char **argv) {
                                            {"help", no_argument, NULL, 'h'},
                                            FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
-  const char *shards = NULL, *out_path = NULL;
+  const char *shards = fps_cli_env_shards(), *out_path = NULL;
   fps_cli_sec_t sec = {0};
   double deadline = 60;
   int opt, rc = 1;
@@ -68,7 +68,12 @@ int fps_cli_pull(int argc, char **argv) {
         return 2;
     }
   }
-  if (!shards || optind >= argc) {
+  if (!shards) {
+    fprintf(stderr, "factorps %s: no shards: pass --shards HOST:PORT[,...] or set FACTORPS_SHARDS\n",
+            "pull");
+    return 2;
+  }
+  if (optind >= argc) {
     usage(stderr);
     return 2;
   }

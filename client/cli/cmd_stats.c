@@ -11,7 +11,8 @@ static void usage(FILE *out) {
   fprintf(out,
           "usage: factorps stats --shards HOST:PORT[,HOST:PORT...] [--json] [--deadline SECONDS]\n"
           "Prints each shard's mode, tensors, parameter and optimizer-state sizes (with AdamW's\n"
-          "equivalent), push counts and latencies. --json prints one JSON object.\n"
+          "equivalent), push counts and latencies, then a total line with the AdamW ratio.\n"
+          "--json prints one JSON object. --shards defaults to $FACTORPS_SHARDS.\n"
           FPS_CLI_SEC_USAGE);
 }
 
@@ -84,6 +85,23 @@ static void print_text(char **addrs, const fps_shard_stats_t *st, size_t n) {
     printf("  push latency p50 %.3f ms  p99 %.3f ms  kernel time %.3f s\n",
            s->push_seconds_p50 * 1e3, s->push_seconds_p99 * 1e3, s->update_seconds_sum);
   }
+  unsigned long long tensors = 0, params = 0, state = 0, state_b = 0, adamw = 0, adamw_b = 0;
+  for (size_t i = 0; i < n; i++) {
+    tensors += st[i].tensors;
+    params += st[i].param_elements;
+    state += st[i].state_elements;
+    state_b += st[i].state_bytes;
+    adamw += st[i].adamw_elements;
+    adamw_b += st[i].adamw_bytes;
+  }
+  printf("total (%zu shard%s): tensors %llu  params %llu  optimizer state %llu elements "
+         "(%.2f MiB); AdamW would keep %llu (%.2f MiB): ",
+         n, n == 1 ? "" : "s", tensors, params, state, (double)state_b / 1048576.0, adamw,
+         (double)adamw_b / 1048576.0);
+  if (state)
+    printf("%.1fx Adafactor's\n", (double)adamw / (double)state);
+  else
+    printf("no state yet\n");
 }
 
 int fps_cli_stats(int argc, char **argv) {
@@ -93,7 +111,7 @@ int fps_cli_stats(int argc, char **argv) {
                                            {"help", no_argument, NULL, 'h'},
                                            FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
-  const char *shards = NULL;
+  const char *shards = fps_cli_env_shards();
   fps_cli_sec_t sec = {0};
   int json = 0, opt, rc = 1;
   double deadline = 10;
@@ -118,7 +136,12 @@ int fps_cli_stats(int argc, char **argv) {
         return 2;
     }
   }
-  if (!shards || optind != argc) {
+  if (!shards) {
+    fprintf(stderr, "factorps %s: no shards: pass --shards HOST:PORT[,...] or set FACTORPS_SHARDS\n",
+            "stats");
+    return 2;
+  }
+  if (optind != argc) {
     usage(stderr);
     return 2;
   }

@@ -16,6 +16,10 @@ int fps_cli_checkpoint(int argc, char **argv);
 
 /* Helpers shared by the subcommands (args.c). */
 
+/* $FACTORPS_SHARDS if set and not empty, else NULL: the default of every
+ * subcommand's --shards. */
+const char *fps_cli_env_shards(void);
+
 /* Splits "A,B,C" into a NULL-terminated array of copies; *n gets the count.
  * Returns NULL on an empty element or out of memory. Free with
  * fps_cli_split_free(). */

@@ -21,16 +21,22 @@ static const fps_cli_command_t commands[] = {
 };
 
 static void usage(FILE *out) {
-  fprintf(out, "usage: factorps <command> [options]\n\ncommands:\n");
+  fprintf(out, "usage: factorps <command> [options]   (factorps --version: the version)\n\n"
+               "commands:\n");
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     fprintf(out, "  %-10s %s\n", commands[i].name, commands[i].summary);
-  fprintf(out, "\n'factorps <command> --help' describes one command.\n");
+  fprintf(out, "\n'factorps <command> --help' describes one command. Every command that talks\n"
+               "to shards takes --shards HOST:PORT[,...], by default $FACTORPS_SHARDS.\n");
 }
 
 int main(int argc, char **argv) {
   if (argc < 2) {
     usage(stderr);
     return 2;
+  }
+  if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "-V")) {
+    printf("factorps %s\n", FPS_VERSION);
+    return 0;
   }
   if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
     usage(stdout);
