@@ -326,7 +326,7 @@ def worker_job(docs):
 # ---------------------------------------------------------------- check
 
 # The final checkpoint of the documented shard (1 GiB of parameters, a
-# 1.03 GB file) took 4-7 s here; the grace must cover 5 s of call draining
+# 1.03 GB file) took 4-10 s here; the grace must cover 5 s of call draining
 # plus that write on a disk several times slower.
 MIN_GRACE_S = 30
 
