@@ -58,6 +58,7 @@ import math
 import os
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -230,6 +231,8 @@ class _RemoteAdafactorBase(Optimizer):
         self._pushes = 0                      # this worker's completed pushes (async/ssp)
         self._dirty = False                   # a push failed: re-read values and versions
         self._created_hp: Dict[str, Dict[str, float]] = {}
+        self._restored = False                # a shard went back to a checkpoint
+        self._pool: Optional[ThreadPoolExecutor] = None
         self._prints: Dict[int, Tuple[int, int, float]] = {}
         self._loaded: Optional[Dict[Tensor, Dict[str, Any]]] = None
         self._state_cache: Optional[Dict[Tensor, Dict[str, Any]]] = None
@@ -678,7 +681,28 @@ class _RemoteAdafactorBase(Optimizer):
 
     def _push(self, grads: Dict[str, Optional[Tensor]], settings: Dict[str, Dict[str, Any]],
               out: Dict[str, Tensor]) -> None:
-        pending = list(grads)
+        """Pushes everything, one call per shard in parallel, so that a shard
+        that fails and recovers does not hold up the others' sync rounds
+        (which other workers' recovery may need to complete)."""
+        groups: Dict[int, List[str]] = {}
+        for n in grads:
+            groups.setdefault(self.client.shard_of(n), []).append(n)
+        if len(groups) == 1 or not _lib.has(self.client._lib, "fps_client_push_pull_ex"):
+            self._push_group(list(grads), grads, settings, out)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=len(self.client.shards),
+                                                thread_name_prefix="factorps-push")
+            futures = [self._pool.submit(self._push_group, names, grads, settings, out)
+                       for names in groups.values()]
+            errors = [f.exception() for f in futures]  # waits for every shard
+            for err in errors:
+                if err is not None:
+                    raise err
+        self._pushes += 1
+
+    def _push_group(self, pending: List[str], grads: Dict[str, Optional[Tensor]],
+                    settings: Dict[str, Dict[str, Any]], out: Dict[str, Tensor]) -> None:
         give_up = time.monotonic() + self.recovery_timeout
         first_error: Optional[Error] = None
         lost: Dict[str, int] = {}
@@ -704,9 +728,9 @@ class _RemoteAdafactorBase(Optimizer):
                 continue
             self._versions.update(versions)
             break
-        self._pushes += 1
         if first_error is not None:
             if lost:
+                self._restored = True
                 log.warning(
                     "factorps: recovered from %s: %d tensor(s) went back to their shard's "
                     "checkpoint, %d update(s) lost (e.g. '%s': %d); training continues",
@@ -714,6 +738,9 @@ class _RemoteAdafactorBase(Optimizer):
                     next(iter(lost.values())))
             else:
                 log.warning("factorps: recovered from %s; no update lost", first_error)
+
+    def _partner_gone(self, e: Error) -> bool:
+        return isinstance(e, DeadlineExceededError) and "waiting for worker" in e.message
 
     def _resync(self, pending: List[str], e: Error, out: Dict[str, Tensor],
                 lost: Dict[str, int], give_up: float) -> List[str]:
@@ -740,7 +767,16 @@ class _RemoteAdafactorBase(Optimizer):
             if self._shard_mode == "sync":
                 # A sync round at `sent` completes only with this worker's
                 # push: one past it means ours was applied.
-                if v != sent + 1:
+                if v == sent + 1:
+                    pass
+                elif v == sent and self._restored and self._partner_gone(e):
+                    # After a restore the workers may pair their pushes one
+                    # step apart (whether a round completed just before the
+                    # kill is known only to the worker that got its reply):
+                    # the partner of this round is not coming. Drop this
+                    # update, which brings the pairing back in step.
+                    lost[n] = lost.get(n, 0) + 1
+                else:
                     redo.append(n)
             elif v < sent or e.shard < 0 or self.client.shard_of(n) == e.shard:
                 redo.append(n)
@@ -751,6 +787,9 @@ class _RemoteAdafactorBase(Optimizer):
 
     def close(self) -> None:
         """Closes the connection if this optimizer opened it."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if self._own_client and self.client is not None:
             self.client.close()
 
