@@ -753,6 +753,7 @@ class _RemoteAdafactorBase(Optimizer):
                 _, now = self.client.pull(pending, out={n: out[n] for n in pending})
                 break
             except Error as pe:
+                log.debug("worker %d: resync pull failed: %s", self.worker_id, pe)
                 if not isinstance(pe, (UnavailableError, DeadlineExceededError)) or \
                         time.monotonic() >= give_up:
                     raise
