@@ -21,10 +21,14 @@ typedef struct create_job_s {
   fps_client_t *c;
   const fps_tensor_def_t *defs;
   const uint64_t *numel;                /* per def */
+  uint64_t (*seg)[5];                   /* per def: elements of params, row, col, var, mom to send */
   Factorps__V1__AdafactorConfig *cfg;   /* per def */
   unsigned char *ready;                 /* per def, from the latest reply */
   uint64_t budget;                      /* payload bytes per message */
 } create_job_t;
+
+/* Items per def in one message at most: its params and four state kinds. */
+#define SEGS 5
 
 typedef struct create_shard_s {
   fps__stream_t s;
@@ -32,15 +36,37 @@ typedef struct create_shard_s {
   size_t *defs;                         /* def indices placed on this shard */
   size_t n;
   size_t pos, round_pos;                /* cursor: next def */
-  uint64_t off, round_off;              /* cursor: next init element */
+  int seg, round_seg;                   /* cursor: its next segment */
+  uint64_t off, round_off;              /* cursor: next element of the segment */
   int poll;                             /* send names only, no values */
-  size_t *msg_defs;                     /* defs in the message in flight */
+  size_t *msg_defs;                     /* defs of the items in flight */
   size_t msg_n;
-  /* Scratch for building one message. */
+  /* Scratch for building one message (SEGS items per def). */
   Factorps__V1__TensorCreate *tc;
   Factorps__V1__TensorCreate **tcp;
   Factorps__V1__TensorSlice *init;
+  Factorps__V1__StateSlice *state;
+  Factorps__V1__StateSlice **statep;
 } create_shard_t;
+
+static const float *seg_data(const fps_tensor_def_t *d, int seg) {
+  switch (seg) {
+    case 0: return d->init;
+    case 1: return d->state_row;
+    case 2: return d->state_col;
+    case 3: return d->state_var;
+    default: return d->state_mom;
+  }
+}
+
+/* Bytes a def's items take on the wire, at most (replace: one message). */
+static uint64_t def_bytes(const create_job_t *job, size_t d) {
+  const fps_tensor_def_t *def = &job->defs[d];
+  uint64_t b = 0;
+  for (int g = 0; g < SEGS; g++)
+    if (job->seg[d][g]) b += job->seg[d][g] * 4 + FPS__SLICE_OVERHEAD * 2 + 2 * strlen(def->name) + 22 * def->ndim + 128;
+  return b;
+}
 
 static int create_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   create_shard_t *sh = s->ctx;
@@ -49,39 +75,69 @@ static int create_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   size_t k = 0;
 
   sh->round_pos = sh->pos;
+  sh->round_seg = sh->seg;
   sh->round_off = sh->off;
   while (sh->pos < sh->n) {
     size_t d = sh->defs[sh->pos];
     const fps_tensor_def_t *def = &job->defs[d];
     uint64_t over = FPS__SLICE_OVERHEAD * 2 + 2 * strlen(def->name) + 22 * def->ndim + 128;
     if (k > 0 && used + over + 4 > job->budget) break;
+    /* A replace goes whole in one message (checked to fit an empty one). */
+    if (def->replace && !sh->poll && k > 0 && sh->seg == 0 && sh->off == 0 &&
+        used + def_bytes(job, d) > job->budget)
+      break;
+    /* The next segment with something to send. */
+    while (!sh->poll && sh->seg < SEGS && job->seg[d][sh->seg] == 0) sh->seg++;
     Factorps__V1__TensorCreate *tc = &sh->tc[k];
     factorps__v1__tensor_create__init(tc);
     tc->name = (char *)def->name;
     tc->n_shape = def->ndim;
     tc->shape = (uint64_t *)def->shape;
     tc->optimizer = &job->cfg[d];
+    tc->step = def->step;
+    tc->rms = def->rms;
+    tc->replace = def->replace && !sh->poll;
     used += over;
-    if (def->init && !sh->poll) {
+    if (!sh->poll && sh->seg < SEGS) {
       uint64_t room = job->budget > used ? (job->budget - used) / 4 : 0;
-      uint64_t left = job->numel[d] - sh->off;
+      uint64_t left = job->seg[d][sh->seg] - sh->off;
       uint64_t count = left < room ? left : room;
       if (count == 0) break; /* k > 0 here: the next message takes it */
-      Factorps__V1__TensorSlice *sl = &sh->init[k];
-      factorps__v1__tensor_slice__init(sl);
-      sl->dtype = FACTORPS__V1__DTYPE__DTYPE_F32;
-      sl->offset = sh->off;
-      sl->data.data = (uint8_t *)(def->init + sh->off);
-      sl->data.len = count * 4;
-      tc->init = sl;
+      const float *src = seg_data(def, sh->seg) + sh->off;
+      if (sh->seg == 0) {
+        Factorps__V1__TensorSlice *sl = &sh->init[k];
+        factorps__v1__tensor_slice__init(sl);
+        sl->dtype = FACTORPS__V1__DTYPE__DTYPE_F32;
+        sl->offset = sh->off;
+        sl->data.data = (uint8_t *)src;
+        sl->data.len = count * 4;
+        tc->init = sl;
+      } else {
+        Factorps__V1__StateSlice *ss = &sh->state[k];
+        factorps__v1__state_slice__init(ss);
+        ss->kind = (Factorps__V1__StateKind)sh->seg; /* row 1, col 2, var 3, mom 4 */
+        ss->offset = sh->off;
+        ss->data.data = (uint8_t *)src;
+        ss->data.len = count * 4;
+        sh->statep[k] = ss;
+        tc->n_init_state = 1;
+        tc->init_state = &sh->statep[k];
+      }
       used += count * 4;
       sh->off += count;
-      if (sh->off == job->numel[d]) {
-        sh->pos++;
+      if (sh->off == job->seg[d][sh->seg]) {
+        sh->seg++;
         sh->off = 0;
+        while (sh->seg < SEGS && job->seg[d][sh->seg] == 0) sh->seg++;
+        if (sh->seg == SEGS) {
+          sh->pos++;
+          sh->seg = 0;
+        }
       }
     } else {
       sh->pos++;
+      sh->seg = 0;
+      sh->off = 0;
     }
     sh->tcp[k] = tc;
     sh->msg_defs[k] = d;
@@ -126,6 +182,7 @@ done:
 static void create_reset(fps__stream_t *s) {
   create_shard_t *sh = s->ctx;
   sh->pos = sh->round_pos;
+  sh->seg = sh->round_seg;
   sh->off = sh->round_off;
 }
 
@@ -162,12 +219,13 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
   if (!c || (!defs && n))
     return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "client or defs is NULL");
   numel = calloc(n ? n : 1, sizeof *numel);
+  job.seg = calloc(n ? n : 1, sizeof *job.seg);
   job.cfg = calloc(n ? n : 1, sizeof *job.cfg);
   job.ready = calloc(n ? n : 1, 1);
   list.t = calloc(n ? n : 1, sizeof *list.t);
   sh = calloc(c->n_shards, sizeof *sh);
   run = calloc(c->n_shards, sizeof *run);
-  if (!numel || !job.cfg || !job.ready || !list.t || !sh || !run) goto nomem;
+  if (!numel || !job.seg || !job.cfg || !job.ready || !list.t || !sh || !run) goto nomem;
 
   for (size_t i = 0; i < n; i++) {
     const fps_tensor_def_t *d = &defs[i];
@@ -187,6 +245,38 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
       rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': %s", d->name, err);
       goto fail;
     }
+    /* Resume and replace: which state arrays the tensor has, and what to send. */
+    {
+      uint64_t lead = 1, want[SEGS] = {0};
+      if (d->ndim >= 2) {
+        for (uint32_t j = 0; j + 2 < d->ndim; j++) lead *= d->shape[j];
+        want[1] = lead * d->shape[d->ndim - 2];
+        want[2] = lead * d->shape[d->ndim - 1];
+      } else {
+        want[3] = numel[i];
+      }
+      if (d->optim.flavor == FPS_OPTIM_HF && d->optim.has_beta1) want[4] = numel[i];
+      static const char *const kn[SEGS] = {"init", "state_row", "state_col", "state_var", "state_mom"};
+      for (int g = 1; g < SEGS; g++) {
+        const char *problem = NULL;
+        if (seg_data(d, g) && !want[g]) problem = "the tensor has no such state";
+        else if (d->step && d->init && want[g] && !seg_data(d, g)) problem = "a resume (step > 0) needs it";
+        else if (!d->step && seg_data(d, g)) problem = "state needs a step > 0";
+        else if (seg_data(d, g) && !d->init) problem = "state needs init values too";
+        if (problem) {
+          rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': %s: %s", d->name, kn[g],
+                               problem);
+          goto fail;
+        }
+      }
+      job.seg[i][0] = d->init ? numel[i] : 0;
+      for (int g = 1; g < SEGS; g++) job.seg[i][g] = seg_data(d, g) ? want[g] : 0;
+    }
+    if (d->replace && !d->init) {
+      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': replace needs init values",
+                           d->name);
+      goto fail;
+    }
     fps__tensor_t *t = &list.t[i];
     if (!(t->name = strdup(d->name))) goto nomem;
     list.n = i + 1;
@@ -201,6 +291,15 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
   job.defs = defs;
   job.numel = numel;
   job.budget = c->opts.max_message_bytes;
+  for (size_t i = 0; i < n; i++)
+    if (defs[i].replace && FPS__MESSAGE_OVERHEAD + def_bytes(&job, i) > job.budget) {
+      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
+                           "tensor '%s': a replace must travel in one message, and its %llu bytes pass "
+                           "max_message_bytes (%llu); raise it (up to the shards' --max-message-bytes)",
+                           defs[i].name, (unsigned long long)def_bytes(&job, i),
+                           (unsigned long long)job.budget);
+      goto fail;
+    }
   for (size_t s = 0; s < c->n_shards; s++) {
     sh[s].s.shard = (int)s;
     sh[s].s.ops = &create_ops;
@@ -211,11 +310,15 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
   for (size_t s = 0; s < c->n_shards; s++) {
     size_t m = sh[s].n ? sh[s].n : 1;
     sh[s].defs = calloc(m, sizeof *sh[s].defs);
-    sh[s].msg_defs = calloc(m, sizeof *sh[s].msg_defs);
-    sh[s].tc = calloc(m, sizeof *sh[s].tc);
-    sh[s].tcp = calloc(m, sizeof *sh[s].tcp);
-    sh[s].init = calloc(m, sizeof *sh[s].init);
-    if (!sh[s].defs || !sh[s].msg_defs || !sh[s].tc || !sh[s].tcp || !sh[s].init) goto nomem;
+    sh[s].msg_defs = calloc(SEGS * m, sizeof *sh[s].msg_defs);
+    sh[s].tc = calloc(SEGS * m, sizeof *sh[s].tc);
+    sh[s].tcp = calloc(SEGS * m, sizeof *sh[s].tcp);
+    sh[s].init = calloc(SEGS * m, sizeof *sh[s].init);
+    sh[s].state = calloc(SEGS * m, sizeof *sh[s].state);
+    sh[s].statep = calloc(SEGS * m, sizeof *sh[s].statep);
+    if (!sh[s].defs || !sh[s].msg_defs || !sh[s].tc || !sh[s].tcp || !sh[s].init || !sh[s].state ||
+        !sh[s].statep)
+      goto nomem;
     sh[s].n = 0;
   }
   for (size_t i = 0; i < n; i++) {
@@ -248,6 +351,7 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
       if (k && !missing) missing = defs[sh[s].defs[0]].name;
       sh[s].n = k;
       sh[s].pos = sh[s].off = 0;
+      sh[s].seg = 0;
       sh[s].poll = 1;
     }
     if (!missing) break;
@@ -277,10 +381,13 @@ done:
       free(sh[s].tc);
       free(sh[s].tcp);
       free(sh[s].init);
+      free(sh[s].state);
+      free(sh[s].statep);
     }
   free(sh);
   free(run);
   free(numel);
+  free(job.seg);
   free(job.cfg);
   free(job.ready);
   fps__tensor_list_free(&list);

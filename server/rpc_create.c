@@ -32,7 +32,10 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
   fps_create_info_t *out = calloc(n ? n : 1, sizeof *out);
   Factorps__V1__TensorInfo *info = calloc(n ? n : 1, sizeof *info);
   Factorps__V1__TensorInfo **infop = calloc(n ? n : 1, sizeof *infop);
-  if (!items || !inits || !out || !info || !infop) {
+  size_t nstate = 0;
+  for (size_t i = 0; i < n; i++) nstate += req->tensors[i]->n_init_state;
+  fps_state_slice_t *state_base = calloc(nstate ? nstate : 1, sizeof *state_base), *states = state_base;
+  if (!items || !inits || !out || !info || !infop || !state_base) {
     rc = FPS_ENOMEM;
     snprintf(why, sizeof why, "Create: out of memory for %zu tensors", n);
     goto done;
@@ -51,6 +54,26 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
     if ((rc = fps_shard_name_check(name, why, sizeof why)) < 0) break;
     if ((rc = fps_shard_shape_check(name, tc->shape, tc->n_shape, &shape, &numel, why, sizeof why)) < 0) break;
     if ((rc = fps_wire_hparams(name, tc->optimizer, &items[i].hp, why, sizeof why)) < 0) break;
+    items[i].step = tc->step;
+    items[i].rms = tc->rms;
+    items[i].replace = tc->replace;
+    items[i].state = states;
+    items[i].n_state = tc->n_init_state;
+    for (size_t j = 0; j < tc->n_init_state && rc == 0; j++) {
+      const Factorps__V1__StateSlice *ss = tc->init_state[j];
+      if (ss->name && *ss->name && strcmp(ss->name, name) != 0) {
+        rc = FPS_EINVAL;
+        snprintf(why, sizeof why, "tensor '%s': init_state slice names a different tensor '%.64s'", name, ss->name);
+        break;
+      }
+      int k = (int)ss->kind - 1; /* StateKind: ROW = 1 .. MOM = 4 */
+      states->kind = k >= 0 && k < FPS_STATE_KINDS ? k : -1;
+      states->offset = ss->offset;
+      states->data = ss->data.data;
+      states->len = ss->data.len;
+      states++;
+    }
+    if (rc < 0) break;
     const Factorps__V1__TensorSlice *s = tc->init;
     if (fps__init_empty(s)) continue;
     if (s->name && *s->name && strcmp(s->name, name) != 0) {
@@ -90,6 +113,7 @@ done:
     fps_call_fail(&cc->base, fps_status_from_err(rc), "%s", why);
   }
   free(items);
+  free(state_base);
   free(inits);
   free(out);
   free(info);

@@ -7,6 +7,7 @@
  * was; phase 2 allocates, inserts and writes. Create is a set-up call, so
  * holding the write lock for its duration costs nothing that matters. */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,7 +27,79 @@ typedef struct fps_plan_s {
   bool was_ready;              /* lead: tensor ready before this call */
   fps_ranges_t ranges;         /* lead: initialised ranges after this call */
   uint64_t off, count;         /* this item's init slice */
+  /* Resume and replace (lead). */
+  fps_state_size_t ssz;        /* the tensor's state sizes */
+  fps_ranges_t sranges[FPS_STATE_KINDS]; /* state ranges after this call */
+  bool replacing;              /* replaces an existing tensor's values */
+  float *new_param;            /* replacing: the new values, staged */
+  fps_adafactor_state_t new_st;
 } fps_plan_t;
+
+static const char *const fps__kind_name[FPS_STATE_KINDS] = {"row", "col", "var", "mom"};
+
+static uint64_t fps__kind_size(const fps_state_size_t *z, int k) {
+  return k == FPS_STATE_ROW ? z->row : k == FPS_STATE_COL ? z->col : k == FPS_STATE_VAR ? z->var : z->mom;
+}
+
+static float *fps__kind_array(const fps_adafactor_state_t *st, int k) {
+  return k == FPS_STATE_ROW ? st->row : k == FPS_STATE_COL ? st->col : k == FPS_STATE_VAR ? st->var : st->mom;
+}
+
+/* Every state array of the tensor covered? */
+static bool fps__state_covered(const fps_state_size_t *z, const fps_ranges_t *r) {
+  for (int k = 0; k < FPS_STATE_KINDS; k++)
+    if (r[k].covered != fps__kind_size(z, k)) return false;
+  return true;
+}
+
+/* One state slice of item `name` against the lead's plan. */
+static int fps__state_slice_check(const char *name, fps_plan_t *lead, const fps_state_slice_t *ss, char *why,
+                                  size_t wl) {
+  if (ss->kind < 0 || ss->kind >= FPS_STATE_KINDS) {
+    snprintf(why, wl, "tensor '%s': init_state slice has no valid kind (STATE_ROW, STATE_COL, STATE_VAR, STATE_MOM)",
+             name);
+    return FPS_EINVAL;
+  }
+  const char *kn = fps__kind_name[ss->kind];
+  uint64_t n = fps__kind_size(&lead->ssz, ss->kind);
+  if (n == 0) {
+    snprintf(why, wl, "tensor '%s' has no %s state (%s)", name, kn,
+             ss->kind == FPS_STATE_MOM ? "only hf with beta1 keeps momentum"
+             : ss->kind == FPS_STATE_VAR ? "it is factored: row and col"
+                                         : "it is not factored: var");
+    return FPS_EINVAL;
+  }
+  if (ss->len % 4) {
+    snprintf(why, wl, "tensor '%s': %s state slice is %zu bytes, not a whole number of float32", name, kn, ss->len);
+    return FPS_EINVAL;
+  }
+  uint64_t cnt = ss->len / 4;
+  if (ss->offset > n || cnt > n - ss->offset) {
+    snprintf(why, wl, "tensor '%s': %s state slice [%" PRIu64 ", %" PRIu64 ") is out of range: it has %" PRIu64
+             " elements", name, kn, ss->offset, ss->offset + cnt, n);
+    return FPS_EINVAL;
+  }
+  for (uint64_t j = 0; j < cnt; j++) {
+    float v;
+    memcpy(&v, ss->data + 4 * j, 4);
+    if (!isfinite(v) || (ss->kind != FPS_STATE_MOM && v < 0)) {
+      snprintf(why, wl, "tensor '%s': %s state element %" PRIu64 " is %g (%s)", name, kn, ss->offset + j, (double)v,
+               isfinite(v) ? "a second moment is never negative" : "NaN or Inf");
+      return FPS_EINVAL;
+    }
+  }
+  int rc = fps_ranges_add(&lead->sranges[ss->kind], ss->offset, ss->offset + cnt);
+  if (rc == FPS_EEXISTS) {
+    snprintf(why, wl, "tensor '%s': %s state slice [%" PRIu64 ", %" PRIu64 ") overlaps state already received", name,
+             kn, ss->offset, ss->offset + cnt);
+    return FPS_EINVAL;
+  }
+  if (rc < 0) {
+    snprintf(why, wl, "tensor '%s': out of memory", name);
+    return FPS_ENOMEM;
+  }
+  return 0;
+}
 
 static int fps__cmp_item(const void *a, const void *b, void *arg) {
   const fps_create_item_t *items = arg;
@@ -84,20 +157,65 @@ static int fps__create_check(fps_shard_t *sh, fps_plan_t *p, size_t i, char *why
       return FPS_EEXISTS;
     }
   }
+  /* Resume settings: a tensor's items agree, and are sane. */
+  if (it->lead != i && (tc->step != lead->it->step || tc->replace != lead->it->replace ||
+                        memcmp(&tc->rms, &lead->it->rms, sizeof tc->rms) != 0)) {
+    snprintf(why, wl, "tensor '%s': the items naming it in this Create differ in step, rms or replace", name);
+    return FPS_EINVAL;
+  }
+  if (tc->n_state && tc->step == 0) {
+    snprintf(why, wl, "tensor '%s': init_state needs a step > 0 (a fresh tensor's state is all zeros)", name);
+    return FPS_EINVAL;
+  }
+  if (!isfinite(tc->rms) || tc->rms < 0 || (double)(float)tc->rms != tc->rms) {
+    snprintf(why, wl, "tensor '%s': rms %g must be a finite float32 >= 0", name, tc->rms);
+    return FPS_EINVAL;
+  }
+  if (tc->rms != 0 && tc->hp.flavor != FPS_FLAVOR_HF) {
+    snprintf(why, wl, "tensor '%s': rms is hf state; %s keeps none (send 0)", name, fps_flavor_name(tc->hp.flavor));
+    return FPS_EINVAL;
+  }
   if (it->lead == i) {
+    if ((rc = fps_adafactor_state_size(&it->shape, it->t ? &it->t->hp : &tc->hp, &it->ssz)) < 0) {
+      snprintf(why, wl, "tensor '%s': %s", name, fps_strerror(rc));
+      return rc;
+    }
     if (it->t) {
       pthread_mutex_lock(&it->t->mu);
-      it->was_ready = it->t->ready;
-      rc = it->was_ready ? 0 : fps_ranges_copy(&it->ranges, &it->t->init);
+      bool open = it->t->round.open;
+      uint64_t round_step = it->t->round.step, version = it->t->version;
+      uint32_t joined = it->t->round.joined;
+      it->replacing = tc->replace;
+      it->was_ready = !tc->replace && it->t->ready;
+      rc = 0;
+      if (!it->was_ready && !tc->replace) {
+        rc = fps_ranges_copy(&it->ranges, &it->t->init);
+        for (int k = 0; k < FPS_STATE_KINDS && rc == 0; k++)
+          rc = fps_ranges_copy(&it->sranges[k], &it->t->init_state[k]);
+      }
       pthread_mutex_unlock(&it->t->mu);
       if (rc < 0) {
         snprintf(why, wl, "tensor '%s': out of memory", name);
         return FPS_ENOMEM;
       }
+      if (tc->replace && open) {
+        snprintf(why, wl,
+                 "tensor '%s': cannot replace it while a sync round is open (step %" PRIu64 ", %u of %u workers "
+                 "pushed); replace between rounds",
+                 name, round_step, joined, sh->cfg.workers);
+        return FPS_ESTATE;
+      }
+      /* An initialising tensor is filled at the step it was created with. */
+      if (!it->was_ready && !tc->replace && (tc->step || tc->n_state) && tc->step != version) {
+        snprintf(why, wl, "tensor '%s' is being created at step %" PRIu64 ", not %" PRIu64, name, version, tc->step);
+        return FPS_EINVAL;
+      }
     } else {
       it->is_new = true;
     }
   }
+  for (size_t j = 0; j < tc->n_state && !lead->was_ready; j++)
+    if ((rc = fps__state_slice_check(name, lead, &tc->state[j], why, wl)) < 0) return rc;
 
   const fps_slice_t *s = tc->init;
   if (!s) return 0;
@@ -170,6 +288,26 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
     }
   }
   if (rc < 0) goto done;
+  /* A replace covers everything in this call. */
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    if (p[i].lead != i || !p[i].replacing) continue;
+    const char *name = items[i].name;
+    if (p[i].ranges.covered != p[i].numel) {
+      rc = FPS_EINVAL;
+      snprintf(why, wl,
+               "tensor '%s': a replace must carry all %" PRIu64 " values in this Create (it has %" PRIu64 ")", name,
+               p[i].numel, p[i].ranges.covered);
+    } else if (items[i].step > 0 && !fps__state_covered(&p[i].ssz, p[i].sranges)) {
+      int k = 0;
+      while (p[i].sranges[k].covered == fps__kind_size(&p[i].ssz, k)) k++;
+      rc = FPS_EINVAL;
+      snprintf(why, wl,
+               "tensor '%s': a replace at step %" PRIu64 " must carry its whole state in this Create (%s: %" PRIu64
+               " of %" PRIu64 " elements)",
+               name, items[i].step, fps__kind_name[k], p[i].sranges[k].covered, fps__kind_size(&p[i].ssz, k));
+    }
+  }
+  if (rc < 0) goto done;
   if (sh->store.count + new_count > sh->cfg.max_tensors) {
     rc = FPS_ELIMIT;
     snprintf(why, wl, "Create: %" PRIu64 " new tensors would exceed this shard's limit of %" PRIu64
@@ -194,10 +332,86 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
       snprintf(why, wl, "tensor '%s': out of memory allocating %" PRIu64 " parameters", name, p[i].numel);
       break;
     }
+    /* Resume: it starts at the step's version and state (still not ready). */
+    p[i].t->version = items[i].step;
+    p[i].t->st.step = items[i].step;
+    p[i].t->st.rms = (float)items[i].rms;
+  }
+  /* Replace: the new values are staged off the tensor, swapped in below. */
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    if (p[i].lead != i || !p[i].replacing) continue;
+    p[i].new_param = malloc((p[i].numel ? p[i].numel : 1) * sizeof(float));
+    if (!p[i].new_param || fps_adafactor_state_init(&p[i].new_st, &p[i].shape, &p[i].t->hp) < 0) {
+      rc = FPS_ENOMEM;
+      snprintf(why, wl, "tensor '%s': out of memory staging its replacement", items[i].name);
+    }
   }
   if (rc == 0 && fps__store_reserve_locked(&sh->store, sh->store.count + new_count) < 0) {
     rc = FPS_ENOMEM;
     snprintf(why, wl, "Create: out of memory growing the tensor map");
+  }
+  uint64_t received = 0;
+  if (rc == 0) {
+    /* Stage the replacements' values, then swap every one in at once
+     * (their locks held together, in address order), after one more look
+     * for an open round: pushes do not take the store lock. */
+    fps_tensor_t **rt = calloc(n ? n : 1, sizeof *rt);
+    size_t nr = 0;
+    if (!rt) {
+      rc = FPS_ENOMEM;
+      snprintf(why, wl, "Create: out of memory");
+    }
+    for (size_t i = 0; i < n && rc == 0; i++) {
+      fps_plan_t *lead = &p[p[i].lead];
+      if (!lead->replacing) continue;
+      if (p[i].lead == i) rt[nr++] = lead->t;
+      if (p[i].count) {
+        fps_dtype_decode(items[i].init->dtype, items[i].init->data, p[i].count, lead->new_param + p[i].off, NULL);
+        received += items[i].init->len;
+      }
+      for (size_t j = 0; j < items[i].n_state; j++) {
+        const fps_state_slice_t *ss = &items[i].state[j];
+        memcpy(fps__kind_array(&lead->new_st, ss->kind) + ss->offset, ss->data, ss->len);
+      }
+    }
+    for (size_t a = 1; a < nr; a++)
+      for (size_t b = a; b > 0 && rt[b - 1] > rt[b]; b--) {
+        fps_tensor_t *x = rt[b - 1];
+        rt[b - 1] = rt[b];
+        rt[b] = x;
+      }
+    if (rc == 0) {
+      for (size_t a = 0; a < nr; a++) pthread_mutex_lock(&rt[a]->mu);
+      for (size_t a = 0; a < nr && rc == 0; a++)
+        if (rt[a]->round.open) {
+          rc = FPS_ESTATE;
+          snprintf(why, wl, "tensor '%s': cannot replace it while a sync round is open (step %" PRIu64
+                   "); replace between rounds", rt[a]->name, rt[a]->round.step);
+        }
+      for (size_t i = 0; i < n && rc == 0; i++) {
+        if (p[i].lead != i || !p[i].replacing) continue;
+        fps_tensor_t *t = p[i].t;
+        float *old_param = t->param;
+        fps_adafactor_state_t old_st = t->st;
+        t->param = p[i].new_param;
+        t->st = p[i].new_st;
+        t->st.step = items[i].step;
+        t->st.rms = (float)items[i].rms;
+        t->version = items[i].step;
+        t->ready = true;
+        fps_ranges_free(&t->init);
+        for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
+        /* A new history: the old apply log and restore point no longer apply. */
+        t->log_len = t->log_head = 0;
+        t->restored_seq = t->restored_version = 0;
+        t->last_lr = t->hp.has_lr ? t->hp.lr : 0.0;
+        t->last_weight_decay = t->hp.weight_decay;
+        p[i].new_param = old_param; /* freed below with the plan */
+        p[i].new_st = old_st;
+      }
+      for (size_t a = nr; a-- > 0;) pthread_mutex_unlock(&rt[a]->mu);
+    }
+    free(rt);
   }
   if (rc < 0) {
     for (size_t i = 0; i < n; i++)
@@ -209,29 +423,41 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
   }
   for (size_t i = 0; i < n; i++)
     if (p[i].lead == i && p[i].is_new) fps__store_insert_locked(&sh->store, p[i].t);
-  /* Write the initial values, then publish each group's coverage. */
-  uint64_t received = 0;
+  /* Write the initial values and state, then publish each group's coverage. */
   for (size_t i = 0; i < n; i++) {
     fps_plan_t *lead = &p[p[i].lead];
-    if (p[i].count == 0 || lead->was_ready) continue;
-    const fps_slice_t *s = items[i].init;
+    if (lead->was_ready || lead->replacing || (p[i].count == 0 && items[i].n_state == 0)) continue;
     pthread_mutex_lock(&lead->t->mu);
-    fps_dtype_decode(s->dtype, s->data, p[i].count, lead->t->param + p[i].off, NULL);
+    if (p[i].count) {
+      const fps_slice_t *s = items[i].init;
+      fps_dtype_decode(s->dtype, s->data, p[i].count, lead->t->param + p[i].off, NULL);
+      received += s->len;
+    }
+    for (size_t j = 0; j < items[i].n_state; j++) {
+      const fps_state_slice_t *ss = &items[i].state[j];
+      memcpy(fps__kind_array(&lead->t->st, ss->kind) + ss->offset, ss->data, ss->len);
+    }
     pthread_mutex_unlock(&lead->t->mu);
-    received += s->len;
   }
   atomic_fetch_add(&sh->counters.bytes_received, received);
   *received_out = received;
   for (size_t i = 0; i < n; i++) {
-    if (p[i].lead != i || p[i].was_ready) continue;
+    if (p[i].lead != i || p[i].was_ready || p[i].replacing) continue;
     fps_tensor_t *t = p[i].t;
     pthread_mutex_lock(&t->mu);
     fps_ranges_free(&t->init);
     t->init = p[i].ranges;
     memset(&p[i].ranges, 0, sizeof p[i].ranges);
-    if (t->init.covered == t->numel) {
+    for (int k = 0; k < FPS_STATE_KINDS; k++) {
+      fps_ranges_free(&t->init_state[k]);
+      t->init_state[k] = p[i].sranges[k];
+      memset(&p[i].sranges[k], 0, sizeof p[i].sranges[k]);
+    }
+    /* Ready once the params are covered and, at a resume step, the state. */
+    if (t->init.covered == t->numel && (t->version == 0 || fps__state_covered(&t->size, t->init_state))) {
       t->ready = true;
       fps_ranges_free(&t->init);
+      for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
       FPS_SLOG(FPS_LOG_DEBUG, "tensor '%s' is ready", t->name);
     }
     pthread_mutex_unlock(&t->mu);
@@ -252,7 +478,12 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
 done:
   if (locked) pthread_rwlock_unlock(&sh->store.mu);
   if (p)
-    for (size_t i = 0; i < n; i++) fps_ranges_free(&p[i].ranges);
+    for (size_t i = 0; i < n; i++) {
+      fps_ranges_free(&p[i].ranges);
+      for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&p[i].sranges[k]);
+      free(p[i].new_param);
+      fps_adafactor_state_destroy(&p[i].new_st);
+    }
   free(p);
   free(order);
   return rc;

@@ -191,6 +191,9 @@ typedef struct fps_update_hp_s {
   double weight_decay;
 } fps_update_hp_t;
 
+/* Kinds of optimizer state arrays (the wire's StateKind - 1). */
+enum { FPS_STATE_ROW = 0, FPS_STATE_COL, FPS_STATE_VAR, FPS_STATE_MOM, FPS_STATE_KINDS };
+
 /* The sync round of one tensor: at most one is open (its step equals the
  * tensor's version). */
 typedef struct fps_round_s {
@@ -213,6 +216,8 @@ struct fps_tensor_s {
   fps_adafactor_state_t st;
   bool ready;                 /* every element initialised */
   fps_ranges_t init;          /* initialised ranges while !ready */
+  fps_ranges_t init_state[FPS_STATE_KINDS]; /* while !ready at a resume step
+                                 * (version > 0): state ranges received */
   uint64_t version;           /* updates applied */
   double last_lr;             /* lr of the last update (Create's before one) */
   double last_weight_decay;   /* weight decay of the last update */
@@ -276,7 +281,6 @@ int fps_shard_snapshot(fps_shard_t *sh, const char *name, fps_tensor_t **t, fps_
 /* GetState's view of a tensor: its optimizer state copied under its lock
  * (one version). Kinds in the order row, col, var, mom (FPS_STATE_*), back
  * to back in data. */
-enum { FPS_STATE_ROW = 0, FPS_STATE_COL, FPS_STATE_VAR, FPS_STATE_MOM, FPS_STATE_KINDS };
 typedef struct fps_state_snap_s {
   fps_tensor_t *t;
   uint64_t version, step;
@@ -297,12 +301,26 @@ void fps_state_snap_release(fps_shard_t *sh, fps_state_snap_t *s);
 
 /* One TensorCreate: the hyperparameters are decoded (and validated) by
  * the caller; name and shape are checked here again. */
+/* One run of a state array (float32 little-endian, any alignment). */
+typedef struct fps_state_slice_s {
+  int kind;                   /* FPS_STATE_*, or -1: not a kind */
+  uint64_t offset;            /* first element within the kind's array */
+  const uint8_t *data;
+  size_t len;                 /* bytes */
+} fps_state_slice_t;
+
 typedef struct fps_create_item_s {
   const char *name;
   const uint64_t *dims;
   size_t ndim;
   fps_adafactor_hparams_t hp;
   const fps_slice_t *init;    /* initial values, NULL: none */
+  /* Resume and ownership (TensorCreate step, init_state, rms, replace). */
+  uint64_t step;              /* the step count and version to start at, 0: fresh */
+  const fps_state_slice_t *state; /* with step > 0: state values */
+  size_t n_state;
+  double rms;                 /* hf RMS at resume */
+  bool replace;               /* replace an existing tensor's values */
 } fps_create_item_t;
 
 typedef struct fps_create_info_s {
@@ -321,7 +339,17 @@ typedef struct fps_create_info_s {
  * (max_tensors, max_bytes: FPS_ELIMIT), memory (FPS_ENOMEM). On success
  * the new tensors are in the store, the init slices written (ignored for a
  * tensor that was already ready: the first values win), out[i] filled for
- * every item and *received set to the init bytes written. Thread-safe. */
+ * every item and *received set to the init bytes written. Thread-safe.
+ *
+ * Resume (step > 0): a new tensor starts at version and step count `step`
+ * (hf: RMS `rms`) and is ready only once its params and every state array
+ * are covered by init and state slices (this and later Creates at the same
+ * step; FPS_EINVAL for another step, a state kind the tensor lacks, values
+ * out of range, non-finite or negative second moments, overlap). Replace:
+ * an existing tensor's params, state, step and version are replaced by
+ * this call's, which must cover all of them (FPS_EINVAL otherwise), in one
+ * step under its lock; FPS_ESTATE while a sync round is open for it. A
+ * missing tensor is created as without replace. */
 int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, const fps_create_item_t *items,
                      size_t n, fps_create_info_t *out, uint64_t *received, char *why, size_t why_len);
 

@@ -139,6 +139,7 @@ void fps_tensor_destroy(fps_tensor_t *t) {
   if (!t) return;
   fps_adafactor_state_destroy(&t->st);
   fps_ranges_free(&t->init);
+  for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
   free(t->round.member);
   free(t->log);
   free(t->param);

@@ -7,7 +7,9 @@
  *     shards;
  *   - the state and the last applied lr / weight decay survive a
  *     checkpoint and a restart;
- *   - errors: a name not in the list, a tensor still initialising. */
+ *   - errors: a name not in the list, a tensor still initialising;
+ *   - resume through fps_client_create_tensors (step + state arrays) on
+ *     new, empty shards continues bit for bit; replace; local refusals. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -318,12 +320,105 @@ static void test_state_of_initialising_tensor(void **state) {
   assert_int_equal(fps_test_server_stop(&srv), 0);
 }
 
+static void test_resume_and_replace_through_client(void **state) {
+  (void)state;
+  fps_test_server_t a[2], b[2];
+  assert_int_equal(fps_test_servers_start(a, 2, "async", 1, NULL), 0);
+  fps_status_t st;
+  fps_client_t *ca = client_new(a, 2, &st);
+  assert_non_null(ca);
+  fps_tensor_def_t defs[NT];
+  float *init[NT];
+  defs_of(defs, init);
+  assert_code(fps_client_create_tensors(ca, defs, NT, &st), 0, st);
+  replica_t r[NT];
+  replicas_init(r);
+  train(ca, r, 0);
+  /* What a state_dict would hold: params, state arrays, step, RMS. */
+  const char *names[NT];
+  float *params[NT], *row[NT], *col[NT], *var[NT], *mom[NT];
+  fps_tensor_state_t info[NT];
+  for (size_t t = 0; t < NT; t++) {
+    uint64_t n = numel_of(&MODEL[t]);
+    names[t] = MODEL[t].name;
+    params[t] = malloc(n * sizeof(float));
+    row[t] = calloc(n, sizeof(float));
+    col[t] = calloc(n, sizeof(float));
+    var[t] = calloc(n, sizeof(float));
+    mom[t] = calloc(n, sizeof(float));
+  }
+  assert_code(fps_client_pull(ca, names, params, NULL, NT, &st), 0, st);
+  assert_code(fps_client_get_state(ca, names, NT, info, row, col, var, mom, &st), 0, st);
+  fps_client_destroy(ca);
+  for (int i = 0; i < 2; i++) assert_int_equal(fps_test_server_stop(&a[i]), 0);
+
+  /* New, empty shards: resume from it (64 KiB messages: "bias" takes
+   * several Creates for its params and its state). */
+  assert_int_equal(fps_test_servers_start(b, 2, "async", 1, NULL), 0);
+  fps_client_t *cb = client_new(b, 2, &st);
+  assert_non_null(cb);
+  defs_of(defs, NULL);
+  for (size_t t = 0; t < NT; t++) {
+    defs[t].init = params[t];
+    defs[t].step = info[t].step;
+    defs[t].rms = info[t].rms;
+    defs[t].state_row = info[t].row_elements ? row[t] : NULL;
+    defs[t].state_col = info[t].col_elements ? col[t] : NULL;
+    defs[t].state_var = info[t].var_elements ? var[t] : NULL;
+    defs[t].state_mom = info[t].mom_elements ? mom[t] : NULL;
+  }
+  assert_code(fps_client_create_tensors(cb, defs, NT, &st), 0, st);
+  train(cb, r, STEPS); /* asserts the params equal the uninterrupted replay */
+  check_state(cb, r, 2 * STEPS);
+
+  /* Local refusals. */
+  fps_tensor_def_t bad = defs[0]; /* "w", factored */
+  bad.state_var = var[0];
+  assert_code(fps_client_create_tensors(cb, &bad, 1, &st), FPS_CODE_INVALID_ARGUMENT, st);
+  bad = defs[0];
+  bad.state_col = NULL;
+  assert_code(fps_client_create_tensors(cb, &bad, 1, &st), FPS_CODE_INVALID_ARGUMENT, st);
+  bad = defs[0];
+  bad.step = 0;
+  assert_code(fps_client_create_tensors(cb, &bad, 1, &st), FPS_CODE_INVALID_ARGUMENT, st);
+  bad = defs[2]; /* "bias": 280 KB, more than one 64 KiB message */
+  bad.replace = 1;
+  assert_code(fps_client_create_tensors(cb, &bad, 1, &st), FPS_CODE_INVALID_ARGUMENT, st);
+  if (!strstr(st.message, "one message")) fail_msg("%s", st.message);
+
+  /* Replace "w" (and keep the list whole): fresh values at step 0. */
+  float neww[30];
+  for (int i = 0; i < 30; i++) neww[i] = 0.125f * (float)i;
+  defs_of(defs, NULL);
+  defs[0].init = neww;
+  defs[0].replace = 1;
+  assert_code(fps_client_create_tensors(cb, defs, NT, &st), 0, st);
+  float got[30];
+  float *gp[1] = {got};
+  uint64_t v = 99;
+  assert_code(fps_client_pull(cb, names, gp, &v, 1, &st), 0, st);
+  assert_int_equal(v, 0);
+  assert_memory_equal(got, neww, sizeof got);
+  fps_client_destroy(cb);
+  for (int i = 0; i < 2; i++) assert_int_equal(fps_test_server_stop(&b[i]), 0);
+  replicas_free(r);
+  for (size_t t = 0; t < NT; t++) {
+    free(init[t]);
+    free(params[t]);
+    free(row[t]);
+    free(col[t]);
+    free(var[t]);
+    free(mom[t]);
+  }
+}
+
 int main(int argc, char **argv) {
   if (argc > 1) cmocka_set_test_filter(argv[1]);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_state_matches_replay, teardown),
       cmocka_unit_test_teardown(test_state_survives_checkpoint_restart, teardown),
       cmocka_unit_test_teardown(test_state_of_initialising_tensor, teardown),
+      cmocka_unit_test_teardown(test_resume_and_replace_through_client, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -2,7 +2,8 @@
 """The optimizer state on the wire, driven with grpcio: GetState (every
 refusal with its exact status and message, state unchanged; a large state
 over several messages, covered exactly; a state read at one version while
-pushes run)."""
+pushes run) and Create with step / init_state / rms / replace (resume on a
+new, empty shard continues bit for bit; every refusal changes nothing)."""
 import threading
 import unittest
 
@@ -144,6 +145,227 @@ class BigState(unittest.TestCase):
                 stop.set()
                 th.join(30)
             self.assertGreater(len(seen), 1)
+        finally:
+            srv.stop()
+
+
+SHAPES = {"w": [3, 4], "m": [5]}
+OPTS = {"w": dict(), "m": dict(flavor="hf", lr=1e-3, relative_step=False, beta1=0.9, scale_parameter=False)}
+
+
+def opt_of(name):
+    o = dict(OPTS[name])
+    return H.optimizer(o.pop("flavor", "torch"), **o)
+
+
+def grads(step):
+    return {n: (sh, np.sin(np.arange(int(np.prod(sh)), dtype=np.float32) * (step + 1)).astype(np.float32))
+            for n, sh in SHAPES.items()}
+
+
+def state_slices(pb, arrays, name, chunk=None):
+    kinds = {"row": pb.STATE_ROW, "col": pb.STATE_COL, "var": pb.STATE_VAR, "mom": pb.STATE_MOM}
+    out = []
+    for k, a in arrays.get(name, {}).items():
+        step = chunk or max(a.size, 1)
+        for off in range(0, a.size, step):
+            out.append(pb.StateSlice(kind=kinds[k], offset=off, data=a[off:off + step].astype("<f4").tobytes()))
+    return out
+
+
+class Resume(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.pb, _, cls.grpc = H.stubs()
+
+    def assertStatus(self, fn, code, *words):
+        with self.assertRaises(self.grpc.RpcError) as cm:
+            fn()
+        e = cm.exception
+        self.assertEqual(e.code(), code, e.details())
+        for w in words:
+            self.assertIn(w, e.details())
+
+    def tc(self, name, init=None, **kw):
+        pb = self.pb
+        sl = None if init is None else pb.TensorSlice(dtype=pb.DTYPE_F32, data=np.asarray(init, "<f4").tobytes())
+        shape = kw.pop("shape", SHAPES.get(name))
+        opt = kw.pop("opt", None) or opt_of(name)
+        return pb.TensorCreate(name=name, shape=shape, optimizer=opt, init=sl, **kw)
+
+    def create(self, stub, *tcs):
+        return stub.Create(self.pb.CreateRequest(tensors=list(tcs), shard_id=0, shard_count=1), timeout=10)
+
+    def trained(self, steps=3):
+        """A shard with both tensors after `steps` pushes; its params and state."""
+        srv = H.Server("--mode", "async")
+        p0 = {n: np.linspace(-1, 1, int(np.prod(sh)), dtype=np.float32) for n, sh in SHAPES.items()}
+        for n in SHAPES:
+            H.create(srv.stub, n, SHAPES[n], p0[n], opt=opt_of(n))
+        for s in range(steps):
+            H.push(srv.stub, 0, s, grads(s))
+        params, _ = H.pull(srv.stub, SHAPES)
+        arrays, infos, _ = get_state(srv.stub, list(SHAPES))
+        return srv, params, arrays, infos
+
+    def test_resume_continues_bit_for_bit(self):
+        a, params, arrays, infos = self.trained()
+        b = H.Server("--mode", "async")
+        try:
+            pb = self.pb
+            for n in SHAPES:
+                r = self.create(b.stub, self.tc(n, params[n].reshape(-1), step=infos[n].step, rms=infos[n].rms,
+                                                init_state=state_slices(pb, arrays, n)))
+                self.assertTrue(r.tensors[0].ready and r.tensors[0].created)
+                self.assertEqual(r.tensors[0].version, 3)
+            arrays_b, infos_b, _ = get_state(b.stub, list(SHAPES))
+            for n in SHAPES:
+                self.assertEqual((infos_b[n].version, infos_b[n].step, infos_b[n].rms),
+                                 (infos[n].version, infos[n].step, infos[n].rms))
+                for k in arrays[n]:
+                    np.testing.assert_array_equal(arrays_b[n][k], arrays[n][k])
+            for s in range(3, 6):
+                ga, va = H.push(a.stub, 0, s, grads(s))
+                gb, vb = H.push(b.stub, 0, s, grads(s))
+                self.assertEqual(va, vb)
+                for n in SHAPES:
+                    np.testing.assert_array_equal(ga[n], gb[n])
+        finally:
+            a.stop()
+            b.stop()
+
+    def test_resume_over_several_creates(self):
+        a, params, arrays, infos = self.trained(2)
+        a.stop()
+        b = H.Server("--mode", "async")
+        try:
+            pb = self.pb
+            r = self.create(b.stub, self.tc("w", params["w"].reshape(-1), step=2))
+            self.assertFalse(r.tensors[0].ready)  # the state is still missing
+            self.assertStatus(lambda: H.pull(b.stub, {"w": [3, 4]}), self.grpc.StatusCode.FAILED_PRECONDITION,
+                              "'w'", "still initialising")
+            self.assertStatus(lambda: self.create(b.stub, self.tc("w", step=3, init_state=state_slices(
+                pb, arrays, "w"))), self.grpc.StatusCode.INVALID_ARGUMENT, "'w'", "being created at step 2, not 3")
+            sl = state_slices(pb, arrays, "w", chunk=2)
+            r = self.create(b.stub, self.tc("w", step=2, init_state=sl[:2]))
+            self.assertFalse(r.tensors[0].ready)
+            r = self.create(b.stub, self.tc("w", step=2, init_state=sl[2:]))
+            self.assertTrue(r.tensors[0].ready)
+            self.assertEqual(r.tensors[0].version, 2)
+            got, ver = H.pull(b.stub, {"w": [3, 4]})
+            np.testing.assert_array_equal(got["w"], params["w"])
+            self.assertEqual(ver["w"], 2)
+            # A value-less Create (another worker waiting) matches as ever.
+            self.assertTrue(self.create(b.stub, self.tc("w")).tensors[0].ready)
+        finally:
+            b.stop()
+
+    def test_refusals_change_nothing(self):
+        srv = H.Server("--mode", "async")
+        try:
+            pb = self.pb
+            p = np.ones(12, np.float32)
+            ok = [pb.StateSlice(kind=pb.STATE_ROW, data=np.ones(3, "<f4").tobytes()),
+                  pb.StateSlice(kind=pb.STATE_COL, data=np.ones(4, "<f4").tobytes())]
+
+            def st(kind, vals, offset=0):
+                return pb.StateSlice(kind=kind, offset=offset, data=np.asarray(vals, "<f4").tobytes())
+            cases = [
+                (dict(init_state=ok), "init_state needs a step > 0"),
+                (dict(step=1, init_state=[st(pb.STATE_VAR, [1])]), "has no var state"),
+                (dict(step=1, init_state=[st(pb.STATE_MOM, [1])]), "has no mom state"),
+                (dict(step=1, init_state=[st(0, [1])]), "no valid kind"),
+                (dict(step=1, init_state=[st(pb.STATE_ROW, [1, 1], offset=2)]), "out of range"),
+                (dict(step=1, init_state=[st(pb.STATE_ROW, [1, -1, 1])]), "never negative"),
+                (dict(step=1, init_state=[st(pb.STATE_COL, [1, np.nan, 1, 1])]), "NaN or Inf"),
+                (dict(step=1, init_state=[st(pb.STATE_ROW, [1, 1]), st(pb.STATE_ROW, [1, 1], offset=1)]),
+                 "overlaps"),
+                (dict(step=1, rms=0.5, init_state=ok), "rms is hf state"),
+                (dict(step=1, init_state=[pb.StateSlice(kind=pb.STATE_ROW, data=b"\0" * 5)]),
+                 "not a whole number"),
+            ]
+            for kw, word in cases:
+                with self.subTest(word=word):
+                    self.assertStatus(lambda: self.create(srv.stub, self.tc("w", p, **kw)),
+                                      self.grpc.StatusCode.INVALID_ARGUMENT, "'w'", word)
+            _, ts = H.stats(srv.stub)
+            self.assertEqual(ts, {})  # nothing was created
+            m = [st(pb.STATE_VAR, np.ones(5)), st(pb.STATE_MOM, np.ones(5))]
+            self.assertStatus(lambda: self.create(srv.stub, self.tc("m", np.ones(5), step=1, rms=float("nan"),
+                                                                    init_state=m)),
+                              self.grpc.StatusCode.INVALID_ARGUMENT, "'m'", "finite float32")
+            self.assertStatus(lambda: self.create(srv.stub, self.tc("m", np.ones(5), step=1, rms=0.1, init_state=m)),
+                              self.grpc.StatusCode.INVALID_ARGUMENT, "'m'", "finite float32")  # not a float32
+            r = self.create(srv.stub, self.tc("m", np.ones(5), step=1, rms=0.5, init_state=m))
+            self.assertTrue(r.tensors[0].ready)
+        finally:
+            srv.stop()
+
+    def test_replace(self):
+        a, params, arrays, infos = self.trained(2)
+        try:
+            pb = self.pb
+            H.stats(a.stub)
+            new = np.full(12, 0.25, np.float32)
+            # Not everything in this call: refused, nothing changed.
+            self.assertStatus(lambda: self.create(a.stub, self.tc("w", new[:0], replace=True)),
+                              self.grpc.StatusCode.INVALID_ARGUMENT, "'w'", "must carry all 12 values")
+            half = state_slices(pb, arrays, "w")[:1]
+            self.assertStatus(lambda: self.create(a.stub, self.tc("w", new, replace=True, step=9, init_state=half)),
+                              self.grpc.StatusCode.INVALID_ARGUMENT, "'w'", "whole state", "col: 0 of 4")
+            self.assertStatus(lambda: self.create(a.stub, self.tc("w", new, replace=True, shape=[4, 3])),
+                              self.grpc.StatusCode.ALREADY_EXISTS, "'w'")
+            got, ver = H.pull(a.stub, {"w": [3, 4]})
+            np.testing.assert_array_equal(got["w"], params["w"])
+            self.assertEqual(ver["w"], 2)
+            # A full replace at step 9 with a given state.
+            r = self.create(a.stub, self.tc("w", new, replace=True, step=9,
+                                            init_state=state_slices(pb, {"w": {"row": np.full(3, 2.0), "col":
+                                                                               np.full(4, 3.0)}}, "w")))
+            self.assertEqual((r.tensors[0].ready, r.tensors[0].version, r.tensors[0].created), (True, 9, False))
+            got, ver = H.pull(a.stub, {"w": [3, 4]})
+            np.testing.assert_array_equal(got["w"].reshape(-1), new)
+            arr, inf, _ = get_state(a.stub, ["w"])
+            self.assertEqual((inf["w"].step, inf["w"].version), (9, 9))
+            np.testing.assert_array_equal(arr["w"]["row"], np.full(3, 2.0, np.float32))
+            np.testing.assert_array_equal(arr["w"]["col"], np.full(4, 3.0, np.float32))
+            _, ts = H.stats(a.stub, log=8)
+            self.assertEqual(len(ts["w"].apply_log), 0)  # a new history
+            # Replace at step 0: fresh state, version 0; pushes go on from there.
+            r = self.create(a.stub, self.tc("w", new, replace=True))
+            self.assertEqual(r.tensors[0].version, 0)
+            arr, inf, _ = get_state(a.stub, ["w"])
+            self.assertEqual(inf["w"].step, 0)
+            np.testing.assert_array_equal(arr["w"]["row"], np.zeros(3, np.float32))
+            _, ver = H.push(a.stub, 0, 0, {"w": ([3, 4], np.ones(12, np.float32))})
+            self.assertEqual(ver["w"], 1)
+            # A tensor that does not exist: replace creates it.
+            r = self.create(a.stub, self.tc("fresh", np.ones(2), shape=[2], opt=H.optimizer(), replace=True))
+            self.assertTrue(r.tensors[0].created and r.tensors[0].ready)
+        finally:
+            a.stop()
+
+    def test_replace_refused_while_round_open(self):
+        srv = H.Server("--mode", "sync", "--workers", 2, "--deadline", 20)
+        try:
+            p0 = np.linspace(-1, 1, 12, dtype=np.float32)
+            H.create(srv.stub, "w", [3, 4], p0)
+            res = {}
+            th = threading.Thread(target=lambda: res.setdefault("r", H.push(srv.stub, 0, 0, {"w": ([3, 4], np.ones(
+                12, np.float32))}, timeout=20)))
+            th.start()
+            import time
+            time.sleep(0.3)
+            self.assertStatus(lambda: self.create(srv.stub, self.tc("w", np.zeros(12), replace=True)),
+                              self.grpc.StatusCode.FAILED_PRECONDITION, "'w'", "sync round is open", "1 of 2")
+            got, ver = H.pull(srv.stub, {"w": [3, 4]})
+            np.testing.assert_array_equal(got["w"].reshape(-1), p0)
+            H.push(srv.stub, 1, 0, {"w": ([3, 4], np.ones(12, np.float32))}, timeout=20)
+            th.join(20)
+            self.assertEqual(res["r"][1], {"w": 1})
+            # Between rounds it is allowed.
+            r = self.create(srv.stub, self.tc("w", np.zeros(12), replace=True))
+            self.assertEqual(r.tensors[0].version, 0)
         finally:
             srv.stop()
 

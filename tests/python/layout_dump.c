@@ -60,6 +60,13 @@ int main(void) {
   FIELD(fps_tensor_def_t, shape);
   FIELD(fps_tensor_def_t, optim);
   FIELD(fps_tensor_def_t, init);
+  FIELD(fps_tensor_def_t, step);
+  FIELD(fps_tensor_def_t, state_row);
+  FIELD(fps_tensor_def_t, state_col);
+  FIELD(fps_tensor_def_t, state_var);
+  FIELD(fps_tensor_def_t, state_mom);
+  FIELD(fps_tensor_def_t, rms);
+  FIELD(fps_tensor_def_t, replace);
 
   SIZE(fps_shard_stats_t);
   FIELD(fps_shard_stats_t, shard_id);

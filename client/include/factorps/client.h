@@ -156,6 +156,18 @@ typedef struct fps_tensor_def_s {
   fps_optim_config_t optim;      /* flavor 0 means FPS_OPTIM_TORCH */
   const float *init;   /* initial values (numel floats), or NULL to only
                           register and wait for another worker's values */
+  /* Added for resume and ownership (appended; zero = as before): */
+  uint64_t step;       /* resume: the step count t and version the tensor
+                          starts at (0 = fresh); needs init and the state
+                          arrays below for the kinds the tensor has */
+  const float *state_row; /* factored (ndim >= 2): lead*R floats, else NULL */
+  const float *state_col; /* factored: lead*C floats, else NULL */
+  const float *state_var; /* ndim <= 1: numel floats, else NULL */
+  const float *state_mom; /* hf with beta1: numel floats, else NULL */
+  double rms;          /* hf RMS state scalar at resume (torch: 0) */
+  int replace;         /* the tensor exists: replace its params, state, step
+                          and version (needs init; everything of the tensor
+                          must fit one message of max_message_bytes) */
 } fps_tensor_def_t;
 
 /* Fills `o` with the defaults above. Thread-safe. */
@@ -181,7 +193,12 @@ FPS_EXTERN fps_client_t *fps_client_create(const char *const *addrs, size_t n_sh
 FPS_EXTERN void fps_client_destroy(fps_client_t *c);
 
 /* Registers the job's full tensor list: computes the placement and creates
- * every tensor on its shard (idempotent). Tensors whose `init` is NULL are
+ * every tensor on its shard (idempotent). A def with step > 0 resumes: the
+ * tensor starts at that step and version with the given state (GetState's
+ * layouts), on shards where it does not exist yet (an existing ready tensor
+ * is matched and keeps its values, unless `replace`). A def with `replace`
+ * overwrites an existing tensor's params, state, step and version in one
+ * Create (FAILED_PRECONDITION while a sync round is open for it). Tensors whose `init` is NULL are
  * waited for until another worker has supplied their values or the deadline
  * passes (DEADLINE_EXCEEDED naming a tensor still missing values). Initial
  * values travel in slices of at most max_message_bytes; all shards are

@@ -78,6 +78,13 @@ class TensorDef(ctypes.Structure):
         ("shape", ctypes.c_uint64 * MAX_DIMS),
         ("optim", OptimConfig),
         ("init", c_float_p),
+        ("step", ctypes.c_uint64),
+        ("state_row", c_float_p),
+        ("state_col", c_float_p),
+        ("state_var", c_float_p),
+        ("state_mom", c_float_p),
+        ("rms", ctypes.c_double),
+        ("replace", ctypes.c_int),
     ]
 
 
