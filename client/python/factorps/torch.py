@@ -275,9 +275,9 @@ class _RemoteAdafactorBase(Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """As torch's; a group may hold (name, tensor) pairs (the names are
-        kept under "param_names", as PyTorch >= 2.6 does). In a sync job all
-        groups must exist before the first step (the new tensors would start
-        at another version)."""
+        kept under "param_names", as PyTorch >= 2.6 does). A group added
+        after the first step is created at the next one (its tensors start
+        at version 0 and step with the others)."""
         param_group = dict(param_group)
         ps = param_group["params"]
         if not isinstance(ps, Tensor):
@@ -386,8 +386,10 @@ class _RemoteAdafactorBase(Optimizer):
         policy = self.on_existing or ("overwrite" if loaded is not None else "error")
         existing: Dict[str, Dict[str, Any]] = {}
         if self.worker_id == 0:
-            # Tensors this optimizer created itself are not "existing".
-            existing = self._existing([n for n in names if n not in self._versions])
+            # Tensors this optimizer created itself are not "existing",
+            # unless a loaded state dict is to replace them.
+            existing = self._existing([n for n in names
+                                       if loaded is not None or n not in self._versions])
             if existing and policy == "error":
                 some = sorted(existing)
                 raise AlreadyExistsError(
