@@ -750,7 +750,13 @@ void fps_grpc_stop(fps_server_t *srv, double grace_s) {
 
   struct timespec until;
   clock_gettime(CLOCK_REALTIME, &until);
-  until.tv_sec += (time_t)grace_s;
+  long grace_ns = (long)(grace_s * 1e9);
+  until.tv_sec += grace_ns / 1000000000L;
+  until.tv_nsec += grace_ns % 1000000000L;
+  if (until.tv_nsec >= 1000000000L) {
+    until.tv_sec++;
+    until.tv_nsec -= 1000000000L;
+  }
   pthread_mutex_lock(&t->mu);
   while (!t->done && fps__npollers > 0) {
     if (pthread_cond_timedwait(&t->cv, &t->mu, &until) != 0) break;
@@ -758,7 +764,7 @@ void fps_grpc_stop(fps_server_t *srv, double grace_s) {
   bool done = t->done;
   pthread_mutex_unlock(&t->mu);
   if (!done) {
-    FPS_SLOG(FPS_LOG_WARN, "shutdown: calls still running after %.0f s, cancelling them", grace_s);
+    FPS_SLOG(FPS_LOG_WARN, "shutdown: calls still running after %.1f s, cancelling them", grace_s);
     grpc_server_cancel_all_calls(srv->server);
     pthread_mutex_lock(&t->mu);
     while (!t->done && fps__npollers > 0) pthread_cond_wait(&t->cv, &t->mu);
