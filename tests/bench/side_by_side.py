@@ -121,7 +121,7 @@ def run_factorps(build, tmp, n, w, mode, steps, warmup, wire):
                "--wire-dtype", wire, "--deadline", "900"]
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              timeout=1800)
-        hwm = [vmhwm_mib(p.pid) for p in procs]
+        hwm = [vmhwm_mib(p.pid) for p in procs]  # read before the shards exit
     finally:
         stop(procs)
     m = re.search(r"^RESULT .*$", out.stdout, re.M)
@@ -129,7 +129,7 @@ def run_factorps(build, tmp, n, w, mode, steps, warmup, wire):
         raise RuntimeError(f"factorps load failed ({out.returncode}): {out.stdout[-2000:]}")
     kv = dict(x.split("=", 1) for x in m.group(0).split()[1:])
     return {"steps_per_s": float(kv["steps_per_s"]), "gbps": float(kv["gb_per_s"]),
-            "hwm": max(hwm), "params": int(kv["params"])}
+            "hwm": max(hwm), "hwms": hwm, "params": int(kv["params"])}
 
 
 def run_peer(peers, n, w, mode, steps, warmup):
@@ -145,7 +145,9 @@ def run_peer(peers, n, w, mode, steps, warmup):
     if "error" in r:
         raise RuntimeError(f"peer error: {r['error'][-2000:]}")
     return {"steps_per_s": r["steps_per_s"], "gbps": r["pushed_GBps"],
-            "hwm": max(s["vmhwm_MiB"] for s in r["servers"]), "params": r["params"]}
+            "hwm": max(s["vmhwm_MiB"] for s in r["servers"]),
+            "hwms": [s["vmhwm_MiB"] for s in sorted(r["servers"], key=lambda s: s["shard"])],
+            "params": r["params"]}
 
 
 def iperf3():
@@ -264,7 +266,7 @@ def main():
     hdr = ["params", "W", "mode", "factorps", "peer", "factorps/peer"]
     if a.bf16:
         hdr += ["bf16", "bf16/f32"]
-    hdr += ["GB/s", "/ iperf3", "shard VmHWM MiB", "peer VmHWM MiB"]
+    hdr += ["GB/s", "/ iperf3", "shards' VmHWM MiB", "peer shards' VmHWM MiB"]
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for n, label, w, mode in configs:
@@ -273,14 +275,15 @@ def main():
         b = results.get((label, w, mode, "fps", "bf16"), [])
         fs, ps, bs = (med([r["steps_per_s"] for r in x]) for x in (f, p, b))
         fg = med([r["gbps"] for r in f])
-        fh = max([r["hwm"] for r in f if r["hwm"] == r["hwm"]] or [float("nan")])
-        ph = max([r["hwm"] for r in p if r["hwm"] == r["hwm"]] or [float("nan")])
+        def per_shard(rs):  # each shard's peak over the runs, "shard 0 / shard 1"
+            hs = [r["hwms"] for r in rs if r.get("hwms")]
+            return " / ".join(f"{max(h[i] for h in hs):.0f}" for i in range(2)) if hs else "-"
         row = [label, str(w), mode, f"{fs:.3f}", f"{ps:.3f}" if p else "-",
                f"{fs / ps:.2f}" if p and ps else "-"]
         if a.bf16:
             row += [f"{bs:.3f}", f"{bs / fs:.2f}" if fs else "-"]
-        row += [f"{fg:.2f}", f"{fg / loop:.2f}" if loop == loop else "-", f"{fh:.0f}",
-                f"{ph:.0f}" if p else "-"]
+        row += [f"{fg:.2f}", f"{fg / loop:.2f}" if loop == loop else "-", per_shard(f),
+                per_shard(p)]
         print("| " + " | ".join(row) + " |", flush=True)
     if a.json:
         with open(a.json, "w") as out:
