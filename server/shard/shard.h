@@ -468,6 +468,7 @@ struct fps_shard_s {
   /* ssp: per-worker completed pushes and the parked pushes. */
   pthread_mutex_t ssp_mu;
   uint64_t *ssp_clock;              /* [workers] */
+  bool ssp_started;                 /* clocks start at the first push's step */
   fps_ssp_wait_t *ssp_waits;
   /* Tensors with an open sync round (for the expiry hook). */
   pthread_mutex_t rounds_mu;

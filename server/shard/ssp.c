@@ -3,7 +3,11 @@
  * slowest worker finished a push) lets it go, its call goes away
  * (fps__ssp_unpark) or its deadline passes (fps__ssp_expire, from the
  * expiry hook). A worker's clock is the number of its pushes completed:
- * after a push of step s it is s + 1. */
+ * after a push of step s it is s + 1. Every clock starts at the step of the
+ * first push the shard sees: 0 for a new job, the job's step for a shard
+ * that restarted from a checkpoint or whose tensors were resumed at a step
+ * (with clocks at 0 there, every worker would wait for workers that are
+ * not behind at all, until the deadline). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +25,10 @@ static uint64_t fps__ssp_min_locked(fps_shard_t *sh) {
 
 bool fps__ssp_admit_or_park(fps_shard_t *sh, fps_ssp_wait_t *w) {
   pthread_mutex_lock(&sh->ssp_mu);
+  if (!sh->ssp_started) {
+    for (uint32_t k = 0; k < sh->cfg.workers; k++) sh->ssp_clock[k] = w->step;
+    sh->ssp_started = true;
+  }
   uint64_t min = fps__ssp_min_locked(sh);
   bool go = w->step <= min + sh->cfg.staleness;
   fps_metrics_staleness_observe(w->step > min ? w->step - min : 0);

@@ -345,6 +345,26 @@ class Resume(unittest.TestCase):
         finally:
             a.stop()
 
+    def test_ssp_resume_does_not_wait_for_step_zero(self):
+        # ssp clocks start at the first push's step: workers resuming at
+        # step 10 on a new shard go on, the staleness bound holds from there.
+        import time
+        srv = H.Server("--mode", "ssp", "--workers", 2, "--staleness", 1, "--deadline", 20)
+        try:
+            H.create(srv.stub, "w", [3, 4], np.zeros(12, np.float32))
+            g = {"w": ([3, 4], np.ones(12, np.float32))}
+            t0 = time.monotonic()
+            H.push(srv.stub, 0, 10, g, timeout=20)
+            H.push(srv.stub, 0, 11, g, timeout=20)
+            self.assertLess(time.monotonic() - t0, 2.0)
+            # Worker 0 at 12 would be 2 ahead of worker 1 (clock 10): it waits.
+            self.assertStatus(lambda: H.push(srv.stub, 0, 12, g, timeout=1.0),
+                              self.grpc.StatusCode.DEADLINE_EXCEEDED)
+            H.push(srv.stub, 1, 10, g, timeout=20)
+            H.push(srv.stub, 0, 12, g, timeout=20)
+        finally:
+            srv.stop()
+
     def test_replace_refused_while_round_open(self):
         srv = H.Server("--mode", "sync", "--workers", 2, "--deadline", 20)
         try:
