@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import _support  # noqa: F401  (puts client/python on sys.path)
-from _support import Shards, need_server, run_workers
+from _support import Shards, need_server, run_threads, run_workers
 from factorps.reference import ReferenceAdafactor
 from factorps.torch import RemoteAdafactor, RemoteHFAdafactor
 
@@ -105,6 +105,25 @@ class ResumeTest(unittest.TestCase):
 
     def test_resume_torch_on_new_shards(self):
         self.resume("torch")
+
+    def test_resume_two_sync_workers_on_new_shards(self):
+        # Worker 0 saves; both workers resume from that file (their weights
+        # and the shards' state are the same in a sync job). Threads, not
+        # processes: the one-worker cases above cover the new processes.
+        def job(addrs, steps, save, load):
+            return run_threads(resume_worker, [(addrs, "torch", steps, save if w == 0 else None,
+                                                load, 2, w) for w in range(2)])
+        with tempfile.TemporaryDirectory() as tmp:
+            ck = os.path.join(tmp, "ck.pt")
+            with Shards(2, workers=2) as a:
+                straight = job(a.addrs, 40, None, None)
+            with Shards(2, workers=2) as b:
+                job(b.addrs, 20, ck, None)
+            with Shards(2, workers=2) as c:
+                resumed = job(c.addrs, 20, None, ck)
+        for w in range(2):
+            for n in straight[0]:
+                np.testing.assert_array_equal(resumed[w][n], straight[0][n], f"worker {w}: {n}")
 
     def test_resume_hf_beta1_on_new_shards(self):
         self.resume("hf")

@@ -413,14 +413,14 @@ class Client:
         step = int(t.step or 0)
         if step < 0:
             raise InvalidArgumentError(f"tensor '{t.name}': step must be >= 0, got {step}")
-        if (step or t.replace) and t.init is None:
-            raise InvalidArgumentError(f"tensor '{t.name}': a step or replace needs init values")
+        if (t.state or t.replace) and t.init is None:
+            raise InvalidArgumentError(f"tensor '{t.name}': a state or replace needs init values")
         state = dict(t.state or {})
         bad = set(state) - set(STATE_KINDS)
         if bad:
             raise InvalidArgumentError(f"tensor '{t.name}': unknown state kind(s) {sorted(bad)} "
                                        f"(expected {STATE_KINDS})")
-        if step:
+        if step and t.init is not None:
             want = state_sizes(shape, "mom" in state)
             if set(state) != set(want):
                 raise InvalidArgumentError(

@@ -404,9 +404,13 @@ class _RemoteAdafactorBase(Optimizer):
             for p in g["params"]:
                 name = self._names[id(p)]
                 spec = TensorSpec(name, tuple(p.shape), None, cfg)
+                st = loaded.get(p) if loaded is not None else None
+                if self.worker_id != 0 and st:
+                    # Register at the step worker 0 resumes it at (a Create at
+                    # another step would be refused while it is being created).
+                    spec.step = self._state_arrays(p, name, st, g)[0]
                 if self.worker_id == 0:
                     spec.init = p.detach()
-                    st = loaded.get(p) if loaded is not None else None
                     if name in existing:
                         if policy == "overwrite":
                             spec.replace = True
