@@ -135,6 +135,7 @@ static void fz__check_reply(fz_call_t *c, grpc_byte_buffer *bb) {
     case FZ_PULL: m = (ProtobufCMessage *)factorps__v1__pull_response__unpack(NULL, len, buf); break;
     case FZ_STATS: m = (ProtobufCMessage *)factorps__v1__stats_response__unpack(NULL, len, buf); break;
     case FZ_CHECKPOINT: m = (ProtobufCMessage *)factorps__v1__checkpoint_response__unpack(NULL, len, buf); break;
+    case FZ_GETSTATE: m = (ProtobufCMessage *)factorps__v1__get_state_response__unpack(NULL, len, buf); break;
   }
   if (!m) {
     fprintf(stderr, "fuzz: method %d sent a reply that does not decode (%zu bytes)\n", (int)c->method, len);
@@ -250,6 +251,7 @@ fz_call_t *fz_call_start(fps_server_t *srv, fz_method_t m, const uint8_t *reques
     case FZ_PULL: fps_rpc_pull_start(srv, (grpc_call *)c, deadline, &md, payload); break;
     case FZ_STATS: fps_rpc_stats_start(srv, (grpc_call *)c, deadline, &md, payload); break;
     case FZ_CHECKPOINT: fps_rpc_checkpoint_start(srv, (grpc_call *)c, deadline, &md, payload); break;
+    case FZ_GETSTATE: fps_rpc_getstate_start(srv, (grpc_call *)c, deadline, &md, payload); break;
     case FZ_PUSHPULL:
       if (payload) grpc_byte_buffer_destroy(payload);
       fps_rpc_pushpull_start(srv, (grpc_call *)c, deadline, &md);

@@ -1,5 +1,5 @@
 /* Shared harness of the gRPC-side fuzz targets (fuzz_create, fuzz_pull,
- * fuzz_stats, fuzz_pushpull).
+ * fuzz_stats, fuzz_pushpull, fuzz_ckpt_rpc, fuzz_getstate).
  *
  * The targets drive the shard's real request path: the method entry points
  * of server/rpc_*.c, the call base of server/grpc_server.c, wire.c's
@@ -27,7 +27,7 @@
 
 #include "server.h"
 
-typedef enum fz_method_e { FZ_CREATE, FZ_PUSHPULL, FZ_PULL, FZ_STATS, FZ_CHECKPOINT } fz_method_t;
+typedef enum fz_method_e { FZ_CREATE, FZ_PUSHPULL, FZ_PULL, FZ_STATS, FZ_CHECKPOINT, FZ_GETSTATE } fz_method_t;
 
 typedef struct fz_call_s fz_call_t;
 

@@ -198,6 +198,39 @@ static void seeds_create(void) {
   put_msg(T, "wrong-shard", &req);
   RESET();
   put_msg(T, "empty", &req);
+  /* Resume at step 3 with the whole state (row 8, col 4), and replace "b"
+   * at step 2 with its var state. */
+  {
+    Factorps__V1__StateSlice st[3], *stp[3];
+    float pos[8] = {0.5f, 0.25f, 1.0f, 2.0f, 0.125f, 0.0f, 3.0f, 0.75f}; /* second moments >= 0 */
+    for (int k = 0; k < 3; k++) factorps__v1__state_slice__init(&st[k]);
+    st[0].kind = FACTORPS__V1__STATE_KIND__STATE_ROW;
+    st[0].data.data = (uint8_t *)pos;
+    st[0].data.len = 32;
+    st[1].kind = FACTORPS__V1__STATE_KIND__STATE_COL;
+    st[1].data.data = (uint8_t *)pos;
+    st[1].data.len = 16;
+    st[2].kind = FACTORPS__V1__STATE_KIND__STATE_VAR;
+    st[2].data.data = (uint8_t *)pos;
+    st[2].data.len = 12;
+    for (int k = 0; k < 3; k++) stp[k] = &st[k];
+    RESET();
+    TC(0, "resumed", s84, &torch);
+    INIT(0, FACTORPS__V1__DTYPE__DTYPE_F32, F, 128, 0);
+    tc[0].step = 3;
+    tc[0].n_init_state = 2;
+    tc[0].init_state = stp;
+    put_msg(T, "resume-step-3", &req);
+    RESET();
+    TC(0, "b", s3, &torch);
+    INIT(0, FACTORPS__V1__DTYPE__DTYPE_F32, F, 12, 0);
+    tc[0].step = 2;
+    tc[0].replace = true;
+    tc[0].n_init_state = 1;
+    tc[0].init_state = stp + 2;
+    put_msg(T, "replace-b-step-2", &req);
+    RESET();
+  }
 }
 
 /* -------------------------------------------------------- Pull, Stats */
@@ -226,6 +259,29 @@ static void seeds_pull(void) {
   names[0] = "w";
   names[1] = "w";
   names[2] = "b";
+  r.n_names = 3;
+  put_msg(T, "repeated", &r);
+  r.n_names = 0;
+  put_msg(T, "empty", &r);
+}
+
+static void seeds_getstate(void) {
+  const char *T = "fuzz_getstate";
+  char *names[3];
+  Factorps__V1__GetStateRequest r = FACTORPS__V1__GET_STATE_REQUEST__INIT;
+  r.names = names;
+  names[0] = "w";
+  names[1] = "b";
+  r.n_names = 2;
+  put_msg(T, "w-b", &r);
+  names[0] = "half";
+  r.n_names = 1;
+  put_msg(T, "not-ready", &r);
+  names[0] = "missing";
+  put_msg(T, "not-found", &r);
+  names[0] = "w";
+  names[1] = "b";
+  names[2] = "w";
   r.n_names = 3;
   put_msg(T, "repeated", &r);
   r.n_names = 0;
@@ -343,6 +399,54 @@ static void seeds_pushpull(void) {
   b_close(&b, 1);
   m.worker_id = 0;
   put(T, "sync-2-workers", b.b, b.n);
+  /* Per-push settings: sync, 2 workers, lr/weight decay for w (worker 1
+   * disagrees on lr), num_workers and expect_mode set. */
+  {
+    Factorps__V1__PushPullRequest__TensorPush tp = FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__INIT, *tpp = &tp;
+    tp.name = "w";
+    tp.has_lr_case = FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__HAS_LR_LR;
+    tp.lr = 0.05;
+    tp.has_weight_decay_case = FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__HAS_WEIGHT_DECAY_WEIGHT_DECAY;
+    tp.weight_decay = 0.01;
+    b.n = 0;
+    b_byte(&b, cfg(1, 2, 0));
+    one(&m, &s[0], &sp[0], "w", s43, 2, F32, F, 48, 0);
+    m.tensors = &tpp;
+    m.n_tensors = 1;
+    m.num_workers = 2;
+    m.expect_mode = FACTORPS__V1__MODE__MODE_SYNC;
+    m.worker_id = 0;
+    b_msg(&b, 0, &m);
+    m.worker_id = 1;
+    tp.lr = 0.5;
+    b_msg(&b, 1, &m);
+    b_close(&b, 0);
+    b_close(&b, 1);
+    put(T, "sync-tensor-push-disagree", b.b, b.n);
+    /* async: w no_grad (settings only), b pushed at its own step 4. */
+    Factorps__V1__PushPullRequest__TensorPush t2[2] = {FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__INIT,
+                                                       FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__INIT};
+    Factorps__V1__PushPullRequest__TensorPush *t2p[2] = {&t2[0], &t2[1]};
+    t2[0].name = "w";
+    t2[0].no_grad = true;
+    t2[1].name = "b";
+    t2[1].has_step_case = FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__HAS_STEP_STEP;
+    t2[1].step = 4;
+    b.n = 0;
+    b_byte(&b, cfg(2, 1, 0));
+    one(&m, &s[0], &sp[0], "b", s3, 1, F32, F, 12, 0);
+    m.tensors = t2p;
+    m.n_tensors = 2;
+    m.worker_id = 0;
+    m.num_workers = 0;
+    m.expect_mode = FACTORPS__V1__MODE__MODE_ASYNC;
+    b_msg(&b, 0, &m);
+    b_close(&b, 0);
+    put(T, "async-no-grad-tensor-step", b.b, b.n);
+    m.tensors = NULL;
+    m.n_tensors = 0;
+    m.expect_mode = 0;
+  }
   /* sync, 2 workers: one pushes, then cancels while waiting. */
   b.n = 0;
   b_byte(&b, cfg(1, 2, 0));
@@ -554,6 +658,7 @@ int main(int argc, char **argv) {
   }
   seeds_create();
   seeds_pull();
+  seeds_getstate();
   seeds_stats();
   seeds_pushpull();
   seeds_http();

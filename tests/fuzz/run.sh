@@ -7,7 +7,7 @@
 #                                       a time (default 1), logs and new inputs
 #                                       in build-fuzz/fuzz-runs/; prints the
 #                                       executions of each run
-# Targets: fuzz_create fuzz_pull fuzz_stats fuzz_pushpull fuzz_ckpt_rpc fuzz_http fuzz_checkpoint
+# Targets: fuzz_create fuzz_pull fuzz_stats fuzz_pushpull fuzz_ckpt_rpc fuzz_getstate fuzz_http fuzz_checkpoint
 # Environment: FPS_FUZZ_BUILD (build dir, default build-fuzz), CC (default clang).
 # Exit status: 0 if every run ended without a crash, leak or sanitizer report.
 # A crashing input is left as build-fuzz/fuzz-runs/<target>-crash-*: copy
@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-all=(fuzz_create fuzz_pull fuzz_stats fuzz_pushpull fuzz_ckpt_rpc fuzz_http fuzz_checkpoint)
+all=(fuzz_create fuzz_pull fuzz_stats fuzz_pushpull fuzz_ckpt_rpc fuzz_getstate fuzz_http fuzz_checkpoint)
 build=${FPS_FUZZ_BUILD:-build-fuzz}
 jobs=1
 ci=0
