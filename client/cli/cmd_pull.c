@@ -2,7 +2,9 @@
  * tensors on the shards (Stats), pulls them, and prints version, shape and
  * a summary (min, max, mean, RMS, first values), or writes the raw
  * little-endian fp32 values to --out (one file, tensors concatenated in the
- * order named). */
+ * order named). --state adds each tensor's optimizer state (GetState): step,
+ * hf RMS, the last applied lr and weight decay, and a summary of every state
+ * array. */
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
@@ -14,9 +16,11 @@
 
 static void usage(FILE *out) {
   fprintf(out,
-          "usage: factorps pull --shards HOST:PORT[,...] [--out FILE] [--deadline S] NAME...\n"
+          "usage: factorps pull --shards HOST:PORT[,...] [--out FILE] [--state] [--deadline S] NAME...\n"
           "Prints each tensor's shard, version, shape and a summary of its values; with --out,\n"
           "writes the values as raw little-endian float32, tensors in the order named.\n"
+          "--state also prints the optimizer state: step, RMS (hf), the lr and weight decay of\n"
+          "the last update, and a summary of each state array (row, col, var, mom).\n"
           "--shards defaults to $FACTORPS_SHARDS.\n" FPS_CLI_SEC_USAGE);
 }
 
@@ -35,17 +39,49 @@ static void summary(const float *v, uint64_t n) {
   printf("%s\n", n > 8 ? " ..." : "");
 }
 
+/* The optimizer state of one tensor: figures and a summary of each array.
+ * Returns 0, or the status code. */
+static int print_state(fps_client_t *c, const char *name, uint64_t numel, fps_status_t *status) {
+  float *a[4] = {NULL, NULL, NULL, NULL};
+  fps_tensor_state_t in;
+  const char *const names[1] = {name};
+  int rc = fps_client_get_state(c, names, 1, &in, NULL, NULL, NULL, NULL, status);
+  if (rc) return rc;
+  uint64_t n[4] = {in.row_elements, in.col_elements, in.var_elements, in.mom_elements};
+  for (int k = 0; k < 4; k++)
+    if (n[k] && !(a[k] = malloc(n[k] * sizeof(float)))) {
+      rc = FPS_CODE_RESOURCE_EXHAUSTED;
+      snprintf(status->message, sizeof status->message, "out of memory for the state of '%s'", name);
+      goto out;
+    }
+  float *const row[1] = {a[0]}, *const col[1] = {a[1]}, *const var[1] = {a[2]}, *const mom[1] = {a[3]};
+  if ((rc = fps_client_get_state(c, names, 1, &in, row, col, var, mom, status))) goto out;
+  printf("  state: step %llu  rms %.6g  last lr %.6g  weight_decay %.6g  %llu elements (AdamW: %llu)\n",
+         (unsigned long long)in.step, in.rms, in.lr, in.weight_decay,
+         (unsigned long long)(n[0] + n[1] + n[2] + n[3]), (unsigned long long)(2 * numel));
+  static const char *const kn[4] = {"row", "col", "var", "mom"};
+  for (int k = 0; k < 4; k++) {
+    if (!n[k]) continue;
+    printf("  %s (%llu):", kn[k], (unsigned long long)n[k]);
+    summary(a[k], n[k]);
+  }
+out:
+  for (int k = 0; k < 4; k++) free(a[k]);
+  return rc;
+}
+
 int fps_cli_pull(int argc, char **argv) {
   static const struct option longopts[] = {{"shards", required_argument, NULL, 's'},
                                            {"out", required_argument, NULL, 'o'},
                                            {"deadline", required_argument, NULL, 'd'},
+                                           {"state", no_argument, NULL, 'S'},
                                            {"help", no_argument, NULL, 'h'},
                                            FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
   const char *shards = fps_cli_env_shards(), *out_path = NULL;
   fps_cli_sec_t sec = {0};
   double deadline = 60;
-  int opt, rc = 1;
+  int opt, rc = 1, want_state = 0;
   char **addrs = NULL;
   size_t n = 0;
   fps_client_t *c = NULL;
@@ -58,6 +94,7 @@ int fps_cli_pull(int argc, char **argv) {
     switch (opt) {
       case 's': shards = optarg; break;
       case 'o': out_path = optarg; break;
+      case 'S': want_state = 1; break;
       case 'd':
         if (fps_cli_double(optarg, "--deadline", 0.001, 86400, &deadline)) return 2;
         break;
@@ -114,6 +151,7 @@ int fps_cli_pull(int argc, char **argv) {
     } else {
       summary(buf, numel);
     }
+    if (want_state && print_state(c, name, numel, &status)) goto fail;
   }
   if (out && fclose(out)) {
     out = NULL;

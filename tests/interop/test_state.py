@@ -4,6 +4,8 @@ refusal with its exact status and message, state unchanged; a large state
 over several messages, covered exactly; a state read at one version while
 pushes run) and Create with step / init_state / rms / replace (resume on a
 new, empty shard continues bit for bit; every refusal changes nothing)."""
+import os
+import subprocess
 import threading
 import unittest
 
@@ -98,6 +100,29 @@ class GetState(unittest.TestCase):
             get_state(self.srv.stub, ["w"])
         _, ts1 = H.stats(self.srv.stub)
         self.assertEqual(ts0["w"].version, ts1["w"].version)
+
+
+class Cli(unittest.TestCase):
+    def test_pull_state(self):
+        cli = os.environ.get("FPS_CLI", os.path.join(H.REPO, "build", "client", "factorps"))
+        if not os.path.exists(cli):
+            self.skipTest("factorps CLI not built")
+        srv = H.Server("--mode", "async")
+        try:
+            H.create(srv.stub, "w", [3, 4], np.zeros(12, np.float32))
+            H.push(srv.stub, 0, 0, {"w": ([3, 4], np.full(12, 2.0, np.float32))})
+            out = subprocess.run([cli, "pull", "--shards", srv.addr, "--state", "w"], capture_output=True,
+                                 text=True, timeout=30)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            for w in ("w  shard 0  version 1", "state: step 1", "last lr 0.01", "7 elements (AdamW: 24)",
+                      "row (3):  min 4  max 4", "col (4):  min 4  max 4"):
+                self.assertIn(w, out.stdout)
+            bad = subprocess.run([cli, "pull", "--shards", srv.addr, "--state", "nope"], capture_output=True,
+                                 text=True, timeout=30)
+            self.assertEqual(bad.returncode, 1)
+            self.assertIn("'nope'", bad.stderr)
+        finally:
+            srv.stop()
 
 
 class BigState(unittest.TestCase):
