@@ -10,10 +10,13 @@
  *     wire.c      protobuf-c <-> core types (hyperparameters, slices)
  *     reply.c     streams tensor snapshots back as size-bounded messages
  *     status.c    the one FPS_E* -> gRPC status table
- *   transport     gRPC only
- *     grpc_server.c  completion queue, poller threads, request slots and
- *                 the per-call base state machine (send/recv/status)
+ *   transport     gRPC only, in two halves around the handlers:
+ *     grpc_server.c  (above them) completion queue, poller threads,
+ *                 request slots, admission, the method table that starts
+ *                 the handlers, start/stop
  *     auth.c      TLS credentials, bearer tokens (call limit: grpc_server.c)
+ *     call.c      (below them) the call object every handler uses:
+ *                 begin/recv/send/fail, unpack/pack, the live-call list
  *   shard core    shard/shard.h (its own map): tensors, store rules, the one
  *                 apply-and-snapshot path, sync rounds, ssp waits,
  *                 checkpoints; no gRPC, no protobuf-c (library fps_shard)
@@ -197,7 +200,7 @@ struct fps_server_s {
   uint64_t ncalls;
 };
 
-/* grpc_server.c */
+/* grpc_server.c (fps_calls_* are call.c's) */
 int fps_grpc_start(fps_server_t *srv);
 /* Stops accepting, gives in-flight calls up to grace_s, cancels the rest. */
 void fps_grpc_stop(fps_server_t *srv, double grace_s);
