@@ -49,7 +49,11 @@ as the local optimizer and what is not:
   hold, redoes the push of what was not applied, and logs once (logger
   "factorps.torch") how many updates were lost; it gives up with the error
   after `recovery_timeout` seconds. A shard that restarted empty (no
-  checkpoint) raises NotFoundError.
+  checkpoint) raises NotFoundError. In a multi-worker sync job a restore can
+  leave the workers pairing their pushes one step apart (only a worker that
+  got the last round's reply before the kill knows it completed); a worker
+  whose round partner then never comes drops that one update after the round
+  deadline.
 - `foreach` is accepted and ignored (the shards run their own kernels).
 """
 
