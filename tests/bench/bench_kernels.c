@@ -7,7 +7,9 @@
  * time, with the byte count from fps_adafactor_step_bytes() (20 B/elem
  * factored, 32 B/elem for a vector; adafactor_step.c explains them). The
  * same run measures a STREAM-style triad a[i] = b[i] + s*c[i] over three
- * 128 MiB arrays (4x the L3 here), counted as STREAM does (24 B/elem,
+ * 128 MiB arrays (--triad-mib; STREAM wants each array at least 4x the
+ * last-level cache, which 128 MiB is on a 32 MiB L3 but not on a 260 MiB
+ * one), counted as STREAM does (24 B/elem,
  * write-allocate traffic not counted), with its reps interleaved with the
  * kernel reps so that a busy machine slows both alike. The triad figure is
  * the best of N reps, as STREAM reports it; each kernel's best rep is set
@@ -55,8 +57,8 @@ static float frand(void) {
 
 /* ---- triad ---- */
 
-/* Three 128 MiB double arrays: 4x the L3 here, so a triad streams from
- * DRAM. Allocated once; one rep = one pass over them. */
+/* Three double arrays of `mib` MiB each (default 128: 4x a 32 MiB L3, so
+ * the triad streams from DRAM there). Allocated once; one rep = one pass. */
 typedef struct triad_s {
   double *a, *b, *c;
   size_t n, nchunks;
@@ -70,8 +72,8 @@ static void triad_chunk(void *arg, size_t k) {
   for (size_t i = lo; i < hi; i++) a[i] = b[i] + 3.0 * c[i];
 }
 
-static void triad_init(triad_t *t) {
-  t->n = (size_t)16 << 20;
+static void triad_init(triad_t *t, size_t mib) {
+  t->n = mib << 17; /* doubles */
   t->nchunks = 64;
   t->a = malloc(t->n * 8), t->b = malloc(t->n * 8), t->c = malloc(t->n * 8);
   if (!t->a || !t->b || !t->c) {
@@ -158,16 +160,24 @@ static void bench_stream_kernels(int reps) {
 
 int main(int argc, char **argv) {
   int reps = 9;
+  size_t triad_mib = 128;
   const char *only_shape = NULL, *only_simd = NULL;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) reps = 3;
     else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--shape") && i + 1 < argc) only_shape = argv[++i];
     else if (!strcmp(argv[i], "--simd") && i + 1 < argc) only_simd = argv[++i];
+    else if (!strcmp(argv[i], "--triad-mib") && i + 1 < argc) triad_mib = (size_t)atol(argv[++i]);
     else {
-      fprintf(stderr, "usage: %s [--quick] [--reps N] [--shape LABEL|stream] [--simd NAME]\n", argv[0]);
+      fprintf(stderr,
+              "usage: %s [--quick] [--reps N] [--shape LABEL|stream] [--simd NAME] [--triad-mib M]\n",
+              argv[0]);
       return 2;
     }
+  }
+  if (triad_mib < 1 || triad_mib > 8192) {
+    fprintf(stderr, "--triad-mib must be 1..8192\n");
+    return 2;
   }
   if (reps < 1 || reps > 64) {
     fprintf(stderr, "--reps must be 1..64\n");
@@ -181,9 +191,9 @@ int main(int argc, char **argv) {
   if (nt > 1 && fps_pool_create(&pools[1], (unsigned)ncpu) != 0) return 1;
 
   triad_t tri;
-  triad_init(&tri);
+  triad_init(&tri, triad_mib);
   printf("# Adafactor step (torch defaults) vs a STREAM-style triad a = b + s*c over\n"
-         "# 3 x 128 MiB double arrays (24 B/elem counted, as STREAM does). Triad and\n"
+         "# 3 x %zu MiB double arrays (24 B/elem counted, as STREAM does). Triad and\n"
          "# kernel reps are interleaved round-robin, so both see the same machine load;\n"
          "# %d reps after 2 warm-ups: ms/step and GB/s are medians, best ms and best GB/s the\n"
          "# fastest rep; the triad is the best rep, as STREAM reports it, and %% of triad is\n"
@@ -191,7 +201,7 @@ int main(int argc, char **argv) {
          "# kernel bytes/elem: factored 20 (pass A reads g,p; pass C reads g,p, writes p),\n"
          "#   vector 32 (pass A reads g,p,v, writes v; pass C reads g,v,p, writes p);\n"
          "#   + the row/col state (negligible).\n\n",
-         reps);
+         triad_mib, reps);
 
   const shape_case_t shapes[] = {
       {"1024x1024", {.ndim = 2, .dim = {1024, 1024}}},
