@@ -51,7 +51,7 @@ while (($#)); do
     --build-only) build_only=1 ;;
     --prebuilt) prebuilt=1 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "$usage" >&2; exit 2 ;;
   esac
   shift
