@@ -123,7 +123,7 @@ int fps_kernels_by_name(const char *name, const fps_kernels_t **out, char *why, 
 #endif
     return FPS_EUNSUPPORTED;
   }
-  set_why(why, why_len, "unknown SIMD variant '%s' (expected scalar, avx2, avx512 or neon)", name);
+  set_why(why, why_len, "unknown SIMD variant '%s' (expected auto, scalar, avx2, avx512 or neon)", name);
   return FPS_EINVAL;
 }
 
