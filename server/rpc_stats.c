@@ -1,5 +1,6 @@
-/* Stats: per-shard and per-tensor figures (unary). Each tensor is read
- * under its own lock, briefly, so Stats never stalls pushes for long. */
+/* Stats: per-shard and per-tensor figures (unary). The core reads them
+ * (fps_shard_view: each tensor under its own lock, briefly, so Stats never
+ * stalls pushes for long); this handler encodes them. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -11,10 +12,6 @@ typedef struct fps_stats_call_s {
 
 static void fps__stats_destroy(fps_call_t *c) { free(c); }
 
-static int fps__cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
 
 static void fps__state_fill(Factorps__V1__StateSize *o, const fps_state_size_t *s) {
   factorps__v1__state_size__init(o);
@@ -39,40 +36,28 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   Factorps__V1__ApplyRecord *recs = NULL, **recp = NULL;
   uint64_t *shapes = NULL;
   size_t nt = 0, nrec = 0;
-  fps_state_size_t total;
-  memset(&total, 0, sizeof total);
-
-  pthread_rwlock_rdlock(&shard->store.mu);
-  uint64_t count = shard->store.count;
-  if (req->include_tensors && count) {
-    uint32_t lim = req->apply_log_limit < srv->cfg.apply_log ? req->apply_log_limit : srv->cfg.apply_log;
-    ts = calloc(count, sizeof *ts);
-    tsp = calloc(count, sizeof *tsp);
-    tstate = calloc(count, sizeof *tstate);
-    shapes = calloc(count * FPS_MAX_DIMS, sizeof *shapes);
-    if (lim) {
-      recs = calloc(count * lim, sizeof *recs);
-      recp = calloc(count * lim, sizeof *recp);
-    }
-    if (!ts || !tsp || !tstate || !shapes || (lim && (!recs || !recp))) {
-      pthread_rwlock_unlock(&shard->store.mu);
-      fps_call_fail(&sc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Stats: out of memory for %llu tensors",
-                    (unsigned long long)count);
+  fps_shard_view_t v;
+  if (fps_shard_view(shard, req->include_tensors, req->apply_log_limit, &v) < 0) {
+    fps_call_fail(&sc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Stats: out of memory for the shard's tensors");
+    return;
+  }
+  size_t logs = 0;
+  for (size_t i = 0; i < v.n; i++) logs += v.t[i].nlog;
+  if (v.n) {
+    ts = calloc(v.n, sizeof *ts);
+    tsp = calloc(v.n, sizeof *tsp);
+    tstate = calloc(v.n, sizeof *tstate);
+    shapes = calloc(v.n * FPS_MAX_DIMS, sizeof *shapes);
+    recs = calloc(logs ? logs : 1, sizeof *recs);
+    recp = calloc(logs ? logs : 1, sizeof *recp);
+    if (!ts || !tsp || !tstate || !shapes || !recs || !recp) {
+      fps_call_fail(&sc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Stats: out of memory for %zu tensors", v.n);
       goto out;
     }
   }
-  uint64_t param_elements = 0;
-  for (fps_tensor_t *t = shard->store.first; t; t = t->next) {
-    param_elements += t->numel;
-    total.row += t->size.row;
-    total.col += t->size.col;
-    total.var += t->size.var;
-    total.mom += t->size.mom;
-    total.elements += t->size.elements;
-    total.bytes += t->size.bytes;
-    total.adamw_elements += t->size.adamw_elements;
-    total.adamw_bytes += t->size.adamw_bytes;
-    if (!ts) continue;
+  for (; nt < v.n; nt++) {
+    const fps_tensor_view_t *tv = &v.t[nt];
+    const fps_tensor_t *t = tv->t;
     Factorps__V1__TensorStats *o = &ts[nt];
     factorps__v1__tensor_stats__init(o);
     o->name = t->name;
@@ -85,16 +70,12 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
     o->param_bytes = t->numel * 4;
     fps__state_fill(&tstate[nt], &t->size);
     o->state = &tstate[nt];
-    uint32_t lim = req->apply_log_limit < srv->cfg.apply_log ? req->apply_log_limit : srv->cfg.apply_log;
-    pthread_mutex_lock(&t->mu);
-    o->version = t->version;
-    o->ready = t->ready;
-    if (lim && t->log_len) {
-      uint32_t take = t->log_len < lim ? t->log_len : lim;
+    o->version = tv->version;
+    o->ready = tv->ready;
+    if (tv->nlog) {
       o->apply_log = recp + nrec;
-      for (uint32_t k = 0; k < take; k++) {
-        /* Oldest first among the last `take` records. */
-        const fps_apply_rec_t *a = &t->log[(t->log_head + t->log_len - take + k) % t->log_cap];
+      for (uint32_t k = 0; k < tv->nlog; k++) {
+        const fps_apply_rec_t *a = &tv->log[k];
         factorps__v1__apply_record__init(&recs[nrec]);
         recs[nrec].worker_id = a->worker_id;
         recs[nrec].step = a->step;
@@ -104,15 +85,14 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
         recp[nrec] = &recs[nrec];
         nrec++;
       }
-      o->n_apply_log = take;
+      o->n_apply_log = tv->nlog;
     }
-    pthread_mutex_unlock(&t->mu);
     tsp[nt] = o;
-    nt++;
   }
-  pthread_rwlock_unlock(&shard->store.mu);
+  uint64_t count = v.tensors;
+  uint64_t param_elements = v.param_elements;
+  fps_state_size_t total = v.state;
 
-  fps_counters_t *c = &shard->counters;
   sh.shard_id = srv->cfg.shard_id;
   sh.shard_count = srv->cfg.shard_count;
   sh.mode = (Factorps__V1__Mode)srv->cfg.mode;
@@ -125,25 +105,17 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   sh.param_bytes = param_elements * 4;
   fps__state_fill(&sh_state, &total);
   sh.state = &sh_state;
-  sh.pushes = atomic_load(&c->pushes);
-  sh.push_errors = atomic_load(&c->push_errors);
-  sh.updates = atomic_load(&c->updates);
-  sh.bytes_received = atomic_load(&c->bytes_received);
-  sh.bytes_sent = atomic_load(&c->bytes_sent);
-  sh.update_bytes = atomic_load(&c->update_bytes);
-  double lat[FPS_LATENCY_RING];
-  pthread_mutex_lock(&c->mu);
-  sh.push_seconds_sum = c->push_seconds_sum;
-  sh.update_seconds_sum = c->update_seconds_sum;
-  uint32_t nl = c->latency_n;
-  memcpy(lat, c->latency, sizeof lat);
-  pthread_mutex_unlock(&c->mu);
-  if (nl) {
-    qsort(lat, nl, sizeof lat[0], fps__cmp_double);
-    sh.push_seconds_p50 = lat[(nl - 1) / 2];
-    sh.push_seconds_p99 = lat[(size_t)((nl - 1) * 0.99)];
-  }
-  sh.uptime_seconds = (double)(fps_now_ns() - shard->started_ns) / 1e9;
+  sh.pushes = v.pushes;
+  sh.push_errors = v.push_errors;
+  sh.updates = v.updates;
+  sh.bytes_received = v.bytes_received;
+  sh.bytes_sent = v.bytes_sent;
+  sh.update_bytes = v.update_bytes;
+  sh.push_seconds_sum = v.push_seconds_sum;
+  sh.update_seconds_sum = v.update_seconds_sum;
+  sh.push_seconds_p50 = v.push_seconds_p50;
+  sh.push_seconds_p99 = v.push_seconds_p99;
+  sh.uptime_seconds = v.uptime_seconds;
   resp.shard = &sh;
   resp.n_tensors = nt;
   resp.tensors = tsp;
@@ -152,6 +124,7 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   else
     fps_call_send(&sc->base, bb, true); /* final: on failure the call is already released */
 out:
+  fps_shard_view_free(&v);
   free(ts);
   free(tsp);
   free(tstate);

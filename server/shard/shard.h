@@ -297,6 +297,38 @@ int fps_shard_state_snap(fps_shard_t *sh, const char *name, fps_state_snap_t *ou
 const float *fps_state_snap_array(const fps_state_snap_t *s, int kind);
 void fps_state_snap_release(fps_shard_t *sh, fps_state_snap_t *s);
 
+/* The shard as Stats shows it. One tensor: what changes is copied under
+ * its lock; name, shape, settings and state sizes are constant and read
+ * through t. */
+typedef struct fps_tensor_view_s {
+  const fps_tensor_t *t;
+  uint64_t version;
+  bool ready;
+  uint32_t nlog;              /* apply records in log, oldest first */
+  const fps_apply_rec_t *log; /* into the view's storage */
+} fps_tensor_view_t;
+
+typedef struct fps_shard_view_s {
+  uint64_t tensors;           /* tensors in the store */
+  uint64_t param_elements;    /* their elements */
+  fps_state_size_t state;     /* their optimizer state, summed */
+  fps_tensor_view_t *t;       /* per tensor in creation order (with_tensors), else NULL */
+  size_t n;
+  fps_apply_rec_t *recs;      /* storage of every view's log */
+  /* The counters (fps_counters_t) at the time of the view. */
+  uint64_t pushes, push_errors, updates, bytes_received, bytes_sent, update_bytes;
+  double push_seconds_sum, update_seconds_sum;
+  double push_seconds_p50, push_seconds_p99; /* of the recent pushes, 0: none */
+  double uptime_seconds;
+} fps_shard_view_t;
+
+/* Reads the shard: totals always; with with_tensors, one view per tensor
+ * (each under its own lock, briefly) with up to log_limit of its newest
+ * apply records. Returns 0 or FPS_ENOMEM (nothing to free then). Free
+ * with fps_shard_view_free(). Thread-safe. */
+int fps_shard_view(fps_shard_t *sh, bool with_tensors, uint32_t log_limit, fps_shard_view_t *out);
+void fps_shard_view_free(fps_shard_view_t *v);
+
 /* ---------------------------------------------------------------- create */
 
 /* One TensorCreate: the hyperparameters are decoded (and validated) by

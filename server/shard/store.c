@@ -379,6 +379,80 @@ void fps_state_snap_release(fps_shard_t *sh, fps_state_snap_t *s) {
   s->data = NULL;
 }
 
+static int fps__cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+int fps_shard_view(fps_shard_t *sh, bool with_tensors, uint32_t log_limit, fps_shard_view_t *v) {
+  memset(v, 0, sizeof *v);
+  if (log_limit > sh->cfg.apply_log) log_limit = sh->cfg.apply_log;
+  pthread_rwlock_rdlock(&sh->store.mu);
+  uint64_t count = sh->store.count;
+  v->tensors = count;
+  if (with_tensors && count) {
+    v->t = calloc(count, sizeof *v->t);
+    v->recs = log_limit ? calloc(count * log_limit, sizeof *v->recs) : NULL;
+    if (!v->t || (log_limit && !v->recs)) {
+      pthread_rwlock_unlock(&sh->store.mu);
+      fps_shard_view_free(v);
+      return FPS_ENOMEM;
+    }
+  }
+  size_t nrec = 0;
+  for (fps_tensor_t *t = sh->store.first; t; t = t->next) {
+    v->param_elements += t->numel;
+    v->state.row += t->size.row;
+    v->state.col += t->size.col;
+    v->state.var += t->size.var;
+    v->state.mom += t->size.mom;
+    v->state.elements += t->size.elements;
+    v->state.bytes += t->size.bytes;
+    v->state.adamw_elements += t->size.adamw_elements;
+    v->state.adamw_bytes += t->size.adamw_bytes;
+    if (!v->t) continue;
+    fps_tensor_view_t *o = &v->t[v->n++];
+    o->t = t;
+    pthread_mutex_lock(&t->mu);
+    o->version = t->version;
+    o->ready = t->ready;
+    uint32_t take = t->log_len < log_limit ? t->log_len : log_limit;
+    o->log = v->recs + nrec;
+    o->nlog = take;
+    /* Oldest first among the last `take` records. */
+    for (uint32_t k = 0; k < take; k++) v->recs[nrec++] = t->log[(t->log_head + t->log_len - take + k) % t->log_cap];
+    pthread_mutex_unlock(&t->mu);
+  }
+  pthread_rwlock_unlock(&sh->store.mu);
+  fps_counters_t *c = &sh->counters;
+  v->pushes = atomic_load(&c->pushes);
+  v->push_errors = atomic_load(&c->push_errors);
+  v->updates = atomic_load(&c->updates);
+  v->bytes_received = atomic_load(&c->bytes_received);
+  v->bytes_sent = atomic_load(&c->bytes_sent);
+  v->update_bytes = atomic_load(&c->update_bytes);
+  double lat[FPS_LATENCY_RING];
+  pthread_mutex_lock(&c->mu);
+  v->push_seconds_sum = c->push_seconds_sum;
+  v->update_seconds_sum = c->update_seconds_sum;
+  uint32_t nl = c->latency_n;
+  memcpy(lat, c->latency, sizeof lat);
+  pthread_mutex_unlock(&c->mu);
+  if (nl) {
+    qsort(lat, nl, sizeof lat[0], fps__cmp_double);
+    v->push_seconds_p50 = lat[(nl - 1) / 2];
+    v->push_seconds_p99 = lat[(size_t)((nl - 1) * 0.99)];
+  }
+  v->uptime_seconds = (double)(fps_now_ns() - sh->started_ns) / 1e9;
+  return 0;
+}
+
+void fps_shard_view_free(fps_shard_view_t *v) {
+  free(v->t);
+  free(v->recs);
+  memset(v, 0, sizeof *v);
+}
+
 /* ------------------------------------------------------------- rules */
 
 const char *fps_mode_name(int mode) {

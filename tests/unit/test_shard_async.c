@@ -159,8 +159,52 @@ static void no_grad_and_skip_params(void **unused) {
   fx_shard_free(&sh);
 }
 
+static void view_shows_totals_log_and_counters(void **unused) {
+  (void)unused;
+  fps_shard_t sh;
+  fx_shard(&sh, FPS_MODE_ASYNC, 1, 0);
+  float v[N], g[N];
+  fx_fill(v, N, 16);
+  fx_fill(g, N, 17);
+  const uint64_t small[] = {5};
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, v), 0);
+  assert_int_equal(fx_create(&sh, "b", small, 1, v), 0);
+  fx_done_t d;
+  for (uint64_t s = 0; s < 3; s++) {
+    fps_push_t *p = fx_push_new(&sh, (uint32_t)s + 4, s, INT64_MAX, &d);
+    assert_int_equal(fx_push_grad(p, "w", g, N, 1, NULL), 0);
+    assert_int_equal(fx_commit(p, NULL), 0);
+    fps_push_destroy(p);
+  }
+  fps_shard_view_t view;
+  assert_int_equal(fps_shard_view(&sh, false, 8, &view), 0);
+  assert_int_equal(view.tensors, 2);
+  assert_int_equal(view.param_elements, N + 5);
+  assert_null(view.t);
+  assert_int_equal(view.updates, 3);
+  fps_shard_view_free(&view);
+  /* With tensors: creation order, the newest two records oldest first. */
+  assert_int_equal(fps_shard_view(&sh, true, 2, &view), 0);
+  assert_int_equal(view.n, 2);
+  assert_string_equal(view.t[0].t->name, "w");
+  assert_int_equal(view.t[0].version, 3);
+  assert_true(view.t[0].ready);
+  assert_int_equal(view.t[0].nlog, 2);
+  assert_int_equal(view.t[0].log[0].worker_id, 5);
+  assert_int_equal(view.t[0].log[0].version, 2);
+  assert_int_equal(view.t[0].log[1].worker_id, 6);
+  assert_int_equal(view.t[1].nlog, 0);
+  fps_shard_view_free(&view);
+  /* The limit is the shard's apply_log at most (8 here). */
+  assert_int_equal(fps_shard_view(&sh, true, 100, &view), 0);
+  assert_int_equal(view.t[0].nlog, 3);
+  fps_shard_view_free(&view);
+  fx_shard_free(&sh);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(view_shows_totals_log_and_counters),
       cmocka_unit_test(async_applies_at_commit),
       cmocka_unit_test(refused_pushes_change_nothing),
       cmocka_unit_test(no_grad_and_skip_params),
