@@ -194,6 +194,21 @@ int fps_call_recv(fps_call_t *c) {
   return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
 }
 
+int fps_call_probe(fps_call_t *c) {
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_SEND_INITIAL_METADATA;
+  pthread_mutex_lock(&c->mu);
+  if (c->initial_md_sent || c->status_sent) {
+    pthread_mutex_unlock(&c->mu);
+    return FPS_ESTATE;
+  }
+  c->initial_md_sent = true;
+  grpc_call_error e = fps__start_batch(c->call, &op, 1, &c->batch_tag);
+  pthread_mutex_unlock(&c->mu);
+  return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
+}
+
 int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
   grpc_op ops[3];
   size_t n = 0;

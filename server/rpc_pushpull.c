@@ -6,6 +6,9 @@
  * the half-close, applies them, joins sync rounds or waits in ssp. Life of
  * a call (phase):
  *   RECV  one RECV_MESSAGE at a time, each fed to fps_push_header/slice
+ *   CLOSING  no message came: half-close or a dead call; the initial
+ *         metadata is sent as a probe (fps_call_probe), and only if that
+ *         succeeds is the push committed
  *   WAIT  after the half-close, until the push is resolved: at once, or
  *         later through fps__pp_on_done (the push's done callback, run by
  *         whoever completes the round or lets the ssp wait go)
@@ -21,7 +24,7 @@
 #include "metrics.h"
 #include "wire.h"
 
-enum { PP_RECV, PP_WAIT, PP_SEND, PP_DONE };
+enum { PP_RECV, PP_CLOSING, PP_WAIT, PP_SEND, PP_DONE };
 
 typedef struct fps_pp_call_s {
   fps_call_t base;
@@ -137,6 +140,7 @@ static int fps__pp_message(fps_pp_call_t *pp, const Factorps__V1__PushPullReques
   int rc = fps_push_header(pp->push, m->worker_id, m->step, m->skip_params, m->num_workers, (int)m->expect_mode,
                            why, wl);
   if (rc < 0) return rc;
+  if ((rc = fps_push_set_id(pp->push, m->push_id, why, wl)) < 0) return rc;
   /* Settings first: a message may carry a tensor's TensorPush together
    * with its first slice. */
   for (size_t i = 0; i < m->n_tensors; i++) {
@@ -177,9 +181,19 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
     fps__pp_send_next(pp);
     return;
   }
+  if (phase == PP_CLOSING) {
+    fps__pp_commit(pp); /* the probe went through: a real half-close */
+    return;
+  }
   if (phase != PP_RECV) return;
   if (!c->recv_buf) {
-    fps__pp_commit(pp); /* half-close */
+    /* No message: a half-close, or a call that died (cancelled, past its
+     * deadline, the worker gone). Only a live call may commit: probe it
+     * first (fps_call_probe; a dead call fails the probe, !ok above). */
+    pthread_mutex_lock(&c->mu);
+    pp->phase = PP_CLOSING;
+    pthread_mutex_unlock(&c->mu);
+    if (fps_call_probe(c) < 0) fps__pp_fail(pp, GRPC_STATUS_INTERNAL, "PushPull: cannot answer the half-close");
     return;
   }
   uint8_t *buf = NULL;

@@ -164,6 +164,14 @@ void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec dead
                            fps_call_t **out);
 /* Starts RECV_MESSAGE into c->recv_buf; on_batch runs on completion. */
 int fps_call_recv(fps_call_t *c);
+/* After a RECV_MESSAGE completed with no message: in gRPC's C core that is
+ * the client's half-close OR the end of a call that was cancelled (client
+ * gone, deadline, reset stream), and nothing in the completion tells them
+ * apart. A batch started now fails on a cancelled call, so this sends the
+ * initial metadata (the one op every reply needs anyway); on_batch runs
+ * with ok == false if the call is dead. Returns 0, or FPS_ESTATE if the
+ * initial metadata went out already (nothing to probe with). */
+int fps_call_probe(fps_call_t *c);
 /* Sends one message (ownership of msg passes); with final, OK status too.
  * A final send that fails releases the call's logic reference itself: the
  * caller must not touch c afterwards (a non-final failure leaves c to the

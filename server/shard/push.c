@@ -50,6 +50,11 @@ struct fps_push_s {
   size_t hcap;
   size_t pending;             /* unresolved entries / wait + 1 hold */
   fps_ssp_wait_t wait;
+  uint64_t push_id;           /* idempotency key, 0: none */
+  bool have_id;               /* push_id taken from the first message */
+  bool idem_claimed;          /* holds sh->idem slot idem_slot */
+  uint32_t idem_slot;
+  bool replayed;              /* answered from the window, nothing applied */
   int err;                    /* push-level failure (ssp), 0: none */
   char *msg;                  /* its message */
   fps_push_done_fn done;
@@ -91,6 +96,16 @@ uint32_t fps_push_worker(const fps_push_t *p) { return p->worker_id; }
 
 void fps_push_set_deadline(fps_push_t *p, int64_t deadline_ns) { p->deadline_ns = deadline_ns; }
 
+/* The push is resolved: remember its key if every tensor was applied
+ * (a retry is then answered, not applied), forget it otherwise. */
+static void fps__push_settle(fps_push_t *p) {
+  if (!p->idem_claimed) return;
+  bool applied = p->err == 0;
+  for (size_t i = 0; applied && i < p->n; i++) applied = p->e[i]->err == 0;
+  p->idem_claimed = false;
+  fps__idem_settle(&p->sh->idem, p->idem_slot, p->worker_id, p->push_id, applied);
+}
+
 /* Drops k pending counts; true when that resolved the push. */
 static bool fps__push_release(fps_push_t *p, size_t k) {
   pthread_mutex_lock(&p->mu);
@@ -98,8 +113,25 @@ static bool fps__push_release(fps_push_t *p, size_t k) {
   bool last = p->pending == 0;
   if (last) p->state = PUSH_DONE;
   pthread_mutex_unlock(&p->mu);
+  if (last) fps__push_settle(p);
   return last;
 }
+
+int fps_push_set_id(fps_push_t *p, uint64_t push_id, char *why, size_t wl) {
+  if (!p->have_id) {
+    p->have_id = true;
+    p->push_id = push_id;
+    return 0;
+  }
+  if (push_id != p->push_id) {
+    snprintf(why, wl, "push_id changed within one PushPull stream (%" PRIu64 " then %" PRIu64 ")", p->push_id,
+             push_id);
+    return FPS_EINVAL;
+  }
+  return 0;
+}
+
+bool fps_push_replayed(const fps_push_t *p) { return p->replayed; }
 
 void fps__push_entry_resolved(fps_push_entry_t *e) {
   fps_push_t *p = e->owner;
@@ -107,8 +139,10 @@ void fps__push_entry_resolved(fps_push_entry_t *e) {
 }
 
 /* async/ssp: applies every entry now (each under its tensor's lock); its
- * staging buffer becomes the snapshot. */
-static void fps__push_apply_all(fps_push_t *p) {
+ * staging buffer becomes the snapshot. With replay (a retry of a push
+ * already applied), nothing is applied: the snapshot is of the current
+ * parameters, in every mode. */
+static void fps__push_apply(fps_push_t *p, bool replay) {
   fps_shard_t *sh = p->sh;
   for (size_t i = 0; i < p->n; i++) {
     fps_push_entry_t *e = p->e[i];
@@ -117,8 +151,8 @@ static void fps__push_apply_all(fps_push_t *p) {
     pthread_mutex_lock(&t->mu);
     /* no_grad: nothing to apply (no update, no weight decay); the reply
      * carries the current params. */
-    int rc = fps__tensor_apply_locked(sh, t, e->grad, !e->no_grad, p->worker_id, e->step, &e->uh, !e->skip_params, 1,
-                                      &snap);
+    int rc = fps__tensor_apply_locked(sh, t, e->grad, !e->no_grad && !replay, p->worker_id, e->step, &e->uh,
+                                      !e->skip_params, 1, &snap);
     e->version = t->version;
     pthread_mutex_unlock(&t->mu);
     if (rc < 0) {
@@ -139,8 +173,10 @@ static void fps__push_apply_all(fps_push_t *p) {
       e->grad = NULL;
     }
   }
-  if (sh->cfg.mode == FPS_MODE_SSP) fps__ssp_advance(sh, p->worker_id, p->step);
+  if (sh->cfg.mode == FPS_MODE_SSP && !replay) fps__ssp_advance(sh, p->worker_id, p->step);
 }
+
+static void fps__push_apply_all(fps_push_t *p) { fps__push_apply(p, false); }
 
 void fps__push_ssp_resume(fps_push_t *p) {
   fps__push_apply_all(p);
@@ -211,14 +247,45 @@ int fps_push_commit(fps_push_t *p, char *why, size_t wl) {
       return FPS_EINVAL;
     }
   }
+  /* The last moment to refuse: a call cancelled or past its deadline by
+   * now applies nothing (the transport already made sure the stream was
+   * half-closed by a live caller). */
+  bool late = p->deadline_ns != INT64_MAX && fps_now_ns() >= p->deadline_ns;
   pthread_mutex_lock(&p->mu);
   bool cancelled = p->cancelled;
-  p->state = cancelled ? PUSH_DONE : PUSH_WAIT;
+  p->state = cancelled || late ? PUSH_DONE : PUSH_WAIT;
   p->pending = 1; /* this thread's hold until it is done here */
   pthread_mutex_unlock(&p->mu);
   if (cancelled) {
     snprintf(why, wl, "PushPull: the call was cancelled");
     return FPS_ECANCELLED;
+  }
+  if (late) {
+    snprintf(why, wl, "PushPull: the call's deadline passed before its stream was complete; nothing was applied");
+    return FPS_ETIMEOUT;
+  }
+  if (p->push_id != 0 && p->n > 0) {
+    int rc = fps__idem_claim(&sh->idem, p->worker_id, p->push_id, &p->idem_slot);
+    if (rc == FPS_EEXISTS) {
+      /* A retry of a push the shard applied (its reply was lost): answer
+       * it, apply nothing. */
+      fps__push_apply(p, true);
+      p->replayed = true;
+      fps__push_release(p, 1);
+      return 0;
+    }
+    if (rc == FPS_EAGAIN) {
+      pthread_mutex_lock(&p->mu);
+      p->pending = 0;
+      p->state = PUSH_DONE;
+      pthread_mutex_unlock(&p->mu);
+      snprintf(why, wl,
+               "PushPull: push_id %" PRIu64 " of worker %u is still being applied by an earlier call; retry "
+               "for its result",
+               p->push_id, p->worker_id);
+      return FPS_EUNAVAILABLE;
+    }
+    p->idem_claimed = true;
   }
 
   if (sh->cfg.mode == FPS_MODE_SYNC && p->n > 0) {
@@ -232,6 +299,9 @@ int fps_push_commit(fps_push_t *p, char *why, size_t wl) {
       p->pending = 0;
       p->state = PUSH_DONE;
       pthread_mutex_unlock(&p->mu);
+      p->err = rc;
+      fps__push_settle(p); /* nothing applied: forget the key */
+      p->err = 0;
       return rc;
     }
     pthread_mutex_lock(&p->mu);
@@ -360,7 +430,10 @@ static fps_tensor_t *fps__push_find(fps_push_t *p, const char *name, uint64_t *v
 static fps_push_entry_t *fps__push_new_entry(fps_push_t *p, fps_tensor_t *t, uint64_t version, int dtype,
                                              uint64_t step, int *rc, char *why, size_t wl) {
   fps_shard_t *sh = p->sh;
-  if (sh->cfg.mode == FPS_MODE_SYNC && step != version) {
+  /* A retry of an applied push is answered at the commit, whatever the
+   * tensor's version is now. */
+  bool retry = p->push_id != 0 && fps__idem_applied(&sh->idem, p->worker_id, p->push_id);
+  if (sh->cfg.mode == FPS_MODE_SYNC && step != version && !retry) {
     snprintf(why, wl,
              step < version
                  ? "tensor '%s': stale push: worker %u sent step %" PRIu64 " but the tensor is at version %" PRIu64

@@ -462,6 +462,12 @@ typedef struct fps_push_out_s {
  * (a second take of the same item gets snap NULL). */
 void fps_push_take(fps_push_t *p, size_t i, fps_push_out_t *out);
 uint32_t fps_push_worker(const fps_push_t *p);
+/* The push's idempotency key (PushPullRequest.push_id; 0: none), the same
+ * in every message of a call: FPS_EINVAL if it changes. */
+int fps_push_set_id(fps_push_t *p, uint64_t push_id, char *why, size_t why_len);
+/* True if the resolved push was a retry answered from the window (nothing
+ * applied by this call). */
+bool fps_push_replayed(const fps_push_t *p);
 
 /* --------------------------------------------------- the shard, counters */
 
@@ -489,8 +495,41 @@ typedef struct fps_ssp_wait_s {
   struct fps_ssp_wait_s *prev, *next;
 } fps_ssp_wait_t;
 
+/* Push idempotency (idem.c): the (worker, push_id) keys of the last
+ * FPS_IDEM_WINDOW pushes that carried one, shard-wide, in arrival order. A
+ * push whose key is APPLIED is answered with the tensors' current
+ * parameters and versions and applied nothing; one still CLAIMED (in
+ * flight) is refused FPS_EUNAVAILABLE (retry later). Keys older than the
+ * window are forgotten: such a retry is applied again (async) or refused
+ * as stale (sync, ssp: the tensor's version moved on). */
+#define FPS_IDEM_WINDOW 65536
+enum { FPS_IDEM_FREE = 0, FPS_IDEM_CLAIMED, FPS_IDEM_APPLIED };
+typedef struct fps_idem_entry_s {
+  uint64_t id;                      /* push_id */
+  uint32_t worker;
+  uint32_t next;                    /* hash chain (slot index) */
+  int state;                        /* FPS_IDEM_* */
+} fps_idem_entry_t;
+typedef struct fps_idem_s {
+  pthread_mutex_t mu;
+  fps_idem_entry_t *ent;            /* ring of cap slots */
+  uint32_t cap, head;               /* head: the next slot to take */
+  uint32_t *bucket;                 /* nbucket chain heads */
+  uint32_t nbucket;                 /* power of two */
+} fps_idem_t;
+int fps__idem_init(fps_idem_t *ix, uint32_t window);
+void fps__idem_destroy(fps_idem_t *ix);
+/* Claims (worker, id) for a push about to commit: 0 (claimed, *slot set),
+ * FPS_EEXISTS (already applied), FPS_EAGAIN (claimed by a push in flight). */
+int fps__idem_claim(fps_idem_t *ix, uint32_t worker, uint64_t id, uint32_t *slot);
+/* True if (worker, id) is remembered as applied. */
+bool fps__idem_applied(fps_idem_t *ix, uint32_t worker, uint64_t id);
+/* The claimed push is resolved: applied (remembered) or not (forgotten). */
+void fps__idem_settle(fps_idem_t *ix, uint32_t slot, uint32_t worker, uint64_t id, bool applied);
+
 struct fps_shard_s {
   fps_shard_opts_t cfg;
+  fps_idem_t idem;                  /* push idempotency (idem.c) */
   const fps_kernels_t *kernels;
   fps_pool_t *pool;                 /* splits large tensors' updates; NULL: none */
   atomic_uint_fast64_t tbuf_bytes;  /* bytes in fps_tbuf_alloc buffers */

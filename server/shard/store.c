@@ -566,7 +566,7 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
   sh->ckpt_dir_fd = -1;
   atomic_init(&sh->tbuf_bytes, 0);
   sh->ssp_clock = calloc(sh->cfg.workers, sizeof *sh->ssp_clock);
-  if (!sh->ssp_clock || fps_store_init(&sh->store) < 0) {
+  if (!sh->ssp_clock || fps_store_init(&sh->store) < 0 || fps__idem_init(&sh->idem, FPS_IDEM_WINDOW) < 0) {
     free(sh->ssp_clock);
     sh->ssp_clock = NULL;
     return FPS_ENOMEM;
@@ -582,6 +582,7 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
 void fps_shard_destroy(fps_shard_t *sh) {
   if (!sh->ssp_clock) return;
   fps_store_destroy(&sh->store);
+  fps__idem_destroy(&sh->idem);
   free(sh->ssp_clock);
   sh->ssp_clock = NULL;
   pthread_mutex_destroy(&sh->ssp_mu);

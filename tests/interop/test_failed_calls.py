@@ -1,0 +1,298 @@
+#!/usr/bin/python3
+"""A failed call changes nothing (issue 11, items 1-3): a PushPull whose
+gradient was sent whole but whose stream never half-closed (cancelled, past
+the client's or the shard's deadline, worker process killed) applies
+nothing, in every mode; a sync round never completes with a dead worker's
+gradient; a retry with the same push_id after a lost reply is applied once.
+Each test checks the status, the tensor afterwards and the counters."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import unittest
+
+import numpy as np
+
+import fpsharness as H
+
+SHAPE = [3, 4]
+N = 12
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def counters(stub):
+    s, ts = H.stats(stub)
+    return (s.shard.pushes, s.shard.push_errors, s.shard.updates), {k: v.version for k, v in ts.items()}
+
+
+class Base(unittest.TestCase):
+    ARGS = ()
+
+    @classmethod
+    def setUpClass(cls):
+        cls.pb, cls.pbg, cls.grpc = H.stubs()
+        cls.srv = H.Server(*cls.ARGS)
+        cls.p0 = np.arange(N, dtype=np.float32) / 7
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.srv.stop()
+
+    def fresh(self, name):
+        H.create(self.srv.stub, name, SHAPE, self.p0)
+        return counters(self.srv.stub)
+
+    def stalled(self, name, worker=0, step=0, hold=30):
+        """Messages carrying the whole gradient, then a stream that stays
+        open (no half-close) until the event is set."""
+        ev = threading.Event()
+        msgs = list(H.grad_messages(worker, step, {name: (SHAPE, np.ones(N, np.float32))}))
+
+        def gen():
+            yield from msgs
+            ev.wait(hold)
+        return gen(), ev
+
+    def assertNothingApplied(self, name, before, errors=1):
+        (p0, e0, u0), _ = before
+        (p1, e1, u1), vers = counters(self.srv.stub)
+        self.assertEqual(vers[name], 0, "the aborted push was applied")
+        got, ver = H.pull(self.srv.stub, {name: SHAPE})
+        np.testing.assert_array_equal(got[name].reshape(-1), self.p0)
+        self.assertEqual((p1, u1), (p0, u0))
+        self.assertEqual(e1, e0 + errors)
+
+    def wait_errors(self, want, timeout=10):
+        t0 = time.monotonic()
+        while counters(self.srv.stub)[0][1] < want and time.monotonic() - t0 < timeout:
+            time.sleep(0.05)
+
+    def cancel_case(self, name):
+        before = self.fresh(name)
+        gen, ev = self.stalled(name)
+        call = self.srv.stub.PushPull(gen, timeout=30)
+        time.sleep(0.5)  # everything sent and staged
+        call.cancel()
+        with self.assertRaises(self.grpc.RpcError) as cm:
+            list(call)
+        self.assertEqual(cm.exception.code(), self.grpc.StatusCode.CANCELLED)
+        ev.set()
+        self.wait_errors(before[0][1] + 1)
+        self.assertNothingApplied(name, before)
+
+    def client_deadline_case(self, name):
+        before = self.fresh(name)
+        gen, ev = self.stalled(name)
+        with self.assertRaises(self.grpc.RpcError) as cm:
+            list(self.srv.stub.PushPull(gen, timeout=1.0))
+        self.assertEqual(cm.exception.code(), self.grpc.StatusCode.DEADLINE_EXCEEDED)
+        ev.set()
+        self.wait_errors(before[0][1] + 1)
+        self.assertNothingApplied(name, before)
+
+    def killed_case(self, name, worker=0):
+        """A worker process sends its whole gradient and is killed before
+        it half-closes."""
+        before = self.fresh(name)
+        code = r'''
+import os, signal, sys, time
+sys.path.insert(0, %r)
+import numpy as np, fpsharness as H
+pb, pbg, grpc = H.stubs()
+ch = grpc.insecure_channel(%r)
+stub = pbg.ParameterServerStub(ch)
+msgs = list(H.grad_messages(%d, 0, {%r: (%r, np.ones(%d, np.float32))}))
+def gen():
+    yield from msgs
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(10)
+for _ in stub.PushPull(gen(), timeout=30):
+    pass
+''' % (HERE, self.srv.addr, worker, name, SHAPE, N)
+        env = dict(os.environ)
+        p = subprocess.run([sys.executable, "-c", code], env=env, timeout=60)
+        self.assertEqual(p.returncode, -signal.SIGKILL)
+        self.wait_errors(before[0][1] + 1)
+        time.sleep(0.3)
+        self.assertNothingApplied(name, before)
+        return before
+
+
+class Async(Base):
+    ARGS = ("--mode", "async", "--deadline", 30)
+
+    def test_cancel_before_half_close(self):
+        self.cancel_case("c")
+
+    def test_client_deadline_before_half_close(self):
+        self.client_deadline_case("d")
+
+    def test_killed_worker_before_half_close(self):
+        self.killed_case("k")
+
+
+class AsyncShardDeadline(Base):
+    ARGS = ("--mode", "async", "--deadline", 1)
+
+    def test_shard_deadline_before_half_close(self):
+        before = self.fresh("s")
+        gen, ev = self.stalled("s")
+        with self.assertRaises(self.grpc.RpcError) as cm:
+            list(self.srv.stub.PushPull(gen, timeout=None))
+        self.assertEqual(cm.exception.code(), self.grpc.StatusCode.DEADLINE_EXCEEDED)
+        ev.set()
+        self.wait_errors(before[0][1] + 1)
+        self.assertNothingApplied("s", before)
+
+
+class Ssp(Base):
+    ARGS = ("--mode", "ssp", "--workers", 2, "--staleness", 4, "--deadline", 30)
+
+    def test_cancel_before_half_close(self):
+        self.cancel_case("c")
+
+    def test_client_deadline_before_half_close(self):
+        self.client_deadline_case("d")
+
+    def test_killed_worker_before_half_close(self):
+        self.killed_case("k")
+
+
+class Sync(Base):
+    ARGS = ("--mode", "sync", "--workers", 2, "--deadline", 30)
+
+    def test_cancel_before_half_close(self):
+        self.cancel_case("c")
+
+    def test_last_worker_of_round_killed(self):
+        # Worker 1 pushes and waits; worker 0, the last of the round, sends
+        # its whole gradient and dies before half-closing: the round must
+        # not complete with it. Worker 1 fails at its deadline, unchanged.
+        name = "r"
+        before = self.fresh(name)
+        res = {}
+
+        def w1():
+            try:
+                res["r"] = H.push(self.srv.stub, 1, 0, {name: (SHAPE, np.full(N, 3.0, np.float32))}, timeout=4)
+            except self.grpc.RpcError as e:
+                res["r"] = e
+        th = threading.Thread(target=w1)
+        th.start()
+        time.sleep(0.3)
+        self.killed_case_after(name, before)
+        th.join(20)
+        self.assertIsInstance(res["r"], self.grpc.RpcError, "worker 1 got a reply from a round with a dead worker")
+        self.assertEqual(res["r"].code(), self.grpc.StatusCode.DEADLINE_EXCEEDED, res["r"].details())
+        self.assertIn("waiting for workers 0", res["r"].details())
+        self.assertNothingApplied(name, before, errors=2)
+
+    def killed_case_after(self, name, before):
+        code = r'''
+import os, signal, sys, time
+sys.path.insert(0, %r)
+import numpy as np, fpsharness as H
+pb, pbg, grpc = H.stubs()
+stub = pbg.ParameterServerStub(grpc.insecure_channel(%r))
+msgs = list(H.grad_messages(0, 0, {%r: (%r, np.ones(%d, np.float32))}))
+def gen():
+    yield from msgs
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(10)
+for _ in stub.PushPull(gen(), timeout=30):
+    pass
+''' % (HERE, self.srv.addr, name, SHAPE, N)
+        p = subprocess.run([sys.executable, "-c", code], timeout=60)
+        self.assertEqual(p.returncode, -signal.SIGKILL)
+
+
+def id_messages(worker, step, name, g, push_id):
+    msgs = list(H.grad_messages(worker, step, {name: (SHAPE, g)}))
+    for m in msgs:
+        m.push_id = push_id
+    return msgs
+
+
+class RetryAsync(Base):
+    ARGS = ("--mode", "async", "--deadline", 30)
+
+    def push_id(self, name, pid, g=None, worker=0):
+        g = np.ones(N, np.float32) if g is None else g
+        return H.collect(self.srv.stub.PushPull(iter(id_messages(worker, 0, name, g, pid)), timeout=20),
+                         {name: SHAPE})
+
+    def test_retry_after_lost_reply_applied_once(self):
+        (p0, e0, u0), _ = self.fresh("a")
+        # The reply is lost: the stream half-closed whole, then the client
+        # went away before reading the answer.
+        call = self.srv.stub.PushPull(iter(id_messages(0, 0, "a", np.ones(N, np.float32), 41)), timeout=20)
+        call.cancel()
+        time.sleep(0.5)
+        (_, _, u1), vers = counters(self.srv.stub)
+        first_applied = vers["a"]
+        self.assertIn(first_applied, (0, 1))
+        # The retry: applied at most once in all.
+        got, ver = self.push_id("a", 41)
+        self.assertEqual(ver["a"], 1)
+        again, ver2 = self.push_id("a", 41)  # and again: still once
+        self.assertEqual(ver2["a"], 1)
+        np.testing.assert_array_equal(got["a"], again["a"])
+        (p, e, u), vers = counters(self.srv.stub)
+        self.assertEqual(vers["a"], 1)
+        self.assertEqual(u, u0 + 1)
+        # A new push_id is a new push; the same id of another worker too.
+        _, ver = self.push_id("a", 42)
+        self.assertEqual(ver["a"], 2)
+        _, ver = self.push_id("a", 41, worker=9)
+        self.assertEqual(ver["a"], 3)
+        self.assertEqual(counters(self.srv.stub)[0][2], u0 + 3)
+
+    def test_push_id_must_not_change_mid_stream(self):
+        before = self.fresh("m")
+        msgs = list(H.grad_messages(0, 0, {"m": (SHAPE, np.ones(N, np.float32))}, slice_elems=6))
+        msgs[0].push_id, msgs[1].push_id = 5, 6
+        with self.assertRaises(self.grpc.RpcError) as cm:
+            list(self.srv.stub.PushPull(iter(msgs), timeout=10))
+        self.assertEqual(cm.exception.code(), self.grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("push_id changed", cm.exception.details())
+        self.assertNothingApplied("m", before)
+
+
+class RetrySync(Base):
+    ARGS = ("--mode", "sync", "--workers", 2, "--deadline", 30)
+
+    def test_sync_retry_and_in_flight(self):
+        (p0, e0, u0), _ = self.fresh("s")
+        res = {}
+
+        def w0():
+            res["r"] = H.collect(self.srv.stub.PushPull(iter(id_messages(0, 0, "s", np.ones(N, np.float32), 7)),
+                                                        timeout=20), {"s": SHAPE})
+        th = threading.Thread(target=w0)
+        th.start()
+        time.sleep(0.4)
+        # The same key while the first is parked in its round: UNAVAILABLE.
+        with self.assertRaises(self.grpc.RpcError) as cm:
+            list(self.srv.stub.PushPull(iter(id_messages(0, 0, "s", np.ones(N, np.float32), 7)), timeout=10))
+        self.assertEqual(cm.exception.code(), self.grpc.StatusCode.UNAVAILABLE, cm.exception.details())
+        self.assertIn("still being applied", cm.exception.details())
+        got1 = H.collect(self.srv.stub.PushPull(iter(id_messages(1, 0, "s", np.full(N, 3.0, np.float32), 7)),
+                                                timeout=20), {"s": SHAPE})
+        th.join(20)
+        self.assertEqual(res["r"][1]["s"], 1)
+        # Worker 0 retries after the round: answered, not a new round.
+        again = H.collect(self.srv.stub.PushPull(iter(id_messages(0, 0, "s", np.ones(N, np.float32), 7)),
+                                                 timeout=5), {"s": SHAPE})
+        self.assertEqual(again[1]["s"], 1)
+        np.testing.assert_array_equal(again[0]["s"], got1[0]["s"])
+        (p, e, u), vers = counters(self.srv.stub)
+        self.assertEqual((vers["s"], u, e), (1, u0 + 1, e0 + 1))
+        self.assertEqual(p, p0 + 3)  # two round members and the answered retry
+
+
+if __name__ == "__main__":
+    unittest.main()
