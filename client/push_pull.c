@@ -27,6 +27,10 @@
 
 #include "dtype.h"
 #include "factorps/v1/factorps.pb-c.h"
+#include <stdatomic.h>
+#include <sys/random.h>
+#include <unistd.h>
+
 #include "internal.h"
 #include "tsan.h"
 
@@ -47,6 +51,7 @@ typedef struct pp_job_s {
   uint32_t num_workers;                 /* 0: unchecked */
   int expect_mode;                      /* 0: any */
   const fps_tensor_push_t *per;         /* per caller index, or NULL */
+  uint64_t push_id;                     /* idempotency key of this push, 0: none */
   int dtype;                            /* gradients' wire dtype (FPS_DTYPE_*) */
   uint64_t esz;                         /* its bytes per element */
   pthread_mutex_t mu;                   /* guards live_slices */
@@ -90,7 +95,7 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   pp_shard_t *sh = s->ctx;
   pp_job_t *job = sh->job;
   uint64_t budget = job->c->opts.max_message_bytes, used = FPS__MESSAGE_OVERHEAD;
-  size_t k = 0, hdr_cap = 40;
+  size_t k = 0, hdr_cap = 56;
 
   /* Plan this message: which runs of which tensors it carries. A tensor's
    * TensorPush travels with its first run (a count-0 run for no_grad). */
@@ -133,6 +138,7 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   if (sh->skip_params) hn += fps__wire_put_varint_field(h + hn, 4, 1);
   if (job->num_workers) hn += fps__wire_put_varint_field(h + hn, 6, job->num_workers);
   if (job->expect_mode) hn += fps__wire_put_varint_field(h + hn, 7, (uint64_t)job->expect_mode);
+  if (job->push_id) hn += fps__wire_put_varint_field(h + hn, 8, job->push_id);
   size_t mark = 0;
   for (size_t i = 0; i < k; i++) {
     const pp_run_t *r = &sh->plan[i];
@@ -258,9 +264,35 @@ static void pull_reset(fps__stream_t *s) {
   }
 }
 
-/* PushPull is retried only before it started (FPS__RETRY_UNSENT), when the
- * producer has not moved: no reset needed. */
-static const fps__stream_ops_t push_ops = {push_next, pp_reply, NULL};
+/* A PushPull that failed UNAVAILABLE is sent again from its first message
+ * with the same push_id: the shard applies it at most once (a retry of an
+ * applied push is answered with the current params and versions). */
+static void push_reset(fps__stream_t *s) {
+  pp_shard_t *sh = s->ctx;
+  sh->pos = 0;
+  sh->off = 0;
+  pull_reset(s);
+}
+static const fps__stream_ops_t push_ops = {push_next, pp_reply, push_reset};
+
+/* A process-wide push_id sequence from a random start, so that workers in
+ * different processes that share a worker_id (async) never share a key. */
+static atomic_uint_fast64_t fps__push_seq;
+static pthread_once_t fps__push_seq_once = PTHREAD_ONCE_INIT;
+static void fps__push_seq_init(void) {
+  uint64_t r = 0;
+  if (getrandom(&r, sizeof r, 0) != (ssize_t)sizeof r) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    r = ((uint64_t)ts.tv_nsec << 32) ^ (uint64_t)ts.tv_sec ^ ((uint64_t)getpid() << 16);
+  }
+  atomic_store(&fps__push_seq, r >> 1); /* leaves room before wrapping */
+}
+static uint64_t fps__push_id_next(void) {
+  pthread_once(&fps__push_seq_once, fps__push_seq_init);
+  uint64_t id = atomic_fetch_add(&fps__push_seq, 1) + 1;
+  return id ? id : atomic_fetch_add(&fps__push_seq, 1) + 1;
+}
 static const fps__stream_ops_t pull_ops = {pull_next, pp_reply, pull_reset};
 
 /* Waits until gRPC released every slice over the caller's gradients. The
@@ -381,8 +413,9 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
     streams[n_streams++] = &x->s;
   }
 
+  if (is_push) job->push_id = fps__push_id_next();
   rc = fps__streams_run(c, is_push ? FPS__METHOD_PUSHPULL : FPS__METHOD_PULL, streams, n_streams,
-                        is_push ? FPS__RETRY_UNSENT : FPS__RETRY_IDEMPOTENT, status);
+                        FPS__RETRY_IDEMPOTENT, status);
   if (is_push) wait_slices_released(job);
   if (rc) goto done;
   for (size_t i = 0; i < n; i++) {

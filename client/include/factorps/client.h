@@ -18,14 +18,14 @@
  *   Stats are one exchange. fps_client_create_tensors() is one exchange per
  *   message of initial values (a large model needs several), then waits at
  *   most `deadline_seconds` for values other workers upload.
- * - Retries: on UNAVAILABLE a call is retried with exponential backoff only
- *   where repeating it cannot change the result: Create, Pull and Stats
- *   always (idempotent or read-only), PushPull only while the shard's
- *   connection was not ready, i.e. before any of the request could have
- *   left this process. A PushPull that fails after it started is reported,
- *   never repeated: in sync mode a repeat would be a duplicate push, in
- *   async mode it would apply the gradient twice. The caller decides (e.g.
- *   fps_client_pull() and continue from the shard's version).
+ * - Retries: on UNAVAILABLE a call is retried with exponential backoff
+ *   (up to max_retries, within deadline_seconds): Create, Pull and Stats
+ *   (idempotent or read-only), and PushPull too, also after it started:
+ *   every push carries an idempotency key (push_id, unique per process), so
+ *   the shard applies a retried push at most once; a retry of a push the
+ *   shard already applied (its reply was lost) gets the current params and
+ *   versions (proto: PushPullRequest.push_id; the shard remembers its last
+ *   65,536 keys). Other errors are reported, never repeated.
  * - Placement: see fps_client_create_tensors().
  * - Wire: tensors travel as fp32 little-endian; the library refuses to build
  *   on a big-endian host.
@@ -233,8 +233,8 @@ FPS_EXTERN int fps_client_shard_of(const fps_client_t *c, const char *name);
  * this worker has completed before this one. Every name must be in the
  * tensor list (NOT_FOUND otherwise) and appear once (INVALID_ARGUMENT).
  * On error no output is guaranteed to be written (some shards may have
- * succeeded), and the status names the shard and tensor. Not retried once
- * the request may have reached a shard (see Retries above).
+ * succeeded), and the status names the shard and tensor. Retried on
+ * UNAVAILABLE with the same push_id (see Retries above).
  * Thread-safe (several workers may share one client). */
 FPS_EXTERN int fps_client_push_pull(fps_client_t *c, uint32_t worker_id, uint64_t step,
                                     const char *const *names, const float *const *grads,
