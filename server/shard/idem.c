@@ -24,7 +24,9 @@ int fps__idem_init(fps_idem_t *ix, uint32_t window) {
   ix->cap = window;
   ix->nbucket = 1;
   while (ix->nbucket < 2 * window) ix->nbucket *= 2;
-  ix->ent = calloc(window, sizeof *ix->ent);
+  /* Touched now, so the shard's memory does not grow as keys arrive. */
+  ix->ent = malloc((size_t)window * sizeof *ix->ent);
+  if (ix->ent) memset(ix->ent, 0, (size_t)window * sizeof *ix->ent);
   ix->bucket = malloc(ix->nbucket * sizeof *ix->bucket);
   if (!ix->ent || !ix->bucket) {
     free(ix->ent);
@@ -39,6 +41,8 @@ int fps__idem_init(fps_idem_t *ix, uint32_t window) {
 
 void fps__idem_destroy(fps_idem_t *ix) {
   if (!ix->ent) return;
+  for (uint32_t i = 0; i < ix->cap; i++)
+    if (ix->ent[i].n > FPS_IDEM_INLINE) free(ix->ent[i].v.out);
   free(ix->ent);
   free(ix->bucket);
   pthread_mutex_destroy(&ix->mu);
@@ -56,6 +60,8 @@ static void fps__idem_unlink_locked(fps_idem_t *ix, uint32_t slot) {
   uint32_t *at = fps__idem_link_locked(ix, e->worker, e->id);
   if (*at == slot) *at = e->next;
   e->state = FPS_IDEM_FREE;
+  if (e->n > FPS_IDEM_INLINE) free(e->v.out);
+  e->n = 0;
 }
 
 int fps__idem_claim(fps_idem_t *ix, uint32_t worker, uint64_t id, uint32_t *slot) {
@@ -83,14 +89,50 @@ int fps__idem_claim(fps_idem_t *ix, uint32_t worker, uint64_t id, uint32_t *slot
   return 0;
 }
 
-void fps__idem_settle(fps_idem_t *ix, uint32_t slot, uint32_t worker, uint64_t id, bool applied) {
+void fps__idem_settle(fps_idem_t *ix, uint32_t slot, uint32_t worker, uint64_t id, uint64_t tensors,
+                      const uint64_t *v, uint32_t n) {
+  /* Without memory (or with too many tensors to count) the key is
+   * forgotten, so a retry applies again rather than answering wrong. */
+  uint64_t *out = NULL;
+  bool keep = v != NULL && n <= UINT16_MAX;
+  if (keep && n > FPS_IDEM_INLINE) {
+    out = malloc(n * sizeof *out);
+    if (out) memcpy(out, v, n * sizeof *out);
+    else keep = false;
+  }
   pthread_mutex_lock(&ix->mu);
   fps_idem_entry_t *e = &ix->ent[slot];
   if (e->state == FPS_IDEM_CLAIMED && e->worker == worker && e->id == id) {
-    if (applied) e->state = FPS_IDEM_APPLIED;
-    else fps__idem_unlink_locked(ix, slot);
+    if (keep) {
+      e->state = FPS_IDEM_APPLIED;
+      e->tensors = tensors;
+      e->n = (uint16_t)n;
+      if (out) e->v.out = out;
+      else memcpy(e->v.in, v, n * sizeof *v);
+      out = NULL;
+    } else {
+      fps__idem_unlink_locked(ix, slot);
+    }
   }
   pthread_mutex_unlock(&ix->mu);
+  free(out);
+}
+
+int fps__idem_versions(fps_idem_t *ix, uint32_t worker, uint64_t id, uint64_t tensors, uint64_t *v, uint32_t n) {
+  int rc = FPS_ENOTFOUND;
+  pthread_mutex_lock(&ix->mu);
+  uint32_t *at = fps__idem_link_locked(ix, worker, id);
+  if (*at != FPS_IDEM_NIL && ix->ent[*at].state == FPS_IDEM_APPLIED) {
+    const fps_idem_entry_t *e = &ix->ent[*at];
+    if (e->tensors != tensors || e->n != n) {
+      rc = FPS_EINVAL;
+    } else {
+      memcpy(v, e->n > FPS_IDEM_INLINE ? e->v.out : e->v.in, n * sizeof *v);
+      rc = 0;
+    }
+  }
+  pthread_mutex_unlock(&ix->mu);
+  return rc;
 }
 
 bool fps__idem_applied(fps_idem_t *ix, uint32_t worker, uint64_t id) {

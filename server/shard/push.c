@@ -96,6 +96,13 @@ uint32_t fps_push_worker(const fps_push_t *p) { return p->worker_id; }
 
 void fps_push_set_deadline(fps_push_t *p, int64_t deadline_ns) { p->deadline_ns = deadline_ns; }
 
+/* Which tensors, in which order: a retry must name the same. */
+static uint64_t fps__push_tensors_hash(const fps_push_t *p) {
+  uint64_t h = UINT64_C(1469598103934665603);
+  for (size_t i = 0; i < p->n; i++) h = (h ^ (uint64_t)(uintptr_t)p->e[i]->t) * UINT64_C(1099511628211);
+  return h;
+}
+
 /* The push is resolved: remember its key if every tensor was applied
  * (a retry is then answered, not applied), forget it otherwise. */
 static void fps__push_settle(fps_push_t *p) {
@@ -103,7 +110,12 @@ static void fps__push_settle(fps_push_t *p) {
   bool applied = p->err == 0;
   for (size_t i = 0; applied && i < p->n; i++) applied = p->e[i]->err == 0;
   p->idem_claimed = false;
-  fps__idem_settle(&p->sh->idem, p->idem_slot, p->worker_id, p->push_id, applied);
+  uint64_t inl[FPS_IDEM_INLINE];
+  uint64_t *v = !applied ? NULL : p->n <= FPS_IDEM_INLINE ? inl : malloc(p->n * sizeof *v);
+  for (size_t i = 0; v && i < p->n; i++) v[i] = p->e[i]->version;
+  fps__idem_settle(&p->sh->idem, p->idem_slot, p->worker_id, p->push_id, fps__push_tensors_hash(p), v,
+                   (uint32_t)p->n);
+  if (v != inl) free(v);
 }
 
 /* Drops k pending counts; true when that resolved the push. */
@@ -142,7 +154,7 @@ void fps__push_entry_resolved(fps_push_entry_t *e) {
  * staging buffer becomes the snapshot. With replay (a retry of a push
  * already applied), nothing is applied: the snapshot is of the current
  * parameters, in every mode. */
-static void fps__push_apply(fps_push_t *p, bool replay) {
+static void fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
   fps_shard_t *sh = p->sh;
   for (size_t i = 0; i < p->n; i++) {
     fps_push_entry_t *e = p->e[i];
@@ -155,6 +167,9 @@ static void fps__push_apply(fps_push_t *p, bool replay) {
                                       !e->skip_params, 1, &snap);
     e->version = t->version;
     pthread_mutex_unlock(&t->mu);
+    /* A retry is told the version its first attempt made (the params are
+     * the current ones). */
+    if (replay && rc == 0) e->version = vers ? vers[i] : 0;
     if (rc < 0) {
       e->err = rc;
       e->msg = strdup("the Adafactor step failed");
@@ -176,7 +191,7 @@ static void fps__push_apply(fps_push_t *p, bool replay) {
   if (sh->cfg.mode == FPS_MODE_SSP && !replay) fps__ssp_advance(sh, p->worker_id, p->step);
 }
 
-static void fps__push_apply_all(fps_push_t *p) { fps__push_apply(p, false); }
+static void fps__push_apply_all(fps_push_t *p) { fps__push_apply(p, false, NULL); }
 
 void fps__push_ssp_resume(fps_push_t *p) {
   fps__push_apply_all(p);
@@ -268,11 +283,34 @@ int fps_push_commit(fps_push_t *p, char *why, size_t wl) {
     int rc = fps__idem_claim(&sh->idem, p->worker_id, p->push_id, &p->idem_slot);
     if (rc == FPS_EEXISTS) {
       /* A retry of a push the shard applied (its reply was lost): answer
-       * it, apply nothing. */
-      fps__push_apply(p, true);
-      p->replayed = true;
-      fps__push_release(p, 1);
-      return 0;
+       * it with the versions it made, apply nothing. */
+      uint64_t *vers = malloc(p->n * sizeof *vers);
+      rc = vers ? fps__idem_versions(&sh->idem, p->worker_id, p->push_id, fps__push_tensors_hash(p), vers,
+                                     (uint32_t)p->n)
+                : FPS_ENOMEM;
+      if (rc == 0) {
+        fps__push_apply(p, true, vers);
+        p->replayed = true;
+        free(vers);
+        fps__push_release(p, 1);
+        return 0;
+      }
+      free(vers);
+      pthread_mutex_lock(&p->mu);
+      p->pending = 0;
+      p->state = PUSH_DONE;
+      pthread_mutex_unlock(&p->mu);
+      if (rc == FPS_EINVAL)
+        snprintf(why, wl,
+                 "PushPull: push_id %" PRIu64 " of worker %u was applied to other tensors; a retry must name "
+                 "the same tensors in the same order",
+                 p->push_id, p->worker_id);
+      else if (rc == FPS_ENOTFOUND)
+        snprintf(why, wl, "PushPull: push_id %" PRIu64 " of worker %u just left the shard's window; retry",
+                 p->push_id, p->worker_id);
+      else
+        snprintf(why, wl, "PushPull: out of memory answering a retry");
+      return rc == FPS_ENOTFOUND ? FPS_EUNAVAILABLE : rc;
     }
     if (rc == FPS_EAGAIN) {
       pthread_mutex_lock(&p->mu);

@@ -497,18 +497,28 @@ typedef struct fps_ssp_wait_s {
 
 /* Push idempotency (idem.c): the (worker, push_id) keys of the last
  * FPS_IDEM_WINDOW pushes that carried one, shard-wide, in arrival order. A
- * push whose key is APPLIED is answered with the tensors' current
- * parameters and versions and applied nothing; one still CLAIMED (in
+ * push whose key is APPLIED applies nothing and is answered with the
+ * versions the first attempt made and the tensors' current parameters; one still CLAIMED (in
  * flight) is refused FPS_EUNAVAILABLE (retry later). Keys older than the
  * window are forgotten: such a retry is applied again (async) or refused
- * as stale (sync, ssp: the tensor's version moved on). */
+ * as stale (sync, ssp: the tensor's version moved on). The ring is
+ * allocated and touched at start-up (64 bytes a key, 4 MiB), so memory
+ * does not grow with pushes; a push of more than FPS_IDEM_INLINE tensors
+ * keeps its versions in a small allocation of its own. */
 #define FPS_IDEM_WINDOW 65536
 enum { FPS_IDEM_FREE = 0, FPS_IDEM_CLAIMED, FPS_IDEM_APPLIED };
+#define FPS_IDEM_INLINE 4            /* versions kept in the entry itself */
 typedef struct fps_idem_entry_s {
   uint64_t id;                      /* push_id */
+  uint64_t tensors;                 /* hash of the push's tensors, in order */
   uint32_t worker;
   uint32_t next;                    /* hash chain (slot index) */
-  int state;                        /* FPS_IDEM_* */
+  uint16_t state;                   /* FPS_IDEM_* */
+  uint16_t n;                       /* APPLIED: tensors of the push */
+  union {
+    uint64_t in[FPS_IDEM_INLINE];   /* n <= FPS_IDEM_INLINE: the versions made */
+    uint64_t *out;                  /* otherwise (owned) */
+  } v;
 } fps_idem_entry_t;
 typedef struct fps_idem_s {
   pthread_mutex_t mu;
@@ -524,8 +534,15 @@ void fps__idem_destroy(fps_idem_t *ix);
 int fps__idem_claim(fps_idem_t *ix, uint32_t worker, uint64_t id, uint32_t *slot);
 /* True if (worker, id) is remembered as applied. */
 bool fps__idem_applied(fps_idem_t *ix, uint32_t worker, uint64_t id);
-/* The claimed push is resolved: applied (remembered) or not (forgotten). */
-void fps__idem_settle(fps_idem_t *ix, uint32_t slot, uint32_t worker, uint64_t id, bool applied);
+/* The claimed push is resolved: applied (remembered with the versions it
+ * made, v[0..n), of the tensors whose hash is `tensors`) or not
+ * (forgotten; v NULL). */
+void fps__idem_settle(fps_idem_t *ix, uint32_t slot, uint32_t worker, uint64_t id, uint64_t tensors,
+                      const uint64_t *v, uint32_t n);
+/* The versions the applied push (worker, id) made, into v[0..n): 0, or
+ * FPS_EINVAL if it named other tensors (hash, count), FPS_ENOTFOUND if the
+ * key is gone. */
+int fps__idem_versions(fps_idem_t *ix, uint32_t worker, uint64_t id, uint64_t tensors, uint64_t *v, uint32_t n);
 
 struct fps_shard_s {
   fps_shard_opts_t cfg;

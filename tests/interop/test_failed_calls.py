@@ -249,7 +249,20 @@ class RetryAsync(Base):
         self.assertEqual(ver["a"], 2)
         _, ver = self.push_id("a", 41, worker=9)
         self.assertEqual(ver["a"], 3)
-        self.assertEqual(counters(self.srv.stub)[0][2], u0 + 3)
+        # A late retry is told the version its first attempt made, with the
+        # current params.
+        late, ver = self.push_id("a", 41)
+        self.assertEqual(ver["a"], 1)
+        now, _ = H.pull(self.srv.stub, {"a": SHAPE})
+        np.testing.assert_array_equal(late["a"], now["a"])
+        # A "retry" that names other tensors is refused.
+        self.fresh("b")
+        with self.assertRaises(self.grpc.RpcError) as cm:
+            self.push_id("b", 41)
+        self.assertEqual(cm.exception.code(), self.grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("applied to other tensors", cm.exception.details())
+        (p, e, u), vers = counters(self.srv.stub)
+        self.assertEqual((u, vers["a"], vers["b"]), (u0 + 3, 3, 0))
 
     def test_push_id_must_not_change_mid_stream(self):
         before = self.fresh("m")
