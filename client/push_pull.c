@@ -413,7 +413,7 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
     streams[n_streams++] = &x->s;
   }
 
-  if (is_push) job->push_id = fps__push_id_next();
+  if (is_push && !job->push_id) job->push_id = fps__push_id_next();
   rc = fps__streams_run(c, is_push ? FPS__METHOD_PUSHPULL : FPS__METHOD_PULL, streams, n_streams,
                         FPS__RETRY_IDEMPOTENT, status);
   if (is_push) wait_slices_released(job);
@@ -473,6 +473,7 @@ int fps_client_push_pull_ex(fps_client_t *c, const fps_push_args_t *args, const 
                            "expect_mode %d is not a mode (0 any, 1 sync, 2 async, 3 ssp)", args->expect_mode);
   pp_job_t job = {.c = c, .grads = grads, .params = params, .versions = versions,
                   .worker_id = args->worker_id, .step = args->step, .num_workers = args->num_workers,
+                  .push_id = args->push_id,
                   .expect_mode = args->expect_mode, .per = per};
   pthread_mutex_init(&job.mu, NULL);
   pthread_cond_init(&job.cv, NULL);

@@ -131,6 +131,7 @@ int main(void) {
   FIELD(fps_push_args_t, num_workers);
   FIELD(fps_push_args_t, step);
   FIELD(fps_push_args_t, expect_mode);
+  FIELD(fps_push_args_t, push_id);
 
   SIZE(fps_tensor_stats_t);
   FIELD(fps_tensor_stats_t, name);

@@ -23,9 +23,10 @@
  *   (idempotent or read-only), and PushPull too, also after it started:
  *   every push carries an idempotency key (push_id, unique per process), so
  *   the shard applies a retried push at most once; a retry of a push the
- *   shard already applied (its reply was lost) gets the current params and
- *   versions (proto: PushPullRequest.push_id; the shard remembers its last
- *   65,536 keys). Other errors are reported, never repeated.
+ *   shard already applied (its reply was lost) gets the versions that push
+ *   made and the current params (proto: PushPullRequest.push_id; the shard
+ *   remembers its last 65,536 keys). Other errors are reported, never
+ *   repeated; fps_push_args_t.push_id lets a caller retry those itself.
  * - Placement: see fps_client_create_tensors().
  * - Wire: tensors travel as fp32 little-endian; the library refuses to build
  *   on a big-endian host.
@@ -265,6 +266,11 @@ typedef struct fps_push_args_s {
   uint64_t step;        /* default step of every tensor (see push_pull) */
   int expect_mode;      /* 0 any, 1 sync, 2 async, 3 ssp (the proto's Mode):
                            a shard in another mode answers FAILED_PRECONDITION */
+  uint64_t push_id;     /* idempotency key (proto PushPullRequest.push_id);
+                           0 = the library picks a fresh one. Pass the same
+                           nonzero key again to retry a push whose outcome is
+                           unknown (DEADLINE_EXCEEDED, CANCELLED): the shard
+                           applies it at most once */
 } fps_push_args_t;
 
 /* fps_client_push_pull() with per-tensor settings and the job checks:

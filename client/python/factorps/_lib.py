@@ -154,6 +154,7 @@ class PushArgs(ctypes.Structure):
         ("num_workers", ctypes.c_uint32),
         ("step", ctypes.c_uint64),
         ("expect_mode", ctypes.c_int),
+        ("push_id", ctypes.c_uint64),  # 0: libfactorps picks one
     ]
 
 
