@@ -76,9 +76,19 @@ typedef struct fps_range_s {
   uint64_t lo, hi;
 } fps_range_t;
 
+/* A treap of maximal intervals (ranges.c): O(log n) per insert whatever
+ * the order of the slices, so a request of n slices costs O(n log n). */
+typedef struct fps_range_node_s {
+  uint64_t lo, hi;
+  uint32_t left, right;       /* node indices, 0: none (node 0 is unused) */
+  uint32_t prio;              /* heap order, random */
+} fps_range_node_t;
+
 typedef struct fps_ranges_s {
-  fps_range_t *v;
-  size_t n, cap;
+  fps_range_node_t *v;        /* node pool (v[0] unused) */
+  size_t n, cap;              /* intervals; pool slots */
+  uint32_t root, free;        /* tree; free list (through .left) */
+  uint32_t used;              /* pool slots handed out, v[1..used] */
   uint64_t covered;           /* sum of hi - lo */
 } fps_ranges_t;
 

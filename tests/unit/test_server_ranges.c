@@ -4,8 +4,11 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -83,12 +86,71 @@ static void test_copy(void **state) {
   fps_ranges_free(&b);
 }
 
+/* Random slices against a bitmap: the same verdict (overlap or not), the
+ * same coverage and first gap, and the intervals stay maximal. */
+static void test_random_against_bitmap(void **state) {
+  (void)state;
+  enum { N = 2000 };
+  static unsigned char bit[N];
+  uint64_t x = 88172645463325252u;
+  for (int round = 0; round < 20; round++) {
+    fps_ranges_t r = {0};
+    memset(bit, 0, sizeof bit);
+    uint64_t covered = 0;
+    for (int i = 0; i < 3000; i++) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      uint64_t lo = x % N, len = 1 + (x >> 20) % (round % 4 == 0 ? 3 : 40);
+      uint64_t hi = lo + len > N ? N : lo + len;
+      bool overlap = false;
+      for (uint64_t k = lo; k < hi; k++) overlap |= bit[k];
+      int rc = fps_ranges_add(&r, lo, hi);
+      assert_int_equal(rc, overlap ? FPS_EEXISTS : 0);
+      if (!overlap) {
+        for (uint64_t k = lo; k < hi; k++) bit[k] = 1;
+        covered += hi - lo;
+      }
+      assert_int_equal(r.covered, covered);
+    }
+    size_t runs = 0;
+    uint64_t gap = N;
+    for (uint64_t k = 0; k < N; k++) {
+      if (bit[k] && (k == 0 || !bit[k - 1])) runs++;
+      if (!bit[k] && gap == N) gap = k;
+    }
+    assert_int_equal(r.n, runs);
+    assert_int_equal(fps_ranges_first_gap(&r, N), gap);
+    fps_ranges_free(&r);
+  }
+}
+
+/* 320k one-element slices in the worst orders finish in O(n log n): the
+ * old sorted array shifted its whole tail for each of them. */
+static void test_many_slices_fast(void **state) {
+  (void)state;
+  enum { N = 320000 };
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  fps_ranges_t r = {0};
+  for (uint64_t i = N; i-- > 0;) assert_int_equal(fps_ranges_add(&r, 2 * i, 2 * i + 1), 0); /* reverse, gaps */
+  assert_int_equal(r.n, N);
+  for (uint64_t i = 0; i < N; i++) assert_int_equal(fps_ranges_add(&r, 2 * i + 1, 2 * i + 2), 0); /* fill */
+  assert_int_equal(r.n, 1);
+  assert_int_equal(r.covered, 2 * N);
+  fps_ranges_free(&r);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+  print_message("640k inserts (reverse with gaps, then filling): %.3f s\n", s);
+  assert_true(s < 5.0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_in_order_merges),
       cmocka_unit_test(test_out_of_order_and_gaps),
       cmocka_unit_test(test_overlap_rejected_unchanged),
       cmocka_unit_test(test_copy),
+      cmocka_unit_test(test_random_against_bitmap),
+      cmocka_unit_test(test_many_slices_fast),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
