@@ -163,8 +163,10 @@ static void recv_next(engine_t *e, int first) {
 static void call_start(engine_t *e) {
   fps_client_t *c = e->c;
   grpc_slice method = grpc_slice_from_static_string(e->method);
+  pthread_mutex_lock(&c->chan_mu);
   e->call = grpc_channel_create_call(c->channels[e->s->shard], NULL, GRPC_PROPAGATE_DEFAULTS,
                                      e->cq, method, NULL, e->deadline, NULL);
+  pthread_mutex_unlock(&c->chan_mu);
   if (!e->call) {
     fps__stream_fail(e->s, FPS_CODE_INTERNAL, "gRPC could not create a call");
     return;
@@ -192,9 +194,18 @@ static void call_start(engine_t *e) {
 }
 
 static void gate_watch(engine_t *e, grpc_connectivity_state st) {
+  pthread_mutex_lock(&e->c->chan_mu);
   grpc_channel_watch_connectivity_state(e->c->channels[e->s->shard], st, e->deadline, e->cq,
                                         &e->tags[TAG_GATE]);
+  pthread_mutex_unlock(&e->c->chan_mu);
   e->pending[TAG_GATE] = 1;
+}
+
+static grpc_connectivity_state gate_state(engine_t *e) {
+  pthread_mutex_lock(&e->c->chan_mu);
+  grpc_connectivity_state st = fps__channel_state_locked(e->c, e->s->shard);
+  pthread_mutex_unlock(&e->c->chan_mu);
+  return st;
 }
 
 static void gate_fail_unavailable(engine_t *e) {
@@ -208,8 +219,7 @@ static void gate_fail_unavailable(engine_t *e) {
 }
 
 static void gate_begin(engine_t *e) {
-  grpc_connectivity_state st =
-      grpc_channel_check_connectivity_state(e->c->channels[e->s->shard], 1);
+  grpc_connectivity_state st = gate_state(e);
   if (st == GRPC_CHANNEL_READY) {
     call_start(e);
   } else if (st == GRPC_CHANNEL_TRANSIENT_FAILURE) {
@@ -217,7 +227,7 @@ static void gate_begin(engine_t *e) {
      * reconnecting in the background (it goes straight to READY when a
      * connection succeeds), so waiting for a change here could wait for the
      * whole deadline. Fail this attempt; the retry loop polls again after
-     * its backoff. */
+     * its backoff (and gate_state replaces a channel failing for long). */
     gate_fail_unavailable(e);
   } else if (st == GRPC_CHANNEL_SHUTDOWN) {
     fps__stream_fail(e->s, FPS_CODE_UNAVAILABLE, "channel to %s is shut down",
@@ -234,8 +244,7 @@ static void gate_event(engine_t *e, int success) {
                      e->c->addrs[e->s->shard]);
     return;
   }
-  grpc_connectivity_state st =
-      grpc_channel_check_connectivity_state(e->c->channels[e->s->shard], 1);
+  grpc_connectivity_state st = gate_state(e);
   switch (st) {
     case GRPC_CHANNEL_READY:
       call_start(e);

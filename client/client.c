@@ -218,6 +218,10 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
   c->opts.auth_token = c->opts.tls_server_name = NULL;
   c->tls = o.tls_ca_file != NULL;
   if (pthread_rwlock_init(&c->lock, NULL)) goto nomem_lock;
+  if (pthread_mutex_init(&c->chan_mu, NULL)) {
+    pthread_rwlock_destroy(&c->lock);
+    goto nomem_lock;
+  }
   if (o.auth_token) {
     size_t n = strlen(o.auth_token) + sizeof "Bearer ";
     c->auth_header = malloc(n);
@@ -226,7 +230,8 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
   }
   c->addrs = calloc(n_shards, sizeof *c->addrs);
   c->channels = calloc(n_shards, sizeof *c->channels);
-  if (!c->addrs || !c->channels) goto nomem;
+  c->failing_since = calloc(n_shards, sizeof *c->failing_since);
+  if (!c->addrs || !c->channels || !c->failing_since) goto nomem;
   for (size_t i = 0; i < n_shards; i++)
     if (!(c->addrs[i] = dup_str(addrs[i]))) goto nomem;
 
@@ -241,7 +246,7 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
      * how long an unreachable shard is tried. A local subchannel pool gives
      * each client its own connection, so W clients in one process (the load
      * generator's workers) do not share one TCP stream. */
-    grpc_arg args[7];
+    grpc_arg *args = c->chan_args;
     uint64_t recv = o.max_message_bytes > FPS__SHARD_REPLY_BYTES ? o.max_message_bytes : FPS__SHARD_REPLY_BYTES;
     int max_recv = (int)(recv + (1u << 20));
     int max_send = (int)(o.max_message_bytes + (1u << 20));
@@ -270,20 +275,19 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
      * the host in the address (e.g. shards dialled by IP address). */
     args[6] = (grpc_arg){.type = GRPC_ARG_STRING,
                          .key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG,
-                         .value.string = (char *)o.tls_server_name};
-    grpc_channel_args ca = {.num_args = o.tls_server_name ? 7 : 6, .args = args};
-    grpc_channel_credentials *creds = NULL;
-    if (make_credentials(&o, &creds, status)) goto fail;
+                         .value.string = NULL};
+    if (o.tls_server_name && !(c->server_name = dup_str(o.tls_server_name))) goto nomem;
+    args[6].value.string = c->server_name;
+    c->chan_ca = (grpc_channel_args){.num_args = o.tls_server_name ? 7 : 6, .args = args};
+    if (make_credentials(&o, &c->creds, status)) goto fail;
     for (size_t i = 0; i < n_shards; i++) {
-      c->channels[i] = grpc_channel_create(c->addrs[i], creds, &ca);
+      c->channels[i] = grpc_channel_create(c->addrs[i], c->creds, &c->chan_ca);
       if (!c->channels[i]) {
-        grpc_channel_credentials_release(creds);
         fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, (int)i,
                         "shard %zu: cannot create a channel to '%s'", i, c->addrs[i]);
         goto fail;
       }
     }
-    grpc_channel_credentials_release(creds);
   }
   fps__status_ok(status);
   return c;
@@ -302,12 +306,43 @@ fail:
       for (size_t i = 0; i < n_shards; i++) free(c->addrs[i]);
     free(c->addrs);
     free(c->channels);
+    free(c->failing_since);
+    free(c->server_name);
+    if (c->creds) grpc_channel_credentials_release(c->creds);
     free(c->auth_header);
+    pthread_mutex_destroy(&c->chan_mu);
     pthread_rwlock_destroy(&c->lock);
     free(c);
   }
   if (grpc_up) grpc_shutdown();
   return NULL;
+}
+
+/* How long a channel may fail before it is replaced: long enough that a
+ * shard which is merely down is not hammered with new channels, short
+ * against the seconds gRPC keeps a failed channel failing. */
+#define FPS__CHANNEL_RENEW_SECONDS 0.25
+
+grpc_connectivity_state fps__channel_state_locked(fps_client_t *c, int shard) {
+  grpc_connectivity_state st = grpc_channel_check_connectivity_state(c->channels[shard], 1);
+  if (st != GRPC_CHANNEL_TRANSIENT_FAILURE) {
+    c->failing_since[shard] = 0;
+    return st;
+  }
+  double now = fps__now();
+  if (c->failing_since[shard] == 0) {
+    c->failing_since[shard] = now;
+    return st;
+  }
+  if (now - c->failing_since[shard] < FPS__CHANNEL_RENEW_SECONDS) return st;
+  /* Calls and connectivity watches on the old channel hold their own
+   * references to it, so destroying it here is safe for them. */
+  grpc_channel *fresh = grpc_channel_create(c->addrs[shard], c->creds, &c->chan_ca);
+  if (!fresh) return st;
+  grpc_channel_destroy(c->channels[shard]);
+  c->channels[shard] = fresh;
+  c->failing_since[shard] = 0;
+  return grpc_channel_check_connectivity_state(fresh, 1);
 }
 
 void fps_client_destroy(fps_client_t *c) {
@@ -317,9 +352,13 @@ void fps_client_destroy(fps_client_t *c) {
     free(c->addrs[i]);
   }
   free(c->channels);
+  free(c->failing_since);
+  free(c->server_name);
+  if (c->creds) grpc_channel_credentials_release(c->creds);
   free(c->addrs);
   free(c->auth_header);
   fps__tensor_list_free(&c->tensors);
+  pthread_mutex_destroy(&c->chan_mu);
   pthread_rwlock_destroy(&c->lock);
   free(c);
   grpc_shutdown();
