@@ -12,37 +12,10 @@ import numpy as np
 import torch
 
 import _support  # noqa: F401  (puts client/python on sys.path)
+from _torch_support import Net, batch, loss_step
 from _support import Shards, need_server, run_threads
 import factorps
 from factorps.torch import RemoteAdafactor
-
-class Net(torch.nn.Module):
-    def __init__(self, seed=1234):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.w1 = torch.nn.Parameter(0.5 * torch.randn(10, 7, generator=g))
-        self.b1 = torch.nn.Parameter(0.1 * torch.randn(7, generator=g))
-        self.t3 = torch.nn.Parameter(0.5 * torch.randn(2, 7, 3, generator=g))
-        self.s = torch.nn.Parameter(torch.tensor(0.7))
-
-    def forward(self, x):
-        h = torch.tanh(x @ self.w1 + self.b1)
-        return (h @ self.t3[0] + h @ self.t3[1]) * self.s
-
-
-def batch(worker, step):
-    g = torch.Generator().manual_seed(1000 * worker + step)
-    return torch.randn(16, 10, generator=g), torch.randn(16, 3, generator=g)
-
-
-def loss_step(model, opt, worker, step):
-    x, y = batch(worker, step)
-    opt.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    return float(loss)
-
 
 
 @need_server
@@ -70,7 +43,6 @@ class NamespaceTest(unittest.TestCase):
             self.assertEqual(set(ob._versions.values()), {2})
             self.assertEqual(sorted(ob._versions), sorted("jobB/" + n for n, _ in
                                                            b.named_parameters()))
-
 
 
 def _frozen_worker(addrs, worker, workers, mode, disagree=False):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import _support  # noqa: F401  (puts client/python on sys.path)
+from _torch_support import Net, loss_step
 from _support import Shards, need_server, run_threads
 from factorps.reference import ReferenceAdafactor
 from factorps.torch import RemoteAdafactor, RemoteHFAdafactor
@@ -28,34 +29,6 @@ from factorps.torch import RemoteAdafactor, RemoteHFAdafactor
 STATE_TOL = 1e-4
 PARAM_TOL = 1e-5
 W0 = np.array(0.5 * np.random.default_rng(1234).standard_normal((12, 8)), np.float32)
-
-
-class Net(torch.nn.Module):
-    def __init__(self, seed=1234):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.w1 = torch.nn.Parameter(0.5 * torch.randn(10, 7, generator=g))
-        self.b1 = torch.nn.Parameter(0.1 * torch.randn(7, generator=g))
-        self.t3 = torch.nn.Parameter(0.5 * torch.randn(2, 7, 3, generator=g))
-        self.s = torch.nn.Parameter(torch.tensor(0.7))
-
-    def forward(self, x):
-        h = torch.tanh(x @ self.w1 + self.b1)
-        return (h @ self.t3[0] + h @ self.t3[1]) * self.s
-
-
-def batch(worker, step):
-    g = torch.Generator().manual_seed(1000 * worker + step)
-    return torch.randn(16, 10, generator=g), torch.randn(16, 3, generator=g)
-
-
-def loss_step(model, opt, worker, step):
-    x, y = batch(worker, step)
-    opt.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    return float(loss)
 
 
 def _state_close(test, got, want, what):
@@ -260,8 +233,6 @@ def _change_worker(addrs, worker):
         return "changed locally" if "'w1'" in str(e) and "changed locally" in str(e) else str(e)
     opt.close()
     return "no error"
-
-
 
 
 if __name__ == "__main__":
