@@ -410,8 +410,34 @@ static void sleep_seconds(double s) {
   }
 }
 
-/* Runs one attempt of the streams in `run` (n of them). */
-static void run_attempt(fps_client_t *c, const char *method, fps__stream_t **run, size_t n,
+/* Attempts whose calls gRPC never completed, even cancelled (seen under
+ * ASan with 2-9 ms deadlines: a cancelled call's receive and status ops
+ * still pending 10 s later). Their queue and engines must outlive the
+ * attempt, since gRPC may still write into them; they are kept here,
+ * reachable, instead of making the caller wait forever. */
+typedef struct abandoned_s {
+  grpc_completion_queue *cq;
+  engine_t *engines;
+  struct abandoned_s *next;
+} abandoned_t;
+static pthread_mutex_t abandoned_mu = PTHREAD_MUTEX_INITIALIZER;
+static abandoned_t *abandoned;
+
+static void abandon(grpc_completion_queue *cq, engine_t *engines) {
+  abandoned_t *a = malloc(sizeof *a);
+  pthread_mutex_lock(&abandoned_mu);
+  if (a) {
+    *a = (abandoned_t){cq, engines, abandoned};
+    abandoned = a;
+  }
+  pthread_mutex_unlock(&abandoned_mu);
+}
+
+/* Runs one attempt of the streams in `run` (n of them). Returns 0, or 1 if
+ * gRPC left operations pending past every bound: then the queue and
+ * `engines` belong to gRPC (abandoned) and the caller must not touch or
+ * free `engines` again. */
+static int run_attempt(fps_client_t *c, const char *method, fps__stream_t **run, size_t n,
                         gpr_timespec deadline, fps__retry_t retry, engine_t *engines) {
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
   size_t active = 0;
@@ -429,7 +455,7 @@ static void run_attempt(fps_client_t *c, const char *method, fps__stream_t **run
   while (active > 0) {
     grpc_event ev = grpc_completion_queue_next(cq, wait_until, NULL);
     if (ev.type == GRPC_QUEUE_TIMEOUT) {
-      if (cancelled) break; /* cannot happen with a working gRPC; never hang */
+      if (cancelled) break; /* gRPC left ops pending: abandoned below, never hang */
       for (size_t i = 0; i < n; i++) {
         if (engines[i].finished) continue;
         if (!engines[i].local_code)
@@ -456,11 +482,24 @@ static void run_attempt(fps_client_t *c, const char *method, fps__stream_t **run
     engine_finish(e, retry);
     if (e->finished) active--;
   }
+  if (active > 0) {
+    /* Never hang the caller: the streams already carry DEADLINE_EXCEEDED. */
+    for (size_t i = 0; i < n; i++) {
+      if (engines[i].finished) continue;
+      if (run[i]->code == FPS_CODE_OK)
+        fps__stream_fail(run[i], engines[i].local_code ? engines[i].local_code : FPS_CODE_DEADLINE_EXCEEDED,
+                         "no answer within the deadline");
+      run[i]->e = NULL;
+    }
+    abandon(cq, engines);
+    return 1;
+  }
   grpc_completion_queue_shutdown(cq);
   while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
          GRPC_QUEUE_SHUTDOWN) {
   }
   grpc_completion_queue_destroy(cq);
+  return 0;
 }
 
 int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *streams, size_t n,
@@ -480,7 +519,10 @@ int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *
   }
   memcpy(run, streams, n * sizeof *run);
   for (int attempt = 0;; attempt++) {
-    run_attempt(c, method, run, n_run, deadline, retry, engines);
+    if (run_attempt(c, method, run, n_run, deadline, retry, engines)) {
+      engines = NULL; /* gRPC's now */
+      break;
+    }
     size_t again = 0;
     for (size_t i = 0; i < n_run; i++)
       if (engines[i].retryable && run[i]->code == FPS_CODE_UNAVAILABLE) {
