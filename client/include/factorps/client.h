@@ -14,7 +14,9 @@
  *   (calls are independent); create/destroy must not race with other calls.
  * - Deadlines: every exchange with the shards (one call per shard, all in
  *   parallel) finishes within `deadline_seconds`, retries and backoff
- *   included, plus a small slack; no call waits forever. PushPull, Pull and
+ *   included, plus a small slack (at most 15 s more if gRPC does not end a
+ *   call it was told to cancel: the call is then given up as
+ *   DEADLINE_EXCEEDED); no call waits forever. PushPull, Pull and
  *   Stats are one exchange. fps_client_create_tensors() is one exchange per
  *   message of initial values (a large model needs several), then waits at
  *   most `deadline_seconds` for values other workers upload.
