@@ -417,7 +417,7 @@ int fps_shard_view(fps_shard_t *sh, bool with_tensors, uint32_t log_limit, fps_s
     o->version = t->version;
     o->ready = t->ready;
     uint32_t take = t->log_len < log_limit ? t->log_len : log_limit;
-    o->log = v->recs + nrec;
+    o->log = v->recs ? v->recs + nrec : NULL; /* no records asked: no array */
     o->nlog = take;
     /* Oldest first among the last `take` records. */
     for (uint32_t k = 0; k < take; k++) v->recs[nrec++] = t->log[(t->log_head + t->log_len - take + k) % t->log_cap];
