@@ -10,6 +10,8 @@
 
 #include "adafactor.h"
 
+#include "alloc.h"
+
 static int fail_msg(int rc, char *why, size_t why_len, const char *fmt, ...) {
   if (why && why_len) {
     va_list ap;
@@ -241,7 +243,7 @@ int fps_adafactor_state_size(const fps_shape_t *s, const fps_adafactor_hparams_t
 
 static float *alloc_zeroed(uint64_t n) {
   if (n > SIZE_MAX / sizeof(float)) return NULL;
-  return calloc((size_t)n, sizeof(float));
+  return fps_calloc((size_t)n, sizeof(float));
 }
 
 int fps_adafactor_state_init(fps_adafactor_state_t *st, const fps_shape_t *s,
@@ -271,9 +273,9 @@ int fps_adafactor_state_init(fps_adafactor_state_t *st, const fps_shape_t *s,
 
 void fps_adafactor_state_destroy(fps_adafactor_state_t *st) {
   if (!st) return;
-  free(st->row);
-  free(st->col);
-  free(st->var);
-  free(st->mom);
+  fps_free(st->row);
+  fps_free(st->col);
+  fps_free(st->var);
+  fps_free(st->mom);
   memset(st, 0, sizeof *st);
 }

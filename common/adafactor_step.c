@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "adafactor.h"
 #include "simd/kernels_impl.h"
 
@@ -245,7 +246,7 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
     /* Chunk partials, plus C floats of column factors for pass C. Freed at
      * the end of the step: a shard holds many tensors and this (16 B x C
      * per chunk) is not optimizer state worth keeping between steps. */
-    fc.scratch = malloc((2 * fc.nchunks * C + C / 2 + 1) * sizeof(double));
+    fc.scratch = fps_malloc((2 * fc.nchunks * C + C / 2 + 1) * sizeof(double));
     if (!fc.scratch) return FPS_ENOMEM;
     for (uint64_t mtx = 0; mtx < st->batch; mtx++) {
       fc.g = grad + mtx * R * C;
@@ -345,7 +346,7 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
     fps_pool_run(pool, vc.nchunks, var_pass_c, &vc);
   }
 
-  if (st->factored) free(fc.scratch);
+  if (st->factored) fps_free(fc.scratch);
   st->step = new_step;
   if (trace) {
     trace->step = new_step;

@@ -1,6 +1,7 @@
 /* Checkpoint format helpers shared by the writer and the reader: which
  * arrays a tensor stores, tensor names, per-tensor metadata, directory
  * scans. The layout itself is documented in checkpoint.h. */
+#include "alloc.h"
 #include "checkpoint_internal.h"
 #include "name.h"
 
@@ -364,7 +365,7 @@ int fps__ckpt_scan(int dirfd, fps__ckpt_file_t **files, size_t *n) {
     if (!fps__ckpt_name_seq(de->d_name, &seq) || strlen(de->d_name) >= sizeof v->name) continue;
     if (len == cap) {
       size_t nc = cap ? 2 * cap : 16;
-      fps__ckpt_file_t *nv = realloc(v, nc * sizeof *nv);
+      fps__ckpt_file_t *nv = fps_realloc(v, nc * sizeof *nv);
       if (!nv) {
         rc = FPS_ENOMEM;
         break;
@@ -380,7 +381,7 @@ int fps__ckpt_scan(int dirfd, fps__ckpt_file_t **files, size_t *n) {
   closedir(d);
   errno = e;
   if (rc < 0) {
-    free(v);
+    fps_free(v);
     return rc;
   }
   if (len) qsort(v, len, sizeof *v, file_cmp_newest_first);

@@ -238,7 +238,7 @@ typedef struct fps_ckpt_expect_s {
 } fps_ckpt_expect_t;
 
 /* One restored tensor. The caller may take ownership of `param` (free it
- * with free()) and of `state` (release it with
+ * with fps_free()) and of `state` (release it with
  * fps_adafactor_state_destroy()) by copying them out and zeroing the
  * fields here before fps_ckpt_destroy(). */
 typedef struct fps_ckpt_tensor_s {

@@ -77,7 +77,7 @@ typedef struct fps__ckpt_file_s {
 
 /* Lists the checkpoint files of an open directory, sorted newest first
  * (highest seq; ties by name, descending). *files is NULL when *n is 0;
- * free with free(). Returns 0, FPS_ENOMEM or FPS_EIO (errno kept). */
+ * free with fps_free(). Returns 0, FPS_ENOMEM or FPS_EIO (errno kept). */
 int fps__ckpt_scan(int dirfd, fps__ckpt_file_t **files, size_t *n);
 
 /* snprintf into `why` when it is non-NULL. */

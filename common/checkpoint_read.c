@@ -1,6 +1,7 @@
 /* Checkpoint reader: verification, loading, the newest-valid fallback and
  * listing. Every number read from a file is checked before it is used: a
  * hostile or damaged file is rejected with a reason, never trusted. */
+#include "alloc.h"
 #include "checkpoint_internal.h"
 
 #include <errno.h>
@@ -125,7 +126,7 @@ static int read_header(reader_t *r) {
            8 + n, r->size);
   if ((8 + n) % 8 != 0)
     REJECT(r, FPS_EFORMAT, "header length %" PRIu64 " leaves the data section unaligned", n);
-  r->hdr = malloc((size_t)n + 1);
+  r->hdr = fps_malloc((size_t)n + 1);
   if (!r->hdr) REJECT(r, FPS_ENOMEM, "out of memory for a %" PRIu64 "-byte header", n);
   if (read_at(r->fd, r->hdr, (size_t)n, 8, &got) < 0)
     REJECT(r, FPS_EIO, "read: %s", strerror(errno));
@@ -263,7 +264,7 @@ static int parse_structure(reader_t *r) {
   const cJSON *meta = NULL;
   size_t n_items = 0;
   for (const cJSON *it = r->root->child; it; it = it->next) n_items++;
-  r->e = calloc(n_items ? n_items : 1, sizeof *r->e);
+  r->e = fps_calloc(n_items ? n_items : 1, sizeof *r->e);
   if (!r->e) REJECT(r, FPS_ENOMEM, "out of memory for %zu header entries", n_items);
 
   for (const cJSON *it = r->root->child; it; it = it->next) {
@@ -281,7 +282,7 @@ static int parse_structure(reader_t *r) {
    * more tensors than it has arrays. */
   size_t n_meta = 0;
   for (const cJSON *it = meta->child; it; it = it->next) n_meta++;
-  r->t = calloc(n_meta ? n_meta : 1, sizeof *r->t);
+  r->t = fps_calloc(n_meta ? n_meta : 1, sizeof *r->t);
   if (!r->t) REJECT(r, FPS_ENOMEM, "out of memory for %zu metadata entries", n_meta);
 
   /* Metadata: the fixed keys once each, then "tensor:<name>" keys. */
@@ -397,7 +398,7 @@ static int parse_structure(reader_t *r) {
  * up to its end (as safetensors itself requires). Returns the entries in
  * data order in *order (malloc'd). */
 static int check_tiling(reader_t *r, entry_t ***order) {
-  entry_t **o = malloc((r->ne ? r->ne : 1) * sizeof *o);
+  entry_t **o = fps_malloc((r->ne ? r->ne : 1) * sizeof *o);
   if (!o) REJECT(r, FPS_ENOMEM, "out of memory");
   for (size_t i = 0; i < r->ne; i++) o[i] = &r->e[i];
   if (r->ne) qsort(o, r->ne, sizeof *o, entry_begin_cmp);
@@ -406,13 +407,13 @@ static int check_tiling(reader_t *r, entry_t ***order) {
     if (o[i]->begin != at) {
       fps__ckpt_why(r->why, r->why_len, "arrays %s at data byte %" PRIu64,
                     o[i]->begin > at ? "leave a gap" : "overlap", at);
-      free(o);
+      fps_free(o);
       return FPS_EFORMAT;
     }
     at = o[i]->end;
   }
   if (at != r->data_bytes) {
-    free(o);
+    fps_free(o);
     REJECT(r, FPS_EFORMAT, "%" PRIu64 " bytes after the last array (data section %" PRIu64 ")",
            r->data_bytes - at, r->data_bytes);
   }
@@ -431,7 +432,7 @@ static int read_data(reader_t *r, entry_t **order) {
   for (size_t i = 0; i < r->ne && rc == 0; i++) {
     char *dst = (char *)order[i]->dest;
     uint64_t left = order[i]->end - order[i]->begin;
-    if (!dst && left && !scratch && !(scratch = malloc(CHUNK))) {
+    if (!dst && left && !scratch && !(scratch = fps_malloc(CHUNK))) {
       rc = FPS_ENOMEM;
       fps__ckpt_why(r->why, r->why_len, "out of memory");
       break;
@@ -465,25 +466,25 @@ static int read_data(reader_t *r, entry_t **order) {
     }
   }
   fps_sha256_destroy(h);
-  free(scratch);
+  fps_free(scratch);
   return rc;
 }
 
 void fps_ckpt_destroy(fps_ckpt_t *c) {
   if (!c) return;
   for (size_t i = 0; i < c->n_tensors; i++) {
-    free(c->tensors[i].param);
+    fps_free(c->tensors[i].param);
     fps_adafactor_state_destroy(&c->tensors[i].state);
   }
-  free(c->tensors);
-  free(c);
+  fps_free(c->tensors);
+  fps_free(c);
 }
 
 /* Allocates the result and points every entry at its destination. */
 static int alloc_result(reader_t *r, fps_ckpt_t **out) {
-  fps_ckpt_t *c = calloc(1, sizeof *c);
-  if (!c || !(c->tensors = calloc(r->nt ? r->nt : 1, sizeof *c->tensors))) {
-    free(c);
+  fps_ckpt_t *c = fps_calloc(1, sizeof *c);
+  if (!c || !(c->tensors = fps_calloc(r->nt ? r->nt : 1, sizeof *c->tensors))) {
+    fps_free(c);
     REJECT(r, FPS_ENOMEM, "out of memory");
   }
   snprintf(c->path, sizeof c->path, "%s", r->path);
@@ -498,7 +499,7 @@ static int alloc_result(reader_t *r, fps_ckpt_t **out) {
     ct->last_weight_decay = t->last_weight_decay;
     int rc = fps_adafactor_state_init(&ct->state, &t->arr[0].shape, &t->hp);
     void *p = NULL;
-    if (rc == 0 && posix_memalign(&p, 64, (size_t)t->arr[0].count * sizeof(float)) != 0)
+    if (rc == 0 && fps_aligned_alloc(&p, 64, (size_t)t->arr[0].count * sizeof(float)) != 0)
       rc = FPS_ENOMEM;
     if (rc < 0) {
       fps_ckpt_destroy(c);
@@ -599,11 +600,11 @@ static int read_file(const char *path, const fps_ckpt_expect_t *expect, fps_ckpt
   rc = 0;
 fail:
   fps_ckpt_destroy(c);
-  free(order);
-  free(r.e);
-  free(r.t);
+  fps_free(order);
+  fps_free(r.e);
+  fps_free(r.t);
   cJSON_Delete(r.root);
-  free(r.hdr);
+  fps_free(r.hdr);
   if (r.fd >= 0) close(r.fd);
   return rc;
 }
@@ -665,7 +666,7 @@ int fps_ckpt_load_newest(const char *dir, const fps_ckpt_expect_t *expect,
     }
     on_reject(ctx, path, r, why);
   }
-  free(f);
+  fps_free(f);
   return rc;
 }
 
@@ -678,9 +679,9 @@ int fps_ckpt_list(const char *dir, const fps_ckpt_expect_t *expect, fps_ckpt_ent
   size_t nf = 0;
   int rc = open_dir(dir, &f, &nf);
   if (rc < 0) return rc;
-  fps_ckpt_entry_t *e = nf ? calloc(nf, sizeof *e) : NULL;
+  fps_ckpt_entry_t *e = nf ? fps_calloc(nf, sizeof *e) : NULL;
   if (nf && !e) {
-    free(f);
+    fps_free(f);
     return FPS_ENOMEM;
   }
   for (size_t i = 0; i < nf; i++) {
@@ -692,10 +693,10 @@ int fps_ckpt_list(const char *dir, const fps_ckpt_expect_t *expect, fps_ckpt_ent
     }
     e[i].status = fps_ckpt_verify_file(e[i].path, expect, &e[i].info, e[i].why, sizeof e[i].why);
   }
-  free(f);
+  fps_free(f);
   *out = e;
   *n = nf;
   return 0;
 }
 
-void fps_ckpt_list_free(fps_ckpt_entry_t *entries) { free(entries); }
+void fps_ckpt_list_free(fps_ckpt_entry_t *entries) { fps_free(entries); }

@@ -1,5 +1,6 @@
 /* Checkpoint writer: snapshots that own copies of the tensors, and the
  * atomic, durable write of one snapshot into a directory. */
+#include "alloc.h"
 #include "checkpoint_internal.h"
 
 #include <dirent.h>
@@ -47,7 +48,7 @@ int fps_ckpt_snapshot_create(fps_ckpt_snapshot_t **out, uint32_t shard_id, uint3
   *out = NULL;
   if (shard_count == 0 || shard_id >= shard_count || fps__ckpt_mode_check(mode) < 0)
     return FPS_EINVAL;
-  fps_ckpt_snapshot_t *s = calloc(1, sizeof *s);
+  fps_ckpt_snapshot_t *s = fps_calloc(1, sizeof *s);
   if (!s) return FPS_ENOMEM;
   s->shard.shard_id = shard_id;
   s->shard.shard_count = shard_count;
@@ -58,9 +59,9 @@ int fps_ckpt_snapshot_create(fps_ckpt_snapshot_t **out, uint32_t shard_id, uint3
 
 void fps_ckpt_snapshot_destroy(fps_ckpt_snapshot_t *s) {
   if (!s) return;
-  for (size_t i = 0; i < s->n; i++) free(s->t[i].data);
-  free(s->t);
-  free(s);
+  for (size_t i = 0; i < s->n; i++) fps_free(s->t[i].data);
+  fps_free(s->t);
+  fps_free(s);
 }
 
 size_t fps_ckpt_snapshot_count(const fps_ckpt_snapshot_t *s) { return s ? s->n : 0; }
@@ -91,12 +92,12 @@ int fps_ckpt_snapshot_add(fps_ckpt_snapshot_t *s, const char *name, const fps_sh
   }
   if (s->n == s->cap) {
     size_t nc = s->cap ? 2 * s->cap : 16;
-    snap_tensor_t *nt = realloc(s->t, nc * sizeof *nt);
+    snap_tensor_t *nt = fps_realloc(s->t, nc * sizeof *nt);
     if (!nt) goto nomem;
     s->t = nt;
     s->cap = nc;
   }
-  t.data = malloc((size_t)t.floats * sizeof(float));
+  t.data = fps_malloc((size_t)t.floats * sizeof(float));
   if (!t.data) goto nomem;
   /* Touch every page now, outside the tensor's lock, so the copy under
    * the lock does not take the page faults. Not with zeros: compilers
@@ -190,14 +191,14 @@ static int check_keys_unique(const fps_ckpt_snapshot_t *s, char *why, size_t why
   size_t n = 0;
   for (size_t i = 0; i < s->n; i++) n += (size_t)s->t[i].n_arr;
   if (n == 0) return 0;
-  char **keys = calloc(n, sizeof *keys);
+  char **keys = fps_calloc(n, sizeof *keys);
   if (!keys) return FPS_ENOMEM;
   int rc = 0;
   size_t k = 0;
   for (size_t i = 0; i < s->n && rc == 0; i++) {
     for (int j = 0; j < s->t[i].n_arr; j++) {
       size_t len = strlen(s->t[i].name) + 5;
-      keys[k] = malloc(len);
+      keys[k] = fps_malloc(len);
       if (!keys[k]) {
         rc = FPS_ENOMEM;
         break;
@@ -217,8 +218,8 @@ static int check_keys_unique(const fps_ckpt_snapshot_t *s, char *why, size_t why
       }
     }
   }
-  for (size_t i = 0; i < k; i++) free(keys[i]);
-  free(keys);
+  for (size_t i = 0; i < k; i++) fps_free(keys[i]);
+  fps_free(keys);
   return rc;
 }
 
@@ -285,7 +286,7 @@ static char *build_header(const fps_ckpt_snapshot_t *s, uint64_t seq, size_t *le
   if (!text) goto done;
   size_t n = strlen(text);
   size_t pad = (8 - (8 + n) % 8) % 8;
-  out = malloc(n + pad + 1);
+  out = fps_malloc(n + pad + 1);
   if (!out) goto done;
   memcpy(out, text, n);
   memset(out + n, ' ', pad);
@@ -456,7 +457,7 @@ static int prune(int dirfd, uint64_t seq, unsigned keep, unsigned *pruned, char 
     }
     (*pruned)++;
   }
-  free(f);
+  fps_free(f);
   if (*pruned && fsync(dirfd) < 0 && rc == 0) {
     fps__ckpt_why(why, why_len, "fsync of the directory after pruning: %s", strerror(errno));
     rc = FPS_EIO;
@@ -572,7 +573,7 @@ fail:
   if (fd >= 0) close(fd);
   if (tmp_exists) unlinkat(dirfd, tmp, 0);
   if (dirfd >= 0) close(dirfd);
-  free(files);
-  free(header);
+  fps_free(files);
+  fps_free(header);
   return rc;
 }

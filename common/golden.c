@@ -2,6 +2,8 @@
  * float32 files. Shared by `factorps replay` and tests/unit. */
 #include "golden.h"
 
+#include "alloc.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <limits.h>
@@ -34,8 +36,8 @@ static int cmp_str(const void *a, const void *b) {
 
 void fps_golden_list_free(char **names, size_t n) {
   if (!names) return;
-  for (size_t i = 0; i < n; i++) free(names[i]);
-  free(names);
+  for (size_t i = 0; i < n; i++) fps_free(names[i]);
+  fps_free(names);
 }
 
 int fps_golden_list(const char *dir, char ***names_out, size_t *n_out, char *why, size_t why_len) {
@@ -56,7 +58,7 @@ int fps_golden_list(const char *dir, char ***names_out, size_t *n_out, char *why
     if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) continue;
     if (n == cap) {
       size_t nc = cap ? 2 * cap : 64;
-      char **nn = realloc(names, nc * sizeof *nn);
+      char **nn = fps_realloc(names, nc * sizeof *nn);
       if (!nn) {
         rc = FPS_ENOMEM;
         goto fail;
@@ -64,7 +66,7 @@ int fps_golden_list(const char *dir, char ***names_out, size_t *n_out, char *why
       names = nn;
       cap = nc;
     }
-    if (!(names[n] = strdup(e->d_name))) {
+    if (!(names[n] = fps_strdup(e->d_name))) {
       rc = FPS_ENOMEM;
       goto fail;
     }
@@ -262,8 +264,8 @@ int fps_golden_write_f32(const char *path, const float *buf, uint64_t n, char *w
 
 void fps_golden_run_free(fps_golden_run_t *r) {
   if (!r) return;
-  free(r->params);
-  free(r->trace);
+  fps_free(r->params);
+  fps_free(r->trace);
   fps_adafactor_state_destroy(&r->state);
   memset(r, 0, sizeof *r);
 }
@@ -279,10 +281,10 @@ int fps_golden_run(const fps_golden_case_t *c, const fps_kernels_t *k, fps_pool_
   const size_t n = (size_t)c->numel;
   out->steps = c->steps;
   out->numel = c->numel;
-  out->params = malloc((size_t)c->steps * n * sizeof(float));
-  out->trace = calloc(c->steps, sizeof *out->trace);
-  param = malloc(n * sizeof(float));
-  grad = malloc(n * sizeof(float));
+  out->params = fps_malloc((size_t)c->steps * n * sizeof(float));
+  out->trace = fps_calloc(c->steps, sizeof *out->trace);
+  param = fps_malloc(n * sizeof(float));
+  grad = fps_malloc(n * sizeof(float));
   if (!out->params || !out->trace || !param || !grad) {
     rc = fail_msg(FPS_ENOMEM, why, why_len, "%s: out of memory", c->name);
     goto fail;
@@ -304,12 +306,12 @@ int fps_golden_run(const fps_golden_case_t *c, const fps_kernels_t *k, fps_pool_
     }
     memcpy(out->params + (size_t)(t - 1) * n, param, n * sizeof(float));
   }
-  free(param);
-  free(grad);
+  fps_free(param);
+  fps_free(grad);
   return 0;
 fail:
-  free(param);
-  free(grad);
+  fps_free(param);
+  fps_free(grad);
   return rc;
 }
 

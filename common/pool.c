@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "alloc.h"
 #include "error.h"
 
 #define FPS_POOL_MAX_THREADS 256
@@ -65,7 +66,7 @@ int fps_pool_create(fps_pool_t **out, unsigned nthreads) {
     nthreads = n > 0 ? (unsigned)n : 1;
   }
   if (nthreads > FPS_POOL_MAX_THREADS) return FPS_EINVAL;
-  fps_pool_t *p = calloc(1, sizeof *p);
+  fps_pool_t *p = fps_calloc(1, sizeof *p);
   if (!p) return FPS_ENOMEM;
   p->nthreads = nthreads;
   pthread_mutex_init(&p->run_mu, NULL);
@@ -74,7 +75,7 @@ int fps_pool_create(fps_pool_t **out, unsigned nthreads) {
   pthread_cond_init(&p->done, NULL);
   atomic_init(&p->next, 0);
   if (nthreads > 1) {
-    p->tids = calloc(nthreads - 1, sizeof *p->tids);
+    p->tids = fps_calloc(nthreads - 1, sizeof *p->tids);
     if (!p->tids) {
       fps_pool_destroy(p);
       return FPS_ENOMEM;
@@ -98,12 +99,12 @@ void fps_pool_destroy(fps_pool_t *p) {
   pthread_cond_broadcast(&p->wake);
   pthread_mutex_unlock(&p->mu);
   for (unsigned i = 0; i < p->started; i++) pthread_join(p->tids[i], NULL);
-  free(p->tids);
+  fps_free(p->tids);
   pthread_cond_destroy(&p->done);
   pthread_cond_destroy(&p->wake);
   pthread_mutex_destroy(&p->mu);
   pthread_mutex_destroy(&p->run_mu);
-  free(p);
+  fps_free(p);
 }
 
 unsigned fps_pool_threads(const fps_pool_t *p) { return p ? p->started + 1 : 1; }

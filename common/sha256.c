@@ -1,5 +1,7 @@
 #include "sha256.h"
 
+#include "alloc.h"
+
 #include <openssl/evp.h>
 #include <stdlib.h>
 
@@ -11,18 +13,18 @@ struct fps_sha256_s {
 int fps_sha256_create(fps_sha256_t **out) {
   if (!out) return FPS_EINVAL;
   *out = NULL;
-  fps_sha256_t *h = calloc(1, sizeof(*h));
+  fps_sha256_t *h = fps_calloc(1, sizeof(*h));
   if (!h) return FPS_ENOMEM;
   h->ctx = EVP_MD_CTX_new();
   if (!h->ctx) {
-    free(h);
+    fps_free(h);
     return FPS_ENOMEM;
   }
   /* EVP_sha256() is the implicitly fetched default-provider digest; Init
    * fails only if no provider offers SHA-256. */
   if (EVP_DigestInit_ex(h->ctx, EVP_sha256(), NULL) != 1) {
     EVP_MD_CTX_free(h->ctx);
-    free(h);
+    fps_free(h);
     return FPS_EUNSUPPORTED;
   }
   *out = h;
@@ -50,7 +52,7 @@ int fps_sha256_final(fps_sha256_t *h, uint8_t out[FPS_SHA256_LEN]) {
 void fps_sha256_destroy(fps_sha256_t *h) {
   if (!h) return;
   EVP_MD_CTX_free(h->ctx);
-  free(h);
+  fps_free(h);
 }
 
 int fps_sha256(const void *data, size_t len, uint8_t out[FPS_SHA256_LEN]) {

@@ -19,6 +19,8 @@
 
 #include "auth.h"
 
+#include "alloc.h"
+
 #define FPS_AUTH_DIGEST 32 /* SHA-256 */
 
 struct fps_auth_s {
@@ -44,7 +46,7 @@ static int fps__auth_read(const char *flag, const char *path, char **out, size_t
     fprintf(stderr, "factorps-server: --%s '%s': %s\n", flag, path, strerror(errno));
     return FPS_EIO;
   }
-  if (!(buf = malloc(FPS_AUTH_FILE_MAX + 1))) {
+  if (!(buf = fps_malloc(FPS_AUTH_FILE_MAX + 1))) {
     rc = FPS_ENOMEM;
     goto fail;
   }
@@ -72,7 +74,7 @@ static int fps__auth_read(const char *flag, const char *path, char **out, size_t
   return 0;
 fail:
   fclose(f);
-  free(buf);
+  fps_free(buf);
   return rc;
 }
 
@@ -172,7 +174,7 @@ static int fps__auth_tokens_load(fps_auth_t *a, const char *path) {
   if (rc < 0) return rc;
   fps__auth_warn_mode("auth-token-file", path);
   rc = FPS_ENOMEM;
-  if (!(a->token = calloc(FPS_AUTH_TOKENS_MAX, sizeof *a->token))) goto fail;
+  if (!(a->token = fps_calloc(FPS_AUTH_TOKENS_MAX, sizeof *a->token))) goto fail;
   rc = FPS_EINVAL;
   int lineno = 0;
   for (char *line = text, *next; line; line = next) {
@@ -214,12 +216,12 @@ static int fps__auth_tokens_load(fps_auth_t *a, const char *path) {
 fail:
   /* The plaintext tokens do not outlive start-up. */
   if (text) OPENSSL_cleanse(text, strlen(text));
-  free(text);
+  fps_free(text);
   return rc;
 }
 
 int fps_auth_create(const fps_config_t *cfg, fps_auth_t **out) {
-  fps_auth_t *a = calloc(1, sizeof *a);
+  fps_auth_t *a = fps_calloc(1, sizeof *a);
   int rc = FPS_EINVAL;
   *out = NULL;
   if (!a) return FPS_ENOMEM;
@@ -250,11 +252,11 @@ fail:
 void fps_auth_destroy(fps_auth_t *a) {
   if (!a) return;
   if (a->key_pem) OPENSSL_cleanse(a->key_pem, strlen(a->key_pem));
-  free(a->cert_pem);
-  free(a->key_pem);
-  free(a->client_ca_pem);
-  free(a->token);
-  free(a);
+  fps_free(a->cert_pem);
+  fps_free(a->key_pem);
+  fps_free(a->client_ca_pem);
+  fps_free(a->token);
+  fps_free(a);
 }
 
 grpc_server_credentials *fps_auth_server_credentials(const fps_auth_t *a) {

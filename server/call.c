@@ -23,6 +23,7 @@
 #include <string.h>
 #include <zlib.h>
 
+#include "alloc.h"
 #include "metrics.h"
 #include "name.h"
 #include "server.h"
@@ -144,7 +145,7 @@ void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec dead
                            const char *method, const ProtobufCMessageDescriptor *desc,
                            fps_call_t **out) {
   *out = NULL;
-  fps_call_t *c = calloc(1, size);
+  fps_call_t *c = fps_calloc(1, size);
   if (!c) {
     grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
     grpc_call_unref(call);
@@ -173,7 +174,7 @@ void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec dead
     if (rc < 0) fps_call_fail(c, fps_status_from_err(rc), "%s: %s", method, why);
   }
   /* protobuf-c copies bytes fields: the flat buffer is not needed after. */
-  free(buf);
+  fps_free(buf);
   if (payload) grpc_byte_buffer_destroy(payload);
   if (req) *out = c;
   return req;
@@ -295,13 +296,13 @@ void fps_call_fail(fps_call_t *c, grpc_status_code code, const char *fmt, ...) {
 static void fps__free_packed(void *p, size_t len) {
   FPS_TSAN_ACQUIRE(p); /* gRPC may drop the slice on any thread */
   (void)len;
-  free(p);
+  fps_free(p);
 }
 
 grpc_byte_buffer *fps_pack_message(const void *m) {
   const ProtobufCMessage *pm = m;
   size_t len = protobuf_c_message_get_packed_size(pm);
-  uint8_t *buf = malloc(len ? len : 1);
+  uint8_t *buf = fps_malloc(len ? len : 1);
   if (!buf) return NULL;
   protobuf_c_message_pack(pm, buf);
   /* The slice takes ownership of buf: the packed bytes go to the transport
@@ -334,7 +335,7 @@ static int fps__bb_inflate(const grpc_slice_buffer *sb, int gzip, uint64_t limit
         }
         size_t ncap = cap ? cap * 2 : 64 * 1024;
         if (ncap > limit) ncap = (size_t)limit;
-        uint8_t *np = realloc(p, ncap ? ncap : 1);
+        uint8_t *np = fps_realloc(p, ncap ? ncap : 1);
         if (!np) {
           rc = FPS_ENOMEM;
           break;
@@ -366,10 +367,10 @@ static int fps__bb_inflate(const grpc_slice_buffer *sb, int gzip, uint64_t limit
   }
   inflateEnd(&z);
   if (rc < 0) {
-    free(p);
+    fps_free(p);
     return rc;
   }
-  *out = p ? p : malloc(1);
+  *out = p ? p : fps_malloc(1);
   *len = n;
   return *out ? 0 : FPS_ENOMEM;
 }
@@ -393,7 +394,7 @@ int fps_bb_flatten(grpc_byte_buffer *bb, uint64_t limit, uint8_t **out, size_t *
     grpc_byte_buffer_reader_destroy(&rd);
     return FPS_ELIMIT;
   }
-  uint8_t *p = malloc(total ? total : 1);
+  uint8_t *p = fps_malloc(total ? total : 1);
   if (!p) {
     grpc_byte_buffer_reader_destroy(&rd);
     return FPS_ENOMEM;
@@ -408,7 +409,7 @@ int fps_bb_flatten(grpc_byte_buffer *bb, uint64_t limit, uint8_t **out, size_t *
   }
   grpc_byte_buffer_reader_destroy(&rd);
   if (off != total) {
-    free(p);
+    fps_free(p);
     return FPS_EPROTO;
   }
   *out = p;

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "alloc.h"
 #include "server.h"
 
 /* CFG_FLAG: a boolean switch whose value is optional (`--x` means true,
@@ -111,9 +112,9 @@ static int fps__cfg_set(fps_config_t *cfg, const fps_cfg_entry_t *e, const char 
   errno = 0;
   switch (e->type) {
     case CFG_STR: {
-      char *s = strdup(val);
+      char *s = fps_strdup(val);
       if (!s) return FPS_ENOMEM;
-      free(*(char **)p);
+      fps_free(*(char **)p);
       *(char **)p = s;
       return 0;
     }
@@ -274,7 +275,7 @@ void fps_config_free(fps_config_t *cfg) {
   for (size_t i = 0; i < FPS_CFG_N; i++)
     if (fps__cfg_table[i].type == CFG_STR) {
       char **p = (char **)((char *)cfg + fps__cfg_table[i].off);
-      free(*p);
+      fps_free(*p);
       *p = NULL;
     }
 }

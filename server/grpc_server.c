@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "auth.h"
 #include "metrics.h"
 #include "server.h"
@@ -97,14 +98,14 @@ static bool fps__call_admit(fps_server_t *srv, grpc_call *call, gpr_timespec dea
   if (payload) grpc_byte_buffer_destroy(payload);
   /* Answer through a throwaway base, so the refusal is metered like any
    * other status of that method. */
-  fps_call_t *c = calloc(1, sizeof *c);
+  fps_call_t *c = fps_calloc(1, sizeof *c);
   if (!c) {
     grpc_call_cancel_with_status(call, code, why, NULL);
     grpc_call_unref(call);
     grpc_metadata_array_destroy(md);
     return false;
   }
-  c->destroy = (void (*)(fps_call_t *))free;
+  c->destroy = (void (*)(fps_call_t *))fps_free;
   if (fps_call_begin(c, srv, call, deadline, md, name) == 0) fps_call_fail(c, code, "%s", why);
   return false;
 }
@@ -122,7 +123,7 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
     /* Shutdown: the slot is not re-posted. */
     grpc_metadata_array_destroy(&s->md);
     if (s->method == M_GENERIC) grpc_call_details_destroy(&s->details);
-    free(s);
+    fps_free(s);
     return;
   }
   grpc_call *call = s->call;
@@ -141,7 +142,7 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
   if (atomic_load(&srv->shutting_down) || fps__slot_post(s) < 0) {
     grpc_metadata_array_destroy(&s->md);
     if (method == M_GENERIC) grpc_call_details_destroy(&s->details);
-    free(s);
+    fps_free(s);
   }
   if (!fps__call_admit(srv, call, deadline, &md, payload, method)) return;
   switch (method) {
@@ -153,14 +154,14 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
     case M_GETSTATE: fps_rpc_getstate_start(srv, call, deadline, &md, payload); break;
     default: {
       /* Unknown method: answer UNIMPLEMENTED through a throwaway base. */
-      fps_call_t *c = calloc(1, sizeof *c);
+      fps_call_t *c = fps_calloc(1, sizeof *c);
       if (!c) {
         grpc_call_cancel(call, NULL);
         grpc_call_unref(call);
         grpc_metadata_array_destroy(&md);
         break;
       }
-      c->destroy = (void (*)(fps_call_t *))free;
+      c->destroy = (void (*)(fps_call_t *))fps_free;
       if (fps_call_begin(c, srv, call, deadline, &md, "unknown method") == 0)
         fps_call_fail(c, GRPC_STATUS_UNIMPLEMENTED, "factorps serves factorps.v1.ParameterServer only");
       break;
@@ -187,7 +188,7 @@ static int fps__slot_post(fps_slot_t *s) {
 }
 
 static int fps__slot_new(fps_server_t *srv, int method) {
-  fps_slot_t *s = calloc(1, sizeof *s);
+  fps_slot_t *s = fps_calloc(1, sizeof *s);
   if (!s) return FPS_ENOMEM;
   s->tag.fn = fps__slot_done;
   s->srv = srv;
@@ -197,7 +198,7 @@ static int fps__slot_new(fps_server_t *srv, int method) {
   if (fps__slot_post(s) < 0) {
     grpc_metadata_array_destroy(&s->md);
     if (method == M_GENERIC) grpc_call_details_destroy(&s->details);
-    free(s);
+    fps_free(s);
     return FPS_EPROTO;
   }
   return 0;
@@ -272,7 +273,7 @@ int fps_grpc_start(fps_server_t *srv) {
   /* Pollers first: whatever fails below, fps_grpc_stop() can then shut the
    * server down and drain the queue the normal way. */
   fps__npollers = srv->cfg.threads;
-  fps__pollers = calloc(fps__npollers, sizeof *fps__pollers);
+  fps__pollers = fps_calloc(fps__npollers, sizeof *fps__pollers);
   if (!fps__pollers) {
     fps__npollers = 0;
     return FPS_ENOMEM;
@@ -354,7 +355,7 @@ void fps_grpc_stop(fps_server_t *srv, double grace_s) {
   for (uint32_t i = 0; i < fps__npollers; i++) pthread_join(fps__pollers[i].th, NULL);
   /* Only now: a poller re-posting a slot reads srv->server until it exits. */
   srv->server = NULL;
-  free(fps__pollers);
+  fps_free(fps__pollers);
   fps__pollers = NULL;
   fps__npollers = 0;
   grpc_completion_queue_destroy(srv->cq);

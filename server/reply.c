@@ -9,12 +9,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "metrics.h"
 #include "wire.h"
 
 void fps_reply_free(fps_reply_t *r) {
   for (size_t i = 0; i < r->n; i++) fps_snap_unref(r->items[i].snap);
-  free(r->items);
+  fps_free(r->items);
   memset(r, 0, sizeof *r);
 }
 
@@ -32,8 +33,8 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
   Factorps__V1__TensorVersion *vers = NULL, **versp = NULL;
   uint64_t payload = 0;
   *last = false;
-  sc = malloc(MAX_SLICES * sizeof *sc);
-  slp = malloc(MAX_SLICES * sizeof *slp);
+  sc = fps_malloc(MAX_SLICES * sizeof *sc);
+  slp = fps_malloc(MAX_SLICES * sizeof *slp);
   if (!sc || !slp) goto fail;
 
   /* Fill slices until the budget or the items run out. A per-slice
@@ -57,7 +58,7 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
       data = (uint8_t *)(it->snap->data + r->off);
       sc[ns].enc = NULL;
     } else {
-      data = malloc(cnt * esz);
+      data = fps_malloc(cnt * esz);
       if (!data) goto fail;
       fps_dtype_encode(it->dtype, it->snap->data + r->off, cnt, data);
       sc[ns].enc = data;
@@ -91,8 +92,8 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
     if (vbytes > budget) *last = false;
   }
   if (*last) {
-    vers = calloc(r->n ? r->n : 1, sizeof *vers);
-    versp = calloc(r->n ? r->n : 1, sizeof *versp);
+    vers = fps_calloc(r->n ? r->n : 1, sizeof *vers);
+    versp = fps_calloc(r->n ? r->n : 1, sizeof *versp);
     if (!vers || !versp) goto fail;
     for (size_t i = 0; i < r->n; i++) {
       factorps__v1__tensor_version__init(&vers[i]);
@@ -119,11 +120,11 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
   if (bb) atomic_fetch_add(&srv->shard.counters.bytes_sent, payload);
   if (bb) fps_metrics_rpc_bytes(r->pull ? FPS_METRICS_PULL : FPS_METRICS_PUSHPULL, 0, payload);
 fail:
-  for (size_t i = 0; i < ns; i++) free(sc[i].enc);
-  free(sc);
-  free(slp);
-  free(vers);
-  free(versp);
+  for (size_t i = 0; i < ns; i++) fps_free(sc[i].enc);
+  fps_free(sc);
+  fps_free(slp);
+  fps_free(vers);
+  fps_free(versp);
   if (*last && bb) r->done = true;
   return bb;
 }

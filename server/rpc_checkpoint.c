@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "checkpoint.h"
 #include "wire.h"
 
@@ -13,7 +14,7 @@ typedef struct fps_ckpt_call_s {
   fps_call_t base;
 } fps_ckpt_call_t;
 
-static void fps__ckpt_call_destroy(fps_call_t *c) { free(c); }
+static void fps__ckpt_call_destroy(fps_call_t *c) { fps_free(c); }
 
 static void fps__ckpt_call_run(fps_ckpt_call_t *cc) {
   fps_server_t *srv = cc->base.srv;
@@ -59,5 +60,5 @@ void fps_rpc_checkpoint_start(fps_server_t *srv, grpc_call *call, gpr_timespec d
       fps__ckpt_call_destroy, NULL, "Checkpoint", &factorps__v1__checkpoint_request__descriptor, &c);
   if (!req) return;
   fps__ckpt_call_run((fps_ckpt_call_t *)c);
-  protobuf_c_message_free_unpacked(&req->base, NULL);
+  protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
 }

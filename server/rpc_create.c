@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "metrics.h"
 #include "wire.h"
 
@@ -15,7 +16,7 @@ typedef struct fps_create_call_s {
   fps_call_t base;
 } fps_create_call_t;
 
-static void fps__create_destroy(fps_call_t *c) { free(c); }
+static void fps__create_destroy(fps_call_t *c) { fps_free(c); }
 
 /* An init slice with nothing in it at all is no init (proto3 default). */
 static bool fps__init_empty(const Factorps__V1__TensorSlice *s) {
@@ -27,14 +28,14 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
   char why[FPS_WHY_MAX] = "";
   int rc = 0;
   size_t n = req->n_tensors;
-  fps_create_item_t *items = calloc(n ? n : 1, sizeof *items);
-  fps_slice_t *inits = calloc(n ? n : 1, sizeof *inits);
-  fps_create_info_t *out = calloc(n ? n : 1, sizeof *out);
-  Factorps__V1__TensorInfo *info = calloc(n ? n : 1, sizeof *info);
-  Factorps__V1__TensorInfo **infop = calloc(n ? n : 1, sizeof *infop);
+  fps_create_item_t *items = fps_calloc(n ? n : 1, sizeof *items);
+  fps_slice_t *inits = fps_calloc(n ? n : 1, sizeof *inits);
+  fps_create_info_t *out = fps_calloc(n ? n : 1, sizeof *out);
+  Factorps__V1__TensorInfo *info = fps_calloc(n ? n : 1, sizeof *info);
+  Factorps__V1__TensorInfo **infop = fps_calloc(n ? n : 1, sizeof *infop);
   size_t nstate = 0;
   for (size_t i = 0; i < n; i++) nstate += req->tensors[i]->n_init_state;
-  fps_state_slice_t *state_base = calloc(nstate ? nstate : 1, sizeof *state_base), *states = state_base;
+  fps_state_slice_t *state_base = fps_calloc(nstate ? nstate : 1, sizeof *state_base), *states = state_base;
   if (!items || !inits || !out || !info || !infop || !state_base) {
     rc = FPS_ENOMEM;
     snprintf(why, sizeof why, "Create: out of memory for %zu tensors", n);
@@ -112,12 +113,12 @@ done:
   } else {
     fps_call_fail(&cc->base, fps_status_from_err(rc), "%s", why);
   }
-  free(items);
-  free(state_base);
-  free(inits);
-  free(out);
-  free(info);
-  free(infop);
+  fps_free(items);
+  fps_free(state_base);
+  fps_free(inits);
+  fps_free(out);
+  fps_free(info);
+  fps_free(infop);
 }
 
 void fps_rpc_create_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
@@ -127,5 +128,5 @@ void fps_rpc_create_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadl
       fps__create_destroy, NULL, "Create", &factorps__v1__create_request__descriptor, &c);
   if (!req) return;
   fps__create_run((fps_create_call_t *)c, req);
-  protobuf_c_message_free_unpacked(&req->base, NULL);
+  protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
 }

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "metrics.h"
 #include "status.h"
 #include "wire.h"
@@ -31,15 +32,15 @@ static const Factorps__V1__StateKind fps__kind_wire[FPS_STATE_KINDS] = {
 static void fps__getstate_destroy(fps_call_t *c) {
   fps_getstate_call_t *gc = (fps_getstate_call_t *)c;
   for (size_t i = 0; i < gc->n; i++) fps_state_snap_release(&c->srv->shard, &gc->snap[i]);
-  free(gc->snap);
-  free(gc);
+  fps_free(gc->snap);
+  fps_free(gc);
 }
 
 /* Packs the next message; *last when it carries the TensorStates. */
 static grpc_byte_buffer *fps__getstate_next(fps_getstate_call_t *gc, bool *last) {
   enum { MAX_SLICES = 4096 };
-  Factorps__V1__StateSlice *sl = calloc(MAX_SLICES, sizeof *sl);
-  Factorps__V1__StateSlice **slp = calloc(MAX_SLICES, sizeof *slp);
+  Factorps__V1__StateSlice *sl = fps_calloc(MAX_SLICES, sizeof *sl);
+  Factorps__V1__StateSlice **slp = fps_calloc(MAX_SLICES, sizeof *slp);
   Factorps__V1__TensorState *ts = NULL, **tsp = NULL;
   grpc_byte_buffer *bb = NULL;
   size_t ns = 0, budget = FPS_REPLY_BUDGET;
@@ -82,8 +83,8 @@ static grpc_byte_buffer *fps__getstate_next(fps_getstate_call_t *gc, bool *last)
     if (ns > 0 && need > budget) *last = false; /* the TensorStates go alone, next */
   }
   if (*last) {
-    ts = calloc(gc->n ? gc->n : 1, sizeof *ts);
-    tsp = calloc(gc->n ? gc->n : 1, sizeof *tsp);
+    ts = fps_calloc(gc->n ? gc->n : 1, sizeof *ts);
+    tsp = fps_calloc(gc->n ? gc->n : 1, sizeof *tsp);
     if (!ts || !tsp) goto out;
     for (size_t i = 0; i < gc->n; i++) {
       const fps_state_snap_t *s = &gc->snap[i];
@@ -110,10 +111,10 @@ static grpc_byte_buffer *fps__getstate_next(fps_getstate_call_t *gc, bool *last)
   if (bb) atomic_fetch_add(&gc->base.srv->shard.counters.bytes_sent, payload);
   if (bb) fps_metrics_rpc_bytes(FPS_METRICS_GETSTATE, 0, payload);
 out:
-  free(sl);
-  free(slp);
-  free(ts);
-  free(tsp);
+  fps_free(sl);
+  fps_free(slp);
+  fps_free(ts);
+  fps_free(tsp);
   return bb;
 }
 
@@ -145,10 +146,10 @@ static void fps__getstate_run(fps_getstate_call_t *gc, const Factorps__V1__GetSt
   fps_server_t *srv = gc->base.srv;
   char why[FPS_WHY_MAX];
   size_t n = req->n_names;
-  gc->snap = calloc(n ? n : 1, sizeof *gc->snap);
-  const char **sorted = calloc(n ? n : 1, sizeof *sorted);
+  gc->snap = fps_calloc(n ? n : 1, sizeof *gc->snap);
+  const char **sorted = fps_calloc(n ? n : 1, sizeof *sorted);
   if (!gc->snap || !sorted) {
-    free(sorted);
+    fps_free(sorted);
     fps_call_fail(&gc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "GetState: out of memory for %zu tensors", n);
     return;
   }
@@ -166,7 +167,7 @@ static void fps__getstate_run(fps_getstate_call_t *gc, const Factorps__V1__GetSt
         break;
       }
   }
-  free(sorted);
+  fps_free(sorted);
   for (size_t i = 0; i < n && rc == 0; i++) {
     rc = fps_shard_state_snap(&srv->shard, req->names[i], &gc->snap[i], why, sizeof why);
     if (rc == 0) gc->n = i + 1;
@@ -187,5 +188,5 @@ void fps_rpc_getstate_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
       "GetState", &factorps__v1__get_state_request__descriptor, &c);
   if (!req) return;
   fps__getstate_run((fps_getstate_call_t *)c, req);
-  protobuf_c_message_free_unpacked(&req->base, NULL);
+  protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
 }

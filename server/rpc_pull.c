@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "wire.h"
 
 typedef struct fps_pull_call_s {
@@ -18,7 +19,7 @@ typedef struct fps_pull_call_s {
 static void fps__pull_destroy(fps_call_t *c) {
   fps_pull_call_t *pc = (fps_pull_call_t *)c;
   fps_reply_free(&pc->reply);
-  free(pc);
+  fps_free(pc);
 }
 
 /* Sends the next message of the reply (the final one carries OK). */
@@ -55,7 +56,7 @@ static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *
     return;
   }
   pc->reply.pull = true;
-  pc->reply.items = calloc(req->n_names ? req->n_names : 1, sizeof *pc->reply.items);
+  pc->reply.items = fps_calloc(req->n_names ? req->n_names : 1, sizeof *pc->reply.items);
   if (!pc->reply.items) {
     fps_call_fail(&pc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Pull: out of memory");
     return;
@@ -84,5 +85,5 @@ void fps_rpc_pull_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadlin
       fps__pull_destroy, fps__pull_on_batch, "Pull", &factorps__v1__pull_request__descriptor, &c);
   if (!req) return;
   fps__pull_run((fps_pull_call_t *)c, req);
-  protobuf_c_message_free_unpacked(&req->base, NULL);
+  protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
 }

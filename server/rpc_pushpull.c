@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "metrics.h"
 #include "wire.h"
 
@@ -37,7 +38,7 @@ static void fps__pp_destroy(fps_call_t *c) {
   fps_pp_call_t *pp = (fps_pp_call_t *)c;
   fps_push_destroy(pp->push);
   fps_reply_free(&pp->reply);
-  free(pp);
+  fps_free(pp);
 }
 
 /* Ends the call with an error; counts it once. */
@@ -84,7 +85,7 @@ static void fps__pp_finish(fps_pp_call_t *pp) {
     return;
   }
   size_t n = fps_push_count(pp->push);
-  pp->reply.items = calloc(n ? n : 1, sizeof *pp->reply.items);
+  pp->reply.items = fps_calloc(n ? n : 1, sizeof *pp->reply.items);
   if (!pp->reply.items) {
     fps__pp_fail(pp, GRPC_STATUS_RESOURCE_EXHAUSTED, "PushPull: out of memory");
     return;
@@ -208,7 +209,7 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
                                    why, sizeof why)) == 0) {
     /* Drop the wire copy before decoding into staging: keeps the peak at
      * one extra message rather than two. */
-    free(buf);
+    fps_free(buf);
     buf = NULL;
     grpc_byte_buffer_destroy(c->recv_buf);
     c->recv_buf = NULL;
@@ -218,8 +219,8 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
     snprintf(w2, sizeof w2, "PushPull: %s", why);
     snprintf(why, sizeof why, "%.*s", (int)sizeof why - 1, w2);
   }
-  if (m) factorps__v1__push_pull_request__free_unpacked(m, NULL);
-  free(buf);
+  if (m) factorps__v1__push_pull_request__free_unpacked(m, &fps_wire_allocator);
+  fps_free(buf);
   if (rc < 0) {
     fps__pp_fail(pp, fps_status_from_err(rc), "%s", why);
     return;
@@ -229,9 +230,9 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
 
 void fps_rpc_pushpull_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                             grpc_metadata_array *md) {
-  fps_pp_call_t *pp = calloc(1, sizeof *pp);
+  fps_pp_call_t *pp = fps_calloc(1, sizeof *pp);
   if (!pp || fps_push_create(&srv->shard, INT64_MAX, fps__pp_on_done, pp, &pp->push) < 0) {
-    free(pp);
+    fps_free(pp);
     grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
     grpc_call_unref(call);
     grpc_metadata_array_destroy(md);

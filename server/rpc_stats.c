@@ -4,13 +4,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "wire.h"
 
 typedef struct fps_stats_call_s {
   fps_call_t base;
 } fps_stats_call_t;
 
-static void fps__stats_destroy(fps_call_t *c) { free(c); }
+static void fps__stats_destroy(fps_call_t *c) { fps_free(c); }
 
 
 static void fps__state_fill(Factorps__V1__StateSize *o, const fps_state_size_t *s) {
@@ -44,12 +45,12 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   size_t logs = 0;
   for (size_t i = 0; i < v.n; i++) logs += v.t[i].nlog;
   if (v.n) {
-    ts = calloc(v.n, sizeof *ts);
-    tsp = calloc(v.n, sizeof *tsp);
-    tstate = calloc(v.n, sizeof *tstate);
-    shapes = calloc(v.n * FPS_MAX_DIMS, sizeof *shapes);
-    recs = calloc(logs ? logs : 1, sizeof *recs);
-    recp = calloc(logs ? logs : 1, sizeof *recp);
+    ts = fps_calloc(v.n, sizeof *ts);
+    tsp = fps_calloc(v.n, sizeof *tsp);
+    tstate = fps_calloc(v.n, sizeof *tstate);
+    shapes = fps_calloc(v.n * FPS_MAX_DIMS, sizeof *shapes);
+    recs = fps_calloc(logs ? logs : 1, sizeof *recs);
+    recp = fps_calloc(logs ? logs : 1, sizeof *recp);
     if (!ts || !tsp || !tstate || !shapes || !recs || !recp) {
       fps_call_fail(&sc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Stats: out of memory for %zu tensors", v.n);
       goto out;
@@ -125,12 +126,12 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
     fps_call_send(&sc->base, bb, true); /* final: on failure the call is already released */
 out:
   fps_shard_view_free(&v);
-  free(ts);
-  free(tsp);
-  free(tstate);
-  free(shapes);
-  free(recs);
-  free(recp);
+  fps_free(ts);
+  fps_free(tsp);
+  fps_free(tstate);
+  fps_free(shapes);
+  fps_free(recs);
+  fps_free(recp);
 }
 
 void fps_rpc_stats_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
@@ -140,5 +141,5 @@ void fps_rpc_stats_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadli
       fps__stats_destroy, NULL, "Stats", &factorps__v1__stats_request__descriptor, &c);
   if (!req) return;
   fps__stats_run((fps_stats_call_t *)c, req);
-  protobuf_c_message_free_unpacked(&req->base, NULL);
+  protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
 }

@@ -154,9 +154,10 @@ int fps_call_begin(fps_call_t *c, fps_server_t *srv, grpc_call *call, gpr_timesp
 /* The start of every unary handler (Create, Pull, Stats, Checkpoint):
  * allocates the handler's call state (`size` bytes, fps_call_t first,
  * zeroed), begins the call and decodes the request with `desc`. Returns the
- * request (free it with protobuf_c_message_free_unpacked) and sets *out to
- * the call; on failure the call has been answered or cancelled and NULL is
- * returned. Takes ownership of call, md and payload in every case. */
+ * request (free it with protobuf_c_message_free_unpacked and
+ * &fps_wire_allocator) and sets *out to the call; on failure the call has
+ * been answered or cancelled and NULL is returned. Takes ownership of
+ * call, md and payload in every case. */
 void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                            grpc_metadata_array *md, grpc_byte_buffer *payload, size_t size,
                            void (*destroy)(fps_call_t *), void (*on_batch)(fps_call_t *, bool),

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "alloc.h"
 #include "clock.h"
 #include "error.h"
 
@@ -25,7 +26,7 @@ struct fps_timer_s {
 
 int fps_timer_create(fps_timer_t **out, int64_t tick_ns) {
   *out = NULL;
-  fps_timer_t *t = calloc(1, sizeof *t);
+  fps_timer_t *t = fps_calloc(1, sizeof *t);
   if (!t) return FPS_ENOMEM;
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -89,5 +90,5 @@ void fps_timer_destroy(fps_timer_t *t) {
   }
   pthread_mutex_destroy(&t->mu);
   pthread_cond_destroy(&t->cv);
-  free(t);
+  fps_free(t);
 }

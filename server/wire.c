@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "name.h"
 #include "wire.h"
 
@@ -213,11 +214,11 @@ static ptrdiff_t fps__wire_merge(const ProtobufCMessageDescriptor *d, const uint
       while (fps__wire_next(&q, end, &g))
         if (g.num == f.num && g.wt == 2) total += g.len;
     }
-    uint8_t *cat = malloc(total ? total : 1);
-    uint8_t *canon = malloc(total ? total : 1);
+    uint8_t *cat = fps_malloc(total ? total : 1);
+    uint8_t *canon = fps_malloc(total ? total : 1);
     if (!cat || !canon) {
-      free(cat);
-      free(canon);
+      fps_free(cat);
+      fps_free(canon);
       return -1;
     }
     memcpy(cat, f.payload, f.len);
@@ -232,22 +233,34 @@ static ptrdiff_t fps__wire_merge(const ProtobufCMessageDescriptor *d, const uint
         }
     }
     ptrdiff_t m = fps__wire_merge(fd->descriptor, cat, total, depth + 1, canon);
-    free(cat);
+    fps_free(cat);
     if (m < 0) {
-      free(canon);
+      fps_free(canon);
       return -1;
     }
     o += fps__wire_put_varint(o, ((uint64_t)f.num << 3) | 2);
     o += fps__wire_put_varint(o, (uint64_t)m);
     memcpy(o, canon, (size_t)m);
     o += m;
-    free(canon);
+    fps_free(canon);
   }
   /* A malformed tail stays as it was, for protobuf-c to refuse. */
   memcpy(o, p, (size_t)(end - p));
   o += end - p;
   return o - out;
 }
+
+static void *fps__wire_alloc(void *data, size_t size) {
+  (void)data;
+  return fps_malloc(size);
+}
+
+static void fps__wire_free(void *data, void *p) {
+  (void)data;
+  fps_free(p);
+}
+
+ProtobufCAllocator fps_wire_allocator = {fps__wire_alloc, fps__wire_free, NULL};
 
 int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, ProtobufCMessage **out,
                     char *why, size_t wl) {
@@ -257,18 +270,18 @@ int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, 
   if (code < 0) return code;
   uint8_t *canon = NULL;
   if (repeats) {
-    canon = malloc(len ? len : 1);
+    canon = fps_malloc(len ? len : 1);
     ptrdiff_t m = canon ? fps__wire_merge(desc, buf, len, 0, canon) : -1;
     if (m < 0) {
-      free(canon);
+      fps_free(canon);
       snprintf(why, wl, "%s: out of memory merging a %zu-byte message", desc->short_name, len);
       return FPS_ENOMEM;
     }
     buf = canon;
     len = (size_t)m;
   }
-  *out = protobuf_c_message_unpack(desc, NULL, len, buf);
-  free(canon);
+  *out = protobuf_c_message_unpack(desc, &fps_wire_allocator, len, buf);
+  fps_free(canon);
   if (!*out) {
     snprintf(why, wl, "malformed %s (%zu bytes)", desc->short_name, len);
     return FPS_EPROTO;

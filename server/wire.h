@@ -18,11 +18,16 @@ int fps_wire_hparams(const char *name, const Factorps__V1__AdafactorConfig *c, f
  * into s, which must outlive it). */
 void fps_wire_slice_view(const Factorps__V1__TensorSlice *s, fps_slice_t *out);
 
+/* protobuf-c's allocator for requests, through fps_malloc/fps_free (so
+ * the fault injection reaches the decoder): pass it to every *_unpack and
+ * *_free_unpacked of a request. */
+extern ProtobufCAllocator fps_wire_allocator;
+
 /* Unpacks a request: checks every string field on the wire first (names
  * with NUL or control characters: FPS_EINVAL naming the name), merges
  * repeated parts of singular message fields (valid protobuf that
  * protobuf-c 1.4.1 refuses when a oneof is absent), then unpacks. Returns
- * 0 with *out set (free with protobuf_c_message_free_unpacked), FPS_EPROTO
+ * 0 with *out set (free with protobuf_c_message_free_unpacked and &fps_wire_allocator), FPS_EPROTO
  * ("malformed <Type> (N bytes)") or FPS_ENOMEM. */
 int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, ProtobufCMessage **out,
                     char *why, size_t why_len);

@@ -25,6 +25,7 @@
 #include <strings.h>
 #include <uv.h>
 
+#include "alloc.h"
 #include "error.h"
 #include "internal.h"
 #include "metrics.h"
@@ -67,8 +68,8 @@ typedef struct conn_s {
 static void conn_close_cb(uv_handle_t *handle) {
   conn_t *c = handle->data;
   if (--c->handles == 0) {
-    free(c->out);
-    free(c);
+    fps_free(c->out);
+    fps_free(c);
   }
 }
 
@@ -108,7 +109,7 @@ static void on_shutdown(uv_shutdown_t *req, int status) {
 
 static void on_write(uv_write_t *req, int status) {
   conn_t *c = req->data;
-  free(c->out);
+  fps_free(c->out);
   c->out = NULL;
   if (status < 0 || c->closing || !c->counted) {
     conn_close(c);
@@ -144,15 +145,15 @@ static void conn_respond(conn_t *c) {
                     c->status, reason(c->status), ctype, blen,
                     c->status == 405 ? "Allow: GET, HEAD\r\n" : "");
   size_t send_body = c->head_only ? 0 : blen;
-  c->out = malloc((size_t)hn + send_body);
+  c->out = fps_malloc((size_t)hn + send_body);
   if (c->out == NULL) {
-    free(body);
+    fps_free(body);
     conn_close(c);
     return;
   }
   memcpy(c->out, head, (size_t)hn);
   if (send_body) memcpy(c->out + hn, body ? body : small, send_body);
-  free(body);
+  fps_free(body);
   fps__metrics_http_response(c->status);
   c->responded = true;
   /* Bound the drain too: a client that never closes is dropped. */
@@ -296,7 +297,7 @@ static void on_timer(uv_timer_t *t) {
 static void on_connection(uv_stream_t *server, int status) {
   fps_metrics_http_t *h = server->loop->data;
   if (status < 0) return; /* e.g. EMFILE: libuv already sheds the connection */
-  conn_t *c = calloc(1, sizeof *c);
+  conn_t *c = fps_calloc(1, sizeof *c);
   if (c == NULL) return;
   c->h = h;
   c->tcp.data = c;
@@ -394,7 +395,7 @@ int fps_metrics_http_start(const fps_metrics_http_opts_t *opts, fps_metrics_http
             opts->listen);
     return FPS_EINVAL;
   }
-  fps_metrics_http_t *h = calloc(1, sizeof *h);
+  fps_metrics_http_t *h = fps_calloc(1, sizeof *h);
   if (h == NULL) return FPS_ENOMEM;
   h->o = *opts;
   h->o.listen = NULL;
@@ -413,7 +414,7 @@ int fps_metrics_http_start(const fps_metrics_http_opts_t *opts, fps_metrics_http
 
   int rc = uv_loop_init(&h->loop);
   if (rc < 0) {
-    free(h);
+    fps_free(h);
     return FPS_EIO;
   }
   h->loop.data = h;
@@ -442,7 +443,7 @@ int fps_metrics_http_start(const fps_metrics_http_opts_t *opts, fps_metrics_http
     uv_close((uv_handle_t *)&h->stop, NULL);
     uv_run(&h->loop, UV_RUN_DEFAULT);
     uv_loop_close(&h->loop);
-    free(h);
+    fps_free(h);
     return FPS_EIO;
   }
   *out = h;
@@ -456,5 +457,5 @@ void fps_metrics_http_stop(fps_metrics_http_t *h) {
   uv_async_send(&h->stop);
   uv_thread_join(&h->thread);
   uv_loop_close(&h->loop);
-  free(h);
+  fps_free(h);
 }

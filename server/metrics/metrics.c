@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "error.h"
 #include "internal.h"
 
@@ -355,7 +356,7 @@ void fps__mbuf_printf(fps__mbuf_t *b, const char *fmt, ...) {
     }
     size_t cap = b->cap ? b->cap * 2 : 8192;
     while (cap - b->len <= (size_t)n) cap *= 2;
-    char *p = realloc(b->p, cap);
+    char *p = fps_realloc(b->p, cap);
     if (p == NULL) {
       b->oom = true;
       return;
@@ -557,7 +558,7 @@ int fps_metrics_render(char **out, size_t *len) {
   render_checkpoint(&b, shard);
   fps__metrics_render_process(&b, shard);
   if (b.oom || b.p == NULL) {
-    free(b.p);
+    fps_free(b.p);
     return FPS_ENOMEM;
   }
   *out = b.p;

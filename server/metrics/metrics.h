@@ -192,7 +192,7 @@ void fps_metrics_ready_set(bool ready);
 
 /* Renders every series into a new NUL-terminated buffer in text format
  * 0.0.4, including the process_* series read from /proc.
- * Returns 0 and sets *out (caller frees with free()) and *len, or
+ * Returns 0 and sets *out (caller frees with fps_free()) and *len, or
  * FPS_ENOMEM. Thread-safe (reads atomics only). */
 int fps_metrics_render(char **out, size_t *len);
 

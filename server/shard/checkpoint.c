@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "alloc.h"
 #include "metrics.h"
 #include "shard.h"
 
@@ -73,7 +74,7 @@ static int fps__ckpt_adopt_locked(fps_shard_t *sh, const fps_ckpt_t *ck, fps_ckp
   /* Take the loaded arrays instead of copying them: the tensor's own
    * param buffer and zeroed state are released, the checkpoint's fields are
    * zeroed so fps_ckpt_destroy() leaves them alone. */
-  free(t->param);
+  fps_free(t->param);
   t->param = ct->param;
   ct->param = NULL;
   fps_adafactor_state_destroy(&t->st);

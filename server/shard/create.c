@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "metrics.h"
 #include "shard.h"
 
@@ -247,8 +248,8 @@ static int fps__create_check(fps_shard_t *sh, fps_plan_t *p, size_t i, char *why
 int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, const fps_create_item_t *items,
                      size_t n, fps_create_info_t *out, uint64_t *received_out, char *why, size_t wl) {
   int rc = 0;
-  fps_plan_t *p = calloc(n ? n : 1, sizeof *p);
-  size_t *order = calloc(n ? n : 1, sizeof *order);
+  fps_plan_t *p = fps_calloc(n ? n : 1, sizeof *p);
+  size_t *order = fps_calloc(n ? n : 1, sizeof *order);
   bool locked = false;
   *received_out = 0;
   if (!p || !order) {
@@ -340,7 +341,7 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
   /* Replace: the new values are staged off the tensor, swapped in below. */
   for (size_t i = 0; i < n && rc == 0; i++) {
     if (p[i].lead != i || !p[i].replacing) continue;
-    p[i].new_param = malloc((p[i].numel ? p[i].numel : 1) * sizeof(float));
+    p[i].new_param = fps_malloc((p[i].numel ? p[i].numel : 1) * sizeof(float));
     if (!p[i].new_param || fps_adafactor_state_init(&p[i].new_st, &p[i].shape, &p[i].t->hp) < 0) {
       rc = FPS_ENOMEM;
       snprintf(why, wl, "tensor '%s': out of memory staging its replacement", items[i].name);
@@ -355,7 +356,7 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
     /* Stage the replacements' values, then swap every one in at once
      * (their locks held together, in address order), after one more look
      * for an open round: pushes do not take the store lock. */
-    fps_tensor_t **rt = calloc(n ? n : 1, sizeof *rt);
+    fps_tensor_t **rt = fps_calloc(n ? n : 1, sizeof *rt);
     size_t nr = 0;
     if (!rt) {
       rc = FPS_ENOMEM;
@@ -411,7 +412,7 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
       }
       for (size_t a = nr; a-- > 0;) pthread_mutex_unlock(&rt[a]->mu);
     }
-    free(rt);
+    fps_free(rt);
   }
   if (rc < 0) {
     for (size_t i = 0; i < n; i++)
@@ -481,10 +482,10 @@ done:
     for (size_t i = 0; i < n; i++) {
       fps_ranges_free(&p[i].ranges);
       for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&p[i].sranges[k]);
-      free(p[i].new_param);
+      fps_free(p[i].new_param);
       fps_adafactor_state_destroy(&p[i].new_st);
     }
-  free(p);
-  free(order);
+  fps_free(p);
+  fps_free(order);
   return rc;
 }

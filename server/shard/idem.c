@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "shard.h"
 
 #define FPS_IDEM_NIL UINT32_MAX
@@ -25,12 +26,12 @@ int fps__idem_init(fps_idem_t *ix, uint32_t window) {
   ix->nbucket = 1;
   while (ix->nbucket < 2 * window) ix->nbucket *= 2;
   /* Touched now, so the shard's memory does not grow as keys arrive. */
-  ix->ent = malloc((size_t)window * sizeof *ix->ent);
+  ix->ent = fps_malloc((size_t)window * sizeof *ix->ent);
   if (ix->ent) memset(ix->ent, 0, (size_t)window * sizeof *ix->ent);
-  ix->bucket = malloc(ix->nbucket * sizeof *ix->bucket);
+  ix->bucket = fps_malloc(ix->nbucket * sizeof *ix->bucket);
   if (!ix->ent || !ix->bucket) {
-    free(ix->ent);
-    free(ix->bucket);
+    fps_free(ix->ent);
+    fps_free(ix->bucket);
     memset(ix, 0, sizeof *ix);
     return FPS_ENOMEM;
   }
@@ -42,9 +43,9 @@ int fps__idem_init(fps_idem_t *ix, uint32_t window) {
 void fps__idem_destroy(fps_idem_t *ix) {
   if (!ix->ent) return;
   for (uint32_t i = 0; i < ix->cap; i++)
-    if (ix->ent[i].n > FPS_IDEM_INLINE) free(ix->ent[i].v.out);
-  free(ix->ent);
-  free(ix->bucket);
+    if (ix->ent[i].n > FPS_IDEM_INLINE) fps_free(ix->ent[i].v.out);
+  fps_free(ix->ent);
+  fps_free(ix->bucket);
   pthread_mutex_destroy(&ix->mu);
   memset(ix, 0, sizeof *ix);
 }
@@ -60,7 +61,7 @@ static void fps__idem_unlink_locked(fps_idem_t *ix, uint32_t slot) {
   uint32_t *at = fps__idem_link_locked(ix, e->worker, e->id);
   if (*at == slot) *at = e->next;
   e->state = FPS_IDEM_FREE;
-  if (e->n > FPS_IDEM_INLINE) free(e->v.out);
+  if (e->n > FPS_IDEM_INLINE) fps_free(e->v.out);
   e->n = 0;
 }
 
@@ -96,7 +97,7 @@ void fps__idem_settle(fps_idem_t *ix, uint32_t slot, uint32_t worker, uint64_t i
   uint64_t *out = NULL;
   bool keep = v != NULL && n <= UINT16_MAX;
   if (keep && n > FPS_IDEM_INLINE) {
-    out = malloc(n * sizeof *out);
+    out = fps_malloc(n * sizeof *out);
     if (out) memcpy(out, v, n * sizeof *out);
     else keep = false;
   }
@@ -115,7 +116,7 @@ void fps__idem_settle(fps_idem_t *ix, uint32_t slot, uint32_t worker, uint64_t i
     }
   }
   pthread_mutex_unlock(&ix->mu);
-  free(out);
+  fps_free(out);
 }
 
 int fps__idem_versions(fps_idem_t *ix, uint32_t worker, uint64_t id, uint64_t tensors, uint64_t *v, uint32_t n) {

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "metrics.h"
 #include "shard.h"
 
@@ -63,7 +64,7 @@ struct fps_push_s {
 
 int fps_push_create(fps_shard_t *sh, int64_t deadline_ns, fps_push_done_fn done, void *arg, fps_push_t **out) {
   *out = NULL;
-  fps_push_t *p = calloc(1, sizeof *p);
+  fps_push_t *p = fps_calloc(1, sizeof *p);
   if (!p) return FPS_ENOMEM;
   pthread_mutex_init(&p->mu, NULL);
   p->sh = sh;
@@ -81,15 +82,15 @@ void fps_push_destroy(fps_push_t *p) {
     fps_push_entry_t *e = p->e[i];
     fps_tbuf_free(p->sh, e->grad, e->t->numel);
     fps_ranges_free(&e->got);
-    free(e->msg);
+    fps_free(e->msg);
     fps_snap_unref(e->snap);
-    free(e);
+    fps_free(e);
   }
-  free(p->e);
-  free(p->htab);
-  free(p->msg);
+  fps_free(p->e);
+  fps_free(p->htab);
+  fps_free(p->msg);
   pthread_mutex_destroy(&p->mu);
-  free(p);
+  fps_free(p);
 }
 
 uint32_t fps_push_worker(const fps_push_t *p) { return p->worker_id; }
@@ -111,11 +112,11 @@ static void fps__push_settle(fps_push_t *p) {
   for (size_t i = 0; applied && i < p->n; i++) applied = p->e[i]->err == 0;
   p->idem_claimed = false;
   uint64_t inl[FPS_IDEM_INLINE];
-  uint64_t *v = !applied ? NULL : p->n <= FPS_IDEM_INLINE ? inl : malloc(p->n * sizeof *v);
+  uint64_t *v = !applied ? NULL : p->n <= FPS_IDEM_INLINE ? inl : fps_malloc(p->n * sizeof *v);
   for (size_t i = 0; v && i < p->n; i++) v[i] = p->e[i]->version;
   fps__idem_settle(&p->sh->idem, p->idem_slot, p->worker_id, p->push_id, fps__push_tensors_hash(p), v,
                    (uint32_t)p->n);
-  if (v != inl) free(v);
+  if (v != inl) fps_free(v);
 }
 
 /* Drops k pending counts; true when that resolved the push. */
@@ -172,7 +173,7 @@ static void fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
     if (replay && rc == 0) e->version = vers ? vers[i] : 0;
     if (rc < 0) {
       e->err = rc;
-      e->msg = strdup("the Adafactor step failed");
+      e->msg = fps_strdup("the Adafactor step failed");
       continue;
     }
     e->err = 0;
@@ -181,7 +182,7 @@ static void fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
       e->snap = snap;
       if (!snap) {
         e->err = FPS_ENOMEM;
-        e->msg = strdup("out of memory for the parameter snapshot");
+        e->msg = fps_strdup("out of memory for the parameter snapshot");
       }
     } else {
       fps_tbuf_free(sh, e->grad, t->numel);
@@ -200,7 +201,7 @@ void fps__push_ssp_resume(fps_push_t *p) {
 
 void fps__push_ssp_fail(fps_push_t *p, int err, const char *msg) {
   p->err = err;
-  p->msg = strdup(msg);
+  p->msg = fps_strdup(msg);
   if (fps__push_release(p, 1)) p->done(p, p->arg);
 }
 
@@ -284,18 +285,18 @@ int fps_push_commit(fps_push_t *p, char *why, size_t wl) {
     if (rc == FPS_EEXISTS) {
       /* A retry of a push the shard applied (its reply was lost): answer
        * it with the versions it made, apply nothing. */
-      uint64_t *vers = malloc(p->n * sizeof *vers);
+      uint64_t *vers = fps_malloc(p->n * sizeof *vers);
       rc = vers ? fps__idem_versions(&sh->idem, p->worker_id, p->push_id, fps__push_tensors_hash(p), vers,
                                      (uint32_t)p->n)
                 : FPS_ENOMEM;
       if (rc == 0) {
         fps__push_apply(p, true, vers);
         p->replayed = true;
-        free(vers);
+        fps_free(vers);
         fps__push_release(p, 1);
         return 0;
       }
-      free(vers);
+      fps_free(vers);
       pthread_mutex_lock(&p->mu);
       p->pending = 0;
       p->state = PUSH_DONE;
@@ -408,25 +409,25 @@ static fps_push_entry_t *fps__push_entry(fps_push_t *p, fps_tensor_t *t, int dty
   if (p->hcap && *fps__push_slot(p, t)) return *fps__push_slot(p, t);
   if ((p->n + 1) * 2 > p->hcap) {
     size_t cap = p->hcap ? p->hcap * 2 : 16;
-    fps_push_entry_t **nt = calloc(cap, sizeof *nt);
+    fps_push_entry_t **nt = fps_calloc(cap, sizeof *nt);
     if (!nt) return NULL;
-    free(p->htab);
+    fps_free(p->htab);
     p->htab = nt;
     p->hcap = cap;
     for (size_t i = 0; i < p->n; i++) *fps__push_slot(p, p->e[i]->t) = p->e[i];
   }
   if (p->n == p->cap) {
     size_t cap = p->cap ? p->cap * 2 : 8;
-    fps_push_entry_t **ne = realloc(p->e, cap * sizeof *ne);
+    fps_push_entry_t **ne = fps_realloc(p->e, cap * sizeof *ne);
     if (!ne) return NULL;
     p->e = ne;
     p->cap = cap;
   }
-  fps_push_entry_t *e = calloc(1, sizeof *e);
+  fps_push_entry_t *e = fps_calloc(1, sizeof *e);
   if (!e) return NULL;
   e->grad = fps_tbuf_alloc(p->sh, t->numel, over_limit);
   if (!e->grad) {
-    free(e);
+    fps_free(e);
     return NULL;
   }
   e->owner = p;

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/random.h>
 
+#include "alloc.h"
 #include "shard.h"
 
 #define NIL 0u
@@ -45,7 +46,7 @@ static uint32_t fps__ranges_node(fps_ranges_t *r, uint64_t lo, uint64_t hi) {
     if ((size_t)r->used + 1 >= r->cap) {
       size_t cap = r->cap ? r->cap * 2 : 16;
       if (cap > UINT32_MAX) return NIL;
-      fps_range_node_t *v = realloc(r->v, cap * sizeof *v);
+      fps_range_node_t *v = fps_realloc(r->v, cap * sizeof *v);
       if (!v) return NIL;
       r->v = v;
       r->cap = cap;
@@ -158,7 +159,7 @@ uint64_t fps_ranges_first_gap(const fps_ranges_t *r, uint64_t total) {
 int fps_ranges_copy(fps_ranges_t *dst, const fps_ranges_t *src) {
   memset(dst, 0, sizeof *dst);
   if (src->n == 0) return 0;
-  dst->v = malloc(src->cap * sizeof *dst->v);
+  dst->v = fps_malloc(src->cap * sizeof *dst->v);
   if (!dst->v) return FPS_ENOMEM;
   memcpy(dst->v, src->v, ((size_t)src->used + 1) * sizeof *dst->v);
   dst->n = src->n;
@@ -172,6 +173,6 @@ int fps_ranges_copy(fps_ranges_t *dst, const fps_ranges_t *src) {
 
 void fps_ranges_free(fps_ranges_t *r) {
   if (!r) return;
-  free(r->v);
+  fps_free(r->v);
   memset(r, 0, sizeof *r);
 }

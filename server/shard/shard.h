@@ -182,7 +182,7 @@ void fps_snap_unref(fps_snap_t *s);
 /* Tensor-sized transient buffers (gradient staging, reply snapshots) are
  * counted against max_staging_bytes, so many concurrent pushes cannot
  * exhaust memory. alloc returns NULL with *over_limit set when the limit
- * would be passed, or NULL on OOM. free(NULL) is a no-op. */
+ * would be passed, or NULL on OOM. fps_free(NULL) is a no-op. */
 float *fps_tbuf_alloc(fps_shard_t *sh, uint64_t numel, bool *over_limit);
 void fps_tbuf_free(fps_shard_t *sh, float *p, uint64_t numel);
 

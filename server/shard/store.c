@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "metrics.h"
 #include "name.h"
 #include "shard.h"
@@ -28,10 +29,10 @@ static uint64_t fps__hash(const char *s, size_t len) {
 int fps_store_init(fps_store_t *st) {
   memset(st, 0, sizeof *st);
   st->nbucket = 64;
-  st->bucket = calloc(st->nbucket, sizeof *st->bucket);
+  st->bucket = fps_calloc(st->nbucket, sizeof *st->bucket);
   if (!st->bucket) return FPS_ENOMEM;
   if (pthread_rwlock_init(&st->mu, NULL) != 0) {
-    free(st->bucket);
+    fps_free(st->bucket);
     st->bucket = NULL;
     return FPS_ENOMEM;
   }
@@ -46,7 +47,7 @@ void fps_store_destroy(fps_store_t *st) {
     fps_tensor_destroy(t);
     t = n;
   }
-  free(st->bucket);
+  fps_free(st->bucket);
   pthread_rwlock_destroy(&st->mu);
   memset(st, 0, sizeof *st);
 }
@@ -71,14 +72,14 @@ int fps__store_reserve_locked(fps_store_t *st, uint64_t n) {
   size_t nb = st->nbucket;
   while (nb < n) nb *= 2;
   {
-    fps_tensor_t **b = calloc(nb, sizeof *b);
+    fps_tensor_t **b = fps_calloc(nb, sizeof *b);
     if (!b) return FPS_ENOMEM;
     for (fps_tensor_t *x = st->first; x; x = x->next) {
       size_t i = fps__hash(x->name, strlen(x->name)) & (nb - 1);
       x->hnext = b[i];
       b[i] = x;
     }
-    free(st->bucket);
+    fps_free(st->bucket);
     st->bucket = b;
     st->nbucket = nb;
   }
@@ -104,10 +105,10 @@ int fps__store_insert_locked(fps_store_t *st, fps_tensor_t *t) {
 fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t *shape,
                                 uint64_t numel, const fps_adafactor_hparams_t *hp,
                                 uint32_t workers, uint32_t log_cap) {
-  fps_tensor_t *t = calloc(1, sizeof *t);
+  fps_tensor_t *t = fps_calloc(1, sizeof *t);
   if (!t) return NULL;
   if (pthread_mutex_init(&t->mu, NULL) != 0) {
-    free(t);
+    fps_free(t);
     return NULL;
   }
   t->shape = *shape;
@@ -115,12 +116,12 @@ fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t 
   t->hp = *hp;
   t->last_lr = hp->has_lr ? hp->lr : 0.0;
   t->last_weight_decay = hp->weight_decay;
-  t->name = malloc(len + 1);
+  t->name = fps_malloc(len + 1);
   /* Parameters are written by Create's init slices; malloc (not calloc)
    * leaves untouched pages unfaulted until then. At least one float so a
    * zero-sized tensor still has a valid pointer. */
-  t->param = malloc((numel ? numel : 1) * sizeof(float));
-  t->round.member = calloc(workers ? workers : 1, sizeof *t->round.member);
+  t->param = fps_malloc((numel ? numel : 1) * sizeof(float));
+  t->round.member = fps_calloc(workers ? workers : 1, sizeof *t->round.member);
   /* The apply log grows on demand: most tensors of a big model never need
    * the full --apply-log ring, and 1M tensors x 4096 records would be GBs. */
   t->log_max = log_cap;
@@ -140,12 +141,12 @@ void fps_tensor_destroy(fps_tensor_t *t) {
   fps_adafactor_state_destroy(&t->st);
   fps_ranges_free(&t->init);
   for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
-  free(t->round.member);
-  free(t->log);
-  free(t->param);
-  free(t->name);
+  fps_free(t->round.member);
+  fps_free(t->log);
+  fps_free(t->param);
+  fps_free(t->name);
   pthread_mutex_destroy(&t->mu);
-  free(t);
+  fps_free(t);
 }
 
 int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool update, uint32_t worker_id,
@@ -177,7 +178,7 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool
       /* Not wrapped yet (head is 0), so growing keeps the order. */
       uint32_t cap = t->log_cap ? t->log_cap * 2 : 16;
       if (cap > t->log_max) cap = t->log_max;
-      fps_apply_rec_t *nl = realloc(t->log, cap * sizeof *nl);
+      fps_apply_rec_t *nl = fps_realloc(t->log, cap * sizeof *nl);
       if (nl) {
         t->log = nl;
         t->log_cap = cap;
@@ -225,19 +226,19 @@ float *fps_tbuf_alloc(fps_shard_t *sh, uint64_t numel, bool *over_limit) {
       return NULL;
     }
   } while (!atomic_compare_exchange_weak(&sh->tbuf_bytes, &cur, cur + bytes));
-  float *p = malloc(bytes);
+  float *p = fps_malloc(bytes);
   if (!p) atomic_fetch_sub(&sh->tbuf_bytes, bytes);
   return p;
 }
 
 void fps_tbuf_free(fps_shard_t *sh, float *p, uint64_t numel) {
   if (!p) return;
-  free(p);
+  fps_free(p);
   atomic_fetch_sub(&sh->tbuf_bytes, (numel ? numel : 1) * sizeof(float));
 }
 
 fps_snap_t *fps_snap_wrap(fps_shard_t *sh, float *data, uint64_t numel, uint64_t version, int refs) {
-  fps_snap_t *s = malloc(sizeof *s);
+  fps_snap_t *s = fps_malloc(sizeof *s);
   if (!s) {
     fps_tbuf_free(sh, data, numel);
     return NULL;
@@ -254,7 +255,7 @@ void fps_snap_unref(fps_snap_t *s) {
   if (!s) return;
   if (atomic_fetch_sub(&s->refs, 1) == 1) {
     fps_tbuf_free(s->sh, s->data, s->numel);
-    free(s);
+    fps_free(s);
   }
 }
 
@@ -391,8 +392,8 @@ int fps_shard_view(fps_shard_t *sh, bool with_tensors, uint32_t log_limit, fps_s
   uint64_t count = sh->store.count;
   v->tensors = count;
   if (with_tensors && count) {
-    v->t = calloc(count, sizeof *v->t);
-    v->recs = log_limit ? calloc(count * log_limit, sizeof *v->recs) : NULL;
+    v->t = fps_calloc(count, sizeof *v->t);
+    v->recs = log_limit ? fps_calloc(count * log_limit, sizeof *v->recs) : NULL;
     if (!v->t || (log_limit && !v->recs)) {
       pthread_rwlock_unlock(&sh->store.mu);
       fps_shard_view_free(v);
@@ -448,8 +449,8 @@ int fps_shard_view(fps_shard_t *sh, bool with_tensors, uint32_t log_limit, fps_s
 }
 
 void fps_shard_view_free(fps_shard_view_t *v) {
-  free(v->t);
-  free(v->recs);
+  fps_free(v->t);
+  fps_free(v->recs);
   memset(v, 0, sizeof *v);
 }
 
@@ -565,9 +566,9 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
   sh->pool = pool;
   sh->ckpt_dir_fd = -1;
   atomic_init(&sh->tbuf_bytes, 0);
-  sh->ssp_clock = calloc(sh->cfg.workers, sizeof *sh->ssp_clock);
+  sh->ssp_clock = fps_calloc(sh->cfg.workers, sizeof *sh->ssp_clock);
   if (!sh->ssp_clock || fps_store_init(&sh->store) < 0 || fps__idem_init(&sh->idem, FPS_IDEM_WINDOW) < 0) {
-    free(sh->ssp_clock);
+    fps_free(sh->ssp_clock);
     sh->ssp_clock = NULL;
     return FPS_ENOMEM;
   }
@@ -583,7 +584,7 @@ void fps_shard_destroy(fps_shard_t *sh) {
   if (!sh->ssp_clock) return;
   fps_store_destroy(&sh->store);
   fps__idem_destroy(&sh->idem);
-  free(sh->ssp_clock);
+  fps_free(sh->ssp_clock);
   sh->ssp_clock = NULL;
   pthread_mutex_destroy(&sh->ssp_mu);
   pthread_mutex_destroy(&sh->rounds_mu);

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "metrics.h"
 #include "shard.h"
 
@@ -81,7 +82,7 @@ static size_t fps__round_complete_locked(fps_shard_t *sh, fps_tensor_t *t, fps_p
     size_t k = fps__round_take_locked(sh, t, out);
     for (size_t i = 0; i < k; i++) {
       out[i]->err = FPS_ESTATE;
-      out[i]->msg = strdup(why);
+      out[i]->msg = fps_strdup(why);
     }
     return k;
   }
@@ -109,10 +110,10 @@ static size_t fps__round_complete_locked(fps_shard_t *sh, fps_tensor_t *t, fps_p
     e->grad = NULL;
     if (rc < 0) {
       e->err = rc;
-      e->msg = strdup("the Adafactor step failed");
+      e->msg = fps_strdup("the Adafactor step failed");
     } else if (!snap && !e->skip_params) {
       e->err = FPS_ENOMEM;
-      e->msg = strdup("out of memory for the parameter snapshot");
+      e->msg = fps_strdup("out of memory for the parameter snapshot");
     } else {
       e->err = 0;
       e->version = version;
@@ -135,11 +136,11 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
   /* Lock every tensor of the call in address order (no deadlock with a
    * call that names the same tensors in another order), check them all,
    * then join them all: a call joins every round or none. */
-  fps_push_entry_t **sorted = malloc(n * sizeof *sorted);
-  fps_push_entry_t **done = malloc((size_t)W * n * sizeof *done);
+  fps_push_entry_t **sorted = fps_malloc(n * sizeof *sorted);
+  fps_push_entry_t **done = fps_malloc((size_t)W * n * sizeof *done);
   if (!sorted || !done) {
-    free(sorted);
-    free(done);
+    fps_free(sorted);
+    fps_free(done);
     snprintf(why, why_len, "out of memory joining %zu sync rounds", n);
     return FPS_ENOMEM;
   }
@@ -194,8 +195,8 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
   }
   for (size_t i = n; i-- > 0;) pthread_mutex_unlock(&sorted[i]->t->mu);
   for (size_t i = 0; i < ndone; i++) fps__push_entry_resolved(done[i]);
-  free(sorted);
-  free(done);
+  fps_free(sorted);
+  fps_free(done);
   return code;
 }
 
@@ -225,7 +226,7 @@ size_t fps__sync_withdraw(fps_shard_t *sh, fps_push_entry_t **e, size_t n) {
 static void fps__round_fail(fps_shard_t *sh, fps_tensor_t *t, int64_t now, bool force, int err,
                             const char *reason) {
   uint32_t W = sh->cfg.workers;
-  fps_push_entry_t **out = malloc(W * sizeof *out);
+  fps_push_entry_t **out = fps_malloc(W * sizeof *out);
   if (!out) return; /* retried on the next tick */
   char msg[1024];
   size_t k = 0;
@@ -254,10 +255,10 @@ static void fps__round_fail(fps_shard_t *sh, fps_tensor_t *t, int64_t now, bool 
   pthread_mutex_unlock(&t->mu);
   for (size_t i = 0; i < k; i++) {
     out[i]->err = err;
-    out[i]->msg = strdup(msg);
+    out[i]->msg = fps_strdup(msg);
     fps__push_entry_resolved(out[i]);
   }
-  free(out);
+  fps_free(out);
 }
 
 /* ------------------------------------------------------------ expiry */
