@@ -30,51 +30,14 @@
 
 #include "alloc.h"
 #include "adafactor.h"
+#include "adafactor_internal.h"
 #include "simd/kernels_impl.h"
-
-/* A chunk has at least this many elements (smaller work is not worth a
- * thread hand-off) and a tensor has at most FPS_STEP_MAX_CHUNKS chunks
- * (bounds the per-chunk column scratch and the serial combine). */
-#define FPS_STEP_CHUNK_ELEMS (UINT64_C(1) << 15)
-#define FPS_STEP_MAX_CHUNKS 16
-
-static size_t chunk_count(uint64_t units, uint64_t elems_per_unit) {
-  uint64_t k = units * elems_per_unit / FPS_STEP_CHUNK_ELEMS;
-  if (k > FPS_STEP_MAX_CHUNKS) k = FPS_STEP_MAX_CHUNKS;
-  if (k > units) k = units;
-  return k ? (size_t)k : 1;
-}
-
-static uint64_t chunk_lo(uint64_t units, size_t nchunks, size_t k) {
-  return units * k / nchunks;
-}
-
-/* torch's lerp, in double: exact at w = 1 (the state is then the mean). */
-static double lerp_torch(double a, double b, double w) {
-  return fabs(w) < 0.5 ? a + w * (b - a) : b - (b - a) * (1.0 - w);
-}
-
-/* The per-step scalars both passes need. */
-typedef struct step_scalars_s {
-  bool hf;
-  double t;
-  double w;          /* weight of the new mean: torch t^decay, hf 1 - beta2t */
-  double eps1;       /* hf: added to g^2 (mean); torch: clamp of mean(row) */
-  float floor;       /* clamp of V: torch eps1^2, hf 0 */
-  float beta1;       /* hf momentum, else 0 */
-  float sign;        /* -1 for torch maximize: U is odd in g */
-} step_scalars_t;
-
-static double stat_update(const step_scalars_t *sc, double old, double mean) {
-  if (sc->hf) return (1.0 - sc->w) * old + sc->w * (mean + sc->eps1);
-  return lerp_torch(old, mean, sc->w);
-}
 
 /* ---- factored ---------------------------------------------------------- */
 
 typedef struct fact_ctx_s {
   const fps_kernels_t *k;
-  const step_scalars_t *sc;
+  const fps__step_scalars_t *sc;
   size_t rows, cols, nchunks;
   const float *g;
   float *p;
@@ -95,12 +58,13 @@ static void fact_pass_a(void *arg, size_t ck) {
   double *col = c->scratch + 2 * C * ck, *s = col + C;
   memset(col, 0, 2 * C * sizeof(double));
   double psq = 0;
-  for (uint64_t i = chunk_lo(c->rows, c->nchunks, ck); i < chunk_lo(c->rows, c->nchunks, ck + 1);
-       i++) {
+  const uint64_t lo = fps__chunk_lo(c->rows, c->nchunks, ck);
+  const uint64_t hi = fps__chunk_lo(c->rows, c->nchunks, ck + 1);
+  for (uint64_t i = lo; i < hi; i++) {
     double gsq, ps;
     c->k->row_stats(c->g + i * C, c->p + i * C, C, col, &gsq, &ps);
     psq += ps;
-    float r = (float)stat_update(c->sc, c->row[i], gsq / (double)C);
+    float r = (float)fps__stat_update(c->sc, c->row[i], gsq / (double)C);
     c->row[i] = r;
     /* 1/0 = inf for an all-zero row: then S is NaN and the caller takes the
      * explicit path (torch) or NaN propagates as upstream (hf, eps1 = 0). */
@@ -113,8 +77,9 @@ static void fact_pass_u2(void *arg, size_t ck) {
   fact_ctx_t *c = arg;
   const size_t C = c->cols;
   double u2 = 0;
-  for (uint64_t i = chunk_lo(c->rows, c->nchunks, ck); i < chunk_lo(c->rows, c->nchunks, ck + 1);
-       i++)
+  const uint64_t lo = fps__chunk_lo(c->rows, c->nchunks, ck);
+  const uint64_t hi = fps__chunk_lo(c->rows, c->nchunks, ck + 1);
+  for (uint64_t i = lo; i < hi; i++)
     u2 += c->k->row_u2_clamped(c->g + i * C, c->col, C, (float)(c->row[i] / c->m), c->sc->floor);
   c->u2[ck] = u2;
 }
@@ -122,8 +87,9 @@ static void fact_pass_u2(void *arg, size_t ck) {
 static void fact_pass_c(void *arg, size_t ck) {
   fact_ctx_t *c = arg;
   const size_t C = c->cols;
-  for (uint64_t i = chunk_lo(c->rows, c->nchunks, ck); i < chunk_lo(c->rows, c->nchunks, ck + 1);
-       i++) {
+  const uint64_t lo = fps__chunk_lo(c->rows, c->nchunks, ck);
+  const uint64_t hi = fps__chunk_lo(c->rows, c->nchunks, ck + 1);
+  for (uint64_t i = lo; i < hi; i++) {
     float *mom = c->mom ? c->mom + i * C : NULL;
     if (c->colf) {
       /* U_ij = g_ij * sqrt(m / r_i) * (1 / sqrt(c_j)), times the step. */
@@ -138,8 +104,8 @@ static void fact_pass_c(void *arg, size_t ck) {
 
 /* mean of the row state, clamped for torch; and whether the torch clamp
  * V >= eps1^2 might bind somewhere (then RMS(U) needs the explicit pass). */
-static bool fact_factors(const step_scalars_t *sc, const float *row, size_t R, const float *col,
-                         size_t C, double *m_out) {
+static bool fact_factors(const fps__step_scalars_t *sc, const float *row, size_t R,
+                         const float *col, size_t C, double *m_out) {
   double sum = 0, rmin = INFINITY, cmin = INFINITY;
   for (size_t i = 0; i < R; i++) {
     sum += row[i];
@@ -147,19 +113,14 @@ static bool fact_factors(const step_scalars_t *sc, const float *row, size_t R, c
   }
   for (size_t j = 0; j < C; j++)
     if (col[j] < cmin) cmin = col[j];
-  double m = sum / (double)R;
-  if (!sc->hf && !(m >= sc->eps1)) m = sc->eps1 > m ? sc->eps1 : m; /* keeps NaN */
-  *m_out = m;
-  if (sc->hf) return false;
-  double floor = (double)sc->floor;
-  return !(rmin > 0 && cmin > 0 && rmin * cmin / m >= floor * (1 + 1e-6));
+  return fps__fact_factors(sc, sum, R, rmin, cmin, m_out);
 }
 
 /* ---- unfactored -------------------------------------------------------- */
 
 typedef struct var_ctx_s {
   const fps_kernels_t *k;
-  const step_scalars_t *sc;
+  const fps__step_scalars_t *sc;
   size_t n, nchunks;
   const float *g;
   float *p, *v, *mom;
@@ -171,7 +132,7 @@ typedef struct var_ctx_s {
 
 static void var_pass_a(void *arg, size_t ck) {
   var_ctx_t *c = arg;
-  uint64_t lo = chunk_lo(c->n, c->nchunks, ck), hi = chunk_lo(c->n, c->nchunks, ck + 1);
+  uint64_t lo = fps__chunk_lo(c->n, c->nchunks, ck), hi = fps__chunk_lo(c->n, c->nchunks, ck + 1);
   double u2 = 0, psq = 0;
   c->k->var_update(c->g + lo, c->p + lo, c->v + lo, hi - lo, c->a, c->b, c->e, c->sc->floor, &u2,
                    &psq);
@@ -181,7 +142,7 @@ static void var_pass_a(void *arg, size_t ck) {
 
 static void var_pass_c(void *arg, size_t ck) {
   var_ctx_t *c = arg;
-  uint64_t lo = chunk_lo(c->n, c->nchunks, ck), hi = chunk_lo(c->n, c->nchunks, ck + 1);
+  uint64_t lo = fps__chunk_lo(c->n, c->nchunks, ck), hi = fps__chunk_lo(c->n, c->nchunks, ck + 1);
   c->k->apply_elem(c->p + lo, c->g + lo, c->mom ? c->mom + lo : NULL, c->v + lo, hi - lo, 1.0f,
                    c->sc->floor, c->s, c->pmul, c->sc->beta1);
 }
@@ -209,23 +170,9 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
       (st->factored ? !st->row || !st->col : !st->var))
     return FPS_EINVAL; /* state made for other settings */
 
-  step_scalars_t sc = {.hf = hf, .eps1 = hp->eps1, .sign = 1.0f};
-  uint64_t new_step;
-  if (hf) {
-    new_step = st->step + 1;
-    sc.t = (double)new_step;
-    sc.w = pow(sc.t, hp->decay); /* 1 - beta2t */
-    sc.floor = 0.0f;
-    sc.beta1 = hp->has_beta1 ? (float)hp->beta1 : 0.0f;
-  } else {
-    /* torch keeps the step in a float32 tensor: it stops at 2^24. */
-    float tf = (float)st->step + 1.0f;
-    new_step = (uint64_t)tf;
-    sc.t = tf;
-    sc.w = pow(sc.t, hp->decay);
-    sc.floor = (float)(hp->eps1 * hp->eps1);
-    if (hp->maximize) sc.sign = -1.0f;
-  }
+  fps__step_scalars_t sc;
+  fps__step_scalars_init(&sc, hp, st->step);
+  const uint64_t new_step = sc.new_step;
 
   const size_t C = (size_t)st->cols, R = (size_t)st->rows;
   const uint64_t numel = st->numel;
@@ -242,7 +189,7 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
     fc.sc = &sc;
     fc.rows = R;
     fc.cols = C;
-    fc.nchunks = chunk_count(R, C);
+    fc.nchunks = fps__chunk_count(R, C);
     /* Chunk partials, plus C floats of column factors for pass C. Freed at
      * the end of the step: a shard holds many tensors and this (16 B x C
      * per chunk) is not optimizer state worth keeping between steps. */
@@ -263,7 +210,7 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
           cs += fc.scratch[2 * C * ck + j];
           ss += fc.scratch[2 * C * ck + C + j];
         }
-        col[j] = (float)stat_update(&sc, col[j], cs / (double)R);
+        col[j] = (float)fps__stat_update(&sc, col[j], cs / (double)R);
         ssum += ss / (double)col[j];
       }
       double m;
@@ -283,7 +230,7 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
     vc.k = k;
     vc.sc = &sc;
     vc.n = (size_t)numel;
-    vc.nchunks = chunk_count(numel, 1);
+    vc.nchunks = fps__chunk_count(numel, 1);
     vc.g = grad;
     vc.p = param;
     vc.v = st->var;
@@ -299,25 +246,11 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
   }
 
   /* Per-step scalars, in double like upstream's Python floats. */
-  double rms_param = sqrt(psq / (double)numel), rel, lr_eff, pmul = 1.0;
-  if (hf) {
-    rel = hp->has_lr ? hp->lr
-                     : fmin(hp->warmup_init ? 1e-6 * sc.t : 1e-2, 1.0 / sqrt(sc.t));
-    /* upstream stores RMS as float32 and scales by that */
-    float rms_f = (float)rms_param;
-    lr_eff = rel * (hp->scale_parameter ? fmax(hp->eps2, (double)rms_f) : 1.0);
-    if (hp->weight_decay != 0) pmul = 1.0 - hp->weight_decay * lr_eff;
-    st->rms = rms_f;
-  } else {
-    rel = fmin(hp->lr, 1.0 / sqrt(sc.t));
-    lr_eff = fmax(hp->eps2, rms_param) * rel;
-    if (hp->weight_decay != 0) pmul = 1.0 - hp->lr * hp->weight_decay;
-  }
-  double rms_u = sqrt(u2 / (double)numel);
-  double q = rms_u / hp->clip;
-  double denom = q > 1.0 ? q : 1.0; /* NaN RMS(U) gives NaN, as upstream's clamp */
-  if (isnan(q)) denom = q;
-  double step_size = lr_eff / denom;
+  fps__step_result_t res;
+  fps__step_result(hp, &sc, psq, u2, numel, &res);
+  if (hf) st->rms = res.rms_f;
+  const double rms_param = res.rms_param, rel = res.rel, lr_eff = res.lr_eff, pmul = res.pmul,
+               rms_u = res.rms_u, denom = res.denom, step_size = res.step_size;
 
   /* Pass C: the update. */
   if (st->factored) {
