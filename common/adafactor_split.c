@@ -26,6 +26,7 @@
 
 #include "adafactor_internal.h"
 #include "adafactor_split.h"
+#include "alloc.h"
 #include "simd/kernels_impl.h"
 
 #define PARTIALS_MAGIC UINT32_C(0x58535046) /* "FPSX" little-endian */
@@ -111,10 +112,10 @@ int fps_split_bounds_validate(const fps_shape_t *shape, const uint64_t *bounds, 
 
 void fps_split_state_destroy(fps_split_state_t *st) {
   if (!st) return;
-  free(st->row);
-  free(st->col);
-  free(st->var);
-  free(st->mom);
+  fps_free(st->row);
+  fps_free(st->col);
+  fps_free(st->var);
+  fps_free(st->mom);
   memset(st, 0, sizeof *st);
 }
 
@@ -127,15 +128,15 @@ int fps_split_state_init(fps_split_state_t *st, const fps_split_geom_t *g,
   if (rc) return rc;
   st->g = *g;
   if (g->factored) {
-    st->row = calloc(g->row_hi - g->row_lo, sizeof(float));
-    st->col = calloc(g->nmat * g->cols, sizeof(float));
+    st->row = fps_calloc(g->row_hi - g->row_lo, sizeof(float));
+    st->col = fps_calloc(g->nmat * g->cols, sizeof(float));
     if (!st->row || !st->col) goto nomem;
   } else {
-    st->var = calloc(g->block_numel, sizeof(float));
+    st->var = fps_calloc(g->block_numel, sizeof(float));
     if (!st->var) goto nomem;
   }
   if (hp->flavor == FPS_FLAVOR_HF && hp->has_beta1) {
-    st->mom = calloc(g->block_numel, sizeof(float));
+    st->mom = fps_calloc(g->block_numel, sizeof(float));
     if (!st->mom) goto nomem;
   }
   return 0;
@@ -234,7 +235,7 @@ size_t fps_split_partials_encode(const fps_split_partials_t *p, void *buf, size_
 
 void fps_split_partials_free(fps_split_partials_t *p) {
   if (!p) return;
-  free(p->owned);
+  fps_free(p->owned);
   memset(p, 0, sizeof *p);
 }
 
@@ -295,7 +296,7 @@ int fps_split_partials_decode(const void *buf, size_t len, const fps_split_geom_
   const bool stats = phase == FPS_SPLIT_PHASE_STATS;
   const size_t nd = stats ? (size_t)(p.nmat * (2 + 2 * p.cols)) : (size_t)p.nmat;
   const size_t nf = stats ? (size_t)(p.nmat * p.cols) : 0;
-  void *mem = malloc(nd * sizeof(double) + nf * sizeof(float) + 1);
+  void *mem = fps_malloc(nd * sizeof(double) + nf * sizeof(float) + 1);
   if (!mem) return fail_msg(FPS_ENOMEM, why, why_len, "no memory for %zu bytes of partials", len);
   double *d = mem;
   float *f = (float *)(d + nd);
@@ -480,36 +481,36 @@ static double *seg_scratch(const fps_split_geom_t *g) {
     size_t nc = fps__chunk_count(b - a, g->cols);
     if (nc > most) most = nc;
   }
-  return malloc(2 * most * g->cols * sizeof(double));
+  return fps_malloc(2 * most * g->cols * sizeof(double));
 }
 
 void fps_split_step_free(fps_split_step_t *s) {
   if (!s) return;
-  free(s->new_row);
-  free(s->new_col);
-  free(s->colf);
-  free(s->new_var);
-  free(s->m);
-  free(s->expl);
-  free(s->u2mat);
-  free(s->expl_all);
-  free(s->part_mem);
-  free(s->u2_mem);
-  free(s);
+  fps_free(s->new_row);
+  fps_free(s->new_col);
+  fps_free(s->colf);
+  fps_free(s->new_var);
+  fps_free(s->m);
+  fps_free(s->expl);
+  fps_free(s->u2mat);
+  fps_free(s->expl_all);
+  fps_free(s->part_mem);
+  fps_free(s->u2_mem);
+  fps_free(s);
 }
 
 static int begin_factored(fps_split_step_t *s) {
   const fps_split_geom_t *g = &s->st->g;
   const size_t C = (size_t)g->cols, nm = (size_t)g->nmat, nr = (size_t)(g->row_hi - g->row_lo);
-  s->new_row = malloc(nr * sizeof(float));
-  s->new_col = malloc(nm * C * sizeof(float));
-  s->colf = malloc(C * sizeof(float));
-  s->m = malloc(nm * sizeof(double));
-  s->expl = calloc(nm, sizeof(bool));
-  s->part_mem = malloc(nm * (2 + 2 * C) * sizeof(double));
+  s->new_row = fps_malloc(nr * sizeof(float));
+  s->new_col = fps_malloc(nm * C * sizeof(float));
+  s->colf = fps_malloc(C * sizeof(float));
+  s->m = fps_malloc(nm * sizeof(double));
+  s->expl = fps_calloc(nm, sizeof(bool));
+  s->part_mem = fps_malloc(nm * (2 + 2 * C) * sizeof(double));
   double *scratch = seg_scratch(g);
   if (!s->new_row || !s->new_col || !s->colf || !s->m || !s->expl || !s->part_mem || !scratch) {
-    free(scratch);
+    fps_free(scratch);
     return FPS_ENOMEM;
   }
   fps_split_partials_t *p = &s->part;
@@ -553,14 +554,14 @@ static int begin_factored(fps_split_step_t *s) {
     }
   }
   p->psq = psq;
-  free(scratch);
+  fps_free(scratch);
   return 0;
 }
 
 static int begin_unfactored(fps_split_step_t *s) {
   const fps_split_geom_t *g = &s->st->g;
   const size_t n = (size_t)g->block_numel;
-  s->new_var = malloc(n * sizeof(float));
+  s->new_var = fps_malloc(n * sizeof(float));
   if (!s->new_var) return FPS_ENOMEM;
   memcpy(s->new_var, s->st->var, n * sizeof(float));
   vec_ctx_t c = {.k = s->k, .sc = &s->sc, .n = n, .nchunks = fps__chunk_count(n, 1),
@@ -590,7 +591,7 @@ int fps_split_step_begin(const fps_kernels_t *k, const fps_adafactor_hparams_t *
   if ((hf && hp->has_beta1) != (st->mom != NULL) ||
       (st->g.factored ? !st->row || !st->col : !st->var))
     return FPS_EINVAL; /* state made for other settings */
-  fps_split_step_t *s = calloc(1, sizeof *s);
+  fps_split_step_t *s = fps_calloc(1, sizeof *s);
   if (!s) return FPS_ENOMEM;
   s->k = k ? k : fps_kernels_best();
   s->hp = *hp;
@@ -708,10 +709,10 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
   }
 
   const size_t C = (size_t)g->cols, M = (size_t)g->batch;
-  double *acc = malloc(2 * C * sizeof(double));
-  float *col = malloc(C * sizeof(float));
-  s->u2mat = calloc(M, sizeof(double));
-  s->expl_all = calloc(M, sizeof(bool));
+  double *acc = fps_malloc(2 * C * sizeof(double));
+  float *col = fps_malloc(C * sizeof(float));
+  s->u2mat = fps_calloc(M, sizeof(double));
+  s->expl_all = fps_calloc(M, sizeof(bool));
   if (!acc || !col || !s->u2mat || !s->expl_all) {
     rc = fail_msg(FPS_ENOMEM, why, why_len, "no memory to combine %zu blocks", n);
     goto fail;
@@ -758,8 +759,8 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
       s->expl[lm] = expl;
     }
   }
-  free(acc);
-  free(col);
+  fps_free(acc);
+  fps_free(col);
   s->explicit_rms = any_expl;
   if (any_expl) {
     s->needs_u2 = true;
@@ -770,10 +771,10 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
   return 0;
 fail:
   /* nothing of the step changed: combine may be called again */
-  free(acc);
-  free(col);
-  free(s->u2mat);
-  free(s->expl_all);
+  fps_free(acc);
+  fps_free(col);
+  fps_free(s->u2mat);
+  fps_free(s->expl_all);
   s->u2mat = NULL;
   s->expl_all = NULL;
   return rc;
@@ -786,7 +787,7 @@ const fps_split_partials_t *fps_split_step_u2(fps_split_step_t *s) {
   if (s->u2_mem) return &s->part_u2;
   const fps_split_geom_t *g = &s->st->g;
   const size_t C = (size_t)g->cols, nm = (size_t)g->nmat;
-  double *u2m = calloc(nm ? nm : 1, sizeof(double));
+  double *u2m = fps_calloc(nm ? nm : 1, sizeof(double));
   if (!u2m) return NULL;
   seg_ctx_t c = {.k = s->k, .sc = &s->sc, .cols = C};
   for (size_t lm = 0; lm < nm; lm++) {

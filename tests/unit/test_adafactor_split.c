@@ -32,6 +32,7 @@
 
 #include "adafactor.h"
 #include "adafactor_split.h"
+#include "alloc.h"
 #include "golden.h"
 #include "simd/kernels.h"
 
@@ -714,6 +715,222 @@ static void begin_refuses_bad_args(void **u) {
   fps_split_step_free(NULL);
 }
 
+/* Blocks large enough to be cut into several chunks (the golden cases fit
+ * one): a [2, 600, 256] tensor in blocks of rows [0, 1), [1, 900), [900,
+ * 1200) (runs of up to 599 x 256 elements: 4 chunks), two steps, torch default and hf momentum. The result must not
+ * depend on the thread count (bit-identical with a pool of 3 and without)
+ * and must match the whole-tensor step with the golden metrics (param
+ * scaled <= 1e-5, state rel <= 1e-4). */
+static void chunked_blocks_match_whole(void **u) {
+  (void)u;
+  const char *e = getenv("FPS_TEST_NO_THREADS");
+  const bool threads = !(e && *e && strcmp(e, "0"));
+  enum { M = 2, R = 600, C = 256, N = M * R * C, NB = 3 };
+  const uint64_t bounds[NB + 1] = {0, 1, 900, 1200};
+  fps_shape_t shp = shape3(M, R, C);
+  float *p0 = malloc(N * sizeof(float)), *g = malloc(2 * N * sizeof(float));
+  float *pw = malloc(N * sizeof(float)), *ps[2] = {malloc(N * sizeof(float)),
+                                                   malloc(N * sizeof(float))};
+  float *whole_steps = malloc(2 * N * sizeof(float)), *split_steps = malloc(2 * N * sizeof(float));
+  assert_true(p0 && g && pw && ps[0] && ps[1] && whole_steps && split_steps);
+  unsigned seed = 7;
+  for (int i = 0; i < N; i++) {
+    seed = seed * 1103515245u + 12345u;
+    p0[i] = ((float)(seed >> 8 & 0xffff) / 65536.0f - 0.5f);
+  }
+  for (int i = 0; i < 2 * N; i++) {
+    seed = seed * 1103515245u + 12345u;
+    g[i] = ((float)(seed >> 8 & 0xffff) / 65536.0f - 0.5f) * 0.1f;
+  }
+  fps_pool_t *pool = NULL;
+  if (threads) assert_int_equal(fps_pool_create(&pool, 3), 0);
+  for (int flavor = 0; flavor < 2; flavor++) {
+    fps_adafactor_hparams_t hp;
+    fps_adafactor_defaults(&hp, flavor ? FPS_FLAVOR_HF : FPS_FLAVOR_TORCH);
+    if (flavor) {
+      hp.has_beta1 = true;
+      hp.beta1 = 0.9;
+    }
+    fps_adafactor_state_t whole;
+    assert_int_equal(fps_adafactor_state_init(&whole, &shp, &hp), 0);
+    memcpy(pw, p0, N * sizeof(float));
+    for (int t = 0; t < 2; t++) {
+      assert_int_equal(fps_adafactor_step(NULL, &hp, &whole, pw, g + t * N, NULL, NULL), 0);
+      memcpy(whole_steps + t * N, pw, N * sizeof(float));
+    }
+    fps_split_state_t st[2][NB];
+    for (int run = 0; run < 2; run++) {
+      if (run == 1 && !threads) {
+        memcpy(ps[1], ps[0], N * sizeof(float));
+        break;
+      }
+      fps_split_geom_t geo[NB];
+      for (int b = 0; b < NB; b++) {
+        assert_int_equal(fps_split_geom_init(&geo[b], &shp, bounds[b], bounds[b + 1], NULL, 0), 0);
+        assert_int_equal(fps_split_state_init(&st[run][b], &geo[b], &hp), 0);
+      }
+      memcpy(ps[run], p0, N * sizeof(float));
+      for (int t = 0; t < 2; t++) {
+        fps_split_step_t *steps[NB];
+        for (int b = 0; b < NB; b++) {
+          uint64_t off = bounds[b] * C;
+          assert_int_equal(fps_split_step_begin(NULL, &hp, &st[run][b], ps[run] + off,
+                                                g + t * N + off, run ? pool : NULL, &steps[b]), 0);
+        }
+        exchange(geo, steps, NB, FPS_SPLIT_PHASE_STATS);
+        assert_false(fps_split_step_needs_u2(steps[0]));
+        for (int b = 0; b < NB; b++) {
+          assert_int_equal(fps_split_step_apply(steps[b], NULL), 0);
+          fps_split_step_free(steps[b]);
+        }
+        if (run == 0) memcpy(split_steps + t * N, ps[0], N * sizeof(float));
+      }
+    }
+    assert_memory_equal(ps[0], ps[1], N * sizeof(float));
+    worst_t w = {0};
+    assert_int_equal(check_params(flavor ? "hf chunked" : "torch chunked", split_steps,
+                                  whole_steps, p0, N, 2, &w), 0);
+    for (int b = 0; b < NB; b++) {
+      const fps_split_geom_t *gb = &st[0][b].g;
+      assert_int_equal(check_state("chunked", FPS_GOLDEN_ROW, st[0][b].row,
+                                   whole.row + gb->row_lo, gb->row_hi - gb->row_lo, &w), 0);
+      assert_int_equal(check_state("chunked", FPS_GOLDEN_COL, st[0][b].col,
+                                   whole.col + gb->mtx_lo * C, gb->nmat * C, &w), 0);
+      if (threads) {
+        assert_memory_equal(st[0][b].row, st[1][b].row,
+                            (gb->row_hi - gb->row_lo) * sizeof(float));
+        assert_memory_equal(st[0][b].col, st[1][b].col, gb->nmat * C * sizeof(float));
+      }
+    }
+    print_message("%s [2,600,256] in 3 blocks vs whole: param scaled %.2e, state rel %.2e\n",
+                  flavor ? "hf beta1" : "torch", w.param_scaled, w.state_rel);
+    for (int run = 0; run < (threads ? 2 : 1); run++)
+      for (int b = 0; b < NB; b++) fps_split_state_destroy(&st[run][b]);
+    fps_adafactor_state_destroy(&whole);
+  }
+  fps_pool_destroy(pool);
+  free(p0);
+  free(g);
+  free(pw);
+  free(ps[0]);
+  free(ps[1]);
+  free(whole_steps);
+  free(split_steps);
+}
+
+/* One step of two blocks of a [2, 3, 4] tensor (rows [0, 4), [4, 6)),
+ * through the wire form. Returns 0, or the first error (an allocation that
+ * failed); the caller checks nothing changed then. */
+static int two_block_step(const fps_adafactor_hparams_t *hp, fps_split_state_t *st, float *param,
+                          const float *grad, bool *u2_phase) {
+  fps_split_step_t *s[2] = {NULL, NULL};
+  fps_split_partials_t dec[2][2];
+  memset(dec, 0, sizeof dec);
+  unsigned char wire[2][512];
+  int rc = 0;
+  for (int i = 0; i < 2 && !rc; i++) {
+    uint64_t off = st[i].g.row_lo * 4;
+    rc = fps_split_step_begin(NULL, hp, &st[i], param + off, grad + off, NULL, &s[i]);
+  }
+  for (int phase = FPS_SPLIT_PHASE_STATS; phase <= FPS_SPLIT_PHASE_U2 && !rc; phase++) {
+    if (phase == FPS_SPLIT_PHASE_U2 && !fps_split_step_needs_u2(s[0])) break;
+    if (phase == FPS_SPLIT_PHASE_U2) *u2_phase = true;
+    size_t len[2];
+    for (int i = 0; i < 2 && !rc; i++) {
+      const fps_split_partials_t *own = phase == FPS_SPLIT_PHASE_STATS
+                                            ? fps_split_step_partials(s[i])
+                                            : fps_split_step_u2(s[i]);
+      if (!own) rc = FPS_ENOMEM;
+      else len[i] = fps_split_partials_encode(own, wire[i], sizeof wire[i]);
+    }
+    for (int me = 0; me < 2 && !rc; me++) {
+      for (int b = 0; b < 2 && !rc; b++)
+        rc = fps_split_partials_decode(wire[b], len[b], &st[b].g, phase, &dec[me][b], NULL, 0);
+      if (!rc)
+        rc = phase == FPS_SPLIT_PHASE_STATS
+                 ? fps_split_step_combine(s[me], dec[me], 2, NULL, 0)
+                 : fps_split_step_combine_u2(s[me], dec[me], 2, NULL, 0);
+    }
+    for (int me = 0; me < 2; me++)
+      for (int b = 0; b < 2; b++) fps_split_partials_free(&dec[me][b]);
+  }
+  for (int i = 0; i < 2 && !rc; i++) rc = fps_split_step_apply(s[i], NULL);
+  fps_split_step_free(s[0]);
+  fps_split_step_free(s[1]);
+  return rc;
+}
+
+/* Every allocation of a split step fails in turn: the step reports
+ * FPS_ENOMEM and the params, state and step count are as before (apply
+ * allocates nothing, so a step fails before any block moved). Both the hf
+ * momentum path and torch's explicit-U^2 path (tiny gradients). */
+static void oom_sweep_changes_nothing(void **u) {
+  (void)u;
+  for (int flavor = 0; flavor < 2; flavor++) {
+    fps_adafactor_hparams_t hp;
+    fps_adafactor_defaults(&hp, flavor ? FPS_FLAVOR_TORCH : FPS_FLAVOR_HF);
+    if (!flavor) {
+      hp.has_beta1 = true;
+      hp.beta1 = 0.9;
+    }
+    fps_shape_t shp = shape3(2, 3, 4);
+    uint64_t b[] = {0, 4, 6};
+    fps_split_state_t st[2];
+    float param[24], param0[24], grad[24];
+    for (int i = 0; i < 24; i++) {
+      param[i] = param0[i] = 0.1f * (float)(i % 7) - 0.3f;
+      grad[i] = (0.05f * (float)(i % 5) - 0.1f) * (flavor ? 1e-6f : 1.0f);
+    }
+    for (int i = 0; i < 2; i++) {
+      fps_split_geom_t g;
+      assert_int_equal(fps_split_geom_init(&g, &shp, b[i], b[i + 1], NULL, 0), 0);
+      assert_int_equal(fps_split_state_init(&st[i], &g, &hp), 0);
+    }
+    bool u2 = false;
+    fps_alloc_fault_arm(0, 0);
+    assert_int_equal(two_block_step(&hp, st, param, grad, &u2), 0);
+    const uint64_t calls = fps_alloc_calls();
+    fps_alloc_fault_disarm();
+    assert_true(calls > 10);
+    assert_int_equal(u2, flavor == 1); /* torch with tiny gradients takes the u2 phase */
+    float p1[24], row1[6], col1[8];
+    memcpy(p1, param, sizeof p1);
+    memcpy(row1, st[0].row, 4 * sizeof(float));
+    memcpy(row1 + 4, st[1].row, 2 * sizeof(float));
+    memcpy(col1, st[0].col, 8 * sizeof(float));
+    for (uint64_t nth = 1; nth <= calls; nth++) {
+      memcpy(param, param0, sizeof param);
+      for (int i = 0; i < 2; i++) {
+        st[i].step = 0;
+        st[i].rms = 0;
+        memset(st[i].row, 0, (st[i].g.row_hi - st[i].g.row_lo) * sizeof(float));
+        memset(st[i].col, 0, st[i].g.nmat * 4 * sizeof(float));
+        if (st[i].mom) memset(st[i].mom, 0, st[i].g.block_numel * sizeof(float));
+      }
+      fps_alloc_fault_arm(nth, 0);
+      int rc = two_block_step(&hp, st, param, grad, &u2);
+      fps_alloc_fault_disarm();
+      if (rc != FPS_ENOMEM) print_error("allocation %llu: rc %d\n", (unsigned long long)nth, rc);
+      assert_int_equal(rc, FPS_ENOMEM);
+      assert_memory_equal(param, param0, sizeof param);
+      for (int i = 0; i < 2; i++) {
+        assert_int_equal(st[i].step, 0);
+        for (uint64_t r = 0; r < st[i].g.row_hi - st[i].g.row_lo; r++)
+          assert_true(st[i].row[r] == 0.0f);
+        if (st[i].mom)
+          for (uint64_t e = 0; e < st[i].g.block_numel; e++) assert_true(st[i].mom[e] == 0.0f);
+      }
+      /* the same step then succeeds, with the same result */
+      assert_int_equal(two_block_step(&hp, st, param, grad, &u2), 0);
+      assert_memory_equal(param, p1, sizeof p1);
+      assert_memory_equal(st[0].row, row1, 4 * sizeof(float));
+      assert_memory_equal(st[1].row, row1 + 4, 2 * sizeof(float));
+      assert_memory_equal(st[0].col, col1, 8 * sizeof(float));
+    }
+    for (int i = 0; i < 2; i++) fps_split_state_destroy(&st[i]);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(split_scalar),
@@ -725,10 +942,12 @@ int main(void) {
       cmocka_unit_test(split_neon),
 #endif
       cmocka_unit_test(split_best_threads),
+      cmocka_unit_test(chunked_blocks_match_whole),
       cmocka_unit_test(geometry_and_bounds),
       cmocka_unit_test(partials_wire_errors),
       cmocka_unit_test(combine_refuses_and_leaves_state),
       cmocka_unit_test(begin_refuses_bad_args),
+      cmocka_unit_test(oom_sweep_changes_nothing),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
