@@ -38,8 +38,15 @@ typedef struct fps__tensor_s {
   uint64_t shape[FPS_CLIENT_MAX_DIMS];
   uint64_t numel;
   uint64_t bytes;                      /* numel * 4 */
-  int shard;                           /* placement */
+  int shard;                           /* placement (a split tensor: its first block's) */
+  size_t n_blocks;                     /* fps__placement_split: 1, or its row blocks */
 } fps__tensor_t;
+
+/* One row block of a tensor (fps__placement_split). */
+typedef struct fps__block_s {
+  int shard;
+  uint64_t row_lo, row_hi;             /* flattened rows of [..., R, C]; elements for ndim <= 1 */
+} fps__block_t;
 
 /* The tensor list, sorted by name for lookup. */
 typedef struct fps__tensor_list_s {
@@ -95,6 +102,18 @@ uint64_t fps__shape_numel(uint32_t ndim, const uint64_t *shape, char *err, size_
  * on `n_shards` shards as documented in client.h. `load` (n_shards entries,
  * may be NULL) gets each shard's byte total. Returns 0 or FPS_ENOMEM. */
 int fps__placement_compute(fps__tensor_t *t, size_t n, size_t n_shards, uint64_t *load);
+/* Most shards the split placement handles (its scratch is per shard). */
+#define FPS__SPLIT_MAX_SHARDS 65536
+/* The row-split placement documented in client.h (fps_client_placement_plan)
+ * of `n` tensors (name, ndim, shape, numel, bytes set; shard and n_blocks
+ * written): blocks (room for n + (n_shards - 1) * the number of tensors of
+ * at least split_min_bytes) gets every tensor's blocks in
+ * row order, tensor i's at [first[i], first[i + 1]) (first: n + 1
+ * entries). split_min_bytes 0 never splits (then the shards equal
+ * fps__placement_compute's). load (may be NULL) gets each shard's bytes.
+ * Returns 0, FPS_EINVAL (n_shards 0 or > FPS__SPLIT_MAX_SHARDS), FPS_ENOMEM. */
+int fps__placement_split(fps__tensor_t *t, size_t n, size_t n_shards, uint64_t split_min_bytes,
+                         fps__block_t *blocks, size_t *first, uint64_t *load);
 /* Sorts a list by name and rejects duplicates (returns the index of the
  * first duplicate, or -1). */
 long fps__tensor_list_sort(fps__tensor_list_t *l);

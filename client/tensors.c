@@ -206,6 +206,36 @@ static int run_rounds(fps_client_t *c, create_shard_t *sh, fps__stream_t **run, 
   }
 }
 
+/* The shards cannot hold row blocks yet (issue 12): a split_min_bytes
+ * that would cut a tensor is refused before anything is sent, never
+ * silently ignored. */
+static int refuse_split(fps_client_t *c, const fps__tensor_list_t *list, fps_status_t *status) {
+  size_t nbig = 0;
+  for (size_t i = 0; i < list->n; i++) nbig += list->t[i].bytes >= c->opts.split_min_bytes;
+  if (!nbig) return 0;
+  fps__block_t *b = malloc((list->n + nbig * (c->n_shards - 1)) * sizeof *b);
+  size_t *first = malloc((list->n + 1) * sizeof *first);
+  int rc = 0;
+  if (!b || !first || fps__placement_split(list->t, list->n, c->n_shards,
+                                           c->opts.split_min_bytes, b, first, NULL)) {
+    rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+  } else {
+    for (size_t i = 0; i < list->n; i++)
+      if (list->t[i].n_blocks > 1) {
+        rc = fps__status_set(status, FPS_CODE_UNIMPLEMENTED, -1,
+                             "tensor '%s' (%llu bytes) would be split into %zu row blocks by "
+                             "split_min_bytes %llu, and the shards do not serve row blocks yet; "
+                             "set split_min_bytes to 0",
+                             list->t[i].name, (unsigned long long)list->t[i].bytes,
+                             list->t[i].n_blocks, (unsigned long long)c->opts.split_min_bytes);
+        break;
+      }
+  }
+  free(b);
+  free(first);
+  return rc;
+}
+
 int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, size_t n,
                               fps_status_t *status) {
   create_job_t job = {0};
@@ -285,6 +315,7 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
     t->numel = numel[i];
     t->bytes = numel[i] * 4;
   }
+  if (c->opts.split_min_bytes && (rc = refuse_split(c, &list, status))) goto fail;
   if (fps__placement_compute(list.t, n, c->n_shards, NULL)) goto nomem;
 
   job.c = c;

@@ -717,9 +717,9 @@ static void begin_refuses_bad_args(void **u) {
 
 /* Blocks large enough to be cut into several chunks (the golden cases fit
  * one): a [2, 600, 256] tensor in blocks of rows [0, 1), [1, 900), [900,
- * 1200) (runs of up to 599 x 256 elements: 4 chunks), two steps, torch default and hf momentum. The result must not
- * depend on the thread count (bit-identical with a pool of 3 and without)
- * and must match the whole-tensor step with the golden metrics (param
+ * 1200) (runs of up to 599 x 256 elements: 4 chunks), two steps, torch
+ * default and hf momentum. The result must not depend on the thread
+ * count (bit-identical with a pool of 3 and without) and must match the whole-tensor step with the golden metrics (param
  * scaled <= 1e-5, state rel <= 1e-4). */
 static void chunked_blocks_match_whole(void **u) {
   (void)u;

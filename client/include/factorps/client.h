@@ -123,7 +123,22 @@ typedef struct fps_client_options_s {
                                     state); half the bytes each way. The
                                     caller's arrays stay fp32. Create and
                                     Pull always move exact fp32. */
+  uint64_t split_min_bytes;      /* tensors of at least this many bytes
+                                    are cut into row blocks over several
+                                    shards (see fps_client_placement_plan);
+                                    0 (the default) never splits. The
+                                    shards do not serve row blocks yet: a
+                                    value that would split a tensor makes
+                                    fps_client_create_tensors fail with
+                                    UNIMPLEMENTED (nothing is sent). */
 } fps_client_options_t;
+
+/* The split threshold factorps recommends (32 MiB) and will default to once
+ * the shards serve row blocks: it splits a 100M-parameter model's embedding
+ * (67 MB in `factorps load --model peer`) and nothing else, which brings
+ * max/min shard bytes to <= 1.05 over 2, 3 and 4 shards (README, "Split
+ * tensors"). */
+#define FPS_SPLIT_MIN_BYTES_DEFAULT (UINT64_C(32) << 20)
 
 /* Values of fps_client_options_t.wire_dtype (the wire contract's DType). */
 enum { FPS_WIRE_F32 = 1, FPS_WIRE_BF16 = 2 };
@@ -222,6 +237,44 @@ FPS_EXTERN void fps_client_destroy(fps_client_t *c);
  * Thread-safety: must not race with other calls on `c`. */
 FPS_EXTERN int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs,
                                          size_t n, fps_status_t *status);
+
+/* One row block of a tensor in a placement plan. */
+typedef struct fps_block_s {
+  size_t tensor;     /* index into the defs */
+  int shard;         /* the shard it is placed on */
+  uint64_t row_lo;   /* its rows [row_lo, row_hi): flattened rows of the */
+  uint64_t row_hi;   /* [..., R, C] view (numel / C of them; elements for
+                        ndim <= 1); a whole tensor is [0, all rows) */
+  uint64_t bytes;    /* (row_hi - row_lo) * C * 4 */
+} fps_block_t;
+
+/* The placement of `n` tensors on `n_shards` shards with row splitting
+ * (identical on every worker for the same set of (name, shape) pairs,
+ * whatever their order), without a client or a network:
+ *   1. tensors below split_min_bytes (all of them if it is 0) are placed
+ *      whole by the LPT rule of fps_client_create_tensors (largest first,
+ *      ties by name; each to the shard with the fewest bytes so far, ties
+ *      to the lowest index);
+ *   2. then each tensor of at least split_min_bytes, largest first, ties by
+ *      name, is water-filled: with L the level at which
+ *      sum_s max(0, L - bytes_s) equals its bytes (over the min(rows,
+ *      n_shards) shards with the fewest bytes, ties to the lower index),
+ *      shard s gets a block of about max(0, L - bytes_s) bytes: boundaries
+ *      at the cumulative targets rounded to the nearest row (exact integer
+ *      arithmetic), at least one row per block, blocks in shard-index order
+ *      along the rows. At most one block per shard per tensor; a tensor
+ *      that fills a single shard stays whole.
+ * `blocks` (room for `cap`) gets every tensor's blocks, tensors in `defs`
+ * order, each tensor's in row order; *n_blocks the count (also when cap is
+ * too small: then OUT_OF_RANGE and nothing is written; blocks may be NULL
+ * with cap 0 to ask). shard_bytes (n_shards entries, may be NULL) gets each
+ * shard's parameter bytes. Errors: INVALID_ARGUMENT (no shards or more
+ * than 65536, a bad or duplicate name, a bad shape), OUT_OF_RANGE,
+ * RESOURCE_EXHAUSTED (out of memory). Thread-safe. */
+FPS_EXTERN int fps_client_placement_plan(const fps_tensor_def_t *defs, size_t n,
+                                         size_t n_shards, uint64_t split_min_bytes,
+                                         fps_block_t *blocks, size_t cap, size_t *n_blocks,
+                                         uint64_t *shard_bytes, fps_status_t *status);
 
 /* The shard index tensor `name` is placed on, or -1 if unknown. Thread-safe
  * against every call but fps_client_create_tensors()/fps_client_discover(). */
