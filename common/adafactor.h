@@ -153,6 +153,21 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
                        fps_adafactor_state_t *st, float *param, const float *grad,
                        fps_pool_t *pool, fps_adafactor_trace_t *trace);
 
+/* What fps_adafactor_step() checks before it touches anything: 0, or the
+ * FPS_E* it would return for these settings and this state (bad hp, state
+ * made for other settings). */
+int fps_adafactor_step_check(const fps_adafactor_hparams_t *hp, const fps_adafactor_state_t *st);
+/* Doubles of scratch one step of this state needs (0: none), constant for
+ * a tensor: a caller that must not fail half-way through several tensors'
+ * steps allocates them all first. */
+size_t fps_adafactor_scratch_len(const fps_adafactor_state_t *st);
+/* fps_adafactor_step() with the caller's scratch (fps_adafactor_scratch_len
+ * doubles, or NULL: allocated here). With scratch, a state that passed
+ * fps_adafactor_step_check() with hp cannot fail. */
+int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
+                               fps_adafactor_state_t *st, float *param, const float *grad,
+                               fps_pool_t *pool, double *scratch, fps_adafactor_trace_t *trace);
+
 /* Bytes the step moves through memory per step for this state, on the
  * common path (no torch clamp fallback): see adafactor_step.c. */
 uint64_t fps_adafactor_step_bytes(const fps_adafactor_state_t *st);

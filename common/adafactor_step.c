@@ -158,17 +158,37 @@ uint64_t fps_adafactor_step_bytes(const fps_adafactor_state_t *st) {
   return b;
 }
 
-int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
-                       fps_adafactor_state_t *st, float *param, const float *grad,
-                       fps_pool_t *pool, fps_adafactor_trace_t *trace) {
-  if (!hp || !st || !param || !grad || st->numel == 0) return FPS_EINVAL;
+int fps_adafactor_step_check(const fps_adafactor_hparams_t *hp, const fps_adafactor_state_t *st) {
+  if (!hp || !st || st->numel == 0) return FPS_EINVAL;
   int rc = fps_adafactor_validate(hp, NULL, 0);
   if (rc) return rc;
-  if (!k) k = fps_kernels_best();
   const bool hf = hp->flavor == FPS_FLAVOR_HF;
   if ((hf && hp->has_beta1) != (st->mom != NULL) ||
       (st->factored ? !st->row || !st->col : !st->var))
     return FPS_EINVAL; /* state made for other settings */
+  return 0;
+}
+
+size_t fps_adafactor_scratch_len(const fps_adafactor_state_t *st) {
+  if (!st || !st->factored) return 0;
+  const size_t C = (size_t)st->cols;
+  return 2 * fps__chunk_count((size_t)st->rows, C) * C + C / 2 + 1;
+}
+
+int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
+                       fps_adafactor_state_t *st, float *param, const float *grad,
+                       fps_pool_t *pool, fps_adafactor_trace_t *trace) {
+  return fps_adafactor_step_scratch(k, hp, st, param, grad, pool, NULL, trace);
+}
+
+int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
+                               fps_adafactor_state_t *st, float *param, const float *grad,
+                               fps_pool_t *pool, double *scratch, fps_adafactor_trace_t *trace) {
+  if (!param || !grad) return FPS_EINVAL;
+  int rc = fps_adafactor_step_check(hp, st);
+  if (rc) return rc;
+  if (!k) k = fps_kernels_best();
+  const bool hf = hp->flavor == FPS_FLAVOR_HF;
 
   fps__step_scalars_t sc;
   fps__step_scalars_init(&sc, hp, st->step);
@@ -193,7 +213,7 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
     /* Chunk partials, plus C floats of column factors for pass C. Freed at
      * the end of the step: a shard holds many tensors and this (16 B x C
      * per chunk) is not optimizer state worth keeping between steps. */
-    fc.scratch = fps_malloc((2 * fc.nchunks * C + C / 2 + 1) * sizeof(double));
+    fc.scratch = scratch ? scratch : fps_malloc(fps_adafactor_scratch_len(st) * sizeof(double));
     if (!fc.scratch) return FPS_ENOMEM;
     for (uint64_t mtx = 0; mtx < st->batch; mtx++) {
       fc.g = grad + mtx * R * C;
@@ -279,7 +299,7 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
     fps_pool_run(pool, vc.nchunks, var_pass_c, &vc);
   }
 
-  if (st->factored) fps_free(fc.scratch);
+  if (st->factored && !scratch) fps_free(fc.scratch);
   st->step = new_step;
   if (trace) {
     trace->step = new_step;

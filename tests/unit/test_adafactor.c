@@ -259,6 +259,50 @@ static void state_lifetime_and_step_args(void **u) {
   assert_int_equal(fps_adafactor_step(NULL, &hp, &st, p, g, NULL, NULL), FPS_EINVAL);
 }
 
+/* The check a caller runs before several steps matches what the step
+ * returns, and a step with the caller's scratch gives the same bits. */
+static void step_check_and_caller_scratch(void **u) {
+  (void)u;
+  fps_adafactor_hparams_t hp, bad;
+  fps_adafactor_defaults(&hp, FPS_FLAVOR_TORCH);
+  fps_shape_t s = {.ndim = 2, .dim = {37, 29}};
+  fps_adafactor_state_t a, b;
+  assert_int_equal(fps_adafactor_state_init(&a, &s, &hp), 0);
+  assert_int_equal(fps_adafactor_state_init(&b, &s, &hp), 0);
+  assert_int_equal(fps_adafactor_step_check(&hp, &a), 0);
+  bad = hp;
+  bad.clip = -1;
+  assert_int_equal(fps_adafactor_step_check(&bad, &a), FPS_EHPARAM);
+  bad = hp;
+  bad.flavor = FPS_FLAVOR_HF, bad.has_beta1 = true, bad.beta1 = 0.9, bad.relative_step = false, bad.has_lr = true;
+  assert_int_equal(fps_adafactor_step_check(&bad, &a), FPS_EINVAL); /* no momentum state */
+  assert_int_equal(fps_adafactor_step_check(NULL, &a), FPS_EINVAL);
+  size_t len = fps_adafactor_scratch_len(&a);
+  assert_true(len > 29);
+  double *scratch = malloc(len * sizeof *scratch);
+  assert_non_null(scratch);
+  static float pa[37 * 29], pb[37 * 29], g[37 * 29];
+  for (int i = 0; i < 37 * 29; i++) {
+    pa[i] = pb[i] = (float)((i * 7919) % 1000) / 500.0f - 1.0f;
+    g[i] = (float)((i * 104729) % 997) / 498.5f - 1.0f;
+  }
+  for (int k = 0; k < 3; k++) {
+    assert_int_equal(fps_adafactor_step(NULL, &hp, &a, pa, g, NULL, NULL), 0);
+    assert_int_equal(fps_adafactor_step_scratch(NULL, &hp, &b, pb, g, NULL, scratch, NULL), 0);
+  }
+  assert_memory_equal(pa, pb, sizeof pa);
+  assert_memory_equal(a.row, b.row, 37 * sizeof(float));
+  assert_memory_equal(a.col, b.col, 29 * sizeof(float));
+  free(scratch);
+  fps_adafactor_state_destroy(&a);
+  fps_adafactor_state_destroy(&b);
+  /* Unfactored: no scratch at all. */
+  s = (fps_shape_t){.ndim = 1, .dim = {5}};
+  assert_int_equal(fps_adafactor_state_init(&a, &s, &hp), 0);
+  assert_int_equal(fps_adafactor_scratch_len(&a), 0);
+  fps_adafactor_state_destroy(&a);
+}
+
 /* torch keeps its step in a float32 tensor, which stops counting at 2^24. */
 static void torch_step_counter_stalls_like_float32(void **u) {
   (void)u;
@@ -431,6 +475,7 @@ int main(void) {
       cmocka_unit_test(shapes_validated),
       cmocka_unit_test(state_sizes),
       cmocka_unit_test(state_lifetime_and_step_args),
+      cmocka_unit_test(step_check_and_caller_scratch),
       cmocka_unit_test(torch_step_counter_stalls_like_float32),
       cmocka_unit_test(nonfinite_inputs_do_not_crash),
       cmocka_unit_test(kernel_selection),
