@@ -183,9 +183,11 @@ static int fps__create_check(fps_shard_t *sh, fps_plan_t *p, size_t i, char *why
     }
     if (it->t) {
       pthread_mutex_lock(&it->t->mu);
+      pthread_mutex_lock(&sh->rounds_mu); /* guards the round */
       bool open = it->t->round.open;
       uint64_t round_step = it->t->round.step, version = it->t->version;
       uint32_t joined = it->t->round.joined;
+      pthread_mutex_unlock(&sh->rounds_mu);
       it->replacing = tc->replace;
       it->was_ready = !tc->replace && it->t->ready;
       rc = 0;
@@ -383,12 +385,14 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
       }
     if (rc == 0) {
       for (size_t a = 0; a < nr; a++) pthread_mutex_lock(&rt[a]->mu);
+      pthread_mutex_lock(&sh->rounds_mu); /* guards the rounds */
       for (size_t a = 0; a < nr && rc == 0; a++)
         if (rt[a]->round.open) {
           rc = FPS_ESTATE;
           snprintf(why, wl, "tensor '%s': cannot replace it while a sync round is open (step %" PRIu64
                    "); replace between rounds", rt[a]->name, rt[a]->round.step);
         }
+      pthread_mutex_unlock(&sh->rounds_mu);
       for (size_t i = 0; i < n && rc == 0; i++) {
         if (p[i].lead != i || !p[i].replacing) continue;
         fps_tensor_t *t = p[i].t;

@@ -84,6 +84,7 @@ void fps_push_destroy(fps_push_t *p) {
     fps_ranges_free(&e->got);
     fps_free(e->msg);
     fps_snap_unref(e->snap);
+    fps__apply_prep_release(&e->prep);
     fps_free(e);
   }
   fps_free(p->e);
@@ -94,6 +95,11 @@ void fps_push_destroy(fps_push_t *p) {
 }
 
 uint32_t fps_push_worker(const fps_push_t *p) { return p->worker_id; }
+
+size_t fps__push_entries(fps_push_t *p, fps_push_entry_t ***out) {
+  *out = p->e;
+  return p->n;
+}
 
 void fps_push_set_deadline(fps_push_t *p, int64_t deadline_ns) { p->deadline_ns = deadline_ns; }
 
@@ -154,45 +160,58 @@ void fps__push_entry_resolved(fps_push_entry_t *e) {
 /* async/ssp: applies every entry now (each under its tensor's lock); its
  * staging buffer becomes the snapshot. With replay (a retry of a push
  * already applied), nothing is applied: the snapshot is of the current
- * parameters, in every mode. */
-static void fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
+ * parameters, in every mode. Everything that can fail (settings, scratch,
+ * snapshot wrappers) is checked and allocated for every tensor first, and
+ * the updates themselves cannot fail: the call's tensors are applied all
+ * or none. Returns false (p->err set, nothing applied) on such a failure. */
+static bool fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
   fps_shard_t *sh = p->sh;
+  char why[FPS_WHY_MAX];
+  int rc = 0;
+  size_t k = 0;
+  for (; k < p->n && rc == 0; k++) {
+    fps_push_entry_t *e = p->e[k];
+    rc = fps__apply_prepare(sh, e->t, &e->uh, !e->no_grad && !replay, !e->skip_params, &e->prep, why,
+                            sizeof why);
+  }
+  if (rc < 0) {
+    for (size_t i = 0; i < k; i++) fps__apply_prep_release(&p->e[i]->prep);
+    size_t len = strlen(why);
+    if (p->n > 1)
+      snprintf(why + len, sizeof why - len, "; none of the call's %zu tensors was applied", p->n);
+    p->err = rc;
+    p->msg = fps_strdup(why);
+    return false;
+  }
   for (size_t i = 0; i < p->n; i++) {
     fps_push_entry_t *e = p->e[i];
     fps_tensor_t *t = e->t;
     fps_snap_t *snap = NULL;
     pthread_mutex_lock(&t->mu);
     /* no_grad: nothing to apply (no update, no weight decay); the reply
-     * carries the current params. */
-    int rc = fps__tensor_apply_locked(sh, t, e->grad, !e->no_grad && !replay, p->worker_id, e->step, &e->uh,
-                                      !e->skip_params, 1, &snap);
+     * carries the current params. Prepared: cannot fail. */
+    fps__tensor_apply_locked(sh, t, e->grad, !e->no_grad && !replay, p->worker_id, e->step, &e->uh,
+                             !e->skip_params, 1, &snap, &e->prep);
     e->version = t->version;
     pthread_mutex_unlock(&t->mu);
+    fps__apply_prep_release(&e->prep);
     /* A retry is told the version its first attempt made (the params are
      * the current ones). */
-    if (replay && rc == 0) e->version = vers ? vers[i] : 0;
-    if (rc < 0) {
-      e->err = rc;
-      e->msg = fps_strdup("the Adafactor step failed");
-      continue;
-    }
+    if (replay) e->version = vers ? vers[i] : 0;
     e->err = 0;
     if (!e->skip_params) {
       e->grad = NULL; /* consumed */
       e->snap = snap;
-      if (!snap) {
-        e->err = FPS_ENOMEM;
-        e->msg = fps_strdup("out of memory for the parameter snapshot");
-      }
     } else {
       fps_tbuf_free(sh, e->grad, t->numel);
       e->grad = NULL;
     }
   }
   if (sh->cfg.mode == FPS_MODE_SSP && !replay) fps__ssp_advance(sh, p->worker_id, p->step);
+  return true;
 }
 
-static void fps__push_apply_all(fps_push_t *p) { fps__push_apply(p, false, NULL); }
+static void fps__push_apply_all(fps_push_t *p) { (void)fps__push_apply(p, false, NULL); }
 
 void fps__push_ssp_resume(fps_push_t *p) {
   fps__push_apply_all(p);
@@ -290,8 +309,7 @@ int fps_push_commit(fps_push_t *p, char *why, size_t wl) {
                                      (uint32_t)p->n)
                 : FPS_ENOMEM;
       if (rc == 0) {
-        fps__push_apply(p, true, vers);
-        p->replayed = true;
+        p->replayed = fps__push_apply(p, true, vers);
         fps_free(vers);
         fps__push_release(p, 1);
         return 0;

@@ -26,10 +26,11 @@
  * registered (fps_push_done_fn), on whichever thread completes it.
  *
  * Locks, in acquisition order (never the reverse): store->mu (rwlock) ->
- * tensor->mu -> sh->ssp_mu -> push->mu -> sh->rounds_mu. A round is
- * completed with its tensor lock held only to sum, apply and collect its
- * members; their pushes are resolved (callbacks run) after it is
- * released. */
+ * tensor->mu -> sh->ssp_mu -> push->mu -> sh->rounds_mu. Several tensor
+ * locks are taken in address order, and by a thread holding no other tensor
+ * lock. A set of linked sync rounds is completed with its tensors' locks
+ * held only to check, sum, apply and collect its members; their pushes are
+ * resolved (callbacks run) after they are released. */
 #ifndef FPS_SHARD_H
 #define FPS_SHARD_H
 
@@ -201,18 +202,35 @@ typedef struct fps_update_hp_s {
   double weight_decay;
 } fps_update_hp_t;
 
+/* What one update needs allocated and checked before anything is applied,
+ * so that the updates of several tensors (one call's, a linked set of sync
+ * rounds') all apply or none does: fps__apply_prepare() for every tensor
+ * first, then fps__tensor_apply_locked() with each prep cannot fail. */
+typedef struct fps_apply_prep_s {
+  double *scratch;            /* the Adafactor step's scratch, NULL: none needed */
+  fps_snap_t *snap;           /* the snapshot's wrapper, NULL: none wanted */
+} fps_apply_prep_t;
+
 /* Kinds of optimizer state arrays (the wire's StateKind - 1). */
 enum { FPS_STATE_ROW = 0, FPS_STATE_COL, FPS_STATE_VAR, FPS_STATE_MOM, FPS_STATE_KINDS };
 
 /* The sync round of one tensor: at most one is open (its step equals the
- * tensor's version). */
+ * tensor's version). Rounds are linked into sets by their members: a push
+ * naming several tensors is a member of each one's round, and a set
+ * completes (or fails) as one (sync.c). Guarded by sh->rounds_mu (member
+ * arrays are allocated with the tensor). */
 typedef struct fps_round_s {
   bool open;
+  bool settling;              /* its set is being completed: members frozen */
+  bool none;                  /* settling: no member has a gradient */
   uint64_t step;
   uint32_t joined;            /* members present */
   fps_push_entry_t **member;  /* [workers], by worker id, NULL = missing */
   int64_t started_ns;         /* first join */
-  int64_t deadline_ns;        /* fails the round at this time */
+  int64_t deadline_ns;        /* fails the round (and its set) at this time */
+  uint64_t seen;              /* the last set walk that reached it */
+  fps_tensor_t *cnext;        /* next tensor of the set walked */
+  fps_apply_prep_t prep;      /* settling: what its update needs */
 } fps_round_t;
 
 struct fps_tensor_s {
@@ -270,17 +288,30 @@ fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t 
                                 uint32_t workers, uint32_t log_cap);
 void fps_tensor_destroy(fps_tensor_t *t);
 
+/* fps_apply_prep_t (above, with the rounds): checks uh and allocates. */
+/* Checks uh against t's settings and state (FPS_EHPARAM, FPS_EINVAL) and
+ * allocates what the update needs (FPS_ENOMEM), with a message naming the
+ * tensor. No lock needed: settings and state sizes are constant. On failure
+ * prep holds nothing. */
+int fps__apply_prepare(fps_shard_t *sh, const fps_tensor_t *t, const fps_update_hp_t *uh, bool update,
+                       bool want_snap, fps_apply_prep_t *prep, char *why, size_t why_len);
+/* Frees what a prep still holds (what the apply did not use). */
+void fps__apply_prep_release(fps_apply_prep_t *prep);
+
 /* The one apply-and-snapshot path of every mode. With update: one
  * Adafactor step of t with grad (finite, numel floats) and the update's
  * hyperparameters uh (NULL: Create's), version+1, apply log, counters;
  * without (no_grad): nothing changes. With want_snap, grad's buffer (an
  * fps_tbuf_alloc buffer of t->numel) is then consumed: overwritten with the
- * current parameters, it becomes *snap with `refs` references (or is
- * freed, *snap NULL, if the wrapper cannot be allocated; an update stays
- * applied). Without want_snap, grad stays the caller's. Returns 0, or the
- * step's FPS_E* (nothing changed, nothing consumed). REQUIRES t->mu. */
+ * current parameters, it becomes *snap with `refs` references. Without
+ * want_snap, grad stays the caller's. With prep (fps__apply_prepare() for
+ * the same uh, update and want_snap) this cannot fail; without (NULL), it
+ * allocates: the step may fail (FPS_E*, nothing changed, nothing consumed)
+ * and a snapshot wrapper that cannot be allocated leaves *snap NULL (grad
+ * freed; the update stays applied). REQUIRES t->mu. */
 int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool update, uint32_t worker_id,
-                             uint64_t step, const fps_update_hp_t *uh, bool want_snap, int refs, fps_snap_t **snap);
+                             uint64_t step, const fps_update_hp_t *uh, bool want_snap, int refs, fps_snap_t **snap,
+                             fps_apply_prep_t *prep);
 
 /* Pull's view of a tensor: a snapshot of its parameters (one copy under
  * its lock) and its version. Returns 0, FPS_ENOTFOUND, FPS_ESTATE (still
@@ -568,9 +599,11 @@ struct fps_shard_s {
   uint64_t *ssp_clock;              /* [workers] */
   bool ssp_started;                 /* clocks start at the first push's step */
   fps_ssp_wait_t *ssp_waits;
-  /* Tensors with an open sync round (for the expiry hook). */
+  /* Tensors with an open sync round (for the expiry hook), and every
+   * round's membership (fps_round_t). */
   pthread_mutex_t rounds_mu;
   fps_tensor_t *rounds;
+  uint64_t rounds_walk;             /* set walks so far (fps_round_t.seen) */
   /* Checkpoints (checkpoint.c). */
   pthread_mutex_t ckpt_mu;          /* one checkpoint at a time */
   int ckpt_dir_fd;                  /* lease on checkpoint_dir, -1: none */
@@ -597,12 +630,14 @@ void fps_shard_fail_waiting(fps_shard_t *sh, int err, const char *why);
 void fps_counters_push_done(fps_shard_t *sh, bool ok, double seconds);
 
 /* sync.c, for push.c: joins every entry of a push to its tensor's round
- * (all or none), each at its own step (e->step); entries of rounds that
- * complete here are resolved before returning. 0 or FPS_ESTALE /
- * FPS_EAHEAD / FPS_EDUP / FPS_ENOMEM. */
+ * (all or none), each at its own step (e->step), which links those rounds
+ * into one set; if that made every round of the set full, the set is
+ * completed (all applied, or all failed) and its members resolved before
+ * returning. 0 or FPS_ESTALE / FPS_EAHEAD / FPS_EDUP / FPS_ENOMEM. */
 int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t worker_id, int64_t deadline_ns,
                    char *why, size_t why_len);
-/* Withdraws entries still waiting in a round; returns how many (they are
+/* Withdraws a push's entries still waiting in rounds, all at once (none
+ * if its set is already being completed); returns how many (they are
  * resolved FPS_ECANCELLED by the caller). */
 size_t fps__sync_withdraw(fps_shard_t *sh, fps_push_entry_t **e, size_t n);
 void fps__sync_expire(fps_shard_t *sh, int64_t now, bool force, int err, const char *reason);
@@ -615,6 +650,8 @@ bool fps__ssp_unpark(fps_shard_t *sh, fps_ssp_wait_t *w);
 void fps__ssp_expire(fps_shard_t *sh, int64_t now, bool force, int err, const char *reason);
 /* push.c, for sync.c and ssp.c. */
 void fps__push_entry_resolved(fps_push_entry_t *e);
+/* The push's entries (*out), fixed once it is committed; returns their count. */
+size_t fps__push_entries(fps_push_t *p, fps_push_entry_t ***out);
 void fps__push_ssp_resume(fps_push_t *p);
 void fps__push_ssp_fail(fps_push_t *p, int err, const char *msg);
 
@@ -639,6 +676,8 @@ struct fps_push_entry_s {
   char *msg;                  /* error text when err != 0 */
   fps_snap_t *snap;           /* result params (ok, unless skip_params) */
   uint64_t version;           /* version after the update */
+  fps_apply_prep_t prep;      /* async/ssp: allocated before any tensor is applied */
+  fps_push_entry_t *resolve_next; /* sync: members of a finished set, to resolve */
 };
 
 /* ------------------------------------- per-push settings (push_settings.c)

@@ -149,22 +149,64 @@ void fps_tensor_destroy(fps_tensor_t *t) {
   fps_free(t);
 }
 
+/* This update's settings: Create's, with the push's lr and weight decay
+ * (validated against the flavor's rules when they arrived). */
+static fps_adafactor_hparams_t fps__update_hparams(const fps_tensor_t *t, const fps_update_hp_t *uh) {
+  fps_adafactor_hparams_t hp = t->hp;
+  if (uh) {
+    hp.lr = uh->lr;
+    hp.weight_decay = uh->weight_decay;
+  }
+  return hp;
+}
+
+int fps__apply_prepare(fps_shard_t *sh, const fps_tensor_t *t, const fps_update_hp_t *uh, bool update,
+                       bool want_snap, fps_apply_prep_t *prep, char *why, size_t wl) {
+  (void)sh;
+  prep->scratch = NULL;
+  prep->snap = NULL;
+  if (update) {
+    fps_adafactor_hparams_t hp = fps__update_hparams(t, uh);
+    int rc = fps_adafactor_step_check(&hp, &t->st);
+    if (rc < 0) {
+      snprintf(why, wl, "tensor '%s': the Adafactor step refuses this update's settings: %s", t->name,
+               fps_strerror(rc));
+      return rc;
+    }
+    size_t len = fps_adafactor_scratch_len(&t->st);
+    if (len && !(prep->scratch = fps_malloc(len * sizeof(double)))) {
+      snprintf(why, wl, "tensor '%s': out of memory for the Adafactor step's scratch", t->name);
+      return FPS_ENOMEM;
+    }
+  }
+  if (want_snap && !(prep->snap = fps_malloc(sizeof *prep->snap))) {
+    fps_free(prep->scratch);
+    prep->scratch = NULL;
+    snprintf(why, wl, "tensor '%s': out of memory for the parameter snapshot", t->name);
+    return FPS_ENOMEM;
+  }
+  return 0;
+}
+
+void fps__apply_prep_release(fps_apply_prep_t *prep) {
+  fps_free(prep->scratch);
+  fps_free(prep->snap);
+  prep->scratch = NULL;
+  prep->snap = NULL;
+}
+
 int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool update, uint32_t worker_id,
-                             uint64_t step, const fps_update_hp_t *uh, bool want_snap, int refs, fps_snap_t **snap) {
+                             uint64_t step, const fps_update_hp_t *uh, bool want_snap, int refs, fps_snap_t **snap,
+                             fps_apply_prep_t *prep) {
   if (snap) *snap = NULL;
   if (update) {
     fps_adafactor_trace_t tr;
     memset(&tr, 0, sizeof tr);
-    /* This update's settings: Create's, with the push's lr and weight decay
-     * (validated against the flavor's rules when they arrived). */
-    fps_adafactor_hparams_t hp = t->hp;
-    if (uh) {
-      hp.lr = uh->lr;
-      hp.weight_decay = uh->weight_decay;
-    }
+    fps_adafactor_hparams_t hp = fps__update_hparams(t, uh);
     int64_t t0 = fps_now_ns();
     fps_pool_t *pool = t->numel >= FPS_POOL_MIN_NUMEL ? sh->pool : NULL;
-    int rc = fps_adafactor_step(sh->kernels, &hp, &t->st, t->param, grad, pool, &tr);
+    int rc = fps_adafactor_step_scratch(sh->kernels, &hp, &t->st, t->param, grad, pool,
+                                        prep ? prep->scratch : NULL, &tr);
     int64_t t1 = fps_now_ns();
     if (rc < 0) {
       FPS_SLOG(FPS_LOG_ERROR, "tensor '%s': Adafactor step failed: %s", t->name, fps_strerror(rc));
@@ -203,7 +245,18 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool
     /* The gradient is spent: its buffer becomes the snapshot of the
      * parameters, so an update costs one copy of them and no allocation. */
     memcpy(grad, t->param, t->numel * sizeof(float));
-    *snap = fps_snap_wrap(sh, grad, t->numel, t->version, refs); /* NULL: grad freed */
+    if (prep && prep->snap) {
+      fps_snap_t *s = prep->snap;
+      prep->snap = NULL;
+      atomic_init(&s->refs, refs);
+      s->sh = sh;
+      s->data = grad;
+      s->numel = t->numel;
+      s->version = t->version;
+      *snap = s;
+    } else {
+      *snap = fps_snap_wrap(sh, grad, t->numel, t->version, refs); /* NULL: grad freed */
+    }
   }
   return 0;
 }

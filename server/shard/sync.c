@@ -1,16 +1,29 @@
 /* Sync rounds: W workers' gradients for one tensor and step become one
- * update.
+ * update, and the rounds a call's tensors joined are applied together.
  *
  * A tensor has at most one open round, for step == its version. Each
- * worker's push joins with its staged gradient; the push that completes the
- * round sums the W gradients in worker-id order (so the result never
- * depends on arrival order), divides by W, applies one step through the
- * shard's one apply-and-snapshot path and resolves every member with one
- * shared snapshot of the fresh parameters. Nobody sleeps: a push that is
- * not last waits until it is resolved (its done callback runs then). A
- * round that misses its deadline fails all members with FPS_ETIMEOUT and
- * leaves the tensor untouched; a member that withdraws (its call went away)
- * is no longer counted.
+ * worker's push joins with its staged gradient; a round is full when all W
+ * workers joined. A push naming several tensors links their rounds: the
+ * rounds connected through member pushes form a set, and a full round
+ * waits until every round of its set is full. The push that fills the last
+ * one completes the whole set: it locks the set's tensors (address order),
+ * checks every round (members agree, the update's settings pass) and
+ * allocates everything the updates need, and only then sums each round's
+ * gradients in worker-id order (so the result never depends on arrival
+ * order), divides by W and applies one step per tensor through the shard's
+ * one apply-and-snapshot path, each round's members sharing one snapshot.
+ * If any check or allocation fails, or any round of the set misses its
+ * deadline, no round of the set is applied and every member of every round
+ * of it fails with the cause (naming the tensor). So a call's tensors are
+ * applied all together or not at all. Nobody sleeps: a push that is not
+ * last waits until it is resolved (its done callback runs then). A member
+ * that withdraws (its call went away) leaves every round of its call at
+ * once and is no longer counted; the others keep waiting.
+ *
+ * Membership (fps_round_t) is guarded by sh->rounds_mu; a set being
+ * completed is marked settling, which freezes it (no withdraw, no expiry;
+ * a join to one of its full rounds is a duplicate), so its tensors' locks
+ * can be taken without holding rounds_mu.
  *
  * Deadlines are enforced by fps_shard_expire(), the hook the server
  * registers with its timer (server/timer.c). */
@@ -25,103 +38,217 @@
 
 /* ------------------------------------------------------- open rounds */
 
-static void fps__rounds_link(fps_shard_t *sh, fps_tensor_t *t) {
-  pthread_mutex_lock(&sh->rounds_mu);
-  if (!t->in_rounds) {
-    t->rprev = NULL;
-    t->rnext = sh->rounds;
-    if (sh->rounds) sh->rounds->rprev = t;
-    sh->rounds = t;
-    t->in_rounds = true;
-  }
-  pthread_mutex_unlock(&sh->rounds_mu);
+/* REQUIRES sh->rounds_mu (as every function named _locked here). */
+static void fps__rounds_link_locked(fps_shard_t *sh, fps_tensor_t *t) {
+  if (t->in_rounds) return;
+  t->rprev = NULL;
+  t->rnext = sh->rounds;
+  if (sh->rounds) sh->rounds->rprev = t;
+  sh->rounds = t;
+  t->in_rounds = true;
 }
 
-static void fps__rounds_unlink(fps_shard_t *sh, fps_tensor_t *t) {
-  pthread_mutex_lock(&sh->rounds_mu);
-  if (t->in_rounds) {
-    if (t->rprev) t->rprev->rnext = t->rnext;
-    else sh->rounds = t->rnext;
-    if (t->rnext) t->rnext->rprev = t->rprev;
-    t->rprev = t->rnext = NULL;
-    t->in_rounds = false;
-  }
-  pthread_mutex_unlock(&sh->rounds_mu);
+static void fps__rounds_unlink_locked(fps_shard_t *sh, fps_tensor_t *t) {
+  if (!t->in_rounds) return;
+  if (t->rprev) t->rprev->rnext = t->rnext;
+  else sh->rounds = t->rnext;
+  if (t->rnext) t->rnext->rprev = t->rprev;
+  t->rprev = t->rnext = NULL;
+  t->in_rounds = false;
 }
 
-/* Closes t's round; moves its members into out[] (W slots). REQUIRES t->mu. */
-static size_t fps__round_take_locked(fps_shard_t *sh, fps_tensor_t *t, fps_push_entry_t **out) {
+/* ---------------------------------------------------------- round sets */
+
+/* The set of t's round: every round reachable through member pushes, as
+ * a list from t through round.cnext. *count gets its size, *full whether
+ * every round of it is full. No allocation. */
+static void fps__set_walk_locked(fps_shard_t *sh, fps_tensor_t *t, size_t *count, bool *full) {
+  uint32_t W = sh->cfg.workers;
+  uint64_t gen = ++sh->rounds_walk;
+  fps_tensor_t *tail = t;
+  t->round.seen = gen;
+  t->round.cnext = NULL;
+  size_t n = 1;
+  bool all = true;
+  for (fps_tensor_t *x = t; x; x = x->round.cnext) {
+    if (x->round.joined < W) all = false;
+    for (uint32_t w = 0; w < W; w++) {
+      fps_push_entry_t *m = x->round.member[w];
+      if (!m) continue;
+      /* The member's push: its entries are fixed since its commit. */
+      fps_push_entry_t **pe;
+      size_t pn = fps__push_entries(m->owner, &pe);
+      for (size_t i = 0; i < pn; i++) {
+        fps_tensor_t *y = pe[i]->t;
+        if (!pe[i]->in_round || y->round.seen == gen) continue;
+        y->round.seen = gen;
+        y->round.cnext = NULL;
+        tail->round.cnext = y;
+        tail = y;
+        n++;
+      }
+    }
+  }
+  *count = n;
+  *full = all;
+}
+
+/* Closes t's round; chains its members onto *list. */
+static size_t fps__round_take_locked(fps_shard_t *sh, fps_tensor_t *t, fps_push_entry_t **list) {
   size_t n = 0;
   for (uint32_t w = 0; w < sh->cfg.workers; w++) {
     fps_push_entry_t *e = t->round.member[w];
     if (!e) continue;
     e->in_round = false;
     t->round.member[w] = NULL;
-    out[n++] = e;
+    e->resolve_next = *list;
+    *list = e;
+    n++;
   }
   t->round.open = false;
+  t->round.settling = false;
   t->round.joined = 0;
-  fps__rounds_unlink(sh, t);
+  fps__rounds_unlink_locked(sh, t);
   fps_metrics_waiting_add(-(int)n);
   return n;
 }
 
-/* The round is full: check that its members agree (settings, who has a
- * gradient), average in worker-id order, apply, snapshot. Members are
- * moved to out[] with their results set. REQUIRES t->mu. */
-static size_t fps__round_complete_locked(fps_shard_t *sh, fps_tensor_t *t, fps_push_entry_t **out) {
+/* Appends to msg (of len bytes, n used) what the failure of a set of k > 1
+ * rounds means for the others: the tensors named whole or not at all. */
+static void fps__set_suffix(char *msg, size_t len, size_t n, fps_tensor_t *set, size_t k) {
+  if (k < 2 || n >= len) return;
+  n += (size_t)snprintf(msg + n, len - n, "; linked through the same calls, none of the %zu rounds (tensors ", k);
+  size_t named = 0;
+  for (fps_tensor_t *x = set; x && n < len; x = x->round.cnext) {
+    size_t need = strlen(x->name) + 4;
+    if (n + need + 40 >= len) {
+      snprintf(msg + n, len - n, ", and %zu more) was applied", k - named);
+      return;
+    }
+    n += (size_t)snprintf(msg + n, len - n, "%s'%s'", named ? ", " : "", x->name);
+    named++;
+  }
+  if (n < len) snprintf(msg + n, len - n, ") was applied");
+}
+
+/* Fails every round of the set with err and msg (copied for each member);
+ * the members are chained onto *list for resolving. */
+static void fps__set_fail_locked(fps_shard_t *sh, fps_tensor_t *set, int err, const char *msg,
+                                 fps_push_entry_t **list) {
+  for (fps_tensor_t *x = set, *next; x; x = next) {
+    next = x->round.cnext;
+    fps_push_entry_t *before = *list;
+    fps__round_take_locked(sh, x, list);
+    for (fps_push_entry_t *e = *list; e != before; e = e->resolve_next) {
+      e->err = err;
+      e->msg = fps_strdup(msg);
+    }
+  }
+}
+
+static void fps__resolve_list(fps_push_entry_t *list) {
+  while (list) {
+    fps_push_entry_t *e = list;
+    list = e->resolve_next;
+    e->resolve_next = NULL;
+    fps__push_entry_resolved(e);
+  }
+}
+
+/* The set's list in address order (merge sort through round.cnext). */
+static fps_tensor_t *fps__set_sort(fps_tensor_t *l, size_t k) {
+  if (k < 2) return l;
+  fps_tensor_t *b = l;
+  for (size_t i = 1; i < k / 2; i++) b = b->round.cnext;
+  fps_tensor_t *r = b->round.cnext;
+  b->round.cnext = NULL;
+  l = fps__set_sort(l, k / 2);
+  r = fps__set_sort(r, k - k / 2);
+  fps_tensor_t head, *tail = &head;
+  while (l && r) {
+    fps_tensor_t **pick = (uintptr_t)l < (uintptr_t)r ? &l : &r;
+    tail->round.cnext = *pick;
+    tail = *pick;
+    *pick = (*pick)->round.cnext;
+  }
+  tail->round.cnext = l ? l : r;
+  return head.round.cnext;
+}
+
+/* Completes a full set of k rounds that the caller marked settling: every
+ * round is checked and prepared before any is applied. Holds no lock on
+ * entry; resolves the members after releasing every lock. */
+static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
   uint32_t W = sh->cfg.workers;
-  fps_push_entry_t **m = t->round.member;
-  uint64_t n = t->numel;
-  uint64_t step = t->round.step;
-  float *sum = m[0]->grad;
+  set = fps__set_sort(set, k);
+  for (fps_tensor_t *t = set; t; t = t->round.cnext) pthread_mutex_lock(&t->mu);
   char why[1024];
-  bool none = false;
-  if (fps_round_agree(t, m, W, &none, why, sizeof why) < 0) {
-    /* A disagreement fails every member; nothing is applied. */
-    size_t k = fps__round_take_locked(sh, t, out);
-    for (size_t i = 0; i < k; i++) {
-      out[i]->err = FPS_ESTATE;
-      out[i]->msg = fps_strdup(why);
+  int err = 0;
+  for (fps_tensor_t *t = set; t && !err; t = t->round.cnext)
+    err = fps_round_agree(t, t->round.member, W, &t->round.none, why, sizeof why);
+  fps_tensor_t *prepared = set;
+  for (; prepared && !err; prepared = prepared->round.cnext) {
+    fps_push_entry_t **m = prepared->round.member;
+    bool want = false;
+    for (uint32_t w = 0; w < W; w++) want |= !m[w]->skip_params;
+    err = fps__apply_prepare(sh, prepared, &m[0]->uh, !prepared->round.none, want, &prepared->round.prep, why,
+                             sizeof why);
+  }
+  fps_push_entry_t *list = NULL;
+  if (err) {
+    for (fps_tensor_t *t = set; t != prepared; t = t->round.cnext) fps__apply_prep_release(&t->round.prep);
+    fps__set_suffix(why, sizeof why, strlen(why), set, k);
+    pthread_mutex_lock(&sh->rounds_mu);
+    fps__set_fail_locked(sh, set, err, why, &list);
+    pthread_mutex_unlock(&sh->rounds_mu);
+  } else {
+    /* Nothing below can fail: every round of the set is applied. */
+    for (fps_tensor_t *t = set; t; t = t->round.cnext) {
+      fps_push_entry_t **m = t->round.member;
+      uint64_t n = t->numel;
+      float *sum = m[0]->grad;
+      if (!t->round.none) {
+        fps_metrics_step_observe(W, (double)(fps_now_ns() - t->round.started_ns) / 1e9);
+        /* ((g0 + g1) + g2) + ... in fp32, then one division by W: the exact
+         * arithmetic a local replay must use to match bit for bit; the SIMD
+         * variants (common/simd) give exactly the plain loop's bits. */
+        for (uint32_t w = 1; w < W; w++) fps_kernels_add_f32(sh->kernels, sum, m[w]->grad, (size_t)n);
+        if (W > 1) fps_kernels_div_f32(sh->kernels, sum, (size_t)n, (float)W);
+      }
+      /* The sum buffer becomes the snapshot all W share (one reference
+       * each). Every worker said no_grad: nothing is applied, every member
+       * gets the current params at the current version. */
+      bool want = t->round.prep.snap != NULL;
+      fps_snap_t *snap = NULL;
+      int rc = fps__tensor_apply_locked(sh, t, sum, !t->round.none, 0, t->round.step, &m[0]->uh, want, (int)W,
+                                        &snap, &t->round.prep);
+      fps__apply_prep_release(&t->round.prep);
+      if (rc == 0 && want) m[0]->grad = NULL; /* consumed */
+      for (uint32_t w = 0; w < W; w++) {
+        fps_push_entry_t *e = m[w];
+        fps_tbuf_free(sh, e->grad, n);
+        e->grad = NULL;
+        if (rc < 0) { /* not reached: the step was checked and prepared */
+          e->err = rc;
+          e->msg = fps_strdup("the Adafactor step failed");
+        } else {
+          e->err = 0;
+          e->version = t->version;
+          if (snap && !e->skip_params) e->snap = snap;
+          else if (snap) fps_snap_unref(snap);
+        }
+      }
     }
-    return k;
-  }
-  if (!none) {
-    fps_metrics_step_observe(W, (double)(fps_now_ns() - t->round.started_ns) / 1e9);
-    /* ((g0 + g1) + g2) + ... in fp32, then one division by W: the exact
-     * arithmetic a local replay must use to match bit for bit; the SIMD
-     * variants (common/simd) give exactly the plain loop's bits. */
-    for (uint32_t w = 1; w < W; w++) fps_kernels_add_f32(sh->kernels, sum, m[w]->grad, (size_t)n);
-    if (W > 1) fps_kernels_div_f32(sh->kernels, sum, (size_t)n, (float)W);
-  }
-  bool want = false;
-  for (uint32_t w = 0; w < W; w++) want |= !m[w]->skip_params;
-  /* The sum buffer becomes the snapshot all W share (one reference each).
-   * Every worker said no_grad: nothing is applied, every member gets the
-   * current params at the current version. */
-  fps_snap_t *snap = NULL;
-  int rc = fps__tensor_apply_locked(sh, t, sum, !none, 0, step, &m[0]->uh, want, (int)W, &snap);
-  if (rc == 0 && want) m[0]->grad = NULL; /* consumed */
-  uint64_t version = t->version;
-  size_t k = fps__round_take_locked(sh, t, out);
-  for (size_t i = 0; i < k; i++) {
-    fps_push_entry_t *e = out[i];
-    fps_tbuf_free(sh, e->grad, n);
-    e->grad = NULL;
-    if (rc < 0) {
-      e->err = rc;
-      e->msg = fps_strdup("the Adafactor step failed");
-    } else if (!snap && !e->skip_params) {
-      e->err = FPS_ENOMEM;
-      e->msg = fps_strdup("out of memory for the parameter snapshot");
-    } else {
-      e->err = 0;
-      e->version = version;
-      if (snap && !e->skip_params) e->snap = snap;
-      else if (snap) fps_snap_unref(snap);
+    pthread_mutex_lock(&sh->rounds_mu);
+    for (fps_tensor_t *t = set, *next; t; t = next) {
+      next = t->round.cnext;
+      fps__round_take_locked(sh, t, &list);
     }
+    pthread_mutex_unlock(&sh->rounds_mu);
   }
-  return k;
+  /* Reverse of the locking order is not needed for mutexes; any order. */
+  for (fps_tensor_t *t = set; t; t = t->round.cnext) pthread_mutex_unlock(&t->mu);
+  fps__resolve_list(list);
 }
 
 static int fps__cmp_entry_tensor(const void *a, const void *b) {
@@ -137,10 +264,7 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
    * call that names the same tensors in another order), check them all,
    * then join them all: a call joins every round or none. */
   fps_push_entry_t **sorted = fps_malloc(n * sizeof *sorted);
-  fps_push_entry_t **done = fps_malloc((size_t)W * n * sizeof *done);
-  if (!sorted || !done) {
-    fps_free(sorted);
-    fps_free(done);
+  if (!sorted) {
     snprintf(why, why_len, "out of memory joining %zu sync rounds", n);
     return FPS_ENOMEM;
   }
@@ -162,17 +286,24 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
                "tensor '%s': worker %u sent step %" PRIu64 ", ahead of shard: the tensor is at version %" PRIu64,
                t->name, worker_id, step, t->version);
       fps_checkpoint_ahead_hint(t, why, why_len);
-    } else if (t->round.open && t->round.member[worker_id]) {
+    }
+  }
+  pthread_mutex_lock(&sh->rounds_mu);
+  for (size_t i = 0; i < n && code == 0; i++) {
+    fps_tensor_t *t = sorted[i]->t;
+    if (t->round.open && t->round.member[worker_id]) {
       code = FPS_EDUP;
       snprintf(why, why_len,
                "tensor '%s': duplicate push: worker %u already pushed step %" PRIu64
                " (waiting for the other workers); not counted twice",
-               t->name, worker_id, step);
+               t->name, worker_id, sorted[i]->step);
     }
   }
-  size_t ndone = 0;
-  int64_t now = fps_now_ns();
+  fps_tensor_t *settle = NULL;
+  size_t k = 0;
   if (code == 0) {
+    int64_t now = fps_now_ns();
+    bool any_full = false;
     for (size_t i = 0; i < n; i++) {
       fps_push_entry_t *x = sorted[i];
       fps_tensor_t *t = x->t;
@@ -181,108 +312,116 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
         t->round.step = x->step;
         t->round.joined = 0;
         t->round.started_ns = now;
-        __atomic_store_n(&t->round.deadline_ns, fps_clock_after(now, sh->cfg.deadline), __ATOMIC_RELAXED);
-        fps__rounds_link(sh, t);
+        t->round.deadline_ns = fps_clock_after(now, sh->cfg.deadline);
+        fps__rounds_link_locked(sh, t);
       }
       int64_t d = call_deadline_ns == INT64_MAX ? INT64_MAX : call_deadline_ns - FPS_ROUND_MARGIN_NS;
-      if (d < t->round.deadline_ns) __atomic_store_n(&t->round.deadline_ns, d, __ATOMIC_RELAXED);
+      if (d < t->round.deadline_ns) t->round.deadline_ns = d;
       t->round.member[worker_id] = x;
       t->round.joined++;
       fps_metrics_waiting_add(1);
       x->in_round = true;
-      if (t->round.joined == W) ndone += fps__round_complete_locked(sh, t, done + ndone);
+      any_full |= t->round.joined == W;
+    }
+    /* This call linked all its rounds into one set: complete it if every
+     * round of it is full now (only a round that just filled can be the
+     * last one missing). */
+    bool full = false;
+    if (any_full) fps__set_walk_locked(sh, sorted[0]->t, &k, &full);
+    if (full) {
+      settle = sorted[0]->t;
+      for (fps_tensor_t *x = settle; x; x = x->round.cnext) x->round.settling = true;
     }
   }
+  pthread_mutex_unlock(&sh->rounds_mu);
   for (size_t i = n; i-- > 0;) pthread_mutex_unlock(&sorted[i]->t->mu);
-  for (size_t i = 0; i < ndone; i++) fps__push_entry_resolved(done[i]);
   fps_free(sorted);
-  fps_free(done);
+  if (settle) fps__set_complete(sh, settle, k);
   return code;
 }
 
 size_t fps__sync_withdraw(fps_shard_t *sh, fps_push_entry_t **e, size_t n) {
   size_t k = 0;
+  pthread_mutex_lock(&sh->rounds_mu);
+  /* A set being completed is past withdrawing: it resolves the push. All
+   * of a push's rounds are in one set, so one check covers them. */
+  for (size_t i = 0; i < n; i++)
+    if (e[i]->in_round && e[i]->t->round.settling) {
+      pthread_mutex_unlock(&sh->rounds_mu);
+      return 0;
+    }
+  /* Every round of the call at once: a set completing later never holds
+   * part of a withdrawn call. */
   for (size_t i = 0; i < n; i++) {
     fps_tensor_t *t = e[i]->t;
-    pthread_mutex_lock(&t->mu);
-    if (e[i]->in_round) {
-      t->round.member[e[i]->worker_id] = NULL;
-      e[i]->in_round = false;
-      fps_metrics_waiting_add(-1);
-      if (--t->round.joined == 0) {
-        t->round.open = false;
-        fps__rounds_unlink(sh, t);
-      }
-      e[i]->err = FPS_ECANCELLED;
-      k++;
+    if (!e[i]->in_round) continue;
+    t->round.member[e[i]->worker_id] = NULL;
+    e[i]->in_round = false;
+    fps_metrics_waiting_add(-1);
+    if (--t->round.joined == 0) {
+      t->round.open = false;
+      fps__rounds_unlink_locked(sh, t);
     }
-    pthread_mutex_unlock(&t->mu);
+    e[i]->err = FPS_ECANCELLED;
+    k++;
   }
+  pthread_mutex_unlock(&sh->rounds_mu);
   return k;
 }
 
-/* Fails t's round if it is still open and past its deadline (or always,
- * when force). Members are resolved without the lock held. */
-static void fps__round_fail(fps_shard_t *sh, fps_tensor_t *t, int64_t now, bool force, int err,
-                            const char *reason) {
+/* The message of a set that failed at its deadline (or, with reason, was
+ * failed by force), starting from the round hit: the cause is the first
+ * round of the set still missing workers. */
+static void fps__set_expiry_msg_locked(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_tensor_t *hit, int64_t now,
+                                       const char *reason, char *msg, size_t len) {
   uint32_t W = sh->cfg.workers;
-  fps_push_entry_t **out = fps_malloc(W * sizeof *out);
-  if (!out) return; /* retried on the next tick */
-  char msg[1024];
-  size_t k = 0;
-  pthread_mutex_lock(&t->mu);
-  if (t->round.open && (force || now >= t->round.deadline_ns)) {
-    size_t n = (size_t)snprintf(msg, sizeof msg, "tensor '%s' step %" PRIu64 ": ", t->name, t->round.step);
-    if (reason) {
-      n += (size_t)snprintf(msg + n, sizeof msg - n, "%s", reason);
-    } else {
-      n += (size_t)snprintf(msg + n, sizeof msg - n,
-                            "sync round timed out after %.3f s waiting for workers ",
-                            (double)(now - t->round.started_ns) / 1e9);
-      uint32_t missing = 0;
-      for (uint32_t w = 0; w < W; w++) {
-        if (t->round.member[w]) continue;
-        /* Long lists are cut; the count below stays exact. */
-        if (n < sizeof msg - 120)
-          n += (size_t)snprintf(msg + n, sizeof msg - n, "%s%u", missing ? ", " : "", w);
-        missing++;
-      }
-      if (n < sizeof msg)
-        snprintf(msg + n, sizeof msg - n, " (%u of %u missing; the tensor is unchanged)", missing, W);
+  fps_tensor_t *cause = hit;
+  if (!reason)
+    for (fps_tensor_t *x = set; x && cause->round.joined == W; x = x->round.cnext)
+      if (x->round.joined < W) cause = x;
+  size_t n = (size_t)snprintf(msg, len, "tensor '%s' step %" PRIu64 ": ", cause->name, cause->round.step);
+  if (reason) {
+    n += (size_t)snprintf(msg + n, len - n, "%s", reason);
+  } else {
+    n += (size_t)snprintf(msg + n, len - n, "sync round timed out after %.3f s waiting for workers ",
+                          (double)(now - cause->round.started_ns) / 1e9);
+    uint32_t missing = 0;
+    for (uint32_t w = 0; w < W; w++) {
+      if (cause->round.member[w]) continue;
+      /* Long lists are cut; the count below stays exact. */
+      if (n < len - 120) n += (size_t)snprintf(msg + n, len - n, "%s%u", missing ? ", " : "", w);
+      missing++;
     }
-    k = fps__round_take_locked(sh, t, out);
+    if (n < len)
+      n += (size_t)snprintf(msg + n, len - n, " (%u of %u missing%s)", missing, W,
+                            k > 1 ? "" : "; the tensor is unchanged");
   }
-  pthread_mutex_unlock(&t->mu);
-  for (size_t i = 0; i < k; i++) {
-    out[i]->err = err;
-    out[i]->msg = fps_strdup(msg);
-    fps__push_entry_resolved(out[i]);
-  }
-  fps_free(out);
+  fps__set_suffix(msg, len, n < len ? n : len, set, k);
 }
 
 /* ------------------------------------------------------------ expiry */
 
 void fps__sync_expire(fps_shard_t *sh, int64_t now, bool force, int err, const char *reason) {
+  char msg[1024];
   for (;;) {
-    /* Pick one expired round at a time: failing it unlinks it. */
-    fps_tensor_t *hit = NULL;
+    /* One expired set at a time: failing it unlinks its rounds. */
+    fps_push_entry_t *list = NULL;
     pthread_mutex_lock(&sh->rounds_mu);
-    for (fps_tensor_t *t = sh->rounds; t; t = t->rnext) {
-      /* deadline_ns is written under t->mu; a stale read only delays the
-       * expiry by one tick, and fps__round_fail re-checks under the lock. */
-      if (force || now >= __atomic_load_n(&t->round.deadline_ns, __ATOMIC_RELAXED)) {
+    fps_tensor_t *hit = NULL;
+    for (fps_tensor_t *t = sh->rounds; t; t = t->rnext)
+      if (!t->round.settling && (force || now >= t->round.deadline_ns)) {
         hit = t;
         break;
       }
+    if (hit) {
+      size_t k;
+      bool full;
+      fps__set_walk_locked(sh, hit, &k, &full);
+      fps__set_expiry_msg_locked(sh, hit, k, hit, now, reason, msg, sizeof msg);
+      fps__set_fail_locked(sh, hit, err, msg, &list);
     }
     pthread_mutex_unlock(&sh->rounds_mu);
     if (!hit) return;
-    fps__round_fail(sh, hit, now, force, err, reason);
-    /* A round not failed (re-check said no) would be picked again: bail. */
-    pthread_mutex_lock(&sh->rounds_mu);
-    bool still = hit->in_rounds;
-    pthread_mutex_unlock(&sh->rounds_mu);
-    if (still) return;
+    fps__resolve_list(list);
   }
 }

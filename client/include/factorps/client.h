@@ -288,7 +288,8 @@ FPS_EXTERN int fps_client_shard_of(const fps_client_t *c, const char *name);
  * versions into `versions` (may be NULL). `step` is the number of pushes
  * this worker has completed before this one. Every name must be in the
  * tensor list (NOT_FOUND otherwise) and appear once (INVALID_ARGUMENT).
- * On error no output is guaranteed to be written (some shards may have
+ * Each shard applies its tensors of the push all together or none of them;
+ * on error no output is guaranteed to be written (other shards may have
  * succeeded), and the status names the shard and tensor. Retried on
  * UNAVAILABLE with the same push_id (see Retries above).
  * Thread-safe (several workers may share one client). */
