@@ -3,7 +3,8 @@
 gradient was sent whole but whose stream never half-closed (cancelled, past
 the client's or the shard's deadline, worker process killed) applies
 nothing, in every mode; a sync round never completes with a dead worker's
-gradient; a retry with the same push_id after a lost reply is applied once.
+gradient; a sync call naming several tensors applies all or none of them;
+a retry with the same push_id after a lost reply is applied once.
 Each test checks the status, the tensor afterwards and the counters."""
 import os
 import signal
@@ -208,6 +209,69 @@ for _ in stub.PushPull(gen(), timeout=30):
 ''' % (HERE, self.srv.addr, name, SHAPE, N)
         p = subprocess.run([sys.executable, "-c", code], timeout=60)
         self.assertEqual(p.returncode, -signal.SIGKILL)
+
+
+class SyncMulti(Base):
+    """A call's tensors are applied together or not at all (item 3)."""
+    ARGS = ("--mode", "sync", "--workers", 2, "--deadline", 2)
+
+    def pushes(self, calls):
+        """Runs each (worker, {name: grad}) call in its own thread: the
+        result or the RpcError of each, in order."""
+        res = [None] * len(calls)
+
+        def run(i, worker, grads):
+            try:
+                res[i] = H.push(self.srv.stub, worker, 0, {n: (SHAPE, g) for n, g in grads.items()}, timeout=20)
+            except self.grpc.RpcError as e:
+                res[i] = e
+        ths = []
+        for i, (w, g) in enumerate(calls):
+            ths.append(threading.Thread(target=run, args=(i, w, g)))
+            ths[-1].start()
+            time.sleep(0.3)  # in this order
+        for th in ths:
+            th.join(30)
+        return res
+
+    def test_multi_tensor_deadline_applies_nothing(self):
+        # Worker 0 pushes {x, y}, worker 1 only {x}: x's round is full but
+        # y's never is; at the deadline both calls fail, x and y unchanged.
+        H.create(self.srv.stub, "x", SHAPE, self.p0)
+        (p0, e0, u0), _ = self.fresh("y")
+        one = np.ones(N, np.float32)
+        res = self.pushes([(0, {"x": one, "y": one}), (1, {"x": 2 * one})])
+        for r in res:
+            self.assertIsInstance(r, self.grpc.RpcError, "a call of a failed set got a reply")
+            self.assertEqual(r.code(), self.grpc.StatusCode.DEADLINE_EXCEEDED, r.details())
+            self.assertIn("tensor 'y' step 0: sync round timed out", r.details())
+            self.assertIn("waiting for workers 1 (1 of 2 missing)", r.details())
+            self.assertIn("none of the 2 rounds", r.details())
+        (p, e, u), vers = counters(self.srv.stub)
+        self.assertEqual((vers["x"], vers["y"]), (0, 0))
+        self.assertEqual((p, e, u), (p0, e0 + 2, u0))
+        got, ver = H.pull(self.srv.stub, {"x": SHAPE, "y": SHAPE})
+        self.assertEqual(ver, {"x": 0, "y": 0})
+        for n in "xy":
+            np.testing.assert_array_equal(got[n].reshape(-1), self.p0)
+
+    def test_multi_tensor_split_calls_apply_together(self):
+        # Worker 1 sends {u} and {v} in two calls: one set with worker 0's
+        # {u, v}, applied at once when the last call arrives.
+        H.create(self.srv.stub, "u", SHAPE, self.p0)
+        (p0, e0, u0), _ = self.fresh("v")
+        one = np.ones(N, np.float32)
+        res = self.pushes([(0, {"u": one, "v": one}), (1, {"u": 3 * one}), (1, {"v": 3 * one})])
+        for r in res:
+            self.assertNotIsInstance(r, self.grpc.RpcError, getattr(r, "details", lambda: "")())
+        self.assertEqual(res[0][1], {"u": 1, "v": 1})
+        self.assertEqual(res[1][1], {"u": 1})
+        self.assertEqual(res[2][1], {"v": 1})
+        np.testing.assert_array_equal(res[0][0]["u"], res[1][0]["u"])
+        np.testing.assert_array_equal(res[0][0]["v"], res[2][0]["v"])
+        (p, e, u), vers = counters(self.srv.stub)
+        self.assertEqual((vers["u"], vers["v"]), (1, 1))
+        self.assertEqual((p, e, u), (p0 + 3, e0, u0 + 2))
 
 
 def id_messages(worker, step, name, g, push_id):
