@@ -13,9 +13,10 @@
  *         later through fps__pp_on_done (the push's done callback, run by
  *         whoever completes the round or lets the ssp wait go)
  *   SEND  the reply streams from the snapshots, one message per batch
- * Per message, the received bytes exist twice more than in staging (gRPC's
- * slices, the flattened and unpacked message), bounded by the message
- * size, not the tensor size. */
+ * A message is decoded where gRPC received it, in its slices (wire.c,
+ * common/wire_codec.h): no flat copy, no unpacked copy; the core reads each
+ * gradient byte once, checking, converting and staging it in one pass. A
+ * compressed message is inflated into one buffer first. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,12 +33,15 @@ typedef struct fps_pp_call_s {
   int phase;                  /* PP_* (base.mu) */
   fps_push_t *push;           /* the core's side of this call */
   fps_reply_t reply;
+  fps_wspan_t *spans;         /* the received message's buffers (reused) */
+  size_t spans_cap;
 } fps_pp_call_t;
 
 static void fps__pp_destroy(fps_call_t *c) {
   fps_pp_call_t *pp = (fps_pp_call_t *)c;
   fps_push_destroy(pp->push);
   fps_reply_free(&pp->reply);
+  fps_free(pp->spans);
   fps_free(pp);
 }
 
@@ -135,36 +139,113 @@ static void fps__pp_commit(fps_pp_call_t *pp) {
   fps__pp_finish(pp);
 }
 
-/* Decodes one request message and feeds it to the push: the header, the
- * per-tensor settings, the slices. */
-static int fps__pp_message(fps_pp_call_t *pp, const Factorps__V1__PushPullRequest *m, char *why, size_t wl) {
-  int rc = fps_push_header(pp->push, m->worker_id, m->step, m->skip_params, m->num_workers, (int)m->expect_mode,
-                           why, wl);
-  if (rc < 0) return rc;
-  if ((rc = fps_push_set_id(pp->push, m->push_id, why, wl)) < 0) return rc;
-  /* Settings first: a message may carry a tensor's TensorPush together
-   * with its first slice. */
-  for (size_t i = 0; i < m->n_tensors; i++) {
-    const Factorps__V1__PushPullRequest__TensorPush *tp = m->tensors[i];
-    fps_push_tensor_t t = {
-        .name = tp->name ? tp->name : "",
-        .has_lr = tp->has_lr_case == FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__HAS_LR_LR,
-        .lr = tp->lr,
-        .has_weight_decay =
-            tp->has_weight_decay_case == FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__HAS_WEIGHT_DECAY_WEIGHT_DECAY,
-        .weight_decay = tp->weight_decay,
-        .no_grad = tp->no_grad,
-        .has_step = tp->has_step_case == FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__HAS_STEP_STEP,
-        .step = tp->step,
-    };
-    if ((rc = fps_push_tensor(pp->push, &t, why, wl)) < 0) return rc;
+/* A name field's bytes as a C string (names are short: the stack buffer
+ * nearly always does; the wire check refused any NUL in them). */
+typedef struct fps_pp_name_s {
+  char small[FPS_NAME_MAX * 2];
+  char *heap;
+  const char *s;
+} fps_pp_name_t;
+
+static int fps__pp_name(fps_pp_name_t *n, fps_wreader_t r, uint64_t len) {
+  n->heap = NULL;
+  char *dst = n->small;
+  if (len >= sizeof n->small && !(dst = n->heap = fps_malloc(len + 1))) return FPS_ENOMEM;
+  fps_wr_read(&r, dst, len);
+  dst[len] = '\0';
+  n->s = dst;
+  return 0;
+}
+
+/* The data of one slice, for the core: whole elements straight from the
+ * received buffers (wire_codec.h). */
+static uint64_t fps__pp_next_piece(void *ctx, const uint8_t **p) { return fps_welems_next(ctx, p); }
+
+/* One TensorPush (PushPullRequest.TensorPush) to the push. */
+static int fps__pp_tensor_push(fps_pp_call_t *pp, fps_wreader_t r, char *why, size_t wl) {
+  fps_push_tensor_t t;
+  fps_wreader_t name;
+  uint64_t name_len;
+  if (!fps_wire_tensor_push_parse(r, &t, &name, &name_len)) return FPS_EPROTO;
+  fps_pp_name_t n;
+  if (fps__pp_name(&n, name, name_len) < 0) {
+    snprintf(why, wl, "PushPull: out of memory for a %" PRIu64 "-byte name", name_len);
+    return FPS_ENOMEM;
   }
-  for (size_t i = 0; i < m->n_grads; i++) {
-    const Factorps__V1__TensorSlice *s = m->grads[i];
-    fps_slice_t sl;
-    fps_wire_slice_view(s, &sl);
-    if ((rc = fps_push_slice(pp->push, s->name ? s->name : "", &sl, why, wl)) < 0) return rc;
-    fps_metrics_rpc_bytes(FPS_METRICS_PUSHPULL, s->data.len, 0);
+  t.name = n.s;
+  int rc = fps_push_tensor(pp->push, &t, why, wl);
+  fps_free(n.heap);
+  return rc;
+}
+
+/* One gradient slice to the push: the core checks, converts and stages
+ * its data piece by piece from the received buffers. */
+static int fps__pp_grad(fps_pp_call_t *pp, fps_wreader_t r, char *why, size_t wl) {
+  fps_wire_tslice_t ts;
+  if (!fps_wire_tslice_parse(&r, &ts)) return FPS_EPROTO;
+  fps_pp_name_t n;
+  if (fps__pp_name(&n, ts.name, ts.name_len) < 0) {
+    snprintf(why, wl, "PushPull: out of memory for a %" PRIu64 "-byte name", ts.name_len);
+    return FPS_ENOMEM;
+  }
+  size_t esz = fps_dtype_size(ts.dtype);
+  fps_welems_t it;
+  /* The core reads the pieces only once the dtype and the length passed
+   * its checks, so a bad dtype's element size is never used. */
+  fps_welems_init(&it, &ts.data, esz && ts.data_len % esz == 0 ? esz : 1);
+  fps_slice_src_t src = {fps__pp_next_piece, &it};
+  fps_slice_t sl = {
+      .dtype = ts.dtype,
+      .shape = ts.shape,
+      .n_shape = ts.n_shape < FPS_WIRE_SHAPE_KEEP ? (size_t)ts.n_shape : FPS_WIRE_SHAPE_KEEP,
+      .offset = ts.offset,
+      .len = (size_t)ts.data_len,
+      .src = &src,
+  };
+  int rc = fps_push_slice(pp->push, n.s, &sl, why, wl);
+  fps_free(n.heap);
+  if (rc == 0) fps_metrics_rpc_bytes(FPS_METRICS_PUSHPULL, ts.data_len, 0);
+  return rc;
+}
+
+/* Decodes one request message straight from its buffers (msg) and feeds
+ * it to the push: first the checks protobuf-c's unpack made (names,
+ * structure), then the header, the per-tensor settings, the slices, in the
+ * order an unpacked message was handled. */
+static int fps__pp_message(fps_pp_call_t *pp, const fps_wreader_t *msg, char *why, size_t wl) {
+  bool repeats;
+  int rc = fps_wire_check(&factorps__v1__push_pull_request__descriptor, msg, &repeats, why, wl);
+  if (rc < 0) {
+    char w2[FPS_WHY_MAX + 16];
+    snprintf(w2, sizeof w2, "PushPull: %s", why);
+    snprintf(why, wl, "%.*s", (int)wl - 1, w2);
+    return rc;
+  }
+  fps_wire_pp_header_t h;
+  if (!fps_wire_pp_header(msg, &h)) return FPS_EPROTO;
+  fps_wreader_t r;
+  rc = fps_push_header(pp->push, h.worker_id, h.step, h.skip_params, h.num_workers, (int)h.expect_mode, why, wl);
+  if (rc < 0) return rc;
+  if ((rc = fps_push_set_id(pp->push, h.push_id, why, wl)) < 0) return rc;
+  /* Settings first: a message may carry a tensor's TensorPush together
+   * with its first slice. Then the slices. */
+  for (int pass = 0; pass < 2; pass++) {
+    uint32_t want = pass == 0 ? 5 : 3;
+    r = *msg;
+    while (fps_wr_left(&r) > 0) {
+      uint32_t field;
+      int wt;
+      if (!fps_wr_key(&r, &field, &wt)) return FPS_EPROTO;
+      if (field != want || wt != FPS_WT_LEN) {
+        if (!fps_wr_skip_value(&r, wt)) return FPS_EPROTO;
+        continue;
+      }
+      fps_wreader_t sub;
+      uint64_t len;
+      if (!fps_wr_sub(&r, &sub, &len)) return FPS_EPROTO;
+      rc = pass == 0 ? fps__pp_tensor_push(pp, sub, why, wl) : fps__pp_grad(pp, sub, why, wl);
+      if (rc < 0) return rc;
+    }
   }
   return 0;
 }
@@ -197,30 +278,41 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
     if (fps_call_probe(c) < 0) fps__pp_fail(pp, GRPC_STATUS_INTERNAL, "PushPull: cannot answer the half-close");
     return;
   }
-  uint8_t *buf = NULL;
-  size_t len = 0;
-  Factorps__V1__PushPullRequest *m = NULL;
-  char why[FPS_WHY_MAX];
-  int rc = fps_bb_flatten(c->recv_buf, c->srv->cfg.max_message_bytes, &buf, &len);
-  if (rc < 0) {
-    snprintf(why, sizeof why, "PushPull: cannot take a %zu-byte message: %s",
-             grpc_byte_buffer_length(c->recv_buf), fps_bb_flatten_why(rc));
-  } else if ((rc = fps_wire_unpack(&factorps__v1__push_pull_request__descriptor, buf, len, (ProtobufCMessage **)&m,
-                                   why, sizeof why)) == 0) {
-    /* Drop the wire copy before decoding into staging: keeps the peak at
-     * one extra message rather than two. */
-    fps_free(buf);
-    buf = NULL;
-    grpc_byte_buffer_destroy(c->recv_buf);
-    c->recv_buf = NULL;
-    rc = fps__pp_message(pp, m, why, sizeof why);
-  } else {
-    char w2[FPS_WHY_MAX + 16];
-    snprintf(w2, sizeof w2, "PushPull: %s", why);
-    snprintf(why, sizeof why, "%.*s", (int)sizeof why - 1, w2);
+  uint8_t *flat = NULL;
+  size_t len = 0, nspan = 0;
+  char why[FPS_WHY_MAX] = "";
+  int rc = 0;
+  grpc_byte_buffer *bb = c->recv_buf;
+  size_t total = grpc_byte_buffer_length(bb);
+  if (bb->data.raw.compression != GRPC_COMPRESS_NONE) {
+    /* A compressed message is inflated (bounded) into one buffer. */
+    if ((rc = fps_bb_flatten(bb, c->srv->cfg.max_message_bytes, &flat, &len)) == 0) {
+      fps_wspan_t one = {flat, len};
+      if (!pp->spans && !(pp->spans = fps_malloc(sizeof *pp->spans))) rc = FPS_ENOMEM;
+      else if (pp->spans_cap == 0) pp->spans_cap = 1;
+      if (rc == 0) {
+        pp->spans[0] = one;
+        nspan = 1;
+      }
+    }
+  } else if (total > c->srv->cfg.max_message_bytes) {
+    rc = FPS_ELIMIT;
+  } else if ((nspan = fps_wire_bb_spans(bb, &pp->spans, &pp->spans_cap)) == SIZE_MAX) {
+    rc = FPS_ENOMEM;
   }
-  if (m) factorps__v1__push_pull_request__free_unpacked(m, &fps_wire_allocator);
-  fps_free(buf);
+  if (rc < 0) {
+    snprintf(why, sizeof why, "PushPull: cannot take a %zu-byte message: %s", total, fps_bb_flatten_why(rc));
+  } else {
+    fps_wreader_t msg;
+    fps_wr_init(&msg, pp->spans, nspan);
+    rc = fps__pp_message(pp, &msg, why, sizeof why);
+    if (rc == FPS_EPROTO && why[0] == '\0')
+      snprintf(why, sizeof why, "PushPull: malformed PushPullRequest (%zu bytes)", total);
+  }
+  fps_free(flat);
+  /* gRPC's buffers are done with: free them before the next message. */
+  grpc_byte_buffer_destroy(c->recv_buf);
+  c->recv_buf = NULL;
   if (rc < 0) {
     fps__pp_fail(pp, fps_status_from_err(rc), "%s", why);
     return;

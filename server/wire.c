@@ -6,6 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <grpc/byte_buffer.h>
+#include <grpc/slice.h>
+
 #include "alloc.h"
 #include "name.h"
 #include "wire.h"
@@ -68,6 +71,7 @@ void fps_wire_slice_view(const Factorps__V1__TensorSlice *s, fps_slice_t *out) {
   out->offset = s->offset;
   out->data = s->data.data;
   out->len = s->data.len;
+  out->src = NULL;
 }
 
 /* ------------------------------------------- the wire, before unpacking
@@ -287,4 +291,261 @@ int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, 
     return FPS_EPROTO;
   }
   return 0;
+}
+
+/* --------------------------------- the same checks, on received buffers */
+
+/* The string walk of fps__wire_walk() over a reader: the same keys (any
+ * varint), stopping silently where the bytes stop making sense (the
+ * structure check then refuses them). */
+static int fps__wire_walk_r(const ProtobufCMessageDescriptor *d, fps_wreader_t r, int depth, bool *repeats,
+                            char *why, size_t wl) {
+  uint64_t seen = 0;
+  while (fps_wr_left(&r) > 0) {
+    uint64_t key;
+    if (!fps_wr_varint(&r, 10, &key)) return 0;
+    uint32_t num = (uint32_t)(key >> 3);
+    int wt = (int)(key & 7);
+    if (wt != FPS_WT_LEN) {
+      if (!fps_wr_skip_value(&r, wt)) return 0;
+      continue;
+    }
+    uint64_t len;
+    fps_wreader_t sub;
+    if (!fps_wr_varint(&r, 10, &len) || len > fps_wr_left(&r)) return 0;
+    sub = r;
+    sub.left = len;
+    fps_wr_skip(&r, len);
+    const ProtobufCFieldDescriptor *fd = protobuf_c_message_descriptor_get_field(d, num);
+    if (!fd) continue;
+    if (fd->type == PROTOBUF_C_TYPE_STRING && len > 0) {
+      uint8_t small[FPS_NAME_MAX + 1];
+      uint8_t *tmp = NULL;
+      const uint8_t *p = fps_wr_bytes(&sub, len, len <= sizeof small ? small : (tmp = fps_malloc(len)));
+      if (!p) {
+        /* Out of memory for a name cut between buffers: walk on; the
+         * core checks every name it is given again. */
+        fps_free(tmp);
+        continue;
+      }
+      const char *s = (const char *)p;
+      bool bad = memchr(s, '\0', len) != NULL || !fps_utf8_valid(s, len);
+      for (size_t i = 0; !bad && i < len; i++) bad = (unsigned char)s[i] < 0x20 || s[i] == 0x7f;
+      int rc = bad ? fps_name_check(s, len, why, wl) : 0;
+      fps_free(tmp);
+      if (rc < 0) return FPS_EINVAL;
+    } else if (fd->type == PROTOBUF_C_TYPE_MESSAGE && depth < FPS__WIRE_DEPTH) {
+      size_t idx = (size_t)(fd - d->fields);
+      if (fd->label != PROTOBUF_C_LABEL_REPEATED && idx < 64) {
+        if (seen & (UINT64_C(1) << idx)) *repeats = true;
+        seen |= UINT64_C(1) << idx;
+      }
+      int c = fps__wire_walk_r(fd->descriptor, sub, depth + 1, repeats, why, wl);
+      if (c < 0) return c;
+    }
+  }
+  return 0;
+}
+
+static bool fps__wire_varint_type(ProtobufCType t) {
+  switch (t) {
+    case PROTOBUF_C_TYPE_INT32:
+    case PROTOBUF_C_TYPE_SINT32:
+    case PROTOBUF_C_TYPE_INT64:
+    case PROTOBUF_C_TYPE_SINT64:
+    case PROTOBUF_C_TYPE_UINT32:
+    case PROTOBUF_C_TYPE_UINT64:
+    case PROTOBUF_C_TYPE_BOOL:
+    case PROTOBUF_C_TYPE_ENUM: return true;
+    default: return false;
+  }
+}
+
+/* The wire type a field of type t is unpacked from (LEN for strings,
+ * bytes and messages). */
+static int fps__wire_type_of(ProtobufCType t) {
+  if (fps__wire_varint_type(t)) return FPS_WT_VARINT;
+  switch (t) {
+    case PROTOBUF_C_TYPE_SFIXED32:
+    case PROTOBUF_C_TYPE_FIXED32:
+    case PROTOBUF_C_TYPE_FLOAT: return FPS_WT_I32;
+    case PROTOBUF_C_TYPE_SFIXED64:
+    case PROTOBUF_C_TYPE_FIXED64:
+    case PROTOBUF_C_TYPE_DOUBLE: return FPS_WT_I64;
+    default: return FPS_WT_LEN;
+  }
+}
+
+/* True if protobuf-c would unpack the message in r as type d. */
+static bool fps__wire_well_formed(const ProtobufCMessageDescriptor *d, fps_wreader_t r, int depth) {
+  if (depth > FPS__WIRE_DEPTH) return false;
+  while (fps_wr_left(&r) > 0) {
+    uint32_t num;
+    int wt;
+    if (!fps_wr_key(&r, &num, &wt)) return false;
+    const ProtobufCFieldDescriptor *fd = protobuf_c_message_descriptor_get_field(d, num);
+    if (!fd) {
+      if (!fps_wr_skip_value(&r, wt)) return false;
+      continue;
+    }
+    int want = fps__wire_type_of(fd->type);
+    if (fd->type == PROTOBUF_C_TYPE_BOOL && fd->label != PROTOBUF_C_LABEL_REPEATED) {
+      /* protobuf-c 1.4 reads a bool from any wire type (fps__wire_bool). */
+      if (!fps_wr_skip_value(&r, wt)) return false;
+      continue;
+    }
+    if (wt == FPS_WT_LEN && want != FPS_WT_LEN && fd->label == PROTOBUF_C_LABEL_REPEATED) {
+      /* Packed: whole values only. */
+      fps_wreader_t sub;
+      uint64_t len, v;
+      if (!fps_wr_sub(&r, &sub, &len)) return false;
+      if (want == FPS_WT_VARINT) {
+        while (fps_wr_left(&sub) > 0)
+          if (!fps_wr_varint(&sub, 10, &v)) return false;
+      } else if (len % (want == FPS_WT_I64 ? 8 : 4) != 0) {
+        return false;
+      }
+      continue;
+    }
+    if (wt != want) return false;
+    if (fd->type == PROTOBUF_C_TYPE_MESSAGE) {
+      fps_wreader_t sub;
+      uint64_t len;
+      if (!fps_wr_sub(&r, &sub, &len) || !fps__wire_well_formed(fd->descriptor, sub, depth + 1)) return false;
+      continue;
+    }
+    if (!fps_wr_skip_value(&r, wt)) return false;
+  }
+  return true;
+}
+
+int fps_wire_check(const ProtobufCMessageDescriptor *desc, const fps_wreader_t *msg, bool *repeats, char *why,
+                   size_t wl) {
+  *repeats = false;
+  int rc = fps__wire_walk_r(desc, *msg, 0, repeats, why, wl);
+  if (rc < 0) return rc;
+  if (!fps__wire_well_formed(desc, *msg, 0)) {
+    snprintf(why, wl, "malformed %s (%" PRIu64 " bytes)", desc->short_name, fps_wr_left(msg));
+    return FPS_EPROTO;
+  }
+  return 0;
+}
+
+/* A bool field's value as protobuf-c 1.4 reads it: from a field of any
+ * wire type, true if any of its value's bytes (a LEN field's length
+ * prefix included) has one of its low seven bits set. */
+static bool fps__wire_bool(fps_wreader_t *r, int wt, bool *b) {
+  uint64_t n;
+  switch (wt) {
+    case FPS_WT_VARINT: n = 0; break;
+    case FPS_WT_I64: n = 8; break;
+    case FPS_WT_I32: n = 4; break;
+    case FPS_WT_LEN: {
+      fps_wreader_t c = *r;
+      uint64_t len;
+      if (!fps_wr_varint(&c, 5, &len) || len > fps_wr_left(&c)) return false;
+      n = fps_wr_left(r) - fps_wr_left(&c) + len; /* prefix and payload */
+      break;
+    }
+    default: return false;
+  }
+  *b = false;
+  if (wt == FPS_WT_VARINT) {
+    /* The varint's own bytes, up to the one without a continuation bit. */
+    for (int k = 0; k < 10; k++) {
+      uint8_t x;
+      if (!fps_wr_read(r, &x, 1)) return false;
+      if (x & 0x7f) *b = true;
+      if (!(x & 0x80)) return true;
+    }
+    return false;
+  }
+  for (uint64_t k = 0; k < n; k++) {
+    uint8_t x;
+    if (!fps_wr_read(r, &x, 1)) return false;
+    if (x & 0x7f) *b = true;
+  }
+  return true;
+}
+
+bool fps_wire_pp_header(const fps_wreader_t *msg, fps_wire_pp_header_t *h) {
+  memset(h, 0, sizeof *h);
+  fps_wreader_t r = *msg;
+  while (fps_wr_left(&r) > 0) {
+    uint32_t field;
+    int wt;
+    uint64_t v;
+    if (!fps_wr_key(&r, &field, &wt)) return false;
+    if (field == 4) {
+      if (!fps__wire_bool(&r, wt, &h->skip_params)) return false;
+      continue;
+    }
+    if (wt != FPS_WT_VARINT || field == 3 || field == 5 || field > 8) {
+      if (!fps_wr_skip_value(&r, wt)) return false;
+      continue;
+    }
+    if (!fps_wr_varint(&r, 10, &v)) return false;
+    switch (field) {
+      case 1: h->worker_id = (uint32_t)v; break;
+      case 2: h->step = v; break;
+      case 6: h->num_workers = (uint32_t)v; break;
+      case 7: h->expect_mode = (int32_t)(uint32_t)v; break;
+      case 8: h->push_id = v; break;
+      default: break;
+    }
+  }
+  return true;
+}
+
+bool fps_wire_tensor_push_parse(fps_wreader_t r, fps_push_tensor_t *t, fps_wreader_t *name, uint64_t *name_len) {
+  memset(t, 0, sizeof *t);
+  t->name = "";
+  *name = r;
+  name->left = 0;
+  *name_len = 0;
+  while (fps_wr_left(&r) > 0) {
+    uint32_t field;
+    int wt;
+    uint64_t v;
+    /* fps_wire_check() made sure known fields have their wire types. */
+    if (!fps_wr_key(&r, &field, &wt)) return false;
+    if (field == 1 && wt == FPS_WT_LEN) {
+      if (!fps_wr_sub(&r, name, name_len)) return false;
+    } else if ((field == 2 || field == 3) && wt == FPS_WT_I64) {
+      double d;
+      if (!fps_wr_double(&r, &d)) return false;
+      if (field == 2) {
+        t->has_lr = true;
+        t->lr = d;
+      } else {
+        t->has_weight_decay = true;
+        t->weight_decay = d;
+      }
+    } else if (field == 4) {
+      if (!fps__wire_bool(&r, wt, &t->no_grad)) return false;
+    } else if (field == 5 && wt == FPS_WT_VARINT) {
+      if (!fps_wr_varint(&r, 10, &v)) return false;
+      t->has_step = true;
+      t->step = v;
+    } else if (!fps_wr_skip_value(&r, wt)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+size_t fps_wire_bb_spans(grpc_byte_buffer *bb, fps_wspan_t **spans, size_t *cap) {
+  const grpc_slice_buffer *sb = &bb->data.raw.slice_buffer;
+  if (sb->count > *cap) {
+    size_t ncap = sb->count < 64 ? 64 : sb->count;
+    fps_wspan_t *ns = fps_realloc(*spans, ncap * sizeof *ns);
+    if (!ns) return SIZE_MAX;
+    *spans = ns;
+    *cap = ncap;
+  }
+  for (size_t i = 0; i < sb->count; i++) {
+    (*spans)[i].p = GRPC_SLICE_START_PTR(sb->slices[i]);
+    (*spans)[i].n = GRPC_SLICE_LENGTH(sb->slices[i]);
+  }
+  return sb->count;
 }

@@ -7,6 +7,7 @@
 
 #include "factorps/v1/factorps.pb-c.h"
 #include "server.h"
+#include "wire_codec.h"
 
 /* AdafactorConfig -> hparams: defaults of the flavor, then the fields that
  * are present; a field the flavor lacks is FPS_EINVAL; then the kernel's
@@ -31,5 +32,36 @@ extern ProtobufCAllocator fps_wire_allocator;
  * ("malformed <Type> (N bytes)") or FPS_ENOMEM. */
 int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, ProtobufCMessage **out,
                     char *why, size_t why_len);
+
+/* The checks of fps_wire_unpack() on a message that stays in the buffers
+ * it was received in (msg, a window over them), for the handlers that
+ * decode it themselves with wire_codec.h: first every string field on the
+ * wire (as fps_wire_unpack: FPS_EINVAL naming the name), then the message's
+ * structure as protobuf-c's unpack checks it (known fields with the right
+ * wire types, packed values whole, nested messages likewise): FPS_EPROTO
+ * "malformed <Type> (N bytes)". *repeats is set if a singular message field
+ * occurs twice (those parts must be merged: fps_wire_unpack() does). */
+int fps_wire_check(const ProtobufCMessageDescriptor *desc, const fps_wreader_t *msg, bool *repeats, char *why,
+                   size_t why_len);
+
+/* PushPullRequest, decoded from a message fps_wire_check() accepted: its
+ * scalar fields (wherever they are, the last occurrence winning, as
+ * protobuf-c reads them), and one TensorPush (its name as a window: *name,
+ * *name_len). False if malformed. */
+typedef struct fps_wire_pp_header_s {
+  uint32_t worker_id;
+  uint64_t step;
+  bool skip_params;
+  uint32_t num_workers;
+  int32_t expect_mode;
+  uint64_t push_id;
+} fps_wire_pp_header_t;
+bool fps_wire_pp_header(const fps_wreader_t *msg, fps_wire_pp_header_t *h);
+bool fps_wire_tensor_push_parse(fps_wreader_t r, fps_push_tensor_t *t, fps_wreader_t *name, uint64_t *name_len);
+
+/* The spans of a received, uncompressed byte buffer's slices into
+ * *spans (grown as needed; *cap its capacity). Returns the count, or
+ * SIZE_MAX on OOM. The spans point into bb's slices. */
+size_t fps_wire_bb_spans(grpc_byte_buffer *bb, fps_wspan_t **spans, size_t *cap);
 
 #endif

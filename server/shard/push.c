@@ -578,8 +578,30 @@ int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *
     snprintf(why, wl, "tensor '%s': out of memory", name);
     return FPS_ENOMEM;
   }
-  uint64_t bad = count;
-  fps_dtype_decode(s->dtype, s->data, count, e->grad + s->offset, &bad);
+  /* Check, convert and stage in one pass, piece by piece when the data is
+   * in several buffers (each piece whole elements). */
+  uint64_t bad = count, done = 0;
+  if (!s->src) {
+    fps_dtype_decode(s->dtype, s->data, count, e->grad + s->offset, &bad);
+  } else {
+    const uint8_t *piece;
+    uint64_t k;
+    while (done < count && (k = s->src->next(s->src->ctx, &piece)) > 0) {
+      if (k > count - done) k = count - done;
+      uint64_t b = k;
+      fps_dtype_decode(s->dtype, piece, k, e->grad + s->offset + done, &b);
+      if (b < k) {
+        bad = done + b;
+        break;
+      }
+      done += k;
+    }
+    if (bad == count && done < count) {
+      snprintf(why, wl, "tensor '%s': slice data ends after %" PRIu64 " of %" PRIu64 " elements", name, done,
+               count);
+      return FPS_EPROTO;
+    }
+  }
   if (bad < count) {
     float v = e->grad[s->offset + bad];
     if (isnan(v) || isinf(v))

@@ -126,8 +126,17 @@ typedef struct fps_shard_opts_s {
 
 const char *fps_mode_name(int mode);
 
+/* Where the data of a slice is when it is not in one piece (the buffers a
+ * message was received in): next yields the following run of whole
+ * elements (sets *data, returns the element count), 0 when all is given. */
+typedef struct fps_slice_src_s {
+  uint64_t (*next)(void *ctx, const uint8_t **data);
+  void *ctx;
+} fps_slice_src_t;
+
 /* One slice of a tensor as it came off the wire: data is little-endian
- * elements of dtype, any alignment. */
+ * elements of dtype, any alignment, either in one piece (data) or, with
+ * src set, in the pieces src yields (data unused; len still the total). */
 typedef struct fps_slice_s {
   int dtype;                  /* FPS_DTYPE_* */
   const uint64_t *shape;      /* the sender's idea of the shape, n_shape dims */
@@ -135,6 +144,7 @@ typedef struct fps_slice_s {
   uint64_t offset;            /* first element */
   const uint8_t *data;
   size_t len;                 /* bytes */
+  const fps_slice_src_t *src; /* NULL: data holds all of it */
 } fps_slice_t;
 
 /* Name rule (common/name.h): 1..FPS_NAME_MAX bytes of UTF-8 without
@@ -471,7 +481,8 @@ int fps_push_tensor(fps_push_t *p, const fps_push_tensor_t *tp, char *why, size_
  * (FPS_ESTALE, FPS_EAHEAD); the slice must fit (FPS_EINVAL), not overlap
  * one already received (FPS_EINVAL) and hold finite values below
  * FPS_GRAD_ABS_LIMIT (FPS_EINVAL); its tensor is staged within
- * max_staging_bytes (FPS_ELIMIT). The data is decoded into staging;
+ * max_staging_bytes (FPS_ELIMIT). The data is decoded into staging in one
+ * pass (piece by piece with s->src: FPS_EPROTO if the pieces end early);
  * nothing is applied before fps_push_commit(). */
 int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *why, size_t why_len);
 /* The stream is complete: every staged tensor must be covered (FPS_EINVAL).

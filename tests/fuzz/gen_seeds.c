@@ -4,8 +4,8 @@
  * Seeds are valid requests and near misses against the fixture tensors of
  * fuzz_server.c ("w" [4,3] hf, "b" [3] torch, "half" [2,2] not ready), so
  * the fuzzer starts deep in the validation code instead of at the decoder.
- * The PushPull and HTTP input layouts are described in fuzz_pushpull.c and
- * fuzz_http.c. */
+ * The PushPull, wire and HTTP input layouts are described in
+ * fuzz_pushpull.c, fuzz_wire.c and fuzz_http.c. */
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -643,6 +643,85 @@ static void seeds_http(void) {
   http("headers-too-big", 0, big);
 }
 
+
+/* -------------------------------------------------------------- wire */
+
+/* One fuzz_wire input: the two cut-seed bytes, then the message bytes
+ * (msg, n; raw when msg is not NULL), or m packed. */
+static void put_wire(const char *name, uint16_t seed, const Factorps__V1__PushPullRequest *m, const uint8_t *raw,
+                     size_t rn) {
+  size_t n = m ? protobuf_c_message_get_packed_size(&m->base) : rn;
+  uint8_t *p = malloc(n + 2);
+  p[0] = (uint8_t)(seed >> 8);
+  p[1] = (uint8_t)seed;
+  if (m) protobuf_c_message_pack(&m->base, p + 2);
+  else memcpy(p + 2, raw, rn);
+  put("fuzz_wire", name, p, n + 2);
+  free(p);
+}
+
+static void seeds_wire(void) {
+  uint64_t s43[] = {4, 3}, s3[] = {3};
+  Factorps__V1__PushPullRequest m = FACTORPS__V1__PUSH_PULL_REQUEST__INIT;
+  Factorps__V1__TensorSlice s[2], *sp[2] = {&s[0], &s[1]};
+  Factorps__V1__PushPullRequest__TensorPush tp = FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__INIT, *tpp = &tp;
+  for (int i = 0; i < 2; i++) factorps__v1__tensor_slice__init(&s[i]);
+  s[0].name = "w";
+  s[0].dtype = FACTORPS__V1__DTYPE__DTYPE_F32;
+  s[0].shape = s43;
+  s[0].n_shape = 2;
+  s[0].offset = 2;
+  s[0].data.data = (uint8_t *)F;
+  s[0].data.len = 40;
+  s[1].name = "b";
+  s[1].dtype = FACTORPS__V1__DTYPE__DTYPE_BF16;
+  s[1].shape = s3;
+  s[1].n_shape = 1;
+  s[1].data.data = (uint8_t *)BF;
+  s[1].data.len = 6;
+  tp.name = "w";
+  tp.has_lr_case = FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__HAS_LR_LR;
+  tp.lr = 0.05;
+  tp.has_step_case = FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__HAS_STEP_STEP;
+  tp.step = 7;
+  m.worker_id = 3;
+  m.step = 300;
+  m.num_workers = 4;
+  m.expect_mode = FACTORPS__V1__MODE__MODE_SYNC;
+  m.push_id = UINT64_C(1) << 40;
+  m.grads = sp;
+  m.n_grads = 2;
+  m.tensors = &tpp;
+  m.n_tensors = 1;
+  put_wire("full", 1, &m, NULL, 0);
+  put_wire("full-other-cut", 0xbeef, &m, NULL, 0);
+  m.n_tensors = 0;
+  m.n_grads = 1;
+  put_wire("one-slice", 7, &m, NULL, 0);
+  /* Hand-made: fields out of order and repeated (the last wins), an
+   * unpacked shape, an unknown field, then near misses. */
+  static const uint8_t odd[] = {
+      0x1a, 0x18,                   /* grads, 24 bytes: */
+      0x2a, 0x04, 1, 2, 3, 4,       /*   data first */
+      0x20, 0x01,                   /*   offset 1 */
+      0x18, 0x04, 0x18, 0x03,       /*   shape 4, 3 unpacked */
+      0x0a, 0x01, 'x', 0x0a, 0x01, 'w', /* name twice */
+      0x10, 0x01,                   /*   dtype f32 */
+      0x78, 0x05,                   /*   unknown field 15 */
+      0x2a, 0x00,                   /*   data again, empty */
+      0x08, 0x02,                   /* worker_id 2 after the slice */
+      0x08, 0x01,                   /* and again: 1 wins */
+  };
+  put_wire("out-of-order", 3, NULL, odd, sizeof odd);
+  put_wire("truncated", 3, NULL, odd, sizeof odd - 5);
+  static const uint8_t wrong_type[] = {0x0d, 0, 0, 0, 0}; /* worker_id as fixed32 */
+  put_wire("wrong-wire-type", 5, NULL, wrong_type, sizeof wrong_type);
+  static const uint8_t bad_name[] = {0x1a, 0x04, 0x0a, 0x02, 'w', 0x01}; /* control character */
+  put_wire("bad-name", 9, NULL, bad_name, sizeof bad_name);
+  static const uint8_t long_varint[] = {0x10, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01};
+  put_wire("long-varint", 11, NULL, long_varint, sizeof long_varint);
+}
+
 int main(int argc, char **argv) {
   if (argc != 2) {
     fprintf(stderr, "usage: %s OUTDIR\n", argv[0]);
@@ -661,6 +740,7 @@ int main(int argc, char **argv) {
   seeds_getstate();
   seeds_stats();
   seeds_pushpull();
+  seeds_wire();
   seeds_http();
   return 0;
 }

@@ -202,12 +202,83 @@ static void view_shows_totals_log_and_counters(void **unused) {
   fx_shard_free(&sh);
 }
 
+/* Data in pieces (fps_slice_t.src, as the PushPull handler hands over a
+ * message's buffers): the same update as one piece; a bad element in a
+ * later piece is named by its index in the tensor; pieces that end early
+ * are refused. */
+typedef struct pieces_s {
+  const uint8_t *p;
+  uint64_t left, esz, step;  /* elements left; bytes per element; next size */
+} pieces_t;
+
+static uint64_t next_piece(void *ctx, const uint8_t **data) {
+  pieces_t *pc = ctx;
+  uint64_t k = pc->step < pc->left ? pc->step : pc->left;
+  pc->step = pc->step % 5 + 1; /* 1, 2, .. 5 elements */
+  *data = pc->p;
+  pc->p += k * pc->esz;
+  pc->left -= k;
+  return k;
+}
+
+static void slice_in_pieces(void **unused) {
+  (void)unused;
+  fps_shard_t a, b;
+  fx_shard(&a, FPS_MODE_ASYNC, 1, 0);
+  fx_shard(&b, FPS_MODE_ASYNC, 1, 0);
+  float v[N], g[N], pa[N], pb[N];
+  fx_fill(v, N, 21);
+  fx_fill(g, N, 22);
+  assert_int_equal(fx_create(&a, "w", DIMS, 2, v), 0);
+  assert_int_equal(fx_create(&b, "w", DIMS, 2, v), 0);
+  fx_done_t d;
+  char why[FPS_WHY_MAX];
+  fps_push_t *p = fx_push_new(&a, 0, 0, INT64_MAX, &d);
+  assert_int_equal(fx_push_grad(p, "w", g, N, 1, NULL), 0);
+  assert_int_equal(fx_commit(p, why), 0);
+  fps_push_destroy(p);
+  pieces_t pc = {(const uint8_t *)g, N, 4, 1};
+  fps_slice_src_t src = {next_piece, &pc};
+  fps_slice_t sl = {.dtype = FPS_DTYPE_F32, .shape = DIMS, .n_shape = 2, .len = N * 4, .src = &src};
+  p = fx_push_new(&b, 0, 0, INT64_MAX, &d);
+  assert_int_equal(fps_push_slice(p, "w", &sl, why, sizeof why), 0);
+  assert_int_equal(fx_commit(p, why), 0);
+  fps_push_destroy(p);
+  assert_int_equal(fx_params(&a, "w", pa), 1);
+  assert_int_equal(fx_params(&b, "w", pb), 1);
+  assert_memory_equal(pa, pb, sizeof pa);
+  /* bf16, a NaN in the middle: the tensor's element index is named. */
+  uint16_t h[N];
+  for (int i = 0; i < N; i++) h[i] = fps_f32_to_bf16(g[i]);
+  h[77] = 0x7fc0;
+  pc = (pieces_t){(const uint8_t *)h, N, 2, 1};
+  sl.dtype = FPS_DTYPE_BF16;
+  sl.len = N * 2;
+  p = fx_push_new(&b, 0, 1, INT64_MAX, &d);
+  assert_int_equal(fps_push_slice(p, "w", &sl, why, sizeof why), FPS_EINVAL);
+  assert_non_null(strstr(why, "element 77 is NaN"));
+  fps_push_destroy(p);
+  /* Pieces that stop short of the length. */
+  pc = (pieces_t){(const uint8_t *)g, N / 2, 4, 1};
+  sl.dtype = FPS_DTYPE_F32;
+  sl.len = N * 4;
+  p = fx_push_new(&b, 0, 1, INT64_MAX, &d);
+  assert_int_equal(fps_push_slice(p, "w", &sl, why, sizeof why), FPS_EPROTO);
+  fps_push_destroy(p);
+  assert_int_equal(fx_params(&b, "w", pb), 1);
+  assert_memory_equal(pa, pb, sizeof pa);
+  assert_int_equal(atomic_load(&b.tbuf_bytes), 0);
+  fx_shard_free(&a);
+  fx_shard_free(&b);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(view_shows_totals_log_and_counters),
       cmocka_unit_test(async_applies_at_commit),
       cmocka_unit_test(refused_pushes_change_nothing),
       cmocka_unit_test(no_grad_and_skip_params),
+      cmocka_unit_test(slice_in_pieces),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
