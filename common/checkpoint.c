@@ -11,6 +11,7 @@
 #include <float.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +48,16 @@ float *fps__ckpt_state_array(const fps_adafactor_state_t *st, int kind) {
     case FPS__CKPT_MOM: return st->mom;
     default: return NULL;
   }
+}
+
+static void fps__ckpt_json_hooks(void) {
+  cJSON_Hooks h = {.malloc_fn = fps_malloc, .free_fn = fps_free};
+  cJSON_InitHooks(&h);
+}
+
+void fps__ckpt_json_init(void) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, fps__ckpt_json_hooks);
 }
 
 int fps__ckpt_layout(const fps_shape_t *shape, const fps_adafactor_hparams_t *hp,
@@ -247,6 +258,7 @@ int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, u
                                 char *why, size_t why_len) {
   const char *val[TM_COUNT] = {0};
   int rc = FPS_EFORMAT;
+  fps__ckpt_json_init();
   cJSON *o = cJSON_Parse(text);
   if (!o || !cJSON_IsObject(o)) {
     fps__ckpt_why(why, why_len, "tensor metadata is not a JSON object");

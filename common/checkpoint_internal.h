@@ -80,6 +80,11 @@ typedef struct fps__ckpt_file_s {
  * free with fps_free(). Returns 0, FPS_ENOMEM or FPS_EIO (errno kept). */
 int fps__ckpt_scan(int dirfd, fps__ckpt_file_t **files, size_t *n);
 
+/* Points cJSON's allocations at fps_malloc/fps_free (common/alloc.h), once
+ * per process, so that the checkpoint's JSON header is part of the
+ * allocation-failure sweep. Call before any cJSON use. Thread-safe. */
+void fps__ckpt_json_init(void);
+
 /* snprintf into `why` when it is non-NULL. */
 void fps__ckpt_why(char *why, size_t why_len, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -137,6 +137,7 @@ static int read_header(reader_t *r) {
   if (memchr(r->hdr, '\0', (size_t)n)) REJECT(r, FPS_EFORMAT, "header contains a NUL byte");
   if (r->hdr[0] != '{') REJECT(r, FPS_EFORMAT, "header does not start with '{'");
   const char *end = NULL;
+  fps__ckpt_json_init();
   r->root = cJSON_ParseWithLengthOpts(r->hdr, (size_t)n, &end, false);
   if (!r->root) {
     size_t at = end && end >= r->hdr && end <= r->hdr + n ? (size_t)(end - r->hdr) : 0;

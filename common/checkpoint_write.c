@@ -227,6 +227,7 @@ static int check_keys_unique(const fps_ckpt_snapshot_t *s, char *why, size_t why
  * that 8 + *len is a multiple of 8. Returns the malloc'd text or NULL. */
 static char *build_header(const fps_ckpt_snapshot_t *s, uint64_t seq, size_t *len) {
   char *text = NULL, *out = NULL;
+  fps__ckpt_json_init();
   cJSON *root = cJSON_CreateObject();
   cJSON *meta = cJSON_AddObjectToObject(root, "__metadata__");
   if (!root || !meta) goto done;
@@ -486,7 +487,10 @@ int fps_ckpt_write(const char *dir, const fps_ckpt_snapshot_t *s, unsigned keep,
       return FPS_ESTATE;
     }
   }
-  if ((rc = check_keys_unique(s, why, why_len)) < 0) return rc;
+  if ((rc = check_keys_unique(s, why, why_len)) < 0) {
+    if (rc == FPS_ENOMEM) fps__ckpt_why(why, why_len, "out of memory checking the array names");
+    return rc;
+  }
 
   dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dirfd < 0) {
@@ -542,7 +546,10 @@ int fps_ckpt_write(const char *dir, const fps_ckpt_snapshot_t *s, unsigned keep,
     goto fail;
   }
   tmp_exists = true;
-  if ((rc = write_file(fd, s, header, hlen, why, why_len)) < 0) goto fail;
+  if ((rc = write_file(fd, s, header, hlen, why, why_len)) < 0) {
+    if (rc == FPS_ENOMEM) fps__ckpt_why(why, why_len, "out of memory hashing %s/%s", dir, tmp);
+    goto fail;
+  }
   int cfd = fd;
   fd = -1;
   if (close(cfd) < 0) {

@@ -314,6 +314,18 @@ grpc_byte_buffer *fps_pack_message(const void *m) {
   return bb;
 }
 
+grpc_byte_buffer *fps_pack_message_into(const void *m, uint8_t *buf, size_t cap) {
+  const ProtobufCMessage *pm = m;
+  size_t len = protobuf_c_message_get_packed_size(pm);
+  if (len > cap) return NULL;
+  protobuf_c_message_pack(pm, buf);
+  FPS_TSAN_RELEASE(buf);
+  grpc_slice s = grpc_slice_new_with_len(buf, len, fps__free_packed);
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s);
+  return bb;
+}
+
 /* Inflates a gzip or deflate (zlib) message into at most `limit` bytes,
  * one slice at a time, stopping the moment the output would pass the
  * limit: a small bomb never costs more than the limit. */

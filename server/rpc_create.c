@@ -28,6 +28,8 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
   char why[FPS_WHY_MAX] = "";
   int rc = 0;
   size_t n = req->n_tensors;
+  uint8_t *reply_buf = NULL;
+  size_t reply_cap = 0;
   fps_create_item_t *items = fps_calloc(n ? n : 1, sizeof *items);
   fps_slice_t *inits = fps_calloc(n ? n : 1, sizeof *inits);
   fps_create_info_t *out = fps_calloc(n ? n : 1, sizeof *out);
@@ -86,6 +88,15 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
     items[i].init = &inits[i];
   }
   if (rc < 0) goto done;
+  /* The reply's bytes, reserved before the shard changes: a TensorInfo is
+   * its name plus at most 40 bytes of tags, lengths and varints. */
+  reply_cap = 16;
+  for (size_t i = 0; i < n; i++) reply_cap += strlen(items[i].name) + 48;
+  if (!(reply_buf = fps_malloc(reply_cap))) {
+    rc = FPS_ENOMEM;
+    snprintf(why, sizeof why, "Create: out of memory for the reply");
+    goto done;
+  }
   uint64_t received = 0;
   rc = fps_shard_create(&srv->shard, req->shard_id, req->shard_count, items, n, out, &received, why, sizeof why);
   if (rc < 0) goto done;
@@ -106,13 +117,17 @@ done:
     resp.n_tensors = n;
     resp.tensors = infop;
     /* Names point into tensors, which are never freed while serving. */
-    grpc_byte_buffer *bb = fps_pack_message(&resp);
-    if (!bb) fps_call_fail(&cc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Create: out of memory packing the reply");
-    else
+    grpc_byte_buffer *bb = fps_pack_message_into(&resp, reply_buf, reply_cap);
+    if (!bb) {
+      fps_call_fail(&cc->base, GRPC_STATUS_INTERNAL, "Create: the reply outgrew its %zu reserved bytes", reply_cap);
+    } else {
+      reply_buf = NULL; /* the slice's now */
       fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
+    }
   } else {
     fps_call_fail(&cc->base, fps_status_from_err(rc), "%s", why);
   }
+  fps_free(reply_buf);
   fps_free(items);
   fps_free(state_base);
   fps_free(inits);

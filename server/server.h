@@ -184,6 +184,11 @@ void fps_call_fail(fps_call_t *c, grpc_status_code code, const char *fmt, ...)
 void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_list ap);
 /* Packs a protobuf-c message into a byte buffer (no extra copy). */
 grpc_byte_buffer *fps_pack_message(const void *protobuf_c_message);
+/* fps_pack_message into buf (fps_malloc'd, cap bytes), reserved before a
+ * call changed anything, so that its reply cannot fail for memory after
+ * it did. Takes ownership of buf on success; NULL (buf still the
+ * caller's) when the message needs more than cap. */
+grpc_byte_buffer *fps_pack_message_into(const void *protobuf_c_message, uint8_t *buf, size_t cap);
 /* Flattens a received byte buffer (one copy), inflating a gzip/deflate
  * message on the way, never past `limit` bytes. Returns 0 (caller frees
  * *out), FPS_ELIMIT (larger than limit), FPS_EFORMAT (corrupt compressed

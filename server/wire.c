@@ -266,6 +266,15 @@ static void fps__wire_free(void *data, void *p) {
 
 ProtobufCAllocator fps_wire_allocator = {fps__wire_alloc, fps__wire_free, NULL};
 
+/* The unpacker's allocator that remembers a failure (*data = true):
+ * protobuf-c answers NULL for a malformed message and for a failed
+ * allocation alike, and only the second is RESOURCE_EXHAUSTED. */
+static void *fps__wire_alloc_noting(void *data, size_t size) {
+  void *p = fps_malloc(size);
+  if (!p) *(bool *)data = true;
+  return p;
+}
+
 int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, ProtobufCMessage **out,
                     char *why, size_t wl) {
   *out = NULL;
@@ -284,8 +293,14 @@ int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, 
     buf = canon;
     len = (size_t)m;
   }
-  *out = protobuf_c_message_unpack(desc, &fps_wire_allocator, len, buf);
+  bool oom = false;
+  ProtobufCAllocator noting = {fps__wire_alloc_noting, fps__wire_free, &oom};
+  *out = protobuf_c_message_unpack(desc, &noting, len, buf);
   fps_free(canon);
+  if (!*out && oom) {
+    snprintf(why, wl, "%s: out of memory decoding a %zu-byte message", desc->short_name, len);
+    return FPS_ENOMEM;
+  }
   if (!*out) {
     snprintf(why, wl, "malformed %s (%zu bytes)", desc->short_name, len);
     return FPS_EPROTO;
