@@ -1,0 +1,87 @@
+#!/usr/bin/python3
+"""Split tensors on the wire (issue 12, in progress): a Create carrying a
+SplitBlock gets its block map checked exactly as the proto says (another
+shard count or another shard's block: FAILED_PRECONDITION naming both;
+inconsistent geometry: INVALID_ARGUMENT naming the field) and a consistent
+block is refused with UNIMPLEMENTED, since shards do not hold row blocks yet.
+Every refusal leaves the shard without the tensor. Exchange is part of the
+service and answered UNIMPLEMENTED. One server (shard 1 of 3)."""
+import unittest
+
+import fpsharness as H
+
+SHAPE = [2, 3, 4]  # 6 flattened rows of 4 columns
+
+
+class SplitCreate(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.pb, _, cls.grpc = H.stubs()
+        cls.srv = H.Server("--shard-id", 1, "--shard-count", 3, "--mode", "async")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.srv.stop()
+
+    def create(self, **split):
+        pb = self.pb
+        block = dict(block_index=1, bounds=[0, 2, 5, 6], block_shards=[0, 1, 2], shard_count=3)
+        block.update(split)
+        tc = pb.TensorCreate(name="emb", shape=SHAPE, optimizer=H.optimizer(),
+                             split=pb.SplitBlock(**block))
+        return self.srv.stub.Create(pb.CreateRequest(shard_id=1, shard_count=3, tensors=[tc]),
+                                    timeout=30)
+
+    def assertRefused(self, code, words, **split):
+        with self.assertRaises(self.grpc.RpcError) as cm:
+            self.create(**split)
+        e = cm.exception
+        self.assertEqual(e.code(), code, e.details())
+        for w in words:
+            self.assertIn(w, e.details())
+        _, tensors = H.stats(self.srv.stub)
+        self.assertEqual(len(tensors), 0, "a refused block left a tensor behind")
+
+    def test_consistent_block_is_unimplemented(self):
+        self.assertRefused(self.grpc.StatusCode.UNIMPLEMENTED,
+                           ["tensor 'emb'", "split block 1 (rows [2, 5))",
+                            "does not serve row blocks"])
+
+    def test_other_shard_count(self):
+        self.assertRefused(self.grpc.StatusCode.FAILED_PRECONDITION,
+                           ["placed for 2 shards", "one of 3"],
+                           shard_count=2, bounds=[0, 2, 6], block_shards=[0, 1])
+
+    def test_other_shards_block(self):
+        self.assertRefused(self.grpc.StatusCode.FAILED_PRECONDITION,
+                           ["split block 2 is placed on shard 2", "this is shard 1"],
+                           block_index=2)
+
+    def test_inconsistent_geometry(self):
+        inv = self.grpc.StatusCode.INVALID_ARGUMENT
+        cases = [
+            (dict(bounds=[0, 2, 5, 7]), ["split.bounds", "ends at row 7, not at 6"]),
+            (dict(bounds=[1, 2, 5, 6]), ["split.bounds", "starts at row 1"]),
+            (dict(bounds=[0, 5, 5, 6]), ["split.bounds", "must increase"]),
+            (dict(bounds=[0, 6], block_shards=[1], block_index=0), ["2 to 4096 blocks"]),
+            (dict(bounds=[]), ["split.bounds has 0 entries"]),
+            (dict(block_shards=[0, 1]), ["split.block_shards has 2 entries for 3 blocks"]),
+            (dict(block_shards=[1, 1, 2]), ["must increase", "block 1 is on shard 1"]),
+            (dict(block_shards=[0, 1, 3]), ["split.block_shards[2] is shard 3 of 3"]),
+            (dict(block_index=3), ["split.block_index 3 of 3 blocks"]),
+        ]
+        for split, words in cases:
+            with self.subTest(split=split):
+                self.assertRefused(inv, words, **split)
+
+    def test_exchange_is_unimplemented(self):
+        pb = self.pb
+        req = pb.ExchangeRequest(name="emb", version=0, from_shard=0, shard_count=3,
+                                 block_index=0, phase=pb.EXCHANGE_PHASE_STATS, partials=b"")
+        with self.assertRaises(self.grpc.RpcError) as cm:
+            self.srv.stub.Exchange(req, timeout=30)
+        self.assertEqual(cm.exception.code(), self.grpc.StatusCode.UNIMPLEMENTED)
+
+
+if __name__ == "__main__":
+    unittest.main()
