@@ -13,6 +13,7 @@ int fps_cli_stats(int argc, char **argv);
 int fps_cli_pull(int argc, char **argv);
 int fps_cli_load(int argc, char **argv);
 int fps_cli_checkpoint(int argc, char **argv);
+int fps_cli_plan(int argc, char **argv);
 
 /* Helpers shared by the subcommands (args.c). */
 

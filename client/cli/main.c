@@ -18,6 +18,7 @@ static const fps_cli_command_t commands[] = {
     {"pull", fps_cli_pull, "print or save the current values of tensors"},
     {"load", fps_cli_load, "synthetic training load: W workers push S steps of N parameters"},
     {"checkpoint", fps_cli_checkpoint, "make every shard checkpoint now, or verify a checkpoint directory"},
+    {"plan", fps_cli_plan, "placement of a load model's tensors on S shards, with row splitting"},
 };
 
 static void usage(FILE *out) {

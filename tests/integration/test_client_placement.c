@@ -152,9 +152,10 @@ static void zero_never_splits_and_order_is_irrelevant(void **u) {
 }
 
 /* The shapes `factorps load --model peer --params N --tensors 64` uses
- * (client/cli/cmd_load.c build_model_peer: h the largest multiple of 64
+ * (client/cli/models.c fps_cli_model_peer: h the largest multiple of 64
  * with 12 L h^2 <= 0.88 N, L = 10 layers, an embedding [V, h] taking the
- * rest, 3 norm vectors), and the GPT-like default model (build_model). */
+ * rest, 3 norm vectors), and the GPT-like default model (fps_cli_model_gpt);
+ * `factorps plan` (tests/unit/plan_balance.sh) checks the real builders. */
 typedef struct model_s {
   fps_tensor_def_t defs[80];
   char names[80][32];
