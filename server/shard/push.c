@@ -56,6 +56,7 @@ struct fps_push_s {
   bool idem_claimed;          /* holds sh->idem slot idem_slot */
   uint32_t idem_slot;
   bool replayed;              /* answered from the window, nothing applied */
+  uint64_t walk;              /* the last set walk that visited it (sh->rounds_mu) */
   int err;                    /* push-level failure (ssp), 0: none */
   char *msg;                  /* its message */
   fps_push_done_fn done;
@@ -96,7 +97,9 @@ void fps_push_destroy(fps_push_t *p) {
 
 uint32_t fps_push_worker(const fps_push_t *p) { return p->worker_id; }
 
-size_t fps__push_entries(fps_push_t *p, fps_push_entry_t ***out) {
+size_t fps__push_entries(fps_push_t *p, uint64_t walk, fps_push_entry_t ***out) {
+  if (p->walk == walk) return 0; /* this walk has seen its entries */
+  p->walk = walk;
   *out = p->e;
   return p->n;
 }

@@ -661,8 +661,10 @@ bool fps__ssp_unpark(fps_shard_t *sh, fps_ssp_wait_t *w);
 void fps__ssp_expire(fps_shard_t *sh, int64_t now, bool force, int err, const char *reason);
 /* push.c, for sync.c and ssp.c. */
 void fps__push_entry_resolved(fps_push_entry_t *e);
-/* The push's entries (*out), fixed once it is committed; returns their count. */
-size_t fps__push_entries(fps_push_t *p, fps_push_entry_t ***out);
+/* The push's entries (*out), fixed once it is committed; returns their
+ * count, or 0 if set walk `walk` (sh->rounds_walk) already visited them, so
+ * a walk costs O(rounds x W + entries). REQUIRES sh->rounds_mu. */
+size_t fps__push_entries(fps_push_t *p, uint64_t walk, fps_push_entry_t ***out);
 void fps__push_ssp_resume(fps_push_t *p);
 void fps__push_ssp_fail(fps_push_t *p, int err, const char *msg);
 

@@ -77,7 +77,7 @@ static void fps__set_walk_locked(fps_shard_t *sh, fps_tensor_t *t, size_t *count
       if (!m) continue;
       /* The member's push: its entries are fixed since its commit. */
       fps_push_entry_t **pe;
-      size_t pn = fps__push_entries(m->owner, &pe);
+      size_t pn = fps__push_entries(m->owner, gen, &pe);
       for (size_t i = 0; i < pn; i++) {
         fps_tensor_t *y = pe[i]->t;
         if (!pe[i]->in_round || y->round.seen == gen) continue;
