@@ -3,8 +3,8 @@
  * naming several tensors links their rounds into a set that completes only
  * when every round of it is full, all at once; a deadline, a disagreement
  * or an allocation failure anywhere in the set applies nothing and fails
- * every member; a cancelled member leaves all its rounds at once. Async:
- * a failed allocation leaves none of a call's tensors applied. Allocation
+ * every member; a cancelled member leaves all its rounds at once. Async
+ * and ssp: a failed allocation leaves none of a call's tensors applied. Allocation
  * failures are injected at the shard's Nth allocation (common/alloc.h) and
  * swept over every N the call makes. */
 #include <setjmp.h>
@@ -359,20 +359,20 @@ static void allocation_failure_completing_a_set(void **unused) {
   assert_true(failed >= 5);
 }
 
-/* ------------------------------------------------------------- async */
+/* ------------------------------------------------------- async, ssp */
 
-/* An async push of {a, b} whose allocations fail in turn: both applied or
+/* A push of {a, b} whose allocations fail in turn: both applied or
  * neither, and the idempotency record agrees (a retry applies only if
- * nothing was). */
-static void async_push_applies_all_or_none(void **unused) {
-  (void)unused;
+ * nothing was). ssp goes through its admission first, then the same
+ * apply. */
+static void push_applies_all_or_none(int mode) {
   static float g[2][N];
   fx_fill(g[0], N, 80);
   fx_fill(g[1], N, 81);
   long failed = 0, at;
   for (at = 1;; at++) {
     fps_shard_t sh;
-    three_tensors(&sh, FPS_MODE_ASYNC, 1);
+    three_tensors(&sh, mode, 1);
     fx_done_t d;
     char why[FPS_WHY_MAX];
     fps_push_t *p = fx_push_new(&sh, 0, 0, INT64_MAX, &d);
@@ -415,9 +415,19 @@ static void async_push_applies_all_or_none(void **unused) {
     fx_shard_free(&sh);
     if (!hit) break;
   }
-  print_message("async push of 2 tensors: %ld allocations failed in turn, %ld failed the push, none left a "
-                "tensor half-applied\n", at - 1, failed);
+  print_message("%s push of 2 tensors: %ld allocations failed in turn, %ld failed the push, none left a "
+                "tensor half-applied\n", fps_mode_name(mode), at - 1, failed);
   assert_true(failed >= 4); /* two scratch buffers, two snapshot wrappers */
+}
+
+static void async_push_applies_all_or_none(void **unused) {
+  (void)unused;
+  push_applies_all_or_none(FPS_MODE_ASYNC);
+}
+
+static void ssp_push_applies_all_or_none(void **unused) {
+  (void)unused;
+  push_applies_all_or_none(FPS_MODE_SSP);
 }
 
 int main(void) {
@@ -428,6 +438,7 @@ int main(void) {
       cmocka_unit_test(disagreement_fails_the_whole_set),
       cmocka_unit_test(allocation_failure_completing_a_set),
       cmocka_unit_test(async_push_applies_all_or_none),
+      cmocka_unit_test(ssp_push_applies_all_or_none),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
