@@ -176,3 +176,28 @@ void fps_ranges_free(fps_ranges_t *r) {
   fps_free(r->v);
   memset(r, 0, sizeof *r);
 }
+
+int fps_ranges_reserve(fps_ranges_t *r) {
+  if (r->free != NIL) return 0;
+  uint32_t x = fps__ranges_node(r, 0, 0);
+  if (x == NIL) return FPS_ENOMEM;
+  r->v[x].left = r->free;
+  r->free = x;
+  return 0;
+}
+
+bool fps_ranges_find(const fps_ranges_t *r, uint64_t x, fps_range_t *out) {
+  uint32_t best = NIL;
+  for (uint32_t t = r->root; t != NIL;) {
+    if (r->v[t].lo <= x) {
+      best = t;
+      t = r->v[t].right;
+    } else {
+      t = r->v[t].left;
+    }
+  }
+  if (best == NIL || r->v[best].hi <= x) return false;
+  out->lo = r->v[best].lo;
+  out->hi = r->v[best].hi;
+  return true;
+}

@@ -101,6 +101,11 @@ uint64_t fps_ranges_first_gap(const fps_ranges_t *r, uint64_t total);
 int fps_ranges_copy(fps_ranges_t *dst, const fps_ranges_t *src);
 void fps_ranges_free(fps_ranges_t *r);
 
+/* Makes room so that the next fps_ranges_add() cannot fail with
+ * FPS_ENOMEM (it needs at most one node). 0 or FPS_ENOMEM. */
+int fps_ranges_reserve(fps_ranges_t *r);
+/* The maximal interval that contains x, if any. */
+bool fps_ranges_find(const fps_ranges_t *r, uint64_t x, fps_range_t *out);
 /* ------------------------------------------------------ options, rules */
 
 typedef enum fps_mode_e { FPS_MODE_SYNC = 1, FPS_MODE_ASYNC = 2, FPS_MODE_SSP = 3 } fps_mode_t;

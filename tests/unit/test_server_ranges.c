@@ -103,6 +103,8 @@ static void test_random_against_bitmap(void **state) {
       uint64_t hi = lo + len > N ? N : lo + len;
       bool overlap = false;
       for (uint64_t k = lo; k < hi; k++) overlap |= bit[k];
+      if (i % 2) assert_int_equal(fps_ranges_reserve(&r), 0); /* twice in a row is harmless */
+      assert_int_equal(fps_ranges_reserve(&r), 0);
       int rc = fps_ranges_add(&r, lo, hi);
       assert_int_equal(rc, overlap ? FPS_EEXISTS : 0);
       if (!overlap) {
@@ -119,6 +121,18 @@ static void test_random_against_bitmap(void **state) {
     }
     assert_int_equal(r.n, runs);
     assert_int_equal(fps_ranges_first_gap(&r, N), gap);
+    /* find: the maximal run around each element, none in a gap. */
+    for (uint64_t k = 0; k < N + 2; k++) {
+      fps_range_t m = {0, 0};
+      bool in = k < N && bit[k];
+      assert_int_equal(fps_ranges_find(&r, k, &m), in);
+      if (!in) continue;
+      uint64_t a = k, b = k + 1;
+      while (a > 0 && bit[a - 1]) a--;
+      while (b < N && bit[b]) b++;
+      assert_int_equal(m.lo, a);
+      assert_int_equal(m.hi, b);
+    }
     fps_ranges_free(&r);
   }
 }
