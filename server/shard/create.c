@@ -387,10 +387,10 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
       for (size_t a = 0; a < nr; a++) pthread_mutex_lock(&rt[a]->mu);
       pthread_mutex_lock(&sh->rounds_mu); /* guards the rounds */
       for (size_t a = 0; a < nr && rc == 0; a++)
-        if (rt[a]->round.open) {
+        if (rt[a]->round.open || rt[a]->red) {
           rc = FPS_ESTATE;
           snprintf(why, wl, "tensor '%s': cannot replace it while a sync round is open (step %" PRIu64
-                   "); replace between rounds", rt[a]->name, rt[a]->round.step);
+                   "); replace between rounds", rt[a]->name, rt[a]->version);
         }
       pthread_mutex_unlock(&sh->rounds_mu);
       for (size_t i = 0; i < n && rc == 0; i++) {

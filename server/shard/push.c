@@ -17,10 +17,11 @@
  * while the committing thread still touches the push.
  *
  * Copies of one tensor while a push is in flight: the parameters
- * themselves, plus one staging buffer per push (the gradient in fp32),
- * which after the update becomes the reply snapshot (sync: the W workers'
- * buffers are summed into the lowest worker's, which becomes the one
- * snapshot all W share; the others are freed). */
+ * themselves, plus (async, ssp) one staging buffer per push (the gradient
+ * in fp32), which after the update becomes the reply snapshot; sync: one
+ * accumulator per round that the W workers' slices are summed into as they
+ * arrive, plus the slices that came ahead of the workers below them
+ * (reduce.c); the accumulator becomes the one snapshot all W share. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -29,6 +30,7 @@
 
 #include "alloc.h"
 #include "metrics.h"
+#include "reduce.h"
 #include "shard.h"
 
 enum { PUSH_RECV, PUSH_WAIT, PUSH_DONE };
@@ -81,6 +83,7 @@ void fps_push_destroy(fps_push_t *p) {
   if (!p) return;
   for (size_t i = 0; i < p->n; i++) {
     fps_push_entry_t *e = p->e[i];
+    if (p->sh->cfg.mode == FPS_MODE_SYNC) fps__sync_leave(p->sh, e);
     fps_tbuf_free(p->sh, e->grad, e->t->numel);
     fps_ranges_free(&e->got);
     fps_free(e->msg);
@@ -176,6 +179,13 @@ static bool fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
     fps_push_entry_t *e = p->e[k];
     rc = fps__apply_prepare(sh, e->t, &e->uh, !e->no_grad && !replay, !e->skip_params, &e->prep, why,
                             sizeof why);
+    /* Sync stages no buffer per push: a retry's snapshot needs one. */
+    bool over = false;
+    if (rc == 0 && !e->grad && !e->skip_params && !(e->grad = fps_tbuf_alloc(sh, e->t->numel, &over))) {
+      snprintf(why, sizeof why, "tensor '%s': %s for the parameter snapshot", e->t->name,
+               over ? "the staging limit (--max-staging-bytes) leaves no room" : "out of memory");
+      rc = over ? FPS_ELIMIT : FPS_ENOMEM;
+    }
   }
   if (rc < 0) {
     for (size_t i = 0; i < k; i++) fps__apply_prep_release(&p->e[i]->prep);
@@ -446,8 +456,8 @@ static fps_push_entry_t *fps__push_entry(fps_push_t *p, fps_tensor_t *t, int dty
   }
   fps_push_entry_t *e = fps_calloc(1, sizeof *e);
   if (!e) return NULL;
-  e->grad = fps_tbuf_alloc(p->sh, t->numel, over_limit);
-  if (!e->grad) {
+  /* Sync sums into its round's accumulator instead (reduce.c). */
+  if (p->sh->cfg.mode != FPS_MODE_SYNC && !(e->grad = fps_tbuf_alloc(p->sh, t->numel, over_limit))) {
     fps_free(e);
     return NULL;
   }
@@ -519,6 +529,7 @@ static fps_push_entry_t *fps__push_new_entry(fps_push_t *p, fps_tensor_t *t, uin
     return NULL;
   }
   e->step = step;
+  e->replay_only = retry && sh->cfg.mode == FPS_MODE_SYNC;
   return e;
 }
 
@@ -581,41 +592,64 @@ int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *
     snprintf(why, wl, "tensor '%s': out of memory", name);
     return FPS_ENOMEM;
   }
-  /* Check, convert and stage in one pass, piece by piece when the data is
-   * in several buffers (each piece whole elements). */
-  uint64_t bad = count, done = 0;
-  if (!s->src) {
-    fps_dtype_decode(s->dtype, s->data, count, e->grad + s->offset, &bad);
-  } else {
-    const uint8_t *piece;
-    uint64_t k;
-    while (done < count && (k = s->src->next(s->src->ctx, &piece)) > 0) {
-      if (k > count - done) k = count - done;
-      uint64_t b = k;
-      fps_dtype_decode(s->dtype, piece, k, e->grad + s->offset + done, &b);
-      if (b < k) {
-        bad = done + b;
-        break;
+  if (sh->cfg.mode == FPS_MODE_SYNC) {
+    /* Summed into the round as it arrives, or staged until it can be;
+     * piece by piece when the data is in several buffers. */
+    pthread_mutex_lock(&t->mu);
+    if (!s->src) {
+      rc = fps__reduce_slice_locked(sh, e, s, count, why, wl);
+    } else {
+      const uint8_t *piece;
+      uint64_t k, done = 0;
+      size_t esz = fps_dtype_size(s->dtype);
+      rc = 0;
+      while (rc == 0 && done < count && (k = s->src->next(s->src->ctx, &piece)) > 0) {
+        if (k > count - done) k = count - done;
+        fps_slice_t part = *s;
+        part.offset = s->offset + done;
+        part.data = piece;
+        part.len = (size_t)k * esz;
+        part.src = NULL;
+        rc = fps__reduce_slice_locked(sh, e, &part, k, why, wl);
+        done += k;
       }
-      done += k;
+      if (rc == 0 && done < count) {
+        snprintf(why, wl, "tensor '%s': slice data ends after %" PRIu64 " of %" PRIu64 " elements", name, done,
+                 count);
+        rc = FPS_EPROTO;
+      }
     }
-    if (bad == count && done < count) {
-      snprintf(why, wl, "tensor '%s': slice data ends after %" PRIu64 " of %" PRIu64 " elements", name, done,
-               count);
-      return FPS_EPROTO;
+    pthread_mutex_unlock(&t->mu);
+    if (rc < 0) return rc;
+  } else {
+    /* Check, convert and stage in one pass, piece by piece when the data is
+     * in several buffers (each piece whole elements). */
+    uint64_t bad = count, done = 0;
+    if (!s->src) {
+      fps_dtype_decode(s->dtype, s->data, count, e->grad + s->offset, &bad);
+    } else {
+      const uint8_t *piece;
+      uint64_t k;
+      while (done < count && (k = s->src->next(s->src->ctx, &piece)) > 0) {
+        if (k > count - done) k = count - done;
+        uint64_t b = k;
+        fps_dtype_decode(s->dtype, piece, k, e->grad + s->offset + done, &b);
+        if (b < k) {
+          bad = done + b;
+          break;
+        }
+        done += k;
+      }
+      if (bad == count && done < count) {
+        snprintf(why, wl, "tensor '%s': slice data ends after %" PRIu64 " of %" PRIu64 " elements", name, done,
+                 count);
+        return FPS_EPROTO;
+      }
     }
-  }
-  if (bad < count) {
-    float v = e->grad[s->offset + bad];
-    if (isnan(v) || isinf(v))
-      snprintf(why, wl, "tensor '%s': gradient element %" PRIu64 " is %s; nothing was applied", name,
-               s->offset + bad, isnan(v) ? "NaN" : "Inf");
-    else
-      snprintf(why, wl,
-               "tensor '%s': gradient element %" PRIu64 " is %g, beyond the largest magnitude the shard "
-               "accepts (2^63 = %g: its square would overflow float32); nothing was applied",
-               name, s->offset + bad, (double)v, FPS_GRAD_ABS_LIMIT);
-    return FPS_EINVAL;
+    if (bad < count) {
+      fps__reduce_bad_value_why(why, wl, name, s->offset + bad, e->grad[s->offset + bad]);
+      return FPS_EINVAL;
+    }
   }
   atomic_fetch_add(&sh->counters.bytes_received, s->len);
   return 0;

@@ -12,6 +12,8 @@
  *                 of the stream header, a round's agreement
  *   sync.c        sync rounds: join all-or-none, completion in worker-id
  *                 order, deadline, duplicate/stale/ahead, withdraw
+ *   reduce.c      a sync round's running sum: slices summed in worker-id
+ *                 order as they arrive, early ones staged (reduce.h)
  *   ssp.c         ssp waits: admit, park, advance, expire
  *   checkpoint.c  durable checkpoints: restore, snapshots, the interval
  *   ranges.c      sorted interval sets (slice coverage and overlap)
@@ -99,13 +101,13 @@ int fps_ranges_add(fps_ranges_t *r, uint64_t lo, uint64_t hi);
 /* First gap in [0, total) or total if none (for "missing slice" messages). */
 uint64_t fps_ranges_first_gap(const fps_ranges_t *r, uint64_t total);
 int fps_ranges_copy(fps_ranges_t *dst, const fps_ranges_t *src);
-void fps_ranges_free(fps_ranges_t *r);
-
 /* Makes room so that the next fps_ranges_add() cannot fail with
  * FPS_ENOMEM (it needs at most one node). 0 or FPS_ENOMEM. */
 int fps_ranges_reserve(fps_ranges_t *r);
 /* The maximal interval that contains x, if any. */
 bool fps_ranges_find(const fps_ranges_t *r, uint64_t x, fps_range_t *out);
+void fps_ranges_free(fps_ranges_t *r);
+
 /* ------------------------------------------------------ options, rules */
 
 typedef enum fps_mode_e { FPS_MODE_SYNC = 1, FPS_MODE_ASYNC = 2, FPS_MODE_SSP = 3 } fps_mode_t;
@@ -246,6 +248,7 @@ typedef struct fps_round_s {
   uint64_t seen;              /* the last set walk that reached it */
   fps_tensor_t *cnext;        /* next tensor of the set walked */
   fps_apply_prep_t prep;      /* settling: what its update needs */
+  float *sum;                 /* settling: its finished sum (t->mu) */
 } fps_round_t;
 
 struct fps_tensor_s {
@@ -267,6 +270,8 @@ struct fps_tensor_s {
   uint64_t restored_seq;      /* checkpoint it was restored from, 0: none */
   uint64_t restored_version;  /* its version in that checkpoint */
   fps_round_t round;          /* sync mode */
+  struct fps_reduce_s *red;   /* sync: the running sum of the round being
+                               * streamed (reduce.h), NULL: none */
   fps_apply_rec_t *log;       /* ring of the last updates, log_cap slots */
   uint32_t log_cap, log_len, log_head;
   uint32_t log_max;           /* apply_log: the ring grows up to this */
@@ -654,8 +659,13 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
                    char *why, size_t why_len);
 /* Withdraws a push's entries still waiting in rounds, all at once (none
  * if its set is already being completed); returns how many (they are
- * resolved FPS_ECANCELLED by the caller). */
+ * resolved FPS_ECANCELLED by the caller). A withdrawn entry with part of
+ * its gradient in its round's sum aborts that round's set (its members are
+ * resolved FPS_EUNAVAILABLE here). */
 size_t fps__sync_withdraw(fps_shard_t *sh, fps_push_entry_t **e, size_t n);
+/* Entry e (not waiting) is being freed: it leaves its round's sum,
+ * aborting the round if part of its gradient is in it. */
+void fps__sync_leave(fps_shard_t *sh, fps_push_entry_t *e);
 void fps__sync_expire(fps_shard_t *sh, int64_t now, bool force, int err, const char *reason);
 /* ssp.c, for push.c. admit_or_park: true if the worker may go now,
  * otherwise parks w. advance: records a finished push and resumes parked
@@ -696,6 +706,15 @@ struct fps_push_entry_s {
   uint64_t version;           /* version after the update */
   fps_apply_prep_t prep;      /* async/ssp: allocated before any tensor is applied */
   fps_push_entry_t *resolve_next; /* sync: members of a finished set, to resolve */
+  /* Sync: how this gradient gets into its round's sum (reduce.h; all under
+   * t->mu). */
+  struct fps_piece_s *staged; /* pieces received but not summed yet */
+  uint64_t staged_n;          /* their elements */
+  bool attached;              /* t->red->owner[worker_id] is this entry */
+  bool replay_only;           /* a retry of an applied push: checked, not kept */
+  bool withdrawn;             /* withdrawn from its round (sh->rounds_mu) */
+  int red_err;                /* the sum it was in was discarded: FPS_E*, 0: none */
+  char *red_msg;              /* why */
 };
 
 /* ------------------------------------- per-push settings (push_settings.c)

@@ -15,6 +15,7 @@
 #include "alloc.h"
 #include "metrics.h"
 #include "name.h"
+#include "reduce.h"
 #include "shard.h"
 
 static uint64_t fps__hash(const char *s, size_t len) {
@@ -635,6 +636,8 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
 
 void fps_shard_destroy(fps_shard_t *sh) {
   if (!sh->ssp_clock) return;
+  /* A sum no push holds any more is freed with its tensor. */
+  for (fps_tensor_t *t = sh->store.first; t; t = t->next) fps__reduce_free(sh, t);
   fps_store_destroy(&sh->store);
   fps__idem_destroy(&sh->idem);
   fps_free(sh->ssp_clock);

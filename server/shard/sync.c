@@ -1,24 +1,32 @@
 /* Sync rounds: W workers' gradients for one tensor and step become one
  * update, and the rounds a call's tensors joined are applied together.
  *
- * A tensor has at most one open round, for step == its version. Each
- * worker's push joins with its staged gradient; a round is full when all W
- * workers joined. A push naming several tensors links their rounds: the
+ * A tensor has at most one open round, for step == its version. The
+ * workers' gradients are summed in worker-id order while they stream in
+ * (reduce.c: one accumulator per round, bit-identical to summing whole
+ * gradients in that order); each worker's push joins at its half-close; a
+ * round is full when all W workers joined. A push naming several tensors links their rounds: the
  * rounds connected through member pushes form a set, and a full round
  * waits until every round of its set is full. The push that fills the last
  * one completes the whole set: it locks the set's tensors (address order),
  * checks every round (members agree, the update's settings pass) and
- * allocates everything the updates need, and only then sums each round's
- * gradients in worker-id order (so the result never depends on arrival
- * order), divides by W and applies one step per tensor through the shard's
- * one apply-and-snapshot path, each round's members sharing one snapshot.
+ * allocates everything the updates need and takes each round's finished
+ * sum, and only then divides each by W and applies one step per tensor
+ * through the shard's one apply-and-snapshot path, each round's members
+ * sharing one snapshot (the sum's buffer).
  * If any check or allocation fails, or any round of the set misses its
  * deadline, no round of the set is applied and every member of every round
  * of it fails with the cause (naming the tensor). So a call's tensors are
  * applied all together or not at all. Nobody sleeps: a push that is not
  * last waits until it is resolved (its done callback runs then). A member
  * that withdraws (its call went away) leaves every round of its call at
- * once and is no longer counted; the others keep waiting.
+ * once and is no longer counted; the others keep waiting, unless part of
+ * its gradient is already in a round's sum: a sum cannot be taken apart,
+ * so that round's set is failed with FPS_EUNAVAILABLE (clients retry a
+ * started push on it) naming the worker whose call failed, and nothing is
+ * applied. The same holds for a push that goes away before joining
+ * (fps__sync_leave), and for the members of a failed set: their sums are
+ * discarded, and pushes still streaming into them fail at their next slice.
  *
  * Membership (fps_round_t) is guarded by sh->rounds_mu; a set being
  * completed is marked settling, which freezes it (no withdraw, no expiry;
@@ -34,6 +42,7 @@
 
 #include "alloc.h"
 #include "metrics.h"
+#include "reduce.h"
 #include "shard.h"
 
 /* ------------------------------------------------------- open rounds */
@@ -175,6 +184,36 @@ static fps_tensor_t *fps__set_sort(fps_tensor_t *l, size_t k) {
   return head.round.cnext;
 }
 
+/* Settling: takes t's finished sum into t->round.sum (none: a buffer for
+ * the snapshot if one is wanted). 0, or FPS_EUNAVAILABLE if the sum lost
+ * a member's gradient (it was aborted meanwhile), FPS_ELIMIT / FPS_ENOMEM
+ * for the snapshot's buffer, with why. REQUIRES t->mu. */
+static int fps__round_sum_take_locked(fps_shard_t *sh, fps_tensor_t *t, bool want, char *why, size_t wl) {
+  t->round.sum = NULL;
+  if (!t->round.none) {
+    if ((t->round.sum = fps__reduce_take_locked(sh, t))) return 0;
+    snprintf(why, wl,
+             "tensor '%s' step %" PRIu64 ": the sync sum lost a member's gradient (a call whose gradient was "
+             "in it failed); nothing was applied, retry",
+             t->name, t->round.step);
+    return FPS_EUNAVAILABLE;
+  }
+  /* Another push of a member's worker may still be streaming a gradient
+   * for this step: the round is complete without it. */
+  char msg[512];
+  snprintf(msg, sizeof msg,
+           "tensor '%s' step %" PRIu64 ": duplicate push: the round completed with another PushPull of this "
+           "worker (which sent no_grad); not counted",
+           t->name, t->round.step);
+  fps__reduce_discard_locked(sh, t, FPS_EDUP, msg);
+  if (!want) return 0;
+  bool over = false;
+  if ((t->round.sum = fps_tbuf_alloc(sh, t->numel, &over))) return 0;
+  snprintf(why, wl, "tensor '%s': %s for the %" PRIu64 "-byte parameter snapshot", t->name,
+           over ? "the staging limit (--max-staging-bytes) leaves no room" : "out of memory", t->numel * 4);
+  return over ? FPS_ELIMIT : FPS_ENOMEM;
+}
+
 /* Completes a full set of k rounds that the caller marked settling: every
  * round is checked and prepared before any is applied. Holds no lock on
  * entry; resolves the members after releasing every lock. */
@@ -193,11 +232,19 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
     for (uint32_t w = 0; w < W; w++) want |= !m[w]->skip_params;
     err = fps__apply_prepare(sh, prepared, &m[0]->uh, !prepared->round.none, want, &prepared->round.prep, why,
                              sizeof why);
+    if (!err) err = fps__round_sum_take_locked(sh, prepared, want, why, sizeof why);
   }
   fps_push_entry_t *list = NULL;
   if (err) {
-    for (fps_tensor_t *t = set; t != prepared; t = t->round.cnext) fps__apply_prep_release(&t->round.prep);
+    for (fps_tensor_t *t = set; t != prepared; t = t->round.cnext) {
+      fps__apply_prep_release(&t->round.prep);
+      fps_tbuf_free(sh, t->round.sum, t->numel);
+      t->round.sum = NULL;
+    }
     fps__set_suffix(why, sizeof why, strlen(why), set, k);
+    /* The members' gradients were summed: pushes still streaming into
+     * those sums can no longer be applied either. */
+    for (fps_tensor_t *t = set; t; t = t->round.cnext) fps__reduce_discard_locked(sh, t, FPS_EUNAVAILABLE, why);
     pthread_mutex_lock(&sh->rounds_mu);
     fps__set_fail_locked(sh, set, err, why, &list);
     pthread_mutex_unlock(&sh->rounds_mu);
@@ -206,13 +253,14 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
     for (fps_tensor_t *t = set; t; t = t->round.cnext) {
       fps_push_entry_t **m = t->round.member;
       uint64_t n = t->numel;
-      float *sum = m[0]->grad;
+      float *sum = t->round.sum;
+      t->round.sum = NULL;
       if (!t->round.none) {
         fps_metrics_step_observe(W, (double)(fps_now_ns() - t->round.started_ns) / 1e9);
-        /* ((g0 + g1) + g2) + ... in fp32, then one division by W: the exact
-         * arithmetic a local replay must use to match bit for bit; the SIMD
-         * variants (common/simd) give exactly the plain loop's bits. */
-        for (uint32_t w = 1; w < W; w++) fps_kernels_add_f32(sh->kernels, sum, m[w]->grad, (size_t)n);
+        /* ((g0 + g1) + g2) + ... in fp32, summed as the slices came
+         * (reduce.c), then one division by W: the exact arithmetic a local
+         * replay must use to match bit for bit; the SIMD variants
+         * (common/simd) give exactly the plain loop's bits. */
         if (W > 1) fps_kernels_div_f32(sh->kernels, sum, (size_t)n, (float)W);
       }
       /* The sum buffer becomes the snapshot all W share (one reference
@@ -223,7 +271,7 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
       int rc = fps__tensor_apply_locked(sh, t, sum, !t->round.none, 0, t->round.step, &m[0]->uh, want, (int)W,
                                         &snap, &t->round.prep);
       fps__apply_prep_release(&t->round.prep);
-      if (rc == 0 && want) m[0]->grad = NULL; /* consumed */
+      if (!(rc == 0 && want)) fps_tbuf_free(sh, sum, n); /* not consumed */
       for (uint32_t w = 0; w < W; w++) {
         fps_push_entry_t *e = m[w];
         fps_tbuf_free(sh, e->grad, n);
@@ -286,6 +334,9 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
                "tensor '%s': worker %u sent step %" PRIu64 ", ahead of shard: the tensor is at version %" PRIu64,
                t->name, worker_id, step, t->version);
       fps_checkpoint_ahead_hint(t, why, why_len);
+    } else if (!sorted[i]->no_grad) {
+      /* Takes the worker's place in the round's sum if it is free. */
+      code = fps__reduce_join_locked(sh, sorted[i], why, why_len);
     }
   }
   pthread_mutex_lock(&sh->rounds_mu);
@@ -296,6 +347,12 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
       snprintf(why, why_len,
                "tensor '%s': duplicate push: worker %u already pushed step %" PRIu64
                " (waiting for the other workers); not counted twice",
+               t->name, worker_id, sorted[i]->step);
+    } else if (!sorted[i]->no_grad && !sorted[i]->attached) {
+      code = FPS_EUNAVAILABLE;
+      snprintf(why, why_len,
+               "tensor '%s': another PushPull of worker %u for step %" PRIu64
+               " is still streaming this tensor's gradient; retry once it has ended",
                t->name, worker_id, sorted[i]->step);
     }
   }
@@ -363,10 +420,50 @@ size_t fps__sync_withdraw(fps_shard_t *sh, fps_push_entry_t **e, size_t n) {
       fps__rounds_unlink_locked(sh, t);
     }
     e[i]->err = FPS_ECANCELLED;
+    e[i]->withdrawn = true;
     k++;
   }
   pthread_mutex_unlock(&sh->rounds_mu);
+  /* What the withdrawn entries had summed cannot be taken back out. (The
+   * flag is never cleared: a push commits once, and leaving twice is a
+   * no-op, so a cancel racing the commit's own withdraw is harmless.) */
+  for (size_t i = 0; i < n; i++)
+    if (e[i]->withdrawn) fps__sync_leave(sh, e[i]);
   return k;
+}
+
+/* t's sum holds part of the gradient of worker `worker`, whose call failed:
+ * discards it and fails t's open round's set (its members' gradients were
+ * in that sum), chaining them onto *list. A set being completed is left to
+ * its completer, which then finds the sum gone and fails it. REQUIRES
+ * t->mu. */
+static void fps__sum_abort_locked(fps_shard_t *sh, fps_tensor_t *t, uint32_t worker, fps_push_entry_t **list) {
+  char msg[1024];
+  snprintf(msg, sizeof msg,
+           "tensor '%s' step %" PRIu64 ": worker %u's call failed after part of its gradient was summed into "
+           "the sync round; a sum cannot be taken apart, so the round was aborted and nothing was applied; "
+           "retry the push",
+           t->name, t->version, worker);
+  fps__reduce_discard_locked(sh, t, FPS_EUNAVAILABLE, msg);
+  pthread_mutex_lock(&sh->rounds_mu);
+  if (t->round.open && !t->round.settling) {
+    size_t k;
+    bool full;
+    fps__set_walk_locked(sh, t, &k, &full);
+    fps__set_suffix(msg, sizeof msg, strlen(msg), t, k);
+    fps__set_fail_locked(sh, t, FPS_EUNAVAILABLE, msg, list);
+  }
+  pthread_mutex_unlock(&sh->rounds_mu);
+}
+
+void fps__sync_leave(fps_shard_t *sh, fps_push_entry_t *e) {
+  fps_tensor_t *t = e->t;
+  fps_push_entry_t *list = NULL;
+  pthread_mutex_lock(&t->mu);
+  if (fps__reduce_leave_locked(sh, e)) fps__sum_abort_locked(sh, t, e->worker_id, &list);
+  fps__reduce_entry_free_locked(sh, e);
+  pthread_mutex_unlock(&t->mu);
+  fps__resolve_list(list);
 }
 
 /* The message of a set that failed at its deadline (or, with reason, was

@@ -209,7 +209,10 @@ class Interop(unittest.TestCase):
         # 4 workers x 12 tensors in one call each, 15 steps, while a noisy
         # client reads with Pull and Stats, sends pushes that are refused
         # (ahead of shard) and cancels streams halfway: every worker must see
-        # the same parameters, equal to a one-worker replay.
+        # the same parameters, equal to a one-worker replay. A cancelled
+        # stream posing as worker 2 whose gradient was already summed aborts
+        # its round (UNAVAILABLE, nothing applied), so the workers retry on
+        # UNAVAILABLE as libfactorps does.
         _, _, grpc = H.stubs()
         W, T, steps = 4, 12, 15
         shapes = {"t%02d" % i: [3 + i, 5 + 2 * i] if i % 3 else [7 + i] for i in range(T)}
@@ -230,8 +233,15 @@ class Interop(unittest.TestCase):
                     for k in range(steps):
                         names = list(shapes)
                         order.shuffle(names)
-                        got, ver = H.push(stub, w, k, {n: (shapes[n], grads[(k, w, n)]) for n in names},
-                                          slice_elems=17, timeout=60)
+                        for attempt in range(200):
+                            try:
+                                got, ver = H.push(stub, w, k, {n: (shapes[n], grads[(k, w, n)]) for n in names},
+                                                  slice_elems=17, timeout=60)
+                                break
+                            except grpc.RpcError as e:
+                                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == 199:
+                                    raise
+                                time.sleep(0.01)
                         assert set(ver.values()) == {k + 1}, ver
                         results[(k, w)] = got
                 except Exception as e:

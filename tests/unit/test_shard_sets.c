@@ -215,8 +215,10 @@ static void separate_calls_complete_together(void **unused) {
   fx_shard_free(&sh);
 }
 
-/* A cancelled member leaves all its rounds at once; the others keep
- * waiting and complete with its retry. */
+/* A cancelled member leaves all its rounds at once. Its gradient was
+ * already summed with the other member's (sums are taken as slices
+ * arrive), so the round it shared is aborted: the other member fails with
+ * UNAVAILABLE naming it, nothing is applied, and the retries complete. */
 static void cancelled_member_leaves_every_round(void **unused) {
   (void)unused;
   fps_shard_t sh;
@@ -236,13 +238,17 @@ static void cancelled_member_leaves_every_round(void **unused) {
   fps_push_cancel(px);
   assert_int_equal(dx.calls, 1);
   assert_int_equal(dx.err, FPS_ECANCELLED);
-  assert_int_equal(d1a.calls, 0); /* still waiting in a's round */
+  assert_int_equal(d1a.calls, 1); /* a's round aborted: nothing applied */
+  assert_int_equal(d1a.err, FPS_EUNAVAILABLE);
+  assert_non_null(strstr(d1a.why, "worker 0's call failed"));
   fps_tensor_t *ta = fps_store_find(&sh.store, "a"), *tb = fps_store_find(&sh.store, "b");
-  assert_true(ta->round.open);
-  assert_int_equal(ta->round.joined, 1);
+  assert_false(ta->round.open);
   assert_false(tb->round.open);
+  assert_int_equal(ta->version, 0);
   fps_push_destroy(px);
-  /* The retry links a and b again; worker 1's {b} completes the set. */
+  fps_push_destroy(p1a);
+  /* The retries link a and b again; worker 1's {b} completes the set. */
+  assert_int_equal(push(&sh, &p1a, &d1a, 1, a, g1a, 1, NULL), FPS_EAGAIN);
   assert_int_equal(push(&sh, &p0, &d0, 0, ab, g0, 2, NULL), FPS_EAGAIN);
   assert_int_equal(d1a.calls, 0);
   assert_int_equal(push(&sh, &p1b, &d1b, 1, b, g1b, 1, NULL), 0);

@@ -1,0 +1,423 @@
+/* The running sum of a sync round: see reduce.h for the rule (worker w sums
+ * [lo, hi) once done[w-1] covers it) and why it gives the bits of a sum in
+ * worker-id order.
+ *
+ * Memory per tensor while a round is streamed: one accumulator of numel
+ * floats, plus the pieces that arrived ahead of the workers below them
+ * (each counted against max_staging_bytes). When the workers stream in
+ * step, little is staged; in the worst case (the higher workers finish
+ * before worker 0 starts) it is what staging every gradient whole cost.
+ *
+ * Staged pieces of one push are a treap by lo, so finding the ones a new
+ * range of done[w-1] made ready costs O(log n + k) whatever the order and
+ * size of the slices. */
+#include "reduce.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include "alloc.h"
+#include "simd/kernels.h"
+
+/* Floats converted per step when a slice is added to the sum: decoded
+ * (and checked) into this stack buffer while it is in L1, then added. */
+#define FPS_REDUCE_CHUNK 2048
+
+/* ------------------------------------------------------------- pieces */
+
+/* Random priorities, keyed once per process, so no slice order can
+ * unbalance the treap. */
+static uint32_t fps__piece_prio(void) {
+  static _Atomic uint64_t ctr;
+  static _Atomic uint64_t seed;
+  uint64_t k = seed;
+  if (!k) {
+    uint64_t s = 0;
+    if (getrandom(&s, sizeof s, GRND_NONBLOCK) != (ssize_t)sizeof s) s = (uint64_t)(uintptr_t)&ctr;
+    s |= 1;
+    uint64_t z = 0;
+    __atomic_compare_exchange_n(&seed, &z, s, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    k = seed;
+  }
+  uint64_t x = (ctr++ + 1) * k;
+  x ^= x >> 31;
+  x *= UINT64_C(0xBF58476D1CE4E5B9);
+  x ^= x >> 29;
+  return (uint32_t)x;
+}
+
+/* l: the pieces of t with lo < key; r: the others. */
+static void fps__piece_split(fps_piece_t *t, uint64_t key, fps_piece_t **l, fps_piece_t **r) {
+  if (!t) {
+    *l = *r = NULL;
+  } else if (t->lo < key) {
+    fps__piece_split(t->right, key, &t->right, r);
+    *l = t;
+  } else {
+    fps__piece_split(t->left, key, l, &t->left);
+    *r = t;
+  }
+}
+
+/* Every piece of l lies before every piece of r. */
+static fps_piece_t *fps__piece_merge(fps_piece_t *l, fps_piece_t *r) {
+  if (!l) return r;
+  if (!r) return l;
+  if (l->prio > r->prio) {
+    l->right = fps__piece_merge(l->right, r);
+    return l;
+  }
+  r->left = fps__piece_merge(l, r->left);
+  return r;
+}
+
+static void fps__piece_insert(fps_piece_t **root, fps_piece_t *x) {
+  fps_piece_t *a, *b;
+  x->left = x->right = NULL;
+  fps__piece_split(*root, x->lo, &a, &b);
+  *root = fps__piece_merge(fps__piece_merge(a, x), b);
+}
+
+/* Removes and returns the first (or last) piece of a non-empty tree. */
+static fps_piece_t *fps__piece_pop_min(fps_piece_t **t) {
+  while ((*t)->left) t = &(*t)->left;
+  fps_piece_t *x = *t;
+  *t = x->right;
+  x->right = NULL;
+  return x;
+}
+
+static fps_piece_t *fps__piece_pop_max(fps_piece_t **t) {
+  while ((*t)->right) t = &(*t)->right;
+  fps_piece_t *x = *t;
+  *t = x->left;
+  x->left = NULL;
+  return x;
+}
+
+static void fps__piece_free(fps_shard_t *sh, fps_push_entry_t *e, fps_piece_t *x) {
+  e->staged_n -= x->hi - x->lo;
+  fps_tbuf_free(sh, x->data, x->hi - x->lo);
+  fps_free(x);
+}
+
+static void fps__piece_free_tree(fps_shard_t *sh, fps_push_entry_t *e, fps_piece_t *t) {
+  while (t) {
+    fps_piece_t *x = fps__piece_pop_min(&t);
+    fps__piece_free(sh, e, x);
+  }
+}
+
+/* ------------------------------------------------------------ the sum */
+
+void fps__reduce_bad_value_why(char *why, size_t wl, const char *name, uint64_t index, float v) {
+  if (isnan(v) || isinf(v))
+    snprintf(why, wl, "tensor '%s': gradient element %" PRIu64 " is %s; nothing was applied", name, index,
+             isnan(v) ? "NaN" : "Inf");
+  else
+    snprintf(why, wl,
+             "tensor '%s': gradient element %" PRIu64 " is %g, beyond the largest magnitude the shard "
+             "accepts (2^63 = %g: its square would overflow float32); nothing was applied",
+             name, index, (double)v, FPS_GRAD_ABS_LIMIT);
+}
+
+static void fps__reduce_destroy(fps_shard_t *sh, fps_tensor_t *t) {
+  fps_reduce_t *r = t->red;
+  if (!r) return;
+  fps_tbuf_free(sh, r->acc, t->numel);
+  for (uint32_t w = 0; w < sh->cfg.workers; w++) fps_ranges_free(&r->done[w]);
+  fps_free(r->done);
+  fps_free(r->owner);
+  fps_free(r);
+  t->red = NULL;
+}
+
+void fps__reduce_free(fps_shard_t *sh, fps_tensor_t *t) { fps__reduce_destroy(sh, t); }
+
+/* True if worker w may sum [lo, hi) now: w - 1 has summed all of it. */
+static bool fps__reduce_ready(const fps_reduce_t *r, uint32_t w, uint64_t lo, uint64_t hi) {
+  if (w == 0) return true;
+  fps_range_t m;
+  return fps_ranges_find(&r->done[w - 1], lo, &m) && hi <= m.hi;
+}
+
+/* Adds converted values for [lo, hi) as worker w's: worker 0 copies, the
+ * others add (the one fp32 addition of the worker-id order). */
+static void fps__reduce_add(fps_shard_t *sh, fps_reduce_t *r, uint32_t w, uint64_t lo, uint64_t hi,
+                            const float *v) {
+  if (w == 0) memcpy(r->acc + lo, v, (size_t)(hi - lo) * sizeof(float));
+  else fps_kernels_add_f32(sh->kernels, r->acc + lo, v, (size_t)(hi - lo));
+}
+
+/* done[w] just gained [lo, hi): sums the staged pieces of workers w+1,
+ * w+2, ... that this made ready. At each level only pieces overlapping
+ * the span the level below changed can have become ready. */
+static void fps__reduce_cascade(fps_shard_t *sh, fps_tensor_t *t, uint32_t w, uint64_t lo, uint64_t hi) {
+  fps_reduce_t *r = t->red;
+  for (uint32_t v = w + 1; v < sh->cfg.workers && lo < hi; v++) {
+    fps_push_entry_t *ev = r->owner[v];
+    if (!ev || !ev->staged) return;
+    fps_piece_t *a, *b, *c;
+    fps__piece_split(ev->staged, lo, &a, &b);
+    fps__piece_split(b, hi, &b, &c);
+    /* The last piece starting before lo may reach into [lo, hi). */
+    if (a) {
+      fps_piece_t *p = fps__piece_pop_max(&a);
+      if (p->hi > lo) b = fps__piece_merge(p, b);
+      else a = fps__piece_merge(a, p);
+    }
+    ev->staged = fps__piece_merge(a, c);
+    uint64_t nlo = UINT64_MAX, nhi = 0;
+    while (b) {
+      fps_piece_t *x = fps__piece_pop_min(&b);
+      if (fps__reduce_ready(r, v, x->lo, x->hi) && fps_ranges_reserve(&r->done[v]) == 0) {
+        fps__reduce_add(sh, r, v, x->lo, x->hi, x->data);
+        fps_ranges_add(&r->done[v], x->lo, x->hi); /* reserved: cannot fail */
+        if (x->lo < nlo) nlo = x->lo;
+        if (x->hi > nhi) nhi = x->hi;
+        fps__piece_free(sh, ev, x);
+      } else {
+        fps__piece_insert(&ev->staged, x);
+      }
+    }
+    lo = nlo;
+    hi = nhi;
+  }
+}
+
+/* Sums every staged piece of e that is ready (e holds its place). */
+static void fps__reduce_drain(fps_shard_t *sh, fps_push_entry_t *e) {
+  fps_reduce_t *r = e->t->red;
+  uint32_t w = e->worker_id;
+  fps_piece_t *all = e->staged;
+  e->staged = NULL;
+  while (all) {
+    fps_piece_t *x = fps__piece_pop_min(&all);
+    if (fps__reduce_ready(r, w, x->lo, x->hi) && fps_ranges_reserve(&r->done[w]) == 0) {
+      uint64_t lo = x->lo, hi = x->hi;
+      fps__reduce_add(sh, r, w, lo, hi, x->data);
+      fps_ranges_add(&r->done[w], lo, hi);
+      fps__piece_free(sh, e, x);
+      fps__reduce_cascade(sh, e->t, w, lo, hi);
+    } else {
+      fps__piece_insert(&e->staged, x);
+    }
+  }
+}
+
+/* e takes its worker's place in t's sum if it may (its step is the
+ * round's, nobody else holds the place), creating the sum if needed, and
+ * sums its staged pieces that are ready. 0 (also when it may not: it
+ * stays private), FPS_ELIMIT or FPS_ENOMEM. */
+static int fps__reduce_attach(fps_shard_t *sh, fps_push_entry_t *e, char *why, size_t wl) {
+  fps_tensor_t *t = e->t;
+  uint32_t w = e->worker_id, W = sh->cfg.workers;
+  if (e->attached || e->replay_only || e->step != t->version) return 0;
+  if (t->red && t->red->owner[w]) return 0;
+  if (!t->red) {
+    fps_reduce_t *r = fps_calloc(1, sizeof *r);
+    bool over = false;
+    if (r) {
+      r->owner = fps_calloc(W, sizeof *r->owner);
+      r->done = fps_calloc(W, sizeof *r->done);
+      if (r->owner && r->done) r->acc = fps_tbuf_alloc(sh, t->numel, &over);
+    }
+    if (!r || !r->acc) {
+      if (r) {
+        fps_free(r->owner);
+        fps_free(r->done);
+        fps_free(r);
+      }
+      if (over)
+        snprintf(why, wl,
+                 "tensor '%s': its %" PRIu64 "-byte sync sum would pass the shard's limit of %" PRIu64
+                 " bytes for in-flight tensors (--max-staging-bytes); retry later",
+                 t->name, t->numel * 4, sh->cfg.max_staging_bytes);
+      else
+        snprintf(why, wl, "tensor '%s': out of memory for a %" PRIu64 "-element sync sum", t->name, t->numel);
+      return over ? FPS_ELIMIT : FPS_ENOMEM;
+    }
+    r->step = t->version;
+    t->red = r;
+  }
+  t->red->owner[w] = e;
+  e->attached = true;
+  fps__reduce_drain(sh, e);
+  return 0;
+}
+
+/* Decodes and checks s without keeping it (a retry of an applied push:
+ * its values are not used, but a bad one is still refused). */
+static int fps__reduce_check_only(const fps_tensor_t *t, const fps_slice_t *s, uint64_t count, char *why,
+                                  size_t wl) {
+  float tmp[FPS_REDUCE_CHUNK];
+  size_t esz = fps_dtype_size(s->dtype);
+  for (uint64_t off = 0; off < count; off += FPS_REDUCE_CHUNK) {
+    uint64_t n = count - off < FPS_REDUCE_CHUNK ? count - off : FPS_REDUCE_CHUNK, bad = n;
+    fps_dtype_decode(s->dtype, s->data + off * esz, n, tmp, &bad);
+    if (bad < n) {
+      fps__reduce_bad_value_why(why, wl, t->name, s->offset + off + bad, tmp[bad]);
+      return FPS_EINVAL;
+    }
+  }
+  return 0;
+}
+
+/* s is ready for e's worker: converted, checked and summed in one pass per
+ * chunk. A bad value stops it; what was summed before it stays recorded
+ * in done[w] (the push then fails, and leaving aborts the round). */
+static int fps__reduce_sum_slice(fps_shard_t *sh, fps_push_entry_t *e, const fps_slice_t *s, uint64_t count,
+                                 char *why, size_t wl) {
+  fps_tensor_t *t = e->t;
+  fps_reduce_t *r = t->red;
+  uint32_t w = e->worker_id;
+  uint64_t lo = s->offset, hi = lo + count;
+  if (fps_ranges_reserve(&r->done[w]) < 0) {
+    snprintf(why, wl, "tensor '%s': out of memory", t->name);
+    return FPS_ENOMEM;
+  }
+  if (w == 0) {
+    /* Worker 0 decodes straight into the sum. On a bad value nothing is
+     * recorded: the elements stay unsummed and are overwritten later. */
+    uint64_t bad = count;
+    fps_dtype_decode(s->dtype, s->data, count, r->acc + lo, &bad);
+    if (bad < count) {
+      fps__reduce_bad_value_why(why, wl, t->name, lo + bad, r->acc[lo + bad]);
+      return FPS_EINVAL;
+    }
+  } else {
+    float tmp[FPS_REDUCE_CHUNK];
+    size_t esz = fps_dtype_size(s->dtype);
+    for (uint64_t off = 0; off < count; off += FPS_REDUCE_CHUNK) {
+      uint64_t n = count - off < FPS_REDUCE_CHUNK ? count - off : FPS_REDUCE_CHUNK, bad = n;
+      fps_dtype_decode(s->dtype, s->data + off * esz, n, tmp, &bad);
+      if (bad < n) {
+        fps__reduce_bad_value_why(why, wl, t->name, lo + off + bad, tmp[bad]);
+        fps_ranges_add(&r->done[w], lo, lo + off);
+        fps__reduce_cascade(sh, t, w, lo, lo + off);
+        return FPS_EINVAL;
+      }
+      fps_kernels_add_f32(sh->kernels, r->acc + lo + off, tmp, (size_t)n);
+    }
+  }
+  fps_ranges_add(&r->done[w], lo, hi);
+  fps__reduce_cascade(sh, t, w, lo, hi);
+  return 0;
+}
+
+/* s arrived before e's worker may sum it: keep it, converted and checked. */
+static int fps__reduce_stage(fps_shard_t *sh, fps_push_entry_t *e, const fps_slice_t *s, uint64_t count,
+                             char *why, size_t wl) {
+  fps_tensor_t *t = e->t;
+  bool over = false;
+  fps_piece_t *x = fps_malloc(sizeof *x);
+  float *data = x ? fps_tbuf_alloc(sh, count, &over) : NULL;
+  if (!data) {
+    fps_free(x);
+    if (over)
+      snprintf(why, wl,
+               "tensor '%s': staging %" PRIu64 " gradient bytes of worker %u that arrived before the workers "
+               "below it would pass the shard's limit of %" PRIu64
+               " bytes for in-flight tensors (--max-staging-bytes); retry later",
+               t->name, count * 4, e->worker_id, sh->cfg.max_staging_bytes);
+    else
+      snprintf(why, wl, "tensor '%s': out of memory staging %" PRIu64 " gradient elements", t->name, count);
+    return over ? FPS_ELIMIT : FPS_ENOMEM;
+  }
+  uint64_t bad = count;
+  fps_dtype_decode(s->dtype, s->data, count, data, &bad);
+  if (bad < count) {
+    fps__reduce_bad_value_why(why, wl, t->name, s->offset + bad, data[bad]);
+    fps_tbuf_free(sh, data, count);
+    fps_free(x);
+    return FPS_EINVAL;
+  }
+  x->lo = s->offset;
+  x->hi = s->offset + count;
+  x->data = data;
+  x->prio = fps__piece_prio();
+  fps__piece_insert(&e->staged, x);
+  e->staged_n += count;
+  return 0;
+}
+
+int fps__reduce_slice_locked(fps_shard_t *sh, fps_push_entry_t *e, const fps_slice_t *s, uint64_t count,
+                             char *why, size_t wl) {
+  if (e->red_err) {
+    snprintf(why, wl, "%s", e->red_msg ? e->red_msg : fps_strerror(e->red_err));
+    return e->red_err;
+  }
+  if (e->replay_only) return fps__reduce_check_only(e->t, s, count, why, wl);
+  int rc = fps__reduce_attach(sh, e, why, wl);
+  if (rc < 0) return rc;
+  if (e->attached && fps__reduce_ready(e->t->red, e->worker_id, s->offset, s->offset + count))
+    return fps__reduce_sum_slice(sh, e, s, count, why, wl);
+  return fps__reduce_stage(sh, e, s, count, why, wl);
+}
+
+int fps__reduce_join_locked(fps_shard_t *sh, fps_push_entry_t *e, char *why, size_t wl) {
+  if (e->red_err) {
+    snprintf(why, wl, "%s", e->red_msg ? e->red_msg : fps_strerror(e->red_err));
+    return e->red_err;
+  }
+  if (e->attached) {
+    fps__reduce_drain(sh, e); /* pieces an allocation failure left behind */
+    return 0;
+  }
+  return fps__reduce_attach(sh, e, why, wl);
+}
+
+float *fps__reduce_take_locked(fps_shard_t *sh, fps_tensor_t *t) {
+  fps_reduce_t *r = t->red;
+  if (!r) return NULL;
+  uint32_t W = sh->cfg.workers;
+  float *sum = NULL;
+  if (r->done[W - 1].covered == t->numel) {
+    sum = r->acc;
+    r->acc = NULL;
+  }
+  for (uint32_t w = 0; w < W; w++)
+    if (r->owner[w]) r->owner[w]->attached = false;
+  fps__reduce_destroy(sh, t);
+  return sum;
+}
+
+bool fps__reduce_leave_locked(fps_shard_t *sh, fps_push_entry_t *e) {
+  fps_tensor_t *t = e->t;
+  fps_reduce_t *r = t->red;
+  if (!e->attached || !r) return false;
+  uint32_t w = e->worker_id;
+  if (r->done[w].covered > 0) return true;
+  r->owner[w] = NULL;
+  e->attached = false;
+  for (uint32_t v = 0; v < sh->cfg.workers; v++)
+    if (r->owner[v]) return false;
+  fps__reduce_destroy(sh, t); /* nobody left: nothing is summed */
+  return false;
+}
+
+void fps__reduce_discard_locked(fps_shard_t *sh, fps_tensor_t *t, int err, const char *msg) {
+  fps_reduce_t *r = t->red;
+  if (!r) return;
+  for (uint32_t w = 0; w < sh->cfg.workers; w++) {
+    fps_push_entry_t *ev = r->owner[w];
+    if (!ev) continue;
+    ev->attached = false;
+    if (r->done[w].covered > 0 && !ev->red_err) {
+      ev->red_err = err;
+      ev->red_msg = fps_strdup(msg);
+    }
+  }
+  fps__reduce_destroy(sh, t);
+}
+
+void fps__reduce_entry_free_locked(fps_shard_t *sh, fps_push_entry_t *e) {
+  fps__piece_free_tree(sh, e, e->staged);
+  e->staged = NULL;
+  fps_free(e->red_msg);
+  e->red_msg = NULL;
+}

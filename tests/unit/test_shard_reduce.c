@@ -1,0 +1,550 @@
+/* The sync round's running sum (server/shard/reduce.c), driven directly:
+ * slices of every worker arriving interleaved in random order and sizes,
+ * fp32 and bf16 mixed, some in one piece and some in runs of a few
+ * elements (a message received in several buffers), give the bits of a local replay that sums whole
+ * gradients in worker-id order, for every SIMD variant this machine runs;
+ * what arrives ahead of the workers below is staged, within
+ * max_staging_bytes, and drained as they catch up; a push whose gradient is
+ * partly in the sum aborts the round when its call fails (the others get
+ * FPS_EUNAVAILABLE naming it, nothing is applied), one with only staged
+ * pieces just leaves; a second push of a worker waits for the place; a
+ * retry of an applied push never reaches the next round's sum. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "shard/reduce.h"
+#include "shard_fixture.h"
+#include "simd/kernels.h"
+
+static const uint64_t DIMS[] = {37, 29}; /* factored, odd sizes */
+#define N (37 * 29)
+#define WMAX 5
+
+/* A sync shard (or, for the replay, an async one) with kernels k and a
+ * staging limit. */
+static void shard_with(fps_shard_t *sh, int mode, uint32_t workers, const fps_kernels_t *k, uint64_t staging) {
+  fps__log_level = -1;
+  fps_shard_opts_t o = {.shard_id = 0, .shard_count = 1, .mode = mode, .workers = workers,
+                        .deadline = FX_DEADLINE_S, .max_tensors = 8, .max_bytes = 64u << 20,
+                        .max_staging_bytes = staging, .apply_log = 8, .checkpoint_dir = ""};
+  if (fps_shard_init(sh, &o, k, NULL) < 0) abort();
+}
+
+static uint32_t rnd(uint32_t *s) {
+  *s ^= *s << 13;
+  *s ^= *s >> 17;
+  *s ^= *s << 5;
+  return *s;
+}
+
+/* One slice of worker w's gradient as it goes on the wire. */
+typedef struct ev_s {
+  uint32_t w;
+  uint64_t lo, hi;
+  int dtype;
+  uint8_t *bytes;
+} ev_t;
+
+/* The data of a slice in runs of 1..cap whole elements, as the handler
+ * hands over a message received in several buffers (fps_slice_src_t). */
+typedef struct runs_s {
+  const uint8_t *data;
+  uint64_t left, cap;
+  size_t esz;
+  uint32_t seed;
+} runs_t;
+
+static uint64_t runs_next(void *ctx, const uint8_t **data) {
+  runs_t *r = ctx;
+  if (!r->left) return 0;
+  r->seed = r->seed * 1103515245u + 12345u;
+  uint64_t k = 1 + (r->seed >> 8) % r->cap;
+  if (k > r->left) k = r->left;
+  *data = r->data;
+  r->data += k * r->esz;
+  r->left -= k;
+  return k;
+}
+
+static int send_runs(fps_push_t *p, fps_shard_t *sh, const ev_t *ev, uint64_t cap, char *why) {
+  fps_tensor_t *t = fps_store_find(&sh->store, "w");
+  size_t esz = fps_dtype_size(ev->dtype);
+  runs_t r = {.data = ev->bytes, .left = ev->hi - ev->lo, .cap = cap, .esz = esz, .seed = (uint32_t)ev->lo + 1};
+  fps_slice_src_t src = {.next = runs_next, .ctx = &r};
+  fps_slice_t s = {.dtype = ev->dtype, .shape = t->shape.dim, .n_shape = t->shape.ndim, .offset = ev->lo,
+                   .len = (ev->hi - ev->lo) * esz, .src = cap ? &src : NULL, .data = cap ? NULL : ev->bytes};
+  return fps_push_slice(p, "w", &s, why, FPS_WHY_MAX);
+}
+
+static int send(fps_push_t *p, fps_shard_t *sh, const ev_t *ev, char *why) { return send_runs(p, sh, ev, 0, why); }
+
+static void send_ok(fps_push_t *p, fps_shard_t *sh, const float *g, uint64_t lo, uint64_t hi) {
+  ev_t ev = {.lo = lo, .hi = hi, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(uintptr_t)(g + lo)};
+  char why[FPS_WHY_MAX];
+  int rc = send(p, sh, &ev, why);
+  if (rc) fprintf(stderr, "slice: %s\n", why);
+  assert_int_equal(rc, 0);
+}
+
+/* The local replay: ((g0 + g1) + g2) + ... in plain fp32, one division by
+ * W, one step through an async shard with the same kernels. */
+static void replay(const fps_kernels_t *k, const float *init, float g[][N], uint32_t nw, float *out) {
+  static float sum[N];
+  memcpy(sum, g[0], sizeof sum);
+  for (uint32_t w = 1; w < nw; w++)
+    for (uint64_t i = 0; i < N; i++) sum[i] += g[w][i];
+  if (nw > 1)
+    for (uint64_t i = 0; i < N; i++) sum[i] /= (float)nw;
+  fps_shard_t ref;
+  shard_with(&ref, FPS_MODE_ASYNC, 1, k, 64u << 20);
+  assert_int_equal(fx_create(&ref, "w", DIMS, 2, init), 0);
+  fx_done_t d;
+  fps_push_t *p = fx_push_new(&ref, 0, 0, INT64_MAX, &d);
+  assert_int_equal(fx_push_grad(p, "w", sum, N, 1, NULL), 0);
+  assert_int_equal(fx_commit(p, NULL), 0);
+  fps_push_destroy(p);
+  assert_int_equal(fx_params(&ref, "w", out), 1);
+  fx_shard_free(&ref);
+}
+
+/* Random slices of every worker, interleaved in a random order, of random
+ * sizes and dtypes; the commits come in a random order too (each after its
+ * worker's last slice). Returns whether anything had to be staged. */
+static bool one_random_round(const fps_kernels_t *k, uint32_t W, uint32_t seed) {
+  static float init[N], g[WMAX][N], want[N], got[N];
+  static ev_t ev[WMAX * 64];
+  uint32_t s = seed * 2654435761u + 7;
+  fx_fill(init, N, seed);
+  size_t nev = 0;
+  for (uint32_t w = 0; w < W; w++) {
+    fx_fill(g[w], N, seed * 31 + w + 1);
+    /* Cut into 1..40 pieces at random points. */
+    size_t parts = 1 + rnd(&s) % 40;
+    uint64_t cut[41];
+    cut[0] = 0;
+    for (size_t i = 1; i < parts; i++) cut[i] = rnd(&s) % N;
+    cut[parts] = N;
+    for (size_t i = 1; i < parts; i++) /* sort */
+      for (size_t j = i; j > 1 && cut[j - 1] > cut[j]; j--) {
+        uint64_t x = cut[j];
+        cut[j] = cut[j - 1];
+        cut[j - 1] = x;
+      }
+    for (size_t i = 0; i < parts; i++) {
+      if (cut[i] == cut[i + 1]) continue;
+      ev_t *e = &ev[nev++];
+      e->w = w;
+      e->lo = cut[i];
+      e->hi = cut[i + 1];
+      e->dtype = rnd(&s) % 2 ? FPS_DTYPE_BF16 : FPS_DTYPE_F32;
+      uint64_t n = e->hi - e->lo;
+      e->bytes = malloc(n * fps_dtype_size(e->dtype));
+      assert_non_null(e->bytes);
+      assert_int_equal(fps_dtype_encode(e->dtype, g[w] + e->lo, n, e->bytes), 0);
+      /* What the shard sees is the decoded value: the replay sums that. */
+      assert_int_equal(fps_dtype_decode(e->dtype, e->bytes, n, g[w] + e->lo, NULL), 0);
+    }
+  }
+  for (size_t i = nev; i > 1; i--) {
+    size_t j = rnd(&s) % i;
+    ev_t x = ev[i - 1];
+    ev[i - 1] = ev[j];
+    ev[j] = x;
+  }
+  replay(k, init, g, W, want);
+
+  fps_shard_t sh;
+  shard_with(&sh, FPS_MODE_SYNC, W, k, 64u << 20);
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
+  fps_push_t *p[WMAX];
+  fx_done_t d[WMAX];
+  size_t left[WMAX] = {0};
+  for (uint32_t w = 0; w < W; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+  for (size_t i = 0; i < nev; i++) left[ev[i].w]++;
+  bool staged = false;
+  uint32_t committed = 0, last = 0;
+  char why[FPS_WHY_MAX];
+  for (size_t i = 0; i < nev; i++) {
+    /* A third of the slices come in runs of 1..64 elements (a message in
+     * several buffers), the others in one piece. */
+    uint64_t cap = rnd(&s) % 3 == 0 ? 64 : 0;
+    assert_int_equal(send_runs(p[ev[i].w], &sh, &ev[i], cap, why), 0);
+    staged |= atomic_load(&sh.tbuf_bytes) > (uint64_t)N * 4;
+    if (--left[ev[i].w] == 0) {
+      int rc = fx_commit(p[ev[i].w], why);
+      committed++;
+      assert_int_equal(rc, committed < W ? FPS_EAGAIN : 0);
+      last = ev[i].w;
+    }
+  }
+  assert_int_equal(committed, W);
+  for (uint32_t w = 0; w < W; w++) {
+    assert_int_equal(d[w].calls, w == last ? 0 : 1);
+    assert_int_equal(fps_push_result(p[w], why, sizeof why), 0);
+    fps_push_out_t o;
+    fps_push_take(p[w], 0, &o);
+    assert_int_equal(o.version, 1);
+    assert_memory_equal(o.snap->data, want, sizeof want);
+    fps_snap_unref(o.snap);
+    fps_push_destroy(p[w]);
+  }
+  assert_int_equal(fx_params(&sh, "w", got), 1);
+  assert_memory_equal(got, want, sizeof want);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_null(fps_store_find(&sh.store, "w")->red);
+  fx_shard_free(&sh);
+  for (size_t i = 0; i < nev; i++) free(ev[i].bytes);
+  return staged;
+}
+
+static void sum_is_bit_identical_for_every_variant(void **unused) {
+  (void)unused;
+  int variants = 0;
+  for (const char *const *name = fps_kernels_all_names; *name; name++) {
+    const fps_kernels_t *k;
+    char why[256];
+    if (fps_kernels_by_name(*name, &k, why, sizeof why) < 0) continue; /* not on this CPU */
+    variants++;
+    int staged = 0;
+    for (uint32_t seed = 1; seed <= 48; seed++) staged += one_random_round(k, 1 + seed % WMAX, seed);
+    /* The random orders did exercise the staging path. */
+    assert_true(staged > 10);
+  }
+  assert_true(variants >= 2); /* scalar and the machine's own */
+}
+
+/* Ahead pieces are staged and drained as worker 0 catches up; workers in
+ * step stage nothing; the limit holds. */
+static void early_pieces_are_staged_and_drained(void **unused) {
+  (void)unused;
+  static float init[N], g[3][N], want[N], got[N];
+  fx_fill(init, N, 90);
+  for (int w = 0; w < 3; w++) fx_fill(g[w], N, 91 + w);
+  const fps_kernels_t *k = fps_kernels_best();
+  replay(k, init, g, 3, want);
+  const uint64_t acc = (uint64_t)N * 4;
+  /* In step: worker 0, 1, 2 piece by piece: only the accumulator. */
+  fps_shard_t sh;
+  shard_with(&sh, FPS_MODE_SYNC, 3, k, 64u << 20);
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
+  fps_push_t *p[3];
+  fx_done_t d[3];
+  for (uint32_t w = 0; w < 3; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+  for (uint64_t lo = 0; lo < N; lo += 100)
+    for (uint32_t w = 0; w < 3; w++) {
+      send_ok(p[w], &sh, g[w], lo, lo + 100 < N ? lo + 100 : N);
+      assert_int_equal(atomic_load(&sh.tbuf_bytes), acc);
+    }
+  for (uint32_t w = 0; w < 3; w++) assert_int_equal(fx_commit(p[w], NULL), w < 2 ? FPS_EAGAIN : 0);
+  for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
+  assert_int_equal(fx_params(&sh, "w", got), 1);
+  assert_memory_equal(got, want, sizeof want);
+  fx_shard_free(&sh);
+
+  /* Backwards: worker 2 whole, then 1, then 0 in two halves. */
+  shard_with(&sh, FPS_MODE_SYNC, 3, k, 64u << 20);
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
+  for (uint32_t w = 0; w < 3; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+  send_ok(p[2], &sh, g[2], 0, N);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), acc + acc);
+  assert_int_equal(fx_commit(p[2], NULL), FPS_EAGAIN); /* joins with its gradient staged */
+  send_ok(p[1], &sh, g[1], 0, 500);
+  send_ok(p[1], &sh, g[1], 500, N);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), acc * 3);
+  send_ok(p[0], &sh, g[0], 0, 500);
+  /* Worker 1's first piece is summed; worker 2's whole piece still waits. */
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), acc * 3 - 500 * 4);
+  send_ok(p[0], &sh, g[0], 500, N);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), acc); /* everything cascaded */
+  assert_int_equal(fx_commit(p[1], NULL), FPS_EAGAIN);
+  assert_int_equal(fx_commit(p[0], NULL), 0);
+  for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
+  assert_int_equal(fx_params(&sh, "w", got), 1);
+  assert_memory_equal(got, want, sizeof want);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  fx_shard_free(&sh);
+
+  /* Room for the sum and a few pieces: staging more is FPS_ELIMIT. */
+  shard_with(&sh, FPS_MODE_SYNC, 3, k, acc + 400 * 4);
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
+  for (uint32_t w = 0; w < 3; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+  send_ok(p[1], &sh, g[1], 0, 300);
+  ev_t ev = {.lo = 300, .hi = 600, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(g[1] + 300)};
+  char why[FPS_WHY_MAX];
+  assert_int_equal(send(p[1], &sh, &ev, why), FPS_ELIMIT);
+  assert_non_null(strstr(why, "arrived before the workers below it"));
+  assert_non_null(strstr(why, "--max-staging-bytes"));
+  /* Worker 0 is not held up by it: its slices go straight into the sum. */
+  send_ok(p[0], &sh, g[0], 0, N);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), acc);
+  for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  fx_shard_free(&sh);
+}
+
+/* A failed call whose gradient is in the sum aborts the round; one with
+ * only staged pieces leaves it; the retries then complete it exactly. */
+static void failed_member_aborts_the_round(void **unused) {
+  (void)unused;
+  static float init[N], g[3][N], want[N], got[N];
+  fx_fill(init, N, 100);
+  for (int w = 0; w < 3; w++) fx_fill(g[w], N, 101 + w);
+  const fps_kernels_t *k = fps_kernels_best();
+  replay(k, init, g, 3, want);
+  fps_shard_t sh;
+  shard_with(&sh, FPS_MODE_SYNC, 3, k, 64u << 20);
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
+  fps_tensor_t *t = fps_store_find(&sh.store, "w");
+  char why[FPS_WHY_MAX];
+  fps_push_t *p[3], *x;
+  fx_done_t d[3], dx;
+  /* Workers 0 and 2 joined; worker 1 has summed half and its call dies. */
+  for (uint32_t w = 0; w < 3; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+  send_ok(p[0], &sh, g[0], 0, N);
+  assert_int_equal(fx_commit(p[0], NULL), FPS_EAGAIN);
+  send_ok(p[2], &sh, g[2], 0, N);
+  assert_int_equal(fx_commit(p[2], NULL), FPS_EAGAIN);
+  send_ok(p[1], &sh, g[1], 0, N / 2);
+  fps_push_destroy(p[1]);
+  for (uint32_t w = 0; w < 3; w += 2) {
+    assert_int_equal(d[w].calls, 1);
+    assert_int_equal(d[w].err, FPS_EUNAVAILABLE);
+    assert_non_null(strstr(d[w].why, "'w' step 0"));
+    assert_non_null(strstr(d[w].why, "worker 1's call failed"));
+    assert_non_null(strstr(d[w].why, "nothing was applied"));
+    fps_push_destroy(p[w]);
+  }
+  assert_int_equal(fx_params(&sh, "w", got), 0);
+  assert_memory_equal(got, init, sizeof got);
+  assert_null(t->red);
+  assert_false(t->round.open);
+  assert_null(sh.rounds);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+
+  /* A member cancelled while waiting, with its gradient summed: the same.
+   * A push still streaming into that sum fails at its next slice. */
+  for (uint32_t w = 0; w < 3; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+  send_ok(p[0], &sh, g[0], 0, N);
+  assert_int_equal(fx_commit(p[0], NULL), FPS_EAGAIN);
+  send_ok(p[1], &sh, g[1], 0, N);
+  assert_int_equal(fx_commit(p[1], NULL), FPS_EAGAIN);
+  send_ok(p[2], &sh, g[2], 0, 10);
+  fps_push_cancel(p[1]);
+  assert_int_equal(d[1].calls, 1);
+  assert_int_equal(d[1].err, FPS_ECANCELLED);
+  assert_int_equal(d[0].calls, 1);
+  assert_int_equal(d[0].err, FPS_EUNAVAILABLE);
+  assert_non_null(strstr(d[0].why, "worker 1's call failed"));
+  ev_t ev = {.lo = 10, .hi = N, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(g[2] + 10)};
+  assert_int_equal(send(p[2], &sh, &ev, why), FPS_EUNAVAILABLE);
+  assert_non_null(strstr(why, "worker 1's call failed"));
+  for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
+  assert_null(t->red);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+
+  /* Worker 1 with only staged pieces (worker 0 has sent nothing) leaves:
+   * nobody fails, its retry takes its place. */
+  for (uint32_t w = 0; w < 3; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+  send_ok(p[2], &sh, g[2], 0, N);
+  assert_int_equal(fx_commit(p[2], NULL), FPS_EAGAIN);
+  send_ok(p[1], &sh, g[0], 0, N); /* the wrong values: never summed */
+  fps_push_destroy(p[1]);
+  assert_int_equal(d[2].calls, 0);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), (uint64_t)N * 8); /* the sum and worker 2's piece */
+  p[1] = fx_push_new(&sh, 1, 0, INT64_MAX, &d[1]);
+  send_ok(p[1], &sh, g[1], 0, N);
+  assert_int_equal(fx_commit(p[1], NULL), FPS_EAGAIN);
+  send_ok(p[0], &sh, g[0], 0, N);
+  assert_int_equal(fx_commit(p[0], NULL), 0);
+  for (uint32_t w = 0; w < 3; w++) {
+    assert_int_equal(fps_push_result(p[w], why, sizeof why), 0);
+    fps_push_destroy(p[w]);
+  }
+  assert_int_equal(fx_params(&sh, "w", got), 1);
+  assert_memory_equal(got, want, sizeof got);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+
+  /* A bad value after part of a slice was summed fails the push, and its
+   * leaving aborts the round. */
+  p[0] = fx_push_new(&sh, 0, 1, INT64_MAX, &d[0]);
+  send_ok(p[0], &sh, g[0], 0, N);
+  assert_int_equal(fx_commit(p[0], NULL), FPS_EAGAIN);
+  x = fx_push_new(&sh, 1, 1, INT64_MAX, &dx);
+  send_ok(x, &sh, g[1], 0, 500);
+  static float bad[N];
+  memcpy(bad, g[1], sizeof bad);
+  bad[N - 3] = 1e30f; /* > 2^63 */
+  ev = (ev_t){.lo = 500, .hi = N, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(bad + 500)};
+  assert_int_equal(send(x, &sh, &ev, why), FPS_EINVAL);
+  assert_non_null(strstr(why, "gradient element 1070 is 1e+30"));
+  fps_push_destroy(x);
+  assert_int_equal(d[0].calls, 1);
+  assert_int_equal(d[0].err, FPS_EUNAVAILABLE);
+  fps_push_destroy(p[0]);
+  assert_int_equal(fx_params(&sh, "w", got), 1);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  fx_shard_free(&sh);
+}
+
+/* A second push of a worker stages privately while the first holds the
+ * place; it is refused while the first streams, takes the place when the
+ * first leaves with nothing summed, and is a duplicate once the first has
+ * joined. A round that times out discards the sum: a push still streaming
+ * into it fails at its next slice. */
+static void second_push_of_a_worker_and_deadline(void **unused) {
+  (void)unused;
+  static float init[N], g[2][N], want[N], got[N];
+  fx_fill(init, N, 110);
+  fx_fill(g[0], N, 111);
+  fx_fill(g[1], N, 112);
+  const fps_kernels_t *k = fps_kernels_best();
+  replay(k, init, g, 2, want);
+  fps_shard_t sh;
+  shard_with(&sh, FPS_MODE_SYNC, 2, k, 64u << 20);
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
+  char why[FPS_WHY_MAX];
+  fps_push_t *a, *b, *p0;
+  fx_done_t da, db, d0;
+  a = fx_push_new(&sh, 1, 0, INT64_MAX, &da);
+  send_ok(a, &sh, g[1], 0, 100); /* staged: worker 0 has nothing yet */
+  b = fx_push_new(&sh, 1, 0, INT64_MAX, &db);
+  send_ok(b, &sh, g[1], 0, N);
+  assert_int_equal(fx_commit(b, why), FPS_EUNAVAILABLE);
+  assert_non_null(strstr(why, "another PushPull of worker 1"));
+  fps_push_destroy(b);
+  b = fx_push_new(&sh, 1, 0, INT64_MAX, &db);
+  send_ok(b, &sh, g[1], 0, N);
+  fps_push_destroy(a); /* nothing summed: b may take the place */
+  assert_int_equal(fx_commit(b, NULL), FPS_EAGAIN);
+  a = fx_push_new(&sh, 1, 0, INT64_MAX, &da);
+  send_ok(a, &sh, g[1], 0, N);
+  assert_int_equal(fx_commit(a, why), FPS_EDUP);
+  assert_non_null(strstr(why, "duplicate push: worker 1"));
+  fps_push_destroy(a);
+  p0 = fx_push_new(&sh, 0, 0, INT64_MAX, &d0);
+  send_ok(p0, &sh, g[0], 0, N);
+  assert_int_equal(fx_commit(p0, NULL), 0);
+  assert_int_equal(db.calls, 1);
+  assert_int_equal(db.err, 0);
+  fps_push_destroy(p0);
+  fps_push_destroy(b);
+  assert_int_equal(fx_params(&sh, "w", got), 1);
+  assert_memory_equal(got, want, sizeof got);
+
+  /* Step 1: worker 1 joins, worker 0 is still streaming when the round
+   * times out. Once the failed member's call is gone, its part of the sum
+   * is too: worker 0's push fails at its next slice. */
+  b = fx_push_new(&sh, 1, 1, INT64_MAX, &db);
+  send_ok(b, &sh, g[1], 0, 100);
+  send_ok(b, &sh, g[1], 100, N);
+  assert_int_equal(fx_commit(b, NULL), FPS_EAGAIN);
+  p0 = fx_push_new(&sh, 0, 1, INT64_MAX, &d0);
+  send_ok(p0, &sh, g[0], 0, 200); /* sums worker 1's [0, 100) too */
+  fps_fake_clock_advance((int64_t)(FX_DEADLINE_S * 1e9));
+  fps_shard_expire(&sh, fps_now_ns());
+  assert_int_equal(db.calls, 1);
+  assert_int_equal(db.err, FPS_ETIMEOUT);
+  fps_push_destroy(b);
+  ev_t ev = {.lo = 200, .hi = N, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(g[0] + 200)};
+  assert_int_equal(send(p0, &sh, &ev, why), FPS_EUNAVAILABLE);
+  assert_non_null(strstr(why, "worker 1's call failed"));
+  fps_push_destroy(p0);
+  assert_int_equal(fx_params(&sh, "w", got), 1);
+  assert_memory_equal(got, want, sizeof got);
+  assert_null(fps_store_find(&sh.store, "w")->red);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  fx_shard_free(&sh);
+}
+
+/* no_grad members sum nothing; a retry of an applied push is answered
+ * from the window and never reaches the next round's sum. */
+static void no_grad_and_retries(void **unused) {
+  (void)unused;
+  static float init[N], g[2][N], want[N], got[N];
+  fx_fill(init, N, 120);
+  fx_fill(g[0], N, 121);
+  fx_fill(g[1], N, 122);
+  const fps_kernels_t *k = fps_kernels_best();
+  replay(k, init, g, 2, want);
+  fps_shard_t sh;
+  shard_with(&sh, FPS_MODE_SYNC, 2, k, 64u << 20);
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
+  fps_tensor_t *t = fps_store_find(&sh.store, "w");
+  char why[FPS_WHY_MAX];
+  fps_push_t *p[2];
+  fx_done_t d[2];
+  fps_push_tensor_t ng = {.name = "w", .no_grad = true};
+  for (uint32_t w = 0; w < 2; w++) {
+    p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+    assert_int_equal(fps_push_tensor(p[w], &ng, why, sizeof why), 0);
+    assert_int_equal(fx_commit(p[w], NULL), w == 0 ? FPS_EAGAIN : 0);
+    assert_null(t->red);
+  }
+  for (uint32_t w = 0; w < 2; w++) {
+    assert_int_equal(fps_push_result(p[w], why, sizeof why), 0);
+    fps_push_out_t o;
+    fps_push_take(p[w], 0, &o);
+    assert_int_equal(o.version, 0);
+    assert_memory_equal(o.snap->data, init, sizeof init);
+    fps_snap_unref(o.snap);
+    fps_push_destroy(p[w]);
+  }
+  /* Mixed: refused at completion, the sum discarded. */
+  p[0] = fx_push_new(&sh, 0, 0, INT64_MAX, &d[0]);
+  send_ok(p[0], &sh, g[0], 0, N);
+  assert_int_equal(fx_commit(p[0], NULL), FPS_EAGAIN);
+  p[1] = fx_push_new(&sh, 1, 0, INT64_MAX, &d[1]);
+  assert_int_equal(fps_push_tensor(p[1], &ng, why, sizeof why), 0);
+  assert_int_equal(fx_commit(p[1], NULL), 0);
+  assert_int_equal(d[0].err, FPS_ESTATE);
+  assert_non_null(strstr(d[0].why, "disagree about its gradient"));
+  for (uint32_t w = 0; w < 2; w++) fps_push_destroy(p[w]);
+  assert_null(t->red);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+
+  /* Step 0 with push ids; then worker 0 retries its applied push while
+   * step 1 is being summed: answered, step 1 untouched. */
+  for (uint32_t w = 0; w < 2; w++) {
+    p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+    assert_int_equal(fps_push_set_id(p[w], 1000 + w, why, sizeof why), 0);
+    send_ok(p[w], &sh, g[w], 0, N);
+    assert_int_equal(fx_commit(p[w], NULL), w == 0 ? FPS_EAGAIN : 0);
+  }
+  for (uint32_t w = 0; w < 2; w++) fps_push_destroy(p[w]);
+  assert_int_equal(fx_params(&sh, "w", got), 1);
+  assert_memory_equal(got, want, sizeof got);
+  fps_push_t *s1 = fx_push_new(&sh, 1, 1, INT64_MAX, &d[1]);
+  send_ok(s1, &sh, g[1], 0, N); /* staged for step 1 */
+  fps_push_t *r = fx_push_new(&sh, 0, 0, INT64_MAX, &d[0]);
+  assert_int_equal(fps_push_set_id(r, 1000, why, sizeof why), 0);
+  send_ok(r, &sh, g[1], 0, N); /* checked, not kept */
+  assert_int_equal(fx_commit(r, NULL), 0);
+  assert_true(fps_push_replayed(r));
+  fps_push_out_t o;
+  fps_push_take(r, 0, &o);
+  assert_int_equal(o.version, 1);
+  assert_memory_equal(o.snap->data, want, sizeof want);
+  fps_snap_unref(o.snap);
+  fps_push_destroy(r);
+  fps_push_destroy(s1);
+  assert_null(t->red);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  fx_shard_free(&sh);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(sum_is_bit_identical_for_every_variant),
+      cmocka_unit_test(early_pieces_are_staged_and_drained),
+      cmocka_unit_test(failed_member_aborts_the_round),
+      cmocka_unit_test(second_push_of_a_worker_and_deadline),
+      cmocka_unit_test(no_grad_and_retries),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
