@@ -15,7 +15,10 @@ so the ratios of the medians are the figures to read. iperf3 measures the
 loopback before and after. Printed per configuration: median steps/s (per
 worker; in sync, model steps), factorps / peer, bf16 / fp32, bytes moved
 (gradients in + parameters out, all workers) against iperf3's single
-stream, and each shard's peak RSS (VmHWM, max over the runs).
+stream, and each shard's peak RSS (VmHWM, max over the runs). For sync, each
+factorps shard's peak is checked against the bound of bounded sync memory
+(issue 10 item 4): 1.15 x (its parameters + optimizer state, from Stats) +
+W x the largest message in flight (4 MiB) + 64 MiB.
 
 The peer is a measuring tool outside the product: when its folder (default
 ../shared/peers next to the repository, or --peers / $FPS_PEERS_DIR) is
@@ -122,14 +125,31 @@ def run_factorps(build, tmp, n, w, mode, steps, warmup, wire):
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              timeout=1800)
         hwm = [vmhwm_mib(p.pid) for p in procs]  # read before the shards exit
+        st = subprocess.run([os.path.join(build, "client", "factorps"), "stats", "--shards", ",".join(addrs),
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=120)
     finally:
         stop(procs)
+    try:
+        shards = sorted(json.loads(st.stdout)["shards"], key=lambda x: x["shard_id"])
+        held = [(x["param_bytes"] + x["state_bytes"]) / MiB for x in shards]
+    except (ValueError, KeyError):
+        held = []
     m = re.search(r"^RESULT .*$", out.stdout, re.M)
     if out.returncode or not m:
         raise RuntimeError(f"factorps load failed ({out.returncode}): {out.stdout[-2000:]}")
     kv = dict(x.split("=", 1) for x in m.group(0).split()[1:])
     return {"steps_per_s": float(kv["steps_per_s"]), "gbps": float(kv["gb_per_s"]),
-            "hwm": max(hwm), "hwms": hwm, "params": int(kv["params"])}
+            "hwm": max(hwm), "hwms": hwm, "params": int(kv["params"]), "held": held,
+            "bounds": [memory_bound_mib(h, w) for h in held]}
+
+
+MiB = float(1 << 20)
+
+
+def memory_bound_mib(held_mib, workers, message_mib=4.0):
+    """Issue 10 item 4's sync bound for one shard holding held_mib of
+    parameters + optimizer state."""
+    return 1.15 * held_mib + workers * message_mib + 64.0
 
 
 def run_peer(peers, n, w, mode, steps, warmup):
@@ -266,7 +286,7 @@ def main():
     hdr = ["params", "W", "mode", "factorps", "peer", "factorps/peer"]
     if a.bf16:
         hdr += ["bf16", "bf16/f32"]
-    hdr += ["GB/s", "/ iperf3", "shards' VmHWM MiB", "peer shards' VmHWM MiB"]
+    hdr += ["GB/s", "/ iperf3", "shards' VmHWM MiB", "sync bound MiB (VmHWM / bound)", "peer shards' VmHWM MiB"]
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for n, label, w, mode in configs:
@@ -282,7 +302,15 @@ def main():
                f"{fs / ps:.2f}" if p and ps else "-"]
         if a.bf16:
             row += [f"{bs:.3f}", f"{bs / fs:.2f}" if fs else "-"]
-        row += [f"{fg:.2f}", f"{fg / loop:.2f}" if loop == loop else "-", per_shard(f),
+        def bound(rs):  # the bound per shard and the worst run's peak against it
+            bs = [r["bounds"] for r in rs if r.get("bounds") and len(r["bounds"]) == 2]
+            hs = [r["hwms"] for r in rs if r.get("bounds") and len(r["bounds"]) == 2]
+            if mode != "sync" or not bs:
+                return "-"
+            worst = [max(h[i] / b[i] for h, b in zip(hs, bs)) for i in range(2)]
+            return (" / ".join(f"{b:.0f}" for b in bs[0]) + " (" + " / ".join(f"{x:.2f}" for x in worst) +
+                    (", within)" if max(worst) <= 1 else ", OVER)"))
+        row += [f"{fg:.2f}", f"{fg / loop:.2f}" if loop == loop else "-", per_shard(f), bound(f),
                 per_shard(p)]
         print("| " + " | ".join(row) + " |", flush=True)
     if a.json:
