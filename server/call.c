@@ -56,10 +56,19 @@ static void fps__call_meter_locked(fps_call_t *c, grpc_status_code code) {
 
 /* grpc_call_start_batch with the hand-off of `tag` to the thread that will
  * take it from the queue (tsan.h). The arguments are read before the
- * release, so nothing of the call is touched after it. */
-static grpc_call_error fps__start_batch(grpc_call *call, const grpc_op *ops, size_t n, void *tag) {
-  FPS_TSAN_RELEASE(tag);
-  return grpc_call_start_batch(call, ops, n, tag, NULL);
+ * release, so nothing of the call is touched after it. Once the server
+ * closed its queue (shutdown) it refuses, as gRPC would for a finished
+ * call: the callers already release what a batch would have. */
+static grpc_call_error fps__start_batch(fps_server_t *srv, grpc_call *call, const grpc_op *ops, size_t n,
+                                        void *tag) {
+  grpc_call_error e = GRPC_CALL_ERROR_ALREADY_FINISHED;
+  pthread_rwlock_rdlock(&srv->batch_gate);
+  if (!srv->batches_closed) {
+    FPS_TSAN_RELEASE(tag);
+    e = grpc_call_start_batch(call, ops, n, tag, NULL);
+  }
+  pthread_rwlock_unlock(&srv->batch_gate);
+  return e;
 }
 
 static void fps__call_unref(fps_call_t *c) {
@@ -127,7 +136,7 @@ int fps_call_begin(fps_call_t *c, fps_server_t *srv, grpc_call *call, gpr_timesp
   op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
   op.data.recv_close_on_server.cancelled = &c->cancelled;
   pthread_mutex_lock(&c->mu);
-  grpc_call_error e = fps__start_batch(call, &op, 1, &c->close_tag);
+  grpc_call_error e = fps__start_batch(srv, call, &op, 1, &c->close_tag);
   pthread_mutex_unlock(&c->mu);
   if (e != GRPC_CALL_OK) {
     FPS_SLOG(FPS_LOG_ERROR, "%s: RECV_CLOSE_ON_SERVER failed: %d", method, (int)e);
@@ -190,7 +199,7 @@ int fps_call_recv(fps_call_t *c) {
     grpc_byte_buffer_destroy(c->recv_buf);
     c->recv_buf = NULL;
   }
-  grpc_call_error e = fps__start_batch(c->call, &op, 1, &c->batch_tag);
+  grpc_call_error e = fps__start_batch(c->srv, c->call, &op, 1, &c->batch_tag);
   pthread_mutex_unlock(&c->mu);
   return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
 }
@@ -205,7 +214,7 @@ int fps_call_probe(fps_call_t *c) {
     return FPS_ESTATE;
   }
   c->initial_md_sent = true;
-  grpc_call_error e = fps__start_batch(c->call, &op, 1, &c->batch_tag);
+  grpc_call_error e = fps__start_batch(c->srv, c->call, &op, 1, &c->batch_tag);
   pthread_mutex_unlock(&c->mu);
   return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
 }
@@ -236,7 +245,7 @@ int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
    * another poller before we unlock: hold one of our own until we are done
    * with c. */
   atomic_fetch_add(&c->refs, 1);
-  grpc_call_error e = fps__start_batch(c->call, ops, n, final ? &c->status_tag : &c->batch_tag);
+  grpc_call_error e = fps__start_batch(c->srv, c->call, ops, n, final ? &c->status_tag : &c->batch_tag);
   pthread_mutex_unlock(&c->mu);
   if (e != GRPC_CALL_OK && final) fps__call_unref(c);
   /* The send op holds its own reference to the message's slices. */
@@ -275,7 +284,7 @@ void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_li
   /* The status completion may drop the last reference on another poller
    * before we unlock: hold one of our own until we are done with c. */
   atomic_fetch_add(&c->refs, 1);
-  grpc_call_error e = fps__start_batch(c->call, ops, n, &c->status_tag);
+  grpc_call_error e = fps__start_batch(c->srv, c->call, ops, n, &c->status_tag);
   pthread_mutex_unlock(&c->mu);
   if (e != GRPC_CALL_OK) {
     /* No completion will come: release the logic reference here. */

@@ -172,10 +172,13 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
 
 static int fps__slot_post(fps_slot_t *s) {
   fps_server_t *srv = s->srv;
-  grpc_call_error e;
+  grpc_call_error e = GRPC_CALL_ERROR;
   int method = s->method;
-  /* Nothing of the slot is read after the release (tsan.h). */
-  if (method == M_GENERIC) {
+  /* Under the gate like every batch: a request on a queue shut down aborts. */
+  pthread_rwlock_rdlock(&srv->batch_gate);
+  if (srv->batches_closed) {
+  } else if (method == M_GENERIC) {
+    /* Nothing of the slot is read after the release (tsan.h). */
     FPS_TSAN_RELEASE(&s->tag);
     e = grpc_server_request_call(srv->server, &s->call, &s->details, &s->md, srv->cq, srv->cq, &s->tag);
   } else {
@@ -184,6 +187,7 @@ static int fps__slot_post(fps_slot_t *s) {
     e = grpc_server_request_registered_call(srv->server, srv->method[method], &s->call, &s->deadline,
                                             &s->md, payload, srv->cq, srv->cq, &s->tag);
   }
+  pthread_rwlock_unlock(&srv->batch_gate);
   return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
 }
 
@@ -228,6 +232,7 @@ static void fps__shutdown_done(fps_tag_t *tag, bool ok) {
 }
 
 int fps_grpc_start(fps_server_t *srv) {
+  srv->batches_closed = false; /* no thread of ours runs yet */
   /* Bad TLS files or tokens stop the start before anything listens. */
   int rc = fps_auth_create(&srv->cfg, &fps__auth);
   if (rc < 0) return rc;
@@ -351,6 +356,9 @@ void fps_grpc_stop(fps_server_t *srv, double grace_s) {
    * pollers (which run the final unrefs) exit. */
   grpc_server_cancel_all_calls(srv->server);
   grpc_server_destroy(srv->server);
+  pthread_rwlock_wrlock(&srv->batch_gate);
+  srv->batches_closed = true;
+  pthread_rwlock_unlock(&srv->batch_gate);
   grpc_completion_queue_shutdown(srv->cq);
   for (uint32_t i = 0; i < fps__npollers; i++) pthread_join(fps__pollers[i].th, NULL);
   /* Only now: a poller re-posting a slot reads srv->server until it exits. */

@@ -158,6 +158,7 @@ int main(int argc, char **argv) {
   fps_metrics_http_t *http = NULL;
 
   pthread_mutex_init(&srv.calls_mu, NULL);
+  pthread_rwlock_init(&srv.batch_gate, NULL);
   fps_shard_opts_t opts;
   fps_config_shard_opts(&srv.cfg, &opts);
   if (fps_shard_init(&srv.shard, &opts, kernels, pool) < 0) {
@@ -257,6 +258,7 @@ out:
   FPS_SLOG(FPS_LOG_DEBUG, "shutdown: gRPC teardown %s at %.3f s", torn_down ? "done" : "abandoned",
            (double)(fps_now_ns() - stop0) / 1e9);
   pthread_mutex_destroy(&srv.calls_mu);
+  pthread_rwlock_destroy(&srv.batch_gate);
   fps_config_free(&srv.cfg);
   if (exit_code == 0) FPS_SLOG(FPS_LOG_INFO, "stopped cleanly");
   if (!torn_down) {

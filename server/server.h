@@ -208,6 +208,12 @@ struct fps_server_s {
   void *method[6];                  /* registered method handles */
   int port;
   atomic_bool shutting_down;
+  /* Every batch is started under the read side; fps_grpc_stop takes the
+   * write side to close it before shutting the queue down, since gRPC
+   * aborts on a batch started after grpc_completion_queue_shutdown (a
+   * call gRPC has already let go of can still get a cancel event). */
+  pthread_rwlock_t batch_gate;
+  bool batches_closed;              /* batch_gate */
   /* Active calls, for deadline enforcement and shutdown. */
   pthread_mutex_t calls_mu;
   fps_call_t *calls;

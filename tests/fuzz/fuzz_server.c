@@ -416,6 +416,7 @@ fps_server_t *fz_server_new(int mode, uint32_t workers, uint32_t staleness) {
   cfg->max_staging_bytes = 256u << 10;
   cfg->apply_log = 4;
   pthread_mutex_init(&srv->calls_mu, NULL);
+  pthread_rwlock_init(&srv->batch_gate, NULL);
   /* The real core; no timer thread is started, so no deadline fires and
    * every input replays the same way. */
   fps_shard_opts_t opts;
@@ -450,6 +451,7 @@ void fz_server_free(fps_server_t *srv) {
   fps_shard_destroy(&srv->shard);
   fps_config_free(&srv->cfg);
   pthread_mutex_destroy(&srv->calls_mu);
+  pthread_rwlock_destroy(&srv->batch_gate);
   free(srv);
 }
 

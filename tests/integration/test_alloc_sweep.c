@@ -90,6 +90,7 @@ static void shard_start(const char *mode, bool checkpoints) {
     fps_metrics_init(&mc);
   }
   pthread_mutex_init(&g_srv.calls_mu, NULL);
+  pthread_rwlock_init(&g_srv.batch_gate, NULL);
   fps_shard_opts_t opts;
   fps_config_shard_opts(&g_srv.cfg, &opts);
   assert_int_equal(fps_shard_init(&g_srv.shard, &opts, kernels, g_pool), 0);
@@ -112,6 +113,7 @@ static void shard_stop(void) {
   fps_checkpoint_close(&g_srv.shard);
   fps_shard_destroy(&g_srv.shard);
   pthread_mutex_destroy(&g_srv.calls_mu);
+  pthread_rwlock_destroy(&g_srv.batch_gate);
   fps_config_free(&g_srv.cfg);
   grpc_shutdown_blocking();
   if (*g_ckpt_dir) {
