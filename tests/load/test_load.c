@@ -781,19 +781,20 @@ static void test_load_async_exact_and_flat(void **state) {
     uint64_t d_upd = sh1[s].updates - sh0[s].updates, d_push = sh1[s].pushes - sh0[s].pushes,
              d_err = sh1[s].push_errors - sh0[s].push_errors;
     printf("shard %d: updates +%llu (clients: %llu), pushes +%llu (acked calls: %llu), "
-           "push_errors +%llu (refused calls: %llu)\n",
+           "push_errors +%llu (refused calls: %llu; attempts cut short: %llu)\n",
            s, (unsigned long long)d_upd, (unsigned long long)upd[s], (unsigned long long)d_push,
            (unsigned long long)calls_ok[s], (unsigned long long)d_err,
-           (unsigned long long)calls_refused[s]);
+           (unsigned long long)calls_refused[s], (unsigned long long)calls_cut[s]);
     assert_int_equal(d_upd, upd[s]);
-    /* An attempt cut short by its deadline is counted by the shard as an
-     * error (it never finished) or as an OK push (it finished, the answer
-     * came too late; its retry is then a second OK, applying nothing). */
-    /* Retries of an attempt still in flight (UNAVAILABLE, inside
-     * libfactorps) add errors the clients cannot count: at least. A raw
-     * attempt cancelled early may never have reached the shard: not
-     * counted here. */
-    assert_true(d_push + d_err >= calls_ok[s] + calls_refused[s] + calls_cut[s]);
+    /* An attempt cut short by its deadline or a cancel is counted by the
+     * shard as an error (it never finished), as an OK push (it finished,
+     * the answer came too late; its retry is then a second OK, applying
+     * nothing), or not at all: a 2 ms deadline can pass before the call
+     * leaves the client. Retries of an attempt still in flight
+     * (UNAVAILABLE, inside libfactorps) add errors the clients cannot
+     * count. So the counters are bounded below only by the answers the
+     * clients got; updates == acknowledged pushes above is the exact
+     * check. */
     assert_true(d_push >= calls_ok[s] && d_err >= calls_refused[s]);
   }
 
