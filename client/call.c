@@ -57,6 +57,8 @@ struct fps__stream_engine_s {
   grpc_byte_buffer *recv_bb;
   uint8_t *flat;                     /* reused gather buffer for replies */
   size_t flat_cap;
+  fps_wspan_t *spans;                /* reused: a reply's slices, for on_spans */
+  size_t spans_cap;
   grpc_metadata_array init_md, trail_md;
   grpc_status_code status;
   grpc_slice details;
@@ -281,7 +283,9 @@ static void send_event(engine_t *e, int success) {
   produce(e);
 }
 
-/* Hands one received message to the consumer as one contiguous buffer.
+/* Hands one received message to the consumer. A consumer with on_spans
+ * (PushPull and Pull replies, the tensor data) reads the slices gRPC
+ * received it in, where they are. Otherwise it gets one contiguous buffer:
  * gRPC delivers a large message as many slices; instead of
  * grpc_byte_buffer_reader_readall(), which allocates a fresh buffer per
  * message (for 4 MiB messages that is an mmap and a page fault per 4 KiB
@@ -292,6 +296,21 @@ static int deliver(engine_t *e, grpc_byte_buffer *bb) {
   grpc_byte_buffer_reader rd;
   grpc_slice sl;
   int rc;
+  if (e->s->ops->on_spans && bb->data.raw.compression == GRPC_COMPRESS_NONE) {
+    /* The consumer reads the received slices themselves: no gathering. */
+    const grpc_slice_buffer *sb = &bb->data.raw.slice_buffer;
+    if (sb->count > e->spans_cap) {
+      fps_wspan_t *ns = realloc(e->spans, sb->count * sizeof *ns);
+      if (!ns)
+        return fps__stream_fail(e->s, FPS_CODE_RESOURCE_EXHAUSTED, "out of memory for a %zu-slice reply",
+                                sb->count);
+      e->spans = ns;
+      e->spans_cap = sb->count;
+    }
+    for (size_t i = 0; i < sb->count; i++)
+      e->spans[i] = (fps_wspan_t){GRPC_SLICE_START_PTR(sb->slices[i]), GRPC_SLICE_LENGTH(sb->slices[i])};
+    return e->s->ops->on_spans(e->s, e->spans, sb->count);
+  }
   if (!grpc_byte_buffer_reader_init(&rd, bb))
     return fps__stream_fail(e->s, FPS_CODE_INTERNAL, "cannot read a reply (compressed?)");
   size_t len = grpc_byte_buffer_length(bb);
@@ -320,6 +339,11 @@ static int deliver(engine_t *e, grpc_byte_buffer *bb) {
     grpc_slice_unref(sl);
   }
   grpc_byte_buffer_reader_destroy(&rd);
+  if (e->s->ops->on_spans) {
+    /* A compressed reply, inflated by the reader: one buffer. */
+    fps_wspan_t one = {e->flat, off};
+    return e->s->ops->on_spans(e->s, &one, 1);
+  }
   return e->s->ops->on_message(e->s, e->flat, off);
 }
 
@@ -394,6 +418,9 @@ static void engine_finish(engine_t *e, fps__retry_t retry) {
   free(e->flat);
   e->flat = NULL;
   e->flat_cap = 0;
+  free(e->spans);
+  e->spans = NULL;
+  e->spans_cap = 0;
   e->have_next = 0;
   grpc_metadata_array_destroy(&e->init_md);
   grpc_metadata_array_destroy(&e->trail_md);

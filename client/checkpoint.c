@@ -36,7 +36,7 @@ static void ckpt_reset(fps__stream_t *s) {
   sh->resp = NULL;
 }
 
-static const fps__stream_ops_t ckpt_ops = {ckpt_next, ckpt_reply, ckpt_reset};
+static const fps__stream_ops_t ckpt_ops = {ckpt_next, ckpt_reply, ckpt_reset, NULL};
 
 int fps_client_checkpoint(fps_client_t *c, fps_checkpoint_info_t *out, size_t n, fps_status_t *status) {
   if (!c) return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "client is NULL");

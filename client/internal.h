@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "factorps/client.h"
+#include "wire_codec.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "libfactorps sends host floats as the wire's little-endian bytes: little-endian hosts only"
@@ -138,6 +139,10 @@ typedef struct fps__stream_ops_s {
   /* Rewinds the producer and the consumer for a retry. May be NULL when the
    * stream is never retried after it started. */
   void (*reset)(fps__stream_t *s);
+  /* Instead of on_message (which is then NULL): consumes one response
+   * message in the buffers gRPC received it in (spans[0..n), valid during
+   * the call only), so it can be decoded without gathering it first. */
+  int (*on_spans)(fps__stream_t *s, const fps_wspan_t *spans, size_t n);
 } fps__stream_ops_t;
 
 /* When a failed attempt may be repeated. */
@@ -172,54 +177,35 @@ grpc_byte_buffer *fps__pack(const void *protobuf_c_message);
 
 /* ---- wire decoding of PushPullResponse / PullResponse (wire.c) ---- */
 
-typedef struct fps__wire_slice_s {
-  const char *name;                   /* not NUL-terminated */
-  size_t name_len;
-  int dtype;                          /* wire DType value */
-  uint32_t ndim;
-  uint64_t shape[FPS_CLIENT_MAX_DIMS];
-  int shape_overflow;                 /* more dims than FPS_CLIENT_MAX_DIMS */
-  uint64_t offset;
-  const uint8_t *data;                /* points into the message */
-  size_t data_len;
-} fps__wire_slice_t;
+/* Longest version name passed to on_version in full (longer: cut). */
+#define FPS__WIRE_NAME_MAX 512
 
 typedef struct fps__wire_sink_s {
-  /* Each returns 0, or nonzero to stop (after recording an error). */
-  int (*on_slice)(void *ctx, const fps__wire_slice_t *sl);
+  /* Each returns 0, or nonzero to stop (after recording an error). The
+   * slice's windows (name, data) point into the message's buffers. */
+  int (*on_slice)(void *ctx, const fps_wire_tslice_t *sl);
   int (*on_version)(void *ctx, const char *name, size_t name_len, uint64_t version);
   void *ctx;
 } fps__wire_sink_t;
 
 /* Decodes a PushPullResponse or PullResponse (same layout: params = 1,
- * versions = 2) without copying tensor data: slices point into `buf`.
+ * versions = 2) from the buffers spans[0..n) without copying tensor data.
  * Unknown fields are skipped. Returns 0, -1 on malformed input (with a
  * reason in `err`), or the sink's nonzero value. */
-int fps__wire_parse_params(const uint8_t *buf, size_t len, const fps__wire_sink_t *sink, char *err,
+int fps__wire_parse_params(const fps_wspan_t *spans, size_t n, const fps__wire_sink_t *sink, char *err,
                            size_t errlen);
 
 /* Encoding of PushPullRequest without copying gradient data: the request
- * becomes a byte buffer of small header slices interleaved with slices that
- * point straight at the caller's floats (see push_pull.c). */
+ * becomes a byte buffer of small header slices (fps_wire_slice_header())
+ * interleaved with slices that point straight at the caller's floats (see
+ * push_pull.c). */
 
-/* Most header bytes fps__wire_slice_header() writes for a name of
- * `name_len` bytes and `ndim` dims. */
-#define FPS__WIRE_SLICE_HEADER_MAX(name_len, ndim) (48 + (name_len) + 11 * (ndim))
-/* Writes the TensorSlice header (the outer field `field` of the enclosing
- * message, its length, name, dtype, shape, offset and the data field's tag
- * and length) for a slice whose `data_len` data bytes follow it. Returns
- * the bytes written. */
-size_t fps__wire_slice_header(uint8_t *buf, unsigned field, const char *name, size_t name_len,
-                              int dtype, uint32_t ndim, const uint64_t *shape, uint64_t offset,
-                              size_t data_len);
 /* Most bytes fps__wire_tensor_push() writes for a name of `name_len`. */
 #define FPS__WIRE_TENSOR_PUSH_MAX(name_len) (56 + (name_len))
 /* Writes a PushPullRequest.TensorPush as field `field` (name and the
  * present settings of tp). Returns the bytes written. */
 size_t fps__wire_tensor_push(uint8_t *buf, unsigned field, const char *name, size_t name_len,
                              const fps_tensor_push_t *tp);
-/* Writes varint field `field` = v; returns the bytes written (<= 11). */
-size_t fps__wire_put_varint_field(uint8_t *buf, unsigned field, uint64_t v);
 
 /* ---- optimizer settings (optim.c) ---- */
 

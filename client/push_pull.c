@@ -7,8 +7,9 @@
  * small header slices interleaved with slices over the caller's floats,
  * which gRPC writes to the socket directly; two messages at most are built
  * ahead per shard.
- * The reply side decodes each message as it arrives (wire.c) and copies each
- * parameter slice straight into the caller's buffer at its offset. After an
+ * The reply side decodes each message as it arrives, in the buffers gRPC
+ * received it in (wire.c), and decodes each parameter slice straight from
+ * them into the caller's buffer at its offset: one pass per byte. After an
  * OK status every tensor must have been covered exactly once and have a
  * version, or the call fails with DATA_LOSS: a caller never sees a
  * half-written tensor reported as success.
@@ -113,7 +114,7 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
       sh->pos++;
       continue;
     }
-    uint64_t over = FPS__WIRE_SLICE_HEADER_MAX(name_len, it->t->ndim) + tp_over;
+    uint64_t over = FPS_WIRE_SLICE_HEADER_MAX(name_len, it->t->ndim) + tp_over;
     uint64_t room = budget > used + over ? (budget - used - over) / job->esz : 0;
     uint64_t left = it->t->numel - sh->off;
     uint64_t count = left < room ? left : room;
@@ -133,12 +134,12 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   uint8_t *h = GRPC_SLICE_START_PTR(hdr);
   size_t hn = 0, n_sl = 0;
   grpc_slice *sl = sh->slices;
-  if (job->worker_id) hn += fps__wire_put_varint_field(h + hn, 1, job->worker_id);
-  if (job->step) hn += fps__wire_put_varint_field(h + hn, 2, job->step);
-  if (sh->skip_params) hn += fps__wire_put_varint_field(h + hn, 4, 1);
-  if (job->num_workers) hn += fps__wire_put_varint_field(h + hn, 6, job->num_workers);
-  if (job->expect_mode) hn += fps__wire_put_varint_field(h + hn, 7, (uint64_t)job->expect_mode);
-  if (job->push_id) hn += fps__wire_put_varint_field(h + hn, 8, job->push_id);
+  if (job->worker_id) hn += fps_wire_put_varint_field(h + hn, 1, job->worker_id);
+  if (job->step) hn += fps_wire_put_varint_field(h + hn, 2, job->step);
+  if (sh->skip_params) hn += fps_wire_put_varint_field(h + hn, 4, 1);
+  if (job->num_workers) hn += fps_wire_put_varint_field(h + hn, 6, job->num_workers);
+  if (job->expect_mode) hn += fps_wire_put_varint_field(h + hn, 7, (uint64_t)job->expect_mode);
+  if (job->push_id) hn += fps_wire_put_varint_field(h + hn, 8, job->push_id);
   size_t mark = 0;
   for (size_t i = 0; i < k; i++) {
     const pp_run_t *r = &sh->plan[i];
@@ -147,8 +148,8 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
     if (tp && r->off == 0 && (tp->has_lr || tp->has_weight_decay || tp->no_grad || tp->has_step))
       hn += fps__wire_tensor_push(h + hn, 5, t->name, strlen(t->name), tp);
     if (r->count == 0 && tp && tp->no_grad) continue; /* settings only */
-    hn += fps__wire_slice_header(h + hn, 3, t->name, strlen(t->name), job->dtype, t->ndim,
-                                 t->shape, r->off, (size_t)(r->count * job->esz));
+    hn += fps_wire_slice_header(h + hn, 3, t->name, strlen(t->name), job->dtype, t->ndim, t->shape, r->off,
+                                (size_t)(r->count * job->esz));
     sl[n_sl++] = grpc_slice_sub(hdr, mark, hn);
     mark = hn;
     if (job->dtype == FPS_DTYPE_BF16) {
@@ -207,31 +208,44 @@ static const pp_item_t *find_item(const pp_shard_t *sh, const char *name, size_t
   return NULL;
 }
 
-static int on_slice(void *ctx, const fps__wire_slice_t *sl) {
+static int on_slice(void *ctx, const fps_wire_tslice_t *sl) {
   pp_shard_t *sh = ctx;
   pp_job_t *job = sh->job;
-  const pp_item_t *it = find_item(sh, sl->name, sl->name_len);
+  char name_buf[FPS__WIRE_NAME_MAX];
+  size_t name_len = sl->name_len < sizeof name_buf ? (size_t)sl->name_len : sizeof name_buf;
+  fps_wreader_t nr = sl->name;
+  const char *name = (const char *)fps_wr_bytes(&nr, name_len, (uint8_t *)name_buf);
+  const pp_item_t *it = find_item(sh, name, name_len);
   if (!it)
     return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "reply carries tensor '%.*s', not asked for",
-                            (int)(sl->name_len > 256 ? 256 : sl->name_len), sl->name);
+                            (int)(name_len > 256 ? 256 : name_len), name);
   const fps__tensor_t *t = it->t;
   /* The shard answers in the dtype of a tensor's first pushed slice (bf16
    * with wire_dtype bf16, f32 otherwise and for tensors sent no data). */
   if (sl->dtype != FACTORPS__V1__DTYPE__DTYPE_F32 && sl->dtype != FACTORPS__V1__DTYPE__DTYPE_BF16)
     return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "tensor '%s': reply dtype %d, not f32 or bf16",
-                            t->name, sl->dtype);
+                            t->name, (int)sl->dtype);
   const size_t esz = fps_dtype_size(sl->dtype);
   if (sl->data_len % esz || sl->offset > t->numel || sl->data_len / esz > t->numel - sl->offset)
     return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL,
-                            "tensor '%s': reply slice [%llu, +%zu bytes) outside %llu elements",
-                            t->name, (unsigned long long)sl->offset, sl->data_len,
+                            "tensor '%s': reply slice [%llu, +%llu bytes) outside %llu elements",
+                            t->name, (unsigned long long)sl->offset, (unsigned long long)sl->data_len,
                             (unsigned long long)t->numel);
-  if (sl->ndim != t->ndim || sl->shape_overflow ||
-      memcmp(sl->shape, t->shape, t->ndim * sizeof *t->shape) != 0)
+  if (sl->n_shape != t->ndim || memcmp(sl->shape, t->shape, t->ndim * sizeof *t->shape) != 0)
     return fps__stream_fail(&sh->s, FPS_CODE_FAILED_PRECONDITION,
                             "tensor '%s': the shard's shape differs from the client's", t->name);
+  /* Straight from gRPC's buffers into the caller's array: one pass. */
   float *dst = job->params[it->idx];
-  if (dst) fps_dtype_decode(sl->dtype, sl->data, sl->data_len / esz, dst + sl->offset, NULL);
+  if (dst) {
+    fps_welems_t el;
+    fps_welems_init(&el, &sl->data, esz);
+    const uint8_t *p;
+    uint64_t k, at = sl->offset;
+    while ((k = fps_welems_next(&el, &p)) > 0) {
+      fps_dtype_decode(sl->dtype, p, k, dst + at, NULL);
+      at += k;
+    }
+  }
   job->received[it->idx] += sl->data_len / esz;
   return 0;
 }
@@ -247,11 +261,11 @@ static int on_version(void *ctx, const char *name, size_t len, uint64_t version)
   return 0;
 }
 
-static int pp_reply(fps__stream_t *s, const uint8_t *data, size_t len) {
+static int pp_reply(fps__stream_t *s, const fps_wspan_t *spans, size_t n) {
   pp_shard_t *sh = s->ctx;
   char err[128];
   fps__wire_sink_t sink = {on_slice, on_version, sh};
-  int rc = fps__wire_parse_params(data, len, &sink, err, sizeof err);
+  int rc = fps__wire_parse_params(spans, n, &sink, err, sizeof err);
   if (rc < 0) return fps__stream_fail(s, FPS_CODE_INTERNAL, "%s", err);
   return rc;
 }
@@ -273,7 +287,7 @@ static void push_reset(fps__stream_t *s) {
   sh->off = 0;
   pull_reset(s);
 }
-static const fps__stream_ops_t push_ops = {push_next, pp_reply, push_reset};
+static const fps__stream_ops_t push_ops = {push_next, NULL, push_reset, pp_reply};
 
 /* A process-wide push_id sequence from a random start, so that workers in
  * different processes that share a worker_id (async) never share a key. */
@@ -293,7 +307,7 @@ static uint64_t fps__push_id_next(void) {
   uint64_t id = atomic_fetch_add(&fps__push_seq, 1) + 1;
   return id ? id : atomic_fetch_add(&fps__push_seq, 1) + 1;
 }
-static const fps__stream_ops_t pull_ops = {pull_next, pp_reply, pull_reset};
+static const fps__stream_ops_t pull_ops = {pull_next, NULL, pull_reset, pp_reply};
 
 /* Waits until gRPC released every slice over the caller's gradients. The
  * calls are over, so this is prompt; the bound only guards against a gRPC

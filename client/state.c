@@ -125,7 +125,7 @@ static void st_reset(fps__stream_t *s) {
   }
 }
 
-static const fps__stream_ops_t st_ops = {st_next, st_reply, st_reset};
+static const fps__stream_ops_t st_ops = {st_next, st_reply, st_reset, NULL};
 
 int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fps_tensor_state_t *info,
                          float *const *row, float *const *col, float *const *var, float *const *mom,

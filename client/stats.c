@@ -39,7 +39,7 @@ static void stats_reset(fps__stream_t *s) {
   sh->resp = NULL;
 }
 
-static const fps__stream_ops_t stats_ops = {stats_next, stats_reply, stats_reset};
+static const fps__stream_ops_t stats_ops = {stats_next, stats_reply, stats_reset, NULL};
 
 static void free_shards(stats_shard_t *sh, size_t n) {
   if (!sh) return;

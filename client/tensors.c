@@ -186,7 +186,7 @@ static void create_reset(fps__stream_t *s) {
   sh->off = sh->round_off;
 }
 
-static const fps__stream_ops_t create_ops = {create_next, create_reply, create_reset};
+static const fps__stream_ops_t create_ops = {create_next, create_reply, create_reset, NULL};
 
 static void sleep_s(double s) {
   struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};

@@ -1,16 +1,25 @@
-/* Streams tensors back to a client: each message packs slices of one or
+/* Streams tensors back to a client: each message carries slices of one or
  * more tensors (small tensors share a message) up to FPS_REPLY_BUDGET bytes
  * of payload; the last message carries every tensor's version.
  *
  * Data comes from refcounted snapshots, never from the live tensor, so a
- * slow reader holds no lock and always sees one consistent version. The
- * encode into the message buffer is the only copy per message: the packed
- * buffer becomes the gRPC slice without another. */
+ * slow reader holds no lock and always sees one consistent version. A
+ * message is a gRPC byte buffer of slices that reference the snapshot:
+ * the protobuf framing (common/wire_codec.h) in one small buffer, cut into
+ * a slice before each payload, and each fp32 payload as a slice over the
+ * snapshot's own memory (grpc_slice_new_with_user_data) holding a
+ * snapshot reference that its destroy callback drops, on whichever thread
+ * gRPC releases it. No byte of an fp32 reply is copied in user space; a
+ * bf16 payload needs its conversion, one pass into a buffer gRPC owns. */
 #include <stdlib.h>
 #include <string.h>
 
+#include <grpc/byte_buffer.h>
+#include <grpc/slice.h>
+
 #include "alloc.h"
 #include "metrics.h"
+#include "tsan.h"
 #include "wire.h"
 
 void fps_reply_free(fps_reply_t *r) {
@@ -19,70 +28,65 @@ void fps_reply_free(fps_reply_t *r) {
   memset(r, 0, sizeof *r);
 }
 
+/* gRPC is done with a payload slice: its snapshot reference goes. */
+static void fps__reply_slice_released(void *snap) {
+  FPS_TSAN_ACQUIRE(snap); /* gRPC may drop the slice on any thread */
+  fps_snap_unref(snap);
+}
+
+/* gRPC is done with a buffer of ours (framing, a bf16 payload). */
+static void fps__reply_buf_free(void *p, size_t len) {
+  FPS_TSAN_ACQUIRE(p); /* gRPC may drop the slice on any thread */
+  (void)len;
+  fps_free(p);
+}
+
+/* One run of a tensor's elements in the message being built. */
+typedef struct fps_reply_run_s {
+  const fps_reply_item_t *it;
+  uint64_t off, cnt;
+} fps_reply_run_t;
+
 grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) {
-  /* Enough slices to fill a message with tensors of ~1 KiB. */
-  enum { MAX_SLICES = 4096 };
-  struct fps_slice_scratch_s {
-    Factorps__V1__TensorSlice sl;
-    uint64_t shape[FPS_MAX_DIMS];
-    uint8_t *enc;
-  } *sc = NULL;
-  Factorps__V1__TensorSlice **slp = NULL;
-  size_t ns = 0, budget = FPS_REPLY_BUDGET;
+  /* Enough runs to fill a message with tensors of ~1 KiB. */
+  enum { MAX_RUNS = 4096 };
+  fps_reply_run_t *runs = fps_malloc(MAX_RUNS * sizeof *runs);
+  grpc_slice *sl = NULL;
+  size_t ns = 0, n_sl = 0, budget = FPS_REPLY_BUDGET, hdr_cap = 0;
   grpc_byte_buffer *bb = NULL;
-  Factorps__V1__TensorVersion *vers = NULL, **versp = NULL;
   uint64_t payload = 0;
   *last = false;
-  sc = fps_malloc(MAX_SLICES * sizeof *sc);
-  slp = fps_malloc(MAX_SLICES * sizeof *slp);
-  if (!sc || !slp) goto fail;
+  if (!runs) return NULL;
 
-  /* Fill slices until the budget or the items run out. A per-slice
-   * overhead estimate keeps many tiny tensors from overshooting. */
-  while (r->cur < r->n && ns < MAX_SLICES) {
-    fps_reply_item_t *it = &r->items[r->cur];
-    if (!it->snap || it->snap->numel == 0 || r->off >= it->snap->numel) {
-      r->cur++;
-      r->off = 0;
+  /* Plan: runs until the budget or the items run out. A per-run overhead
+   * estimate keeps many tiny tensors from overshooting. */
+  size_t cur = r->cur;
+  uint64_t off = r->off;
+  while (cur < r->n && ns < MAX_RUNS) {
+    const fps_reply_item_t *it = &r->items[cur];
+    if (!it->snap || it->snap->numel == 0 || off >= it->snap->numel) {
+      cur++;
+      off = 0;
       continue;
     }
     size_t esz = fps_dtype_size(it->dtype);
-    size_t overhead = strlen(it->t->name) + 16 + 11 * FPS_MAX_DIMS + 32;
+    size_t name_len = strlen(it->t->name);
+    size_t overhead = name_len + 16 + 11 * FPS_MAX_DIMS + 32;
     if (budget < overhead + esz) break;
     uint64_t can = (budget - overhead) / esz;
-    uint64_t left = it->snap->numel - r->off;
+    uint64_t left = it->snap->numel - off;
     uint64_t cnt = left < can ? left : can;
-    uint8_t *data;
-    if (it->dtype == FPS_DTYPE_F32) {
-      /* fp32 goes straight from the snapshot into the packed message. */
-      data = (uint8_t *)(it->snap->data + r->off);
-      sc[ns].enc = NULL;
-    } else {
-      data = fps_malloc(cnt * esz);
-      if (!data) goto fail;
-      fps_dtype_encode(it->dtype, it->snap->data + r->off, cnt, data);
-      sc[ns].enc = data;
-    }
-    factorps__v1__tensor_slice__init(&sc[ns].sl);
-    sc[ns].sl.name = it->t->name;
-    sc[ns].sl.dtype = (Factorps__V1__DType)it->dtype;
-    sc[ns].sl.n_shape = it->t->shape.ndim;
-    for (uint32_t d = 0; d < it->t->shape.ndim; d++) sc[ns].shape[d] = it->t->shape.dim[d];
-    sc[ns].sl.shape = sc[ns].shape;
-    sc[ns].sl.offset = r->off;
-    sc[ns].sl.data.data = data;
-    sc[ns].sl.data.len = cnt * esz;
-    slp[ns] = &sc[ns].sl;
-    ns++;
+    runs[ns++] = (fps_reply_run_t){it, off, cnt};
+    hdr_cap += FPS_WIRE_SLICE_HEADER_MAX(name_len, it->t->shape.ndim);
     payload += cnt * esz;
     budget -= overhead + cnt * esz;
-    r->off += cnt;
-    if (r->off >= it->snap->numel) {
-      r->cur++;
-      r->off = 0;
+    off += cnt;
+    if (off >= it->snap->numel) {
+      cur++;
+      off = 0;
     }
   }
-  *last = r->cur >= r->n;
+  *last = cur >= r->n;
   if (*last && ns > 0) {
     /* The versions must fit beside the data, or they go alone in one more
      * message (they cannot be split: the contract puts them all in the
@@ -91,40 +95,66 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
     for (size_t i = 0; i < r->n; i++) vbytes += strlen(r->items[i].t->name) + 16;
     if (vbytes > budget) *last = false;
   }
-  if (*last) {
-    vers = fps_calloc(r->n ? r->n : 1, sizeof *vers);
-    versp = fps_calloc(r->n ? r->n : 1, sizeof *versp);
-    if (!vers || !versp) goto fail;
-    for (size_t i = 0; i < r->n; i++) {
-      factorps__v1__tensor_version__init(&vers[i]);
-      vers[i].name = r->items[i].t->name;
-      vers[i].version = r->items[i].version;
-      versp[i] = &vers[i];
+  if (*last)
+    for (size_t i = 0; i < r->n; i++) hdr_cap += FPS_WIRE_VERSION_MAX(strlen(r->items[i].t->name));
+
+  /* Encode: per run its framing, then its payload; the versions last. */
+  sl = fps_malloc((2 * ns + 1) * sizeof *sl);
+  uint8_t *h = fps_malloc(hdr_cap ? hdr_cap : 1);
+  uint8_t **enc = ns ? fps_calloc(ns, sizeof *enc) : NULL;
+  if (!sl || !h || (ns && !enc)) {
+    fps_free(h);
+    fps_free(enc);
+    goto fail;
+  }
+  /* The bf16 conversions first: the only step left that can fail. */
+  for (size_t i = 0; i < ns; i++) {
+    if (runs[i].it->dtype == FPS_DTYPE_F32) continue;
+    if (!(enc[i] = fps_malloc((size_t)runs[i].cnt * fps_dtype_size(runs[i].it->dtype)))) {
+      for (size_t j = 0; j < i; j++) fps_free(enc[j]);
+      fps_free(h);
+      fps_free(enc);
+      goto fail;
+    }
+    fps_dtype_encode(runs[i].it->dtype, runs[i].it->snap->data + runs[i].off, runs[i].cnt, enc[i]);
+  }
+  FPS_TSAN_RELEASE(h);
+  grpc_slice hdr = grpc_slice_new_with_len(h, hdr_cap, fps__reply_buf_free);
+  size_t hn = 0, mark = 0;
+  for (size_t i = 0; i < ns; i++) {
+    const fps_reply_run_t *run = &runs[i];
+    const fps_tensor_t *t = run->it->t;
+    fps_snap_t *snap = run->it->snap;
+    size_t bytes = (size_t)run->cnt * fps_dtype_size(run->it->dtype);
+    hn += fps_wire_slice_header(h + hn, 1, t->name, strlen(t->name), run->it->dtype, t->shape.ndim, t->shape.dim,
+                                run->off, bytes);
+    sl[n_sl++] = grpc_slice_sub(hdr, mark, hn);
+    mark = hn;
+    if (run->it->dtype == FPS_DTYPE_F32) {
+      /* fp32 goes to the socket from the snapshot itself. */
+      fps_snap_ref(snap);
+      FPS_TSAN_RELEASE(snap);
+      sl[n_sl++] = grpc_slice_new_with_user_data(snap->data + run->off, bytes, fps__reply_slice_released, snap);
+    } else {
+      FPS_TSAN_RELEASE(enc[i]);
+      sl[n_sl++] = grpc_slice_new_with_len(enc[i], bytes, fps__reply_buf_free);
     }
   }
-  if (r->pull) {
-    Factorps__V1__PullResponse m = FACTORPS__V1__PULL_RESPONSE__INIT;
-    m.n_params = ns;
-    m.params = slp;
-    m.n_versions = *last ? r->n : 0;
-    m.versions = versp;
-    bb = fps_pack_message(&m);
-  } else {
-    Factorps__V1__PushPullResponse m = FACTORPS__V1__PUSH_PULL_RESPONSE__INIT;
-    m.n_params = ns;
-    m.params = slp;
-    m.n_versions = *last ? r->n : 0;
-    m.versions = versp;
-    bb = fps_pack_message(&m);
-  }
-  if (bb) atomic_fetch_add(&srv->shard.counters.bytes_sent, payload);
-  if (bb) fps_metrics_rpc_bytes(r->pull ? FPS_METRICS_PULL : FPS_METRICS_PUSHPULL, 0, payload);
+  fps_free(enc);
+  if (*last)
+    for (size_t i = 0; i < r->n; i++)
+      hn += fps_wire_version(h + hn, 2, r->items[i].t->name, strlen(r->items[i].t->name), r->items[i].version);
+  if (mark < hn || n_sl == 0) sl[n_sl++] = grpc_slice_sub(hdr, mark, hn);
+  bb = grpc_raw_byte_buffer_create(sl, n_sl);
+  for (size_t i = 0; i < n_sl; i++) grpc_slice_unref(sl[i]);
+  grpc_slice_unref(hdr);
+  r->cur = cur;
+  r->off = off;
+  atomic_fetch_add(&srv->shard.counters.bytes_sent, payload);
+  fps_metrics_rpc_bytes(r->pull ? FPS_METRICS_PULL : FPS_METRICS_PUSHPULL, 0, payload);
+  if (*last) r->done = true;
 fail:
-  for (size_t i = 0; i < ns; i++) fps_free(sc[i].enc);
-  fps_free(sc);
-  fps_free(slp);
-  fps_free(vers);
-  fps_free(versp);
-  if (*last && bb) r->done = true;
+  fps_free(runs);
+  fps_free(sl);
   return bb;
 }

@@ -196,6 +196,8 @@ typedef struct fps_snap_s {
 fps_snap_t *fps_snap_wrap(fps_shard_t *sh, float *data, uint64_t numel, uint64_t version, int refs);
 /* Drops one reference; the last frees. NULL is a no-op. Thread-safe. */
 void fps_snap_unref(fps_snap_t *s);
+/* Takes one more reference (e.g. for a reply slice over data). Thread-safe. */
+static inline void fps_snap_ref(fps_snap_t *s) { atomic_fetch_add(&s->refs, 1); }
 
 /* Tensor-sized transient buffers (gradient staging, reply snapshots) are
  * counted against max_staging_bytes, so many concurrent pushes cannot

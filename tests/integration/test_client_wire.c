@@ -39,14 +39,14 @@ static void test_slice_header_matches_protobuf_c(void **state) {
     float data[300];
     for (size_t i = 0; i < cases[c].count; i++) data[i] = (float)i * 0.25f - 3.0f;
     size_t name_len = strlen(cases[c].name);
-    uint8_t *buf = malloc(64 + FPS__WIRE_SLICE_HEADER_MAX(name_len, cases[c].ndim) +
+    uint8_t *buf = malloc(64 + FPS_WIRE_SLICE_HEADER_MAX(name_len, cases[c].ndim) +
                           sizeof data);
     assert_non_null(buf);
-    size_t n = fps__wire_put_varint_field(buf, 1, 7);
-    n += fps__wire_put_varint_field(buf + n, 2, 1ull << 40);
-    size_t h = fps__wire_slice_header(buf + n, 3, cases[c].name, name_len, 1, cases[c].ndim,
-                                      cases[c].shape, cases[c].offset, cases[c].count * 4);
-    assert_true(h <= FPS__WIRE_SLICE_HEADER_MAX(name_len, cases[c].ndim));
+    size_t n = fps_wire_put_varint_field(buf, 1, 7);
+    n += fps_wire_put_varint_field(buf + n, 2, 1ull << 40);
+    size_t h = fps_wire_slice_header(buf + n, 3, cases[c].name, name_len, 1, cases[c].ndim, cases[c].shape,
+                                     cases[c].offset, cases[c].count * 4);
+    assert_true(h <= FPS_WIRE_SLICE_HEADER_MAX(name_len, cases[c].ndim));
     n += h;
     memcpy(buf + n, data, cases[c].count * 4);
     n += cases[c].count * 4;
@@ -71,16 +71,25 @@ static void test_slice_header_matches_protobuf_c(void **state) {
 
 typedef struct seen_s {
   int slices, versions;
-  fps__wire_slice_t last;
+  fps_wire_tslice_t last;
+  uint8_t data[64];           /* the last slice's data, reassembled */
   char name[64];
   uint64_t version;
 } seen_t;
 
-static int on_slice(void *ctx, const fps__wire_slice_t *sl) {
+static int on_slice(void *ctx, const fps_wire_tslice_t *sl) {
   seen_t *s = ctx;
   s->slices++;
   s->last = *sl;
+  fps_wreader_t d = sl->data;
+  if (sl->data_len <= sizeof s->data) fps_wr_read(&d, s->data, sl->data_len);
   return 0;
+}
+
+/* Parses buf as one buffer, or cut in two at `cut` (0: one buffer). */
+static int parse(const uint8_t *buf, size_t n, size_t cut, const fps__wire_sink_t *sink, char *err, size_t errlen) {
+  fps_wspan_t sp[2] = {{buf, cut ? cut : n}, {buf + cut, cut ? n - cut : 0}};
+  return fps__wire_parse_params(sp, cut ? 2 : 1, sink, err, errlen);
 }
 
 static int on_version(void *ctx, const char *name, size_t len, uint64_t v) {
@@ -128,27 +137,32 @@ static void test_decoder_reads_protobuf_c(void **state) {
   buf[n++] = 'x';
   buf[n++] = 'y';
 
-  seen_t seen = {0};
-  fps__wire_sink_t sink = {on_slice, on_version, &seen};
   char err[128];
-  assert_int_equal(fps__wire_parse_params(buf, n, &sink, err, sizeof err), 0);
-  assert_int_equal(seen.slices, 1);
-  assert_int_equal(seen.versions, 1);
-  assert_int_equal(seen.last.name_len, 1);
-  assert_int_equal(seen.last.ndim, 2);
-  assert_int_equal(seen.last.shape[0], 5);
-  assert_int_equal(seen.last.offset, 3);
-  assert_int_equal(seen.last.data_len, sizeof vals);
-  assert_memory_equal(seen.last.data, vals, sizeof vals);
-  assert_string_equal(seen.name, "t");
-  assert_int_equal(seen.version, 42);
+  /* In one buffer and cut in two at every byte: the same result. */
+  for (size_t cut = 0; cut < n; cut++) {
+    seen_t seen = {0};
+    fps__wire_sink_t sink = {on_slice, on_version, &seen};
+    assert_int_equal(parse(buf, n, cut, &sink, err, sizeof err), 0);
+    assert_int_equal(seen.slices, 1);
+    assert_int_equal(seen.versions, 1);
+    assert_int_equal(seen.last.name_len, 1);
+    assert_int_equal(seen.last.n_shape, 2);
+    assert_int_equal(seen.last.shape[0], 5);
+    assert_int_equal(seen.last.offset, 3);
+    assert_int_equal(seen.last.data_len, sizeof vals);
+    assert_memory_equal(seen.data, vals, sizeof vals);
+    assert_string_equal(seen.name, "t");
+    assert_int_equal(seen.version, 42);
+  }
 
   /* Every truncation is either a clean parse of a prefix or an error;
    * never a read past the end (ASan checks). */
+  seen_t seen = {0};
+  fps__wire_sink_t sink = {on_slice, on_version, &seen};
   for (size_t cut = 0; cut < n; cut++) {
     uint8_t *p = malloc(cut ? cut : 1);
     memcpy(p, buf, cut);
-    fps__wire_parse_params(p, cut, &sink, err, sizeof err);
+    parse(p, cut, cut / 2, &sink, err, sizeof err);
     free(p);
   }
   free(buf);
@@ -161,15 +175,14 @@ static void test_decoder_rejects_garbage(void **state) {
   char err[128];
   /* Length beyond the buffer. */
   static const uint8_t too_long[] = {(1 << 3) | 2, 100, 0x0a};
-  assert_int_equal(fps__wire_parse_params(too_long, sizeof too_long, &sink, err, sizeof err), -1);
+  assert_int_equal(parse(too_long, sizeof too_long, 0, &sink, err, sizeof err), -1);
   /* An 11-byte varint. */
   static const uint8_t bad_varint[] = {0x08, 0xff, 0xff, 0xff, 0xff, 0xff,
                                        0xff, 0xff, 0xff, 0xff, 0xff, 0x01};
-  assert_int_equal(fps__wire_parse_params(bad_varint, sizeof bad_varint, &sink, err, sizeof err),
-                   -1);
+  assert_int_equal(parse(bad_varint, sizeof bad_varint, 5, &sink, err, sizeof err), -1);
   /* Group wire types are not proto3. */
   static const uint8_t group[] = {(1 << 3) | 3};
-  assert_int_equal(fps__wire_parse_params(group, sizeof group, &sink, err, sizeof err), -1);
+  assert_int_equal(parse(group, sizeof group, 0, &sink, err, sizeof err), -1);
   assert_non_null(strstr(err, "malformed"));
   assert_int_equal(seen.slices, 0);
 }
