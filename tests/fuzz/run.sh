@@ -15,7 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-all=(fuzz_create fuzz_pull fuzz_stats fuzz_pushpull fuzz_ckpt_rpc fuzz_getstate fuzz_http fuzz_checkpoint)
+all=(fuzz_create fuzz_pull fuzz_stats fuzz_pushpull fuzz_ckpt_rpc fuzz_getstate fuzz_http fuzz_checkpoint
+     fuzz_split_partials)
 build=${FPS_FUZZ_BUILD:-build-fuzz}
 jobs=1
 ci=0
@@ -55,7 +56,7 @@ targets=("$@")
 
 out=$build/fuzz-runs
 mkdir -p "$out"
-declare -A maxlen=([fuzz_http]=20000 [fuzz_checkpoint]=8192)
+declare -A maxlen=([fuzz_http]=20000 [fuzz_checkpoint]=8192 [fuzz_split_partials]=65536)
 
 run_one() {
   local t=$1 work=$out/corpus-$1
