@@ -243,12 +243,10 @@ static const char *phase_name(int phase) {
   return phase == FPS_SPLIT_PHASE_STATS ? "stats" : phase == FPS_SPLIT_PHASE_U2 ? "u2" : "unknown";
 }
 
-int fps_split_partials_decode(const void *buf, size_t len, const fps_split_geom_t *expect,
-                              int phase, fps_split_partials_t *out, char *why, size_t why_len) {
-  if (!out) return fail_msg(FPS_EINVAL, why, why_len, "no output given");
-  memset(out, 0, sizeof *out);
-  if (!buf || !expect) return fail_msg(FPS_EINVAL, why, why_len, "no partials or block given");
-  const unsigned char *b = buf;
+/* The fixed header: magic, version, phase, kind, reserved byte, and the
+ * five fields into *p (arrays NULL). */
+static int parse_header(const unsigned char *b, size_t len, int phase, fps_split_partials_t *p,
+                        char *why, size_t why_len) {
   if (len < FPS_SPLIT_PARTIALS_HEADER)
     return fail_msg(FPS_EFORMAT, why, why_len, "partials of %zu bytes: the header alone is %d",
                     len, FPS_SPLIT_PARTIALS_HEADER);
@@ -263,12 +261,66 @@ int fps_split_partials_decode(const void *buf, size_t len, const fps_split_geom_
   if (b[6] != KIND_FACTORED && b[6] != KIND_UNFACTORED)
     return fail_msg(FPS_EFORMAT, why, why_len, "partials kind %u (expected 1 or 2)", b[6]);
   if (b[7] != 0) return fail_msg(FPS_EFORMAT, why, why_len, "partials reserved byte is %u", b[7]);
-  fps_split_partials_t p = {.phase = phase, .factored = b[6] == KIND_FACTORED};
-  p.row_lo = get_u64(b + 8);
-  p.row_hi = get_u64(b + 16);
-  p.cols = get_u64(b + 24);
-  p.mtx_lo = get_u64(b + 32);
-  p.nmat = get_u64(b + 40);
+  *p = (fps_split_partials_t){.phase = phase, .factored = b[6] == KIND_FACTORED};
+  p->row_lo = get_u64(b + 8);
+  p->row_hi = get_u64(b + 16);
+  p->cols = get_u64(b + 24);
+  p->mtx_lo = get_u64(b + 32);
+  p->nmat = get_u64(b + 40);
+  return 0;
+}
+
+int fps_split_partials_check(const void *buf, size_t len, int phase, fps_split_partials_t *hdr,
+                             char *why, size_t why_len) {
+  if (hdr) memset(hdr, 0, sizeof *hdr);
+  if (!buf) return fail_msg(FPS_EINVAL, why, why_len, "no partials given");
+  fps_split_partials_t p;
+  int rc = parse_header(buf, len, phase, &p, why, why_len);
+  if (rc) return rc;
+  if (!(p.row_lo < p.row_hi))
+    return fail_msg(FPS_EFORMAT, why, why_len, "partials rows [%llu, %llu) are empty",
+                    (unsigned long long)p.row_lo, (unsigned long long)p.row_hi);
+  if (!p.factored && (p.cols || p.mtx_lo || p.nmat))
+    return fail_msg(FPS_EFORMAT, why, why_len,
+                    "unfactored partials name %llu columns and matrices %llu+%llu (must be 0)",
+                    (unsigned long long)p.cols, (unsigned long long)p.mtx_lo,
+                    (unsigned long long)p.nmat);
+  if (!p.factored && phase == FPS_SPLIT_PHASE_U2)
+    return fail_msg(FPS_EPROTO, why, why_len, "unfactored partials have no u2 phase");
+  if (p.factored && (!p.cols || !p.nmat))
+    return fail_msg(FPS_EFORMAT, why, why_len,
+                    "factored partials of %llu columns and %llu matrices (both must be >= 1)",
+                    (unsigned long long)p.cols, (unsigned long long)p.nmat);
+  /* Body bytes per matrix, without overflow: only a length the message
+   * really has can match. */
+  const uint64_t body = (uint64_t)(len - FPS_SPLIT_PARTIALS_HEADER);
+  bool fits;
+  if (!p.factored) {
+    fits = body == 0;
+  } else if (phase == FPS_SPLIT_PHASE_STATS) {
+    fits = p.cols <= (UINT64_MAX - 16) / 20 && body % (16 + 20 * p.cols) == 0 &&
+           body / (16 + 20 * p.cols) == p.nmat;
+  } else {
+    fits = body % 8 == 0 && body / 8 == p.nmat;
+  }
+  if (!fits)
+    return fail_msg(FPS_EFORMAT, why, why_len,
+                    "partials of %zu bytes do not match their header (%llu matrices of %llu "
+                    "columns)",
+                    len, (unsigned long long)p.nmat, (unsigned long long)p.cols);
+  if (hdr) *hdr = p;
+  return 0;
+}
+
+int fps_split_partials_decode(const void *buf, size_t len, const fps_split_geom_t *expect,
+                              int phase, fps_split_partials_t *out, char *why, size_t why_len) {
+  if (!out) return fail_msg(FPS_EINVAL, why, why_len, "no output given");
+  memset(out, 0, sizeof *out);
+  if (!buf || !expect) return fail_msg(FPS_EINVAL, why, why_len, "no partials or block given");
+  const unsigned char *b = buf;
+  fps_split_partials_t p;
+  int rc = parse_header(b, len, phase, &p, why, why_len);
+  if (rc) return rc;
   const uint64_t ecols = expect->factored ? expect->cols : 0;
   if (p.factored != expect->factored || p.row_lo != expect->row_lo ||
       p.row_hi != expect->row_hi || p.cols != ecols || p.mtx_lo != expect->mtx_lo ||

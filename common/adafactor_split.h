@@ -150,6 +150,16 @@ int fps_split_partials_decode(const void *buf, size_t len, const fps_split_geom_
                               int phase, fps_split_partials_t *out, char *why, size_t why_len);
 void fps_split_partials_free(fps_split_partials_t *p);
 
+/* The checks of a wire form that need no block geometry (what a shard can
+ * check before it looks the tensor up): magic, version, `phase`, kind,
+ * reserved byte, a nonempty row range, fields the kind lacks at 0 (1-D:
+ * cols, mtx_lo and nmat; factored: cols and nmat >= 1), and a length that
+ * matches the header (computed without overflow). Returns 0 (and *hdr, may
+ * be NULL, gets the header: arrays NULL) or FPS_EFORMAT / FPS_EPROTO as
+ * decode, with a message naming the field. */
+int fps_split_partials_check(const void *buf, size_t len, int phase, fps_split_partials_t *hdr,
+                             char *why, size_t why_len);
+
 typedef struct fps_split_step_s fps_split_step_t;
 
 /* Pass A of one step of block st on this shard: param and grad are the

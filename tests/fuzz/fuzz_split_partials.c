@@ -75,10 +75,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   const int phase = data[0] & 8 ? FPS_SPLIT_PHASE_U2 : FPS_SPLIT_PHASE_STATS;
   fps_split_partials_t peer;
   char why[512];
+  /* The geometry-free check runs on everything; whatever decodes against a
+   * real block must pass it too. */
+  int checked = fps_split_partials_check(data + 2, size - 2, phase, NULL, NULL, 0);
   if (fps_split_partials_decode(data + 2, size - 2, &p.g[0], phase, &peer, why, sizeof why)) {
     pair_end(&p);
     return 0;
   }
+  if (checked) abort();
   /* Block 1 combines the peer's partials with its own (and block 0's real
    * stats partials when the input is the u2 phase's). */
   fps_split_partials_t parts[2] = {*fps_split_step_partials(p.s[0]),

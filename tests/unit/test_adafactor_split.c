@@ -621,6 +621,40 @@ static void partials_wire_errors(void **u) {
     assert_non_null(strstr(why, cases[i].msg));
     assert_null(d.owned);
   }
+  /* the geometry-free check (what a shard runs before it looks the tensor
+   * up) accepts the real thing and rejects a header that lies about the
+   * length, including sizes that would overflow */
+  fps_split_partials_t h;
+  assert_int_equal(fps_split_partials_check(buf, sz, FPS_SPLIT_PHASE_STATS, &h, why, sizeof why),
+                   0);
+  assert_int_equal(h.row_hi, 4);
+  assert_int_equal(h.nmat, 2);
+  assert_null(h.colsum);
+  struct {
+    size_t at;
+    uint64_t val;
+    const char *msg;
+  } hcases[] = {
+      {16, 0, "rows [0, 0) are empty"},
+      {24, 0, "both must be >= 1"},
+      {40, 3, "do not match their header (3 matrices of 4 columns)"},
+      {24, UINT64_C(1) << 62, "do not match"},
+      {24, UINT64_MAX, "do not match"},
+      {40, UINT64_MAX / 96, "do not match"},
+  };
+  for (size_t i = 0; i < sizeof hcases / sizeof hcases[0]; i++) {
+    memcpy(bad, buf, sz);
+    for (int k = 0; k < 8; k++) bad[hcases[i].at + k] = (unsigned char)(hcases[i].val >> (8 * k));
+    int rc = fps_split_partials_check(bad, sz, FPS_SPLIT_PHASE_STATS, &h, why, sizeof why);
+    if (rc != FPS_EFORMAT || !strstr(why, hcases[i].msg))
+      print_error("header case %zu: rc %d, '%s'\n", i, rc, why);
+    assert_int_equal(rc, FPS_EFORMAT);
+    assert_non_null(strstr(why, hcases[i].msg));
+  }
+  assert_int_equal(fps_split_partials_check(buf, sz, FPS_SPLIT_PHASE_U2, &h, why, sizeof why),
+                   FPS_EPROTO);
+  assert_int_equal(fps_split_partials_check(buf, 10, FPS_SPLIT_PHASE_STATS, &h, why, sizeof why),
+                   FPS_EFORMAT);
   /* block 0's partials are not block 1's */
   assert_int_equal(fps_split_partials_decode(buf, sz, &p.g[1], FPS_SPLIT_PHASE_STATS, &d, why,
                                              sizeof why), FPS_EPROTO);
