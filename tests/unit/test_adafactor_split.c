@@ -701,7 +701,10 @@ static void combine_refuses_and_leaves_state(void **u) {
                                           p.grad + p.g[i].row_lo * 4, NULL, &p.s[i]), 0);
   parts[0] = *fps_split_step_partials(p.s[0]);
   parts[1] = *fps_split_step_partials(p.s[1]);
-  /* a failed combine can be retried */
+  /* a failed combine can be retried (the old step's partials are gone) */
+  div[0] = parts[0];
+  div[1] = parts[1];
+  div[1].col_old = col_bad;
   assert_int_equal(fps_split_step_combine(p.s[1], div, 2, why, sizeof why), FPS_ESTATE);
   for (int i = 0; i < 2; i++) {
     assert_int_equal(fps_split_step_combine(p.s[i], parts, 2, why, sizeof why), 0);
