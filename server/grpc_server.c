@@ -23,7 +23,7 @@
 #define FPS_SLOTS_PER_METHOD 8
 #define FPS_MAX_METADATA_BYTES 8192
 
-enum { M_CREATE, M_PUSHPULL, M_PULL, M_STATS, M_CHECKPOINT, M_GETSTATE, M_GENERIC };
+enum { M_CREATE, M_PUSHPULL, M_PULL, M_STATS, M_CHECKPOINT, M_GETSTATE, M_EXCHANGE, M_GENERIC };
 static const char *const fps__method_path[] = {
     "/factorps.v1.ParameterServer/Create",
     "/factorps.v1.ParameterServer/PushPull",
@@ -31,6 +31,7 @@ static const char *const fps__method_path[] = {
     "/factorps.v1.ParameterServer/Stats",
     "/factorps.v1.ParameterServer/Checkpoint",
     "/factorps.v1.ParameterServer/GetState",
+    "/factorps.v1.ParameterServer/Exchange",
 };
 
 typedef struct fps_slot_s {
@@ -152,6 +153,7 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
     case M_STATS: fps_rpc_stats_start(srv, call, deadline, &md, payload); break;
     case M_CHECKPOINT: fps_rpc_checkpoint_start(srv, call, deadline, &md, payload); break;
     case M_GETSTATE: fps_rpc_getstate_start(srv, call, deadline, &md, payload); break;
+    case M_EXCHANGE: fps_rpc_exchange_start(srv, call, deadline, &md, payload); break;
     default: {
       /* Unknown method: answer UNIMPLEMENTED through a throwaway base. */
       fps_call_t *c = fps_calloc(1, sizeof *c);

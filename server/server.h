@@ -7,6 +7,7 @@
  *   RPC handlers  one file per method: decode the request, call the core,
  *                 encode the reply, translate FPS_E* in status.c's table
  *     rpc_create.c rpc_pushpull.c rpc_pull.c rpc_stats.c rpc_checkpoint.c
+ *     rpc_getstate.c rpc_exchange.c
  *     wire.c      protobuf-c <-> core types (hyperparameters, slices)
  *     reply.c     streams tensor snapshots back as size-bounded messages
  *     status.c    the one FPS_E* -> gRPC status table
@@ -205,7 +206,7 @@ struct fps_server_s {
   fps_timer_t *timer;               /* deadline thread (timer.c) */
   grpc_server *server;
   grpc_completion_queue *cq;
-  void *method[6];                  /* registered method handles */
+  void *method[7];                  /* registered method handles */
   int port;
   atomic_bool shutting_down;
   /* Every batch is started under the read side; fps_grpc_stop takes the
@@ -241,6 +242,8 @@ void fps_rpc_pushpull_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
 void fps_rpc_checkpoint_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                               grpc_metadata_array *md, grpc_byte_buffer *payload);
 void fps_rpc_getstate_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
+                            grpc_metadata_array *md, grpc_byte_buffer *payload);
+void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                             grpc_metadata_array *md, grpc_byte_buffer *payload);
 
 /* ------------------------------------------------------------- replies */

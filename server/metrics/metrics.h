@@ -47,7 +47,8 @@
   X(PULL, "Pull")                                                          \
   X(STATS, "Stats")                                                        \
   X(CHECKPOINT, "Checkpoint")                                              \
-  X(GETSTATE, "GetState")
+  X(GETSTATE, "GetState")                                                  \
+  X(EXCHANGE, "Exchange")
 
 typedef enum fps_metrics_method_e {
 #define FPS_METRICS_METHOD_ENUM(id, label) FPS_METRICS_##id,

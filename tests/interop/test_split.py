@@ -4,8 +4,10 @@ SplitBlock gets its block map checked exactly as the proto says (another
 shard count or another shard's block: FAILED_PRECONDITION naming both;
 inconsistent geometry: INVALID_ARGUMENT naming the field) and a consistent
 block is refused with UNIMPLEMENTED, since shards do not hold row blocks yet.
-Every refusal leaves the shard without the tensor. Exchange is part of the
-service and answered UNIMPLEMENTED. One server (shard 1 of 3)."""
+Every refusal leaves the shard without the tensor. Exchange requests are
+validated as the proto says and then refused (NOT_FOUND: no block here, or
+FAILED_PRECONDITION for a tensor held whole). One server (shard 1 of 3)."""
+import struct
 import unittest
 
 import fpsharness as H
@@ -40,7 +42,7 @@ class SplitCreate(unittest.TestCase):
         for w in words:
             self.assertIn(w, e.details())
         _, tensors = H.stats(self.srv.stub)
-        self.assertEqual(len(tensors), 0, "a refused block left a tensor behind")
+        self.assertNotIn("emb", tensors, "a refused block left a tensor behind")
 
     def test_consistent_block_is_unimplemented(self):
         self.assertRefused(self.grpc.StatusCode.UNIMPLEMENTED,
@@ -74,14 +76,49 @@ class SplitCreate(unittest.TestCase):
             with self.subTest(split=split):
                 self.assertRefused(inv, words, **split)
 
-    def test_exchange_is_unimplemented(self):
+    def exchange(self, **kw):
         pb = self.pb
-        req = pb.ExchangeRequest(name="emb", version=0, from_shard=0, shard_count=3,
-                                 block_index=0, phase=pb.EXCHANGE_PHASE_STATS, partials=b"")
-        with self.assertRaises(self.grpc.RpcError) as cm:
-            self.srv.stub.Exchange(req, timeout=30)
-        self.assertEqual(cm.exception.code(), self.grpc.StatusCode.UNIMPLEMENTED)
+        # Valid stats partials of block 0 ([0, 2) of 6 rows, 1 matrix of 4 columns):
+        # the 64-byte header, then rsum, rmin, colsum[4], s[4] (f64), col_old[4] (f32).
+        hdr = struct.pack("<IBBBBQQQQQdd", 0x58535046, 1, 1, 1, 0, 0, 2, 4, 0, 1, 0.0, 0.0)
+        body = struct.pack("<10d4f", *([0.0] * 14))
+        req = dict(name="emb", version=0, from_shard=0, shard_count=3, block_index=0,
+                   phase=pb.EXCHANGE_PHASE_STATS, partials=hdr + body)
+        req.update(kw)
+        return self.srv.stub.Exchange(pb.ExchangeRequest(**req), timeout=30)
 
+    def assertExchange(self, code, words, **kw):
+        with self.assertRaises(self.grpc.RpcError) as cm:
+            self.exchange(**kw)
+        e = cm.exception
+        self.assertEqual(e.code(), code, e.details())
+        for w in words:
+            self.assertIn(w, e.details())
+
+    def test_exchange_validates_then_finds_no_block(self):
+        C = self.grpc.StatusCode
+        self.assertExchange(C.NOT_FOUND, ["tensor 'emb' from shard 0", "holds no row block"])
+        self.assertExchange(C.INVALID_ARGUMENT, ["name"], name="")
+        self.assertExchange(C.INVALID_ARGUMENT, ["phase 0"], phase=0)
+        self.assertExchange(C.FAILED_PRECONDITION, ["one of 2 shards", "one of 3"], shard_count=2)
+        self.assertExchange(C.INVALID_ARGUMENT, ["from_shard 1 is not another shard"],
+                            from_shard=1)
+        self.assertExchange(C.INVALID_ARGUMENT, ["from_shard 3"], from_shard=3)
+        self.assertExchange(C.INVALID_ARGUMENT, ["header alone is 64"], partials=b"FPSX")
+        self.assertExchange(C.INVALID_ARGUMENT, ["phase 1 (stats), expected 2 (u2)"],
+                            phase=self.pb.EXCHANGE_PHASE_U2)
+        with self.assertRaises(self.grpc.RpcError) as cm:
+            self.exchange(partials=b"\0" * 64)
+        self.assertIn("magic", cm.exception.details())
+        _, tensors = H.stats(self.srv.stub)
+        self.assertNotIn("emb", tensors)
+
+    def test_exchange_for_a_whole_tensor(self):
+        pb = self.pb
+        self.srv.stub.Create(pb.CreateRequest(shard_id=1, shard_count=3, tensors=[
+            pb.TensorCreate(name="whole", shape=[3, 4], optimizer=H.optimizer())]), timeout=30)
+        self.assertExchange(self.grpc.StatusCode.FAILED_PRECONDITION,
+                            ["tensor 'whole'", "holds the tensor whole"], name="whole")
 
 if __name__ == "__main__":
     unittest.main()
