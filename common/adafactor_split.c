@@ -145,6 +145,46 @@ nomem:
   return FPS_ENOMEM;
 }
 
+/* The block and the whole state are of one tensor and the same kinds. */
+static bool state_matches(const fps_split_state_t *st, const fps_adafactor_state_t *w) {
+  const fps_split_geom_t *g = &st->g;
+  if (!w || g->numel != w->numel || g->shape.ndim != w->shape.ndim) return false;
+  for (uint32_t d = 0; d < g->shape.ndim; d++)
+    if (g->shape.dim[d] != w->shape.dim[d]) return false;
+  if ((st->mom != NULL) != (w->mom != NULL)) return false;
+  return g->factored ? st->row && st->col && w->row && w->col : st->var && w->var;
+}
+
+int fps_split_state_from_whole(fps_split_state_t *st, const fps_adafactor_state_t *whole) {
+  if (!st || !state_matches(st, whole)) return FPS_EINVAL;
+  const fps_split_geom_t *g = &st->g;
+  if (g->factored) {
+    memcpy(st->row, whole->row + g->row_lo, (g->row_hi - g->row_lo) * sizeof(float));
+    memcpy(st->col, whole->col + g->mtx_lo * g->cols, g->nmat * g->cols * sizeof(float));
+  } else {
+    memcpy(st->var, whole->var + g->row_lo, g->block_numel * sizeof(float));
+  }
+  if (st->mom) memcpy(st->mom, whole->mom + g->row_lo * g->cols, g->block_numel * sizeof(float));
+  st->step = whole->step;
+  st->rms = whole->rms;
+  return 0;
+}
+
+int fps_split_state_to_whole(const fps_split_state_t *st, fps_adafactor_state_t *whole) {
+  if (!st || !state_matches(st, whole)) return FPS_EINVAL;
+  const fps_split_geom_t *g = &st->g;
+  if (g->factored) {
+    memcpy(whole->row + g->row_lo, st->row, (g->row_hi - g->row_lo) * sizeof(float));
+    memcpy(whole->col + g->mtx_lo * g->cols, st->col, g->nmat * g->cols * sizeof(float));
+  } else {
+    memcpy(whole->var + g->row_lo, st->var, g->block_numel * sizeof(float));
+  }
+  if (st->mom) memcpy(whole->mom + g->row_lo * g->cols, st->mom, g->block_numel * sizeof(float));
+  whole->step = st->step;
+  whole->rms = st->rms;
+  return 0;
+}
+
 /* ---- wire form of the partials ------------------------------------------ */
 
 size_t fps_split_partials_size(const fps_split_geom_t *g, int phase) {

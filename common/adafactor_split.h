@@ -106,6 +106,19 @@ int fps_split_state_init(fps_split_state_t *st, const fps_split_geom_t *g,
                          const fps_adafactor_hparams_t *hp);
 void fps_split_state_destroy(fps_split_state_t *st);
 
+/* Resharding and resume: copies the block's part of a whole tensor's state
+ * (same shape; made for the same flavor and momentum setting) into st,
+ * initialised for its block: its rows' row statistics, the column
+ * statistics of the matrices it touches, its elements' variance and
+ * momentum, the step count and hf RMS. Returns 0 or FPS_EINVAL (shape or
+ * kinds differ; st unchanged). */
+int fps_split_state_from_whole(fps_split_state_t *st, const fps_adafactor_state_t *whole);
+/* The reverse, for gathering blocks into a whole tensor's state: writes
+ * the block's arrays at their place in whole's (a matrix spanning blocks
+ * gets the same column state from each) and its step and RMS. Returns 0 or
+ * FPS_EINVAL as above (whole unchanged). */
+int fps_split_state_to_whole(const fps_split_state_t *st, fps_adafactor_state_t *whole);
+
 /* One block's partial sums (decoded). Arrays point into the owner's memory
  * (the step context, or fps_split_partials_decode's allocation). */
 typedef struct fps_split_partials_s {

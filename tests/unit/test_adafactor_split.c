@@ -493,12 +493,141 @@ static void split_best_threads(void **u) {
   golden_split(fps_kernels_name(fps_kernels_best()), 3);
 }
 
-/* ---- error paths --------------------------------------------------------- */
+/* ---- resharding ---------------------------------------------------------- */
 
 static fps_shape_t shape3(uint64_t a, uint64_t b, uint64_t c) {
   fps_shape_t s = {.ndim = 3, .dim = {a, b, c}};
   return s;
 }
+
+
+/* One step of nb blocks through the wire form, as split_run does. */
+static void step_blocks(const fps_golden_case_t *c, const fps_kernels_t *k, fps_split_state_t *st,
+                        const fps_split_geom_t *geo, size_t nb, float *param, const float *grad) {
+  fps_split_step_t *steps[MAXB];
+  for (size_t b = 0; b < nb; b++) {
+    uint64_t off = geo[b].row_lo * geo[b].cols;
+    assert_int_equal(fps_split_step_begin(k, &c->hp, &st[b], param + off, grad + off, NULL,
+                                          &steps[b]), 0);
+  }
+  exchange(geo, steps, nb, FPS_SPLIT_PHASE_STATS);
+  if (fps_split_step_needs_u2(steps[0])) exchange(geo, steps, nb, FPS_SPLIT_PHASE_U2);
+  for (size_t b = 0; b < nb; b++) {
+    assert_int_equal(fps_split_step_apply(steps[b], NULL), 0);
+    fps_split_step_free(steps[b]);
+  }
+}
+
+/* Issue 12's resharding, in the math: every golden case with >= 3 rows
+ * runs steps 1-2 whole, then its state is cut into 2 blocks (step 3), 3
+ * blocks (step 4) and 2 blocks again (step 5), each time gathered into a
+ * whole state and cut anew (fps_split_state_to_whole / _from_whole); the
+ * params after every step and the final gathered state must match the
+ * uninterrupted whole run with the golden metrics (param scaled <= 1e-5,
+ * state rel <= 1e-4, mom scaled <= 1e-5). */
+static void reshard_mid_run_matches_whole(void **u) {
+  (void)u;
+  const char *dir = vectors_dir();
+  assert_non_null(dir);
+  char **names, why[512], path[8192];
+  size_t n;
+  assert_int_equal(fps_golden_list(dir, &names, &n, why, sizeof why), 0);
+  int cases = 0, fails = 0;
+  worst_t w = {0};
+  for (size_t i = 0; i < n; i++) {
+    fps_golden_case_t c;
+    assert_int_equal(fps_golden_load(dir, names[i], &c, why, sizeof why), 0);
+    const uint64_t N = fps_split_total_rows(&c.shape);
+    if (N < 3) continue;
+    const uint64_t R = c.shape.ndim >= 2 ? c.shape.dim[c.shape.ndim - 2] : N;
+    fps_golden_run_t whole_run;
+    assert_int_equal(fps_golden_run(&c, NULL, NULL, &whole_run, why, sizeof why), 0);
+    const uint64_t ne = c.numel;
+    float *param = malloc(ne * sizeof(float)), *grad = malloc(ne * sizeof(float));
+    float *params = malloc(c.steps * ne * sizeof(float)), *p0 = malloc(ne * sizeof(float));
+    assert_true(param && grad && params && p0);
+    snprintf(path, sizeof path, "%s/param_0.bin", c.dir);
+    assert_int_equal(fps_golden_read_f32(path, param, ne, why, sizeof why), 0);
+    memcpy(p0, param, ne * sizeof(float));
+    fps_adafactor_state_t whole;
+    assert_int_equal(fps_adafactor_state_init(&whole, &c.shape, &c.hp), 0);
+    const size_t plan[] = {1, 1, 2, 3, 2}; /* blocks per step: 1 = whole */
+    for (unsigned t = 1; t <= c.steps; t++) {
+      snprintf(path, sizeof path, "%s/grad_%u.bin", c.dir, t);
+      assert_int_equal(fps_golden_read_f32(path, grad, ne, why, sizeof why), 0);
+      const size_t nb = plan[(t - 1) % 5];
+      if (nb == 1) {
+        assert_int_equal(fps_adafactor_step(NULL, &c.hp, &whole, param, grad, NULL, NULL), 0);
+      } else {
+        uint64_t bounds[MAXB + 1];
+        make_bounds(N, R, nb, nb == 3 ? 2 : 0, bounds);
+        fps_split_geom_t geo[MAXB];
+        fps_split_state_t st[MAXB];
+        for (size_t b = 0; b < nb; b++) {
+          assert_int_equal(fps_split_geom_init(&geo[b], &c.shape, bounds[b], bounds[b + 1], NULL,
+                                               0), 0);
+          assert_int_equal(fps_split_state_init(&st[b], &geo[b], &c.hp), 0);
+          assert_int_equal(fps_split_state_from_whole(&st[b], &whole), 0);
+        }
+        step_blocks(&c, NULL, st, geo, nb, param, grad);
+        for (size_t b = 0; b < nb; b++) {
+          assert_int_equal(fps_split_state_to_whole(&st[b], &whole), 0);
+          fps_split_state_destroy(&st[b]);
+        }
+      }
+      memcpy(params + (t - 1) * ne, param, ne * sizeof(float));
+    }
+    fails += check_params(c.name, params, whole_run.params, p0, ne, c.steps, &w);
+    for (int kind = 0; kind < FPS_GOLDEN_NSTATE; kind++) {
+      uint64_t an, bn;
+      const float *a = fps_golden_state_array(&whole_run, kind, &an);
+      fps_golden_run_t mine = {.state = whole};
+      const float *b = fps_golden_state_array(&mine, kind, &bn);
+      assert_int_equal(a != NULL, b != NULL);
+      if (a) fails += check_state(c.name, kind, b, a, an, &w);
+    }
+    assert_int_equal(whole.step, whole_run.state.step);
+    assert_memory_equal(&whole.rms, &whole_run.state.rms, sizeof(float));
+    fps_adafactor_state_destroy(&whole);
+    fps_golden_run_free(&whole_run);
+    free(param);
+    free(grad);
+    free(params);
+    free(p0);
+    cases++;
+  }
+  fps_golden_list_free(names, n);
+  print_message("resharded 1 -> 2 -> 3 -> 2 blocks mid-run: %d cases; worst vs whole: param "
+                "scaled %.2e, state rel %.2e, mom %.2e\n",
+                cases, w.param_scaled, w.state_rel, w.mom_scaled);
+  assert_true(cases >= 90);
+  assert_int_equal(fails, 0);
+}
+
+static void state_copies_refuse_other_tensors(void **u) {
+  (void)u;
+  fps_adafactor_hparams_t hp, mom;
+  fps_adafactor_defaults(&hp, FPS_FLAVOR_HF);
+  mom = hp;
+  mom.has_beta1 = true;
+  mom.beta1 = 0.9;
+  fps_shape_t s = shape3(2, 3, 4), other = shape3(3, 2, 4);
+  fps_split_geom_t g;
+  assert_int_equal(fps_split_geom_init(&g, &s, 2, 5, NULL, 0), 0);
+  fps_split_state_t st;
+  assert_int_equal(fps_split_state_init(&st, &g, &hp), 0);
+  fps_adafactor_state_t w_other, w_mom;
+  assert_int_equal(fps_adafactor_state_init(&w_other, &other, &hp), 0);
+  assert_int_equal(fps_adafactor_state_init(&w_mom, &s, &mom), 0);
+  assert_int_equal(fps_split_state_from_whole(&st, &w_other), FPS_EINVAL);
+  assert_int_equal(fps_split_state_to_whole(&st, &w_mom), FPS_EINVAL);
+  assert_int_equal(fps_split_state_from_whole(&st, NULL), FPS_EINVAL);
+  fps_adafactor_state_destroy(&w_other);
+  fps_adafactor_state_destroy(&w_mom);
+  fps_split_state_destroy(&st);
+}
+
+/* ---- error paths --------------------------------------------------------- */
 
 static void geometry_and_bounds(void **u) {
   (void)u;
@@ -756,8 +885,9 @@ static void begin_refuses_bad_args(void **u) {
  * one): a [2, 600, 256] tensor in blocks of rows [0, 1), [1, 900), [900,
  * 1200) (runs of up to 599 x 256 elements: 4 chunks), two steps, torch
  * default and hf momentum. The result must not depend on the thread
- * count (bit-identical with a pool of 3 and without) and must match the whole-tensor step with the golden metrics (param
- * scaled <= 1e-5, state rel <= 1e-4). */
+ * count (bit-identical with a pool of 3 and without) and must match the
+ * whole-tensor step with the golden metrics (param scaled <= 1e-5, state
+ * rel <= 1e-4). */
 static void chunked_blocks_match_whole(void **u) {
   (void)u;
   const char *e = getenv("FPS_TEST_NO_THREADS");
@@ -980,6 +1110,8 @@ int main(void) {
 #endif
       cmocka_unit_test(split_best_threads),
       cmocka_unit_test(chunked_blocks_match_whole),
+      cmocka_unit_test(reshard_mid_run_matches_whole),
+      cmocka_unit_test(state_copies_refuse_other_tensors),
       cmocka_unit_test(geometry_and_bounds),
       cmocka_unit_test(partials_wire_errors),
       cmocka_unit_test(combine_refuses_and_leaves_state),
