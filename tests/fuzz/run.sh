@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 all=(fuzz_create fuzz_pull fuzz_stats fuzz_pushpull fuzz_ckpt_rpc fuzz_getstate fuzz_http fuzz_checkpoint
-     fuzz_split_partials)
+     fuzz_wire fuzz_split_partials)
 build=${FPS_FUZZ_BUILD:-build-fuzz}
 jobs=1
 ci=0
