@@ -202,8 +202,10 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
  * tensor, so sum U^2 needs the explicit pass and a second exchange. */
 bool fps_split_step_needs_u2(const fps_split_step_t *s);
 
-/* Phase u2: this block's explicit sums (runs the pass over g; valid until
- * the step is freed). NULL if combine has not run or no u2 phase is due. */
+/* Phase u2: this block's explicit sums (runs the pass over g once; valid
+ * until the step is freed). NULL if combine has not run, no u2 phase is
+ * due, or out of memory (the step is then still intact: free it, or call
+ * again). */
 const fps_split_partials_t *fps_split_step_u2(fps_split_step_t *s);
 
 /* Combines every block's phase-u2 partials, in block order. Returns 0 or
