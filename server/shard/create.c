@@ -2,10 +2,20 @@
  * and get their initial values from sliced init data, possibly over many
  * calls, until every element is covered (init coverage).
  *
- * The whole request is validated before anything changes (phase 1), under
- * the store's write lock, so a failed Create leaves the shard exactly as it
- * was; phase 2 allocates, inserts and writes. Create is a set-up call, so
- * holding the write lock for its duration costs nothing that matters. */
+ * The whole request is validated before anything changes, so a failed
+ * Create leaves the shard exactly as it was. No lock is held while the
+ * request is checked (NaN scans, slice coverage) or its values copied,
+ * except the tensor's own lock for a tensor that already exists:
+ *   1. validate against what the store holds now (the store's read lock
+ *      for each lookup only, a tensor's lock to copy its coverage);
+ *   2. allocate the new tensors and write their values, and stage a
+ *      replacement's, all unseen by anyone else;
+ *   3. under the store's write lock, pointer work only: no name this call
+ *      creates appeared meanwhile, the limits, then lock the existing
+ *      tensors this call writes and check that no other Create changed
+ *      them since step 1 (init_gen), insert the new tensors;
+ *   4. with only those tensors' locks held, write their values.
+ * A concurrent Create of the same tensors sends step 3 back to step 1. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -34,7 +44,13 @@ typedef struct fps_plan_s {
   bool replacing;              /* replaces an existing tensor's values */
   float *new_param;            /* replacing: the new values, staged */
   fps_adafactor_state_t new_st;
+  uint64_t gen;                /* lead, existing: its init_gen when checked */
+  bool inserted;               /* lead, new: in the store (no longer ours to free) */
 } fps_plan_t;
+
+/* A Create that keeps meeting concurrent Creates of its tensors gives up
+ * (UNAVAILABLE: retry) rather than loop. */
+#define FPS_CREATE_RETRIES 64
 
 static const char *const fps__kind_name[FPS_STATE_KINDS] = {"row", "col", "var", "mom"};
 
@@ -125,7 +141,7 @@ static int fps__create_check(fps_shard_t *sh, fps_plan_t *p, size_t i, char *why
   const fps_shape_t *want_shape = NULL;
   const fps_adafactor_hparams_t *want_hp = NULL;
   if (it->lead == i) {
-    it->t = fps__store_find_locked(&sh->store, name, strlen(name));
+    it->t = fps_store_find(&sh->store, name);
     if (it->t) {
       want_shape = &it->t->shape;
       want_hp = &it->t->hp;
@@ -190,6 +206,7 @@ static int fps__create_check(fps_shard_t *sh, fps_plan_t *p, size_t i, char *why
       pthread_mutex_unlock(&sh->rounds_mu);
       it->replacing = tc->replace;
       it->was_ready = !tc->replace && it->t->ready;
+      it->gen = it->t->init_gen;
       rc = 0;
       if (!it->was_ready && !tc->replace) {
         rc = fps_ranges_copy(&it->ranges, &it->t->init);
@@ -247,14 +264,75 @@ static int fps__create_check(fps_shard_t *sh, fps_plan_t *p, size_t i, char *why
   return 0;
 }
 
+/* Back to the state before step 1 (a retry): keeps it and lead. */
+static void fps__plan_reset(fps_plan_t *p, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    fps_ranges_free(&p[i].ranges);
+    for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&p[i].sranges[k]);
+    fps_free(p[i].new_param);
+    fps_adafactor_state_destroy(&p[i].new_st);
+    if (p[i].lead == i && p[i].is_new && !p[i].inserted) fps_tensor_destroy(p[i].t);
+    const fps_create_item_t *it = p[i].it;
+    size_t lead = p[i].lead;
+    memset(&p[i], 0, sizeof p[i]);
+    p[i].it = it;
+    p[i].lead = lead;
+  }
+}
+
+/* Writes item i's init values and state into `param` / `st` (its lead's
+ * tensor, or a replacement's staging). Returns the init bytes. */
+static uint64_t fps__create_write(const fps_create_item_t *item, const fps_plan_t *pi, float *param,
+                                  const fps_adafactor_state_t *st) {
+  uint64_t received = 0;
+  if (pi->count) {
+    fps_dtype_decode(item->init->dtype, item->init->data, pi->count, param + pi->off, NULL);
+    received = item->init->len;
+  }
+  for (size_t j = 0; j < item->n_state; j++) {
+    const fps_state_slice_t *ss = &item->state[j];
+    memcpy(fps__kind_array(st, ss->kind) + ss->offset, ss->data, ss->len);
+  }
+  return received;
+}
+
+/* The lead's coverage becomes the tensor's; ready once the params are
+ * covered and, at a resume step, the state. REQUIRES t->mu (or t unseen). */
+static void fps__create_publish(fps_plan_t *lead) {
+  fps_tensor_t *t = lead->t;
+  fps_ranges_free(&t->init);
+  t->init = lead->ranges;
+  memset(&lead->ranges, 0, sizeof lead->ranges);
+  for (int k = 0; k < FPS_STATE_KINDS; k++) {
+    fps_ranges_free(&t->init_state[k]);
+    t->init_state[k] = lead->sranges[k];
+    memset(&lead->sranges[k], 0, sizeof lead->sranges[k]);
+  }
+  if (t->init.covered == t->numel && (t->version == 0 || fps__state_covered(&t->size, t->init_state))) {
+    t->ready = true;
+    fps_ranges_free(&t->init);
+    for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
+    FPS_SLOG(FPS_LOG_DEBUG, "tensor '%s' is ready", t->name);
+  }
+  t->init_gen++;
+}
+
+static int fps__cmp_tensor_ptr(const void *a, const void *b) {
+  const fps_tensor_t *x = *(fps_tensor_t *const *)a, *y = *(fps_tensor_t *const *)b;
+  return x < y ? -1 : x > y;
+}
+
 int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, const fps_create_item_t *items,
                      size_t n, fps_create_info_t *out, uint64_t *received_out, char *why, size_t wl) {
   int rc = 0;
   fps_plan_t *p = fps_calloc(n ? n : 1, sizeof *p);
   size_t *order = fps_calloc(n ? n : 1, sizeof *order);
-  bool locked = false;
+  fps_tensor_t **rt = fps_calloc(n ? n : 1, sizeof *rt); /* existing tensors written, by address */
+  size_t nr = 0;
+  bool locked = false, tlocked = false;
+  unsigned tries = 0;
   *received_out = 0;
-  if (!p || !order) {
+  if (!p || !order || !rt) {
     rc = FPS_ENOMEM;
     snprintf(why, wl, "Create: out of memory for %zu tensors", n);
     goto done;
@@ -280,8 +358,9 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
     p[i].lead = same ? p[order[k - 1]].lead : i;
   }
 
-  pthread_rwlock_wrlock(&sh->store.mu);
-  locked = true;
+again:
+  /* Step 1: validate (no store lock but for each lookup). */
+  nr = 0;
   uint64_t new_count = 0, new_bytes = 0;
   for (size_t i = 0; i < n && rc == 0; i++) {
     rc = fps__create_check(sh, p, i, why, wl);
@@ -311,21 +390,10 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
     }
   }
   if (rc < 0) goto done;
-  if (sh->store.count + new_count > sh->cfg.max_tensors) {
-    rc = FPS_ELIMIT;
-    snprintf(why, wl, "Create: %" PRIu64 " new tensors would exceed this shard's limit of %" PRIu64
-             " tensors (--max-tensors)", new_count, sh->cfg.max_tensors);
-    goto done;
-  }
-  if (sh->store.param_bytes + new_bytes > sh->cfg.max_bytes) {
-    rc = FPS_ELIMIT;
-    snprintf(why, wl, "Create: %" PRIu64 " new parameter bytes would exceed this shard's limit of %" PRIu64
-             " bytes (--max-bytes; %" PRIu64 " in use)", new_bytes, sh->cfg.max_bytes, sh->store.param_bytes);
-    goto done;
-  }
 
-  /* Phase 2: allocate every new tensor before touching the map. */
-  for (size_t i = 0; i < n; i++) {
+  /* Step 2: allocate every new tensor and write its values; stage the
+   * replacements. Nobody else sees any of it yet: no lock. */
+  for (size_t i = 0; i < n && rc == 0; i++) {
     if (p[i].lead != i || !p[i].is_new) continue;
     const char *name = items[i].name;
     p[i].t = fps_tensor_create(name, strlen(name), &p[i].shape, p[i].numel, &items[i].hp, sh->cfg.workers,
@@ -340,7 +408,6 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
     p[i].t->st.step = items[i].step;
     p[i].t->st.rms = (float)items[i].rms;
   }
-  /* Replace: the new values are staged off the tensor, swapped in below. */
   for (size_t i = 0; i < n && rc == 0; i++) {
     if (p[i].lead != i || !p[i].replacing) continue;
     p[i].new_param = fps_malloc((p[i].numel ? p[i].numel : 1) * sizeof(float));
@@ -349,124 +416,117 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
       snprintf(why, wl, "tensor '%s': out of memory staging its replacement", items[i].name);
     }
   }
-  if (rc == 0 && fps__store_reserve_locked(&sh->store, sh->store.count + new_count) < 0) {
+  if (rc < 0) goto done;
+  uint64_t received = 0;
+  for (size_t i = 0; i < n; i++) {
+    fps_plan_t *lead = &p[p[i].lead];
+    if (lead->is_new) received += fps__create_write(&items[i], &p[i], lead->t->param, &lead->t->st);
+    else if (lead->replacing) received += fps__create_write(&items[i], &p[i], lead->new_param, &lead->new_st);
+  }
+  for (size_t i = 0; i < n; i++)
+    if (p[i].lead == i && p[i].is_new) fps__create_publish(&p[i]);
+  /* The existing tensors this call writes: initialising ones (values or
+   * just their coverage) and replacements. */
+  for (size_t i = 0; i < n; i++)
+    if (p[i].lead == i && !p[i].is_new && (p[i].replacing || !p[i].was_ready)) rt[nr++] = p[i].t;
+  qsort(rt, nr, sizeof *rt, fps__cmp_tensor_ptr);
+
+  /* Step 3: the store's write lock, for pointer work only. */
+  pthread_rwlock_wrlock(&sh->store.mu);
+  locked = true;
+  bool stale = false;
+  for (size_t i = 0; i < n && !stale; i++)
+    if (p[i].lead == i && p[i].is_new && fps__store_find_locked(&sh->store, items[i].name, strlen(items[i].name)))
+      stale = true; /* another Create made it meanwhile */
+  if (!stale && sh->store.count + new_count > sh->cfg.max_tensors) {
+    rc = FPS_ELIMIT;
+    snprintf(why, wl, "Create: %" PRIu64 " new tensors would exceed this shard's limit of %" PRIu64
+             " tensors (--max-tensors)", new_count, sh->cfg.max_tensors);
+  } else if (!stale && sh->store.param_bytes + new_bytes > sh->cfg.max_bytes) {
+    rc = FPS_ELIMIT;
+    snprintf(why, wl, "Create: %" PRIu64 " new parameter bytes would exceed this shard's limit of %" PRIu64
+             " bytes (--max-bytes; %" PRIu64 " in use)", new_bytes, sh->cfg.max_bytes, sh->store.param_bytes);
+  } else if (!stale && fps__store_reserve_locked(&sh->store, sh->store.count + new_count) < 0) {
     rc = FPS_ENOMEM;
     snprintf(why, wl, "Create: out of memory growing the tensor map");
   }
-  uint64_t received = 0;
-  if (rc == 0) {
-    /* Stage the replacements' values, then swap every one in at once
-     * (their locks held together, in address order), after one more look
-     * for an open round: pushes do not take the store lock. */
-    fps_tensor_t **rt = fps_calloc(n ? n : 1, sizeof *rt);
-    size_t nr = 0;
-    if (!rt) {
-      rc = FPS_ENOMEM;
-      snprintf(why, wl, "Create: out of memory");
-    }
-    for (size_t i = 0; i < n && rc == 0; i++) {
-      fps_plan_t *lead = &p[p[i].lead];
-      if (!lead->replacing) continue;
-      if (p[i].lead == i) rt[nr++] = lead->t;
-      if (p[i].count) {
-        fps_dtype_decode(items[i].init->dtype, items[i].init->data, p[i].count, lead->new_param + p[i].off, NULL);
-        received += items[i].init->len;
-      }
-      for (size_t j = 0; j < items[i].n_state; j++) {
-        const fps_state_slice_t *ss = &items[i].state[j];
-        memcpy(fps__kind_array(&lead->new_st, ss->kind) + ss->offset, ss->data, ss->len);
+  if (!stale && rc == 0) {
+    for (size_t a = 0; a < nr; a++) pthread_mutex_lock(&rt[a]->mu);
+    tlocked = true;
+    pthread_mutex_lock(&sh->rounds_mu); /* guards the rounds */
+    for (size_t i = 0; i < n && !stale && rc == 0; i++) {
+      if (p[i].lead != i || p[i].is_new || !(p[i].replacing || !p[i].was_ready)) continue;
+      fps_tensor_t *t = p[i].t;
+      if (t->init_gen != p[i].gen) stale = true; /* another Create wrote it meanwhile */
+      else if (p[i].replacing && (t->round.open || t->red)) {
+        /* Pushes do not take the store lock: one more look, under the
+         * tensor's. */
+        rc = FPS_ESTATE;
+        snprintf(why, wl, "tensor '%s': cannot replace it while a sync round is open (step %" PRIu64
+                 "); replace between rounds", t->name, t->version);
       }
     }
-    for (size_t a = 1; a < nr; a++)
-      for (size_t b = a; b > 0 && rt[b - 1] > rt[b]; b--) {
-        fps_tensor_t *x = rt[b - 1];
-        rt[b - 1] = rt[b];
-        rt[b] = x;
-      }
-    if (rc == 0) {
-      for (size_t a = 0; a < nr; a++) pthread_mutex_lock(&rt[a]->mu);
-      pthread_mutex_lock(&sh->rounds_mu); /* guards the rounds */
-      for (size_t a = 0; a < nr && rc == 0; a++)
-        if (rt[a]->round.open || rt[a]->red) {
-          rc = FPS_ESTATE;
-          snprintf(why, wl, "tensor '%s': cannot replace it while a sync round is open (step %" PRIu64
-                   "); replace between rounds", rt[a]->name, rt[a]->version);
-        }
-      pthread_mutex_unlock(&sh->rounds_mu);
-      for (size_t i = 0; i < n && rc == 0; i++) {
-        if (p[i].lead != i || !p[i].replacing) continue;
-        fps_tensor_t *t = p[i].t;
-        float *old_param = t->param;
-        fps_adafactor_state_t old_st = t->st;
-        t->param = p[i].new_param;
-        t->st = p[i].new_st;
-        t->st.step = items[i].step;
-        t->st.rms = (float)items[i].rms;
-        t->version = items[i].step;
-        t->ready = true;
-        fps_ranges_free(&t->init);
-        for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
-        /* A new history: the old apply log and restore point no longer apply. */
-        t->log_len = t->log_head = 0;
-        t->restored_seq = t->restored_version = 0;
-        t->last_lr = t->hp.has_lr ? t->hp.lr : 0.0;
-        t->last_weight_decay = t->hp.weight_decay;
-        p[i].new_param = old_param; /* freed below with the plan */
-        p[i].new_st = old_st;
-      }
-      for (size_t a = nr; a-- > 0;) pthread_mutex_unlock(&rt[a]->mu);
-    }
-    fps_free(rt);
+    pthread_mutex_unlock(&sh->rounds_mu);
   }
-  if (rc < 0) {
-    for (size_t i = 0; i < n; i++)
-      if (p[i].lead == i && p[i].is_new) {
-        fps_tensor_destroy(p[i].t);
-        p[i].t = NULL;
-      }
-    goto done;
+  if (stale || rc < 0) {
+    if (tlocked)
+      for (size_t a = nr; a-- > 0;) pthread_mutex_unlock(&rt[a]->mu);
+    tlocked = false;
+    pthread_rwlock_unlock(&sh->store.mu);
+    locked = false;
+    if (rc < 0) goto done;
+    fps__plan_reset(p, n);
+    if (++tries >= FPS_CREATE_RETRIES) {
+      rc = FPS_EUNAVAILABLE;
+      snprintf(why, wl, "Create: other Creates of the same tensors kept changing them; retry");
+      goto done;
+    }
+    goto again;
   }
   for (size_t i = 0; i < n; i++)
-    if (p[i].lead == i && p[i].is_new) fps__store_insert_locked(&sh->store, p[i].t);
-  /* Write the initial values and state, then publish each group's coverage. */
+    if (p[i].lead == i && p[i].is_new) {
+      fps__store_insert_locked(&sh->store, p[i].t); /* reserved: cannot fail */
+      p[i].inserted = true;
+    }
+  pthread_rwlock_unlock(&sh->store.mu);
+  locked = false;
+
+  /* Step 4: the existing tensors' values, under their own locks only. */
   for (size_t i = 0; i < n; i++) {
     fps_plan_t *lead = &p[p[i].lead];
-    if (lead->was_ready || lead->replacing || (p[i].count == 0 && items[i].n_state == 0)) continue;
-    pthread_mutex_lock(&lead->t->mu);
-    if (p[i].count) {
-      const fps_slice_t *s = items[i].init;
-      fps_dtype_decode(s->dtype, s->data, p[i].count, lead->t->param + p[i].off, NULL);
-      received += s->len;
-    }
-    for (size_t j = 0; j < items[i].n_state; j++) {
-      const fps_state_slice_t *ss = &items[i].state[j];
-      memcpy(fps__kind_array(&lead->t->st, ss->kind) + ss->offset, ss->data, ss->len);
-    }
-    pthread_mutex_unlock(&lead->t->mu);
+    if (lead->is_new || lead->was_ready || lead->replacing) continue;
+    received += fps__create_write(&items[i], &p[i], lead->t->param, &lead->t->st);
   }
-  atomic_fetch_add(&sh->counters.bytes_received, received);
-  *received_out = received;
   for (size_t i = 0; i < n; i++) {
-    if (p[i].lead != i || p[i].was_ready || p[i].replacing) continue;
+    if (p[i].lead != i || p[i].is_new || p[i].was_ready) continue;
     fps_tensor_t *t = p[i].t;
-    pthread_mutex_lock(&t->mu);
-    fps_ranges_free(&t->init);
-    t->init = p[i].ranges;
-    memset(&p[i].ranges, 0, sizeof p[i].ranges);
-    for (int k = 0; k < FPS_STATE_KINDS; k++) {
-      fps_ranges_free(&t->init_state[k]);
-      t->init_state[k] = p[i].sranges[k];
-      memset(&p[i].sranges[k], 0, sizeof p[i].sranges[k]);
-    }
-    /* Ready once the params are covered and, at a resume step, the state. */
-    if (t->init.covered == t->numel && (t->version == 0 || fps__state_covered(&t->size, t->init_state))) {
+    if (p[i].replacing) {
+      float *old_param = t->param;
+      fps_adafactor_state_t old_st = t->st;
+      t->param = p[i].new_param;
+      t->st = p[i].new_st;
+      t->st.step = items[i].step;
+      t->st.rms = (float)items[i].rms;
+      t->version = items[i].step;
       t->ready = true;
       fps_ranges_free(&t->init);
       for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
-      FPS_SLOG(FPS_LOG_DEBUG, "tensor '%s' is ready", t->name);
+      /* A new history: the old apply log and restore point no longer apply. */
+      t->log_len = t->log_head = 0;
+      t->restored_seq = t->restored_version = 0;
+      t->last_lr = t->hp.has_lr ? t->hp.lr : 0.0;
+      t->last_weight_decay = t->hp.weight_decay;
+      t->init_gen++;
+      p[i].new_param = old_param; /* freed below with the plan */
+      p[i].new_st = old_st;
+    } else {
+      fps__create_publish(&p[i]);
     }
-    pthread_mutex_unlock(&t->mu);
   }
+  for (size_t a = nr; a-- > 0;) pthread_mutex_unlock(&rt[a]->mu);
+  tlocked = false;
+  atomic_fetch_add(&sh->counters.bytes_received, received);
+  *received_out = received;
   for (size_t i = 0; i < n; i++) {
     fps_plan_t *lead = &p[p[i].lead];
     fps_tensor_t *t = lead->t;
@@ -481,15 +541,12 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
   }
 
 done:
+  if (tlocked)
+    for (size_t a = nr; a-- > 0;) pthread_mutex_unlock(&rt[a]->mu);
   if (locked) pthread_rwlock_unlock(&sh->store.mu);
-  if (p)
-    for (size_t i = 0; i < n; i++) {
-      fps_ranges_free(&p[i].ranges);
-      for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&p[i].sranges[k]);
-      fps_free(p[i].new_param);
-      fps_adafactor_state_destroy(&p[i].new_st);
-    }
+  if (p) fps__plan_reset(p, n);
   fps_free(p);
   fps_free(order);
+  fps_free(rt);
   return rc;
 }

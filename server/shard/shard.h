@@ -266,6 +266,7 @@ struct fps_tensor_s {
   fps_ranges_t init;          /* initialised ranges while !ready */
   fps_ranges_t init_state[FPS_STATE_KINDS]; /* while !ready at a resume step
                                  * (version > 0): state ranges received */
+  uint64_t init_gen;          /* bumped by every Create that writes it (create.c) */
   uint64_t version;           /* updates applied */
   double last_lr;             /* lr of the last update (Create's before one) */
   double last_weight_decay;   /* weight decay of the last update */
