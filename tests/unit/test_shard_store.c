@@ -1,14 +1,98 @@
 /* The shard core's store rules, driven directly (no gRPC): create-or-match,
  * init coverage over several calls, limits, placement, bad init slices, and
  * Pull snapshots. A failed Create changes nothing. */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <cmocka.h>
 
 #include "shard_fixture.h"
+
+/* ---- concurrent Creates of one tensor (Create validates and copies
+ * without the store lock, then checks nothing changed meanwhile). */
+#define CC_THREADS 4
+#define CC_ROUNDS 48
+#define CC_N (1 << 18)
+
+typedef struct cc_arg_s {
+  fps_shard_t *sh;
+  pthread_barrier_t *bar;
+  int id;
+  float v[CC_N];
+  int rc[CC_ROUNDS];
+} cc_arg_t;
+
+/* Thread 0 and 1 send [0, N/2) (their own values), thread 2 [N/2, N),
+ * thread 3 no values; all name tensor c<round> at once. */
+static void *cc_main(void *arg) {
+  cc_arg_t *a = arg;
+  for (int r = 0; r < CC_ROUNDS; r++) {
+    char name[16];
+    snprintf(name, sizeof name, "c%d", r);
+    const uint64_t dims[1] = {CC_N};
+    fps_create_item_t it = {.name = name, .dims = dims, .ndim = 1};
+    fps_adafactor_defaults(&it.hp, FPS_FLAVOR_TORCH);
+    uint64_t off = a->id == 2 ? CC_N / 2 : 0;
+    fps_slice_t s = {.dtype = FPS_DTYPE_F32, .offset = off, .data = (const uint8_t *)(a->v + off),
+                     .len = CC_N / 2 * 4};
+    if (a->id < 3) it.init = &s;
+    fps_create_info_t info;
+    uint64_t rx;
+    char why[FPS_WHY_MAX];
+    pthread_barrier_wait(a->bar);
+    a->rc[r] = fps_shard_create(a->sh, 0, 1, &it, 1, &info, &rx, why, sizeof why);
+  }
+  return NULL;
+}
+
+static void concurrent_creates_are_all_or_nothing(void **unused) {
+  (void)unused;
+  fps_shard_t sh;
+  fx_shard(&sh, FPS_MODE_ASYNC, 1, 0);
+  pthread_barrier_t bar;
+  pthread_barrier_init(&bar, NULL, CC_THREADS);
+  static cc_arg_t a[CC_THREADS];
+  pthread_t th[CC_THREADS];
+  for (int i = 0; i < CC_THREADS; i++) {
+    a[i].sh = &sh;
+    a[i].bar = &bar;
+    a[i].id = i;
+    fx_fill(a[i].v, CC_N, 100 + (uint32_t)i);
+    assert_int_equal(pthread_create(&th[i], NULL, cc_main, &a[i]), 0);
+  }
+  for (int i = 0; i < CC_THREADS; i++) pthread_join(th[i], NULL);
+  pthread_barrier_destroy(&bar);
+  /* One tensor per round, whatever the interleaving. */
+  assert_int_equal(sh.store.count, CC_ROUNDS);
+  for (int r = 0; r < CC_ROUNDS; r++) {
+    char name[16];
+    snprintf(name, sizeof name, "c%d", r);
+    /* Thread 2 and 3 never conflict; of 0 and 1 one wins, the other
+     * overlaps (EINVAL) unless it came after the tensor was ready (its
+     * values then ignored: OK). */
+    assert_int_equal(a[2].rc[r], 0);
+    assert_int_equal(a[3].rc[r], 0);
+    assert_true(a[0].rc[r] == 0 || a[0].rc[r] == FPS_EINVAL);
+    assert_true(a[1].rc[r] == 0 || a[1].rc[r] == FPS_EINVAL);
+    assert_true(a[0].rc[r] == 0 || a[1].rc[r] == 0);
+    float got[CC_N];
+    fx_params(&sh, name, got);
+    /* The first half is one writer's, whole; the second thread 2's. */
+    bool from0 = !memcmp(got, a[0].v, CC_N / 2 * 4), from1 = !memcmp(got, a[1].v, CC_N / 2 * 4);
+    if (!from0 && !from1) fail_msg("tensor %s: the first half mixes two Creates' values", name);
+    if ((from0 && a[0].rc[r] != 0) || (from1 && a[1].rc[r] != 0))
+      fail_msg("tensor %s holds the values of a Create that failed", name);
+    assert_memory_equal(got + CC_N / 2, a[2].v + CC_N / 2, CC_N / 2 * 4);
+    fps_tensor_t *t = fps_store_find(&sh.store, name);
+    assert_non_null(t);
+    assert_true(t->ready);
+  }
+  fx_shard_free(&sh);
+}
 
 static const uint64_t DIMS[] = {4, 3};
 #define N 12
@@ -189,6 +273,7 @@ static void limits_and_placement(void **unused) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(create_or_match),
+      cmocka_unit_test(concurrent_creates_are_all_or_nothing),
       cmocka_unit_test(init_coverage_over_calls),
       cmocka_unit_test(bad_init_and_names_change_nothing),
       cmocka_unit_test(limits_and_placement),
