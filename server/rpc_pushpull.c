@@ -317,7 +317,19 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
     fps__pp_fail(pp, fps_status_from_err(rc), "%s", why);
     return;
   }
+  /* Sync backpressure: while this call has slices staged ahead of a lower
+   * worker that is still streaming, the next message waits in gRPC's flow
+   * control rather than in the shard's memory (fps_push_hold). */
+  if (fps_push_hold(pp->push)) return; /* fps__pp_on_resume receives */
   if (fps_call_recv(c) < 0) fps__pp_fail(pp, GRPC_STATUS_INTERNAL, "PushPull: cannot receive");
+}
+
+/* The core let a held push go on (any thread, maybe under core locks):
+ * only post the next receive. */
+static void fps__pp_on_resume(fps_push_t *p, void *arg) {
+  (void)p;
+  fps_pp_call_t *pp = arg;
+  if (fps_call_recv(&pp->base) < 0) fps__pp_fail(pp, GRPC_STATUS_INTERNAL, "PushPull: cannot receive");
 }
 
 void fps_rpc_pushpull_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
@@ -336,5 +348,6 @@ void fps_rpc_pushpull_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
   pp->phase = PP_RECV;
   if (fps_call_begin(&pp->base, srv, call, deadline, md, "PushPull") < 0) return;
   fps_push_set_deadline(pp->push, pp->base.deadline_ns);
+  fps_push_set_resume(pp->push, fps__pp_on_resume, pp);
   if (fps_call_recv(&pp->base) < 0) fps__pp_fail(pp, GRPC_STATUS_INTERNAL, "PushPull: cannot receive");
 }

@@ -63,7 +63,17 @@ struct fps_push_s {
   char *msg;                  /* its message */
   fps_push_done_fn done;
   void *arg;
+  /* Backpressure (fps_push_hold; the flags under sh->held_mu). */
+  fps_push_resume_fn resume;
+  void *resume_arg;
+  atomic_int_fast64_t staged; /* bytes of its slices staged (reduce.c) */
+  bool held;                  /* the caller waits for resume */
+  uint64_t wakes;             /* fps__push_wake() calls so far */
+  int64_t held_until;         /* the expiry hook resumes it then */
+  fps_push_t *hprev, *hnext;  /* sh->held */
 };
+
+static void fps__push_unhold_locked(fps_shard_t *sh, fps_push_t *p);
 
 int fps_push_create(fps_shard_t *sh, int64_t deadline_ns, fps_push_done_fn done, void *arg, fps_push_t **out) {
   *out = NULL;
@@ -81,6 +91,9 @@ int fps_push_create(fps_shard_t *sh, int64_t deadline_ns, fps_push_done_fn done,
 
 void fps_push_destroy(fps_push_t *p) {
   if (!p) return;
+  pthread_mutex_lock(&p->sh->held_mu);
+  if (p->held) fps__push_unhold_locked(p->sh, p); /* its caller gave up on it */
+  pthread_mutex_unlock(&p->sh->held_mu);
   for (size_t i = 0; i < p->n; i++) {
     fps_push_entry_t *e = p->e[i];
     if (p->sh->cfg.mode == FPS_MODE_SYNC) fps__sync_leave(p->sh, e);
@@ -157,6 +170,89 @@ int fps_push_set_id(fps_push_t *p, uint64_t push_id, char *why, size_t wl) {
 }
 
 bool fps_push_replayed(const fps_push_t *p) { return p->replayed; }
+
+void fps_push_set_resume(fps_push_t *p, fps_push_resume_fn fn, void *arg) {
+  p->resume = fn;
+  p->resume_arg = arg;
+}
+
+void fps__push_staged_add(fps_push_t *p, int64_t bytes) { atomic_fetch_add(&p->staged, bytes); }
+
+bool fps__push_streaming(fps_push_t *p) {
+  pthread_mutex_lock(&p->mu);
+  bool on = p->state == PUSH_RECV && !p->cancelled;
+  pthread_mutex_unlock(&p->mu);
+  return on;
+}
+
+/* Unlinks a held push. REQUIRES sh->held_mu. */
+static void fps__push_unhold_locked(fps_shard_t *sh, fps_push_t *p) {
+  p->held = false;
+  if (p->hprev) p->hprev->hnext = p->hnext;
+  else sh->held = p->hnext;
+  if (p->hnext) p->hnext->hprev = p->hprev;
+  p->hprev = p->hnext = NULL;
+}
+
+void fps__push_wake(fps_push_t *p) {
+  fps_shard_t *sh = p->sh;
+  pthread_mutex_lock(&sh->held_mu);
+  p->wakes++;
+  bool was = p->held;
+  if (was) fps__push_unhold_locked(sh, p);
+  pthread_mutex_unlock(&sh->held_mu);
+  /* Whoever unlinks a held push resumes it; until then the caller has no
+   * receive pending and the push cannot be freed. */
+  if (was) p->resume(p, p->resume_arg);
+}
+
+void fps__push_expire_holds(fps_shard_t *sh, int64_t now, bool force) {
+  for (;;) {
+    fps_push_t *hit = NULL;
+    pthread_mutex_lock(&sh->held_mu);
+    for (fps_push_t *p = sh->held; p && !hit; p = p->hnext)
+      if (force || now >= p->held_until) hit = p;
+    if (hit) fps__push_unhold_locked(sh, hit);
+    pthread_mutex_unlock(&sh->held_mu);
+    if (!hit) return;
+    hit->resume(hit, hit->resume_arg);
+  }
+}
+
+bool fps_push_hold(fps_push_t *p) {
+  fps_shard_t *sh = p->sh;
+  if (sh->cfg.mode != FPS_MODE_SYNC || !p->resume) return false;
+  /* Bounded by the call's deadline and by the round deadline's length. */
+  int64_t now = fps_now_ns(), until = fps_clock_after(now, sh->cfg.deadline);
+  if (p->deadline_ns < until) until = p->deadline_ns;
+  if (now >= until || atomic_load(&p->staged) <= (int64_t)FPS_PUSH_HOLD_BYTES) return false;
+  pthread_mutex_lock(&sh->held_mu);
+  uint64_t wakes = p->wakes;
+  pthread_mutex_unlock(&sh->held_mu);
+  if (!fps__push_streaming(p)) return false;
+  bool blocked = false;
+  for (size_t i = 0; i < p->n && !blocked; i++) {
+    fps_push_entry_t *e = p->e[i];
+    pthread_mutex_lock(&e->t->mu);
+    if (e->staged) blocked = fps__reduce_lower_streaming_locked(sh, e);
+    pthread_mutex_unlock(&e->t->mu);
+  }
+  if (!blocked) return false;
+  /* A wake since the count was read may have removed the reason: then the
+   * caller goes on receiving (and asks again after the next message). */
+  pthread_mutex_lock(&sh->held_mu);
+  bool hold = p->wakes == wakes;
+  if (hold) {
+    p->held = true;
+    p->held_until = until;
+    p->hprev = NULL;
+    p->hnext = sh->held;
+    if (sh->held) sh->held->hprev = p;
+    sh->held = p;
+  }
+  pthread_mutex_unlock(&sh->held_mu);
+  return hold;
+}
 
 void fps__push_entry_resolved(fps_push_entry_t *e) {
   fps_push_t *p = e->owner;
@@ -245,6 +341,8 @@ void fps_push_cancel(fps_push_t *p) {
   p->cancelled = true;
   int state = p->state;
   pthread_mutex_unlock(&p->mu);
+  /* A held push receives again, which fails on the dead call and ends it. */
+  if (state == PUSH_RECV) fps__push_wake(p);
   if (state != PUSH_WAIT) return; /* RECV: the commit refuses; DONE: too late */
   if (sh->cfg.mode == FPS_MODE_SYNC) {
     size_t k = fps__sync_withdraw(sh, p->e, p->n);
@@ -304,6 +402,12 @@ int fps_push_commit(fps_push_t *p, char *why, size_t wl) {
   p->state = cancelled || late ? PUSH_DONE : PUSH_WAIT;
   p->pending = 1; /* this thread's hold until it is done here */
   pthread_mutex_unlock(&p->mu);
+  /* No longer streaming: the higher workers it held back may go on. */
+  for (size_t i = 0; sh->cfg.mode == FPS_MODE_SYNC && i < p->n; i++) {
+    pthread_mutex_lock(&p->e[i]->t->mu);
+    fps__reduce_wake_above_locked(sh, p->e[i]);
+    pthread_mutex_unlock(&p->e[i]->t->mu);
+  }
   if (cancelled) {
     snprintf(why, wl, "PushPull: the call was cancelled");
     return FPS_ECANCELLED;

@@ -101,6 +101,7 @@ static fps_piece_t *fps__piece_pop_max(fps_piece_t **t) {
 
 static void fps__piece_free(fps_shard_t *sh, fps_push_entry_t *e, fps_piece_t *x) {
   e->staged_n -= x->hi - x->lo;
+  fps__push_staged_add(e->owner, -(int64_t)((x->hi - x->lo) * sizeof(float)));
   fps_tbuf_free(sh, x->data, x->hi - x->lo);
   fps_free(x);
 }
@@ -184,6 +185,8 @@ static void fps__reduce_cascade(fps_shard_t *sh, fps_tensor_t *t, uint32_t w, ui
         fps__piece_insert(&ev->staged, x);
       }
     }
+    /* Less staged: a push held back for it may go on. */
+    if (nlo < nhi) fps__push_wake(ev->owner);
     lo = nlo;
     hi = nhi;
   }
@@ -342,6 +345,7 @@ static int fps__reduce_stage(fps_shard_t *sh, fps_push_entry_t *e, const fps_sli
   x->prio = fps__piece_prio();
   fps__piece_insert(&e->staged, x);
   e->staged_n += count;
+  fps__push_staged_add(e->owner, (int64_t)(count * sizeof(float)));
   return 0;
 }
 
@@ -406,6 +410,7 @@ void fps__reduce_discard_locked(fps_shard_t *sh, fps_tensor_t *t, int err, const
   for (uint32_t w = 0; w < sh->cfg.workers; w++) {
     fps_push_entry_t *ev = r->owner[w];
     if (!ev) continue;
+    fps__push_wake(ev->owner); /* held back for a sum that is gone */
     ev->attached = false;
     if (r->done[w].covered > 0 && !ev->red_err) {
       ev->red_err = err;
@@ -413,6 +418,24 @@ void fps__reduce_discard_locked(fps_shard_t *sh, fps_tensor_t *t, int err, const
     }
   }
   fps__reduce_destroy(sh, t);
+}
+
+bool fps__reduce_lower_streaming_locked(fps_shard_t *sh, fps_push_entry_t *e) {
+  fps_reduce_t *r = e->t->red;
+  if (!e->attached || !r) return false;
+  for (uint32_t v = 0; v < e->worker_id; v++) {
+    fps_push_entry_t *ev = r->owner[v];
+    if (ev && r->done[v].covered < e->t->numel && fps__push_streaming(ev->owner)) return true;
+  }
+  (void)sh;
+  return false;
+}
+
+void fps__reduce_wake_above_locked(fps_shard_t *sh, fps_push_entry_t *e) {
+  fps_reduce_t *r = e->t->red;
+  if (!e->attached || !r) return;
+  for (uint32_t v = e->worker_id + 1; v < sh->cfg.workers; v++)
+    if (r->owner[v]) fps__push_wake(r->owner[v]->owner);
 }
 
 void fps__reduce_entry_free_locked(fps_shard_t *sh, fps_push_entry_t *e) {

@@ -70,6 +70,12 @@ void fps__reduce_discard_locked(fps_shard_t *sh, fps_tensor_t *t, int err, const
 /* Frees e's staged pieces and message (e is being freed; it must have
  * left). */
 void fps__reduce_entry_free_locked(fps_shard_t *sh, fps_push_entry_t *e);
+/* Backpressure (fps_push_hold): lower_streaming: true if e holds its
+ * worker's place and a lower worker that has not sent all of the tensor
+ * yet is still streaming it. wake_above: wakes the pushes of the workers
+ * above e's (e stopped streaming). */
+bool fps__reduce_lower_streaming_locked(fps_shard_t *sh, fps_push_entry_t *e);
+void fps__reduce_wake_above_locked(fps_shard_t *sh, fps_push_entry_t *e);
 /* Frees t's sum at shutdown (no push in progress). */
 void fps__reduce_free(fps_shard_t *sh, fps_tensor_t *t);
 /* why for gradient element `index` of tensor `name` holding v, which is

@@ -534,6 +534,27 @@ int fps_push_set_id(fps_push_t *p, uint64_t push_id, char *why, size_t why_len);
  * applied by this call). */
 bool fps_push_replayed(const fps_push_t *p);
 
+/* Sync backpressure. A slice that arrives before the workers below its
+ * worker have been summed over its elements is staged; so that staging
+ * stays near one message per call, the RPC layer asks after each message
+ * whether to receive the next one now. fps_push_hold() says true (hold)
+ * when the push has more than FPS_PUSH_HOLD_BYTES staged and a lower
+ * worker that has not yet sent all of that tensor is still streaming
+ * (its call alive, not half-closed); otherwise the push keeps streaming and
+ * stages (within max_staging_bytes). After a true, the caller must not
+ * receive until `resume` runs: once, on any thread, possibly with core
+ * locks held, so it must only post the next receive. It runs when staged
+ * pieces are summed, when a lower worker half-closes or goes away, when
+ * the round's sum is discarded, when the push is cancelled, and at the
+ * latest at the push's deadline or after --deadline seconds (the expiry
+ * hook). A hold never waits on a higher worker, so holds cannot form a
+ * cycle: the lowest streaming worker of a tensor is never held for it, and
+ * worker 0 never is. */
+#define FPS_PUSH_HOLD_BYTES (UINT64_C(4) << 20)
+typedef void (*fps_push_resume_fn)(fps_push_t *p, void *arg);
+void fps_push_set_resume(fps_push_t *p, fps_push_resume_fn fn, void *arg);
+bool fps_push_hold(fps_push_t *p);
+
 /* --------------------------------------------------- the shard, counters */
 
 typedef struct fps_counters_s {
@@ -627,6 +648,10 @@ struct fps_shard_s {
    * round's membership (fps_round_t). */
   pthread_mutex_t rounds_mu;
   fps_tensor_t *rounds;
+  /* Sync pushes held back (fps_push_hold), for the expiry hook. A leaf
+   * lock: it also guards every push's held flag and wake count. */
+  pthread_mutex_t held_mu;
+  fps_push_t *held;
   uint64_t rounds_walk;             /* set walks so far (fps_round_t.seen) */
   /* Checkpoints (checkpoint.c). */
   pthread_mutex_t ckpt_mu;          /* one checkpoint at a time */
@@ -677,7 +702,14 @@ bool fps__ssp_admit_or_park(fps_shard_t *sh, fps_ssp_wait_t *w);
 void fps__ssp_advance(fps_shard_t *sh, uint32_t worker_id, uint64_t step);
 bool fps__ssp_unpark(fps_shard_t *sh, fps_ssp_wait_t *w);
 void fps__ssp_expire(fps_shard_t *sh, int64_t now, bool force, int err, const char *reason);
-/* push.c, for sync.c and ssp.c. */
+/* push.c, for sync.c, reduce.c and ssp.c. wake: whatever held p back may
+ * have changed (resumes it if held). streaming: p still receives (its
+ * call alive, not half-closed). REQUIRES nothing; may run under t->mu. */
+void fps__push_wake(fps_push_t *p);
+bool fps__push_streaming(fps_push_t *p);
+/* Counts bytes of p's slices staged (+) or summed/freed (-). */
+void fps__push_staged_add(fps_push_t *p, int64_t bytes);
+void fps__push_expire_holds(fps_shard_t *sh, int64_t now, bool force);
 void fps__push_entry_resolved(fps_push_entry_t *e);
 /* The push's entries (*out), fixed once it is committed; returns their
  * count, or 0 if set walk `walk` (sh->rounds_walk) already visited them, so

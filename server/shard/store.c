@@ -628,6 +628,7 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
   }
   pthread_mutex_init(&sh->ssp_mu, NULL);
   pthread_mutex_init(&sh->rounds_mu, NULL);
+  pthread_mutex_init(&sh->held_mu, NULL);
   pthread_mutex_init(&sh->counters.mu, NULL);
   pthread_mutex_init(&sh->ckpt_mu, NULL);
   sh->started_ns = fps_now_ns();
@@ -644,6 +645,7 @@ void fps_shard_destroy(fps_shard_t *sh) {
   sh->ssp_clock = NULL;
   pthread_mutex_destroy(&sh->ssp_mu);
   pthread_mutex_destroy(&sh->rounds_mu);
+  pthread_mutex_destroy(&sh->held_mu);
   pthread_mutex_destroy(&sh->counters.mu);
   pthread_mutex_destroy(&sh->ckpt_mu);
 }
@@ -651,6 +653,7 @@ void fps_shard_destroy(fps_shard_t *sh) {
 void fps_shard_expire(void *arg, int64_t now_ns) {
   fps_shard_t *sh = arg;
   fps__sync_expire(sh, now_ns, false, FPS_ETIMEOUT, NULL);
+  fps__push_expire_holds(sh, now_ns, false);
   fps__ssp_expire(sh, now_ns, false, FPS_ETIMEOUT, NULL);
 }
 
@@ -658,4 +661,5 @@ void fps_shard_fail_waiting(fps_shard_t *sh, int err, const char *why) {
   int64_t now = fps_now_ns();
   fps__sync_expire(sh, now, true, err, why);
   fps__ssp_expire(sh, now, true, err, why);
+  fps__push_expire_holds(sh, now, true); /* held calls receive again, and end */
 }

@@ -460,6 +460,7 @@ void fps__sync_leave(fps_shard_t *sh, fps_push_entry_t *e) {
   fps_tensor_t *t = e->t;
   fps_push_entry_t *list = NULL;
   pthread_mutex_lock(&t->mu);
+  fps__reduce_wake_above_locked(sh, e); /* it no longer streams */
   if (fps__reduce_leave_locked(sh, e)) fps__sum_abort_locked(sh, t, e->worker_id, &list);
   fps__reduce_entry_free_locked(sh, e);
   pthread_mutex_unlock(&t->mu);

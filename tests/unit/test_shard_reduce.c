@@ -538,6 +538,101 @@ static void no_grad_and_retries(void **unused) {
   fx_shard_free(&sh);
 }
 
+/* Backpressure: a push with more than FPS_PUSH_HOLD_BYTES staged ahead of
+ * a lower worker that is still streaming is held (fps_push_hold), and
+ * resumed once when that changes: its pieces are summed, the sum is
+ * discarded, it is cancelled, or the hold times out. Worker 0 is never
+ * held, and nobody is held for a lower worker that is not streaming. */
+static void on_resume(fps_push_t *p, void *arg) {
+  (void)p;
+  (*(int *)arg)++;
+}
+
+#define BIG_ROWS 2048
+#define BIG_COLS 1024
+#define BIG ((uint64_t)BIG_ROWS * BIG_COLS) /* 8 MiB of fp32 */
+
+static void send_big(fps_push_t *p, fps_shard_t *sh, const float *g, uint64_t lo, uint64_t hi) {
+  fps_tensor_t *t = fps_store_find(&sh->store, "big");
+  fps_slice_t sl = {.dtype = FPS_DTYPE_F32, .shape = t->shape.dim, .n_shape = t->shape.ndim, .offset = lo,
+                    .data = (const uint8_t *)(g + lo), .len = (hi - lo) * 4};
+  char why[FPS_WHY_MAX];
+  int rc = fps_push_slice(p, "big", &sl, why, sizeof why);
+  if (rc) fprintf(stderr, "slice: %s\n", why);
+  assert_int_equal(rc, 0);
+}
+
+static void backpressure_holds_and_resumes(void **unused) {
+  (void)unused;
+  static const uint64_t dims[] = {BIG_ROWS, BIG_COLS};
+  float *init = calloc(BIG, sizeof *init), *g = malloc(BIG * sizeof *g);
+  assert_non_null(init);
+  assert_non_null(g);
+  fx_fill(g, BIG, 130);
+  const uint64_t six = (6u << 20) / 4; /* 6 MiB of elements: above the hold */
+  for (int c = 0; c < 4; c++) {
+    fps_shard_t sh;
+    shard_with(&sh, FPS_MODE_SYNC, 3, fps_kernels_best(), 256u << 20);
+    assert_int_equal(fx_create(&sh, "big", dims, 2, init), 0);
+    fps_push_t *p[3];
+    fx_done_t d[3];
+    int resumed[3] = {0, 0, 0};
+    for (uint32_t w = 0; w < 3; w++) {
+      p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+      fps_push_set_resume(p[w], on_resume, &resumed[w]);
+    }
+    if (c == 0) {
+      /* No lower worker streaming: worker 1 stages and goes on. */
+      send_big(p[1], &sh, g, 0, six);
+      assert_false(fps_push_hold(p[1]));
+      for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
+      fx_shard_free(&sh);
+      continue;
+    }
+    send_big(p[0], &sh, g, 0, 1000);
+    send_big(p[1], &sh, g, 1000, 1000 + six);
+    assert_false(fps_push_hold(p[0])); /* worker 0 never */
+    assert_true(fps_push_hold(p[1]));
+    assert_int_equal(resumed[1], 0);
+    if (c == 1) {
+      /* Worker 0 covers part of the piece: still held; all of it: summed,
+       * resumed once, no longer held. */
+      send_big(p[0], &sh, g, 1000, 500000);
+      assert_int_equal(resumed[1], 0);
+      send_big(p[0], &sh, g, 500000, BIG);
+      assert_int_equal(resumed[1], 1);
+      assert_false(fps_push_hold(p[1]));
+      assert_int_equal(atomic_load(&sh.tbuf_bytes), BIG * 4);
+    } else if (c == 2) {
+      /* Cancelled while held: resumed (its receive then fails). */
+      fps_push_cancel(p[1]);
+      assert_int_equal(resumed[1], 1);
+      assert_false(fps_push_hold(p[1]));
+    } else {
+      /* Held no longer than the round deadline. */
+      fps_fake_clock_advance((int64_t)(FX_DEADLINE_S * 1e9) - 1000);
+      fps_shard_expire(&sh, fps_now_ns());
+      assert_int_equal(resumed[1], 0);
+      fps_fake_clock_advance(1000);
+      fps_shard_expire(&sh, fps_now_ns());
+      assert_int_equal(resumed[1], 1);
+      /* Held again; worker 0's call goes away (its first 1000 elements
+       * are in the sum): the sum is discarded, and it resumes. */
+      assert_true(fps_push_hold(p[1]));
+      fps_push_destroy(p[0]);
+      p[0] = NULL;
+      assert_int_equal(resumed[1], 2);
+    }
+    assert_int_equal(resumed[0], 0);
+    for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
+    assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+    assert_null(sh.held);
+    fx_shard_free(&sh);
+  }
+  free(init);
+  free(g);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(sum_is_bit_identical_for_every_variant),
@@ -545,6 +640,7 @@ int main(void) {
       cmocka_unit_test(failed_member_aborts_the_round),
       cmocka_unit_test(second_push_of_a_worker_and_deadline),
       cmocka_unit_test(no_grad_and_retries),
+      cmocka_unit_test(backpressure_holds_and_resumes),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
