@@ -40,7 +40,8 @@ static uint32_t fps__piece_prio(void) {
     if (getrandom(&s, sizeof s, GRND_NONBLOCK) != (ssize_t)sizeof s) s = (uint64_t)(uintptr_t)&ctr;
     s |= 1;
     uint64_t z = 0;
-    __atomic_compare_exchange_n(&seed, &z, s, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    /* C11's own call: clang refuses the __atomic builtins on _Atomic. */
+    atomic_compare_exchange_strong_explicit(&seed, &z, s, memory_order_relaxed, memory_order_relaxed);
     k = seed;
   }
   uint64_t x = (ctr++ + 1) * k;
