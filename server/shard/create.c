@@ -322,6 +322,23 @@ static int fps__cmp_tensor_ptr(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
+/* max_tensors and max_bytes against new_count tensors of new_bytes more:
+ * 0 or FPS_ELIMIT with why. REQUIRES store->mu (read or write). */
+static int fps__create_limits_locked(fps_shard_t *sh, uint64_t new_count, uint64_t new_bytes, char *why,
+                                     size_t wl) {
+  if (sh->store.count + new_count > sh->cfg.max_tensors) {
+    snprintf(why, wl, "Create: %" PRIu64 " new tensors would exceed this shard's limit of %" PRIu64
+             " tensors (--max-tensors)", new_count, sh->cfg.max_tensors);
+    return FPS_ELIMIT;
+  }
+  if (sh->store.param_bytes + new_bytes > sh->cfg.max_bytes) {
+    snprintf(why, wl, "Create: %" PRIu64 " new parameter bytes would exceed this shard's limit of %" PRIu64
+             " bytes (--max-bytes; %" PRIu64 " in use)", new_bytes, sh->cfg.max_bytes, sh->store.param_bytes);
+    return FPS_ELIMIT;
+  }
+  return 0;
+}
+
 int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, const fps_create_item_t *items,
                      size_t n, fps_create_info_t *out, uint64_t *received_out, char *why, size_t wl) {
   int rc = 0;
@@ -369,6 +386,13 @@ again:
       new_bytes += p[i].numel * 4;
     }
   }
+  if (rc < 0) goto done;
+  /* The limits before allocating: a hostile Create of 2^40 elements must
+   * not get its terabytes reserved only to be refused at insertion. They
+   * are checked again under the write lock (others may insert meanwhile). */
+  pthread_rwlock_rdlock(&sh->store.mu);
+  rc = fps__create_limits_locked(sh, new_count, new_bytes, why, wl);
+  pthread_rwlock_unlock(&sh->store.mu);
   if (rc < 0) goto done;
   /* A replace covers everything in this call. */
   for (size_t i = 0; i < n && rc == 0; i++) {
@@ -438,15 +462,8 @@ again:
   for (size_t i = 0; i < n && !stale; i++)
     if (p[i].lead == i && p[i].is_new && fps__store_find_locked(&sh->store, items[i].name, strlen(items[i].name)))
       stale = true; /* another Create made it meanwhile */
-  if (!stale && sh->store.count + new_count > sh->cfg.max_tensors) {
-    rc = FPS_ELIMIT;
-    snprintf(why, wl, "Create: %" PRIu64 " new tensors would exceed this shard's limit of %" PRIu64
-             " tensors (--max-tensors)", new_count, sh->cfg.max_tensors);
-  } else if (!stale && sh->store.param_bytes + new_bytes > sh->cfg.max_bytes) {
-    rc = FPS_ELIMIT;
-    snprintf(why, wl, "Create: %" PRIu64 " new parameter bytes would exceed this shard's limit of %" PRIu64
-             " bytes (--max-bytes; %" PRIu64 " in use)", new_bytes, sh->cfg.max_bytes, sh->store.param_bytes);
-  } else if (!stale && fps__store_reserve_locked(&sh->store, sh->store.count + new_count) < 0) {
+  if (!stale) rc = fps__create_limits_locked(sh, new_count, new_bytes, why, wl);
+  if (!stale && rc == 0 && fps__store_reserve_locked(&sh->store, sh->store.count + new_count) < 0) {
     rc = FPS_ENOMEM;
     snprintf(why, wl, "Create: out of memory growing the tensor map");
   }
