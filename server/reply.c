@@ -118,7 +118,6 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
     }
     fps_dtype_encode(runs[i].it->dtype, runs[i].it->snap->data + runs[i].off, runs[i].cnt, enc[i]);
   }
-  FPS_TSAN_RELEASE(h);
   grpc_slice hdr = grpc_slice_new_with_len(h, hdr_cap, fps__reply_buf_free);
   size_t hn = 0, mark = 0;
   for (size_t i = 0; i < ns; i++) {
@@ -145,6 +144,9 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
     for (size_t i = 0; i < r->n; i++)
       hn += fps_wire_version(h + hn, 2, r->items[i].t->name, strlen(r->items[i].t->name), r->items[i].version);
   if (mark < hn || n_sl == 0) sl[n_sl++] = grpc_slice_sub(hdr, mark, hn);
+  /* After the last write into h (the versions above): gRPC may free it
+   * on another thread from here on. */
+  FPS_TSAN_RELEASE(h);
   bb = grpc_raw_byte_buffer_create(sl, n_sl);
   for (size_t i = 0; i < n_sl; i++) grpc_slice_unref(sl[i]);
   grpc_slice_unref(hdr);
