@@ -56,10 +56,14 @@
  * the calling thread (the pool runs one job at a time, and many small
  * tensors already spread over the pollers). */
 #define FPS_POOL_MIN_NUMEL (UINT64_C(1) << 22)
-/* A round fails this long before its earliest member's own deadline, so
- * the members hear which workers were missing rather than a bare
- * DEADLINE_EXCEEDED from their own transport timer. */
-#define FPS_ROUND_MARGIN_NS INT64_C(200000000)
+/* A round fails ahead of its earliest member's own deadline, so the
+ * members hear which workers were missing rather than a bare
+ * DEADLINE_EXCEEDED from their own transport timer: by a quarter of the
+ * time the member had left when it joined, at least MIN (the answer must
+ * beat the client's timer on a loaded machine: 200 ms was lost to
+ * scheduling delays here) and at most MAX. */
+#define FPS_ROUND_MARGIN_MIN_NS INT64_C(200000000)
+#define FPS_ROUND_MARGIN_MAX_NS INT64_C(1000000000)
 
 /* ------------------------------------------------------------ logging */
 

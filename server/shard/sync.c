@@ -45,6 +45,14 @@
 #include "reduce.h"
 #include "shard.h"
 
+/* How long before a member's own deadline its round gives up (shard.h). */
+static int64_t fps__round_margin(int64_t call_deadline_ns, int64_t now) {
+  int64_t m = call_deadline_ns > now ? (call_deadline_ns - now) / 4 : 0;
+  if (m < FPS_ROUND_MARGIN_MIN_NS) m = FPS_ROUND_MARGIN_MIN_NS;
+  if (m > FPS_ROUND_MARGIN_MAX_NS) m = FPS_ROUND_MARGIN_MAX_NS;
+  return m;
+}
+
 /* ------------------------------------------------------- open rounds */
 
 /* REQUIRES sh->rounds_mu (as every function named _locked here). */
@@ -372,7 +380,7 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
         t->round.deadline_ns = fps_clock_after(now, sh->cfg.deadline);
         fps__rounds_link_locked(sh, t);
       }
-      int64_t d = call_deadline_ns == INT64_MAX ? INT64_MAX : call_deadline_ns - FPS_ROUND_MARGIN_NS;
+      int64_t d = call_deadline_ns == INT64_MAX ? INT64_MAX : call_deadline_ns - fps__round_margin(call_deadline_ns, now);
       if (d < t->round.deadline_ns) t->round.deadline_ns = d;
       t->round.member[worker_id] = x;
       t->round.joined++;
