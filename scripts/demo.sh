@@ -149,6 +149,11 @@ list=$(IFS=,; echo "${addrs[*]}")
 mlist=$(IFS=,; echo "${maddrs[*]}")
 
 export FACTORPS_LIB=$(cd "$build" && pwd)/client/libfactorps.so
+# One BLAS thread per worker, as torch.set_num_threads(1) in the workers
+# intends: on a fresh machine scipy (python3-sklearn's dependency) brings in
+# libopenblas0-pthread, which outranks the serial OpenBLAS as libblas.so.3
+# and starts its own threads whatever torch is told.
+export OPENBLAS_NUM_THREADS=1
 if [[ $model == lm ]]; then
   echo "== training a byte-level transformer: $workers workers, $steps steps"
   mkdir -p "$out"
