@@ -118,4 +118,22 @@ static inline void fps__step_result(const fps_adafactor_hparams_t *hp,
   r->step_size = r->lr_eff / r->denom;
 }
 
+/* An unfactored tensor (or a block of one) as one run of n elements in
+ * nchunks chunks (adafactor_step.c): pass A updates v and writes each
+ * chunk's sum U^2 and sum p^2; pass C applies the update. Shared by the
+ * whole step and the split one. */
+typedef struct fps__var_ctx_s {
+  const fps_kernels_t *k;
+  const fps__step_scalars_t *sc;
+  size_t n, nchunks;
+  const float *g;
+  float *p, *v, *mom;
+  float a, b, e;
+  double psq[FPS_STEP_MAX_CHUNKS];
+  double u2[FPS_STEP_MAX_CHUNKS];
+  float pmul, s;
+} fps__var_ctx_t;
+void fps__var_pass_a(void *arg, size_t ck);
+void fps__var_pass_c(void *arg, size_t ck);
+
 #endif

@@ -525,35 +525,6 @@ static void seg_pass_c(void *arg, size_t ck) {
   }
 }
 
-/* Unfactored: the block's elements as one run. */
-typedef struct vec_ctx_s {
-  const fps_kernels_t *k;
-  const fps__step_scalars_t *sc;
-  size_t n, nchunks;
-  const float *g;
-  float *p, *v, *mom;
-  float a, b, e;
-  double psq[FPS_STEP_MAX_CHUNKS], u2[FPS_STEP_MAX_CHUNKS];
-  float pmul, s;
-} vec_ctx_t;
-
-static void vec_pass_a(void *arg, size_t ck) {
-  vec_ctx_t *c = arg;
-  uint64_t lo = fps__chunk_lo(c->n, c->nchunks, ck), hi = fps__chunk_lo(c->n, c->nchunks, ck + 1);
-  double u2 = 0, psq = 0;
-  c->k->var_update(c->g + lo, c->p + lo, c->v + lo, hi - lo, c->a, c->b, c->e, c->sc->floor, &u2,
-                   &psq);
-  c->u2[ck] = u2;
-  c->psq[ck] = psq;
-}
-
-static void vec_pass_c(void *arg, size_t ck) {
-  vec_ctx_t *c = arg;
-  uint64_t lo = fps__chunk_lo(c->n, c->nchunks, ck), hi = fps__chunk_lo(c->n, c->nchunks, ck + 1);
-  c->k->apply_elem(c->p + lo, c->g + lo, c->mom ? c->mom + lo : NULL, c->v + lo, hi - lo, 1.0f,
-                   c->sc->floor, c->s, c->pmul, c->sc->beta1);
-}
-
 /* The block's rows of its local matrix lm: [*a, *b) in block-local rows. */
 static void seg_rows(const fps_split_geom_t *g, uint64_t lm, uint64_t *a, uint64_t *b) {
   uint64_t mtx = g->mtx_lo + lm;
@@ -656,11 +627,11 @@ static int begin_unfactored(fps_split_step_t *s) {
   s->new_var = fps_malloc(n * sizeof(float));
   if (!s->new_var) return FPS_ENOMEM;
   memcpy(s->new_var, s->st->var, n * sizeof(float));
-  vec_ctx_t c = {.k = s->k, .sc = &s->sc, .n = n, .nchunks = fps__chunk_count(n, 1),
+  fps__var_ctx_t c = {.k = s->k, .sc = &s->sc, .n = n, .nchunks = fps__chunk_count(n, 1),
                  .g = s->grad, .p = s->param, .v = s->new_var,
                  .a = (float)(1.0 - s->sc.w), .b = (float)s->sc.w,
                  .e = s->sc.hf ? (float)s->hp.eps1 : 0.0f};
-  fps_pool_run(s->pool, c.nchunks, vec_pass_a, &c);
+  fps_pool_run(s->pool, c.nchunks, fps__var_pass_a, &c);
   double psq = 0, u2 = 0;
   for (size_t ck = 0; ck < c.nchunks; ck++) {
     psq += c.psq[ck];
@@ -957,10 +928,10 @@ int fps_split_step_apply(fps_split_step_t *s, fps_adafactor_trace_t *trace) {
     memcpy(st->col, s->new_col, g->nmat * C * sizeof(float));
   } else {
     const size_t n = (size_t)g->block_numel;
-    vec_ctx_t c = {.k = s->k, .sc = &s->sc, .n = n, .nchunks = fps__chunk_count(n, 1),
+    fps__var_ctx_t c = {.k = s->k, .sc = &s->sc, .n = n, .nchunks = fps__chunk_count(n, 1),
                    .g = s->grad, .p = s->param, .v = s->new_var, .mom = st->mom, .pmul = pmul,
                    .s = step};
-    fps_pool_run(s->pool, c.nchunks, vec_pass_c, &c);
+    fps_pool_run(s->pool, c.nchunks, fps__var_pass_c, &c);
     memcpy(st->var, s->new_var, n * sizeof(float));
   }
   st->step = s->sc.new_step;

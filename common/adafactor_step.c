@@ -118,20 +118,8 @@ static bool fact_factors(const fps__step_scalars_t *sc, const float *row, size_t
 
 /* ---- unfactored -------------------------------------------------------- */
 
-typedef struct var_ctx_s {
-  const fps_kernels_t *k;
-  const fps__step_scalars_t *sc;
-  size_t n, nchunks;
-  const float *g;
-  float *p, *v, *mom;
-  float a, b, e;
-  double psq[FPS_STEP_MAX_CHUNKS];
-  double u2[FPS_STEP_MAX_CHUNKS];
-  float pmul, s;
-} var_ctx_t;
-
-static void var_pass_a(void *arg, size_t ck) {
-  var_ctx_t *c = arg;
+void fps__var_pass_a(void *arg, size_t ck) {
+  fps__var_ctx_t *c = arg;
   uint64_t lo = fps__chunk_lo(c->n, c->nchunks, ck), hi = fps__chunk_lo(c->n, c->nchunks, ck + 1);
   double u2 = 0, psq = 0;
   c->k->var_update(c->g + lo, c->p + lo, c->v + lo, hi - lo, c->a, c->b, c->e, c->sc->floor, &u2,
@@ -140,8 +128,8 @@ static void var_pass_a(void *arg, size_t ck) {
   c->psq[ck] = psq;
 }
 
-static void var_pass_c(void *arg, size_t ck) {
-  var_ctx_t *c = arg;
+void fps__var_pass_c(void *arg, size_t ck) {
+  fps__var_ctx_t *c = arg;
   uint64_t lo = fps__chunk_lo(c->n, c->nchunks, ck), hi = fps__chunk_lo(c->n, c->nchunks, ck + 1);
   c->k->apply_elem(c->p + lo, c->g + lo, c->mom ? c->mom + lo : NULL, c->v + lo, hi - lo, 1.0f,
                    c->sc->floor, c->s, c->pmul, c->sc->beta1);
@@ -200,7 +188,7 @@ int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hpara
   uint64_t bytes = fps_adafactor_step_bytes(st);
   bool explicit_rms = false;
   fact_ctx_t fc;
-  var_ctx_t vc;
+  fps__var_ctx_t vc;
 
   /* Pass A: statistics, RMS(param) and sum U^2. */
   if (st->factored) {
@@ -258,7 +246,7 @@ int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hpara
     vc.a = (float)(1.0 - sc.w);
     vc.b = (float)sc.w;
     vc.e = hf ? (float)hp->eps1 : 0.0f;
-    fps_pool_run(pool, vc.nchunks, var_pass_a, &vc);
+    fps_pool_run(pool, vc.nchunks, fps__var_pass_a, &vc);
     for (size_t ck = 0; ck < vc.nchunks; ck++) {
       psq += vc.psq[ck];
       u2 += vc.u2[ck];
@@ -296,7 +284,7 @@ int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hpara
   } else {
     vc.pmul = (float)pmul;
     vc.s = (float)(sc.sign * step_size);
-    fps_pool_run(pool, vc.nchunks, var_pass_c, &vc);
+    fps_pool_run(pool, vc.nchunks, fps__var_pass_c, &vc);
   }
 
   if (st->factored && !scratch) fps_free(fc.scratch);
