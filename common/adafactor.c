@@ -9,18 +9,9 @@
 #include <string.h>
 
 #include "adafactor.h"
+#include "error.h"
 
 #include "alloc.h"
-
-static int fail_msg(int rc, char *why, size_t why_len, const char *fmt, ...) {
-  if (why && why_len) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, why_len, fmt, ap);
-    va_end(ap);
-  }
-  return rc;
-}
 
 void fps_adafactor_defaults(fps_adafactor_hparams_t *hp, fps_flavor_t flavor) {
   memset(hp, 0, sizeof *hp);
@@ -66,9 +57,9 @@ const char *fps_flavor_name(fps_flavor_t f) {
 }
 
 int fps_adafactor_validate(const fps_adafactor_hparams_t *hp, char *why, size_t why_len) {
-  if (!hp) return fail_msg(FPS_EINVAL, why, why_len, "no hyperparameters given");
+  if (!hp) return fps_errorf(FPS_EINVAL, why, why_len, "no hyperparameters given");
   if (hp->flavor != FPS_FLAVOR_TORCH && hp->flavor != FPS_FLAVOR_HF)
-    return fail_msg(FPS_EFLAVOR, why, why_len, "unknown optimizer flavor %d (expected torch or hf)",
+    return fps_errorf(FPS_EFLAVOR, why, why_len, "unknown optimizer flavor %d (expected torch or hf)",
                     (int)hp->flavor);
   const bool hf = hp->flavor == FPS_FLAVOR_HF;
   const char *fl = fps_flavor_name(hp->flavor);
@@ -87,50 +78,50 @@ int fps_adafactor_validate(const fps_adafactor_hparams_t *hp, char *why, size_t 
   };
   for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++)
     if (nums[i].used && !isfinite(nums[i].v))
-      return fail_msg(FPS_EHPARAM, why, why_len, "%s must be finite, got %g", nums[i].name,
+      return fps_errorf(FPS_EHPARAM, why, why_len, "%s must be finite, got %g", nums[i].name,
                       nums[i].v);
 
   if (hp->has_lr && hp->lr < 0)
-    return fail_msg(FPS_EHPARAM, why, why_len, "lr must be >= 0, got %g", hp->lr);
+    return fps_errorf(FPS_EHPARAM, why, why_len, "lr must be >= 0, got %g", hp->lr);
   if (hp->decay > 0)
-    return fail_msg(FPS_EHPARAM, why, why_len, "%s must be <= 0, got %g", n_decay, hp->decay);
+    return fps_errorf(FPS_EHPARAM, why, why_len, "%s must be <= 0, got %g", n_decay, hp->decay);
   if (hp->eps1 < 0)
-    return fail_msg(FPS_EHPARAM, why, why_len, "eps1 must be >= 0, got %g", hp->eps1);
+    return fps_errorf(FPS_EHPARAM, why, why_len, "eps1 must be >= 0, got %g", hp->eps1);
   if (hp->eps2 < 0)
-    return fail_msg(FPS_EHPARAM, why, why_len, "eps2 must be >= 0, got %g", hp->eps2);
+    return fps_errorf(FPS_EHPARAM, why, why_len, "eps2 must be >= 0, got %g", hp->eps2);
   if (hp->clip <= 0)
-    return fail_msg(FPS_EHPARAM, why, why_len, "%s must be > 0, got %g", n_clip, hp->clip);
+    return fps_errorf(FPS_EHPARAM, why, why_len, "%s must be > 0, got %g", n_clip, hp->clip);
   /* torch.optim.Adafactor refuses d < 1 ("Clipping threshold d should be
    * >= 1"); transformers' clip_threshold has no such bound. */
   if (!hf && hp->clip < 1)
-    return fail_msg(FPS_EHPARAM, why, why_len, "d (the clipping threshold) must be >= 1 as in torch, got %g",
+    return fps_errorf(FPS_EHPARAM, why, why_len, "d (the clipping threshold) must be >= 1 as in torch, got %g",
                     hp->clip);
   if (hp->weight_decay < 0)
-    return fail_msg(FPS_EHPARAM, why, why_len, "weight_decay must be >= 0, got %g",
+    return fps_errorf(FPS_EHPARAM, why, why_len, "weight_decay must be >= 0, got %g",
                     hp->weight_decay);
 
   if (hf) {
     if (hp->maximize)
-      return fail_msg(FPS_EHPARAM, why, why_len, "maximize is a torch option; hf has none");
+      return fps_errorf(FPS_EHPARAM, why, why_len, "maximize is a torch option; hf has none");
     if (hp->has_lr && hp->relative_step)
-      return fail_msg(FPS_EHPARAM, why, why_len,
+      return fps_errorf(FPS_EHPARAM, why, why_len,
                       "cannot combine a manual lr with relative_step=true");
     if (!hp->has_lr && !hp->relative_step)
-      return fail_msg(FPS_EHPARAM, why, why_len, "lr is required when relative_step=false");
+      return fps_errorf(FPS_EHPARAM, why, why_len, "lr is required when relative_step=false");
     if (hp->warmup_init && !hp->relative_step)
-      return fail_msg(FPS_EHPARAM, why, why_len, "warmup_init=true requires relative_step=true");
+      return fps_errorf(FPS_EHPARAM, why, why_len, "warmup_init=true requires relative_step=true");
     if (hp->has_beta1 && !(hp->beta1 >= 0 && hp->beta1 < 1))
-      return fail_msg(FPS_EHPARAM, why, why_len, "beta1 must be in [0, 1), got %g", hp->beta1);
+      return fps_errorf(FPS_EHPARAM, why, why_len, "beta1 must be in [0, 1), got %g", hp->beta1);
   } else {
-    if (!hp->has_lr) return fail_msg(FPS_EHPARAM, why, why_len, "torch needs an lr");
+    if (!hp->has_lr) return fps_errorf(FPS_EHPARAM, why, why_len, "torch needs an lr");
     if (hp->has_beta1)
-      return fail_msg(FPS_EHPARAM, why, why_len, "beta1 is an hf option; %s has no momentum", fl);
+      return fps_errorf(FPS_EHPARAM, why, why_len, "beta1 is an hf option; %s has no momentum", fl);
     if (hp->relative_step)
-      return fail_msg(FPS_EHPARAM, why, why_len, "relative_step is an hf option; %s has none", fl);
+      return fps_errorf(FPS_EHPARAM, why, why_len, "relative_step is an hf option; %s has none", fl);
     if (hp->warmup_init)
-      return fail_msg(FPS_EHPARAM, why, why_len, "warmup_init is an hf option; %s has none", fl);
+      return fps_errorf(FPS_EHPARAM, why, why_len, "warmup_init is an hf option; %s has none", fl);
     if (!hp->scale_parameter)
-      return fail_msg(FPS_EHPARAM, why, why_len,
+      return fps_errorf(FPS_EHPARAM, why, why_len,
                       "scale_parameter=false is an hf option; %s always scales", fl);
   }
   return 0;
@@ -147,16 +138,16 @@ static const char *fmt_num(char buf[32], double v) {
 int fps_adafactor_hparams_diff(const fps_adafactor_hparams_t *a, const fps_adafactor_hparams_t *b,
                                char *why, size_t why_len) {
   if (a->flavor != b->flavor)
-    return fail_msg(FPS_EEXISTS, why, why_len, "flavor %s vs %s", fps_flavor_name(a->flavor),
+    return fps_errorf(FPS_EEXISTS, why, why_len, "flavor %s vs %s", fps_flavor_name(a->flavor),
                     fps_flavor_name(b->flavor));
 #define FPS_DIFF_BOOL(f)                                                                 \
   if (a->f != b->f)                                                                      \
-    return fail_msg(FPS_EEXISTS, why, why_len, #f " %s vs %s", a->f ? "true" : "false", \
+    return fps_errorf(FPS_EEXISTS, why, why_len, #f " %s vs %s", a->f ? "true" : "false", \
                     b->f ? "true" : "false");
 #define FPS_DIFF_NUM(f)                                                                   \
   if (memcmp(&a->f, &b->f, sizeof a->f) != 0 && !(a->f == b->f)) {                       \
     char x[32], y[32];                                                                    \
-    return fail_msg(FPS_EEXISTS, why, why_len, #f " %s vs %s", fmt_num(x, a->f),         \
+    return fps_errorf(FPS_EEXISTS, why, why_len, #f " %s vs %s", fmt_num(x, a->f),         \
                     fmt_num(y, b->f));                                                    \
   }
   FPS_DIFF_BOOL(has_lr)
@@ -180,7 +171,7 @@ int fps_adafactor_hparams_diff(const fps_adafactor_hparams_t *a, const fps_adafa
 int fps_adafactor_hparams_diff_fixed(const fps_adafactor_hparams_t *a, const fps_adafactor_hparams_t *b,
                                      char *why, size_t why_len) {
   if (a->flavor == b->flavor && a->relative_step != b->relative_step)
-    return fail_msg(FPS_EEXISTS, why, why_len, "relative_step %s vs %s", a->relative_step ? "true" : "false",
+    return fps_errorf(FPS_EEXISTS, why, why_len, "relative_step %s vs %s", a->relative_step ? "true" : "false",
                     b->relative_step ? "true" : "false");
   fps_adafactor_hparams_t x = *b;
   if (x.has_lr == a->has_lr) x.lr = a->lr;
@@ -189,18 +180,18 @@ int fps_adafactor_hparams_diff_fixed(const fps_adafactor_hparams_t *a, const fps
 }
 
 int fps_shape_validate(const fps_shape_t *s, uint64_t *numel, char *why, size_t why_len) {
-  if (!s) return fail_msg(FPS_EINVAL, why, why_len, "no shape given");
+  if (!s) return fps_errorf(FPS_EINVAL, why, why_len, "no shape given");
   if (s->ndim > FPS_MAX_DIMS)
-    return fail_msg(FPS_ESHAPE, why, why_len, "%u dimensions, at most %d allowed", s->ndim,
+    return fps_errorf(FPS_ESHAPE, why, why_len, "%u dimensions, at most %d allowed", s->ndim,
                     FPS_MAX_DIMS);
   uint64_t n = 1;
   for (uint32_t i = 0; i < s->ndim; i++) {
     if (s->dim[i] == 0)
-      return fail_msg(FPS_ESHAPE, why, why_len, "dimension %u is 0 (zero-sized tensors are not allowed)",
+      return fps_errorf(FPS_ESHAPE, why, why_len, "dimension %u is 0 (zero-sized tensors are not allowed)",
                       i);
     /* n * dim <= MAX  <=>  dim <= MAX / n, checked before multiplying. */
     if (s->dim[i] > FPS_MAX_NUMEL / n)
-      return fail_msg(FPS_EOVERFLOW, why, why_len,
+      return fps_errorf(FPS_EOVERFLOW, why, why_len,
                       "element count exceeds %llu at dimension %u (size %llu)",
                       (unsigned long long)FPS_MAX_NUMEL, i, (unsigned long long)s->dim[i]);
     n *= s->dim[i];

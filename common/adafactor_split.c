@@ -32,16 +32,6 @@
 #define PARTIALS_MAGIC UINT32_C(0x58535046) /* "FPSX" little-endian */
 enum { KIND_FACTORED = 1, KIND_UNFACTORED = 2 };
 
-static int fail_msg(int rc, char *why, size_t why_len, const char *fmt, ...) {
-  if (why && why_len) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, why_len, fmt, ap);
-    va_end(ap);
-  }
-  return rc;
-}
-
 /* ---- geometry ---------------------------------------------------------- */
 
 uint64_t fps_split_total_rows(const fps_shape_t *shape) {
@@ -53,7 +43,7 @@ uint64_t fps_split_total_rows(const fps_shape_t *shape) {
 
 int fps_split_geom_init(fps_split_geom_t *g, const fps_shape_t *shape, uint64_t row_lo,
                         uint64_t row_hi, char *why, size_t why_len) {
-  if (!g || !shape) return fail_msg(FPS_EINVAL, why, why_len, "no geometry given");
+  if (!g || !shape) return fps_errorf(FPS_EINVAL, why, why_len, "no geometry given");
   memset(g, 0, sizeof *g);
   uint64_t numel;
   int rc = fps_shape_validate(shape, &numel, why, why_len);
@@ -70,7 +60,7 @@ int fps_split_geom_init(fps_split_geom_t *g, const fps_shape_t *shape, uint64_t 
   }
   const uint64_t total = n.batch * n.rows;
   if (!(row_lo < row_hi) || row_hi > total)
-    return fail_msg(FPS_EINVAL, why, why_len,
+    return fps_errorf(FPS_EINVAL, why, why_len,
                     "block rows [%llu, %llu) are not a nonempty range within the %llu %s",
                     (unsigned long long)row_lo, (unsigned long long)row_hi,
                     (unsigned long long)total, n.factored ? "rows" : "elements");
@@ -91,19 +81,19 @@ int fps_split_bounds_validate(const fps_shape_t *shape, const uint64_t *bounds, 
   int rc = fps_shape_validate(shape, &numel, why, why_len);
   if (rc) return rc;
   if (!bounds || n < 1 || n > FPS_SPLIT_MAX_BLOCKS)
-    return fail_msg(FPS_EINVAL, why, why_len, "%zu blocks: a split needs 1 to %d", n,
+    return fps_errorf(FPS_EINVAL, why, why_len, "%zu blocks: a split needs 1 to %d", n,
                     FPS_SPLIT_MAX_BLOCKS);
   const uint64_t total = fps_split_total_rows(shape);
   if (bounds[0] != 0)
-    return fail_msg(FPS_EINVAL, why, why_len, "block 0 starts at row %llu, not 0",
+    return fps_errorf(FPS_EINVAL, why, why_len, "block 0 starts at row %llu, not 0",
                     (unsigned long long)bounds[0]);
   for (size_t b = 0; b < n; b++)
     if (!(bounds[b] < bounds[b + 1]))
-      return fail_msg(FPS_EINVAL, why, why_len,
+      return fps_errorf(FPS_EINVAL, why, why_len,
                       "block %zu has rows [%llu, %llu): block boundaries must increase", b,
                       (unsigned long long)bounds[b], (unsigned long long)bounds[b + 1]);
   if (bounds[n] != total)
-    return fail_msg(FPS_EINVAL, why, why_len, "the last block ends at row %llu, not at %llu",
+    return fps_errorf(FPS_EINVAL, why, why_len, "the last block ends at row %llu, not at %llu",
                     (unsigned long long)bounds[n], (unsigned long long)total);
   return 0;
 }
@@ -288,19 +278,19 @@ static const char *phase_name(int phase) {
 static int parse_header(const unsigned char *b, size_t len, int phase, fps_split_partials_t *p,
                         char *why, size_t why_len) {
   if (len < FPS_SPLIT_PARTIALS_HEADER)
-    return fail_msg(FPS_EFORMAT, why, why_len, "partials of %zu bytes: the header alone is %d",
+    return fps_errorf(FPS_EFORMAT, why, why_len, "partials of %zu bytes: the header alone is %d",
                     len, FPS_SPLIT_PARTIALS_HEADER);
   if (get_u32(b) != PARTIALS_MAGIC)
-    return fail_msg(FPS_EFORMAT, why, why_len, "partials do not start with the magic \"FPSX\"");
+    return fps_errorf(FPS_EFORMAT, why, why_len, "partials do not start with the magic \"FPSX\"");
   if (b[4] != FPS_SPLIT_PARTIALS_VERSION)
-    return fail_msg(FPS_EPROTO, why, why_len, "partials version %u, this shard reads %d", b[4],
+    return fps_errorf(FPS_EPROTO, why, why_len, "partials version %u, this shard reads %d", b[4],
                     FPS_SPLIT_PARTIALS_VERSION);
   if (b[5] != phase)
-    return fail_msg(FPS_EPROTO, why, why_len, "partials of phase %u (%s), expected %d (%s)", b[5],
+    return fps_errorf(FPS_EPROTO, why, why_len, "partials of phase %u (%s), expected %d (%s)", b[5],
                     phase_name(b[5]), phase, phase_name(phase));
   if (b[6] != KIND_FACTORED && b[6] != KIND_UNFACTORED)
-    return fail_msg(FPS_EFORMAT, why, why_len, "partials kind %u (expected 1 or 2)", b[6]);
-  if (b[7] != 0) return fail_msg(FPS_EFORMAT, why, why_len, "partials reserved byte is %u", b[7]);
+    return fps_errorf(FPS_EFORMAT, why, why_len, "partials kind %u (expected 1 or 2)", b[6]);
+  if (b[7] != 0) return fps_errorf(FPS_EFORMAT, why, why_len, "partials reserved byte is %u", b[7]);
   *p = (fps_split_partials_t){.phase = phase, .factored = b[6] == KIND_FACTORED};
   p->row_lo = get_u64(b + 8);
   p->row_hi = get_u64(b + 16);
@@ -313,22 +303,22 @@ static int parse_header(const unsigned char *b, size_t len, int phase, fps_split
 int fps_split_partials_check(const void *buf, size_t len, int phase, fps_split_partials_t *hdr,
                              char *why, size_t why_len) {
   if (hdr) memset(hdr, 0, sizeof *hdr);
-  if (!buf) return fail_msg(FPS_EINVAL, why, why_len, "no partials given");
+  if (!buf) return fps_errorf(FPS_EINVAL, why, why_len, "no partials given");
   fps_split_partials_t p;
   int rc = parse_header(buf, len, phase, &p, why, why_len);
   if (rc) return rc;
   if (!(p.row_lo < p.row_hi))
-    return fail_msg(FPS_EFORMAT, why, why_len, "partials rows [%llu, %llu) are empty",
+    return fps_errorf(FPS_EFORMAT, why, why_len, "partials rows [%llu, %llu) are empty",
                     (unsigned long long)p.row_lo, (unsigned long long)p.row_hi);
   if (!p.factored && (p.cols || p.mtx_lo || p.nmat))
-    return fail_msg(FPS_EFORMAT, why, why_len,
+    return fps_errorf(FPS_EFORMAT, why, why_len,
                     "unfactored partials name %llu columns and matrices %llu+%llu (must be 0)",
                     (unsigned long long)p.cols, (unsigned long long)p.mtx_lo,
                     (unsigned long long)p.nmat);
   if (!p.factored && phase == FPS_SPLIT_PHASE_U2)
-    return fail_msg(FPS_EPROTO, why, why_len, "unfactored partials have no u2 phase");
+    return fps_errorf(FPS_EPROTO, why, why_len, "unfactored partials have no u2 phase");
   if (p.factored && (!p.cols || !p.nmat))
-    return fail_msg(FPS_EFORMAT, why, why_len,
+    return fps_errorf(FPS_EFORMAT, why, why_len,
                     "factored partials of %llu columns and %llu matrices (both must be >= 1)",
                     (unsigned long long)p.cols, (unsigned long long)p.nmat);
   /* Body bytes per matrix, without overflow: only a length the message
@@ -344,7 +334,7 @@ int fps_split_partials_check(const void *buf, size_t len, int phase, fps_split_p
     fits = body % 8 == 0 && body / 8 == p.nmat;
   }
   if (!fits)
-    return fail_msg(FPS_EFORMAT, why, why_len,
+    return fps_errorf(FPS_EFORMAT, why, why_len,
                     "partials of %zu bytes do not match their header (%llu matrices of %llu "
                     "columns)",
                     len, (unsigned long long)p.nmat, (unsigned long long)p.cols);
@@ -354,9 +344,9 @@ int fps_split_partials_check(const void *buf, size_t len, int phase, fps_split_p
 
 int fps_split_partials_decode(const void *buf, size_t len, const fps_split_geom_t *expect,
                               int phase, fps_split_partials_t *out, char *why, size_t why_len) {
-  if (!out) return fail_msg(FPS_EINVAL, why, why_len, "no output given");
+  if (!out) return fps_errorf(FPS_EINVAL, why, why_len, "no output given");
   memset(out, 0, sizeof *out);
-  if (!buf || !expect) return fail_msg(FPS_EINVAL, why, why_len, "no partials or block given");
+  if (!buf || !expect) return fps_errorf(FPS_EINVAL, why, why_len, "no partials or block given");
   const unsigned char *b = buf;
   fps_split_partials_t p;
   int rc = parse_header(b, len, phase, &p, why, why_len);
@@ -365,7 +355,7 @@ int fps_split_partials_decode(const void *buf, size_t len, const fps_split_geom_
   if (p.factored != expect->factored || p.row_lo != expect->row_lo ||
       p.row_hi != expect->row_hi || p.cols != ecols || p.mtx_lo != expect->mtx_lo ||
       p.nmat != expect->nmat)
-    return fail_msg(FPS_EPROTO, why, why_len,
+    return fps_errorf(FPS_EPROTO, why, why_len,
                     "partials are for %s rows [%llu, %llu) of %llu columns, matrices %llu+%llu; "
                     "expected %s rows [%llu, %llu) of %llu columns, matrices %llu+%llu",
                     p.factored ? "factored" : "unfactored", (unsigned long long)p.row_lo,
@@ -378,18 +368,18 @@ int fps_split_partials_decode(const void *buf, size_t len, const fps_split_geom_
   /* The geometry matched a validated block, so this size cannot overflow. */
   const size_t need = partials_size(&p);
   if (len != need)
-    return fail_msg(FPS_EFORMAT, why, why_len, "partials of %zu bytes, expected %zu for this block",
+    return fps_errorf(FPS_EFORMAT, why, why_len, "partials of %zu bytes, expected %zu for this block",
                     len, need);
   p.psq = get_f64(b + 48);
   p.u2 = get_f64(b + 56);
   if (phase == FPS_SPLIT_PHASE_U2 && (p.psq != 0.0 || p.u2 != 0.0 || signbit(p.psq) ||
                                       signbit(p.u2)))
-    return fail_msg(FPS_EFORMAT, why, why_len, "u2 partials carry nonzero header sums");
+    return fps_errorf(FPS_EFORMAT, why, why_len, "u2 partials carry nonzero header sums");
   const bool stats = phase == FPS_SPLIT_PHASE_STATS;
   const size_t nd = stats ? (size_t)(p.nmat * (2 + 2 * p.cols)) : (size_t)p.nmat;
   const size_t nf = stats ? (size_t)(p.nmat * p.cols) : 0;
   void *mem = fps_malloc(nd * sizeof(double) + nf * sizeof(float) + 1);
-  if (!mem) return fail_msg(FPS_ENOMEM, why, why_len, "no memory for %zu bytes of partials", len);
+  if (!mem) return fps_errorf(FPS_ENOMEM, why, why_len, "no memory for %zu bytes of partials", len);
   double *d = mem;
   float *f = (float *)(d + nd);
   const unsigned char *q = b + FPS_SPLIT_PARTIALS_HEADER;
@@ -693,7 +683,7 @@ static int check_tiling(const fps_split_step_t *s, const fps_split_partials_t *p
                         int phase, char *why, size_t why_len) {
   const fps_split_geom_t *g = &s->st->g;
   if (!parts || n < 1 || n > FPS_SPLIT_MAX_BLOCKS)
-    return fail_msg(FPS_EINVAL, why, why_len, "%zu blocks' partials: expected 1 to %d", n,
+    return fps_errorf(FPS_EINVAL, why, why_len, "%zu blocks' partials: expected 1 to %d", n,
                     FPS_SPLIT_MAX_BLOCKS);
   const uint64_t total = g->batch * g->rows, cols = g->factored ? g->cols : 0;
   uint64_t next = 0;
@@ -701,14 +691,14 @@ static int check_tiling(const fps_split_step_t *s, const fps_split_partials_t *p
   for (size_t b = 0; b < n; b++) {
     const fps_split_partials_t *p = &parts[b];
     if (p->phase != phase || p->factored != g->factored || p->cols != cols)
-      return fail_msg(FPS_EINVAL, why, why_len,
+      return fps_errorf(FPS_EINVAL, why, why_len,
                       "block %zu's partials are of phase %d, %s, %llu columns; expected phase %d, "
                       "%s, %llu columns",
                       b, p->phase, p->factored ? "factored" : "unfactored",
                       (unsigned long long)p->cols, phase, g->factored ? "factored" : "unfactored",
                       (unsigned long long)cols);
     if (p->row_lo != next || !(p->row_lo < p->row_hi) || p->row_hi > total)
-      return fail_msg(FPS_EINVAL, why, why_len,
+      return fps_errorf(FPS_EINVAL, why, why_len,
                       "block %zu's partials cover rows [%llu, %llu); the blocks must tile "
                       "[0, %llu) in order and the next row is %llu",
                       b, (unsigned long long)p->row_lo, (unsigned long long)p->row_hi,
@@ -716,7 +706,7 @@ static int check_tiling(const fps_split_step_t *s, const fps_split_partials_t *p
     if (g->factored) {
       uint64_t ml = p->row_lo / g->rows, nm = (p->row_hi - 1) / g->rows - ml + 1;
       if (p->mtx_lo != ml || p->nmat != nm)
-        return fail_msg(FPS_EINVAL, why, why_len,
+        return fps_errorf(FPS_EINVAL, why, why_len,
                         "block %zu's partials name matrices %llu+%llu, its rows touch %llu+%llu",
                         b, (unsigned long long)p->mtx_lo, (unsigned long long)p->nmat,
                         (unsigned long long)ml, (unsigned long long)nm);
@@ -724,19 +714,19 @@ static int check_tiling(const fps_split_step_t *s, const fps_split_partials_t *p
                               ? p->rsum && p->rmin && p->colsum && p->s && p->col_old
                               : p->u2m != NULL;
       if (!arrays)
-        return fail_msg(FPS_EINVAL, why, why_len, "block %zu's partials lack their arrays", b);
+        return fps_errorf(FPS_EINVAL, why, why_len, "block %zu's partials lack their arrays", b);
     } else if (p->nmat != 0 || p->mtx_lo != 0) {
-      return fail_msg(FPS_EINVAL, why, why_len, "block %zu's unfactored partials name matrices",
+      return fps_errorf(FPS_EINVAL, why, why_len, "block %zu's unfactored partials name matrices",
                       b);
     }
     if (p->row_lo == g->row_lo && p->row_hi == g->row_hi) self = true;
     next = p->row_hi;
   }
   if (next != total)
-    return fail_msg(FPS_EINVAL, why, why_len, "the blocks' partials end at row %llu, not %llu",
+    return fps_errorf(FPS_EINVAL, why, why_len, "the blocks' partials end at row %llu, not %llu",
                     (unsigned long long)next, (unsigned long long)total);
   if (!self)
-    return fail_msg(FPS_EINVAL, why, why_len,
+    return fps_errorf(FPS_EINVAL, why, why_len,
                     "no block's partials are this block's rows [%llu, %llu)",
                     (unsigned long long)g->row_lo, (unsigned long long)g->row_hi);
   return 0;
@@ -756,7 +746,7 @@ static void finish_scalars(fps_split_step_t *s) {
 int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *parts, size_t n,
                            char *why, size_t why_len) {
   if (!s || s->stage != STAGE_BEGUN)
-    return fail_msg(FPS_EINVAL, why, why_len, "combine needs a step that has just begun");
+    return fps_errorf(FPS_EINVAL, why, why_len, "combine needs a step that has just begun");
   int rc = check_tiling(s, parts, n, FPS_SPLIT_PHASE_STATS, why, why_len);
   if (rc) return rc;
   const fps_split_geom_t *g = &s->st->g;
@@ -777,7 +767,7 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
   s->u2mat = fps_calloc(M, sizeof(double));
   s->expl_all = fps_calloc(M, sizeof(bool));
   if (!acc || !col || !s->u2mat || !s->expl_all) {
-    rc = fail_msg(FPS_ENOMEM, why, why_len, "no memory to combine %zu blocks", n);
+    rc = fps_errorf(FPS_ENOMEM, why, why_len, "no memory to combine %zu blocks", n);
     goto fail;
   }
   bool any_expl = false;
@@ -792,7 +782,7 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
       const fps_split_partials_t *p = &parts[b];
       const size_t lm = (size_t)(mtx - p->mtx_lo);
       if (b > first && memcmp(p->col_old + lm * C, old, C * sizeof(float))) {
-        rc = fail_msg(FPS_ESTATE, why, why_len,
+        rc = fps_errorf(FPS_ESTATE, why, why_len,
                       "the column state of matrix %llu differs between blocks %zu and %zu",
                       (unsigned long long)mtx, first, b);
         goto fail;
@@ -879,7 +869,7 @@ const fps_split_partials_t *fps_split_step_u2(fps_split_step_t *s) {
 int fps_split_step_combine_u2(fps_split_step_t *s, const fps_split_partials_t *parts, size_t n,
                               char *why, size_t why_len) {
   if (!s || s->stage != STAGE_COMBINED || !s->needs_u2)
-    return fail_msg(FPS_EINVAL, why, why_len, "no u2 phase is due for this step");
+    return fps_errorf(FPS_EINVAL, why, why_len, "no u2 phase is due for this step");
   int rc = check_tiling(s, parts, n, FPS_SPLIT_PHASE_U2, why, why_len);
   if (rc) return rc;
   const fps_split_geom_t *g = &s->st->g;

@@ -1,5 +1,8 @@
 #include "error.h"
 
+#include <stdarg.h>
+#include <stdio.h>
+
 const char *fps_strerror(int err) {
   switch (err) {
     case FPS_OK: return "success";
@@ -18,4 +21,14 @@ const char *fps_err_name(int err) {
 #undef FPS_ERRNO_NAME
     default: return "FPS_EUNKNOWN";
   }
+}
+
+int fps_errorf(int rc, char *why, size_t why_len, const char *fmt, ...) {
+  if (why && why_len) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, why_len, fmt, ap);
+    va_end(ap);
+  }
+  return rc;
 }

@@ -5,6 +5,8 @@
 #ifndef FPS_ERROR_H
 #define FPS_ERROR_H
 
+#include <stddef.h>
+
 #define FPS_ERRNO_MAP(X)                                                  \
   X(INVAL, "invalid argument")                                             \
   X(NOMEM, "out of memory")                                                \
@@ -40,6 +42,9 @@ typedef enum fps_errno_e {
 
 /* Human-readable text for an FPS_E* code ("invalid argument"); never NULL. */
 const char *fps_strerror(int err);
+/* Writes the message (printf-style) into why[why_len] when why is not NULL
+ * and returns rc: `return fps_errorf(FPS_EINVAL, why, len, "...", ...);`. */
+int fps_errorf(int rc, char *why, size_t why_len, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 /* Symbolic name for an FPS_E* code ("FPS_EINVAL"); never NULL. */
 const char *fps_err_name(int err);
 

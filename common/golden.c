@@ -20,16 +20,6 @@
 
 const char *const fps_golden_state_names[FPS_GOLDEN_NSTATE] = {"row", "col", "var", "mom"};
 
-static int fail_msg(int rc, char *why, size_t why_len, const char *fmt, ...) {
-  if (why && why_len) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, why_len, fmt, ap);
-    va_end(ap);
-  }
-  return rc;
-}
-
 static int cmp_str(const void *a, const void *b) {
   return strcmp(*(char *const *)a, *(char *const *)b);
 }
@@ -44,7 +34,7 @@ int fps_golden_list(const char *dir, char ***names_out, size_t *n_out, char *why
   *names_out = NULL;
   *n_out = 0;
   DIR *d = opendir(dir);
-  if (!d) return fail_msg(FPS_EIO, why, why_len, "cannot open %s: %s", dir, strerror(errno));
+  if (!d) return fps_errorf(FPS_EIO, why, why_len, "cannot open %s: %s", dir, strerror(errno));
   char **names = NULL;
   size_t n = 0, cap = 0;
   int rc = 0;
@@ -80,7 +70,7 @@ int fps_golden_list(const char *dir, char ***names_out, size_t *n_out, char *why
 fail:
   closedir(d);
   fps_golden_list_free(names, n);
-  return fail_msg(rc, why, why_len, "out of memory listing %s", dir);
+  return fps_errorf(rc, why, why_len, "out of memory listing %s", dir);
 }
 
 /* "none" -> has=false; else a finite or non-finite double (validation
@@ -131,11 +121,11 @@ int fps_golden_load(const char *dir, const char *name, fps_golden_case_t *c, cha
   memset(c, 0, sizeof *c);
   if (snprintf(c->name, sizeof c->name, "%s", name) >= (int)sizeof c->name ||
       snprintf(c->dir, sizeof c->dir, "%s/%s", dir, name) >= (int)sizeof c->dir)
-    return fail_msg(FPS_EINVAL, why, why_len, "case path too long: %s/%s", dir, name);
+    return fps_errorf(FPS_EINVAL, why, why_len, "case path too long: %s/%s", dir, name);
   char path[PATH_MAX + 64];
   snprintf(path, sizeof path, "%s/hparams.txt", c->dir);
   FILE *f = fopen(path, "r");
-  if (!f) return fail_msg(FPS_EIO, why, why_len, "cannot open %s: %s", path, strerror(errno));
+  if (!f) return fps_errorf(FPS_EIO, why, why_len, "cannot open %s: %s", path, strerror(errno));
 
   /* Flavor first: the defaults depend on it, and the file's order is not
    * promised. So read all lines, then apply them. */
@@ -147,24 +137,24 @@ int fps_golden_load(const char *dir, const char *name, fps_golden_case_t *c, cha
     size_t len = strlen(lines[nl]);
     if (len && lines[nl][len - 1] != '\n' && !feof(f)) {
       fclose(f);
-      return fail_msg(FPS_EFORMAT, why, why_len, "%s: line %zu too long", path, nl + 1);
+      return fps_errorf(FPS_EFORMAT, why, why_len, "%s: line %zu too long", path, nl + 1);
     }
     while (len && (lines[nl][len - 1] == '\n' || lines[nl][len - 1] == '\r')) lines[nl][--len] = 0;
     if (len) nl++;
   }
   bool more = !feof(f);
   fclose(f);
-  if (more) return fail_msg(FPS_EFORMAT, why, why_len, "%s: too many lines", path);
+  if (more) return fps_errorf(FPS_EFORMAT, why, why_len, "%s: too many lines", path);
 
   for (size_t i = 0; i < nl; i++)
     if (!strncmp(lines[i], "flavor ", 7)) {
       fps_flavor_t fl;
       if (fps_flavor_parse(lines[i] + 7, &fl))
-        return fail_msg(FPS_EFLAVOR, why, why_len, "%s: unknown flavor '%s'", path, lines[i] + 7);
+        return fps_errorf(FPS_EFLAVOR, why, why_len, "%s: unknown flavor '%s'", path, lines[i] + 7);
       fps_adafactor_defaults(&c->hp, fl);
       have_flavor = true;
     }
-  if (!have_flavor) return fail_msg(FPS_EFORMAT, why, why_len, "%s: no flavor line", path);
+  if (!have_flavor) return fps_errorf(FPS_EFORMAT, why, why_len, "%s: no flavor line", path);
   const bool hf = c->hp.flavor == FPS_FLAVOR_HF;
 
   for (size_t i = 0; i < nl; i++) {
@@ -218,35 +208,35 @@ int fps_golden_load(const char *dir, const char *name, fps_golden_case_t *c, cha
       }
     } else {
       /* An unknown setting could change the math: refuse it. */
-      return fail_msg(FPS_EFORMAT, why, why_len, "%s: unknown key '%s' for flavor %s", path, key,
+      return fps_errorf(FPS_EFORMAT, why, why_len, "%s: unknown key '%s' for flavor %s", path, key,
                       fps_flavor_name(c->hp.flavor));
     }
-    if (bad) return fail_msg(FPS_EFORMAT, why, why_len, "%s: bad value '%s' for %s", path, val, key);
+    if (bad) return fps_errorf(FPS_EFORMAT, why, why_len, "%s: bad value '%s' for %s", path, val, key);
   }
   if (!have_shape || !have_steps)
-    return fail_msg(FPS_EFORMAT, why, why_len, "%s: needs shape and steps lines", path);
+    return fps_errorf(FPS_EFORMAT, why, why_len, "%s: needs shape and steps lines", path);
   if (ndim >= 0 && (uint32_t)ndim != c->shape.ndim)
-    return fail_msg(FPS_EFORMAT, why, why_len, "%s: ndim %d but shape has %u dims", path, ndim,
+    return fps_errorf(FPS_EFORMAT, why, why_len, "%s: ndim %d but shape has %u dims", path, ndim,
                     c->shape.ndim);
   char detail[256];
   rc = fps_shape_validate(&c->shape, &c->numel, detail, sizeof detail);
-  if (rc) return fail_msg(rc, why, why_len, "%s: %s", path, detail);
+  if (rc) return fps_errorf(rc, why, why_len, "%s: %s", path, detail);
   rc = fps_adafactor_validate(&c->hp, detail, sizeof detail);
-  if (rc) return fail_msg(rc, why, why_len, "%s: %s", path, detail);
+  if (rc) return fps_errorf(rc, why, why_len, "%s: %s", path, detail);
   return 0;
 }
 
 int fps_golden_read_f32(const char *path, float *buf, uint64_t n, char *why, size_t why_len) {
   FILE *f = fopen(path, "rb");
-  if (!f) return fail_msg(FPS_EIO, why, why_len, "cannot open %s: %s", path, strerror(errno));
+  if (!f) return fps_errorf(FPS_EIO, why, why_len, "cannot open %s: %s", path, strerror(errno));
   struct stat sb;
   int rc = 0;
   if (fstat(fileno(f), &sb) != 0 || (uint64_t)sb.st_size != n * sizeof(float)) {
-    rc = fail_msg(FPS_EFORMAT, why, why_len, "%s: %lld bytes, expected %llu (%llu float32)", path,
+    rc = fps_errorf(FPS_EFORMAT, why, why_len, "%s: %lld bytes, expected %llu (%llu float32)", path,
                   (long long)sb.st_size, (unsigned long long)(n * sizeof(float)),
                   (unsigned long long)n);
   } else if (n && fread(buf, sizeof(float), (size_t)n, f) != n) {
-    rc = fail_msg(FPS_EIO, why, why_len, "%s: short read", path);
+    rc = fps_errorf(FPS_EIO, why, why_len, "%s: short read", path);
   }
   fclose(f);
   return rc;
@@ -255,11 +245,11 @@ int fps_golden_read_f32(const char *path, float *buf, uint64_t n, char *why, siz
 int fps_golden_write_f32(const char *path, const float *buf, uint64_t n, char *why,
                          size_t why_len) {
   FILE *f = fopen(path, "wb");
-  if (!f) return fail_msg(FPS_EIO, why, why_len, "cannot create %s: %s", path, strerror(errno));
+  if (!f) return fps_errorf(FPS_EIO, why, why_len, "cannot create %s: %s", path, strerror(errno));
   size_t w = n ? fwrite(buf, sizeof(float), (size_t)n, f) : 0;
   int bad = w != n;
   if (fclose(f) != 0) bad = 1;
-  return bad ? fail_msg(FPS_EIO, why, why_len, "cannot write %s: %s", path, strerror(errno)) : 0;
+  return bad ? fps_errorf(FPS_EIO, why, why_len, "cannot write %s: %s", path, strerror(errno)) : 0;
 }
 
 void fps_golden_run_free(fps_golden_run_t *r) {
@@ -277,7 +267,7 @@ int fps_golden_run(const fps_golden_case_t *c, const fps_kernels_t *k, fps_pool_
   float *param = NULL, *grad = NULL;
   char path[PATH_MAX + 64];
   if (c->numel > SIZE_MAX / sizeof(float) / c->steps)
-    return fail_msg(FPS_EOVERFLOW, why, why_len, "%s: too large to replay", c->name);
+    return fps_errorf(FPS_EOVERFLOW, why, why_len, "%s: too large to replay", c->name);
   const size_t n = (size_t)c->numel;
   out->steps = c->steps;
   out->numel = c->numel;
@@ -286,12 +276,12 @@ int fps_golden_run(const fps_golden_case_t *c, const fps_kernels_t *k, fps_pool_
   param = fps_malloc(n * sizeof(float));
   grad = fps_malloc(n * sizeof(float));
   if (!out->params || !out->trace || !param || !grad) {
-    rc = fail_msg(FPS_ENOMEM, why, why_len, "%s: out of memory", c->name);
+    rc = fps_errorf(FPS_ENOMEM, why, why_len, "%s: out of memory", c->name);
     goto fail;
   }
   rc = fps_adafactor_state_init(&out->state, &c->shape, &c->hp);
   if (rc) {
-    fail_msg(rc, why, why_len, "%s: cannot create state: %s", c->name, fps_strerror(rc));
+    fps_errorf(rc, why, why_len, "%s: cannot create state: %s", c->name, fps_strerror(rc));
     goto fail;
   }
   snprintf(path, sizeof path, "%s/param_0.bin", c->dir);
@@ -301,7 +291,7 @@ int fps_golden_run(const fps_golden_case_t *c, const fps_kernels_t *k, fps_pool_
     if ((rc = fps_golden_read_f32(path, grad, n, why, why_len))) goto fail;
     rc = fps_adafactor_step(k, &c->hp, &out->state, param, grad, pool, &out->trace[t - 1]);
     if (rc) {
-      fail_msg(rc, why, why_len, "%s: step %u failed: %s", c->name, t, fps_strerror(rc));
+      fps_errorf(rc, why, why_len, "%s: step %u failed: %s", c->name, t, fps_strerror(rc));
       goto fail;
     }
     memcpy(out->params + (size_t)(t - 1) * n, param, n * sizeof(float));
@@ -351,9 +341,9 @@ int fps_golden_write_results(const fps_golden_case_t *c, const fps_golden_run_t 
                              const char *out_dir, char *why, size_t why_len) {
   char dir[PATH_MAX], path[PATH_MAX + 32];
   if (snprintf(dir, sizeof dir, "%s/%s", out_dir, c->name) >= (int)sizeof dir)
-    return fail_msg(FPS_EINVAL, why, why_len, "output path too long");
+    return fps_errorf(FPS_EINVAL, why, why_len, "output path too long");
   if (mkdir_p(dir) != 0)
-    return fail_msg(FPS_EIO, why, why_len, "cannot create %s: %s", dir, strerror(errno));
+    return fps_errorf(FPS_EIO, why, why_len, "cannot create %s: %s", dir, strerror(errno));
   for (unsigned t = 1; t <= r->steps; t++) {
     snprintf(path, sizeof path, "%s/param_%u.bin", dir, t);
     int rc = fps_golden_write_f32(path, r->params + (size_t)(t - 1) * r->numel, r->numel, why,
