@@ -118,6 +118,29 @@ static inline void fps__step_result(const fps_adafactor_hparams_t *hp,
   r->step_size = r->lr_eff / r->denom;
 }
 
+/* One matrix (or a run of its rows) of a factored tensor in nchunks chunks
+ * of rows (adafactor_step.c). The whole step's pass A updates row in
+ * place; the split step's keeps the old rows and fills a new array, then
+ * both share the explicit RMS(U) pass and pass C, which read row. */
+typedef struct fps__fact_ctx_s {
+  const fps_kernels_t *k;
+  const fps__step_scalars_t *sc;
+  size_t rows, cols, nchunks;
+  const float *g;
+  float *p;
+  float *mom;
+  float *row;       /* this matrix's row state */
+  const float *col; /* this matrix's col state (pass C) */
+  const float *colf;
+  double *scratch;  /* nchunks x (col partial, S partial), each cols long */
+  double psq[FPS_STEP_MAX_CHUNKS];
+  double u2[FPS_STEP_MAX_CHUNKS];
+  double m;         /* mean(r), clamped at eps1 for torch */
+  float pmul, s;    /* param multiplier (weight decay), signed step size */
+} fps__fact_ctx_t;
+void fps__fact_pass_u2(void *arg, size_t ck);
+void fps__fact_pass_c(void *arg, size_t ck);
+
 /* An unfactored tensor (or a block of one) as one run of n elements in
  * nchunks chunks (adafactor_step.c): pass A updates v and writes each
  * chunk's sum U^2 and sum p^2; pass C applies the update. Shared by the

@@ -443,21 +443,20 @@ struct fps_split_step_s {
   uint64_t bytes;
 };
 
-/* One run of rows of one matrix inside the block, cut into chunks. */
+/* Pass A over one run of rows of one matrix inside the block, cut into
+ * chunks: unlike the whole step's it keeps the old row state (the step
+ * must change nothing before apply) and also sums and bounds the new rows
+ * for the exchange. The later passes are the whole step's (fps__fact_*). */
 typedef struct seg_ctx_s {
   const fps_kernels_t *k;
   const fps__step_scalars_t *sc;
   size_t rows, cols, nchunks;
   const float *g;
-  float *p, *mom;
+  const float *p;
   const float *row_old;
   float *row_new;
-  const float *col, *colf;
   double *scratch; /* nchunks x (col partial, S partial), each cols long */
   double psq[FPS_STEP_MAX_CHUNKS], rsum[FPS_STEP_MAX_CHUNKS], rmin[FPS_STEP_MAX_CHUNKS];
-  double u2[FPS_STEP_MAX_CHUNKS];
-  double m;
-  float pmul, s;
 } seg_ctx_t;
 
 static void seg_pass_a(void *arg, size_t ck) {
@@ -482,37 +481,6 @@ static void seg_pass_a(void *arg, size_t ck) {
   c->psq[ck] = psq;
   c->rsum[ck] = rsum;
   c->rmin[ck] = rmin;
-}
-
-static void seg_pass_u2(void *arg, size_t ck) {
-  seg_ctx_t *c = arg;
-  const size_t C = c->cols;
-  double u2 = 0;
-  const uint64_t lo = fps__chunk_lo(c->rows, c->nchunks, ck);
-  const uint64_t hi = fps__chunk_lo(c->rows, c->nchunks, ck + 1);
-  for (uint64_t i = lo; i < hi; i++)
-    u2 += c->k->row_u2_clamped(c->g + i * C, c->col, C, (float)(c->row_new[i] / c->m),
-                               c->sc->floor);
-  c->u2[ck] = u2;
-}
-
-static void seg_pass_c(void *arg, size_t ck) {
-  seg_ctx_t *c = arg;
-  const size_t C = c->cols;
-  const uint64_t lo = fps__chunk_lo(c->rows, c->nchunks, ck);
-  const uint64_t hi = fps__chunk_lo(c->rows, c->nchunks, ck + 1);
-  for (uint64_t i = lo; i < hi; i++) {
-    float *mom = c->mom ? c->mom + i * C : NULL;
-    if (c->colf) {
-      float rowf = (float)((double)c->s * sqrt(c->m / (double)c->row_new[i]));
-      c->k->apply_rowcol(c->p + i * C, c->g + i * C, mom, c->colf, C, rowf, c->pmul,
-                         c->sc->beta1);
-    } else {
-      c->k->apply_elem(c->p + i * C, c->g + i * C, mom, c->col, C,
-                       (float)(c->row_new[i] / c->m), c->sc->floor, c->s, c->pmul,
-                       c->sc->beta1);
-    }
-  }
 }
 
 /* The block's rows of its local matrix lm: [*a, *b) in block-local rows. */
@@ -842,7 +810,7 @@ const fps_split_partials_t *fps_split_step_u2(fps_split_step_t *s) {
   const size_t C = (size_t)g->cols, nm = (size_t)g->nmat;
   double *u2m = fps_calloc(nm ? nm : 1, sizeof(double));
   if (!u2m) return NULL;
-  seg_ctx_t c = {.k = s->k, .sc = &s->sc, .cols = C};
+  fps__fact_ctx_t c = {.k = s->k, .sc = &s->sc, .cols = C};
   for (size_t lm = 0; lm < nm; lm++) {
     if (!s->expl[lm]) continue;
     uint64_t a, b;
@@ -850,10 +818,10 @@ const fps_split_partials_t *fps_split_step_u2(fps_split_step_t *s) {
     c.rows = (size_t)(b - a);
     c.nchunks = fps__chunk_count(b - a, C);
     c.g = s->grad + a * C;
-    c.row_new = s->new_row + a;
+    c.row = s->new_row + a;
     c.col = s->new_col + lm * C;
     c.m = s->m[lm];
-    fps_pool_run(s->pool, c.nchunks, seg_pass_u2, &c);
+    fps_pool_run(s->pool, c.nchunks, fps__fact_pass_u2, &c);
     double u2 = 0;
     for (size_t ck = 0; ck < c.nchunks; ck++) u2 += c.u2[ck];
     u2m[lm] = u2;
@@ -894,7 +862,7 @@ int fps_split_step_apply(fps_split_step_t *s, fps_adafactor_trace_t *trace) {
   if (g->factored) {
     const size_t C = (size_t)g->cols;
     float *colf = s->colf;
-    seg_ctx_t c = {.k = s->k, .sc = &s->sc, .cols = C, .pmul = pmul, .s = step};
+    fps__fact_ctx_t c = {.k = s->k, .sc = &s->sc, .cols = C, .pmul = pmul, .s = step};
     for (size_t lm = 0; lm < g->nmat; lm++) {
       uint64_t a, b;
       seg_rows(g, lm, &a, &b);
@@ -903,7 +871,7 @@ int fps_split_step_apply(fps_split_step_t *s, fps_adafactor_trace_t *trace) {
       c.g = s->grad + a * C;
       c.p = s->param + a * C;
       c.mom = st->mom ? st->mom + a * C : NULL;
-      c.row_new = s->new_row + a;
+      c.row = s->new_row + a;
       c.col = s->new_col + lm * C;
       c.m = s->m[lm];
       if (s->expl[lm]) {
@@ -912,7 +880,7 @@ int fps_split_step_apply(fps_split_step_t *s, fps_adafactor_trace_t *trace) {
         for (size_t j = 0; j < C; j++) colf[j] = 1.0f / sqrtf(c.col[j]);
         c.colf = colf;
       }
-      fps_pool_run(s->pool, c.nchunks, seg_pass_c, &c);
+      fps_pool_run(s->pool, c.nchunks, fps__fact_pass_c, &c);
     }
     memcpy(st->row, s->new_row, (g->row_hi - g->row_lo) * sizeof(float));
     memcpy(st->col, s->new_col, g->nmat * C * sizeof(float));

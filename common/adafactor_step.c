@@ -35,25 +35,9 @@
 
 /* ---- factored ---------------------------------------------------------- */
 
-typedef struct fact_ctx_s {
-  const fps_kernels_t *k;
-  const fps__step_scalars_t *sc;
-  size_t rows, cols, nchunks;
-  const float *g;
-  float *p;
-  float *mom;
-  float *row;       /* this matrix's row state */
-  const float *col; /* this matrix's col state (pass C) */
-  const float *colf;
-  double *scratch;  /* nchunks x (col partial, S partial), each cols long */
-  double psq[FPS_STEP_MAX_CHUNKS];
-  double u2[FPS_STEP_MAX_CHUNKS];
-  double m;         /* mean(r), clamped at eps1 for torch */
-  float pmul, s;    /* param multiplier (weight decay), signed step size */
-} fact_ctx_t;
 
 static void fact_pass_a(void *arg, size_t ck) {
-  fact_ctx_t *c = arg;
+  fps__fact_ctx_t *c = arg;
   const size_t C = c->cols;
   double *col = c->scratch + 2 * C * ck, *s = col + C;
   memset(col, 0, 2 * C * sizeof(double));
@@ -73,8 +57,8 @@ static void fact_pass_a(void *arg, size_t ck) {
   c->psq[ck] = psq;
 }
 
-static void fact_pass_u2(void *arg, size_t ck) {
-  fact_ctx_t *c = arg;
+void fps__fact_pass_u2(void *arg, size_t ck) {
+  fps__fact_ctx_t *c = arg;
   const size_t C = c->cols;
   double u2 = 0;
   const uint64_t lo = fps__chunk_lo(c->rows, c->nchunks, ck);
@@ -84,8 +68,8 @@ static void fact_pass_u2(void *arg, size_t ck) {
   c->u2[ck] = u2;
 }
 
-static void fact_pass_c(void *arg, size_t ck) {
-  fact_ctx_t *c = arg;
+void fps__fact_pass_c(void *arg, size_t ck) {
+  fps__fact_ctx_t *c = arg;
   const size_t C = c->cols;
   const uint64_t lo = fps__chunk_lo(c->rows, c->nchunks, ck);
   const uint64_t hi = fps__chunk_lo(c->rows, c->nchunks, ck + 1);
@@ -187,7 +171,7 @@ int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hpara
   double psq = 0, u2 = 0;
   uint64_t bytes = fps_adafactor_step_bytes(st);
   bool explicit_rms = false;
-  fact_ctx_t fc;
+  fps__fact_ctx_t fc;
   fps__var_ctx_t vc;
 
   /* Pass A: statistics, RMS(param) and sum U^2. */
@@ -227,7 +211,7 @@ int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hpara
         bytes += 4 * R * C;
         fc.col = col;
         fc.m = m;
-        fps_pool_run(pool, fc.nchunks, fact_pass_u2, &fc);
+        fps_pool_run(pool, fc.nchunks, fps__fact_pass_u2, &fc);
         for (size_t ck = 0; ck < fc.nchunks; ck++) u2 += fc.u2[ck];
       } else {
         u2 += m * ssum;
@@ -279,7 +263,7 @@ int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hpara
         fc.colf = colf;
       }
       fc.m = m;
-      fps_pool_run(pool, fc.nchunks, fact_pass_c, &fc);
+      fps_pool_run(pool, fc.nchunks, fps__fact_pass_c, &fc);
     }
   } else {
     vc.pmul = (float)pmul;
