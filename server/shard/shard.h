@@ -17,6 +17,7 @@
  *   ssp.c         ssp waits: admit, park, advance, expire
  *   checkpoint.c  durable checkpoints: restore, snapshots, the interval
  *   ranges.c      sorted interval sets (slice coverage and overlap)
+ *   split_tensor.h  a row block of a split tensor, the exchange contract
  *   log.c         the log line
  *
  * The core includes no gRPC and no protobuf-c header (the fps_shard library
@@ -266,6 +267,9 @@ struct fps_tensor_s {
   pthread_mutex_t mu;         /* guards everything below */
   float *param;               /* numel floats */
   fps_adafactor_state_t st;
+  struct fps_tensor_split_s *split; /* NULL: held whole; else a row block of
+                               * a split tensor (split_tensor.h: then numel
+                               * and size are the block's, st is unused) */
   bool ready;                 /* every element initialised */
   fps_ranges_t init;          /* initialised ranges while !ready */
   fps_ranges_t init_state[FPS_STATE_KINDS]; /* while !ready at a resume step
