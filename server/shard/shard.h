@@ -49,6 +49,7 @@
 #include "dtype.h"
 #include "error.h"
 #include "name.h"
+#include "split_tensor.h"
 
 #define FPS_NAME_MAX FPS_TENSOR_NAME_MAX /* bytes of UTF-8 in a tensor name (name.h) */
 #define FPS_WHY_MAX 2048                 /* room for any message of the core */
@@ -670,6 +671,12 @@ struct fps_shard_s {
   pthread_mutex_t ckpt_thread_mu;
   pthread_cond_t ckpt_thread_cv;
   bool ckpt_thread_stop;
+  /* The exchange of split tensors' partial sums (split_tensor.h), set by
+   * fps_shard_set_exchange() before serving; xsend NULL: no --peers, so
+   * no split blocks. */
+  fps_xsend_fn xsend;
+  void *xsend_ctx;
+  double xdeadline;                 /* seconds a step's exchange may take */
 };
 
 /* An empty shard: copies opts (checkpoint_dir stays borrowed), uses

@@ -650,6 +650,12 @@ void fps_shard_destroy(fps_shard_t *sh) {
   pthread_mutex_destroy(&sh->ckpt_mu);
 }
 
+void fps_shard_set_exchange(fps_shard_t *sh, fps_xsend_fn send, void *ctx, double deadline_seconds) {
+  sh->xsend = send;
+  sh->xsend_ctx = ctx;
+  sh->xdeadline = deadline_seconds;
+}
+
 void fps_shard_expire(void *arg, int64_t now_ns) {
   fps_shard_t *sh = arg;
   fps__sync_expire(sh, now_ns, false, FPS_ETIMEOUT, NULL);
