@@ -50,6 +50,124 @@ float *fps__ckpt_state_array(const fps_adafactor_state_t *st, int kind) {
   }
 }
 
+float *fps__ckpt_split_array(const fps_split_state_t *st, int kind) {
+  switch (kind) {
+    case FPS__CKPT_ROW: return st->row;
+    case FPS__CKPT_COL: return st->col;
+    case FPS__CKPT_VAR: return st->var;
+    case FPS__CKPT_MOM: return st->mom;
+    default: return NULL;
+  }
+}
+
+int fps__ckpt_block_copy(fps_ckpt_block_t *dst, const fps_ckpt_block_t *src) {
+  memset(dst, 0, sizeof *dst);
+  if (src->n_blocks == 0) return 0;
+  uint64_t *b = fps_malloc(((size_t)src->n_blocks + 1) * sizeof *b);
+  uint32_t *sh = fps_malloc((size_t)src->n_blocks * sizeof *sh);
+  if (!b || !sh) {
+    fps_free(b);
+    fps_free(sh);
+    return FPS_ENOMEM;
+  }
+  memcpy(b, src->bounds, ((size_t)src->n_blocks + 1) * sizeof *b);
+  memcpy(sh, src->block_shards, (size_t)src->n_blocks * sizeof *sh);
+  *dst = *src;
+  dst->bounds = b;
+  dst->block_shards = sh;
+  return 0;
+}
+
+void fps__ckpt_block_free(fps_ckpt_block_t *b) {
+  if (!b) return;
+  fps_free(b->bounds);
+  fps_free(b->block_shards);
+  memset(b, 0, sizeof *b);
+}
+
+int fps_ckpt_block_check(const fps_shape_t *shape, const fps_ckpt_block_t *b, uint32_t shard_id,
+                         uint32_t shard_count, char *why, size_t why_len) {
+  if (!shape || !b || !b->bounds || !b->block_shards) {
+    fps__ckpt_why(why, why_len, "no block map");
+    return FPS_EINVAL;
+  }
+  if (b->n_blocks < 2 || b->n_blocks > FPS_SPLIT_MAX_BLOCKS) {
+    fps__ckpt_why(why, why_len, "%u blocks: a split tensor has 2..%d", b->n_blocks,
+                  FPS_SPLIT_MAX_BLOCKS);
+    return FPS_EINVAL;
+  }
+  char bwhy[200] = "";
+  int rc = fps_split_bounds_validate(shape, b->bounds, b->n_blocks, bwhy, sizeof bwhy);
+  if (rc < 0) {
+    fps__ckpt_why(why, why_len, "bounds: %s", bwhy);
+    return rc;
+  }
+  if (b->block_index >= b->n_blocks) {
+    fps__ckpt_why(why, why_len, "block_index %u is not below the %u blocks", b->block_index,
+                  b->n_blocks);
+    return FPS_EINVAL;
+  }
+  if (b->shard_count == 0) {
+    fps__ckpt_why(why, why_len, "the map's shard_count is 0");
+    return FPS_EINVAL;
+  }
+  for (uint32_t i = 0; i < b->n_blocks; i++) {
+    if (b->block_shards[i] >= b->shard_count || (i && b->block_shards[i] <= b->block_shards[i - 1])) {
+      fps__ckpt_why(why, why_len,
+                    "block_shards[%u] = %u: shard ids must increase and stay below shard_count %u",
+                    i, b->block_shards[i], b->shard_count);
+      return FPS_EINVAL;
+    }
+  }
+  if (shard_count) {
+    if (b->shard_count != shard_count) {
+      fps__ckpt_why(why, why_len, "the map was made for %u shards, the file is of shard %u of %u",
+                    b->shard_count, shard_id, shard_count);
+      return FPS_EINVAL;
+    }
+    if (b->block_shards[b->block_index] != shard_id) {
+      fps__ckpt_why(why, why_len, "block %u belongs to shard %u, the file is of shard %u",
+                    b->block_index, b->block_shards[b->block_index], shard_id);
+      return FPS_EINVAL;
+    }
+  }
+  return 0;
+}
+
+int fps__ckpt_block_layout(const fps_split_geom_t *g, const fps_adafactor_hparams_t *hp,
+                           fps__ckpt_array_t arr[FPS__CKPT_KINDS], char *why, size_t why_len) {
+  int rc = fps_adafactor_validate(hp, why, why_len);
+  if (rc < 0) return rc;
+  if (!g || g->block_numel == 0 || g->shape.ndim == 0) {
+    fps__ckpt_why(why, why_len, "a row block needs a tensor of at least one dimension");
+    return FPS_EINVAL;
+  }
+  const uint64_t rows = g->row_hi - g->row_lo;
+  fps__ckpt_array_t p = {.kind = FPS__CKPT_PARAM, .count = g->block_numel};
+  if (g->factored) {
+    p.shape = (fps_shape_t){.ndim = 2, .dim = {rows, g->cols}};
+  } else {
+    p.shape = (fps_shape_t){.ndim = 1, .dim = {rows}};
+  }
+  int n = 0;
+  arr[n++] = p;
+  if (g->factored) {
+    arr[n++] = (fps__ckpt_array_t){.kind = FPS__CKPT_ROW, .shape = {.ndim = 1, .dim = {rows}},
+                                   .count = rows};
+    arr[n++] = (fps__ckpt_array_t){.kind = FPS__CKPT_COL,
+                                   .shape = {.ndim = 2, .dim = {g->nmat, g->cols}},
+                                   .count = g->nmat * g->cols};
+  } else {
+    arr[n++] = (fps__ckpt_array_t){.kind = FPS__CKPT_VAR, .shape = p.shape, .count = rows};
+  }
+  /* The same rule as fps_split_state_init: momentum only for hf with beta1. */
+  if (hp->flavor == FPS_FLAVOR_HF && hp->has_beta1) {
+    p.kind = FPS__CKPT_MOM;
+    arr[n++] = p;
+  }
+  return n;
+}
+
 static void fps__ckpt_json_hooks(void) {
   cJSON_Hooks h = {.malloc_fn = fps_malloc, .free_fn = fps_free};
   cJSON_InitHooks(&h);
@@ -178,8 +296,44 @@ static int add_u64(cJSON *obj, const char *key, uint64_t v) {
   return add_str(obj, key, buf);
 }
 
+/* "a,b,c" of n decimals (at most 20 digits and a comma each). */
+static char *join_u64(const uint64_t *v, size_t n) {
+  char *s = fps_malloc(n * 21 + 1), *p = s;
+  if (!s) return NULL;
+  *p = '\0';
+  for (size_t i = 0; i < n; i++) p += sprintf(p, i ? ",%" PRIu64 : "%" PRIu64, v[i]);
+  return s;
+}
+
+static char *join_u32(const uint32_t *v, size_t n) {
+  char *s = fps_malloc(n * 11 + 1), *p = s;
+  if (!s) return NULL;
+  *p = '\0';
+  for (size_t i = 0; i < n; i++) p += sprintf(p, i ? ",%" PRIu32 : "%" PRIu32, v[i]);
+  return s;
+}
+
+static int add_block_keys(cJSON *o, const fps_shape_t *whole, const fps_ckpt_block_t *map) {
+  char *sh = join_u64(whole->dim, whole->ndim);
+  char *bo = join_u64(map->bounds, (size_t)map->n_blocks + 1);
+  char *bs = join_u32(map->block_shards, map->n_blocks);
+  int rc = sh && bo && bs ? 0 : FPS_ENOMEM;
+  if (rc == 0) {
+    rc |= add_str(o, "shape", sh);
+    rc |= add_u64(o, "block_index", map->block_index);
+    rc |= add_str(o, "bounds", bo);
+    rc |= add_str(o, "block_shards", bs);
+    rc |= add_u64(o, "shard_count", map->shard_count);
+  }
+  fps_free(sh);
+  fps_free(bo);
+  fps_free(bs);
+  return rc;
+}
+
 cJSON *fps__ckpt_tensor_meta(const fps_adafactor_hparams_t *hp, uint64_t version, uint64_t step,
-                             float rms, double last_lr, double last_weight_decay) {
+                             float rms, double last_lr, double last_weight_decay,
+                             const fps_shape_t *whole, const fps_ckpt_block_t *map) {
   cJSON *o = cJSON_CreateObject();
   if (!o) return NULL;
   int rc = 0;
@@ -206,6 +360,7 @@ cJSON *fps__ckpt_tensor_meta(const fps_adafactor_hparams_t *hp, uint64_t version
   rc |= add_str(o, "warmup_init", hp->warmup_init ? "true" : "false");
   rc |= add_double(o, "last_lr", last_lr);
   rc |= add_double(o, "last_weight_decay", last_weight_decay);
+  if (whole && map && map->n_blocks) rc |= add_block_keys(o, whole, map);
   if (rc) {
     cJSON_Delete(o);
     return NULL;
@@ -233,11 +388,13 @@ static int parse_bool(const char *s, bool *out) {
 
 /* Every key of the per-tensor object, each at most once; all required but
  * the last two (the values the last update applied, added after format
- * version 1's first writers: TM_OPTIONAL and later are optional). */
+ * version 1's first writers: TM_OPTIONAL and later are optional) and the
+ * block keys (TM_BLOCK and later: all or none). */
 #define TENSOR_META_KEYS(X)                                                           \
   X(version) X(step) X(rms) X(flavor) X(has_lr) X(lr) X(decay) X(eps1) X(eps2) X(clip) \
   X(weight_decay) X(maximize) X(has_beta1) X(beta1) X(scale_parameter) X(relative_step) \
-  X(warmup_init) X(last_lr) X(last_weight_decay)
+  X(warmup_init) X(last_lr) X(last_weight_decay) X(shape) X(block_index) X(bounds)      \
+  X(block_shards) X(shard_count)
 
 enum {
 #define TM_ENUM(k) TM_##k,
@@ -246,6 +403,99 @@ enum {
   TM_COUNT
 };
 #define TM_OPTIONAL TM_last_lr
+#define TM_BLOCK TM_shape
+
+/* A list of at most `max` strict decimals joined by ",", into a new
+ * array (fps_malloc). Returns the count (>= 1), 0 if malformed or too
+ * long, -1 out of memory. */
+static long parse_u64_list(const char *s, size_t max, uint64_t **out) {
+  *out = NULL;
+  size_t n = 1;
+  for (const char *p = s; *p; p++) n += *p == ',';
+  if (!*s || n > max) return 0;
+  uint64_t *v = fps_malloc(n * sizeof *v);
+  if (!v) return -1;
+  const char *p = s;
+  for (size_t i = 0; i < n; i++) {
+    const char *e = strchr(p, ',');
+    size_t len = e ? (size_t)(e - p) : strlen(p);
+    char buf[24];
+    if (len == 0 || len > 20) goto bad;
+    memcpy(buf, p, len);
+    buf[len] = '\0';
+    if (fps__ckpt_parse_u64(buf, &v[i]) < 0) goto bad;
+    p += len + (e ? 1 : 0);
+  }
+  *out = v;
+  return (long)n;
+bad:
+  fps_free(v);
+  return 0;
+}
+
+/* The block keys (all present). Returns 0, FPS_EFORMAT naming the key
+ * (in *bad) or FPS_ENOMEM. */
+static int parse_block_keys(const char *const *val, fps_shape_t *whole, fps_ckpt_block_t *map,
+                            int *bad) {
+  uint64_t *dims = NULL, *sh = NULL, v;
+  memset(map, 0, sizeof *map);
+  long n = parse_u64_list(val[TM_shape], FPS_MAX_DIMS, &dims);
+  if (n <= 0) {
+    *bad = TM_shape;
+    return n < 0 ? FPS_ENOMEM : FPS_EFORMAT;
+  }
+  whole->ndim = (uint32_t)n;
+  memcpy(whole->dim, dims, (size_t)n * sizeof *dims);
+  fps_free(dims);
+  int rc = FPS_EFORMAT;
+  long nb = parse_u64_list(val[TM_bounds], FPS_SPLIT_MAX_BLOCKS + 1, &map->bounds);
+  if (nb < 0) {
+    rc = FPS_ENOMEM;
+    goto fail;
+  }
+  if (nb < 2) {
+    *bad = TM_bounds;
+    goto fail;
+  }
+  map->n_blocks = (uint32_t)(nb - 1);
+  long ns = parse_u64_list(val[TM_block_shards], FPS_SPLIT_MAX_BLOCKS, &sh);
+  if (ns < 0) {
+    rc = FPS_ENOMEM;
+    goto fail;
+  }
+  if (ns != nb - 1) {
+    *bad = TM_block_shards;
+    goto fail;
+  }
+  map->block_shards = fps_malloc((size_t)ns * sizeof *map->block_shards);
+  if (!map->block_shards) {
+    rc = FPS_ENOMEM;
+    goto fail;
+  }
+  for (long i = 0; i < ns; i++) {
+    if (sh[i] > UINT32_MAX) {
+      *bad = TM_block_shards;
+      goto fail;
+    }
+    map->block_shards[i] = (uint32_t)sh[i];
+  }
+  if (fps__ckpt_parse_u64(val[TM_block_index], &v) < 0 || v > UINT32_MAX) {
+    *bad = TM_block_index;
+    goto fail;
+  }
+  map->block_index = (uint32_t)v;
+  if (fps__ckpt_parse_u64(val[TM_shard_count], &v) < 0 || v > UINT32_MAX) {
+    *bad = TM_shard_count;
+    goto fail;
+  }
+  map->shard_count = (uint32_t)v;
+  fps_free(sh);
+  return 0;
+fail:
+  fps_free(sh);
+  fps__ckpt_block_free(map);
+  return rc;
+}
 
 static const char *const tm_names[TM_COUNT] = {
 #define TM_NAME(k) #k,
@@ -255,9 +505,10 @@ static const char *const tm_names[TM_COUNT] = {
 
 int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, uint64_t *version,
                                 uint64_t *step, float *rms, double *last_lr, double *last_weight_decay,
-                                char *why, size_t why_len) {
+                                fps_shape_t *whole, fps_ckpt_block_t *map, char *why, size_t why_len) {
   const char *val[TM_COUNT] = {0};
   int rc = FPS_EFORMAT;
+  memset(map, 0, sizeof *map);
   fps__ckpt_json_init();
   cJSON *o = cJSON_Parse(text);
   if (!o || !cJSON_IsObject(o)) {
@@ -319,6 +570,20 @@ int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, u
   if (bad < 0 && val[TM_last_lr] && (parse_double(val[TM_last_lr], &llr) < 0 || llr < 0)) bad = TM_last_lr;
   if (bad < 0 && val[TM_last_weight_decay] && (parse_double(val[TM_last_weight_decay], &lwd) < 0 || lwd < 0))
     bad = TM_last_weight_decay;
+  int nblock = 0;
+  for (int k = TM_BLOCK; k < TM_COUNT; k++) nblock += val[k] != NULL;
+  if (bad < 0 && nblock && nblock != TM_COUNT - TM_BLOCK) {
+    for (int k = TM_BLOCK; k < TM_COUNT; k++)
+      if (!val[k]) {
+        fps__ckpt_why(why, why_len, "tensor metadata of a row block lacks \"%s\"", tm_names[k]);
+        goto fail;
+      }
+  }
+  if (bad < 0 && nblock && (rc = parse_block_keys(val, whole, map, &bad)) == FPS_ENOMEM) {
+    fps__ckpt_why(why, why_len, "out of memory for a block map");
+    goto fail;
+  }
+  rc = FPS_EFORMAT;
   if (bad >= 0) {
     fps__ckpt_why(why, why_len, "tensor metadata \"%s\" has a bad value \"%.40s\"", tm_names[bad],
                   val[bad]);
@@ -336,6 +601,7 @@ int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, u
   *last_weight_decay = lwd;
   rc = 0;
 fail:
+  if (rc) fps__ckpt_block_free(map);
   cJSON_Delete(o);
   return rc;
 }

@@ -2,7 +2,7 @@
  * loader. Standalone: the server decides when to write and what to do with
  * what it loads.
  *
- * FILE FORMAT (format "factorps.checkpoint", format_version "1")
+ * FILE FORMAT (format "factorps.checkpoint", format_version "1" or "2")
  *
  * One checkpoint is one file DIR/ckpt-<seq>.safetensors (<seq> in decimal,
  * zero-padded to at least 8 digits so `ls` sorts by age). The file is a
@@ -67,6 +67,36 @@
  *   w = numpy.frombuffer(data[b:e], "<f4").reshape(h["w"]["shape"])
  * tests/unit/checkpoint_read.py does exactly this and checks both hashes.
  *
+ * ROW BLOCKS (format_version "2"; issue 12, server/shard/split_tensor.h).
+ * A shard holding a row block of a split tensor stores the block, under the
+ * tensor's name. Its "tensor:<name>" object has five more keys (all
+ * required together; lists are decimals joined by ","):
+ *   "shape"         the WHOLE tensor's shape, e.g. "4,6,8" (ndim >= 1)
+ *   "block_index"   which block this is
+ *   "bounds"        the n_blocks + 1 row boundaries, 0 first, the whole
+ *                   tensor's M*R rows (numel for ndim 1) last
+ *   "block_shards"  the n_blocks shard ids, strictly increasing
+ *   "shard_count"   the count the map was made for (the file's)
+ * With the block's rows [lo, hi) = [bounds[i], bounds[i + 1]), C the last
+ * dimension (1 for ndim 1) and nmat the matrices its rows touch (the
+ * first is lo / R), its arrays are:
+ *   "<name>":     [hi - lo, C] (ndim 1: [hi - lo]), whole elements lo*C ..
+ *   "<name>/row": factored: [hi - lo], its rows' row statistics
+ *   "<name>/col": factored: [nmat, C], the column state of each touched
+ *                 matrix, once (a shard holds one block per tensor)
+ *   "<name>/var": ndim 1: [hi - lo]
+ *   "<name>/mom": hf with beta1: as the weights
+ * "version", "step", "rms", "last_lr" and "last_weight_decay" are the
+ * block's, which equal every other block's of the tensor when the shards
+ * were idle. The reader checks the map against the shape (bounds tile the
+ * rows, 2..FPS_SPLIT_MAX_BLOCKS blocks, shards increasing and < the
+ * count) and the file (its shard_count, and block_shards[block_index] =
+ * its shard_id). A file holding at least one block is written as
+ * format_version "2", a file without any still as "1", byte for byte as
+ * before, so builds that predate blocks keep reading it; they refuse a "2"
+ * file ("not supported"), whose blocks they would misread as whole
+ * tensors. This build reads both and refuses block keys in a "1" file.
+ *
  * A tensor name is 1..FPS_CKPT_NAME_MAX bytes of UTF-8 without control
  * characters, not "__metadata__"; the writer refuses a set of names whose
  * array keys would collide (tensors "a" and "a/row").
@@ -105,10 +135,12 @@
 #include <stdint.h>
 
 #include "adafactor.h"
+#include "adafactor_split.h"
 #include "error.h"
 
 #define FPS_CKPT_FORMAT "factorps.checkpoint"
-#define FPS_CKPT_FORMAT_VERSION 1
+#define FPS_CKPT_FORMAT_VERSION 2          /* the newest this build reads and writes */
+#define FPS_CKPT_FORMAT_VERSION_WHOLE 1    /* written when a file holds no row block */
 #define FPS_CKPT_NAME_MAX 256              /* bytes of a tensor name */
 #define FPS_CKPT_MODE_MAX 31               /* bytes of a mode string */
 #define FPS_CKPT_HEADER_MAX (UINT64_C(100) << 20) /* safetensors' own limit */
@@ -128,10 +160,30 @@ typedef struct fps_ckpt_info_s {
   uint64_t seq;                         /* sequence number */
   char created[40];                     /* RFC 3339 UTC, as stored */
   char data_sha256[65];                 /* lowercase hex */
-  uint64_t tensors;                     /* tensors in the file */
+  uint32_t format_version;              /* 1 or 2 */
+  uint64_t tensors;                     /* tensors in the file (blocks included) */
+  uint64_t blocks;                      /* of them, row blocks of split tensors */
   uint64_t data_bytes;                  /* size of the data section */
   uint64_t file_bytes;                  /* size of the file */
 } fps_ckpt_info_t;
+
+/* The block map of a row block (split_tensor.h's fields). */
+typedef struct fps_ckpt_block_s {
+  uint32_t block_index;                 /* this block: rows bounds[i] .. bounds[i + 1] */
+  uint32_t n_blocks;                    /* 0: not a block (a whole tensor) */
+  uint64_t *bounds;                     /* n_blocks + 1 */
+  uint32_t *block_shards;               /* n_blocks */
+  uint32_t shard_count;                 /* the count the map was made for */
+} fps_ckpt_block_t;
+
+/* Checks map `b` of a tensor of (whole) shape `shape` as the reader does:
+ * bounds (fps_split_bounds_validate), 2..FPS_SPLIT_MAX_BLOCKS blocks,
+ * block_index < n_blocks, block_shards strictly increasing and <
+ * shard_count, and, with shard_count > 0 given, b->shard_count equal to it
+ * and block_shards[block_index] == shard_id. Returns 0 or FPS_EINVAL /
+ * FPS_ESHAPE with the first problem in `why`. */
+int fps_ckpt_block_check(const fps_shape_t *shape, const fps_ckpt_block_t *b, uint32_t shard_id,
+                         uint32_t shard_count, char *why, size_t why_len);
 
 /* ------------------------------------------------------------ writing */
 
@@ -165,6 +217,21 @@ int fps_ckpt_snapshot_add(fps_ckpt_snapshot_t *s, const char *name, const fps_sh
  * given to fps_ckpt_snapshot_add). */
 int fps_ckpt_snapshot_copy(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
                            const float *param, const fps_adafactor_state_t *st);
+
+/* Like fps_ckpt_snapshot_add() for a row block of a split tensor: `shape`
+ * is the WHOLE tensor's, `map` its block map (copied), which must pass
+ * fps_ckpt_block_check() for the snapshot's shard id and count (else
+ * FPS_EINVAL naming the problem). Copy it with fps_ckpt_snapshot_copy_block(). */
+int fps_ckpt_snapshot_add_block(fps_ckpt_snapshot_t *s, const char *name, const fps_shape_t *shape,
+                                const fps_adafactor_hparams_t *hp, const fps_ckpt_block_t *map,
+                                size_t *idx, char *why, size_t why_len);
+
+/* fps_ckpt_snapshot_copy() of a block: param is the block's block_numel
+ * floats, st its state (geometry and arrays those of the block added).
+ * Returns 0, FPS_EINVAL (bad index, NULL args, the index is not a block)
+ * or FPS_ESHAPE (st is of another block or kind). */
+int fps_ckpt_snapshot_copy_block(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
+                                 const float *param, const fps_split_state_t *st);
 
 /* Records the lr and weight decay the tensor's last update applied (they
  * travel with each push; see TensorPush in the proto), stored as the
@@ -240,7 +307,11 @@ typedef struct fps_ckpt_expect_s {
 /* One restored tensor. The caller may take ownership of `param` (free it
  * with fps_free()) and of `state` (release it with
  * fps_adafactor_state_destroy()) by copying them out and zeroing the
- * fields here before fps_ckpt_destroy(). */
+ * fields here before fps_ckpt_destroy(). A row block (block.n_blocks > 0)
+ * has `param` of its block_numel floats, its state in `bstate` (its
+ * geometry in bstate.g, the whole shape in bstate.g.shape; release it with
+ * fps_split_state_destroy()) and `state` zeroed; its map arrays are owned
+ * here too (fps_free()). */
 typedef struct fps_ckpt_tensor_s {
   char name[FPS_CKPT_NAME_MAX + 1];
   fps_adafactor_hparams_t hparams;
@@ -249,6 +320,8 @@ typedef struct fps_ckpt_tensor_s {
   double last_weight_decay;             /* its weight decay */
   float *param;                         /* state.numel floats, 64-byte aligned */
   fps_adafactor_state_t state;          /* from fps_adafactor_state_init(); step, rms set */
+  fps_ckpt_block_t block;               /* n_blocks 0: a whole tensor */
+  fps_split_state_t bstate;             /* a block's state (fps_split_state_init()) */
 } fps_ckpt_tensor_t;
 
 typedef struct fps_ckpt_s {

@@ -39,8 +39,21 @@ const char *fps__ckpt_suffix(int kind);
 int fps__ckpt_layout(const fps_shape_t *shape, const fps_adafactor_hparams_t *hp,
                      fps__ckpt_array_t arr[FPS__CKPT_KINDS], char *why, size_t why_len);
 
+/* The arrays a row block of geometry g stores (checkpoint.h ROW BLOCKS),
+ * in file order. Validates hparams. Returns the number of arrays or
+ * FPS_EHPARAM/FPS_EFLAVOR/FPS_EINVAL with a reason. */
+int fps__ckpt_block_layout(const fps_split_geom_t *g, const fps_adafactor_hparams_t *hp,
+                           fps__ckpt_array_t arr[FPS__CKPT_KINDS], char *why, size_t why_len);
+
 /* The state array of a kind (NULL for FPS__CKPT_PARAM). */
 float *fps__ckpt_state_array(const fps_adafactor_state_t *st, int kind);
+/* The same for a block's state. */
+float *fps__ckpt_split_array(const fps_split_state_t *st, int kind);
+
+/* Deep copy of a block map (dst's arrays fps_malloc'd), and its release
+ * (NULL-safe; zeroes the map). Copy returns 0 or FPS_ENOMEM. */
+int fps__ckpt_block_copy(fps_ckpt_block_t *dst, const fps_ckpt_block_t *src);
+void fps__ckpt_block_free(fps_ckpt_block_t *b);
 
 /* 0 if name is a valid tensor name (see checkpoint.h), else FPS_EINVAL with
  * a reason. len is strlen(name). */
@@ -50,16 +63,22 @@ int fps__ckpt_name_check(const char *name, size_t len, char *why, size_t why_len
 int fps__ckpt_mode_check(const char *mode);
 
 /* The per-tensor metadata object ("tensor:<name>" value, before printing).
- * NULL when out of memory. */
+ * whole and map: a row block's whole shape and map (both NULL for a whole
+ * tensor). NULL when out of memory. */
 cJSON *fps__ckpt_tensor_meta(const fps_adafactor_hparams_t *hp, uint64_t version, uint64_t step,
-                             float rms, double last_lr, double last_weight_decay);
+                             float rms, double last_lr, double last_weight_decay,
+                             const fps_shape_t *whole, const fps_ckpt_block_t *map);
 /* Parses and validates one. Returns 0 or FPS_EFORMAT/FPS_EHPARAM/
- * FPS_EFLAVOR with a reason. last_lr / last_weight_decay are optional in
- * the file (older writers lack them): absent, they are hp's lr (0 without
- * one) and weight_decay. */
+ * FPS_EFLAVOR/FPS_ENOMEM with a reason. last_lr / last_weight_decay are
+ * optional in the file (older writers lack them): absent, they are hp's lr
+ * (0 without one) and weight_decay. The block keys are all present or all
+ * absent: present, *whole and *map (arrays fps_malloc'd; free with
+ * fps__ckpt_block_free) get them, only parsed here (checked against the
+ * shape by the caller); absent, map->n_blocks is 0. On failure *map is
+ * zeroed. */
 int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, uint64_t *version,
                                 uint64_t *step, float *rms, double *last_lr, double *last_weight_decay,
-                                char *why, size_t why_len);
+                                fps_shape_t *whole, fps_ckpt_block_t *map, char *why, size_t why_len);
 
 /* Strict decimal uint64: digits only, no sign, no leading zeros, no
  * overflow. Returns 0 or FPS_EFORMAT. */

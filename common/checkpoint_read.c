@@ -46,6 +46,9 @@ typedef struct tmeta_s {
   fps__ckpt_array_t arr[FPS__CKPT_KINDS];
   int n_arr;
   entry_t *ent[FPS__CKPT_KINDS];        /* the header entry of each array */
+  fps_shape_t whole;                    /* a row block's whole shape */
+  fps_ckpt_block_t map;                 /* n_blocks 0: whole; arrays owned until moved */
+  fps_split_geom_t g;                   /* a row block's geometry */
 } tmeta_t;
 
 typedef struct reader_s {
@@ -298,9 +301,11 @@ static int parse_structure(reader_t *r) {
       if (fps__ckpt_name_check(t->name, strlen(t->name), nwhy, sizeof nwhy) < 0)
         REJECT(r, FPS_EFORMAT, "metadata \"%.300s\": %s", it->string, nwhy);
       char twhy[256];
-      if (fps__ckpt_tensor_meta_parse(it->valuestring, &t->hp, &t->version, &t->step, &t->rms,
-                                      &t->last_lr, &t->last_weight_decay, twhy, sizeof twhy) < 0)
-        REJECT(r, FPS_EFORMAT, "tensor \"%s\": %s", t->name, twhy);
+      int mrc = fps__ckpt_tensor_meta_parse(it->valuestring, &t->hp, &t->version, &t->step,
+                                            &t->rms, &t->last_lr, &t->last_weight_decay,
+                                            &t->whole, &t->map, twhy, sizeof twhy);
+      if (mrc < 0)
+        REJECT(r, mrc == FPS_ENOMEM ? FPS_ENOMEM : FPS_EFORMAT, "tensor \"%s\": %s", t->name, twhy);
       r->nt++;
       continue;
     }
@@ -316,10 +321,12 @@ static int parse_structure(reader_t *r) {
   if (strcmp(val[MK_format], FPS_CKPT_FORMAT) != 0)
     REJECT(r, FPS_EFORMAT, "format is \"%.64s\", not \"%s\"", val[MK_format], FPS_CKPT_FORMAT);
   uint64_t fv;
-  if (fps__ckpt_parse_u64(val[MK_format_version], &fv) < 0 || fv != FPS_CKPT_FORMAT_VERSION)
-    REJECT(r, FPS_EFORMAT, "format_version \"%.32s\" is not supported (this build reads %d)",
-           val[MK_format_version], FPS_CKPT_FORMAT_VERSION);
+  if (fps__ckpt_parse_u64(val[MK_format_version], &fv) < 0 ||
+      fv < FPS_CKPT_FORMAT_VERSION_WHOLE || fv > FPS_CKPT_FORMAT_VERSION)
+    REJECT(r, FPS_EFORMAT, "format_version \"%.32s\" is not supported (this build reads %d to %d)",
+           val[MK_format_version], FPS_CKPT_FORMAT_VERSION_WHOLE, FPS_CKPT_FORMAT_VERSION);
   fps_ckpt_info_t *info = &r->info;
+  info->format_version = (uint32_t)fv;
   if (parse_u32(val[MK_shard_id], &info->shard.shard_id) < 0 ||
       parse_u32(val[MK_shard_count], &info->shard.shard_count) < 0 ||
       info->shard.shard_count == 0 || info->shard.shard_id >= info->shard.shard_count)
@@ -368,7 +375,24 @@ static int parse_structure(reader_t *r) {
     entry_t probe = {.key = t->name};
     entry_t *pe = r->ne ? bsearch(&probe, r->e, r->ne, sizeof *r->e, entry_key_cmp) : NULL;
     if (!pe) REJECT(r, FPS_EFORMAT, "incomplete: no weights entry for tensor \"%s\"", t->name);
-    int n = fps__ckpt_layout(&pe->shape, &t->hp, t->arr, lwhy, sizeof lwhy);
+    int n;
+    if (t->map.n_blocks) {
+      /* A row block: the map gives the arrays' shapes, checked below like
+       * any other entry's. */
+      if (info->format_version < 2)
+        REJECT(r, FPS_EFORMAT, "tensor \"%s\" is a row block, which format_version 1 cannot hold",
+               t->name);
+      if (fps_ckpt_block_check(&t->whole, &t->map, info->shard.shard_id, info->shard.shard_count,
+                               lwhy, sizeof lwhy) < 0)
+        REJECT(r, FPS_EFORMAT, "tensor \"%s\": bad block map: %s", t->name, lwhy);
+      if (fps_split_geom_init(&t->g, &t->whole, t->map.bounds[t->map.block_index],
+                              t->map.bounds[t->map.block_index + 1], lwhy, sizeof lwhy) < 0)
+        REJECT(r, FPS_EFORMAT, "tensor \"%s\": %s", t->name, lwhy);
+      n = fps__ckpt_block_layout(&t->g, &t->hp, t->arr, lwhy, sizeof lwhy);
+      info->blocks++;
+    } else {
+      n = fps__ckpt_layout(&pe->shape, &t->hp, t->arr, lwhy, sizeof lwhy);
+    }
     if (n < 0) REJECT(r, FPS_EFORMAT, "tensor \"%s\": %s", t->name, lwhy);
     t->n_arr = n;
     for (int j = 0; j < n; j++) {
@@ -476,6 +500,8 @@ void fps_ckpt_destroy(fps_ckpt_t *c) {
   for (size_t i = 0; i < c->n_tensors; i++) {
     fps_free(c->tensors[i].param);
     fps_adafactor_state_destroy(&c->tensors[i].state);
+    fps_split_state_destroy(&c->tensors[i].bstate);
+    fps__ckpt_block_free(&c->tensors[i].block);
   }
   fps_free(c->tensors);
   fps_free(c);
@@ -498,7 +524,9 @@ static int alloc_result(reader_t *r, fps_ckpt_t **out) {
     ct->version = t->version;
     ct->last_lr = t->last_lr;
     ct->last_weight_decay = t->last_weight_decay;
-    int rc = fps_adafactor_state_init(&ct->state, &t->arr[0].shape, &t->hp);
+    const bool block = t->map.n_blocks != 0;
+    int rc = block ? fps_split_state_init(&ct->bstate, &t->g, &t->hp)
+                   : fps_adafactor_state_init(&ct->state, &t->arr[0].shape, &t->hp);
     void *p = NULL;
     if (rc == 0 && fps_aligned_alloc(&p, 64, (size_t)t->arr[0].count * sizeof(float)) != 0)
       rc = FPS_ENOMEM;
@@ -509,8 +537,16 @@ static int alloc_result(reader_t *r, fps_ckpt_t **out) {
     ct->param = p;
     ct->state.step = t->step;
     ct->state.rms = t->rms;
+    if (block) {
+      ct->bstate.step = t->step;
+      ct->bstate.rms = t->rms;
+      ct->block = t->map; /* moved: the reader's cleanup skips it */
+      memset(&t->map, 0, sizeof t->map);
+    }
     for (int j = 0; j < t->n_arr; j++) {
-      float *dst = j == 0 ? ct->param : fps__ckpt_state_array(&ct->state, t->arr[j].kind);
+      float *dst = j == 0 ? ct->param
+                   : block ? fps__ckpt_split_array(&ct->bstate, t->arr[j].kind)
+                           : fps__ckpt_state_array(&ct->state, t->arr[j].kind);
       if (!dst) {
         fps_ckpt_destroy(c);
         REJECT(r, FPS_ESTATE, "internal: kernel state of \"%s\" lacks %s", t->name,
@@ -603,6 +639,7 @@ fail:
   fps_ckpt_destroy(c);
   fps_free(order);
   fps_free(r.e);
+  for (size_t i = 0; r.t && i < r.nt; i++) fps__ckpt_block_free(&r.t[i].map);
   fps_free(r.t);
   cJSON_Delete(r.root);
   fps_free(r.hdr);

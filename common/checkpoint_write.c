@@ -33,6 +33,8 @@ typedef struct snap_tensor_s {
   uint64_t version, step;
   float rms;
   double last_lr, last_weight_decay;      /* fps_ckpt_snapshot_set_applied */
+  fps_ckpt_block_t map;                   /* n_blocks 0: a whole tensor; arrays owned */
+  fps_split_geom_t g;                     /* a block's geometry (g.shape: the whole shape) */
 } snap_tensor_t;
 
 struct fps_ckpt_snapshot_s {
@@ -40,6 +42,7 @@ struct fps_ckpt_snapshot_s {
   snap_tensor_t *t;
   size_t n, cap;
   uint64_t bytes;                         /* sum of floats * 4 */
+  size_t blocks;                          /* tensors that are row blocks */
 };
 
 int fps_ckpt_snapshot_create(fps_ckpt_snapshot_t **out, uint32_t shard_id, uint32_t shard_count,
@@ -59,7 +62,10 @@ int fps_ckpt_snapshot_create(fps_ckpt_snapshot_t **out, uint32_t shard_id, uint3
 
 void fps_ckpt_snapshot_destroy(fps_ckpt_snapshot_t *s) {
   if (!s) return;
-  for (size_t i = 0; i < s->n; i++) fps_free(s->t[i].data);
+  for (size_t i = 0; i < s->n; i++) {
+    fps_free(s->t[i].data);
+    fps__ckpt_block_free(&s->t[i].map);
+  }
   fps_free(s->t);
   fps_free(s);
 }
@@ -67,20 +73,12 @@ void fps_ckpt_snapshot_destroy(fps_ckpt_snapshot_t *s) {
 size_t fps_ckpt_snapshot_count(const fps_ckpt_snapshot_t *s) { return s ? s->n : 0; }
 uint64_t fps_ckpt_snapshot_bytes(const fps_ckpt_snapshot_t *s) { return s ? s->bytes : 0; }
 
-int fps_ckpt_snapshot_add(fps_ckpt_snapshot_t *s, const char *name, const fps_shape_t *shape,
-                          const fps_adafactor_hparams_t *hp, size_t *idx, char *why,
-                          size_t why_len) {
-  if (!s || !name || !shape || !hp) {
-    fps__ckpt_why(why, why_len, "missing argument");
-    return FPS_EINVAL;
-  }
-  int rc = fps__ckpt_name_check(name, strnlen(name, FPS_CKPT_NAME_MAX + 1), why, why_len);
-  if (rc < 0) return rc;
-  snap_tensor_t t;
-  memset(&t, 0, sizeof t);
-  rc = fps__ckpt_layout(shape, hp, t.arr, why, why_len);
-  if (rc < 0) return rc;
-  t.n_arr = rc;
+/* Appends t (its name, hparams and layout set; t->map owned by it on
+ * success) with its copy buffers. */
+static int snapshot_append(fps_ckpt_snapshot_t *s, snap_tensor_t *tp, const char *name,
+                           const fps_adafactor_hparams_t *hp, size_t *idx, char *why,
+                           size_t why_len) {
+  snap_tensor_t t = *tp;
   snprintf(t.name, sizeof t.name, "%s", name);
   t.hp = *hp;
   t.last_lr = hp->has_lr ? hp->lr : 0.0;
@@ -107,15 +105,65 @@ int fps_ckpt_snapshot_add(fps_ckpt_snapshot_t *s, const char *name, const fps_sh
   if (idx) *idx = s->n;
   s->n++;
   s->bytes += t.floats * sizeof(float);
+  s->blocks += t.map.n_blocks != 0;
   return 0;
 nomem:
   fps__ckpt_why(why, why_len, "out of memory for tensor \"%s\"", name);
   return FPS_ENOMEM;
 }
 
+int fps_ckpt_snapshot_add(fps_ckpt_snapshot_t *s, const char *name, const fps_shape_t *shape,
+                          const fps_adafactor_hparams_t *hp, size_t *idx, char *why,
+                          size_t why_len) {
+  if (!s || !name || !shape || !hp) {
+    fps__ckpt_why(why, why_len, "missing argument");
+    return FPS_EINVAL;
+  }
+  int rc = fps__ckpt_name_check(name, strnlen(name, FPS_CKPT_NAME_MAX + 1), why, why_len);
+  if (rc < 0) return rc;
+  snap_tensor_t t;
+  memset(&t, 0, sizeof t);
+  rc = fps__ckpt_layout(shape, hp, t.arr, why, why_len);
+  if (rc < 0) return rc;
+  t.n_arr = rc;
+  return snapshot_append(s, &t, name, hp, idx, why, why_len);
+}
+
+int fps_ckpt_snapshot_add_block(fps_ckpt_snapshot_t *s, const char *name, const fps_shape_t *shape,
+                                const fps_adafactor_hparams_t *hp, const fps_ckpt_block_t *map,
+                                size_t *idx, char *why, size_t why_len) {
+  if (!s || !name || !shape || !hp || !map) {
+    fps__ckpt_why(why, why_len, "missing argument");
+    return FPS_EINVAL;
+  }
+  int rc = fps__ckpt_name_check(name, strnlen(name, FPS_CKPT_NAME_MAX + 1), why, why_len);
+  if (rc < 0) return rc;
+  char mwhy[256] = "";
+  rc = fps_ckpt_block_check(shape, map, s->shard.shard_id, s->shard.shard_count, mwhy, sizeof mwhy);
+  if (rc < 0) {
+    fps__ckpt_why(why, why_len, "tensor \"%s\": block map: %s", name, mwhy);
+    return FPS_EINVAL;
+  }
+  snap_tensor_t t;
+  memset(&t, 0, sizeof t);
+  rc = fps_split_geom_init(&t.g, shape, map->bounds[map->block_index],
+                           map->bounds[map->block_index + 1], why, why_len);
+  if (rc < 0) return rc;
+  rc = fps__ckpt_block_layout(&t.g, hp, t.arr, why, why_len);
+  if (rc < 0) return rc;
+  t.n_arr = rc;
+  if (fps__ckpt_block_copy(&t.map, map) < 0) {
+    fps__ckpt_why(why, why_len, "out of memory for tensor \"%s\"", name);
+    return FPS_ENOMEM;
+  }
+  rc = snapshot_append(s, &t, name, hp, idx, why, why_len);
+  if (rc < 0) fps__ckpt_block_free(&t.map);
+  return rc;
+}
+
 int fps_ckpt_snapshot_copy(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
                            const float *param, const fps_adafactor_state_t *st) {
-  if (!s || idx >= s->n || !param || !st) return FPS_EINVAL;
+  if (!s || idx >= s->n || !param || !st || s->t[idx].map.n_blocks) return FPS_EINVAL;
   snap_tensor_t *t = &s->t[idx];
   const fps_shape_t *shape = &t->arr[0].shape;
   if (st->shape.ndim != shape->ndim || st->numel != t->arr[0].count) return FPS_ESHAPE;
@@ -130,6 +178,33 @@ int fps_ckpt_snapshot_copy(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
   float *dst = t->data;
   for (int i = 0; i < t->n_arr; i++) {
     const float *src = i == 0 ? param : fps__ckpt_state_array(st, t->arr[i].kind);
+    memcpy(dst, src, (size_t)t->arr[i].count * sizeof(float));
+    dst += t->arr[i].count;
+  }
+  t->version = version;
+  t->step = st->step;
+  t->rms = st->rms;
+  t->copied = true;
+  return 0;
+}
+
+int fps_ckpt_snapshot_copy_block(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
+                                 const float *param, const fps_split_state_t *st) {
+  if (!s || idx >= s->n || !param || !st || !s->t[idx].map.n_blocks) return FPS_EINVAL;
+  snap_tensor_t *t = &s->t[idx];
+  const fps_split_geom_t *a = &t->g, *b = &st->g;
+  if (a->shape.ndim != b->shape.ndim || a->row_lo != b->row_lo || a->row_hi != b->row_hi ||
+      a->cols != b->cols || a->nmat != b->nmat || a->block_numel != b->block_numel)
+    return FPS_ESHAPE;
+  for (uint32_t d = 0; d < a->shape.ndim; d++)
+    if (a->shape.dim[d] != b->shape.dim[d]) return FPS_ESHAPE;
+  bool want[FPS__CKPT_KINDS] = {false};
+  for (int i = 0; i < t->n_arr; i++) want[t->arr[i].kind] = true;
+  for (int k = FPS__CKPT_ROW; k < FPS__CKPT_KINDS; k++)
+    if ((fps__ckpt_split_array(st, k) != NULL) != want[k]) return FPS_ESHAPE;
+  float *dst = t->data;
+  for (int i = 0; i < t->n_arr; i++) {
+    const float *src = i == 0 ? param : fps__ckpt_split_array(st, t->arr[i].kind);
     memcpy(dst, src, (size_t)t->arr[i].count * sizeof(float));
     dst += t->arr[i].count;
   }
@@ -242,7 +317,9 @@ static char *build_header(const fps_ckpt_snapshot_t *s, uint64_t seq, size_t *le
 
   int rc = 0;
   rc |= cJSON_AddStringToObject(meta, "format", FPS_CKPT_FORMAT) ? 0 : FPS_ENOMEM;
-  rc |= meta_u64(meta, "format_version", FPS_CKPT_FORMAT_VERSION);
+  /* Version 1 when nothing needs version 2, so older builds still read it. */
+  rc |= meta_u64(meta, "format_version",
+                 s->blocks ? FPS_CKPT_FORMAT_VERSION : FPS_CKPT_FORMAT_VERSION_WHOLE);
   rc |= meta_u64(meta, "shard_id", s->shard.shard_id);
   rc |= meta_u64(meta, "shard_count", s->shard.shard_count);
   rc |= cJSON_AddStringToObject(meta, "mode", s->shard.mode) ? 0 : FPS_ENOMEM;
@@ -257,7 +334,7 @@ static char *build_header(const fps_ckpt_snapshot_t *s, uint64_t seq, size_t *le
   for (size_t i = 0; i < s->n; i++) {
     const snap_tensor_t *t = &s->t[i];
     cJSON *tm_obj = fps__ckpt_tensor_meta(&t->hp, t->version, t->step, t->rms, t->last_lr,
-                                           t->last_weight_decay);
+                                           t->last_weight_decay, &t->g.shape, &t->map);
     char *tm_text = tm_obj ? cJSON_PrintUnformatted(tm_obj) : NULL;
     cJSON_Delete(tm_obj);
     if (!tm_text) goto done;

@@ -26,6 +26,7 @@
 #include "alloc.h"
 #include "metrics.h"
 #include "shard.h"
+#include "split_tensor.h"
 
 /* The checkpoint's "created" (RFC 3339 UTC, "2026-01-02T03:04:05.123456789Z")
  * as unix seconds; 0 if it does not parse. */
@@ -67,6 +68,11 @@ static void fps__ckpt_rejected(void *ctx, const char *path, int err, const char 
 
 /* Moves one loaded tensor into the store. REQUIRES store->mu for writing. */
 static int fps__ckpt_adopt_locked(fps_shard_t *sh, const fps_ckpt_t *ck, fps_ckpt_tensor_t *ct) {
+  if (ct->block.n_blocks) {
+    FPS_SLOG(FPS_LOG_ERROR, "checkpoint %s: tensor '%s' is a row block, which this shard cannot restore yet",
+             ck->path, ct->name);
+    return FPS_ESTATE;
+  }
   size_t len = strlen(ct->name);
   fps_tensor_t *t = fps_tensor_create(ct->name, len, &ct->state.shape, ct->state.numel, &ct->hparams,
                                       sh->cfg.workers, sh->cfg.apply_log);
@@ -189,11 +195,22 @@ int fps_checkpoint_write(fps_shard_t *sh, fps_ckpt_done_t *out, char *why, size_
       continue;
     }
     size_t idx = 0;
-    rc = fps_ckpt_snapshot_add(snap, t->name, &t->shape, &t->hp, &idx, why, why_len);
+    /* A row block's map is fixed at Create (split_tensor.h): no lock. */
+    const fps_tensor_split_t *sp = t->split;
+    if (sp) {
+      fps_ckpt_block_t map = {.block_index = sp->block_index, .n_blocks = sp->n_blocks,
+                              .bounds = sp->bounds, .block_shards = sp->block_shards,
+                              .shard_count = sp->shard_count};
+      rc = fps_ckpt_snapshot_add_block(snap, t->name, &t->shape, &t->hp, &map, &idx, why, why_len);
+    } else {
+      rc = fps_ckpt_snapshot_add(snap, t->name, &t->shape, &t->hp, &idx, why, why_len);
+    }
     if (rc < 0) break;
     int64_t h0 = fps_now_ns();
     pthread_mutex_lock(&t->mu);
-    rc = fps_ckpt_snapshot_copy(snap, idx, t->version, t->param, &t->st);
+    /* A block's state changes only when a step applies, under t->mu. */
+    rc = sp ? fps_ckpt_snapshot_copy_block(snap, idx, t->version, t->param, &sp->st)
+            : fps_ckpt_snapshot_copy(snap, idx, t->version, t->param, &t->st);
     if (rc == 0) rc = fps_ckpt_snapshot_set_applied(snap, idx, t->last_lr, t->last_weight_decay);
     pthread_mutex_unlock(&t->mu);
     double held = (double)(fps_now_ns() - h0) / 1e9;

@@ -800,9 +800,9 @@ static void m_meta_number(cJSON *r, cJSON *m) {
   (void)r;
   cJSON_ReplaceItemInObjectCaseSensitive(m, "shard_id", cJSON_CreateNumber(0));
 }
-static void m_version2(cJSON *r, cJSON *m) {
+static void m_version3(cJSON *r, cJSON *m) {
   (void)r;
-  cJSON_ReplaceItemInObjectCaseSensitive(m, "format_version", cJSON_CreateString("2"));
+  cJSON_ReplaceItemInObjectCaseSensitive(m, "format_version", cJSON_CreateString("3"));
 }
 static void m_format(cJSON *r, cJSON *m) {
   (void)r;
@@ -922,7 +922,7 @@ static const mutation_t MUTATIONS[] = {
     {"wrong tensor_count", m_bad_count, "tensor_count"},
     {"unknown metadata key", m_unknown_meta, "unknown metadata key"},
     {"numeric metadata", m_meta_number, "not a string"},
-    {"format_version 2", m_version2, "not supported"},
+    {"format_version 3", m_version3, "not supported"},
     {"other format", m_format, "format is"},
     {"sequence differs from the name", m_seq, "file name says sequence 1"},
     {"shard id >= count", m_shard, "placement"},
