@@ -32,6 +32,12 @@
 #define FPS__SLICE_OVERHEAD 64
 #define FPS__MESSAGE_OVERHEAD 64
 
+/* One row block of a tensor (fps__placement_split). */
+typedef struct fps__block_s {
+  int shard;
+  uint64_t row_lo, row_hi;             /* flattened rows of [..., R, C]; elements for ndim <= 1 */
+} fps__block_t;
+
 /* One tensor of the client's list. */
 typedef struct fps__tensor_s {
   char *name;                          /* owned */
@@ -41,13 +47,22 @@ typedef struct fps__tensor_s {
   uint64_t bytes;                      /* numel * 4 */
   int shard;                           /* placement (a split tensor: its first block's) */
   size_t n_blocks;                     /* fps__placement_split: 1, or its row blocks */
+  fps__block_t *blocks;                /* a split tensor's n_blocks blocks in row order
+                                          (owned), or NULL: whole on `shard` */
 } fps__tensor_t;
 
-/* One row block of a tensor (fps__placement_split). */
-typedef struct fps__block_s {
-  int shard;
-  uint64_t row_lo, row_hi;             /* flattened rows of [..., R, C]; elements for ndim <= 1 */
-} fps__block_t;
+/* Elements per row of a tensor's [..., R, C] view: C, or 1 for ndim <= 1
+ * (whose "rows" are its elements). */
+static inline uint64_t fps__row_elems(const fps__tensor_t *t) {
+  return t->ndim >= 2 ? t->shape[t->ndim - 1] : 1;
+}
+/* Blocks of a tensor in the client's list (1 for a whole one). */
+static inline size_t fps__block_count(const fps__tensor_t *t) { return t->blocks ? t->n_blocks : 1; }
+/* Block k of a tensor; a whole tensor's only block is all of its rows. */
+static inline fps__block_t fps__block_at(const fps__tensor_t *t, size_t k) {
+  if (t->blocks) return t->blocks[k];
+  return (fps__block_t){.shard = t->shard, .row_lo = 0, .row_hi = t->numel / fps__row_elems(t)};
+}
 
 /* The tensor list, sorted by name for lookup. */
 typedef struct fps__tensor_list_s {

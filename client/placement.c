@@ -111,7 +111,10 @@ const fps__tensor_t *fps__tensor_list_find(const fps__tensor_list_t *l, const ch
 }
 
 void fps__tensor_list_free(fps__tensor_list_t *l) {
-  for (size_t i = 0; i < l->n; i++) free(l->t[i].name);
+  for (size_t i = 0; i < l->n; i++) {
+    free(l->t[i].name);
+    free(l->t[i].blocks);
+  }
   free(l->t);
   l->t = NULL;
   l->n = 0;

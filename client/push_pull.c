@@ -17,7 +17,12 @@
  * Aliasing params[i] == grads[i] is safe: a shard can only answer for a
  * tensor after it received all of its gradient, so the bytes gRPC read
  * from the caller's buffer were on the wire before the reply overwrites
- * them. */
+ * them.
+ *
+ * A split tensor (issue 12) is one item per row block: block b's part of
+ * the caller's arrays (elements [lo*C, hi*C)) goes to and comes from its
+ * shard at block-local offsets. All of a tensor's blocks must report the
+ * same version; see check_versions(). */
 #include <grpc/byte_buffer.h>
 #include <grpc/slice.h>
 #include <pthread.h>
@@ -35,9 +40,18 @@
 #include "internal.h"
 #include "tsan.h"
 
+/* One tensor, or one row block of a split tensor, on one shard. */
 typedef struct pp_item_s {
   const fps__tensor_t *t;               /* in the client's list */
   size_t idx;                           /* index in the caller's arrays */
+  int shard;
+  uint32_t block;                       /* block index (0: whole) */
+  uint64_t base;                        /* its first element in the caller's arrays */
+  uint64_t numel;                       /* its elements */
+  /* The reply (reset for a retry). */
+  uint64_t received;                    /* elements */
+  uint64_t version;
+  int got_version;
 } pp_item_t;
 
 typedef struct pp_job_s {
@@ -45,8 +59,6 @@ typedef struct pp_job_s {
   const float *const *grads;            /* NULL for Pull */
   float *const *params;
   uint64_t *versions;
-  uint64_t *received;                   /* per caller index: elements */
-  unsigned char *got_version;           /* per caller index */
   uint32_t worker_id;
   uint64_t step;
   uint32_t num_workers;                 /* 0: unchecked */
@@ -116,14 +128,14 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
     }
     uint64_t over = FPS_WIRE_SLICE_HEADER_MAX(name_len, it->t->ndim) + tp_over;
     uint64_t room = budget > used + over ? (budget - used - over) / job->esz : 0;
-    uint64_t left = it->t->numel - sh->off;
+    uint64_t left = it->numel - sh->off;
     uint64_t count = left < room ? left : room;
     if (count == 0) break; /* the message is full (k > 0: budget >= 64 KiB) */
     sh->plan[k++] = (pp_run_t){it, sh->off, count};
     hdr_cap += over;
     used += over + count * job->esz;
     sh->off += count;
-    if (sh->off == it->t->numel) {
+    if (sh->off == it->numel) {
       sh->pos++;
       sh->off = 0;
     }
@@ -156,7 +168,7 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
       /* bf16 needs a converted copy (one SIMD pass, half the bytes); it
        * belongs to gRPC, so the caller's gradient is free at once. */
       grpc_slice d = grpc_slice_malloc((size_t)r->count * 2);
-      fps_dtype_encode(FPS_DTYPE_BF16, job->grads[r->it->idx] + r->off, r->count,
+      fps_dtype_encode(FPS_DTYPE_BF16, job->grads[r->it->idx] + r->it->base + r->off, r->count,
                        GRPC_SLICE_START_PTR(d));
       sl[n_sl++] = d;
       continue;
@@ -165,7 +177,7 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
     job->live_slices++;
     pthread_mutex_unlock(&job->mu);
     FPS_TSAN_RELEASE(job);
-    sl[n_sl++] = grpc_slice_new_with_user_data((void *)(job->grads[r->it->idx] + r->off),
+    sl[n_sl++] = grpc_slice_new_with_user_data((void *)(job->grads[r->it->idx] + r->it->base + r->off),
                                                (size_t)r->count * 4, data_slice_released, job);
   }
   if (mark < hn || n_sl == 0) sl[n_sl++] = grpc_slice_sub(hdr, mark, hn);
@@ -192,7 +204,7 @@ static int pull_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
 }
 
 /* Finds the item of a reply's tensor name (not NUL-terminated). */
-static const pp_item_t *find_item(const pp_shard_t *sh, const char *name, size_t len) {
+static pp_item_t *find_item(const pp_shard_t *sh, const char *name, size_t len) {
   size_t lo = 0, hi = sh->n;
   while (lo < hi) {
     size_t mid = lo + (hi - lo) / 2;
@@ -215,7 +227,7 @@ static int on_slice(void *ctx, const fps_wire_tslice_t *sl) {
   size_t name_len = sl->name_len < sizeof name_buf ? (size_t)sl->name_len : sizeof name_buf;
   fps_wreader_t nr = sl->name;
   const char *name = (const char *)fps_wr_bytes(&nr, name_len, (uint8_t *)name_buf);
-  const pp_item_t *it = find_item(sh, name, name_len);
+  pp_item_t *it = find_item(sh, name, name_len);
   if (!it)
     return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "reply carries tensor '%.*s', not asked for",
                             (int)(name_len > 256 ? 256 : name_len), name);
@@ -226,11 +238,11 @@ static int on_slice(void *ctx, const fps_wire_tslice_t *sl) {
     return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "tensor '%s': reply dtype %d, not f32 or bf16",
                             t->name, (int)sl->dtype);
   const size_t esz = fps_dtype_size(sl->dtype);
-  if (sl->data_len % esz || sl->offset > t->numel || sl->data_len / esz > t->numel - sl->offset)
+  if (sl->data_len % esz || sl->offset > it->numel || sl->data_len / esz > it->numel - sl->offset)
     return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL,
-                            "tensor '%s': reply slice [%llu, +%llu bytes) outside %llu elements",
-                            t->name, (unsigned long long)sl->offset, (unsigned long long)sl->data_len,
-                            (unsigned long long)t->numel);
+                            "tensor '%s'%s: reply slice [%llu, +%llu bytes) outside %llu elements",
+                            t->name, t->blocks ? " (a row block)" : "", (unsigned long long)sl->offset,
+                            (unsigned long long)sl->data_len, (unsigned long long)it->numel);
   if (sl->n_shape != t->ndim || memcmp(sl->shape, t->shape, t->ndim * sizeof *t->shape) != 0)
     return fps__stream_fail(&sh->s, FPS_CODE_FAILED_PRECONDITION,
                             "tensor '%s': the shard's shape differs from the client's", t->name);
@@ -240,24 +252,24 @@ static int on_slice(void *ctx, const fps_wire_tslice_t *sl) {
     fps_welems_t el;
     fps_welems_init(&el, &sl->data, esz);
     const uint8_t *p;
-    uint64_t k, at = sl->offset;
+    uint64_t k, at = it->base + sl->offset;
     while ((k = fps_welems_next(&el, &p)) > 0) {
       fps_dtype_decode(sl->dtype, p, k, dst + at, NULL);
       at += k;
     }
   }
-  job->received[it->idx] += sl->data_len / esz;
+  it->received += sl->data_len / esz;
   return 0;
 }
 
 static int on_version(void *ctx, const char *name, size_t len, uint64_t version) {
   pp_shard_t *sh = ctx;
-  const pp_item_t *it = find_item(sh, name, len);
+  pp_item_t *it = find_item(sh, name, len);
   if (!it)
     return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "reply versions tensor '%.*s', not asked for",
                             (int)(len > 256 ? 256 : len), name);
-  sh->job->got_version[it->idx] = 1;
-  if (sh->job->versions) sh->job->versions[it->idx] = version;
+  it->got_version = 1;
+  it->version = version;
   return 0;
 }
 
@@ -273,8 +285,8 @@ static int pp_reply(fps__stream_t *s, const fps_wspan_t *spans, size_t n) {
 static void pull_reset(fps__stream_t *s) {
   pp_shard_t *sh = s->ctx;
   for (size_t i = 0; i < sh->n; i++) {
-    sh->job->received[sh->items[i].idx] = 0;
-    sh->job->got_version[sh->items[i].idx] = 0;
+    sh->items[i].received = 0;
+    sh->items[i].got_version = 0;
   }
 }
 
@@ -329,13 +341,86 @@ static int by_item_name(const void *a, const void *b) {
   return strcmp((*(pp_item_t *const *)a)->t->name, (*(pp_item_t *const *)b)->t->name);
 }
 
+/* Checks that every item of every tensor was answered in full and that
+ * all blocks of a split tensor report the same version, then writes the
+ * versions. Within one shard a sync step applies to every block or to none
+ * (the cross-shard step), so after a push its blocks must agree: if they
+ * do not, they have diverged (DATA_LOSS). A Pull or a versions-only read
+ * can meet a step that one block's shard applied and another's has not yet
+ * (each applies once it holds every block's partials): *torn is then set
+ * so that the caller reads again. */
+static int check_versions(fps_client_t *c, pp_job_t *job, pp_shard_t *sh, size_t n, int is_push,
+                          int *torn, fps_status_t *status) {
+  const pp_item_t **first = calloc(n ? n : 1, sizeof *first);
+  int rc = 0;
+  *torn = 0;
+  if (!first) return fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+  for (size_t s = 0; s < c->n_shards && !rc; s++)
+    for (size_t i = 0; i < sh[s].n && !rc; i++) {
+      const pp_item_t *it = &sh[s].items[i];
+      const fps__tensor_t *t = it->t;
+      if (!it->got_version || (!sh[s].skip_params && it->received != it->numel)) {
+        char blk[64] = "";
+        if (t->blocks)
+          snprintf(blk, sizeof blk, " block %u (rows [%llu, %llu))", it->block,
+                   (unsigned long long)t->blocks[it->block].row_lo,
+                   (unsigned long long)t->blocks[it->block].row_hi);
+        rc = fps__status_set(status, FPS_CODE_DATA_LOSS, it->shard,
+                             "shard %d (%s): tensor '%s'%s: reply had %llu of %llu elements%s",
+                             it->shard, c->addrs[it->shard], t->name, blk,
+                             (unsigned long long)it->received, (unsigned long long)it->numel,
+                             it->got_version ? "" : " and no version");
+        break;
+      }
+      const pp_item_t *f = first[it->idx];
+      if (!f) {
+        first[it->idx] = it;
+        continue;
+      }
+      if (f->version == it->version) continue;
+      if (!is_push) {
+        *torn = 1;
+        rc = fps__status_set(status, FPS_CODE_ABORTED, it->shard,
+                             "tensor '%s': its row blocks kept reporting different versions "
+                             "(%llu: block %u on shard %d (%s); %llu: block %u on shard %d "
+                             "(%s)) while a step was being applied; read again",
+                             t->name, (unsigned long long)f->version, f->block, f->shard,
+                             c->addrs[f->shard], (unsigned long long)it->version, it->block,
+                             it->shard, c->addrs[it->shard]);
+      } else {
+        rc = fps__status_set(status, FPS_CODE_DATA_LOSS, it->shard,
+                             "tensor '%s': after this push its row blocks report different "
+                             "versions (%llu: block %u on shard %d (%s); %llu: block %u on shard "
+                             "%d (%s)): the blocks have diverged",
+                             t->name, (unsigned long long)f->version, f->block, f->shard,
+                             c->addrs[f->shard], (unsigned long long)it->version, it->block,
+                             it->shard, c->addrs[it->shard]);
+      }
+    }
+  if (!rc && job->versions)
+    for (size_t i = 0; i < n; i++) job->versions[i] = first[i]->version;
+  free(first);
+  return rc;
+}
+
+/* Attempts of a Pull whose split tensors' blocks were caught at different
+ * versions, and the pause before the first repeat (doubling). */
+#define PULL_TORN_ATTEMPTS 8
+#define PULL_TORN_PAUSE 0.005
+
+static void pause_s(double s) {
+  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+  while (nanosleep(&ts, &ts) != 0) {
+  }
+}
+
 static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t n, int is_push,
                fps_status_t *status) {
   pp_shard_t *sh = NULL;
-  pp_item_t *items = NULL;
+  pp_item_t *items = NULL, *sorted = NULL;
   pp_item_t **by_name = NULL;
   fps__stream_t **streams = NULL;
-  size_t *count = NULL;
+  size_t *count = NULL, total = 0;
   int rc, locked = 0;
 
   if (!c || (n && (!names || (is_push && !job->grads) || !job->params)))
@@ -345,11 +430,7 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
   sh = calloc(c->n_shards, sizeof *sh);
   streams = calloc(c->n_shards, sizeof *streams);
   count = calloc(c->n_shards, sizeof *count);
-  items = calloc(n ? n : 1, sizeof *items);
-  by_name = calloc(n ? n : 1, sizeof *by_name);
-  job->received = calloc(n ? n : 1, sizeof *job->received);
-  job->got_version = calloc(n ? n : 1, 1);
-  if (!sh || !streams || !count || !items || !by_name || !job->received || !job->got_version) {
+  if (!sh || !streams || !count) {
     rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
     goto done;
   }
@@ -374,28 +455,38 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
                            names[i]);
       goto done;
     }
-    items[i] = (pp_item_t){t, i};
-    count[t->shard]++;
+    total += fps__block_count(t);
+  }
+  items = calloc(total ? total : 1, sizeof *items);
+  sorted = calloc(total ? total : 1, sizeof *sorted);
+  by_name = calloc(total ? total : 1, sizeof *by_name);
+  if (!items || !sorted || !by_name) {
+    rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+    goto done;
+  }
+  /* One item per tensor, or per row block of a split one. */
+  for (size_t i = 0, k = 0; i < n; i++) {
+    const fps__tensor_t *t = fps__tensor_list_find(&c->tensors, names[i]);
+    const uint64_t C = fps__row_elems(t);
+    for (size_t b = 0; b < fps__block_count(t); b++) {
+      fps__block_t blk = fps__block_at(t, b);
+      sorted[k++] = (pp_item_t){.t = t, .idx = i, .shard = blk.shard, .block = (uint32_t)b,
+                                .base = blk.row_lo * C, .numel = (blk.row_hi - blk.row_lo) * C};
+      count[blk.shard]++;
+    }
   }
   /* Group by shard, keeping the caller's order within a shard. */
   {
     size_t start = 0;
     for (size_t s = 0; s < c->n_shards; s++) {
-      sh[s].items = items + start; /* filled below via a second array */
+      sh[s].items = items + start;
       sh[s].by_name = by_name + start;
       start += count[s];
     }
-    pp_item_t *sorted = malloc((n ? n : 1) * sizeof *sorted);
-    if (!sorted) {
-      rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
-      goto done;
-    }
-    memcpy(sorted, items, n * sizeof *items);
-    for (size_t i = 0; i < n; i++) {
-      pp_shard_t *x = &sh[sorted[i].t->shard];
+    for (size_t i = 0; i < total; i++) {
+      pp_shard_t *x = &sh[sorted[i].shard];
       x->items[x->n++] = sorted[i];
     }
-    free(sorted);
   }
   size_t n_streams = 0;
   for (size_t s = 0; s < c->n_shards; s++) {
@@ -428,23 +519,21 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
   }
 
   if (is_push && !job->push_id) job->push_id = fps__push_id_next();
-  rc = fps__streams_run(c, is_push ? FPS__METHOD_PUSHPULL : FPS__METHOD_PULL, streams, n_streams,
-                        FPS__RETRY_IDEMPOTENT, status);
-  if (is_push) wait_slices_released(job);
-  if (rc) goto done;
-  for (size_t i = 0; i < n; i++) {
-    const fps__tensor_t *t = items[i].t;
-    size_t idx = items[i].idx;
-    int skipped = sh[t->shard].skip_params;
-    if (!job->got_version[idx] || (!skipped && job->received[idx] != t->numel)) {
-      rc = fps__status_set(status, FPS_CODE_DATA_LOSS, t->shard,
-                           "shard %d (%s): tensor '%s': reply had %llu of %llu elements%s",
-                           t->shard, c->addrs[t->shard], t->name,
-                           (unsigned long long)job->received[idx], (unsigned long long)t->numel,
-                           job->got_version[idx] ? "" : " and no version");
-      goto done;
-    }
+  double pause = PULL_TORN_PAUSE;
+  for (int attempt = 1;; attempt++) {
+    int torn = 0;
+    rc = fps__streams_run(c, is_push ? FPS__METHOD_PUSHPULL : FPS__METHOD_PULL, streams, n_streams,
+                          FPS__RETRY_IDEMPOTENT, status);
+    if (is_push) wait_slices_released(job);
+    if (rc) goto done;
+    rc = check_versions(c, job, sh, n, is_push, &torn, status);
+    if (!torn || attempt == PULL_TORN_ATTEMPTS) break;
+    /* A Pull met a split tensor's step half applied: read again. */
+    pause_s(pause);
+    pause *= 2;
+    for (size_t s = 0; s < n_streams; s++) pull_reset(streams[s]);
   }
+  if (rc) goto done;
   fps__status_ok(status);
 
 done:
@@ -458,9 +547,8 @@ done:
   free(streams);
   free(count);
   free(items);
+  free(sorted);
   free(by_name);
-  free(job->received);
-  free(job->got_version);
   return rc;
 }
 

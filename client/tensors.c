@@ -8,38 +8,63 @@
  * idempotent (same name, shape, settings; data for a ready tensor is
  * ignored), so every round is retried on UNAVAILABLE. Tensors whose values
  * come from another worker are then polled with value-less Creates, with
- * backoff, until ready or the deadline. */
+ * backoff, until ready or the deadline.
+ *
+ * Split tensors (issue 12): with split_min_bytes > 0 the placement may cut
+ * a tensor into row blocks (fps__placement_split). Each block is its own
+ * item here: a Create to its shard carrying the whole map (SplitBlock), the
+ * whole shape, and the block's slice of init and of the resume state at
+ * block-local offsets (its rows' row statistics, the column statistics of
+ * every matrix its rows touch, its elements' variance and momentum: what
+ * common's fps_split_state_from_whole keeps). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "error.h"
 #include "factorps/v1/factorps.pb-c.h"
 #include "internal.h"
-
-typedef struct create_job_s {
-  fps_client_t *c;
-  const fps_tensor_def_t *defs;
-  const uint64_t *numel;                /* per def */
-  uint64_t (*seg)[5];                   /* per def: elements of params, row, col, var, mom to send */
-  Factorps__V1__AdafactorConfig *cfg;   /* per def */
-  unsigned char *ready;                 /* per def, from the latest reply */
-  uint64_t budget;                      /* payload bytes per message */
-} create_job_t;
 
 /* Items per def in one message at most: its params and four state kinds. */
 #define SEGS 5
 
+/* What one Create goes to one shard for: a whole tensor, or one row block
+ * of a split one. */
+typedef struct create_item_s {
+  size_t def;                           /* index into the defs */
+  int shard;
+  uint32_t block;                       /* block index (0 for a whole tensor) */
+  uint64_t row_lo, row_hi;              /* its rows (a whole tensor: all) */
+  const float *data[SEGS];              /* first value to send of params, row, col, var, mom */
+  uint64_t seg[SEGS];                   /* elements of each to send (0: none) */
+  Factorps__V1__SplitBlock *split;      /* NULL: whole */
+  uint64_t split_over;                  /* wire bytes the SplitBlock adds, at most */
+} create_item_t;
+
+typedef struct create_job_s {
+  fps_client_t *c;
+  const fps_tensor_def_t *defs;
+  create_item_t *items;                 /* per def, or per block of a split def */
+  size_t n_items;
+  Factorps__V1__SplitBlock *splits;     /* one per block of the split defs */
+  uint64_t *bounds;                     /* their maps' row boundaries */
+  uint32_t *block_shards;               /* and shards */
+  Factorps__V1__AdafactorConfig *cfg;   /* per def */
+  unsigned char *ready;                 /* per item, from the latest reply */
+  uint64_t budget;                      /* payload bytes per message */
+} create_job_t;
+
 typedef struct create_shard_s {
   fps__stream_t s;
   create_job_t *job;
-  size_t *defs;                         /* def indices placed on this shard */
+  size_t *defs;                         /* item indices placed on this shard */
   size_t n;
   size_t pos, round_pos;                /* cursor: next def */
   int seg, round_seg;                   /* cursor: its next segment */
   uint64_t off, round_off;              /* cursor: next element of the segment */
   int poll;                             /* send names only, no values */
-  size_t *msg_defs;                     /* defs of the items in flight */
+  size_t *msg_defs;                     /* items in flight */
   size_t msg_n;
   /* Scratch for building one message (SEGS items per def). */
   Factorps__V1__TensorCreate *tc;
@@ -49,7 +74,7 @@ typedef struct create_shard_s {
   Factorps__V1__StateSlice **statep;
 } create_shard_t;
 
-static const float *seg_data(const fps_tensor_def_t *d, int seg) {
+static const float *def_data(const fps_tensor_def_t *d, int seg) {
   switch (seg) {
     case 0: return d->init;
     case 1: return d->state_row;
@@ -59,12 +84,17 @@ static const float *seg_data(const fps_tensor_def_t *d, int seg) {
   }
 }
 
-/* Bytes a def's items take on the wire, at most (replace: one message). */
-static uint64_t def_bytes(const create_job_t *job, size_t d) {
-  const fps_tensor_def_t *def = &job->defs[d];
+/* Framing of one TensorCreate besides its values, at most. */
+static uint64_t item_over(const create_job_t *job, const create_item_t *it) {
+  const fps_tensor_def_t *def = &job->defs[it->def];
+  return FPS__SLICE_OVERHEAD * 2 + 2 * strlen(def->name) + 22 * def->ndim + 128 + it->split_over;
+}
+
+/* Bytes an item takes on the wire, at most (replace: one message). */
+static uint64_t item_bytes(const create_job_t *job, const create_item_t *it) {
   uint64_t b = 0;
   for (int g = 0; g < SEGS; g++)
-    if (job->seg[d][g]) b += job->seg[d][g] * 4 + FPS__SLICE_OVERHEAD * 2 + 2 * strlen(def->name) + 22 * def->ndim + 128;
+    if (it->seg[g]) b += it->seg[g] * 4 + item_over(job, it);
   return b;
 }
 
@@ -79,31 +109,33 @@ static int create_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   sh->round_off = sh->off;
   while (sh->pos < sh->n) {
     size_t d = sh->defs[sh->pos];
-    const fps_tensor_def_t *def = &job->defs[d];
-    uint64_t over = FPS__SLICE_OVERHEAD * 2 + 2 * strlen(def->name) + 22 * def->ndim + 128;
+    const create_item_t *it = &job->items[d];
+    const fps_tensor_def_t *def = &job->defs[it->def];
+    uint64_t over = item_over(job, it);
     if (k > 0 && used + over + 4 > job->budget) break;
     /* A replace goes whole in one message (checked to fit an empty one). */
     if (def->replace && !sh->poll && k > 0 && sh->seg == 0 && sh->off == 0 &&
-        used + def_bytes(job, d) > job->budget)
+        used + item_bytes(job, it) > job->budget)
       break;
     /* The next segment with something to send. */
-    while (!sh->poll && sh->seg < SEGS && job->seg[d][sh->seg] == 0) sh->seg++;
+    while (!sh->poll && sh->seg < SEGS && it->seg[sh->seg] == 0) sh->seg++;
     Factorps__V1__TensorCreate *tc = &sh->tc[k];
     factorps__v1__tensor_create__init(tc);
     tc->name = (char *)def->name;
     tc->n_shape = def->ndim;
     tc->shape = (uint64_t *)def->shape;
-    tc->optimizer = &job->cfg[d];
+    tc->optimizer = &job->cfg[it->def];
     tc->step = def->step;
     tc->rms = def->rms;
     tc->replace = def->replace && !sh->poll;
+    tc->split = it->split;
     used += over;
     if (!sh->poll && sh->seg < SEGS) {
       uint64_t room = job->budget > used ? (job->budget - used) / 4 : 0;
-      uint64_t left = job->seg[d][sh->seg] - sh->off;
+      uint64_t left = it->seg[sh->seg] - sh->off;
       uint64_t count = left < room ? left : room;
       if (count == 0) break; /* k > 0 here: the next message takes it */
-      const float *src = seg_data(def, sh->seg) + sh->off;
+      const float *src = it->data[sh->seg] + sh->off;
       if (sh->seg == 0) {
         Factorps__V1__TensorSlice *sl = &sh->init[k];
         factorps__v1__tensor_slice__init(sl);
@@ -125,10 +157,10 @@ static int create_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
       }
       used += count * 4;
       sh->off += count;
-      if (sh->off == job->seg[d][sh->seg]) {
+      if (sh->off == it->seg[sh->seg]) {
         sh->seg++;
         sh->off = 0;
-        while (sh->seg < SEGS && job->seg[d][sh->seg] == 0) sh->seg++;
+        while (sh->seg < SEGS && it->seg[sh->seg] == 0) sh->seg++;
         if (sh->seg == SEGS) {
           sh->pos++;
           sh->seg = 0;
@@ -167,9 +199,10 @@ static int create_reply(fps__stream_t *s, const uint8_t *data, size_t len) {
   }
   for (size_t i = 0; i < sh->msg_n; i++) {
     size_t d = sh->msg_defs[i];
-    if (strcmp(resp->tensors[i]->name, sh->job->defs[d].name) != 0) {
+    const char *name = sh->job->defs[sh->job->items[d].def].name;
+    if (strcmp(resp->tensors[i]->name, name) != 0) {
       rc = fps__stream_fail(s, FPS_CODE_INTERNAL, "CreateResponse names '%s' where '%s' was sent",
-                            resp->tensors[i]->name, sh->job->defs[d].name);
+                            resp->tensors[i]->name, name);
       goto done;
     }
     sh->job->ready[d] = resp->tensors[i]->ready ? 1 : 0;
@@ -206,34 +239,105 @@ static int run_rounds(fps_client_t *c, create_shard_t *sh, fps__stream_t **run, 
   }
 }
 
-/* The shards cannot hold row blocks yet (issue 12): a split_min_bytes
- * that would cut a tensor is refused before anything is sent, never
- * silently ignored. */
-static int refuse_split(fps_client_t *c, const fps__tensor_list_t *list, fps_status_t *status) {
+/* The placement of the tensor list (whole tensors and row blocks,
+ * fps__placement_split; split_min_bytes 0 is fps__placement_compute's) and
+ * the items it makes, in defs order, a split tensor's blocks in row order.
+ * A split tensor gets its map in the list (t->blocks) and one SplitBlock
+ * per block. `list` is still in defs order. Returns 0 or FPS_ENOMEM. */
+static int plan_items(fps_client_t *c, fps__tensor_list_t *list, const fps_tensor_def_t *defs,
+                      create_job_t *job) {
+  const size_t n = list->n, S = c->n_shards;
+  const uint64_t smb = c->opts.split_min_bytes;
   size_t nbig = 0;
-  for (size_t i = 0; i < list->n; i++) nbig += list->t[i].bytes >= c->opts.split_min_bytes;
-  if (!nbig) return 0;
-  fps__block_t *b = malloc((list->n + nbig * (c->n_shards - 1)) * sizeof *b);
-  size_t *first = malloc((list->n + 1) * sizeof *first);
-  int rc = 0;
-  if (!b || !first || fps__placement_split(list->t, list->n, c->n_shards,
-                                           c->opts.split_min_bytes, b, first, NULL)) {
-    rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
-  } else {
-    for (size_t i = 0; i < list->n; i++)
-      if (list->t[i].n_blocks > 1) {
-        rc = fps__status_set(status, FPS_CODE_UNIMPLEMENTED, -1,
-                             "tensor '%s' (%llu bytes) would be split into %zu row blocks by "
-                             "split_min_bytes %llu, and the shards do not serve row blocks yet; "
-                             "set split_min_bytes to 0",
-                             list->t[i].name, (unsigned long long)list->t[i].bytes,
-                             list->t[i].n_blocks, (unsigned long long)c->opts.split_min_bytes);
-        break;
+  for (size_t i = 0; i < n; i++) nbig += smb && list->t[i].bytes >= smb;
+  fps__block_t *b = malloc((n + nbig * (S - 1) + 1) * sizeof *b);
+  size_t *first = malloc((n + 1) * sizeof *first);
+  int rc = FPS_ENOMEM;
+  if (!b || !first || fps__placement_split(list->t, n, S, smb, b, first, NULL)) goto done;
+  size_t n_split = 0, n_bounds = 0;
+  for (size_t i = 0; i < n; i++)
+    if (first[i + 1] - first[i] > 1) {
+      n_split += first[i + 1] - first[i];
+      n_bounds += first[i + 1] - first[i] + 1;
+    }
+  job->n_items = first[n];
+  job->items = calloc(first[n] ? first[n] : 1, sizeof *job->items);
+  job->splits = calloc(n_split ? n_split : 1, sizeof *job->splits);
+  job->bounds = calloc(n_bounds ? n_bounds : 1, sizeof *job->bounds);
+  job->block_shards = calloc(n_split ? n_split : 1, sizeof *job->block_shards);
+  if (!job->items || !job->splits || !job->bounds || !job->block_shards) goto done;
+  size_t at = 0, sp = 0, bo = 0;
+  for (size_t i = 0; i < n; i++) {
+    fps__tensor_t *t = &list->t[i];
+    const fps_tensor_def_t *d = &defs[i];
+    const size_t nb = first[i + 1] - first[i];
+    const fps__block_t *tb = b + first[i];
+    const uint64_t C = fps__row_elems(t), R = t->ndim >= 2 ? t->shape[t->ndim - 2] : 1;
+    uint64_t *bounds = NULL;
+    uint32_t *bsh = NULL;
+    if (nb > 1) {
+      if (!(t->blocks = malloc(nb * sizeof *t->blocks))) goto done;
+      memcpy(t->blocks, tb, nb * sizeof *t->blocks);
+      bounds = job->bounds + bo;
+      bsh = job->block_shards + sp;
+      bo += nb + 1;
+      for (size_t k = 0; k < nb; k++) {
+        bounds[k] = tb[k].row_lo;
+        bsh[k] = (uint32_t)tb[k].shard;
       }
+      bounds[nb] = tb[nb - 1].row_hi;
+    }
+    for (size_t k = 0; k < nb; k++) {
+      create_item_t *it = &job->items[at++];
+      const uint64_t lo = tb[k].row_lo, hi = tb[k].row_hi;
+      it->def = i;
+      it->shard = tb[k].shard;
+      it->block = (uint32_t)k;
+      it->row_lo = lo;
+      it->row_hi = hi;
+      /* The block's part of every array the def gives (block-local). */
+      if (d->init) it->data[0] = d->init + lo * C, it->seg[0] = (hi - lo) * C;
+      if (d->state_row) it->data[1] = d->state_row + lo, it->seg[1] = hi - lo;
+      if (d->state_col) {
+        const uint64_t mlo = lo / R, mhi = (hi - 1) / R + 1; /* the matrices it touches */
+        it->data[2] = d->state_col + mlo * C;
+        it->seg[2] = (mhi - mlo) * C;
+      }
+      if (d->state_var) it->data[3] = d->state_var + lo, it->seg[3] = hi - lo;
+      if (d->state_mom) it->data[4] = d->state_mom + lo * C, it->seg[4] = (hi - lo) * C;
+      if (nb > 1) {
+        Factorps__V1__SplitBlock *x = &job->splits[sp++];
+        factorps__v1__split_block__init(x);
+        x->block_index = (uint32_t)k;
+        x->n_bounds = nb + 1;
+        x->bounds = bounds;
+        x->n_block_shards = nb;
+        x->block_shards = bsh;
+        x->shard_count = (uint32_t)S;
+        it->split = x;
+        /* tag+length of the message and of both packed fields, the index
+         * and the count, and every varint at its longest */
+        it->split_over = 48 + 10 * (nb + 1) + 5 * nb;
+      }
+    }
   }
+  rc = 0;
+done:
   free(b);
   free(first);
   return rc;
+}
+
+/* "tensor 'x'" or "tensor 'x' block 1 (rows [4, 9))", for messages. */
+static const char *item_label(const create_job_t *job, const create_item_t *it, char *buf,
+                              size_t len) {
+  const char *name = job->defs[it->def].name;
+  if (!it->split)
+    snprintf(buf, len, "tensor '%s'", name);
+  else
+    snprintf(buf, len, "tensor '%s' block %u (rows [%llu, %llu))", name, it->block,
+             (unsigned long long)it->row_lo, (unsigned long long)it->row_hi);
+  return buf;
 }
 
 int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, size_t n,
@@ -243,19 +347,17 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
   fps__stream_t **run = NULL;
   fps__tensor_list_t list = {0};
   uint64_t *numel = NULL;
-  char err[256];
+  char err[256], label[FPS_CLIENT_NAME_MAX + 96];
   int rc;
 
   if (!c || (!defs && n))
     return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "client or defs is NULL");
   numel = calloc(n ? n : 1, sizeof *numel);
-  job.seg = calloc(n ? n : 1, sizeof *job.seg);
   job.cfg = calloc(n ? n : 1, sizeof *job.cfg);
-  job.ready = calloc(n ? n : 1, 1);
   list.t = calloc(n ? n : 1, sizeof *list.t);
   sh = calloc(c->n_shards, sizeof *sh);
   run = calloc(c->n_shards, sizeof *run);
-  if (!numel || !job.seg || !job.cfg || !job.ready || !list.t || !sh || !run) goto nomem;
+  if (!numel || !job.cfg || !list.t || !sh || !run) goto nomem;
 
   for (size_t i = 0; i < n; i++) {
     const fps_tensor_def_t *d = &defs[i];
@@ -289,18 +391,16 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
       static const char *const kn[SEGS] = {"init", "state_row", "state_col", "state_var", "state_mom"};
       for (int g = 1; g < SEGS; g++) {
         const char *problem = NULL;
-        if (seg_data(d, g) && !want[g]) problem = "the tensor has no such state";
-        else if (d->step && d->init && want[g] && !seg_data(d, g)) problem = "a resume (step > 0) needs it";
-        else if (!d->step && seg_data(d, g)) problem = "state needs a step > 0";
-        else if (seg_data(d, g) && !d->init) problem = "state needs init values too";
+        if (def_data(d, g) && !want[g]) problem = "the tensor has no such state";
+        else if (d->step && d->init && want[g] && !def_data(d, g)) problem = "a resume (step > 0) needs it";
+        else if (!d->step && def_data(d, g)) problem = "state needs a step > 0";
+        else if (def_data(d, g) && !d->init) problem = "state needs init values too";
         if (problem) {
           rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': %s: %s", d->name, kn[g],
                                problem);
           goto fail;
         }
       }
-      job.seg[i][0] = d->init ? numel[i] : 0;
-      for (int g = 1; g < SEGS; g++) job.seg[i][g] = seg_data(d, g) ? want[g] : 0;
     }
     if (d->replace && !d->init) {
       rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': replace needs init values",
@@ -315,29 +415,29 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
     t->numel = numel[i];
     t->bytes = numel[i] * 4;
   }
-  if (c->opts.split_min_bytes && (rc = refuse_split(c, &list, status))) goto fail;
-  if (fps__placement_compute(list.t, n, c->n_shards, NULL)) goto nomem;
-
   job.c = c;
   job.defs = defs;
-  job.numel = numel;
   job.budget = c->opts.max_message_bytes;
-  for (size_t i = 0; i < n; i++)
-    if (defs[i].replace && FPS__MESSAGE_OVERHEAD + def_bytes(&job, i) > job.budget) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
-                           "tensor '%s': a replace must travel in one message, and its %llu bytes pass "
+  if (plan_items(c, &list, defs, &job)) goto nomem;
+  if (!(job.ready = calloc(job.n_items ? job.n_items : 1, 1))) goto nomem;
+  for (size_t i = 0; i < job.n_items; i++) {
+    const create_item_t *it = &job.items[i];
+    if (defs[it->def].replace && FPS__MESSAGE_OVERHEAD + item_bytes(&job, it) > job.budget) {
+      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, it->shard,
+                           "%s: a replace must travel in one message, and its %llu bytes pass "
                            "max_message_bytes (%llu); raise it (up to the shards' --max-message-bytes)",
-                           defs[i].name, (unsigned long long)def_bytes(&job, i),
-                           (unsigned long long)job.budget);
+                           item_label(&job, it, label, sizeof label),
+                           (unsigned long long)item_bytes(&job, it), (unsigned long long)job.budget);
       goto fail;
     }
+  }
   for (size_t s = 0; s < c->n_shards; s++) {
     sh[s].s.shard = (int)s;
     sh[s].s.ops = &create_ops;
     sh[s].s.ctx = &sh[s];
     sh[s].job = &job;
   }
-  for (size_t i = 0; i < n; i++) sh[list.t[i].shard].n++;
+  for (size_t i = 0; i < job.n_items; i++) sh[job.items[i].shard].n++;
   for (size_t s = 0; s < c->n_shards; s++) {
     size_t m = sh[s].n ? sh[s].n : 1;
     sh[s].defs = calloc(m, sizeof *sh[s].defs);
@@ -352,8 +452,8 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
       goto nomem;
     sh[s].n = 0;
   }
-  for (size_t i = 0; i < n; i++) {
-    create_shard_t *x = &sh[list.t[i].shard];
+  for (size_t i = 0; i < job.n_items; i++) {
+    create_shard_t *x = &sh[job.items[i].shard];
     x->defs[x->n++] = i;
   }
   long dup = fps__tensor_list_sort(&list);
@@ -374,12 +474,12 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
   /* Wait for values another worker uploads. */
   double end = fps__now() + c->opts.deadline_seconds, wait = 0.01;
   for (;;) {
-    const char *missing = NULL;
+    const create_item_t *missing = NULL;
     for (size_t s = 0; s < c->n_shards; s++) {
       size_t k = 0;
       for (size_t j = 0; j < sh[s].n; j++)
         if (!job.ready[sh[s].defs[j]]) sh[s].defs[k++] = sh[s].defs[j];
-      if (k && !missing) missing = defs[sh[s].defs[0]].name;
+      if (k && !missing) missing = &job.items[sh[s].defs[0]];
       sh[s].n = k;
       sh[s].pos = sh[s].off = 0;
       sh[s].seg = 0;
@@ -387,10 +487,11 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
     }
     if (!missing) break;
     if (fps__now() + wait > end) {
-      rc = fps__status_set(status, FPS_CODE_DEADLINE_EXCEEDED, fps_client_shard_of(c, missing),
-                           "tensor '%s' got no initial values within %g s (no worker supplied "
-                           "init?)",
-                           missing, c->opts.deadline_seconds);
+      rc = fps__status_set(status, FPS_CODE_DEADLINE_EXCEEDED, missing->shard,
+                           "shard %d (%s): %s got no initial values within %g s (no worker "
+                           "supplied init?)",
+                           missing->shard, c->addrs[missing->shard],
+                           item_label(&job, missing, label, sizeof label), c->opts.deadline_seconds);
       goto fail;
     }
     sleep_s(wait);
@@ -418,7 +519,10 @@ done:
   free(sh);
   free(run);
   free(numel);
-  free(job.seg);
+  free(job.items);
+  free(job.splits);
+  free(job.bounds);
+  free(job.block_shards);
   free(job.cfg);
   free(job.ready);
   fps__tensor_list_free(&list);

@@ -4,7 +4,7 @@
  * today's whole-tensor placement at split_min_bytes 0, the balance the
  * 100M-parameter load model reaches over 2, 3 and 4 shards, the edges (fewer
  * rows than shards, 1-D tensors), argument errors, and
- * fps_client_create_tensors refusing a split the shards cannot serve. */
+ * fps_client_create_tensors cutting a tensor into the plan's blocks. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -289,23 +289,46 @@ static void edges_and_errors(void **u) {
                    FPS_CODE_INVALID_ARGUMENT);
 }
 
-/* Until the shards serve row blocks, a split is refused before anything is
- * sent (the address below is never dialled: channels connect lazily and
- * the refusal comes first). */
-static void create_refuses_a_split(void **u) {
+/* fps_client_create_tensors cuts a tensor of at least split_min_bytes into
+ * the plan's blocks and sends each its own Create: a replace whose block
+ * does not fit one message is refused before anything is sent, naming the
+ * tensor, the block and its rows (the address below is never dialled:
+ * channels connect lazily and the refusal comes first); the tensor list
+ * places the tensor on its first block's shard. */
+static void create_cuts_the_plan_into_blocks(void **u) {
   (void)u;
   const char *addrs[] = {"127.0.0.1:9", "127.0.0.1:9"};
   fps_client_options_t o;
   fps_client_options_init(&o);
   assert_int_equal(o.split_min_bytes, 0);
   o.split_min_bytes = 64;
+  o.max_message_bytes = 64 << 10;
   o.deadline_seconds = 1;
+  o.max_retries = 0;
   fps_status_t st;
   fps_client_t *c = fps_client_create(addrs, 2, &o, &st);
   assert_non_null(c);
-  fps_tensor_def_t defs[] = {def2("emb", 10, 8), def1("bias", 3)};
-  assert_int_equal(fps_client_create_tensors(c, defs, 2, &st), FPS_CODE_UNIMPLEMENTED);
-  assert_non_null(strstr(st.message, "tensor 'emb' (320 bytes) would be split into 2 row blocks"));
+  /* 200 x 256 floats: blocks of 100 rows, 102,400 bytes each. */
+  float *init = calloc(200 * 256, sizeof *init);
+  assert_non_null(init);
+  fps_tensor_def_t defs[] = {def2("emb", 200, 256), def1("bias", 3)};
+  defs[0].init = init;
+  defs[0].replace = 1;
+  assert_int_equal(fps_client_create_tensors(c, defs, 2, &st), FPS_CODE_INVALID_ARGUMENT);
+  assert_non_null(strstr(st.message, "tensor 'emb' block 0 (rows [0, 100)): a replace must travel "
+                                     "in one message"));
+  assert_int_equal(st.shard, 0);
+  /* Without replace the blocks go out (to nobody here: UNAVAILABLE). */
+  defs[0].replace = 0;
+  int rc = fps_client_create_tensors(c, defs, 2, &st);
+  assert_true(rc == FPS_CODE_UNAVAILABLE || rc == FPS_CODE_DEADLINE_EXCEEDED);
+  fps_block_t b[4];
+  uint64_t bytes[2];
+  size_t nb = plan(defs, 2, 2, 64, b, 4, bytes);
+  assert_int_equal(nb, 3);
+  assert_int_equal(fps_client_shard_of(c, "emb"), b[0].shard);
+  assert_int_equal(fps_client_shard_of(c, "bias"), b[2].shard);
+  free(init);
   fps_client_destroy(c);
 }
 
@@ -315,7 +338,7 @@ int main(void) {
       cmocka_unit_test(zero_never_splits_and_order_is_irrelevant),
       cmocka_unit_test(load_model_balanced_at_default),
       cmocka_unit_test(edges_and_errors),
-      cmocka_unit_test(create_refuses_a_split),
+      cmocka_unit_test(create_cuts_the_plan_into_blocks),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

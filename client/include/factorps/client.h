@@ -125,19 +125,35 @@ typedef struct fps_client_options_s {
                                     Pull always move exact fp32. */
   uint64_t split_min_bytes;      /* tensors of at least this many bytes
                                     are cut into row blocks over several
-                                    shards (see fps_client_placement_plan);
-                                    0 (the default) never splits. The
-                                    shards do not serve row blocks yet: a
-                                    value that would split a tensor makes
-                                    fps_client_create_tensors fail with
-                                    UNIMPLEMENTED (nothing is sent). */
+                                    shards (see fps_client_placement_plan
+                                    and "Split tensors" below); 0 (the
+                                    default) never splits. Every shard
+                                    must run with --peers (one without
+                                    refuses a block's Create with
+                                    FAILED_PRECONDITION) in sync mode. */
 } fps_client_options_t;
 
-/* The split threshold factorps recommends (32 MiB) and will default to once
- * the shards serve row blocks: it splits a 100M-parameter model's embedding
- * (67 MB in `factorps load --model peer`) and nothing else, which brings
- * max/min shard bytes to <= 1.05 over 2, 3 and 4 shards (README, "Split
- * tensors"). */
+/* The split threshold factorps recommends (32 MiB): it splits a
+ * 100M-parameter model's embedding (67 MB in `factorps load --model peer`)
+ * and nothing else, which brings max/min shard bytes to <= 1.05 over 2, 3
+ * and 4 shards (README, "Split tensors"). Not the default: splitting needs
+ * shards started with --peers, in sync mode.
+ *
+ * Split tensors. A tensor the placement cuts into row blocks is used like
+ * any other: every call takes and fills the caller's whole arrays, and the
+ * library routes each block's part (rows [lo, hi) of the [..., R, C] view,
+ * elements [lo*C, hi*C)) to and from its shard. Create sends every block
+ * its slice of init and of the resume state (GetState's layouts: its rows'
+ * row statistics, the column statistics of each matrix its rows touch,
+ * its elements' variance and momentum). PushPull's reply must show every
+ * block at the same version (the shards apply a split tensor's step on all
+ * blocks or none), else DATA_LOSS: the blocks have diverged. Pull and
+ * GetState that meet a step applied on some blocks' shards and not yet on
+ * others read again (up to 8 times, a few ms apart), then fail with
+ * ABORTED. GetState assembles the whole tensor's state and checks that the
+ * copies of a matrix's column statistics held by several blocks are
+ * identical (DATA_LOSS otherwise). Errors name the tensor, the block (its
+ * index and rows) and the shard. */
 #define FPS_SPLIT_MIN_BYTES_DEFAULT (UINT64_C(32) << 20)
 
 /* Values of fps_client_options_t.wire_dtype (the wire contract's DType). */
@@ -227,7 +243,10 @@ FPS_EXTERN void fps_client_destroy(fps_client_t *c);
  * their order): tensors are sorted by size in bytes, largest first, ties by
  * name (strcmp order); each in turn goes to the shard with the fewest bytes
  * so far, ties to the lowest shard index. The heaviest shard thus exceeds
- * the lightest by at most the largest tensor.
+ * the lightest by at most the largest tensor. With split_min_bytes > 0,
+ * fps_client_placement_plan()'s placement: tensors of at least that size
+ * are cut into row blocks (see "Split tensors"); a replace must then fit
+ * one message per block.
  *
  * Errors: INVALID_ARGUMENT (empty or over-long or duplicate name, bad shape,
  * unknown flavor), any shard error (ALREADY_EXISTS for a mismatch with an
@@ -276,8 +295,9 @@ FPS_EXTERN int fps_client_placement_plan(const fps_tensor_def_t *defs, size_t n,
                                          fps_block_t *blocks, size_t cap, size_t *n_blocks,
                                          uint64_t *shard_bytes, fps_status_t *status);
 
-/* The shard index tensor `name` is placed on, or -1 if unknown. Thread-safe
- * against every call but fps_client_create_tensors()/fps_client_discover(). */
+/* The shard index tensor `name` is placed on (a split tensor: its first
+ * block's), or -1 if unknown. Thread-safe against every call but
+ * fps_client_create_tensors()/fps_client_discover(). */
 FPS_EXTERN int fps_client_shard_of(const fps_client_t *c, const char *name);
 
 /* Pushes this worker's gradients for `n` tensors (all shards in parallel,
