@@ -14,7 +14,9 @@
  *               workers together, per second (10^9 bytes)
  *   latency     push_pull percentiles over every worker's timed steps
  * and a final `RESULT key=value ...` line for scripts (tests/bench/load.sh). */
+#include <errno.h>
 #include <getopt.h>
+#include <limits.h>
 #include <malloc.h>
 #include <math.h>
 #include <pthread.h>
@@ -41,6 +43,7 @@ typedef struct load_cfg_s {
   int wire_dtype;                      /* FPS_WIRE_F32 or FPS_WIRE_BF16 */
   int model_peer;                      /* --model peer */
   unsigned long long peer_tensors;     /* --tensors K (peer model) */
+  unsigned long long split_min_bytes;  /* --split-min-bytes (0: never split) */
   fps_cli_sec_t sec;                   /* TLS and token options */
   int processes;
   long worker_id;                      /* -1: run all W workers; else only this one */
@@ -78,6 +81,7 @@ static void usage(FILE *out) {
           "                     [--warmup K] [--mode-hint sync|async|ssp] [--threads|--processes]\n"
           "                     [--deadline SECONDS] [--max-message BYTES] [--worker-id I]\n"
           "                     [--wire-dtype f32|bf16] [--model gpt|peer] [--tensors K]\n"
+          "                     [--split-min-bytes N]\n"
           "Synthetic load: W workers (default 2, threads unless --processes) each push S steps\n"
           "(default 20) of gradients for a transformer-like model of about N parameters\n"
           "(default 10M; k/M/G suffixes) and report steps/s, GB/s (gradients pushed + params\n"
@@ -89,7 +93,11 @@ static void usage(FILE *out) {
           "--wire-dtype bf16 pushes bf16 gradients and receives bf16 parameters (half the\n"
           "bytes; GB/s counts the bytes actually moved). --model peer uses the shapes of the\n"
           "torch.distributed.rpc peer benchmark (K tensors, default 64) instead of the GPT-like\n"
-          "stack. --shards defaults to $FACTORPS_SHARDS.\n"
+          "stack. --split-min-bytes N cuts every tensor of at least N bytes (suffixes k/M/G\n"
+          "for 10^3.., Ki/Mi/Gi for 2^10..; default 0: never) into row blocks over the\n"
+          "shards, which must then run --mode sync with --peers; 32Mi (libfactorps'\n"
+          "FPS_SPLIT_MIN_BYTES_DEFAULT) balances the 100M models' shard bytes to 5%%.\n"
+          "--shards defaults to $FACTORPS_SHARDS.\n"
           FPS_CLI_SEC_USAGE);
 }
 
@@ -97,6 +105,30 @@ static uint64_t numel_of(const fps_tensor_def_t *d) {
   uint64_t n = 1;
   for (uint32_t i = 0; i < d->ndim; i++) n *= d->shape[i];
   return n;
+}
+
+/* A byte count: digits, then optionally k, M, G (10^3, 10^6, 10^9) or Ki,
+ * Mi, Gi (2^10, 2^20, 2^30). 0 is allowed. Returns 0, or -1 after printing
+ * why. */
+static int parse_bytes(const char *s, const char *what, unsigned long long *out) {
+  static const struct { const char *sfx; unsigned long long mul; } units[] = {
+      {"", 1}, {"k", 1000ull}, {"K", 1000ull}, {"M", 1000000ull}, {"G", 1000000000ull},
+      {"Ki", 1ull << 10}, {"Mi", 1ull << 20}, {"Gi", 1ull << 30}};
+  char *end;
+  if (*s < '0' || *s > '9') goto bad;
+  errno = 0;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (errno) goto bad;
+  for (size_t i = 0; i < sizeof units / sizeof units[0]; i++)
+    if (!strcmp(end, units[i].sfx)) {
+      if (v > ULLONG_MAX / units[i].mul) goto bad;
+      *out = v * units[i].mul;
+      return 0;
+    }
+bad:
+  fprintf(stderr, "factorps load: %s must be a byte count (digits, then k, M, G, Ki, Mi or Gi), "
+          "not '%s'\n", what, s);
+  return -1;
 }
 
 /* One worker: connect, create (worker 0 uploads values), push S steps. */
@@ -149,6 +181,7 @@ static void worker_run(worker_t *w) {
   o.deadline_seconds = cfg->deadline;
   o.max_message_bytes = cfg->max_message;
   o.wire_dtype = cfg->wire_dtype;
+  o.split_min_bytes = cfg->split_min_bytes;
   if (!(c = fps_client_create((const char *const *)cfg->addrs, cfg->n_shards, &o, &st))) goto fail;
   if (fps_client_create_tensors(c, defs, n, &st)) goto fail;
   for (unsigned long long s = 0; s < cfg->steps; s++) {
@@ -314,6 +347,7 @@ int fps_cli_load(int argc, char **argv) {
                                            {"wire-dtype", required_argument, NULL, 'D'},
                                            {"model", required_argument, NULL, 'o'},
                                            {"tensors", required_argument, NULL, 'K'},
+                                           {"split-min-bytes", required_argument, NULL, 'B'},
                                            {"help", no_argument, NULL, 'h'},
                                            FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
@@ -327,7 +361,7 @@ int fps_cli_load(int argc, char **argv) {
   double *all = NULL;
 
   optind = 1;
-  while ((opt = getopt_long(argc, argv, "hs:w:n:S:k:m:tpd:M:i:D:o:K:", longopts, NULL)) != -1) {
+  while ((opt = getopt_long(argc, argv, "hs:w:n:S:k:m:tpd:M:i:D:o:K:B:", longopts, NULL)) != -1) {
     switch (opt) {
       case 's': shards = optarg; break;
       case 'w':
@@ -381,6 +415,9 @@ int fps_cli_load(int argc, char **argv) {
         break;
       case 'K':
         if (fps_cli_u64(optarg, "--tensors", 7, 3073, &cfg.peer_tensors)) return 2;
+        break;
+      case 'B':
+        if (parse_bytes(optarg, "--split-min-bytes", &cfg.split_min_bytes)) return 2;
         break;
       case 'h': usage(stdout); return 0;
       default:

@@ -222,6 +222,16 @@ class OptionsTest(unittest.TestCase):
             factorps.connect(["127.0.0.1:1"], worker_id=-1)
         with self.assertRaises(factorps.InvalidArgumentError):
             factorps.connect(["127.0.0.1:1"], wire_dtype="fp8")
+        for bad in (-1, 1 << 64, 1.5, "32Mi", True):
+            with self.subTest(split_min_bytes=bad):
+                with self.assertRaises(factorps.InvalidArgumentError) as cm:
+                    factorps.connect(["127.0.0.1:1"], split_min_bytes=bad)
+                self.assertIn("split_min_bytes", str(cm.exception))
+        with factorps.connect(["127.0.0.1:1"],
+                              split_min_bytes=factorps.SPLIT_MIN_BYTES_DEFAULT) as c:
+            self.assertEqual(c.split_min_bytes, 32 << 20)
+        with factorps.connect(["127.0.0.1:1"]) as c:
+            self.assertEqual(c.split_min_bytes, 0)  # never splits unless asked
         with self.assertRaises(factorps.InvalidArgumentError):
             factorps.optimizer_config("torch", beta1=0.9)  # an hf-only field
         with self.assertRaises(factorps.InvalidArgumentError):

@@ -23,13 +23,20 @@ from .errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossE
 
 __version__ = "0.1.0"
 
+# The split threshold libfactorps recommends (FPS_SPLIT_MIN_BYTES_DEFAULT,
+# 32 MiB): pass it as connect(split_min_bytes=...) on shards started with
+# --peers. Not the default: a split tensor needs every shard to have
+# --peers and to run --mode sync, and a shard without them refuses the
+# blocks (FAILED_PRECONDITION), so splitting stays something a job opts in to.
+SPLIT_MIN_BYTES_DEFAULT = 32 << 20
+
 __all__ = [
     "Client", "TensorSpec", "connect", "optimizer_config", "Error", "LibraryNotFoundError",
     "STATUS_NAMES", "AbortedError", "AlreadyExistsError", "CancelledError", "DataLossError",
     "DeadlineExceededError", "FailedPreconditionError", "InternalError", "InvalidArgumentError",
     "NotFoundError", "OutOfRangeError", "PermissionDeniedError", "ResourceExhaustedError",
     "UnauthenticatedError", "UnavailableError", "UnimplementedError", "UnknownError",
-    "library_path",
+    "library_path", "SPLIT_MIN_BYTES_DEFAULT",
 ]
 
 

@@ -238,7 +238,8 @@ class Client:
 
     def __init__(self, shards, *, worker_id=0, deadline=60.0, max_retries=5, backoff=0.1,
                  max_message_bytes=4 << 20, tls_ca_file=None, tls_cert_file=None,
-                 tls_key_file=None, auth_token=None, tls_server_name=None, wire_dtype="f32"):
+                 tls_key_file=None, auth_token=None, tls_server_name=None, wire_dtype="f32",
+                 split_min_bytes=0):
         if isinstance(shards, str):
             shards = [s for s in shards.split(",") if s.strip()]
         shards = [str(s).strip() for s in shards]
@@ -250,6 +251,11 @@ class Client:
             str(wire_dtype).lower())
         if wire is None:
             raise InvalidArgumentError(f"connect: wire_dtype must be 'f32' or 'bf16', got {wire_dtype!r}")
+        if isinstance(split_min_bytes, bool) or not isinstance(split_min_bytes, int) or \
+                not 0 <= split_min_bytes < 1 << 64:
+            raise InvalidArgumentError(
+                f"connect: split_min_bytes must be an int in 0..2^64-1 (0: never split), "
+                f"got {split_min_bytes!r}")
         self._lib = _lib.load()
         self.shards = list(shards)
         self.worker_id = int(worker_id)
@@ -269,6 +275,8 @@ class Client:
         opts.backoff_initial_seconds = float(backoff)
         opts.max_message_bytes = int(max_message_bytes)
         opts.wire_dtype = wire
+        opts.split_min_bytes = split_min_bytes
+        self.split_min_bytes = split_min_bytes
         # Keep the encoded strings alive as long as the options struct.
         self._opt_strings = [None if v is None else str(v).encode()
                              for v in (tls_ca_file, tls_cert_file, tls_key_file, auth_token,
@@ -784,7 +792,12 @@ def connect(shards, **options):
     certificates carry, when not the address's host), wire_dtype ("f32",
     the default, or "bf16": push_pull sends gradients rounded to bf16 and
     receives the parameters as bf16, half the bytes each way; arrays stay
-    float32 and the shards keep fp32 weights; pull() stays exact fp32).
+    float32 and the shards keep fp32 weights; pull() stays exact fp32),
+    split_min_bytes (0, the default: never; otherwise every tensor of at
+    least that many bytes is cut into row blocks over several shards, which
+    then exchange partial sums each step so the update stays the unsplit
+    one; needs every shard started with --peers, in --mode sync; see
+    SPLIT_MIN_BYTES_DEFAULT and the README's "Split tensors").
     Connection is lazy: an unreachable shard fails the first call; a failed
     TLS handshake raises UnavailableError, a missing or wrong token
     UnauthenticatedError."""

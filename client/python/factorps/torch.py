@@ -197,6 +197,11 @@ class _RemoteAdafactorBase(Optimizer):
         retries of unreachable shards, further factorps.connect options).
     recovery_timeout: seconds step() spends re-synchronising after a failed
         push before it raises (default: `deadline`).
+    split_min_bytes: parameters of at least this many bytes are cut into row
+        blocks over several shards (factorps.connect's option; 0, the
+        default, never splits; factorps.SPLIT_MIN_BYTES_DEFAULT is the
+        recommended 32 MiB). The update stays exactly the unsplit one; the
+        shards need --peers and --mode sync. Not used with client=.
     """
 
     flavor = ""
@@ -207,7 +212,7 @@ class _RemoteAdafactorBase(Optimizer):
                      num_workers: Optional[int], mode: Optional[str], namespace: str,
                      on_existing: Optional[str], client: Optional[Client], deadline: float,
                      max_retries: int, recovery_timeout: Optional[float],
-                     client_options: Optional[Dict[str, Any]]) -> None:
+                     client_options: Optional[Dict[str, Any]], split_min_bytes: int = 0) -> None:
         if mode not in (None, "sync", "async", "ssp"):
             raise ValueError(f"mode must be 'sync', 'async', 'ssp' or None, not {mode!r}")
         if on_existing not in (None,) + ON_EXISTING:
@@ -247,8 +252,11 @@ class _RemoteAdafactorBase(Optimizer):
         if client is not None:
             self.client = client
         else:
+            opts = dict(client_options or {})
+            if split_min_bytes:
+                opts["split_min_bytes"] = split_min_bytes
             self.client = Client(shards, worker_id=self.worker_id, deadline=self.deadline,
-                                 max_retries=max_retries, **(client_options or {}))
+                                 max_retries=max_retries, **opts)
             self._own_client = True
         self.client.worker_id = self.worker_id
 
@@ -826,7 +834,7 @@ class RemoteAdafactor(_RemoteAdafactorBase):
 
     The factorps options (shards, worker_id, num_workers, mode, namespace,
     on_existing, client, deadline, max_retries, recovery_timeout,
-    client_options) are described in the module and in
+    client_options, split_min_bytes) are described in the module and in
     ``_RemoteAdafactorBase``.
     """
 
@@ -855,6 +863,7 @@ class RemoteAdafactor(_RemoteAdafactorBase):
         max_retries: int = 5,
         recovery_timeout: Optional[float] = None,
         client_options: Optional[Dict[str, Any]] = None,
+        split_min_bytes: int = 0,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -865,7 +874,7 @@ class RemoteAdafactor(_RemoteAdafactorBase):
                           num_workers=num_workers, mode=mode, namespace=namespace,
                           on_existing=on_existing, client=client, deadline=deadline,
                           max_retries=max_retries, recovery_timeout=recovery_timeout,
-                          client_options=client_options)
+                          client_options=client_options, split_min_bytes=split_min_bytes)
 
     def _validate_group(self, g: Dict[str, Any]) -> None:
         """torch.optim.Adafactor's checks, for every group."""
@@ -979,6 +988,7 @@ class RemoteHFAdafactor(_RemoteAdafactorBase):
         max_retries: int = 5,
         recovery_timeout: Optional[float] = None,
         client_options: Optional[Dict[str, Any]] = None,
+        split_min_bytes: int = 0,
     ) -> None:
         if lr is not None and relative_step:
             raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
@@ -993,7 +1003,7 @@ class RemoteHFAdafactor(_RemoteAdafactorBase):
                           num_workers=num_workers, mode=mode, namespace=namespace,
                           on_existing=on_existing, client=client, deadline=deadline,
                           max_retries=max_retries, recovery_timeout=recovery_timeout,
-                          client_options=client_options)
+                          client_options=client_options, split_min_bytes=split_min_bytes)
 
     @staticmethod
     def _get_lr(param_group: Dict[str, Any], param_state: Dict[str, Any]) -> float:
