@@ -17,7 +17,7 @@ static const fps_cli_command_t commands[] = {
     {"stats", fps_cli_stats, "print the figures of every shard (--json for machines)"},
     {"pull", fps_cli_pull, "print or save the current values of tensors"},
     {"load", fps_cli_load, "synthetic training load: W workers push S steps of N parameters"},
-    {"checkpoint", fps_cli_checkpoint, "make every shard checkpoint now, or verify a checkpoint directory"},
+    {"checkpoint", fps_cli_checkpoint, "make every shard checkpoint now, verify a checkpoint directory, or reshard checkpoints"},
     {"plan", fps_cli_plan, "placement of a load model's tensors on S shards, with row splitting"},
 };
 
