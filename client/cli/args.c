@@ -1,5 +1,6 @@
 /* Argument helpers shared by the factorps subcommands. */
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,6 +87,27 @@ int fps_cli_count(const char *s, const char *what, unsigned long long *out) {
   if (fps_cli_u64(buf, what, 1, (1ull << 40) / mul, &v)) return -1;
   *out = v * mul;
   return 0;
+}
+
+int fps_cli_bytes(const char *s, const char *what, unsigned long long *out) {
+  static const struct {
+    const char *sfx;
+    unsigned long long mul;
+  } units[] = {{"", 1},           {"k", 1000ull},      {"K", 1000ull},     {"M", 1000000ull},
+               {"G", 1000000000ull}, {"Ki", 1ull << 10}, {"Mi", 1ull << 20}, {"Gi", 1ull << 30}};
+  char *end = NULL;
+  if (*s >= '0' && *s <= '9') {
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    for (size_t i = 0; !errno && i < sizeof units / sizeof *units; i++)
+      if (!strcmp(end, units[i].sfx) && v <= ULLONG_MAX / units[i].mul) {
+        *out = v * units[i].mul;
+        return 0;
+      }
+  }
+  fprintf(stderr, "factorps: %s must be a byte count (digits, then k, M, G, Ki, Mi or Gi), not '%s'\n",
+          what, s);
+  return -1;
 }
 
 /* ----------------------------------------------- TLS and token options */

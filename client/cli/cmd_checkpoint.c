@@ -32,7 +32,7 @@ static void usage(FILE *out) {
           "The third reads the newest valid checkpoint of each of a job's S shards (the first S\n"
           "directories; the last S' are the outputs), checks that they are one job, and writes S'\n"
           "checkpoints that shards started with --shard-count S' restore; B must be the workers'\n"
-          "split_min_bytes (default 0, never split; k/M/G suffixes). See `reshard --help`.\n"
+          "split_min_bytes (default 0, never split; k/M/G, Ki/Mi/Gi suffixes). See `reshard --help`.\n"
           "--shards defaults to $FACTORPS_SHARDS. Options of the first form:\n" FPS_CLI_SEC_USAGE);
 }
 
@@ -120,8 +120,9 @@ static void reshard_usage(FILE *out) {
           "(take them with `factorps checkpoint --shards ...` while no worker pushes). OUT_DIR...:\n"
           "S' directories, output shard k into the k-th (created if missing; none may hold a\n"
           "checkpoint yet). Tensors are placed exactly as workers with this split_min_bytes place\n"
-          "them (B: the workers' value, default 0 = never split, as libfactorps' default; k/M/G =\n"
-          "10^3..). Every input is verified; nothing is left in OUT_DIR if anything fails.\n");
+          "them (B: the workers' value, default 0 = never split, as every client's default; k/M/G =\n"
+          "10^3.., Ki/Mi/Gi = 2^10..). Every input is verified; nothing is left in OUT_DIR if\n"
+          "anything fails.\n");
 }
 
 static void reshard_rejected(void *ctx, const char *path, int err, const char *why) {
@@ -144,7 +145,7 @@ static int reshard(int argc, char **argv) {
         if (fps_cli_u64(optarg, "--shard-count", 1, 65536, &out_count)) return 2;
         break;
       case 'B':
-        if (fps_cli_count(optarg, "--split-min-bytes", &split)) return 2;
+        if (fps_cli_bytes(optarg, "--split-min-bytes", &split)) return 2;
         break;
       case 'h': reshard_usage(stdout); return 0;
       default: reshard_usage(stderr); return 2;

@@ -33,6 +33,9 @@ int fps_cli_u64(const char *s, const char *what, unsigned long long lo, unsigned
 int fps_cli_double(const char *s, const char *what, double lo, double hi, double *out);
 /* Parses a count with an optional k/M/G suffix (decimal: 10M = 10000000). */
 int fps_cli_count(const char *s, const char *what, unsigned long long *out);
+/* Parses a byte count, 0 allowed, with an optional k/M/G (10^3..) or
+ * Ki/Mi/Gi (2^10..) suffix. */
+int fps_cli_bytes(const char *s, const char *what, unsigned long long *out);
 
 /* TLS and bearer-token options of the subcommands that talk to shards:
  * add FPS_CLI_SEC_LONGOPTS to the getopt_long table, pass unknown option

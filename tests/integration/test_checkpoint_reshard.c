@@ -309,7 +309,8 @@ static void reshard_2_3_2(void **unused) {
   size_t n0;
   fps_ckpt_place_t *plan0 = plan_of(truth, 2, 0, &n0);
   assert_int_equal(n0, NSPECS);
-  rc = run_cli(out, sizeof out, "--shard-count 2 %s %s %s %s %s", b[0], b[1], b[2], d[0], d[1]);
+  rc = run_cli(out, sizeof out, "--shard-count 2 --split-min-bytes 0 %s %s %s %s %s", b[0], b[1], b[2],
+               d[0], d[1]);
   if (rc) fail_msg("3 -> 2 whole failed (%d): %s", rc, out);
   expect_split(truth, plan0, n0, d, 2);
   /* And to a single shard. */
@@ -507,6 +508,8 @@ static void failures_leave_nothing(void **unused) {
   /* Usage errors. */
   assert_int_equal(run_cli(out, sizeof out, "--shard-count 2 %s %s", a[0], b[0]), 2);
   assert_int_equal(run_cli(out, sizeof out, "%s %s", a[0], b[0]), 2);
+  assert_int_equal(run_cli(out, sizeof out, "--shard-count 1 --split-min-bytes 12Q %s %s %s", a[0], a[1], b[0]), 2);
+  assert_non_null(strstr(out, "must be a byte count"));
   free(plan2);
   fps_ckpt_job_destroy(truth);
   rm_rf(root);
