@@ -36,7 +36,9 @@ def read(path):
     meta = header.pop("__metadata__")
     if not all(isinstance(v, str) for v in meta.values()):
         fail("metadata values must all be strings (safetensors)")
-    if meta["format"] != "factorps.checkpoint" or meta["format_version"] != "1":
+    # Version 2 only for files that hold row blocks (checkpoint.h ROW BLOCKS).
+    blocks = any("bounds" in json.loads(v) for k, v in meta.items() if k.startswith("tensor:"))
+    if meta["format"] != "factorps.checkpoint" or meta["format_version"] != ("2" if blocks else "1"):
         fail("format: %r %r" % (meta["format"], meta["format_version"]))
     if hashlib.sha256(data).hexdigest() != meta["data_sha256"]:
         fail("data_sha256 does not match the data section")
@@ -109,6 +111,42 @@ def check_pattern(header, meta, data):
     return names, arr
 
 
+def check_blocks(header, meta, data):
+    """A file of ckpt_sample's write-blocks: each tensor a row block, its
+    arrays laid out as checkpoint.h says and filled with the pattern."""
+    arr = arrays(header, data)
+    names = [k[len("tensor:"):] for k in meta if k.startswith("tensor:")]
+    for i, name in enumerate(names):
+        tm = json.loads(meta["tensor:" + name])
+        shape = [int(d) for d in tm["shape"].split(",")]
+        bounds = [int(b) for b in tm["bounds"].split(",")]
+        k = int(tm["block_index"])
+        if tm["block_shards"] != "0,1" or tm["shard_count"] != meta["shard_count"] or k != 1:
+            fail("%s: block map %r" % (name, tm))
+        lo, hi = bounds[k], bounds[k + 1]
+        cols = shape[-1] if len(shape) >= 2 else 1
+        want = {"": [hi - lo, cols] if len(shape) >= 2 else [hi - lo]}
+        if len(shape) >= 2:
+            rows = shape[-2]
+            want["/row"] = [hi - lo]
+            want["/col"] = [(hi - 1) // rows - lo // rows + 1, cols]
+        else:
+            want["/var"] = [hi - lo]
+        if name + "/mom" in header:
+            want["/mom"] = want[""]
+        for suffix, sh in want.items():
+            key = name + suffix
+            if header[key]["shape"] != sh:
+                fail("%s: shape %s, want %s" % (key, header[key]["shape"], sh))
+            a = arr[key].reshape(-1)
+            pat = np.float32(i * 1000 + KINDS[suffix] * 100) + np.arange(a.size, dtype=np.float32) * np.float32(0.5)
+            if not np.array_equal(a, pat):
+                fail("%s: values differ from the pattern" % key)
+        if set(k2 for k2 in header if k2 == name or k2.startswith(name + "/")) != {name + s for s in want}:
+            fail("%s: arrays %s" % (name, sorted(header)))
+    return names
+
+
 def write(path, header, meta, arr, order):
     """A third-party writer following checkpoint.h: arrays in `order`."""
     meta = dict(meta)
@@ -162,6 +200,13 @@ def main():
         r = subprocess.run([tool, "check", out], capture_output=True, text=True)
         if r.returncode == 0 or "corrupted" not in r.stderr:
             fail("flipped bit not detected: " + r.stderr)
+
+    # Row blocks of split tensors: format_version 2, the block layout.
+    with tempfile.TemporaryDirectory(prefix="fps-ckpt-py-") as d:
+        path = subprocess.run([tool, "write-blocks", d], check=True, capture_output=True, text=True).stdout.strip()
+        header, meta, data = read(path)
+        names = check_blocks(header, meta, data)
+        print("read %s: %d row blocks" % (os.path.basename(path), len(names)))
     print("ok")
 
 

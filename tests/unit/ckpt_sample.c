@@ -5,6 +5,8 @@
  *
  *   ckpt_sample write DIR     writes DIR/ckpt-<seq>.safetensors, prints its path
  *   ckpt_sample check PATH    loads PATH, checks every value; exit 0 if all match
+ *   ckpt_sample write-blocks DIR  writes row blocks (checkpoint.h ROW BLOCKS) of
+ *                             BLOCKS below, with the same pattern, prints its path
  *   ckpt_sample bench DIR MB  times snapshot, write, verify and load of about
  *                             MB megabytes of weights (not a test: numbers only)
  *
@@ -18,6 +20,7 @@
 #include <time.h>
 
 #include "adafactor.h"
+#include "adafactor_split.h"
 #include "checkpoint.h"
 
 typedef struct spec_s {
@@ -142,6 +145,62 @@ static int do_check(const char *path) {
   return bad;
 }
 
+/* Shard 1 of 2 holding the second block of each: "emb" [2,3,4] rows
+ * [2, 6) (both matrices), "bias" [7] elements [3, 7) with hf momentum. */
+typedef struct block_spec_s {
+  const char *name;
+  fps_shape_t shape;
+  uint64_t bounds[3];
+  bool momentum;
+} block_spec_t;
+
+static const block_spec_t BLOCKS[] = {
+    {"emb", {3, {2, 3, 4}}, {0, 2, 6}, false},
+    {"bias", {1, {7}}, {0, 3, 7}, true},
+};
+
+static int do_write_blocks(const char *dir) {
+  fps_ckpt_snapshot_t *s = NULL;
+  char why[FPS_CKPT_WHY_MAX] = "";
+  int rc = fps_ckpt_snapshot_create(&s, 1, 2, "sync");
+  for (size_t i = 0; i < sizeof BLOCKS / sizeof *BLOCKS && rc == 0; i++) {
+    const block_spec_t *b = &BLOCKS[i];
+    spec_t sp = {b->name, b->shape, b->momentum ? FPS_FLAVOR_HF : FPS_FLAVOR_TORCH, b->momentum};
+    fps_adafactor_hparams_t hp;
+    hparams(&sp, &hp);
+    uint32_t shards[2] = {0, 1};
+    fps_ckpt_block_t map = {.block_index = 1, .n_blocks = 2, .bounds = (uint64_t *)b->bounds,
+                            .block_shards = shards, .shard_count = 2};
+    fps_split_geom_t g;
+    fps_split_state_t st;
+    size_t idx;
+    rc = fps_split_geom_init(&g, &b->shape, b->bounds[1], b->bounds[2], why, sizeof why);
+    if (rc == 0) rc = fps_split_state_init(&st, &g, &hp);
+    if (rc) break;
+    float *param = malloc(g.block_numel * sizeof(float));
+    fill(param, g.block_numel, i, 0);
+    if (st.row) fill(st.row, g.row_hi - g.row_lo, i, 1);
+    if (st.col) fill(st.col, g.nmat * g.cols, i, 2);
+    if (st.var) fill(st.var, g.block_numel, i, 3);
+    if (st.mom) fill(st.mom, g.block_numel, i, 4);
+    st.step = 40 + i;
+    st.rms = 0.25f * (float)(i + 1);
+    rc = fps_ckpt_snapshot_add_block(s, b->name, &b->shape, &hp, &map, &idx, why, sizeof why);
+    if (rc == 0) rc = fps_ckpt_snapshot_copy_block(s, idx, 7 + i, param, &st);
+    free(param);
+    fps_split_state_destroy(&st);
+  }
+  fps_ckpt_written_t w;
+  if (rc == 0) rc = fps_ckpt_write(dir, s, 3, &w, why, sizeof why);
+  fps_ckpt_snapshot_destroy(s);
+  if (rc) {
+    fprintf(stderr, "write-blocks: %s: %s\n", fps_err_name(rc), why);
+    return 1;
+  }
+  printf("%s\n", w.path);
+  return 0;
+}
+
 static double now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -222,6 +281,7 @@ int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "bench") == 0) return do_bench(argv[2], strtol(argv[3], NULL, 10));
   if (argc == 3 && strcmp(argv[1], "write") == 0) return do_write(argv[2]);
   if (argc == 3 && strcmp(argv[1], "check") == 0) return do_check(argv[2]);
-  fprintf(stderr, "usage: %s write DIR | check PATH | bench DIR MB\n", argv[0]);
+  if (argc == 3 && strcmp(argv[1], "write-blocks") == 0) return do_write_blocks(argv[2]);
+  fprintf(stderr, "usage: %s write DIR | check PATH | write-blocks DIR | bench DIR MB\n", argv[0]);
   return 2;
 }
