@@ -3,7 +3,8 @@
  * so that wrong SHA-256s do not stop mutations at the digest check (a
  * hostile file can carry valid digests anyway). Built by tests/fuzz/CMakeLists.txt
  * (that define included); seed: tests/fuzz/corpus/fuzz_checkpoint, written by
- * `ckpt_sample write DIR`. Run with tests/fuzz/run.sh.
+ * `ckpt_sample write DIR` (sample-5-tensors) and `ckpt_sample write-blocks DIR`
+ * (sample-2-blocks, row blocks of split tensors). Run with tests/fuzz/run.sh.
  * The reader takes a path, so each input goes through a file in /dev/shm. */
 #include <stdint.h>
 #include <stdio.h>
