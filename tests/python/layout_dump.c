@@ -154,6 +154,13 @@ int main(void) {
   FIELD(fps_tensor_stats_t, adamw_elements);
   FIELD(fps_tensor_stats_t, adamw_bytes);
 
+  SIZE(fps_block_t);
+  FIELD(fps_block_t, tensor);
+  FIELD(fps_block_t, shard);
+  FIELD(fps_block_t, row_lo);
+  FIELD(fps_block_t, row_hi);
+  FIELD(fps_block_t, bytes);
+
   SIZE(fps_checkpoint_info_t);
   FIELD(fps_checkpoint_info_t, path);
   FIELD(fps_checkpoint_info_t, sequence);

@@ -237,6 +237,22 @@ class OptionsTest(unittest.TestCase):
         with self.assertRaises(factorps.InvalidArgumentError):
             factorps.optimizer_config("adam")
 
+    def test_placement_plan(self):
+        # emb (320 bytes) splits at 64 bytes: bias (12 bytes) goes first to
+        # shard 0, then emb is water-filled (L = 166: 154 bytes = 5 rows on
+        # shard 0, the rest on shard 1); at 0 nothing splits.
+        plan, shard_bytes = factorps.placement_plan({"emb": (10, 8), "bias": (3,)}, 2, 64)
+        self.assertEqual(plan["emb"], [(0, 0, 5), (1, 5, 10)])
+        self.assertEqual(plan["bias"], [(0, 0, 3)])
+        self.assertEqual(shard_bytes, [172, 160])
+        plan, shard_bytes = factorps.placement_plan([("emb", (10, 8)), ("bias", (3,))], 2)
+        self.assertEqual(plan, {"emb": [(0, 0, 10)], "bias": [(1, 0, 3)]})
+        self.assertEqual(shard_bytes, [320, 12])
+        with self.assertRaises(factorps.InvalidArgumentError):
+            factorps.placement_plan({"a": (2,), "b": (0,)}, 2)
+        with self.assertRaises(factorps.InvalidArgumentError):
+            factorps.placement_plan({"a": (2,)}, 0)
+
     def test_errors_carry_status(self):
         e = factorps.errors.error_for(14, "shard 1 (x): gone", 1)
         self.assertIsInstance(e, factorps.UnavailableError)

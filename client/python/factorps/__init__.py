@@ -14,7 +14,7 @@ The C library libfactorps is loaded on first use (see factorps._lib for where
 it is looked for; FACTORPS_LIB overrides).
 """
 
-from .client import Client, TensorSpec, connect, optimizer_config
+from .client import Client, TensorSpec, connect, optimizer_config, placement_plan
 from .errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError,
                      DeadlineExceededError, Error, FailedPreconditionError, InternalError,
                      InvalidArgumentError, LibraryNotFoundError, NotFoundError, OutOfRangeError,
@@ -36,7 +36,7 @@ __all__ = [
     "DeadlineExceededError", "FailedPreconditionError", "InternalError", "InvalidArgumentError",
     "NotFoundError", "OutOfRangeError", "PermissionDeniedError", "ResourceExhaustedError",
     "UnauthenticatedError", "UnavailableError", "UnimplementedError", "UnknownError",
-    "library_path", "SPLIT_MIN_BYTES_DEFAULT",
+    "library_path", "placement_plan", "SPLIT_MIN_BYTES_DEFAULT",
 ]
 
 

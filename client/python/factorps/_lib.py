@@ -191,7 +191,19 @@ class CheckpointInfo(ctypes.Structure):
 
 
 # Every struct the binding shares with C, for the layout test.
+class Block(ctypes.Structure):
+    """fps_block_t: one row block of a placement plan."""
+    _fields_ = [
+        ("tensor", ctypes.c_size_t),
+        ("shard", ctypes.c_int),
+        ("row_lo", ctypes.c_uint64),
+        ("row_hi", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+    ]
+
+
 STRUCTS = {
+    "fps_block_t": Block,
     "fps_status_t": Status,
     "fps_client_options_t": ClientOptions,
     "fps_optim_config_t": OptimConfig,
@@ -235,6 +247,10 @@ _SIGNATURES = {
                                                _P(ApplyRecord), ctypes.c_size_t,
                                                _P(ctypes.c_size_t), _P(Status)]),
     "fps_client_discover": (ctypes.c_int, [ctypes.c_void_p, _P(ctypes.c_size_t), _P(Status)]),
+    "fps_client_placement_plan": (ctypes.c_int, [_P(TensorDef), ctypes.c_size_t, ctypes.c_size_t,
+                                                 ctypes.c_uint64, _P(Block), ctypes.c_size_t,
+                                                 _P(ctypes.c_size_t), _P(ctypes.c_uint64),
+                                                 _P(Status)]),
     "fps_client_checkpoint": (ctypes.c_int, [ctypes.c_void_p, _P(CheckpointInfo), ctypes.c_size_t,
                                              _P(Status)]),
 }
@@ -271,7 +287,7 @@ def candidates():
 # still loads, and the methods that need them raise UnimplementedError.
 OPTIONAL = {"fps_code_name", "fps_client_tensor_shape", "fps_client_tensor_stats",
             "fps_client_discover", "fps_client_push_pull_ex",
-            "fps_client_get_state"}
+            "fps_client_get_state", "fps_client_placement_plan"}
 
 
 def _bind(lib):

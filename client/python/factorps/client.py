@@ -782,6 +782,46 @@ class Client:
             pass
 
 
+def placement_plan(tensors, shard_count, split_min_bytes=0):
+    """Where libfactorps places `tensors` ({name: shape} or (name, shape)
+    pairs) on `shard_count` shards, without a network: the map every worker
+    computes (fps_client_placement_plan). Returns ({name: [(shard, row_lo,
+    row_hi), ...]}, [bytes per shard]): a tensor's blocks in row order, rows
+    of its [..., R, C] view (elements for ndim <= 1); a whole tensor has one
+    block of all its rows."""
+    lib = _lib.load()
+    if not _lib.has(lib, "fps_client_placement_plan"):
+        raise UnimplementedError(f"this libfactorps ({_lib.path()}) has no "
+                                 "fps_client_placement_plan()")
+    items = list(tensors.items()) if isinstance(tensors, dict) else list(tensors)
+    n, S = len(items), int(shard_count)
+    if S < 1:
+        raise InvalidArgumentError(f"placement_plan: shard_count must be >= 1, got {shard_count}")
+    defs = (_lib.TensorDef * max(n, 1))()
+    keep = []
+    for i, (name, shape) in enumerate(items):
+        shape = _shape_tuple(shape, f"tensor '{name}'")
+        b = str(name).encode()
+        keep.append(b)
+        defs[i].name = b
+        defs[i].ndim = len(shape)
+        for d, v in enumerate(shape):
+            defs[i].shape[d] = v
+    st = _lib.Status()
+    got = ctypes.c_size_t()
+    cap = n * S + 1
+    blocks = (_lib.Block * cap)()
+    shard_bytes = (ctypes.c_uint64 * S)()
+    rc = lib.fps_client_placement_plan(defs, n, S, int(split_min_bytes), blocks, cap,
+                                       ctypes.byref(got), shard_bytes, ctypes.byref(st))
+    if rc:
+        raise error_for(rc, st.message.decode(errors="replace"), st.shard)
+    out = OrderedDict((str(name), []) for name, _ in items)
+    for b in blocks[:got.value]:
+        out[str(items[b.tensor][0])].append((int(b.shard), int(b.row_lo), int(b.row_hi)))
+    return out, [int(x) for x in shard_bytes]
+
+
 def connect(shards, **options):
     """Connects to a factorps job: `shards` is a list of "host:port" (shard i
     at index i) or one comma-separated string. Options: worker_id (default
