@@ -14,9 +14,7 @@
  *               workers together, per second (10^9 bytes)
  *   latency     push_pull percentiles over every worker's timed steps
  * and a final `RESULT key=value ...` line for scripts (tests/bench/load.sh). */
-#include <errno.h>
 #include <getopt.h>
-#include <limits.h>
 #include <malloc.h>
 #include <math.h>
 #include <pthread.h>
@@ -105,30 +103,6 @@ static uint64_t numel_of(const fps_tensor_def_t *d) {
   uint64_t n = 1;
   for (uint32_t i = 0; i < d->ndim; i++) n *= d->shape[i];
   return n;
-}
-
-/* A byte count: digits, then optionally k, M, G (10^3, 10^6, 10^9) or Ki,
- * Mi, Gi (2^10, 2^20, 2^30). 0 is allowed. Returns 0, or -1 after printing
- * why. */
-static int parse_bytes(const char *s, const char *what, unsigned long long *out) {
-  static const struct { const char *sfx; unsigned long long mul; } units[] = {
-      {"", 1}, {"k", 1000ull}, {"K", 1000ull}, {"M", 1000000ull}, {"G", 1000000000ull},
-      {"Ki", 1ull << 10}, {"Mi", 1ull << 20}, {"Gi", 1ull << 30}};
-  char *end;
-  if (*s < '0' || *s > '9') goto bad;
-  errno = 0;
-  unsigned long long v = strtoull(s, &end, 10);
-  if (errno) goto bad;
-  for (size_t i = 0; i < sizeof units / sizeof units[0]; i++)
-    if (!strcmp(end, units[i].sfx)) {
-      if (v > ULLONG_MAX / units[i].mul) goto bad;
-      *out = v * units[i].mul;
-      return 0;
-    }
-bad:
-  fprintf(stderr, "factorps load: %s must be a byte count (digits, then k, M, G, Ki, Mi or Gi), "
-          "not '%s'\n", what, s);
-  return -1;
 }
 
 /* One worker: connect, create (worker 0 uploads values), push S steps. */
@@ -417,7 +391,7 @@ int fps_cli_load(int argc, char **argv) {
         if (fps_cli_u64(optarg, "--tensors", 7, 3073, &cfg.peer_tensors)) return 2;
         break;
       case 'B':
-        if (parse_bytes(optarg, "--split-min-bytes", &cfg.split_min_bytes)) return 2;
+        if (fps_cli_bytes(optarg, "--split-min-bytes", &cfg.split_min_bytes)) return 2;
         break;
       case 'h': usage(stdout); return 0;
       default:
