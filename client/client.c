@@ -390,3 +390,24 @@ int fps_client_tensor_shape(const fps_client_t *c, const char *name, uint32_t *n
   pthread_rwlock_unlock((pthread_rwlock_t *)&c->lock);
   return rc;
 }
+
+int fps_client_tensor_blocks(const fps_client_t *c, const char *name, fps_block_t *blocks,
+                             size_t cap) {
+  int n = -1;
+  if (!c || !name || (cap && !blocks)) return -1;
+  pthread_rwlock_rdlock((pthread_rwlock_t *)&c->lock);
+  const fps__tensor_t *t = fps__tensor_list_find(&c->tensors, name);
+  if (t) {
+    const size_t nb = fps__block_count(t);
+    const uint64_t C = fps__row_elems(t);
+    for (size_t k = 0; k < nb && k < cap; k++) {
+      const fps__block_t b = fps__block_at(t, k);
+      blocks[k] = (fps_block_t){.tensor = (size_t)(t - c->tensors.t), .shard = b.shard,
+                                .row_lo = b.row_lo, .row_hi = b.row_hi,
+                                .bytes = (b.row_hi - b.row_lo) * C * 4};
+    }
+    n = (int)nb;
+  }
+  pthread_rwlock_unlock((pthread_rwlock_t *)&c->lock);
+  return n;
+}

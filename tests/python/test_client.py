@@ -253,6 +253,20 @@ class OptionsTest(unittest.TestCase):
         with self.assertRaises(factorps.InvalidArgumentError):
             factorps.placement_plan({"a": (2,)}, 0)
 
+    def test_blocks_follow_the_plan(self):
+        # The tensor list is the client's once create() validated it, even
+        # when no shard answers (nothing listens on port 1).
+        with factorps.connect(["127.0.0.1:1"] * 2, split_min_bytes=64, deadline=1,
+                              max_retries=0) as c:
+            with self.assertRaises(factorps.Error):
+                c.create([factorps.TensorSpec("emb", (10, 8), init=np.zeros((10, 8))),
+                          factorps.TensorSpec("bias", (3,), init=np.zeros(3))])
+            self.assertEqual(c.blocks("emb"), [(0, 0, 5), (1, 5, 10)])
+            self.assertEqual(c.blocks("bias"), [(0, 0, 3)])
+            self.assertEqual(c.shard_of("emb"), 0)
+            with self.assertRaises(factorps.NotFoundError):
+                c.blocks("nope")
+
     def test_errors_carry_status(self):
         e = factorps.errors.error_for(14, "shard 1 (x): gone", 1)
         self.assertIsInstance(e, factorps.UnavailableError)

@@ -247,6 +247,8 @@ _SIGNATURES = {
                                                _P(ApplyRecord), ctypes.c_size_t,
                                                _P(ctypes.c_size_t), _P(Status)]),
     "fps_client_discover": (ctypes.c_int, [ctypes.c_void_p, _P(ctypes.c_size_t), _P(Status)]),
+    "fps_client_tensor_blocks": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_char_p, _P(Block),
+                                                ctypes.c_size_t]),
     "fps_client_placement_plan": (ctypes.c_int, [_P(TensorDef), ctypes.c_size_t, ctypes.c_size_t,
                                                  ctypes.c_uint64, _P(Block), ctypes.c_size_t,
                                                  _P(ctypes.c_size_t), _P(ctypes.c_uint64),
@@ -287,7 +289,7 @@ def candidates():
 # still loads, and the methods that need them raise UnimplementedError.
 OPTIONAL = {"fps_code_name", "fps_client_tensor_shape", "fps_client_tensor_stats",
             "fps_client_discover", "fps_client_push_pull_ex",
-            "fps_client_get_state", "fps_client_placement_plan"}
+            "fps_client_get_state", "fps_client_placement_plan", "fps_client_tensor_blocks"}
 
 
 def _bind(lib):

@@ -459,6 +459,23 @@ class Client:
         finally:
             self._leave()
 
+    def blocks(self, name):
+        """The row blocks `name` is placed in, [(shard, row_lo, row_hi), ...]
+        in row order (rows of its [..., R, C] view; elements for ndim <= 1):
+        one block of all its rows for a whole tensor, several for a split
+        one. NotFoundError if it is not in the tensor list."""
+        fn = self._need("fps_client_tensor_blocks")
+        h = self._enter()
+        try:
+            n = fn(h, str(name).encode(), None, 0)
+            if n < 0:
+                raise NotFoundError(f"tensor '{name}' is not in this client's tensor list")
+            arr = (_lib.Block * n)()
+            fn(h, str(name).encode(), arr, n)
+        finally:
+            self._leave()
+        return [(int(b.shard), int(b.row_lo), int(b.row_hi)) for b in arr]
+
     def _need(self, fn):
         if not _lib.has(self._lib, fn):
             raise UnimplementedError(f"this libfactorps ({_lib.path()}) has no {fn}()")
