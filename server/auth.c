@@ -37,7 +37,7 @@ struct fps_auth_s {
 static atomic_int_fast64_t fps__auth_last_log_s;
 
 /* Reads a whole file (at most FPS_AUTH_FILE_MAX bytes), NUL-terminated. */
-static int fps__auth_read(const char *flag, const char *path, char **out, size_t *len) {
+int fps_auth_read_file(const char *flag, const char *path, char **out, size_t *len) {
   FILE *f = fopen(path, "rb");
   char *buf = NULL;
   size_t n = 0;
@@ -80,7 +80,7 @@ fail:
 
 /* Secrets readable by others are worth a warning (not an error: a
  * container may run everything as one user on a private volume). */
-static void fps__auth_warn_mode(const char *flag, const char *path) {
+void fps_auth_warn_mode(const char *flag, const char *path) {
   struct stat st;
   if (stat(path, &st) == 0 && (st.st_mode & 0077))
     FPS_SLOG(FPS_LOG_WARN, "--%s '%s' is readable by group or others (mode %03o); chmod 600 it",
@@ -117,40 +117,26 @@ static int fps__auth_check_dates(const char *flag, const char *path, X509 *x) {
   return 0;
 }
 
-static int fps__auth_tls_load(fps_auth_t *a, const fps_config_t *cfg) {
+int fps_auth_check_pair(const char *cert_flag, const char *cert_path, const char *cert_pem,
+                        const char *key_flag, const char *key_path, const char *key_pem) {
   X509 *cert = NULL;
   EVP_PKEY *key = NULL;
   BIO *b = NULL;
-  int rc;
-  if ((rc = fps__auth_read("tls-cert", cfg->tls_cert, &a->cert_pem, NULL)) < 0) goto fail;
-  if ((rc = fps__auth_read("tls-key", cfg->tls_key, &a->key_pem, NULL)) < 0) goto fail;
-  fps__auth_warn_mode("tls-key", cfg->tls_key);
-  rc = FPS_EINVAL;
-  if (fps__auth_certs(a->cert_pem, &cert) == 0) {
-    fprintf(stderr, "factorps-server: --tls-cert '%s': no PEM certificate in it\n", cfg->tls_cert);
+  int rc = FPS_EINVAL;
+  if (fps__auth_certs(cert_pem, &cert) == 0) {
+    fprintf(stderr, "factorps-server: --%s '%s': no PEM certificate in it\n", cert_flag, cert_path);
     goto fail;
   }
-  if ((rc = fps__auth_check_dates("tls-cert", cfg->tls_cert, cert)) < 0) goto fail;
+  if ((rc = fps__auth_check_dates(cert_flag, cert_path, cert)) < 0) goto fail;
   rc = FPS_EINVAL;
-  if (!(b = BIO_new_mem_buf(a->key_pem, -1)) || !(key = PEM_read_bio_PrivateKey(b, NULL, NULL, NULL))) {
-    fprintf(stderr, "factorps-server: --tls-key '%s': no unencrypted PEM private key in it\n",
-            cfg->tls_key);
+  if (!(b = BIO_new_mem_buf(key_pem, -1)) || !(key = PEM_read_bio_PrivateKey(b, NULL, NULL, NULL))) {
+    fprintf(stderr, "factorps-server: --%s '%s': no unencrypted PEM private key in it\n", key_flag, key_path);
     goto fail;
   }
   if (X509_check_private_key(cert, key) != 1) {
-    fprintf(stderr, "factorps-server: --tls-key '%s' does not belong to --tls-cert '%s'\n",
-            cfg->tls_key, cfg->tls_cert);
+    fprintf(stderr, "factorps-server: --%s '%s' does not belong to --%s '%s'\n", key_flag, key_path, cert_flag,
+            cert_path);
     goto fail;
-  }
-  if (*cfg->tls_client_ca) {
-    if ((rc = fps__auth_read("tls-client-ca", cfg->tls_client_ca, &a->client_ca_pem, NULL)) < 0)
-      goto fail;
-    rc = FPS_EINVAL;
-    if (fps__auth_certs(a->client_ca_pem, NULL) == 0) {
-      fprintf(stderr, "factorps-server: --tls-client-ca '%s': no PEM certificate in it\n",
-              cfg->tls_client_ca);
-      goto fail;
-    }
   }
   rc = 0;
 fail:
@@ -158,6 +144,26 @@ fail:
   EVP_PKEY_free(key);
   BIO_free(b);
   return rc;
+}
+
+int fps_auth_check_ca(const char *flag, const char *path, const char *pem) {
+  if (fps__auth_certs(pem, NULL) > 0) return 0;
+  fprintf(stderr, "factorps-server: --%s '%s': no PEM certificate in it\n", flag, path);
+  return FPS_EINVAL;
+}
+
+static int fps__auth_tls_load(fps_auth_t *a, const fps_config_t *cfg) {
+  int rc;
+  if ((rc = fps_auth_read_file("tls-cert", cfg->tls_cert, &a->cert_pem, NULL)) < 0) return rc;
+  if ((rc = fps_auth_read_file("tls-key", cfg->tls_key, &a->key_pem, NULL)) < 0) return rc;
+  fps_auth_warn_mode("tls-key", cfg->tls_key);
+  if ((rc = fps_auth_check_pair("tls-cert", cfg->tls_cert, a->cert_pem, "tls-key", cfg->tls_key, a->key_pem)) < 0)
+    return rc;
+  if (*cfg->tls_client_ca) {
+    if ((rc = fps_auth_read_file("tls-client-ca", cfg->tls_client_ca, &a->client_ca_pem, NULL)) < 0) return rc;
+    if ((rc = fps_auth_check_ca("tls-client-ca", cfg->tls_client_ca, a->client_ca_pem)) < 0) return rc;
+  }
+  return 0;
 }
 
 static int fps__auth_digest(const char *s, size_t n, unsigned char out[FPS_AUTH_DIGEST]) {
@@ -170,9 +176,9 @@ static int fps__auth_digest(const char *s, size_t n, unsigned char out[FPS_AUTH_
  * so a file can hold the old and the new token while clients rotate. */
 static int fps__auth_tokens_load(fps_auth_t *a, const char *path) {
   char *text = NULL;
-  int rc = fps__auth_read("auth-token-file", path, &text, NULL);
+  int rc = fps_auth_read_file("auth-token-file", path, &text, NULL);
   if (rc < 0) return rc;
-  fps__auth_warn_mode("auth-token-file", path);
+  fps_auth_warn_mode("auth-token-file", path);
   rc = FPS_ENOMEM;
   if (!(a->token = fps_calloc(FPS_AUTH_TOKENS_MAX, sizeof *a->token))) goto fail;
   rc = FPS_EINVAL;

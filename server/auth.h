@@ -31,6 +31,20 @@ int fps_auth_create(const fps_config_t *cfg, fps_auth_t **out);
 /* NULL is a no-op. REQUIRES: no call is being checked any more. */
 void fps_auth_destroy(fps_auth_t *a);
 
+/* The file helpers, shared with the calling side of Exchange (peer.c).
+ * read_file: the whole file (at most FPS_AUTH_FILE_MAX bytes, no NUL),
+ * NUL-terminated, into *out (fps_free it); errors name --flag and path.
+ * warn_mode: logs a warning if others can read a secret.
+ * check_pair: a certificate chain and the unencrypted key that belongs to
+ * its first certificate, which is within its validity dates.
+ * check_ca: at least one PEM certificate. All print the problem to stderr
+ * and return FPS_EIO / FPS_EINVAL / FPS_ENOMEM. */
+int fps_auth_read_file(const char *flag, const char *path, char **out, size_t *len);
+void fps_auth_warn_mode(const char *flag, const char *path);
+int fps_auth_check_pair(const char *cert_flag, const char *cert_path, const char *cert_pem,
+                        const char *key_flag, const char *key_path, const char *key_pem);
+int fps_auth_check_ca(const char *flag, const char *path, const char *pem);
+
 /* New server credentials for grpc_server_add_http2_port(): TLS (with
  * client certificates required and verified when --tls-client-ca is set) or
  * plaintext. Caller releases them. NULL on OOM. */
