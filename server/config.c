@@ -76,6 +76,18 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
     {"checkpoint-keep", CFG_U32, OFF(checkpoint_keep), "3", 1, 1e6, "newest checkpoints kept on disk"},
     {"require-checkpoint", CFG_FLAG, OFF(require_checkpoint), "false", 0, 0,
      "refuse to start (exit 3) unless a valid checkpoint is loaded from --checkpoint-dir"},
+    {"peers", CFG_STR, OFF(peers), "", 0, 0,
+     "every shard's host:port by --shard-id, comma-separated (split tensors; our own entry unused)"},
+    {"peer-tls-ca", CFG_STR, OFF(peer_tls_ca), "", 0, 0, "PEM CA bundle: call peers over TLS, verified by it"},
+    {"peer-tls-cert", CFG_STR, OFF(peer_tls_cert), "", 0, 0,
+     "PEM client certificate this shard presents to peers (their --tls-client-ca)"},
+    {"peer-tls-key", CFG_STR, OFF(peer_tls_key), "", 0, 0, "PEM private key of --peer-tls-cert"},
+    {"peer-tls-server-name", CFG_STR, OFF(peer_tls_server_name), "", 0, 0,
+     "name the peers' certificates carry, if not the host in --peers"},
+    {"peer-token-file", CFG_STR, OFF(peer_token_file), "", 0, 0,
+     "file whose first token line is sent to peers as 'authorization: Bearer <token>'"},
+    {"exchange-deadline", CFG_DOUBLE, OFF(exchange_deadline), "10", 0.01, 86400,
+     "seconds a split tensor's exchange with its peers may take, retries included"},
 };
 #undef OFF
 #define FPS_CFG_N (sizeof fps__cfg_table / sizeof fps__cfg_table[0])
@@ -173,6 +185,51 @@ static void fps__cfg_usage(FILE *f) {
   fprintf(f, "  --help               this text\n  --version            print the version\n");
 }
 
+/* --peers and the peer TLS/token flags: the shapes of the values. The
+ * files themselves are read and checked by peer.c at start-up. */
+static int fps__cfg_check_peers(const fps_config_t *cfg) {
+  const char *dep[] = {cfg->peer_tls_ca, cfg->peer_tls_cert, cfg->peer_tls_key, cfg->peer_tls_server_name,
+                       cfg->peer_token_file};
+  const char *dep_name[] = {"peer-tls-ca", "peer-tls-cert", "peer-tls-key", "peer-tls-server-name",
+                            "peer-token-file"};
+  if (!*cfg->peers) {
+    for (int i = 0; i < 5; i++)
+      if (*dep[i]) {
+        fprintf(stderr, "factorps-server: --%s needs --peers\n", dep_name[i]);
+        return FPS_EINVAL;
+      }
+    return 0;
+  }
+  uint32_t n = 0;
+  for (const char *p = cfg->peers;; p++) {
+    const char *e = strchr(p, ',');
+    size_t len = e ? (size_t)(e - p) : strlen(p);
+    if (len == 0 || len > 1024) {
+      fprintf(stderr, "factorps-server: --peers entry %u is %s (every shard's host:port, by --shard-id)\n",
+              n, len ? "longer than 1024 bytes" : "empty");
+      return FPS_EINVAL;
+    }
+    n++;
+    if (!e) break;
+    p = e;
+  }
+  if (n != cfg->shard_count) {
+    fprintf(stderr, "factorps-server: --peers lists %u address%s; it must list all %u shards of --shard-count, "
+            "by --shard-id\n", n, n == 1 ? "" : "es", cfg->shard_count);
+    return FPS_EINVAL;
+  }
+  if (!*cfg->peer_tls_cert != !*cfg->peer_tls_key) {
+    fprintf(stderr, "factorps-server: --peer-tls-cert and --peer-tls-key must be given together\n");
+    return FPS_EINVAL;
+  }
+  if ((*cfg->peer_tls_cert || *cfg->peer_tls_server_name) && !*cfg->peer_tls_ca) {
+    fprintf(stderr, "factorps-server: --%s needs --peer-tls-ca (the CA that signed the peers' certificates)\n",
+            *cfg->peer_tls_cert ? "peer-tls-cert" : "peer-tls-server-name");
+    return FPS_EINVAL;
+  }
+  return 0;
+}
+
 static int fps__cfg_check(fps_config_t *cfg) {
   if (cfg->shard_id >= cfg->shard_count) {
     fprintf(stderr, "factorps-server: --shard-id %u must be below --shard-count %u\n", cfg->shard_id,
@@ -206,6 +263,7 @@ static int fps__cfg_check(fps_config_t *cfg) {
             cfg->require_checkpoint ? "require-checkpoint" : "checkpoint-interval");
     return FPS_EINVAL;
   }
+  if (fps__cfg_check_peers(cfg) < 0) return FPS_EINVAL;
   if (cfg->checkpoint_interval > 0 && cfg->checkpoint_interval < 0.01) {
     fprintf(stderr, "factorps-server: --checkpoint-interval must be 0 (off) or at least 0.01 s, not %g\n",
             cfg->checkpoint_interval);

@@ -22,6 +22,7 @@
 #include <grpc/grpc.h>
 
 #include "metrics.h"
+#include "peer.h"
 #include "server.h"
 
 /* SIGTERM to exit: in-flight calls get this long to finish (then they are
@@ -29,6 +30,8 @@
  * so the shard exits within 1 s plus its final checkpoint's write time. */
 #define FPS_SHUTDOWN_GRACE_S 0.5
 #define FPS_TEARDOWN_WAIT_S 0.1
+/* How long cancelled Exchange calls get to finish at shutdown. */
+#define FPS_PEERS_STOP_WAIT_S 0.2
 
 /* LSan's own end-of-process check, present only under ASan. */
 extern void __lsan_do_leak_check(void) __attribute__((weak));
@@ -170,6 +173,16 @@ int main(int argc, char **argv) {
   srv.shard.started_ns = fps_now_ns();
   int exit_code = 0;
   bool ckpt_on_exit = false;
+  /* The calling side of Exchange: bad peer files stop the start (exit 2,
+   * as any bad flag) before anything listens. */
+  fps_peers_t *peers = NULL;
+  if (*srv.cfg.peers) {
+    if (fps_peers_create(&srv.cfg, &peers) < 0) {
+      exit_code = 2;
+      goto out;
+    }
+    fps_shard_set_exchange(&srv.shard, fps_peers_send, peers, srv.cfg.exchange_deadline);
+  }
   /* The deadline thread runs the hooks of rounds, ssp waits and calls. */
   if (fps_timer_create(&srv.timer, 0) < 0 || fps_timer_add(srv.timer, fps_shard_expire, &srv.shard) < 0 ||
       fps_timer_add(srv.timer, fps_calls_expire, &srv) < 0 || fps_timer_start(srv.timer) < 0) {
@@ -238,7 +251,12 @@ int main(int argc, char **argv) {
 out:
   fps_metrics_ready_set(false);
   int64_t stop0 = fps_now_ns();
+  /* Exchanges in flight fail UNAVAILABLE first, so the steps waiting for
+   * them fail and answer their calls within the grace period below. */
+  fps_peers_stop(peers, FPS_PEERS_STOP_WAIT_S);
   fps_grpc_stop(&srv, FPS_SHUTDOWN_GRACE_S);
+  fps_peers_destroy(peers); /* its channels before grpc_shutdown */
+  peers = NULL;
   FPS_SLOG(FPS_LOG_DEBUG, "shutdown: gRPC server stopped in %.3f s", (double)(fps_now_ns() - stop0) / 1e9);
   fps_metrics_http_stop(http);
   fps_timer_destroy(srv.timer);

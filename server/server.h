@@ -16,6 +16,8 @@
  *                 request slots, admission, the method table that starts
  *                 the handlers, start/stop
  *     auth.c      TLS credentials, bearer tokens (call limit: grpc_server.c)
+ *     peer.c      the calling side of Exchange: channels to the other
+ *                 shards (--peers), the core's sender (fps_xsend_fn)
  *     call.c      (below them) the call object every handler uses:
  *                 begin/recv/send/fail, unpack/pack, the live-call list
  *   shard core    shard/shard.h (its own map): tensors, store rules, the one
@@ -32,7 +34,8 @@
  * step (handlers never sleep: a sync round or an ssp wait leaves its call
  * with no batch in flight, and whoever completes the round resumes it
  * through the push's done callback); one timer thread (timer.c) runs the
- * hooks that expire rounds, ssp waits and calls past their deadline; the
+ * hooks that expire rounds, ssp waits and calls past their deadline; with
+ * --peers, the peers' thread takes Exchange completions and retries; the
  * kernel pool updates large tensors; the checkpoint thread writes every
  * interval; libuv's thread serves /metrics; the main thread waits for
  * SIGTERM/SIGINT and shuts down.
@@ -93,6 +96,15 @@ typedef struct fps_config_s {
   double checkpoint_interval; /* seconds between periodic checkpoints, 0 = off */
   uint32_t checkpoint_keep;   /* newest checkpoints kept */
   int require_checkpoint;     /* refuse to start without a loaded checkpoint */
+  /* Shard to shard (peer.c): every shard's address by index ("" = none),
+   * and the calling side's TLS and token for Exchange calls. */
+  char *peers;
+  char *peer_tls_ca;          /* PEM CA of the peers' certificates, "" = plaintext */
+  char *peer_tls_cert;        /* PEM client certificate shown to peers, "" = none */
+  char *peer_tls_key;         /* its key */
+  char *peer_tls_server_name; /* name the peers' certificates carry, "" = the host */
+  char *peer_token_file;      /* bearer token sent to peers, "" = none */
+  double exchange_deadline;   /* seconds a step's exchange may take */
 } fps_config_t;
 
 /* Fills defaults, then FACTORPS_* environment variables, then argv.
