@@ -1,10 +1,10 @@
-/* Exchange (issue 12, in progress): a peer shard's partial sums of one step
- * of a split tensor. Shards hold no row blocks yet, so no request can be
- * accepted; what is here is the contract's validation, in its order (the
- * most basic problem of a request is the one reported), ending in
- * NOT_FOUND (no block of that tensor here) or FAILED_PRECONDITION (the
- * tensor is held whole). Authentication happened before the handler runs,
- * as for every method. Nothing is kept: the shard's state is unchanged. */
+/* Exchange (issue 12): a peer shard's partial sums of one step of a split
+ * tensor. The request's own checks come first, in the proto's order (the
+ * most basic problem of a request is the one reported); then the core
+ * checks it against this shard's block and keeps the partials
+ * (fps_shard_exchange_receive), whose FPS_E* answer is translated by
+ * status.c. Authentication happened before the handler runs, as for every
+ * method. A refused request leaves the shard's state unchanged. */
 #include <stdio.h>
 #include <string.h>
 
@@ -55,18 +55,7 @@ static grpc_status_code fps__exchange_check(fps_server_t *srv,
              sub);
     return GRPC_STATUS_INVALID_ARGUMENT;
   }
-  if (fps_store_find(&srv->shard.store, name)) {
-    snprintf(why, why_len,
-             "Exchange of tensor '%s' from shard %u: this shard holds the tensor whole, not as "
-             "a row block of a split tensor",
-             name, req->from_shard);
-    return GRPC_STATUS_FAILED_PRECONDITION;
-  }
-  snprintf(why, why_len,
-           "Exchange of tensor '%s' from shard %u: this shard holds no row block of it (shards "
-           "do not serve split tensors yet)",
-           name, req->from_shard);
-  return GRPC_STATUS_NOT_FOUND;
+  return GRPC_STATUS_OK;
 }
 
 void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
@@ -76,9 +65,23 @@ void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
       srv, call, deadline, md, payload, sizeof(fps_exchange_call_t), fps__exchange_destroy, NULL,
       "Exchange", &factorps__v1__exchange_request__descriptor, &c);
   if (!req) return;
-  char why[1024];
+  char why[FPS_WHY_MAX];
   grpc_status_code code = fps__exchange_check(srv, req, why, sizeof why);
-  /* Every path ends in a refusal until shards hold row blocks. */
-  fps_call_fail(c, code, "%s", why);
+  if (code == GRPC_STATUS_OK) {
+    fps_xmsg_t m = {.name = req->name, .version = req->version, .from_shard = req->from_shard,
+                    .shard_count = req->shard_count, .block_index = req->block_index,
+                    .phase = (int)req->phase, .partials = req->partials.data, .len = req->partials.len};
+    /* May complete this shard's step of the tensor, on this thread. */
+    int rc = fps_shard_exchange_receive(&srv->shard, &m, why, sizeof why);
+    code = fps_status_from_err(rc);
+  }
   protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
+  if (code != GRPC_STATUS_OK) {
+    fps_call_fail(c, code, "%s", why);
+    return;
+  }
+  Factorps__V1__ExchangeResponse resp = FACTORPS__V1__EXCHANGE_RESPONSE__INIT;
+  grpc_byte_buffer *bb = fps_pack_message(&resp);
+  if (!bb) fps_call_fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "Exchange: out of memory packing the reply");
+  else fps_call_send(c, bb, true); /* final: on failure the call is already released */
 }
