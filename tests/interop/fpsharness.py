@@ -7,14 +7,21 @@ protobuf-compiler-grpc) into a temporary directory; the generated modules
 are imported under private names so they never clash with the project's own
 `factorps` Python package.
 
+Multi-shard jobs whose shards know each other (--peers, for split tensors):
+Job(n, ...) picks free loopback ports, starts shards 0..n-1 on them with the
+same --peers list (again on fresh ports if one was taken meanwhile), with
+plaintext, TLS, mutual TLS and bearer-token variants (certificates from
+tests/security/gencerts.sh); kill() and restart() a shard on its port.
+
 Environment (set by CMake): FPS_SERVER (factorps-server binary), FPS_PROTO_DIR
-(the proto/ directory).
+(the proto/ directory); FPS_GENCERTS (gencerts.sh, default the repo's).
 """
 import atexit
 import importlib.util
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 SERVER = os.environ.get("FPS_SERVER", os.path.join(REPO, "build", "server", "factorps-server"))
 PROTO_DIR = os.environ.get("FPS_PROTO_DIR", os.path.join(REPO, "proto"))
+GENCERTS = os.environ.get("FPS_GENCERTS", os.path.join(REPO, "tests", "security", "gencerts.sh"))
 
 MiB = 1 << 20
 MAX_MSG = 64 * MiB
@@ -67,9 +75,13 @@ SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime
 
 
 class Server:
-    """factorps-server on 127.0.0.1:0; stop() checks it exits 0 and clean."""
+    """factorps-server on `listen` (default 127.0.0.1:0); stop() checks it
+    exits 0 and clean. `security` (a Security, or None for plaintext) says
+    how channel() and stub reach it."""
 
-    def __init__(self, *args, timeout=30, env=None):
+    def __init__(self, *args, timeout=30, env=None, listen="127.0.0.1:0", security=None):
+        self.args = args
+        self.security = security
         self.dir = tempfile.mkdtemp(prefix="fps-server-")
         self.port_file = os.path.join(self.dir, "port")
         self.log_path = os.path.join(self.dir, "stderr.log")
@@ -77,12 +89,16 @@ class Server:
         env = dict(os.environ, **(env or {}))
         env.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=1")
         env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
-        cmd = [SERVER, "--listen", "127.0.0.1:0", "--port-file", self.port_file] + [str(a) for a in args]
+        cmd = [SERVER, "--listen", listen, "--port-file", self.port_file] + [str(a) for a in args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=env)
         t0 = time.monotonic()
         while not os.path.exists(self.port_file):
             if self.proc.poll() is not None:
-                raise RuntimeError("factorps-server exited early (%d): %s" % (self.proc.returncode, self.stderr()))
+                err = self.stderr()
+                self.proc.stdout.close()
+                self.log.close()
+                shutil.rmtree(self.dir, True)
+                raise ServerExited(self.proc.returncode, err)
             if time.monotonic() - t0 > timeout:
                 self.proc.kill()
                 raise RuntimeError("factorps-server did not write its port file in %d s" % timeout)
@@ -101,16 +117,34 @@ class Server:
 
     def channel(self):
         _, _, grpc = stubs()
-        return grpc.insecure_channel(self.addr, options=[
-            ("grpc.max_receive_message_length", MAX_MSG), ("grpc.max_send_message_length", MAX_MSG)])
+        opts = [("grpc.max_receive_message_length", MAX_MSG), ("grpc.max_send_message_length", MAX_MSG)]
+        if self.security is not None and self.security.tls:
+            return grpc.secure_channel(self.addr, self.security.grpc_credentials(), options=opts)
+        return grpc.insecure_channel(self.addr, options=opts)
 
     @property
     def stub(self):
+        """A stub for this shard; with a token, every call carries it."""
         if self._stub is None:
             _, pbg, _ = stubs()
             self._channel = self.channel()
             self._stub = pbg.ParameterServerStub(self._channel)
+            md = self.security.metadata() if self.security is not None else []
+            if md:
+                self._stub = WithMetadata(self._stub, md)
         return self._stub
+
+    def kill(self):
+        """SIGKILL (no checkpoint, no clean exit); waits for it."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = self._stub = None
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+        self.log.close()
+        shutil.rmtree(self.dir, True)
 
     def stop(self, timeout=60):
         """SIGTERM; returns (exit code, stderr). Raises if it hangs or a
@@ -137,6 +171,231 @@ class Server:
         if rc != 0:
             raise AssertionError("factorps-server exited %d:\n%s" % (rc, err))
         return rc, err
+
+
+class ServerExited(RuntimeError):
+    """factorps-server exited before it listened (code, stderr)."""
+
+    def __init__(self, code, err):
+        super().__init__("factorps-server exited early (%d): %s" % (code, err))
+        self.code, self.err = code, err
+
+
+class WithMetadata:
+    """A stub whose every call carries fixed metadata (a bearer token)."""
+
+    def __init__(self, stub, md):
+        self._stub, self._md = stub, md
+
+    def __getattr__(self, name):
+        fn = getattr(self._stub, name)
+        return lambda *a, **kw: fn(*a, metadata=self._md, **kw)
+
+
+# ------------------------------------------------------ multi-shard jobs
+
+_certs_dir = None
+
+
+def certs():
+    """A directory of test certificates and tokens (gencerts.sh), made once
+    per process: ca.pem, server.pem/.key (127.0.0.1, ::1, localhost,
+    shard.factorps.test), client.pem/.key, token, tokens.txt, ..."""
+    global _certs_dir
+    if _certs_dir is None:
+        d = tempfile.mkdtemp(prefix="fps-certs-")
+        atexit.register(shutil.rmtree, d, True)
+        subprocess.run(["sh", GENCERTS, d], check=True, timeout=120, stdout=subprocess.DEVNULL)
+        _certs_dir = d
+    return _certs_dir
+
+
+class Security:
+    """How a job's shards serve and call each other, and how a client
+    reaches them. kind: "plain", "tls", "mtls" (shards require client
+    certificates, and present client.pem to each other), "token"
+    (plaintext with bearer tokens) or "mtls+token". peer_overrides
+    replace the calling side's flags (e.g. {"--peer-token-file": path} to
+    give shards a wrong token)."""
+
+    KINDS = ("plain", "tls", "mtls", "token", "mtls+token")
+
+    def __init__(self, kind="plain", peer_overrides=None):
+        if kind not in self.KINDS:
+            raise ValueError("security kind %r (one of %s)" % (kind, ", ".join(self.KINDS)))
+        self.kind = kind
+        self.tls = kind in ("tls", "mtls", "mtls+token")
+        self.mtls = kind in ("mtls", "mtls+token")
+        self.token = kind in ("token", "mtls+token")
+        self.peer_overrides = dict(peer_overrides or {})
+        self.dir = certs() if kind != "plain" else None
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def server_args(self):
+        a = []
+        if self.tls:
+            a += ["--tls-cert", self.path("server.pem"), "--tls-key", self.path("server.key")]
+        if self.mtls:
+            a += ["--tls-client-ca", self.path("ca.pem")]
+        if self.token:
+            a += ["--auth-token-file", self.path("tokens.txt")]
+        return a
+
+    def peer_args(self):
+        flags = {}
+        if self.tls:
+            flags["--peer-tls-ca"] = self.path("ca.pem")
+        if self.mtls:
+            flags["--peer-tls-cert"] = self.path("client.pem")
+            flags["--peer-tls-key"] = self.path("client.key")
+        if self.token:
+            flags["--peer-token-file"] = self.path("token")
+        flags.update(self.peer_overrides)
+        a = []
+        for k, v in flags.items():
+            if v is not None:
+                a += [k, v]
+        return a
+
+    def token_value(self):
+        with open(self.path("token")) as f:
+            return f.read().strip()
+
+    def metadata(self):
+        return [("authorization", "Bearer " + self.token_value())] if self.token else []
+
+    def grpc_credentials(self):
+        _, _, grpc = stubs()
+
+        def read(n):
+            with open(self.path(n), "rb") as f:
+                return f.read()
+        return grpc.ssl_channel_credentials(
+            root_certificates=read("ca.pem"),
+            private_key=read("client.key") if self.mtls else None,
+            certificate_chain=read("client.pem") if self.mtls else None)
+
+    def client_options(self):
+        """Keyword arguments for factorps.connect() (libfactorps' TLS and
+        token options)."""
+        o = {}
+        if self.tls:
+            o["tls_ca_file"] = self.path("ca.pem")
+        if self.mtls:
+            o["tls_cert_file"] = self.path("client.pem")
+            o["tls_key_file"] = self.path("client.key")
+        if self.token:
+            o["auth_token"] = self.token_value()
+        return o
+
+
+def free_ports(n):
+    """n distinct loopback ports nothing listened on a moment ago (bound at
+    once, then closed: another process may still take one, see Job)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Job:
+    """n shards of one job (--shard-id i --shard-count n), each told every
+    shard's address with --peers, on 127.0.0.1 ports picked first. `args`
+    go to every shard, shard_args[i] to shard i only. If a shard cannot
+    listen because its port was taken between picking and binding, the
+    whole job starts again on fresh ports (up to `attempts` times)."""
+
+    def __init__(self, n, *args, security="plain", shard_args=None, env=None, timeout=30, attempts=5,
+                 peers=True):
+        self.n = n
+        self.security = security if isinstance(security, Security) else Security(security)
+        self.args = [str(a) for a in args]
+        self.shard_args = [[str(a) for a in (shard_args[i] if shard_args else [])] for i in range(n)]
+        self.env = env
+        self.timeout = timeout
+        self.use_peers = peers
+        self.servers = [None] * n
+        for attempt in range(attempts):
+            self.ports = free_ports(n)
+            self.addrs = ["127.0.0.1:%d" % p for p in self.ports]
+            try:
+                for i in range(n):
+                    self.servers[i] = self._start(i)
+                return
+            except ServerExited as e:
+                self._kill_all()
+                if "cannot listen" not in e.err or attempt == attempts - 1:
+                    raise
+
+    def shard_argv(self, i):
+        a = ["--shard-id", i, "--shard-count", self.n]
+        if self.use_peers:
+            a += ["--peers", ",".join(self.addrs)] + self.security.peer_args()
+        return a + self.security.server_args() + self.args + self.shard_args[i]
+
+    def _start(self, i):
+        return Server(*self.shard_argv(i), timeout=self.timeout, env=self.env, listen=self.addrs[i],
+                      security=self.security)
+
+    def _kill_all(self):
+        for i, s in enumerate(self.servers):
+            if s is not None and s.proc.poll() is None:
+                s.kill()
+            self.servers[i] = None
+
+    def __getitem__(self, i):
+        return self.servers[i]
+
+    def stub(self, i):
+        return self.servers[i].stub
+
+    def kill(self, i):
+        """SIGKILLs shard i (its port stays in --peers of the others)."""
+        self.servers[i].kill()
+
+    def restart(self, i, attempts=50):
+        """Starts shard i again, same flags and port (retrying while the
+        port is still held by the dying process's sockets)."""
+        for attempt in range(attempts):
+            try:
+                self.servers[i] = self._start(i)
+                return self.servers[i]
+            except ServerExited as e:
+                if "cannot listen" not in e.err or attempt == attempts - 1:
+                    raise
+                time.sleep(0.1)
+
+    def stop(self):
+        """SIGTERMs every shard still running; raises (after stopping all)
+        if one hung, crashed or reported a sanitizer error."""
+        errors = []
+        for s in self.servers:
+            if s is None or s.proc.returncode is not None:
+                continue
+            try:
+                s.stop()
+            except AssertionError as e:
+                errors.append(str(e))
+        if errors:
+            raise AssertionError("\n".join(errors))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.stop()
+        else:
+            self._kill_all()
+        return False
 
 
 # ------------------------------------------------------------ client helpers
