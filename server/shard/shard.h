@@ -18,6 +18,8 @@
  *   checkpoint.c  durable checkpoints: restore, snapshots, the interval
  *   ranges.c      sorted interval sets (slice coverage and overlap)
  *   split_tensor.h  a row block of a split tensor, the exchange contract
+ *   xstep.c       the cross-shard step of a sync set holding blocks:
+ *                 partials out and in, combine, apply all or nothing
  *   log.c         the log line
  *
  * The core includes no gRPC and no protobuf-c header (the fps_shard library
@@ -29,7 +31,8 @@
  * registered (fps_push_done_fn), on whichever thread completes it.
  *
  * Locks, in acquisition order (never the reverse): store->mu (rwlock) ->
- * tensor->mu -> sh->ssp_mu -> push->mu -> sh->rounds_mu. Several tensor
+ * tensor->mu -> sh->ssp_mu -> push->mu -> sh->rounds_mu, and tensor->mu ->
+ * sh->xs_mu -> an exchanging set's own mutex (xstep.c). Several tensor
  * locks are taken in address order, and by a thread holding no other tensor
  * lock. A set of linked sync rounds is completed with its tensors' locks
  * held only to check, sum, apply and collect its members; their pushes are
@@ -234,6 +237,8 @@ typedef struct fps_update_hp_s {
 typedef struct fps_apply_prep_s {
   double *scratch;            /* the Adafactor step's scratch, NULL: none needed */
   fps_snap_t *snap;           /* the snapshot's wrapper, NULL: none wanted */
+  struct fps_split_step_s *split; /* a block's combined cross-shard step
+                               * (xstep.c): its apply is pass C; NULL: none */
 } fps_apply_prep_t;
 
 /* Kinds of optimizer state arrays (the wire's StateKind - 1). */
@@ -257,6 +262,8 @@ typedef struct fps_round_s {
   fps_tensor_t *cnext;        /* next tensor of the set walked */
   fps_apply_prep_t prep;      /* settling: what its update needs */
   float *sum;                 /* settling: its finished sum (t->mu) */
+  bool exchanging;            /* settling: its set waits for the exchange of
+                               * its split blocks (xstep.c; t->mu) */
 } fps_round_t;
 
 struct fps_tensor_s {
@@ -391,6 +398,8 @@ typedef struct fps_shard_view_s {
   /* The counters (fps_counters_t) at the time of the view. */
   uint64_t pushes, push_errors, updates, bytes_received, bytes_sent, update_bytes;
   double push_seconds_sum, update_seconds_sum;
+  uint64_t xbytes_sent, xbytes_received, xsteps, xfailures; /* the exchange */
+  double xseconds_sum;
   double push_seconds_p50, push_seconds_p99; /* of the recent pushes, 0: none */
   double uptime_seconds;
 } fps_shard_view_t;
@@ -576,6 +585,12 @@ typedef struct fps_counters_s {
   pthread_mutex_t mu;               /* the doubles and the latency ring */
   double push_seconds_sum;
   double update_seconds_sum;
+  /* The exchange of split tensors' partials (xstep.c): bytes of partials
+   * acknowledged by peers / accepted from peers, steps exchanged, steps
+   * failed (every cause), and their seconds from sending ours to having
+   * every block's (sum, under mu). */
+  atomic_uint_fast64_t xbytes_sent, xbytes_received, xsteps, xfailures;
+  double xseconds_sum;
   double latency[FPS_LATENCY_RING];
   uint32_t latency_n, latency_head;
 } fps_counters_t;
@@ -677,6 +692,10 @@ struct fps_shard_s {
   fps_xsend_fn xsend;
   void *xsend_ctx;
   double xdeadline;                 /* seconds a step's exchange may take */
+  /* The sets exchanging (xstep.c), for the expiry hook; xs_mu comes after
+   * every tensor lock. */
+  pthread_mutex_t xs_mu;
+  struct fps_xgroup_s *xgroups;
 };
 
 /* An empty shard: copies opts (checkpoint_dir stays borrowed), uses

@@ -17,6 +17,7 @@
 #include "name.h"
 #include "reduce.h"
 #include "shard.h"
+#include "xstep.h"
 
 static uint64_t fps__hash(const char *s, size_t len) {
   uint64_t h = UINT64_C(1469598103934665603); /* FNV-1a */
@@ -140,6 +141,7 @@ fail:
 void fps_tensor_destroy(fps_tensor_t *t) {
   if (!t) return;
   fps_adafactor_state_destroy(&t->st);
+  fps__split_destroy(t->split);
   fps_ranges_free(&t->init);
   for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
   fps_free(t->round.member);
@@ -152,7 +154,7 @@ void fps_tensor_destroy(fps_tensor_t *t) {
 
 /* This update's settings: Create's, with the push's lr and weight decay
  * (validated against the flavor's rules when they arrived). */
-static fps_adafactor_hparams_t fps__update_hparams(const fps_tensor_t *t, const fps_update_hp_t *uh) {
+fps_adafactor_hparams_t fps__update_hparams(const fps_tensor_t *t, const fps_update_hp_t *uh) {
   fps_adafactor_hparams_t hp = t->hp;
   if (uh) {
     hp.lr = uh->lr;
@@ -163,10 +165,17 @@ static fps_adafactor_hparams_t fps__update_hparams(const fps_tensor_t *t, const 
 
 int fps__apply_prepare(fps_shard_t *sh, const fps_tensor_t *t, const fps_update_hp_t *uh, bool update,
                        bool want_snap, fps_apply_prep_t *prep, char *why, size_t wl) {
-  (void)sh;
   prep->scratch = NULL;
   prep->snap = NULL;
-  if (update) {
+  prep->split = NULL;
+  if (update && t->split && sh->cfg.mode != FPS_MODE_SYNC) {
+    /* Not reached while Create refuses blocks outside sync mode. */
+    snprintf(why, wl, "tensor '%s' is a block of a split tensor: split tensors need --mode sync", t->name);
+    return FPS_EUNSUPPORTED;
+  }
+  /* A block's settings are checked by its pass A (xstep.c), which needs
+   * no scratch of ours. */
+  if (update && !t->split) {
     fps_adafactor_hparams_t hp = fps__update_hparams(t, uh);
     int rc = fps_adafactor_step_check(&hp, &t->st);
     if (rc < 0) {
@@ -190,6 +199,8 @@ int fps__apply_prepare(fps_shard_t *sh, const fps_tensor_t *t, const fps_update_
 }
 
 void fps__apply_prep_release(fps_apply_prep_t *prep) {
+  fps_split_step_free(prep->split); /* not applied: abandoned, nothing changed */
+  prep->split = NULL;
   fps_free(prep->scratch);
   fps_free(prep->snap);
   prep->scratch = NULL;
@@ -206,8 +217,19 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool
     fps_adafactor_hparams_t hp = fps__update_hparams(t, uh);
     int64_t t0 = fps_now_ns();
     fps_pool_t *pool = t->numel >= FPS_POOL_MIN_NUMEL ? sh->pool : NULL;
-    int rc = fps_adafactor_step_scratch(sh->kernels, &hp, &t->st, t->param, grad, pool,
-                                        prep ? prep->scratch : NULL, &tr);
+    int rc;
+    if (!t->split) {
+      rc = fps_adafactor_step_scratch(sh->kernels, &hp, &t->st, t->param, grad, pool,
+                                      prep ? prep->scratch : NULL, &tr);
+    } else if (prep && prep->split) {
+      /* A block: pass C of the step combined with the other shards
+       * (xstep.c); grad is the sum its pass A read. */
+      rc = fps_split_step_apply(prep->split, &tr);
+      fps_split_step_free(prep->split);
+      prep->split = NULL;
+    } else {
+      rc = FPS_EUNSUPPORTED; /* a block steps only with the other blocks */
+    }
     int64_t t1 = fps_now_ns();
     if (rc < 0) {
       FPS_SLOG(FPS_LOG_ERROR, "tensor '%s': Adafactor step failed: %s", t->name, fps_strerror(rc));
@@ -486,10 +508,15 @@ int fps_shard_view(fps_shard_t *sh, bool with_tensors, uint32_t log_limit, fps_s
   v->bytes_received = atomic_load(&c->bytes_received);
   v->bytes_sent = atomic_load(&c->bytes_sent);
   v->update_bytes = atomic_load(&c->update_bytes);
+  v->xbytes_sent = atomic_load(&c->xbytes_sent);
+  v->xbytes_received = atomic_load(&c->xbytes_received);
+  v->xsteps = atomic_load(&c->xsteps);
+  v->xfailures = atomic_load(&c->xfailures);
   double lat[FPS_LATENCY_RING];
   pthread_mutex_lock(&c->mu);
   v->push_seconds_sum = c->push_seconds_sum;
   v->update_seconds_sum = c->update_seconds_sum;
+  v->xseconds_sum = c->xseconds_sum;
   uint32_t nl = c->latency_n;
   memcpy(lat, c->latency, sizeof lat);
   pthread_mutex_unlock(&c->mu);
@@ -631,6 +658,7 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
   pthread_mutex_init(&sh->held_mu, NULL);
   pthread_mutex_init(&sh->counters.mu, NULL);
   pthread_mutex_init(&sh->ckpt_mu, NULL);
+  pthread_mutex_init(&sh->xs_mu, NULL);
   sh->started_ns = fps_now_ns();
   return 0;
 }
@@ -648,6 +676,7 @@ void fps_shard_destroy(fps_shard_t *sh) {
   pthread_mutex_destroy(&sh->held_mu);
   pthread_mutex_destroy(&sh->counters.mu);
   pthread_mutex_destroy(&sh->ckpt_mu);
+  pthread_mutex_destroy(&sh->xs_mu);
 }
 
 void fps_shard_set_exchange(fps_shard_t *sh, fps_xsend_fn send, void *ctx, double deadline_seconds) {
@@ -659,6 +688,7 @@ void fps_shard_set_exchange(fps_shard_t *sh, fps_xsend_fn send, void *ctx, doubl
 void fps_shard_expire(void *arg, int64_t now_ns) {
   fps_shard_t *sh = arg;
   fps__sync_expire(sh, now_ns, false, FPS_ETIMEOUT, NULL);
+  fps__xstep_expire(sh, now_ns, false, NULL);
   fps__push_expire_holds(sh, now_ns, false);
   fps__ssp_expire(sh, now_ns, false, FPS_ETIMEOUT, NULL);
 }
@@ -666,6 +696,7 @@ void fps_shard_expire(void *arg, int64_t now_ns) {
 void fps_shard_fail_waiting(fps_shard_t *sh, int err, const char *why) {
   int64_t now = fps_now_ns();
   fps__sync_expire(sh, now, true, err, why);
+  fps__xstep_expire(sh, now, true, why);
   fps__ssp_expire(sh, now, true, err, why);
   fps__push_expire_holds(sh, now, true); /* held calls receive again, and end */
 }

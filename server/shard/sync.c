@@ -44,6 +44,7 @@
 #include "metrics.h"
 #include "reduce.h"
 #include "shard.h"
+#include "xstep.h"
 
 /* How long before a member's own deadline its round gives up (shard.h). */
 static int64_t fps__round_margin(int64_t call_deadline_ns, int64_t now) {
@@ -223,8 +224,11 @@ static int fps__round_sum_take_locked(fps_shard_t *sh, fps_tensor_t *t, bool wan
 }
 
 /* Completes a full set of k rounds that the caller marked settling: every
- * round is checked and prepared before any is applied. Holds no lock on
- * entry; resolves the members after releasing every lock. */
+ * round is checked and prepared before any is applied. A set holding
+ * split blocks then exchanges their partials with the other shards
+ * (xstep.c) and is settled by whoever completes or fails that exchange.
+ * Holds no lock on entry; resolves the members after releasing every
+ * lock. */
 static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
   uint32_t W = sh->cfg.workers;
   set = fps__set_sort(set, k);
@@ -242,14 +246,47 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
                              sizeof why);
     if (!err) err = fps__round_sum_take_locked(sh, prepared, want, why, sizeof why);
   }
-  fps_push_entry_t *list = NULL;
   if (err) {
     for (fps_tensor_t *t = set; t != prepared; t = t->round.cnext) {
       fps__apply_prep_release(&t->round.prep);
       fps_tbuf_free(sh, t->round.sum, t->numel);
       t->round.sum = NULL;
     }
-    fps__set_suffix(why, sizeof why, strlen(why), set, k);
+    fps__set_settle(sh, set, k, err, why, sizeof why);
+    return;
+  }
+  /* ((g0 + g1) + g2) + ... in fp32, summed as the slices came (reduce.c),
+   * then one division by W: the exact arithmetic a local replay must use
+   * to match bit for bit; the SIMD variants (common/simd) give exactly the
+   * plain loop's bits. A block's pass A needs the mean before the
+   * exchange, so every sum is divided here. */
+  for (fps_tensor_t *t = set; t && W > 1; t = t->round.cnext)
+    if (!t->round.none) fps_kernels_div_f32(sh->kernels, t->round.sum, (size_t)t->numel, (float)W);
+  /* issue 12: blocks of split tensors step with the other shards first. */
+  if (fps__xstep_needed(set)) {
+    fps_xgroup_t *g = NULL;
+    err = fps__xstep_start(sh, set, k, &g, why, sizeof why);
+    if (err) {
+      for (fps_tensor_t *t = set; t; t = t->round.cnext) {
+        fps__apply_prep_release(&t->round.prep);
+        fps_tbuf_free(sh, t->round.sum, t->numel);
+        t->round.sum = NULL;
+      }
+      fps__set_settle(sh, set, k, err, why, sizeof why);
+      return;
+    }
+    for (fps_tensor_t *t = set; t; t = t->round.cnext) pthread_mutex_unlock(&t->mu);
+    fps__xstep_kick(g);
+    return;
+  }
+  fps__set_settle(sh, set, k, 0, why, sizeof why);
+}
+
+void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char *why, size_t why_len) {
+  uint32_t W = sh->cfg.workers;
+  fps_push_entry_t *list = NULL;
+  if (err) {
+    fps__set_suffix(why, why_len, strlen(why), set, k);
     /* The members' gradients were summed: pushes still streaming into
      * those sums can no longer be applied either. */
     for (fps_tensor_t *t = set; t; t = t->round.cnext) fps__reduce_discard_locked(sh, t, FPS_EUNAVAILABLE, why);
@@ -263,17 +300,12 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
       uint64_t n = t->numel;
       float *sum = t->round.sum;
       t->round.sum = NULL;
-      if (!t->round.none) {
+      if (!t->round.none)
         fps_metrics_step_observe(W, (double)(fps_now_ns() - t->round.started_ns) / 1e9);
-        /* ((g0 + g1) + g2) + ... in fp32, summed as the slices came
-         * (reduce.c), then one division by W: the exact arithmetic a local
-         * replay must use to match bit for bit; the SIMD variants
-         * (common/simd) give exactly the plain loop's bits. */
-        if (W > 1) fps_kernels_div_f32(sh->kernels, sum, (size_t)n, (float)W);
-      }
-      /* The sum buffer becomes the snapshot all W share (one reference
-       * each). Every worker said no_grad: nothing is applied, every member
-       * gets the current params at the current version. */
+      /* The sum buffer (divided by W: fps__set_complete) becomes the
+       * snapshot all W share (one reference each). Every worker said
+       * no_grad: nothing is applied, every member gets the current params
+       * at the current version. */
       bool want = t->round.prep.snap != NULL;
       fps_snap_t *snap = NULL;
       int rc = fps__tensor_apply_locked(sh, t, sum, !t->round.none, 0, t->round.step, &m[0]->uh, want, (int)W,
@@ -302,8 +334,12 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
     }
     pthread_mutex_unlock(&sh->rounds_mu);
   }
-  /* Reverse of the locking order is not needed for mutexes; any order. */
-  for (fps_tensor_t *t = set; t; t = t->round.cnext) pthread_mutex_unlock(&t->mu);
+  /* Reverse of the locking order is not needed for mutexes; any order.
+   * (fps__round_take_locked left every round.cnext alone.) */
+  for (fps_tensor_t *t = set, *next; t; t = next) {
+    next = t->round.cnext;
+    pthread_mutex_unlock(&t->mu);
+  }
   fps__resolve_list(list);
 }
 
@@ -330,7 +366,15 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
   for (size_t i = 0; i < n && code == 0; i++) {
     fps_tensor_t *t = sorted[i]->t;
     uint64_t step = sorted[i]->step;
-    if (step < t->version) {
+    if (t->round.exchanging) {
+      /* Its round's sum is taken and its update waits for the other
+       * shards (xstep.c): the version moves, or the set fails, soon. */
+      code = FPS_EUNAVAILABLE;
+      snprintf(why, why_len,
+               "tensor '%s': step %" PRIu64 " is being applied with the other shards of the split tensor "
+               "(exchanging partials); worker %u's push is not counted, retry",
+               t->name, t->version, worker_id);
+    } else if (step < t->version) {
       code = FPS_ESTALE;
       snprintf(why, why_len,
                "tensor '%s': stale push: worker %u sent step %" PRIu64 " but the tensor is at version %" PRIu64

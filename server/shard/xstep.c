@@ -1,0 +1,869 @@
+/* The cross-shard step of split tensors (issue 12; split_tensor.h): a
+ * sync set holding row blocks applies only once every block's partial
+ * sums are here and every peer has acknowledged ours.
+ *
+ * A set of rounds settles as sync.c describes (checked, prepared, sums
+ * taken and divided by W). If it holds blocks with a gradient, each gets
+ * pass A (fps_split_step_begin), and the set waits as an exchange group:
+ *   STATS  our partials go to every other block's shard (the sender hook,
+ *          no core lock held); theirs arrive through
+ *          fps_shard_exchange_receive(). When every block's are in and
+ *          every send is acknowledged, each block combines (in block
+ *          order); a torch block whose clamp may bind needs
+ *   U2     a second exchange of the explicit sums of U^2;
+ * then the whole set is applied at once (sync.c's fps__set_settle: whole
+ * tensors by their step, blocks by pass C). Any failure (a send that
+ * failed or was refused, the deadline, partials that show the blocks
+ * diverged) abandons every block's step (nothing changed) and fails every
+ * member with FPS_EUNAVAILABLE naming the tensor, the peer and the cause.
+ *
+ * A member cancelled during the exchange does not abort it: the peers
+ * may already hold our partials and apply, so failing here alone would
+ * make the blocks diverge. The set settles as it would have (as a sync
+ * set being completed always did); the cancelled call just never hears.
+ *
+ * Partials that arrive before our own step (a peer faster) are kept in
+ * t->split->mail for the block's version v or v + 1; after a step the
+ * partials it used are kept (wire only) so that a peer whose
+ * acknowledgement was lost can retry them and be answered OK.
+ *
+ * Locks: tensor->mu (a block's xs and mail, its round) -> sh->xs_mu (the
+ * list of groups, for the expiry hook) -> g->mu (the group's counts,
+ * error and send records). Whoever makes a group ready (all in, or an
+ * error) marks it busy and advances it with no lock held on entry; only
+ * one thread advances a group at a time. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "alloc.h"
+#include "shard.h"
+#include "xstep.h"
+
+#define NPHASE 2 /* FPS_SPLIT_PHASE_STATS, FPS_SPLIT_PHASE_U2 */
+
+/* One block's partials of one phase, as received. */
+typedef struct fps_xpart_s {
+  uint8_t *wire;              /* NULL: not received */
+  size_t len;
+  fps_split_partials_t dec;   /* decoded (owns its arrays) */
+} fps_xpart_t;
+
+/* A kept Exchange (t->split->mail): early partials (done false), or one
+ * the step of `version` used (done: wire only, for identical retries). */
+typedef struct fps_xkept_s {
+  uint64_t version;
+  uint32_t block;
+  int phase;
+  bool done;
+  uint8_t *wire;
+  size_t len;
+  fps_split_partials_t dec;   /* !done */
+  struct fps_xkept_s *next;
+} fps_xkept_t;
+
+struct fps_xmail_s {
+  fps_xkept_t *head;
+};
+
+/* One block tensor's step in flight (t->split->xs; t->mu). */
+struct fps_xstep_s {
+  fps_xgroup_t *g;
+  fps_tensor_t *t;
+  uint64_t version;
+  uint32_t nb, me;
+  fps_split_step_t *step;     /* until handed to the apply (prep.split) */
+  bool combined;              /* phase STATS combined */
+  bool u2;                    /* combined: phase U2 is due */
+  fps_xpart_t *part;          /* [NPHASE * nb]: (phase - 1) * nb + block */
+  uint8_t *own[NPHASE];       /* our wire form per phase (for the sends) */
+  size_t own_len[NPHASE];
+};
+
+/* One send of our partials to a peer. */
+typedef struct fps_xsendrec_s {
+  fps_xgroup_t *g;
+  struct fps_xstep_s *x;
+  uint32_t to;
+  int phase;
+  int state;                  /* 0 not sent, 1 in flight, 2 acknowledged, 3 failed */
+} fps_xsendrec_t;
+
+struct fps_xgroup_s {
+  fps_shard_t *sh;
+  pthread_mutex_t mu;
+  int refs;                   /* until settled + the advancer or kicker +
+                               * sends in flight */
+  fps_tensor_t *set;          /* the set's rounds, address order (round.cnext) */
+  size_t k;
+  struct fps_xstep_s **x;     /* its blocks with a gradient */
+  size_t n;
+  fps_xsendrec_t *rec;        /* [NPHASE * sends per phase] */
+  size_t nsend;               /* sends per phase */
+  int phase;                  /* being exchanged */
+  size_t missing;             /* peers' partials of this phase not yet here */
+  size_t unacked;             /* our sends of this phase not yet acknowledged */
+  bool busy;                  /* a thread advances or sends for it */
+  bool over;                  /* settled */
+  bool timed_out;             /* the expiry hook failed it */
+  bool msg_due;               /* timed out: finish writes msg (naming peers) */
+  int err;                    /* the first failure, 0: none */
+  char msg[1024];
+  int64_t started_ns, deadline_ns;
+  struct fps_xgroup_s *prev, *next; /* sh->xgroups (sh->xs_mu) */
+  bool linked;
+};
+
+/* ------------------------------------------------------------ helpers */
+
+static void fps__xpart_clear(fps_xpart_t *p) {
+  fps_free(p->wire);
+  fps_split_partials_free(&p->dec);
+  memset(p, 0, sizeof *p);
+}
+
+static void fps__xkept_free(fps_xkept_t *k) {
+  fps_free(k->wire);
+  if (!k->done) fps_split_partials_free(&k->dec);
+  fps_free(k);
+}
+
+static void fps__xstep_free(struct fps_xstep_s *x) {
+  if (!x) return;
+  fps_split_step_free(x->step);
+  if (x->part)
+    for (uint32_t i = 0; i < NPHASE * x->nb; i++) fps__xpart_clear(&x->part[i]);
+  fps_free(x->part);
+  for (int p = 0; p < NPHASE; p++) fps_free(x->own[p]);
+  fps_free(x);
+}
+
+static void fps__xg_unref(fps_xgroup_t *g) {
+  pthread_mutex_lock(&g->mu);
+  bool last = --g->refs == 0;
+  pthread_mutex_unlock(&g->mu);
+  if (!last) return;
+  for (size_t i = 0; i < g->n; i++) fps__xstep_free(g->x[i]);
+  fps_free(g->x);
+  fps_free(g->rec);
+  pthread_mutex_destroy(&g->mu);
+  fps_free(g);
+}
+
+/* True (and g marked busy) if g can advance now: failed, or every
+ * partial of its phase in and every send acknowledged. REQUIRES g->mu. */
+static bool fps__xg_ready_locked(fps_xgroup_t *g) {
+  if (g->busy || g->over) return false;
+  if (!g->err && (g->missing || g->unacked)) return false;
+  g->busy = true;
+  g->refs++; /* the advancer's */
+  return true;
+}
+
+/* Records the group's first failure. REQUIRES g->mu. */
+static void fps__xg_fail_locked(fps_xgroup_t *g, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void fps__xg_fail_locked(fps_xgroup_t *g, const char *fmt, ...) {
+  if (g->err) return;
+  g->err = FPS_EUNAVAILABLE;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g->msg, sizeof g->msg, fmt, ap);
+  va_end(ap);
+}
+
+/* The geometry block b of t's map has. */
+static int fps__block_geom(const fps_tensor_t *t, uint32_t b, fps_split_geom_t *g) {
+  char why[256];
+  const fps_tensor_split_t *sp = t->split;
+  return fps_split_geom_init(g, &t->shape, sp->bounds[b], sp->bounds[b + 1], why, sizeof why);
+}
+
+/* Checks a peer's old column state against ours where their matrices
+ * overlap (phase STATS, same version). 0 or the first matrix that differs
+ * + 1. REQUIRES t->mu. */
+static uint64_t fps__colstate_differs(const fps_tensor_t *t, const fps_split_partials_t *p) {
+  const fps_split_state_t *st = &t->split->st;
+  if (!p->factored || !st->col) return 0;
+  uint64_t lo = p->mtx_lo > st->g.mtx_lo ? p->mtx_lo : st->g.mtx_lo;
+  uint64_t hi_p = p->mtx_lo + p->nmat, hi_s = st->g.mtx_lo + st->g.nmat;
+  uint64_t hi = hi_p < hi_s ? hi_p : hi_s;
+  const uint64_t C = st->g.cols;
+  for (uint64_t m = lo; m < hi; m++)
+    if (memcmp(p->col_old + (m - p->mtx_lo) * C, st->col + (m - st->g.mtx_lo) * C, C * sizeof(float)))
+      return m + 1;
+  return 0;
+}
+
+/* ------------------------------------------------------------ set-up */
+
+void fps__split_destroy(fps_tensor_split_t *s) {
+  if (!s) return;
+  fps__xstep_free(s->xs); /* not reached: no step is in flight at destroy */
+  if (s->mail) {
+    for (fps_xkept_t *k = s->mail->head, *n; k; k = n) {
+      n = k->next;
+      fps__xkept_free(k);
+    }
+    fps_free(s->mail);
+  }
+  fps_split_state_destroy(&s->st);
+  fps_free(s->bounds);
+  fps_free(s->block_shards);
+  fps_free(s);
+}
+
+bool fps__xstep_needed(const fps_tensor_t *set) {
+  for (const fps_tensor_t *t = set; t; t = t->round.cnext)
+    if (t->split && !t->round.none) return true;
+  return false;
+}
+
+/* Drops kept partials the block no longer needs at version v: early ones
+ * before v, and those of steps before v - 1. REQUIRES t->mu. */
+static void fps__mail_prune(fps_tensor_split_t *sp, uint64_t v) {
+  if (!sp->mail) return;
+  for (fps_xkept_t **pp = &sp->mail->head; *pp;) {
+    fps_xkept_t *k = *pp;
+    bool drop = k->done ? k->version + 1 < v : k->version < v;
+    if (drop) {
+      *pp = k->next;
+      fps__xkept_free(k);
+    } else {
+      pp = &k->next;
+    }
+  }
+}
+
+/* ------------------------------------------------------------- start */
+
+int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_xgroup_t **out, char *why, size_t wl) {
+  *out = NULL;
+  if (!sh->xsend) {
+    snprintf(why, wl, "tensor '%s': this shard has no --peers, so it cannot step a split tensor", set->name);
+    return FPS_ESTATE;
+  }
+  int rc = 0;
+  fps_xgroup_t *g = fps_calloc(1, sizeof *g);
+  if (!g) goto oom;
+  pthread_mutex_init(&g->mu, NULL);
+  g->sh = sh;
+  g->set = set;
+  g->k = k;
+  g->refs = 2; /* the kicker's, and its life until it settles */
+  g->busy = true; /* until the kick has sent everything */
+  g->phase = FPS_SPLIT_PHASE_STATS;
+  size_t n = 0, nsend = 0;
+  for (fps_tensor_t *t = set; t; t = t->round.cnext)
+    if (t->split && !t->round.none) {
+      n++;
+      nsend += t->split->n_blocks - 1;
+    }
+  g->x = fps_calloc(n, sizeof *g->x);
+  g->rec = fps_calloc(NPHASE * nsend, sizeof *g->rec);
+  if (!g->x || !g->rec) goto oom;
+  g->nsend = nsend;
+  int64_t now = fps_now_ns();
+  g->started_ns = now;
+  g->deadline_ns = fps_clock_after(now, sh->xdeadline > 0 ? sh->xdeadline : 10.0);
+  for (fps_tensor_t *t = set; t; t = t->round.cnext) {
+    /* The members hear of a failure before their own calls give up. */
+    if (t->round.deadline_ns < g->deadline_ns) g->deadline_ns = t->round.deadline_ns;
+    if (!t->split || t->round.none) continue;
+    fps_tensor_split_t *sp = t->split;
+    struct fps_xstep_s *x = fps_calloc(1, sizeof *x);
+    if (!x) goto oom;
+    g->x[g->n++] = x;
+    x->g = g;
+    x->t = t;
+    x->version = t->version;
+    x->nb = sp->n_blocks;
+    x->me = sp->block_index;
+    x->part = fps_calloc(NPHASE * (size_t)x->nb, sizeof *x->part);
+    if (!x->part) goto oom;
+    fps_adafactor_hparams_t hp = fps__update_hparams(t, &t->round.member[0]->uh);
+    fps_pool_t *pool = t->numel >= FPS_POOL_MIN_NUMEL ? sh->pool : NULL;
+    rc = fps_split_step_begin(sh->kernels, &hp, &sp->st, t->param, t->round.sum, pool, &x->step);
+    if (rc == FPS_ENOMEM) goto oom;
+    if (rc < 0) {
+      snprintf(why, wl, "tensor '%s': the Adafactor step refuses this update's settings: %s", t->name,
+               fps_strerror(rc));
+      goto fail;
+    }
+    size_t sz = fps_split_partials_size(&sp->g, FPS_SPLIT_PHASE_STATS);
+    if (!sz || !(x->own[0] = fps_malloc(sz))) goto oom;
+    x->own_len[0] = fps_split_partials_encode(fps_split_step_partials(x->step), x->own[0], sz);
+    if (x->own_len[0] != sz) {
+      snprintf(why, wl, "tensor '%s': could not encode this block's partials", t->name);
+      rc = FPS_EINVAL;
+      goto fail;
+    }
+  }
+  /* Partials that came before this step: checked now against our state
+   * (their geometry was checked when they came). */
+  size_t have = 0;
+  for (size_t i = 0; i < g->n; i++) {
+    struct fps_xstep_s *x = g->x[i];
+    fps_tensor_split_t *sp = x->t->split;
+    fps__mail_prune(sp, x->version);
+    if (!sp->mail) continue;
+    for (fps_xkept_t **pp = &sp->mail->head; *pp;) {
+      fps_xkept_t *m = *pp;
+      if (m->done || m->version != x->version) {
+        pp = &m->next;
+        continue;
+      }
+      uint64_t bad = m->phase == FPS_SPLIT_PHASE_STATS ? fps__colstate_differs(x->t, &m->dec) : 0;
+      if (bad) {
+        snprintf(why, wl,
+                 "tensor '%s' step %" PRIu64 ": shard %u's partials (block %u) carry another column state "
+                 "of matrix %" PRIu64 " than this shard's block: the blocks have diverged; nothing was applied",
+                 x->t->name, x->version, sp->block_shards[m->block], m->block, bad - 1);
+        rc = FPS_EUNAVAILABLE;
+        goto fail;
+      }
+      fps_xpart_t *p = &x->part[(size_t)(m->phase - 1) * x->nb + m->block];
+      p->wire = m->wire;
+      p->len = m->len;
+      p->dec = m->dec;
+      if (m->phase == FPS_SPLIT_PHASE_STATS) have++;
+      *pp = m->next;
+      fps_free(m);
+    }
+  }
+  g->missing = nsend - have;
+  g->unacked = nsend;
+  size_t r = 0;
+  for (size_t i = 0; i < g->n; i++) {
+    struct fps_xstep_s *x = g->x[i];
+    for (uint32_t b = 0; b < x->nb; b++) {
+      if (b == x->me) continue;
+      for (int ph = 0; ph < NPHASE; ph++)
+        g->rec[(size_t)ph * nsend + r] = (fps_xsendrec_t){g, x, x->t->split->block_shards[b], ph + 1, 0};
+      r++;
+    }
+    x->t->split->xs = x;
+  }
+  for (fps_tensor_t *t = set; t; t = t->round.cnext) t->round.exchanging = true;
+  pthread_mutex_lock(&sh->xs_mu);
+  g->next = sh->xgroups;
+  if (sh->xgroups) sh->xgroups->prev = g;
+  sh->xgroups = g;
+  g->linked = true;
+  pthread_mutex_unlock(&sh->xs_mu);
+  *out = g;
+  return 0;
+oom:
+  snprintf(why, wl, "tensor '%s': out of memory starting the exchange of its split blocks", set->name);
+  rc = FPS_ENOMEM;
+fail:
+  /* Nothing was sent and no state changed: pass A changes nothing. (Mail
+   * taken into a step goes with it: those peers' steps fail too.) */
+  if (g) {
+    for (size_t i = 0; g->x && i < g->n; i++) fps__xstep_free(g->x[i]);
+    fps_free(g->x);
+    fps_free(g->rec);
+    pthread_mutex_destroy(&g->mu);
+    fps_free(g);
+  }
+  return rc;
+}
+
+/* ------------------------------------------------------------- sends */
+
+static void fps__xg_advance(fps_xgroup_t *g);
+
+static void fps__xsend_done(void *arg, int err, const char *msg) {
+  fps_xsendrec_t *rec = arg;
+  fps_xgroup_t *g = rec->g;
+  fps_shard_t *sh = g->sh;
+  pthread_mutex_lock(&g->mu);
+  rec->state = err ? 3 : 2;
+  if (!g->over) {
+    if (err)
+      fps__xg_fail_locked(g,
+                          "tensor '%s' step %" PRIu64 ": the exchange with shard %u failed (%s): %s; nothing was "
+                          "applied, retry",
+                          rec->x->t->name, rec->x->version, rec->to,
+                          rec->phase == FPS_SPLIT_PHASE_STATS ? "partials" : "U2 partials",
+                          msg && *msg ? msg : fps_strerror(err));
+    else if (rec->phase == g->phase)
+      g->unacked--;
+  }
+  bool ready = fps__xg_ready_locked(g);
+  pthread_mutex_unlock(&g->mu);
+  if (!err) atomic_fetch_add(&sh->counters.xbytes_sent, rec->x->own_len[rec->phase - 1]);
+  if (ready) fps__xg_advance(g);
+  fps__xg_unref(g); /* the send's */
+}
+
+/* Sends phase `phase`'s partials of every block of g (g busy, held by the
+ * caller's reference; no core lock held), then lets g advance. */
+static void fps__xg_send(fps_xgroup_t *g, int phase) {
+  fps_shard_t *sh = g->sh;
+  fps_xsendrec_t *rec = g->rec + (size_t)(phase - 1) * g->nsend;
+  for (size_t i = 0; i < g->nsend; i++) {
+    struct fps_xstep_s *x = rec[i].x;
+    if (phase == FPS_SPLIT_PHASE_U2 && !x->u2) continue;
+    pthread_mutex_lock(&g->mu);
+    bool stop = g->err != 0;
+    if (!stop) {
+      g->refs++;
+      rec[i].state = 1;
+    }
+    pthread_mutex_unlock(&g->mu);
+    if (stop) break; /* failed meanwhile: the rest need not go */
+    fps_xmsg_t m = {.name = x->t->name, .version = x->version, .from_shard = sh->cfg.shard_id,
+                    .shard_count = sh->cfg.shard_count, .block_index = x->me, .phase = phase,
+                    .partials = x->own[phase - 1], .len = x->own_len[phase - 1]};
+    int rc = sh->xsend(sh->xsend_ctx, rec[i].to, &m, g->deadline_ns, fps__xsend_done, &rec[i]);
+    if (rc < 0) {
+      char cause[128];
+      snprintf(cause, sizeof cause, "the send was refused at once (%s)", fps_strerror(rc));
+      fps__xsend_done(&rec[i], rc, cause);
+    }
+  }
+  pthread_mutex_lock(&g->mu);
+  g->busy = false;
+  bool ready = fps__xg_ready_locked(g);
+  pthread_mutex_unlock(&g->mu);
+  if (ready) fps__xg_advance(g);
+}
+
+void fps__xstep_kick(fps_xgroup_t *g) {
+  fps__xg_send(g, FPS_SPLIT_PHASE_STATS);
+  fps__xg_unref(g); /* the kicker's */
+}
+
+/* ------------------------------------------------------- advance, settle */
+
+/* The parts of phase `phase` of x in block order, ours at its place. */
+static void fps__xstep_parts(const struct fps_xstep_s *x, int phase, fps_split_partials_t *parts) {
+  for (uint32_t b = 0; b < x->nb; b++) {
+    if (b == x->me)
+      parts[b] = *(phase == FPS_SPLIT_PHASE_STATS ? fps_split_step_partials(x->step) : fps_split_step_u2(x->step));
+    else
+      parts[b] = x->part[(size_t)(phase - 1) * x->nb + b].dec;
+  }
+}
+
+/* Why a timed-out or forced group failed: the peers still missing.
+ * REQUIRES the set's tensor locks and g->mu. */
+static void fps__xg_timeout_msg_locked(fps_xgroup_t *g, const char *reason) {
+  int64_t now = fps_now_ns();
+  struct fps_xstep_s *x0 = g->x[0];
+  size_t n = (size_t)snprintf(g->msg, sizeof g->msg, "tensor '%s' step %" PRIu64 ": ", x0->t->name, x0->version);
+  if (reason) {
+    snprintf(g->msg + n, sizeof g->msg - n, "%s; the exchange of its split blocks was abandoned, nothing applied",
+             reason);
+    return;
+  }
+  n += (size_t)snprintf(g->msg + n, sizeof g->msg - n, "the exchange of %s partials timed out after %.3f s;",
+                        g->phase == FPS_SPLIT_PHASE_STATS ? "its" : "its U2", (double)(now - g->started_ns) / 1e9);
+  /* The first block tensor that still lacks something names the peers. */
+  for (size_t i = 0; i < g->n && n < sizeof g->msg - 200; i++) {
+    struct fps_xstep_s *x = g->x[i];
+    if (g->phase == FPS_SPLIT_PHASE_U2 && !x->u2) continue;
+    const char *sep = " no partials from shard ";
+    for (uint32_t b = 0; b < x->nb && n < sizeof g->msg - 120; b++)
+      if (b != x->me && !x->part[(size_t)(g->phase - 1) * x->nb + b].wire) {
+        n += (size_t)snprintf(g->msg + n, sizeof g->msg - n, "%s%u", sep, x->t->split->block_shards[b]);
+        sep = ", ";
+      }
+    if (strcmp(sep, ", ") == 0 && x != x0)
+      n += (size_t)snprintf(g->msg + n, sizeof g->msg - n, " (tensor '%s')", x->t->name);
+    sep = "; no acknowledgement from shard ";
+    fps_xsendrec_t *rec = g->rec + (size_t)(g->phase - 1) * g->nsend;
+    for (size_t r = 0; r < g->nsend && n < sizeof g->msg - 120; r++)
+      if (rec[r].x == x && rec[r].state != 2) {
+        n += (size_t)snprintf(g->msg + n, sizeof g->msg - n, "%s%u", sep, rec[r].to);
+        sep = ", ";
+      }
+  }
+  if (n < sizeof g->msg) snprintf(g->msg + n, sizeof g->msg - n, "; nothing was applied, retry");
+}
+
+/* Settles g (the set's tensor locks held, g busy): err 0 hands every
+ * block's combined step to its apply; otherwise abandons them. */
+static void fps__xg_finish(fps_xgroup_t *g, int err) {
+  fps_shard_t *sh = g->sh;
+  pthread_mutex_lock(&sh->xs_mu);
+  if (g->linked) {
+    if (g->prev) g->prev->next = g->next;
+    else sh->xgroups = g->next;
+    if (g->next) g->next->prev = g->prev;
+    g->linked = false;
+  }
+  pthread_mutex_unlock(&sh->xs_mu);
+  int64_t now = fps_now_ns();
+  for (size_t i = 0; i < g->n; i++) {
+    struct fps_xstep_s *x = g->x[i];
+    fps_tensor_split_t *sp = x->t->split;
+    sp->xs = NULL;
+    if (err) {
+      fps_split_step_free(x->step); /* abandoned: nothing changed */
+      x->step = NULL;
+      continue;
+    }
+    x->t->round.prep.split = x->step;
+    x->step = NULL;
+    /* Kept for peers whose acknowledgement was lost: they retry these. */
+    if (!sp->mail) sp->mail = fps_calloc(1, sizeof *sp->mail);
+    for (uint32_t j = 0; sp->mail && j < NPHASE * x->nb; j++) {
+      fps_xpart_t *p = &x->part[j];
+      fps_xkept_t *kp = p->wire ? fps_calloc(1, sizeof *kp) : NULL;
+      if (!kp) continue; /* out of memory: such a retry is refused (old version) */
+      kp->version = x->version;
+      kp->block = j % x->nb;
+      kp->phase = (int)(j / x->nb) + 1;
+      kp->done = true;
+      kp->wire = p->wire;
+      kp->len = p->len;
+      p->wire = NULL;
+      kp->next = sp->mail->head;
+      sp->mail->head = kp;
+    }
+    fps__mail_prune(sp, x->version + 1);
+  }
+  for (fps_tensor_t *t = g->set; t; t = t->round.cnext) t->round.exchanging = false;
+  char why[1024];
+  pthread_mutex_lock(&g->mu);
+  g->over = true;
+  if (g->msg_due) {
+    char reason[sizeof g->msg];
+    snprintf(reason, sizeof reason, "%s", g->msg);
+    fps__xg_timeout_msg_locked(g, reason[0] ? reason : NULL);
+    g->msg_due = false;
+  }
+  snprintf(why, sizeof why, "%s", g->msg);
+  pthread_mutex_unlock(&g->mu);
+  if (err) {
+    atomic_fetch_add(&sh->counters.xfailures, 1);
+    for (fps_tensor_t *t = g->set; t; t = t->round.cnext) {
+      fps__apply_prep_release(&t->round.prep);
+      fps_tbuf_free(sh, t->round.sum, t->numel);
+      t->round.sum = NULL;
+    }
+  } else {
+    atomic_fetch_add(&sh->counters.xsteps, 1);
+    pthread_mutex_lock(&sh->counters.mu);
+    sh->counters.xseconds_sum += (double)(now - g->started_ns) / 1e9;
+    pthread_mutex_unlock(&sh->counters.mu);
+  }
+  fps__set_settle(sh, g->set, g->k, err, why, sizeof why);
+  fps__xg_unref(g); /* settled: no tensor points to it any more */
+}
+
+/* Advances a ready group (the caller made it busy and holds a reference
+ * for it): combines the phase that is complete, starts phase U2 where
+ * due, or settles the set. */
+static void fps__xg_advance(fps_xgroup_t *g) {
+  for (;;) {
+    for (fps_tensor_t *t = g->set; t; t = t->round.cnext) pthread_mutex_lock(&t->mu);
+    pthread_mutex_lock(&g->mu);
+    int err = g->err, phase = g->phase;
+    pthread_mutex_unlock(&g->mu);
+    char why[512];
+    bool any_u2 = false;
+    for (size_t i = 0; !err && i < g->n; i++) {
+      struct fps_xstep_s *x = g->x[i];
+      if (phase == FPS_SPLIT_PHASE_U2 && !x->u2) continue;
+      fps_split_partials_t *parts = fps_malloc(x->nb * sizeof *parts);
+      int rc = FPS_ENOMEM;
+      snprintf(why, sizeof why, "out of memory");
+      if (parts) {
+        fps__xstep_parts(x, phase, parts);
+        rc = phase == FPS_SPLIT_PHASE_STATS ? fps_split_step_combine(x->step, parts, x->nb, why, sizeof why)
+                                            : fps_split_step_combine_u2(x->step, parts, x->nb, why, sizeof why);
+        fps_free(parts);
+      }
+      if (rc < 0) {
+        pthread_mutex_lock(&g->mu);
+        fps__xg_fail_locked(g,
+                            "tensor '%s' step %" PRIu64 ": combining the blocks' partials failed (%s): %s; "
+                            "nothing was applied",
+                            x->t->name, x->version, fps_strerror(rc), why);
+        err = g->err;
+        pthread_mutex_unlock(&g->mu);
+        break;
+      }
+      if (phase == FPS_SPLIT_PHASE_STATS) {
+        x->combined = true;
+        x->u2 = fps_split_step_needs_u2(x->step);
+        any_u2 |= x->u2;
+      }
+    }
+    /* Phase U2 where due: the explicit sums, then a second exchange. */
+    for (size_t i = 0; !err && any_u2 && i < g->n; i++) {
+      struct fps_xstep_s *x = g->x[i];
+      const fps_split_partials_t *u = x->u2 ? fps_split_step_u2(x->step) : NULL;
+      size_t sz = x->u2 ? fps_split_partials_size(&x->t->split->g, FPS_SPLIT_PHASE_U2) : 0;
+      if (x->u2 && (!u || !sz || !(x->own[1] = fps_malloc(sz)) ||
+                    (x->own_len[1] = fps_split_partials_encode(u, x->own[1], sz)) != sz)) {
+        pthread_mutex_lock(&g->mu);
+        fps__xg_fail_locked(g, "tensor '%s' step %" PRIu64 ": out of memory for the U2 partials; nothing was applied",
+                            x->t->name, x->version);
+        err = g->err;
+        pthread_mutex_unlock(&g->mu);
+      }
+      /* Peers decide the same (same bits): U2 partials for a block that
+       * needs none means they have diverged. */
+      for (uint32_t b = 0; !err && !x->u2 && b < x->nb; b++)
+        if (x->part[x->nb + b].wire) {
+          pthread_mutex_lock(&g->mu);
+          fps__xg_fail_locked(g,
+                              "tensor '%s' step %" PRIu64 ": shard %u sent U2 partials though no U2 phase is due "
+                              "here: the blocks have diverged; nothing was applied",
+                              x->t->name, x->version, x->t->split->block_shards[b]);
+          err = g->err;
+          pthread_mutex_unlock(&g->mu);
+        }
+    }
+    if (!err && any_u2) {
+      size_t missing = 0, sends = 0;
+      for (size_t i = 0; i < g->n; i++) {
+        struct fps_xstep_s *x = g->x[i];
+        for (uint32_t b = 0; x->u2 && b < x->nb; b++)
+          if (b != x->me) {
+            sends++;
+            missing += !x->part[x->nb + b].wire;
+          }
+      }
+      pthread_mutex_lock(&g->mu);
+      err = g->err;
+      if (!err) {
+        g->phase = FPS_SPLIT_PHASE_U2;
+        g->missing = missing;
+        g->unacked = sends;
+      }
+      pthread_mutex_unlock(&g->mu);
+      if (!err) {
+        for (fps_tensor_t *t = g->set; t; t = t->round.cnext) pthread_mutex_unlock(&t->mu);
+        fps__xg_send(g, FPS_SPLIT_PHASE_U2); /* then advances again if ready */
+        fps__xg_unref(g);
+        return;
+      }
+    }
+    fps__xg_finish(g, err); /* releases the tensors' locks */
+    break;
+  }
+  fps__xg_unref(g); /* the advancer's */
+}
+
+/* ------------------------------------------------------------- expiry */
+
+void fps__xstep_expire(fps_shard_t *sh, int64_t now, bool force, const char *reason) {
+  for (;;) {
+    fps_xgroup_t *hit = NULL;
+    pthread_mutex_lock(&sh->xs_mu);
+    for (fps_xgroup_t *g = sh->xgroups; g && !hit; g = g->next) {
+      pthread_mutex_lock(&g->mu);
+      if (!g->timed_out && !g->over && (force || now >= g->deadline_ns)) {
+        g->timed_out = true;
+        if (!g->err) {
+          g->err = FPS_EUNAVAILABLE;
+          /* The message is written when it settles (naming the peers
+           * still missing needs the tensors' locks). */
+          g->msg_due = true;
+          snprintf(g->msg, sizeof g->msg, "%s", reason ? reason : "");
+        }
+        if (fps__xg_ready_locked(g)) hit = g;
+      }
+      pthread_mutex_unlock(&g->mu);
+    }
+    pthread_mutex_unlock(&sh->xs_mu);
+    if (!hit) return;
+    fps__xg_advance(hit);
+  }
+}
+
+/* ------------------------------------------------------------ receive */
+
+/* Finds `m`'s (version, block, phase) among t's kept partials. */
+static fps_xkept_t *fps__mail_find(fps_tensor_split_t *sp, uint64_t v, uint32_t b, int phase, bool done) {
+  if (!sp->mail) return NULL;
+  for (fps_xkept_t *k = sp->mail->head; k; k = k->next)
+    if (k->version == v && k->block == b && k->phase == phase && k->done == done) return k;
+  return NULL;
+}
+
+static bool fps__same(const uint8_t *a, size_t alen, const void *b, size_t blen) {
+  return alen == blen && memcmp(a, b, alen) == 0;
+}
+
+int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, size_t wl) {
+  const char *name = m->name ? m->name : "";
+  char sub[512];
+  /* The checks that need no tensor, in the proto's order. */
+  if (fps_shard_name_check(name, sub, sizeof sub) < 0) {
+    snprintf(why, wl, "Exchange: %s", sub);
+    return FPS_EINVAL;
+  }
+  if (m->phase != FPS_SPLIT_PHASE_STATS && m->phase != FPS_SPLIT_PHASE_U2) {
+    snprintf(why, wl, "Exchange of tensor '%s': phase %d (expected STATS = 1 or U2 = 2)", name, m->phase);
+    return FPS_EINVAL;
+  }
+  if (m->shard_count != sh->cfg.shard_count) {
+    snprintf(why, wl, "Exchange of tensor '%s' from shard %u, which is one of %u shards; this shard is one of %u",
+             name, m->from_shard, m->shard_count, sh->cfg.shard_count);
+    return FPS_ESTATE;
+  }
+  if (m->from_shard >= sh->cfg.shard_count || m->from_shard == sh->cfg.shard_id) {
+    snprintf(why, wl, "Exchange of tensor '%s': from_shard %u is not another shard of the %u (this is shard %u)",
+             name, m->from_shard, sh->cfg.shard_count, sh->cfg.shard_id);
+    return FPS_EINVAL;
+  }
+  int rc = fps_split_partials_check(m->partials, m->len, m->phase, NULL, sub, sizeof sub);
+  if (rc < 0) {
+    snprintf(why, wl, "Exchange of tensor '%s' from shard %u: %s", name, m->from_shard, sub);
+    return FPS_EINVAL;
+  }
+  fps_tensor_t *t = fps_store_find(&sh->store, name);
+  if (!t) {
+    snprintf(why, wl, "Exchange of tensor '%s' from shard %u: this shard holds no row block of it", name,
+             m->from_shard);
+    return FPS_ENOTFOUND;
+  }
+  if (!t->split) { /* fixed at Create: no lock needed */
+    snprintf(why, wl,
+             "Exchange of tensor '%s' from shard %u: this shard holds the tensor whole, not as a row block of a "
+             "split tensor",
+             name, m->from_shard);
+    return FPS_ESTATE;
+  }
+  fps_tensor_split_t *sp = t->split;
+  if (m->block_index >= sp->n_blocks || m->block_index == sp->block_index ||
+      sp->block_shards[m->block_index] != m->from_shard) {
+    snprintf(why, wl,
+             "Exchange of tensor '%s': block %u from shard %u is not in this shard's map (%u blocks, this shard "
+             "holds block %u%s)",
+             name, m->block_index, m->from_shard, sp->n_blocks, sp->block_index,
+             m->block_index < sp->n_blocks && m->block_index != sp->block_index ? ", that block is another shard's"
+                                                                                : "");
+    return FPS_ESTATE;
+  }
+  fps_split_geom_t geo;
+  if (fps__block_geom(t, m->block_index, &geo) < 0) { /* not reached: the map was checked at Create */
+    snprintf(why, wl, "Exchange of tensor '%s': block %u's rows are invalid", name, m->block_index);
+    return FPS_ESTATE;
+  }
+  pthread_mutex_lock(&t->mu);
+  uint64_t v = t->version;
+  const char *ph = m->phase == FPS_SPLIT_PHASE_STATS ? "STATS" : "U2";
+  if (!t->ready) {
+    rc = FPS_ESTATE;
+    snprintf(why, wl, "Exchange of tensor '%s' from shard %u: this shard's block is still initialising", name,
+             m->from_shard);
+    goto out;
+  }
+  if (m->version < v) {
+    /* A peer retrying partials of the step just finished here (our
+     * acknowledgement was lost): the same bytes are answered OK. */
+    fps_xkept_t *k = m->version + 1 == v ? fps__mail_find(sp, m->version, m->block_index, m->phase, true) : NULL;
+    if (k && fps__same(k->wire, k->len, m->partials, m->len)) {
+      rc = 0;
+      goto out;
+    }
+    rc = FPS_ESTATE;
+    snprintf(why, wl,
+             "Exchange of tensor '%s' from shard %u: %s partials of version %" PRIu64
+             ", but this shard's block is at version %" PRIu64 " (that step is over here)",
+             name, m->from_shard, ph, m->version, v);
+    goto out;
+  }
+  if (m->version > v + 1) {
+    rc = FPS_ESTATE;
+    snprintf(why, wl,
+             "Exchange of tensor '%s' from shard %u: partials of version %" PRIu64 ", more than one step ahead of "
+             "this shard's block (version %" PRIu64 "): the blocks have diverged",
+             name, m->from_shard, m->version, v);
+    goto out;
+  }
+  struct fps_xstep_s *x = sp->xs && sp->xs->version == m->version ? sp->xs : NULL;
+  /* A retry of partials already here: OK if identical. */
+  const fps_xpart_t *had = x ? &x->part[(size_t)(m->phase - 1) * x->nb + m->block_index] : NULL;
+  const fps_xkept_t *kept = x ? NULL : fps__mail_find(sp, m->version, m->block_index, m->phase, false);
+  if ((had && had->wire) || kept) {
+    bool same = had && had->wire ? fps__same(had->wire, had->len, m->partials, m->len)
+                                 : fps__same(kept->wire, kept->len, m->partials, m->len);
+    rc = same ? 0 : FPS_EEXISTS;
+    if (!same)
+      snprintf(why, wl,
+               "Exchange of tensor '%s' from shard %u: different %s partials of block %u for version %" PRIu64
+               " were already received",
+               name, m->from_shard, ph, m->block_index, m->version);
+    goto out;
+  }
+  fps_split_partials_t dec;
+  rc = fps_split_partials_decode(m->partials, m->len, &geo, m->phase, &dec, sub, sizeof sub);
+  if (rc == FPS_ENOMEM) {
+    snprintf(why, wl, "Exchange of tensor '%s': out of memory", name);
+    goto out;
+  }
+  if (rc < 0) {
+    rc = FPS_ESTATE;
+    snprintf(why, wl,
+             "Exchange of tensor '%s' from shard %u: the partials do not fit block %u of this shard's map (%s): "
+             "the blocks have diverged",
+             name, m->from_shard, m->block_index, sub);
+    goto out;
+  }
+  uint64_t bad = m->version == v && m->phase == FPS_SPLIT_PHASE_STATS ? fps__colstate_differs(t, &dec) : 0;
+  if (bad) {
+    fps_split_partials_free(&dec);
+    rc = FPS_ESTATE;
+    snprintf(why, wl,
+             "Exchange of tensor '%s' from shard %u: block %u's column state of matrix %" PRIu64
+             " before step %" PRIu64 " differs from this shard's: the blocks have diverged",
+             name, m->from_shard, m->block_index, bad - 1, v);
+    goto out;
+  }
+  if (x && m->phase == FPS_SPLIT_PHASE_U2 && x->combined && !x->u2) {
+    fps_split_partials_free(&dec);
+    rc = FPS_ESTATE;
+    snprintf(why, wl,
+             "Exchange of tensor '%s' from shard %u: U2 partials for step %" PRIu64
+             ", but no U2 phase is due here: the blocks have diverged",
+             name, m->from_shard, v);
+    goto out;
+  }
+  uint8_t *wire = fps_malloc(m->len ? m->len : 1);
+  fps_xkept_t *kp = NULL;
+  if (wire && !x) {
+    if (!sp->mail) sp->mail = fps_calloc(1, sizeof *sp->mail);
+    kp = sp->mail ? fps_calloc(1, sizeof *kp) : NULL;
+  }
+  if (!wire || (!x && !kp)) {
+    fps_free(wire);
+    fps_split_partials_free(&dec);
+    rc = FPS_ENOMEM;
+    snprintf(why, wl, "Exchange of tensor '%s': out of memory keeping the partials", name);
+    goto out;
+  }
+  memcpy(wire, m->partials, m->len);
+  atomic_fetch_add(&sh->counters.xbytes_received, m->len);
+  if (!x) {
+    /* Before our own step of that version: kept until it starts. */
+    *kp = (fps_xkept_t){m->version, m->block_index, m->phase, false, wire, m->len, dec, sp->mail->head};
+    sp->mail->head = kp;
+    rc = 0;
+    goto out;
+  }
+  fps_xpart_t *p = &x->part[(size_t)(m->phase - 1) * x->nb + m->block_index];
+  p->wire = wire;
+  p->len = m->len;
+  p->dec = dec;
+  fps_xgroup_t *g = x->g;
+  pthread_mutex_lock(&g->mu);
+  if (m->phase == g->phase && (m->phase == FPS_SPLIT_PHASE_STATS || x->u2)) g->missing--;
+  bool ready = fps__xg_ready_locked(g);
+  pthread_mutex_unlock(&g->mu);
+  pthread_mutex_unlock(&t->mu);
+  /* The last partials: this thread completes the step (its pushes are
+   * resolved before the peer hears OK). */
+  if (ready) fps__xg_advance(g);
+  return 0;
+out:
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}

@@ -1,0 +1,1090 @@
+/* The cross-shard step of split tensors (server/shard/xstep.c): 2, 3 and
+ * 4 shard cores in one process, each core's sender wired to the others'
+ * fps_shard_exchange_receive() through a queue that one thread drains (a
+ * receive never runs inside a sender), with links that can hold, refuse or
+ * lose the acknowledgement of a message. Sync mode, fake clock.
+ *
+ * Exactness: every golden case with >= 2 rows, split over 2, 3 and 4
+ * cores (a block of one row among them) and pushed by W = 1 and 2
+ * workers, must give on every core bit for bit what common's split math
+ * gives for the same blocks and the mean gradient (the same arithmetic:
+ * the W gradients summed in fp32 in worker order, divided by W), and match
+ * the unsplit core (one shard, whole tensor) within check_vectors.py's
+ * tolerances (param scaled 1e-5; row/col/var relative 1e-4; mom scaled
+ * 1e-5). Then the failures: a peer that never answers, a refused send, a
+ * lost acknowledgement, early / duplicate / different / stale / ahead
+ * partials, a set {block, whole tensor}, a member cancelled mid-exchange,
+ * and shutdown: nothing applied anywhere on a failure, every member told
+ * UNAVAILABLE naming the tensor and the peer. */
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "alloc.h"
+#include "golden.h"
+#include "shard_fixture.h"
+#include "simd/kernels.h"
+
+#define MAXS 4
+#define MAXW 2
+#define XDEADLINE_S 5.0
+#define PTOL 1e-5
+#define STOL 1e-4
+
+/* ------------------------------------------------------------ the net */
+
+enum { LINK_OK = 0, LINK_HOLD, LINK_REFUSE, LINK_PEER_ERR, LINK_LOSE_ACK };
+
+typedef struct qmsg_s {
+  uint32_t from, to;
+  char *name;
+  fps_xmsg_t m;
+  uint8_t *partials;
+  fps_xsend_done_fn done;
+  void *arg;
+  int retries;                /* LINK_LOSE_ACK: deliveries before the ack */
+  struct qmsg_s *next;
+} qmsg_t;
+
+static fps_shard_t core[MAXS];
+static uint32_t ncores;
+static uint32_t node_id[MAXS];
+static int link_mode[MAXS][MAXS];     /* [from][to] */
+static pthread_mutex_t qmu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t qcv = PTHREAD_COND_INITIALIZER;
+static qmsg_t *qhead, *qtail, *held;
+static bool pump_busy, pump_stop;
+static pthread_t pump;
+static unsigned sends_total;
+static int last_rc[MAXS][MAXS];       /* the receive's result per link */
+static char last_why[MAXS][MAXS][FPS_WHY_MAX];
+
+static void q_push_locked(qmsg_t *q) {
+  q->next = NULL;
+  if (qtail) qtail->next = q;
+  else qhead = q;
+  qtail = q;
+  pthread_cond_broadcast(&qcv);
+}
+
+static void qmsg_free(qmsg_t *q) {
+  free(q->name);
+  free(q->partials);
+  free(q);
+}
+
+static int net_send(void *ctx, uint32_t to, const fps_xmsg_t *m, int64_t deadline_ns, fps_xsend_done_fn done,
+                    void *arg) {
+  (void)deadline_ns;
+  uint32_t from = *(const uint32_t *)ctx;
+  assert_true(to < ncores && to != from);
+  int mode = link_mode[from][to];
+  if (mode == LINK_REFUSE) return FPS_EUNAVAILABLE;
+  qmsg_t *q = calloc(1, sizeof *q);
+  assert_non_null(q);
+  q->from = from;
+  q->to = to;
+  q->name = strdup(m->name);
+  q->partials = malloc(m->len);
+  assert_non_null(q->name);
+  assert_non_null(q->partials);
+  memcpy(q->partials, m->partials, m->len);
+  q->m = *m;
+  q->m.name = q->name;
+  q->m.partials = q->partials;
+  q->done = done;
+  q->arg = arg;
+  q->retries = mode == LINK_LOSE_ACK ? 1 : 0;
+  pthread_mutex_lock(&qmu);
+  sends_total++;
+  if (mode == LINK_HOLD) {
+    q->next = held;
+    held = q;
+  } else {
+    q_push_locked(q);
+  }
+  pthread_mutex_unlock(&qmu);
+  return 0;
+}
+
+static void *pump_main(void *u) {
+  (void)u;
+  pthread_mutex_lock(&qmu);
+  for (;;) {
+    while (!qhead && !pump_stop) pthread_cond_wait(&qcv, &qmu);
+    if (!qhead) break;
+    qmsg_t *q = qhead;
+    qhead = q->next;
+    if (!qhead) qtail = NULL;
+    pump_busy = true;
+    int mode = link_mode[q->from][q->to];
+    pthread_mutex_unlock(&qmu);
+    char why[FPS_WHY_MAX] = "";
+    int rc;
+    if (mode == LINK_PEER_ERR) {
+      rc = FPS_ESTATE;
+      snprintf(why, sizeof why, "peer shard %u refused: test refusal", q->to);
+    } else {
+      rc = fps_shard_exchange_receive(&core[q->to], &q->m, why, sizeof why);
+    }
+    last_rc[q->from][q->to] = rc;
+    snprintf(last_why[q->from][q->to], FPS_WHY_MAX, "%s", why);
+    if (rc == 0 && q->retries > 0) {
+      /* The acknowledgement is lost: the sender's transport retries. */
+      q->retries--;
+      pthread_mutex_lock(&qmu);
+      q_push_locked(q);
+      pump_busy = false;
+      continue;
+    }
+    q->done(q->arg, rc, why);
+    qmsg_free(q);
+    pthread_mutex_lock(&qmu);
+    pump_busy = false;
+    pthread_cond_broadcast(&qcv);
+  }
+  pthread_mutex_unlock(&qmu);
+  return NULL;
+}
+
+static void net_idle(void) {
+  pthread_mutex_lock(&qmu);
+  while (qhead || pump_busy) pthread_cond_wait(&qcv, &qmu);
+  pthread_mutex_unlock(&qmu);
+}
+
+/* The held messages: delivered (err 0) or failed with err at the sender. */
+static void net_release(int err) {
+  pthread_mutex_lock(&qmu);
+  qmsg_t *h = held;
+  held = NULL;
+  pthread_mutex_unlock(&qmu);
+  while (h) {
+    qmsg_t *n = h->next;
+    if (err) {
+      h->done(h->arg, err, "the peer did not answer within the deadline");
+      qmsg_free(h);
+    } else {
+      pthread_mutex_lock(&qmu);
+      q_push_locked(h);
+      pthread_mutex_unlock(&qmu);
+    }
+    h = n;
+  }
+  net_idle();
+}
+
+static void cores_up(uint32_t n, uint32_t W) {
+  const fps_kernels_t *k;
+  char why[256];
+  assert_int_equal(fps_kernels_by_name("auto", &k, why, sizeof why), 0);
+  fps__log_level = -1;
+  ncores = n;
+  memset(link_mode, 0, sizeof link_mode);
+  memset(last_rc, 0, sizeof last_rc);
+  sends_total = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    fps_shard_opts_t o = {.shard_id = i, .shard_count = n, .mode = FPS_MODE_SYNC, .workers = W,
+                          .deadline = FX_DEADLINE_S, .max_tensors = 64, .max_bytes = 64u << 20,
+                          .max_staging_bytes = 64u << 20, .apply_log = 8, .checkpoint_dir = ""};
+    assert_int_equal(fps_shard_init(&core[i], &o, k, NULL), 0);
+    node_id[i] = i;
+    fps_shard_set_exchange(&core[i], net_send, &node_id[i], XDEADLINE_S);
+  }
+  pump_stop = false;
+  assert_int_equal(pthread_create(&pump, NULL, pump_main, NULL), 0);
+}
+
+static void cores_down(void) {
+  net_release(FPS_EUNAVAILABLE);
+  net_idle();
+  pthread_mutex_lock(&qmu);
+  pump_stop = true;
+  pthread_cond_broadcast(&qcv);
+  pthread_mutex_unlock(&qmu);
+  pthread_join(pump, NULL);
+  for (uint32_t i = 0; i < ncores; i++) fps_shard_destroy(&core[i]);
+  ncores = 0;
+}
+
+/* --------------------------------------------------------- the tensors */
+
+/* Block idx (of nb, block b on core b) of tensor name on sh, with its
+ * rows of the whole tensor's initial values. Built as Create builds one
+ * (split_tensor.h): whole shape, block numel, block state. */
+static void blk_create(fps_shard_t *sh, const char *name, const fps_shape_t *shape, const fps_adafactor_hparams_t *hp,
+                       const uint64_t *bounds, uint32_t nb, uint32_t idx, const float *whole) {
+  char why[256];
+  fps_split_geom_t g;
+  assert_int_equal(fps_split_geom_init(&g, shape, bounds[idx], bounds[idx + 1], why, sizeof why), 0);
+  fps_tensor_t *t = fps_tensor_create(name, strlen(name), shape, g.block_numel, hp, sh->cfg.workers, 8);
+  assert_non_null(t);
+  fps_adafactor_state_destroy(&t->st);
+  memset(&t->st, 0, sizeof t->st);
+  fps_tensor_split_t *sp = fps_calloc(1, sizeof *sp);
+  assert_non_null(sp);
+  sp->g = g;
+  sp->block_index = idx;
+  sp->n_blocks = nb;
+  sp->shard_count = sh->cfg.shard_count;
+  sp->bounds = fps_malloc((nb + 1) * sizeof *sp->bounds);
+  sp->block_shards = fps_malloc(nb * sizeof *sp->block_shards);
+  assert_non_null(sp->bounds);
+  assert_non_null(sp->block_shards);
+  memcpy(sp->bounds, bounds, (nb + 1) * sizeof *bounds);
+  for (uint32_t b = 0; b < nb; b++) sp->block_shards[b] = b;
+  assert_int_equal(fps_split_state_init(&sp->st, &g, hp), 0);
+  memset(&t->size, 0, sizeof t->size);
+  if (g.factored) {
+    t->size.row = g.row_hi - g.row_lo;
+    t->size.col = g.nmat * g.cols;
+  } else {
+    t->size.var = g.block_numel;
+  }
+  if (sp->st.mom) t->size.mom = g.block_numel;
+  t->size.elements = t->size.row + t->size.col + t->size.var + t->size.mom;
+  t->size.bytes = t->size.elements * 4;
+  memcpy(t->param, whole + g.row_lo * g.cols, g.block_numel * sizeof(float));
+  t->split = sp;
+  t->ready = true;
+  pthread_rwlock_wrlock(&sh->store.mu);
+  assert_int_equal(fps__store_insert_locked(&sh->store, t), 0);
+  pthread_rwlock_unlock(&sh->store.mu);
+}
+
+/* A whole tensor with initial values and settings hp. */
+static void whole_create(fps_shard_t *sh, const char *name, const fps_shape_t *shape,
+                         const fps_adafactor_hparams_t *hp, const float *init) {
+  uint64_t numel = 1;
+  for (uint32_t i = 0; i < shape->ndim; i++) numel *= shape->dim[i];
+  fps_slice_t s = {.dtype = FPS_DTYPE_F32, .offset = 0, .data = (const uint8_t *)init, .len = numel * 4};
+  fps_create_item_t it = {.name = name, .dims = shape->dim, .ndim = shape->ndim, .init = &s, .hp = *hp};
+  fps_create_info_t info;
+  uint64_t rx;
+  char why[FPS_WHY_MAX];
+  int rc = fps_shard_create(sh, sh->cfg.shard_id, sh->cfg.shard_count, &it, 1, &info, &rx, why, sizeof why);
+  if (rc) print_error("create %s: %s\n", name, why);
+  assert_int_equal(rc, 0);
+}
+
+static fps_tensor_t *find(fps_shard_t *sh, const char *name) {
+  fps_tensor_t *t = fps_store_find(&sh->store, name);
+  assert_non_null(t);
+  return t;
+}
+
+/* One worker's push of the named tensors' gradients (g[i]: that core's
+ * numel floats of tensor names[i]). */
+typedef struct wpush_s {
+  fps_push_t *p;
+  fx_done_t d;
+  int rc;                     /* the commit's */
+  char why[FPS_WHY_MAX];
+} wpush_t;
+
+static void push_start(wpush_t *w, fps_shard_t *sh, uint32_t worker, uint64_t step, size_t n, const char *const *names,
+                       const float *const *g) {
+  w->p = fx_push_new(sh, worker, step, INT64_MAX, &w->d);
+  for (size_t i = 0; i < n; i++) {
+    fps_tensor_t *t = find(sh, names[i]);
+    int rc = fx_push_grad(w->p, names[i], g[i], t->numel, 1, NULL);
+    assert_int_equal(rc, 0);
+  }
+  w->rc = fps_push_commit(w->p, w->why, sizeof w->why);
+}
+
+/* How a push ended: its commit's result, or its done callback's. */
+static int push_result(wpush_t *w, char *why, size_t wl) {
+  if (w->rc != FPS_EAGAIN) {
+    if (w->rc == 0) return fps_push_result(w->p, why, wl);
+    snprintf(why, wl, "%s", w->why);
+    return w->rc;
+  }
+  assert_int_equal(w->d.calls, 1);
+  snprintf(why, wl, "%s", w->d.why);
+  return w->d.err;
+}
+
+static void push_end(wpush_t *w) {
+  fps_push_destroy(w->p);
+  w->p = NULL;
+}
+
+/* ------------------------------------------- the reference: common's math */
+
+typedef struct ref_s {
+  fps_split_geom_t g[MAXS];
+  fps_split_state_t st[MAXS];
+  float *param;               /* whole */
+  unsigned u2_steps;
+} ref_t;
+
+static void ref_init(ref_t *r, const fps_shape_t *shape, const fps_adafactor_hparams_t *hp, const uint64_t *bounds,
+                     uint32_t nb, const float *init, uint64_t numel) {
+  memset(r, 0, sizeof *r);
+  for (uint32_t b = 0; b < nb; b++) {
+    assert_int_equal(fps_split_geom_init(&r->g[b], shape, bounds[b], bounds[b + 1], NULL, 0), 0);
+    assert_int_equal(fps_split_state_init(&r->st[b], &r->g[b], hp), 0);
+  }
+  r->param = malloc(numel * sizeof(float));
+  assert_non_null(r->param);
+  memcpy(r->param, init, numel * sizeof(float));
+}
+
+/* One step of every block with the whole gradient g (the mean). */
+static void ref_step(ref_t *r, const fps_adafactor_hparams_t *hp, uint32_t nb, const float *g) {
+  fps_split_step_t *s[MAXS];
+  fps_split_partials_t parts[MAXS];
+  for (uint32_t b = 0; b < nb; b++) {
+    uint64_t off = r->g[b].row_lo * r->g[b].cols;
+    assert_int_equal(fps_split_step_begin(NULL, hp, &r->st[b], r->param + off, g + off, NULL, &s[b]), 0);
+  }
+  char why[512];
+  for (uint32_t b = 0; b < nb; b++) parts[b] = *fps_split_step_partials(s[b]);
+  for (uint32_t b = 0; b < nb; b++) assert_int_equal(fps_split_step_combine(s[b], parts, nb, why, sizeof why), 0);
+  if (fps_split_step_needs_u2(s[0])) {
+    r->u2_steps++;
+    for (uint32_t b = 0; b < nb; b++) parts[b] = *fps_split_step_u2(s[b]);
+    for (uint32_t b = 0; b < nb; b++)
+      assert_int_equal(fps_split_step_combine_u2(s[b], parts, nb, why, sizeof why), 0);
+  }
+  for (uint32_t b = 0; b < nb; b++) {
+    assert_int_equal(fps_split_step_apply(s[b], NULL), 0);
+    fps_split_step_free(s[b]);
+  }
+}
+
+static void ref_free(ref_t *r, uint32_t nb) {
+  for (uint32_t b = 0; b < nb; b++) fps_split_state_destroy(&r->st[b]);
+  free(r->param);
+}
+
+/* Core b's block of `name` equals the reference's bit for bit (params,
+ * state, step, RMS, version). */
+static void expect_block_equals_ref(uint32_t b, const char *name, const ref_t *r, uint64_t version) {
+  fps_tensor_t *t = find(&core[b], name);
+  pthread_mutex_lock(&t->mu);
+  const fps_split_state_t *a = &t->split->st, *e = &r->st[b];
+  const fps_split_geom_t *g = &r->g[b];
+  assert_int_equal(t->version, version);
+  assert_memory_equal(t->param, r->param + g->row_lo * g->cols, g->block_numel * sizeof(float));
+  if (g->factored) {
+    assert_memory_equal(a->row, e->row, (g->row_hi - g->row_lo) * sizeof(float));
+    assert_memory_equal(a->col, e->col, g->nmat * g->cols * sizeof(float));
+  } else {
+    assert_memory_equal(a->var, e->var, g->block_numel * sizeof(float));
+  }
+  if (e->mom) assert_memory_equal(a->mom, e->mom, g->block_numel * sizeof(float));
+  assert_int_equal(a->step, e->step);
+  assert_memory_equal(&a->rms, &e->rms, sizeof(float));
+  pthread_mutex_unlock(&t->mu);
+}
+
+/* ------------------------------------------------ tolerance vs unsplit */
+
+static double param_scaled(const float *a, const float *ref, const float *prev, uint64_t n) {
+  double maxd = 0, maxref = 0, upd = 0;
+  for (uint64_t i = 0; i < n; i++) {
+    if (!isfinite(a[i]) || !isfinite(ref[i])) {
+      if (!(isnan(a[i]) && isnan(ref[i])) && a[i] != ref[i]) return INFINITY;
+      continue;
+    }
+    double d = fabs((double)a[i] - ref[i]), r = fabs((double)ref[i]), u = fabs((double)ref[i] - prev[i]);
+    if (d > maxd) maxd = d;
+    if (r > maxref) maxref = r;
+    if (isfinite(u) && u > upd) upd = u;
+  }
+  double den = maxref > upd ? maxref : upd;
+  return den > 0 ? maxd / den : (maxd == 0 ? 0 : INFINITY);
+}
+
+static double state_rel(const float *a, const float *ref, uint64_t n) {
+  double mx = 0, worst = 0;
+  for (uint64_t i = 0; i < n; i++)
+    if (isfinite(ref[i]) && fabs(ref[i]) > mx) mx = fabs(ref[i]);
+  double floor = mx * 1e-6 > 1e-300 ? mx * 1e-6 : 1e-300;
+  for (uint64_t i = 0; i < n; i++) {
+    if (isfinite(a[i]) != isfinite(ref[i])) return INFINITY;
+    if (!isfinite(a[i])) continue;
+    double r = fabs((double)ref[i]);
+    double e = fabs((double)a[i] - ref[i]) / (r > floor ? r : floor);
+    if (e > worst) worst = e;
+  }
+  return worst;
+}
+
+/* ------------------------------------------------------------ golden */
+
+static void make_bounds(uint64_t N, uint32_t nb, int layout, uint64_t *b) {
+  /* layout 0: first block one row; 1: last block one row; 2: even. */
+  b[0] = 0;
+  b[nb] = N;
+  for (uint32_t k = 1; k < nb; k++) {
+    if (layout == 0) b[k] = k == 1 ? 1 : 1 + (N - 1) * (k - 1) / (nb - 1);
+    else if (layout == 1) b[k] = k == nb - 1 ? N - 1 : (N - 1) * k / (nb - 1);
+    else b[k] = N * k / nb;
+    if (b[k] <= b[k - 1]) b[k] = b[k - 1] + 1;
+  }
+}
+
+/* One golden case split over nb cores with W workers: bit for bit against
+ * the reference, within tolerance of the unsplit core. */
+static int golden_one(const fps_golden_case_t *c, uint32_t nb, uint32_t W, int layout, unsigned *u2) {
+  const uint64_t n = c->numel;
+  uint64_t N = fps_split_total_rows(&c->shape);
+  uint64_t bounds[MAXS + 1];
+  make_bounds(N, nb, layout, bounds);
+  char path[8192], why[512];
+  float *init = malloc(n * 4), *grad = malloc(n * 4), *gw[MAXW], *mean = malloc(n * 4), *whole = malloc(n * 4),
+        *prev = malloc(n * 4);
+  for (uint32_t w = 0; w < MAXW; w++) gw[w] = malloc(n * 4);
+  snprintf(path, sizeof path, "%s/param_0.bin", c->dir);
+  assert_int_equal(fps_golden_read_f32(path, init, n, why, sizeof why), 0);
+
+  cores_up(nb, W);
+  fps_shard_t uns; /* the unsplit core */
+  fx_shard(&uns, FPS_MODE_SYNC, W, 0);
+  whole_create(&uns, "x", &c->shape, &c->hp, init);
+  for (uint32_t b = 0; b < nb; b++) blk_create(&core[b], "x", &c->shape, &c->hp, bounds, nb, b, init);
+  ref_t r;
+  ref_init(&r, &c->shape, &c->hp, bounds, nb, init, n);
+  int fails = 0;
+  for (unsigned s = 1; s <= c->steps; s++) {
+    snprintf(path, sizeof path, "%s/grad_%u.bin", c->dir, s);
+    assert_int_equal(fps_golden_read_f32(path, grad, n, why, sizeof why), 0);
+    for (uint64_t i = 0; i < n; i++) {
+      gw[0][i] = grad[i];
+      if (W > 1) gw[1][i] = grad[i] * 0.375f - 0.001f * (float)(i % 3);
+      mean[i] = W > 1 ? (gw[0][i] + gw[1][i]) / 2.0f : grad[i];
+    }
+    ref_step(&r, &c->hp, nb, mean);
+    /* The unsplit core. */
+    wpush_t wp[MAXS][MAXW];
+    const char *nm[] = {"x"};
+    for (uint32_t w = 0; w < W; w++) {
+      const float *gg[] = {gw[w]};
+      push_start(&wp[0][w], &uns, w, s - 1, 1, nm, gg);
+    }
+    for (uint32_t w = 0; w < W; w++) {
+      assert_int_equal(push_result(&wp[0][w], why, sizeof why), 0);
+      push_end(&wp[0][w]);
+    }
+    /* The split cores: workers push each core's rows, the cores in turn. */
+    for (uint32_t b = 0; b < nb; b++)
+      for (uint32_t w = 0; w < W; w++) {
+        const float *gg[] = {gw[w] + r.g[b].row_lo * r.g[b].cols};
+        push_start(&wp[b][w], &core[b], w, s - 1, 1, nm, gg);
+      }
+    net_idle();
+    for (uint32_t b = 0; b < nb; b++)
+      for (uint32_t w = 0; w < W; w++) {
+        int rc = push_result(&wp[b][w], why, sizeof why);
+        if (rc) print_error("%s nb %u W %u step %u core %u: %s\n", c->name, nb, W, s, b, why);
+        assert_int_equal(rc, 0);
+        fps_push_out_t o;
+        fps_push_take(wp[b][w].p, 0, &o);
+        assert_int_equal(o.version, s);
+        assert_non_null(o.snap);
+        assert_memory_equal(o.snap->data, r.param + r.g[b].row_lo * r.g[b].cols, r.g[b].block_numel * 4);
+        fps_snap_unref(o.snap);
+        push_end(&wp[b][w]);
+      }
+    for (uint32_t b = 0; b < nb; b++) expect_block_equals_ref(b, "x", &r, s);
+    /* Within the tolerances of the unsplit core's update. */
+    fps_tensor_t *ut = find(&uns, "x");
+    memcpy(whole, ut->param, n * 4);
+    double ps = param_scaled(r.param, whole, s == 1 ? init : prev, n);
+    if (ps > PTOL) {
+      print_error("%s nb %u W %u step %u: param scaled %.3e vs unsplit\n", c->name, nb, W, s, ps);
+      fails++;
+    }
+    memcpy(prev, whole, n * 4);
+  }
+  /* State vs unsplit. */
+  fps_tensor_t *ut = find(&uns, "x");
+  for (uint32_t b = 0; b < nb; b++) {
+    const fps_split_state_t *st = &r.st[b];
+    const fps_split_geom_t *g = &r.g[b];
+    double e = 0;
+    if (g->factored) {
+      e = fmax(e, state_rel(st->row, ut->st.row + g->row_lo, g->row_hi - g->row_lo));
+      e = fmax(e, state_rel(st->col, ut->st.col + g->mtx_lo * g->cols, g->nmat * g->cols));
+    } else {
+      e = fmax(e, state_rel(st->var, ut->st.var + g->row_lo, g->block_numel));
+    }
+    if (e > STOL) {
+      print_error("%s nb %u W %u block %u: state rel %.3e vs unsplit\n", c->name, nb, W, b, e);
+      fails++;
+    }
+    assert_int_equal(st->step, ut->st.step);
+  }
+  *u2 += r.u2_steps;
+  /* Every exchange was counted: one step each, nb - 1 sends per step. */
+  for (uint32_t b = 0; b < nb; b++) {
+    fps_shard_view_t v;
+    assert_int_equal(fps_shard_view(&core[b], false, 0, &v), 0);
+    assert_int_equal(v.xsteps, c->steps);
+    assert_int_equal(v.xfailures, 0);
+    assert_true(v.xbytes_sent > 0 && v.xbytes_received > 0);
+    fps_shard_view_free(&v);
+  }
+  ref_free(&r, nb);
+  fx_shard_free(&uns);
+  cores_down();
+  for (uint32_t w = 0; w < MAXW; w++) free(gw[w]);
+  free(init);
+  free(grad);
+  free(mean);
+  free(whole);
+  free(prev);
+  return fails;
+}
+
+static void golden_split_over_cores(void **u) {
+  (void)u;
+  const char *dir = getenv("FPS_VECTORS_DIR");
+  assert_non_null(dir);
+  char **names;
+  size_t nn;
+  char why[512];
+  assert_int_equal(fps_golden_list(dir, &names, &nn, why, sizeof why), 0);
+  int fails = 0, runs = 0, single = 0;
+  unsigned u2 = 0, wseen = 0;
+  for (size_t i = 0; i < nn; i++) {
+    fps_golden_case_t c;
+    assert_int_equal(fps_golden_load(dir, names[i], &c, why, sizeof why), 0);
+    uint64_t N = fps_split_total_rows(&c.shape);
+    if (N < 2) continue;
+    for (uint32_t nb = 2; nb <= MAXS && nb <= N; nb++) {
+      /* W and the layout rotate over the runs (every (nb, W) pair and
+       * every layout many times; all of them for every case would triple
+       * the sanitizer runs' time): a block of one row first, last, or
+       * even blocks. */
+      uint32_t W = 1 + (uint32_t)((i + nb) % MAXW);
+      int layout = (int)((i / 2 + nb) % 3);
+      fails += golden_one(&c, nb, W, layout, &u2);
+      runs++;
+      single += layout < 2;
+      wseen |= 1u << (W - 1);
+    }
+  }
+  fps_golden_list_free(names, nn);
+  print_message("golden over cores: %d runs (%d with a one-row block), %u u2 steps, %d failures\n", runs, single,
+                u2, fails);
+  assert_true(runs > 100 && single > 0 && u2 > 0 && wseen == 3);
+  assert_int_equal(fails, 0);
+}
+
+/* ------------------------------------------------ scenarios, 2-3 cores */
+
+#define SR 6
+#define SC 5
+
+typedef struct scen_s {
+  uint32_t nb;
+  fps_shape_t shape;
+  fps_adafactor_hparams_t hp;
+  uint64_t bounds[MAXS + 1];
+  float init[SR * SC], g[SR * SC];
+  ref_t r;
+} scen_t;
+
+static void scen_up(scen_t *s, uint32_t nb, bool tiny) {
+  memset(s, 0, sizeof *s);
+  s->nb = nb;
+  s->shape.ndim = 2;
+  s->shape.dim[0] = SR;
+  s->shape.dim[1] = SC;
+  fps_adafactor_defaults(&s->hp, FPS_FLAVOR_TORCH);
+  make_bounds(SR, nb, 0, s->bounds);
+  fx_fill(s->init, SR * SC, 7);
+  fx_fill(s->g, SR * SC, 11);
+  if (tiny)
+    for (int i = 0; i < SR * SC; i++) s->g[i] *= 1e-6f;
+  cores_up(nb, 1);
+  for (uint32_t b = 0; b < nb; b++) blk_create(&core[b], "e", &s->shape, &s->hp, s->bounds, nb, b, s->init);
+  ref_init(&s->r, &s->shape, &s->hp, s->bounds, nb, s->init, SR * SC);
+}
+
+static void scen_down(scen_t *s) {
+  ref_free(&s->r, s->nb);
+  cores_down();
+}
+
+static const float *blk_grad(scen_t *s, uint32_t b) { return s->g + s->r.g[b].row_lo * SC; }
+
+/* Worker 0 pushes "e" at step on every core (in order), without waiting. */
+static void push_all(scen_t *s, wpush_t *wp, uint64_t step) {
+  const char *nm[] = {"e"};
+  for (uint32_t b = 0; b < s->nb; b++) {
+    const float *gg[] = {blk_grad(s, b)};
+    push_start(&wp[b], &core[b], 0, step, 1, nm, gg);
+  }
+}
+
+/* Nothing changed anywhere: every block as initialised, version 0. */
+static void expect_untouched(scen_t *s) {
+  for (uint32_t b = 0; b < s->nb; b++) {
+    fps_tensor_t *t = find(&core[b], "e");
+    pthread_mutex_lock(&t->mu);
+    assert_int_equal(t->version, 0);
+    assert_memory_equal(t->param, s->init + s->r.g[b].row_lo * SC, s->r.g[b].block_numel * 4);
+    assert_int_equal(t->split->st.step, 0);
+    for (uint64_t i = 0; i < t->split->st.g.nmat * SC; i++) assert_true(t->split->st.col[i] == 0.0f);
+    assert_null(t->split->xs);
+    assert_false(t->round.open);
+    pthread_mutex_unlock(&t->mu);
+  }
+}
+
+static void expect_all_fail(scen_t *s, wpush_t *wp, const char *needle) {
+  char why[FPS_WHY_MAX];
+  for (uint32_t b = 0; b < s->nb; b++) {
+    int rc = push_result(&wp[b], why, sizeof why);
+    assert_int_equal(rc, FPS_EUNAVAILABLE);
+    assert_non_null(strstr(why, "tensor 'e'"));
+    if (needle && !strstr(why, needle)) print_error("core %u: '%s' lacks '%s'\n", b, why, needle);
+    if (needle) assert_non_null(strstr(why, needle));
+    assert_non_null(strstr(why, "nothing"));
+    push_end(&wp[b]);
+  }
+}
+
+static void expect_all_ok(scen_t *s, wpush_t *wp, uint64_t version) {
+  char why[FPS_WHY_MAX];
+  for (uint32_t b = 0; b < s->nb; b++) {
+    int rc = push_result(&wp[b], why, sizeof why);
+    if (rc) print_error("core %u: %s\n", b, why);
+    assert_int_equal(rc, 0);
+    push_end(&wp[b]);
+    expect_block_equals_ref(b, "e", &s->r, version);
+  }
+}
+
+static void u2_phase_tiny_gradients(void **u) {
+  (void)u;
+  for (uint32_t nb = 2; nb <= 3; nb++) {
+    scen_t s;
+    scen_up(&s, nb, true);
+    wpush_t wp[MAXS];
+    for (uint64_t step = 0; step < 3; step++) {
+      ref_step(&s.r, &s.hp, nb, s.g);
+      push_all(&s, wp, step);
+      net_idle();
+      expect_all_ok(&s, wp, step + 1);
+    }
+    assert_int_equal(s.r.u2_steps, 3); /* every step took the second exchange */
+    /* STATS and U2 per peer per step. */
+    assert_int_equal(sends_total, 3 * 2 * nb * (nb - 1));
+    scen_down(&s);
+  }
+}
+
+static void peer_never_answers(void **u) {
+  (void)u;
+  scen_t s;
+  scen_up(&s, 2, false);
+  link_mode[1][0] = LINK_HOLD; /* shard 1's partials never reach shard 0 */
+  wpush_t wp[MAXS];
+  push_all(&s, wp, 0);
+  net_idle();
+  /* Shard 1 holds shard 0's partials but waits for its acknowledgement;
+   * shard 0 waits for shard 1's partials. Nobody applies. */
+  for (uint32_t b = 0; b < 2; b++) assert_int_equal(wp[b].d.calls, 0);
+  fps_fake_clock_advance((int64_t)(XDEADLINE_S * 1e9) - 1000);
+  for (uint32_t b = 0; b < 2; b++) fps_shard_expire(&core[b], fps_fake_now_ns);
+  for (uint32_t b = 0; b < 2; b++) assert_int_equal(wp[b].d.calls, 0); /* not yet */
+  fps_fake_clock_advance(2000);
+  for (uint32_t b = 0; b < 2; b++) fps_shard_expire(&core[b], fps_fake_now_ns);
+  char why[FPS_WHY_MAX];
+  assert_int_equal(push_result(&wp[0], why, sizeof why), FPS_EUNAVAILABLE);
+  assert_non_null(strstr(why, "no partials from shard 1"));
+  assert_int_equal(push_result(&wp[1], why, sizeof why), FPS_EUNAVAILABLE);
+  assert_non_null(strstr(why, "no acknowledgement from shard 0"));
+  expect_all_fail(&s, wp, "timed out");
+  expect_untouched(&s);
+  /* The transport gives up on the held send later: ignored. */
+  net_release(FPS_EUNAVAILABLE);
+  expect_untouched(&s);
+  fps_shard_view_t v;
+  assert_int_equal(fps_shard_view(&core[0], false, 0, &v), 0);
+  assert_int_equal(v.xfailures, 1);
+  assert_int_equal(v.xsteps, 0);
+  fps_shard_view_free(&v);
+  /* The link is back: the retried step applies everywhere. */
+  link_mode[1][0] = LINK_OK;
+  ref_step(&s.r, &s.hp, 2, s.g);
+  push_all(&s, wp, 0);
+  net_idle();
+  expect_all_ok(&s, wp, 1);
+  scen_down(&s);
+}
+
+static void refused_send(void **u) {
+  (void)u;
+  for (int variant = 0; variant < 2; variant++) {
+    scen_t s;
+    scen_up(&s, 3, false);
+    /* Shard 2's send to shard 0 is refused at once, or shard 0 refuses. */
+    link_mode[2][0] = variant ? LINK_HOLD : LINK_REFUSE;
+    wpush_t wp[MAXS];
+    push_all(&s, wp, 0);
+    net_idle();
+    if (variant) {
+      /* Shard 0 refuses block 2's partials after every other message
+       * went through. */
+      link_mode[2][0] = LINK_PEER_ERR;
+      net_release(0);
+    }
+    char why[FPS_WHY_MAX];
+    /* Shard 2 failed at once (the refusal came inside its commit). */
+    assert_int_equal(push_result(&wp[2], why, sizeof why), FPS_EUNAVAILABLE);
+    assert_non_null(strstr(why, "exchange with shard 0 failed"));
+    if (variant) assert_non_null(strstr(why, "test refusal"));
+    /* Shard 0 never gets block 2's partials: its deadline. */
+    fps_fake_clock_advance((int64_t)(XDEADLINE_S * 1e9) + 1000);
+    for (uint32_t b = 0; b < 3; b++) fps_shard_expire(&core[b], fps_fake_now_ns);
+    assert_int_equal(push_result(&wp[0], why, sizeof why), FPS_EUNAVAILABLE);
+    assert_non_null(strstr(why, "no partials from shard 2"));
+    push_end(&wp[0]);
+    push_end(&wp[2]);
+    if (!variant) {
+      /* Refused at once: shard 2 stopped sending (its step had failed), so
+       * shard 1 lacks block 2's partials and times out too. */
+      assert_int_equal(push_result(&wp[1], why, sizeof why), FPS_EUNAVAILABLE);
+      assert_non_null(strstr(why, "no partials from shard 2"));
+      push_end(&wp[1]);
+      expect_untouched(&s);
+    } else {
+      /* The protocol's limit, pinned down: shard 2's partials reached
+       * shard 1 before shard 0's refusal, so shard 1 held every
+       * block's partials and every acknowledgement, and applied. A
+       * refusal from one peer while another accepted cannot be undone by
+       * the rule "apply when all partials are in and every peer
+       * acknowledged ours"; that needs a second round (a commit). A shard
+       * that is down sends nothing, so nobody applies (peer_never_answers). */
+      ref_step(&s.r, &s.hp, 3, s.g);
+      assert_int_equal(push_result(&wp[1], why, sizeof why), 0);
+      push_end(&wp[1]);
+      for (uint32_t b = 0; b < 3; b += 2) {
+        fps_tensor_t *t = find(&core[b], "e");
+        assert_int_equal(t->version, 0);
+        assert_memory_equal(t->param, s.init + s.r.g[b].row_lo * SC, s.r.g[b].block_numel * 4);
+      }
+      expect_block_equals_ref(1, "e", &s.r, 1);
+    }
+    scen_down(&s);
+  }
+}
+
+static void refused_send_two_shards(void **u) {
+  (void)u;
+  /* With two shards a refused send leaves nobody able to apply. */
+  scen_t s;
+  scen_up(&s, 2, false);
+  link_mode[1][0] = LINK_REFUSE;
+  wpush_t wp[MAXS];
+  push_all(&s, wp, 0);
+  net_idle();
+  char why[FPS_WHY_MAX];
+  assert_int_equal(push_result(&wp[1], why, sizeof why), FPS_EUNAVAILABLE);
+  assert_non_null(strstr(why, "shard 0"));
+  assert_non_null(strstr(why, "refused at once"));
+  fps_fake_clock_advance((int64_t)(XDEADLINE_S * 1e9) + 1000);
+  fps_shard_expire(&core[0], fps_fake_now_ns);
+  expect_all_fail(&s, wp, NULL);
+  expect_untouched(&s);
+  scen_down(&s);
+}
+
+static void lost_ack_then_retry(void **u) {
+  (void)u;
+  scen_t s;
+  scen_up(&s, 2, false);
+  link_mode[0][1] = LINK_LOSE_ACK;
+  wpush_t wp[MAXS];
+  ref_step(&s.r, &s.hp, 2, s.g);
+  push_all(&s, wp, 0);
+  net_idle();
+  /* Shard 1 applied on the first delivery of shard 0's partials (it had
+   * its own acknowledged); the retry found that step over and the same
+   * bytes: OK, and shard 0 applied too. */
+  assert_int_equal(last_rc[0][1], 0);
+  expect_all_ok(&s, wp, 1);
+  /* And the next step works on top. */
+  link_mode[0][1] = LINK_OK;
+  ref_step(&s.r, &s.hp, 2, s.g);
+  push_all(&s, wp, 1);
+  net_idle();
+  expect_all_ok(&s, wp, 2);
+  scen_down(&s);
+}
+
+/* The partials block b of scenario s would send at its current state
+ * (fresh: step 0), with gradient g: wire form into buf. */
+static size_t craft(scen_t *s, uint32_t b, const float *g, int phase, uint8_t *buf, size_t cap) {
+  fps_split_state_t st;
+  assert_int_equal(fps_split_state_init(&st, &s->r.g[b], &s->hp), 0);
+  float p[SR * SC];
+  memcpy(p, s->init + s->r.g[b].row_lo * SC, s->r.g[b].block_numel * 4);
+  fps_split_step_t *step;
+  assert_int_equal(fps_split_step_begin(NULL, &s->hp, &st, p, g + s->r.g[b].row_lo * SC, NULL, &step), 0);
+  assert_int_equal(phase, FPS_SPLIT_PHASE_STATS);
+  size_t n = fps_split_partials_encode(fps_split_step_partials(step), buf, cap);
+  assert_true(n > 0);
+  fps_split_step_free(step);
+  fps_split_state_destroy(&st);
+  return n;
+}
+
+static void expect_in(const char *why, const char *needle) {
+  if (needle && !strstr(why, needle)) print_error("'%s' lacks '%s'\n", why, needle);
+  if (needle) assert_non_null(strstr(why, needle));
+}
+
+static void receive_checks_in_order(void **u) {
+  (void)u;
+  scen_t s;
+  scen_up(&s, 3, false);
+  fps_adafactor_hparams_t hp = s.hp;
+  whole_create(&core[0], "w", &s.shape, &hp, s.init);
+  uint8_t buf[4096], other[4096];
+  size_t len = craft(&s, 1, s.g, FPS_SPLIT_PHASE_STATS, buf, sizeof buf);
+  char why[FPS_WHY_MAX];
+  fps_xmsg_t m = {.name = "e", .version = 0, .from_shard = 1, .shard_count = 3, .block_index = 1,
+                  .phase = FPS_SPLIT_PHASE_STATS, .partials = buf, .len = len};
+  fps_xmsg_t x;
+#define RECV(mod, code, needle)                                                  \
+  do {                                                                           \
+    x = m;                                                                       \
+    mod;                                                                         \
+    why[0] = 0;                                                                  \
+    int rc_ = fps_shard_exchange_receive(&core[0], &x, why, sizeof why);         \
+    if (rc_ != (code)) print_error("got %d (%s), want %d\n", rc_, why, (code));  \
+    assert_int_equal(rc_, (code));                                               \
+    expect_in(why, (needle));                                                    \
+  } while (0)
+  RECV(x.name = "", FPS_EINVAL, "name");
+  RECV(x.phase = 0, FPS_EINVAL, "phase 0");
+  RECV(x.shard_count = 4, FPS_ESTATE, "one of 4 shards");
+  RECV(x.from_shard = 0, FPS_EINVAL, "not another shard");
+  RECV(x.from_shard = 3, FPS_EINVAL, "not another shard");
+  RECV(x.len = len - 1, FPS_EINVAL, "from shard 1");
+  RECV(x.name = "nope", FPS_ENOTFOUND, "no row block");
+  RECV(x.name = "w", FPS_ESTATE, "whole");
+  RECV(x.block_index = 0, FPS_ESTATE, "not in this shard's map");
+  RECV(x.block_index = 2, FPS_ESTATE, "not in this shard's map");
+  RECV(x.block_index = 7, FPS_ESTATE, "not in this shard's map");
+  RECV(x.version = 2, FPS_ESTATE, "more than one step ahead");
+  /* Block 2's partials sent as block 2 from shard 1: not its map. */
+  size_t len2 = craft(&s, 2, s.g, FPS_SPLIT_PHASE_STATS, other, sizeof other);
+  RECV((x.partials = other, x.len = len2), FPS_ESTATE, "do not fit block 1");
+  /* A column state other than ours (before step 0 it is zero). */
+  memcpy(other, buf, len);
+  float one = 1.0f;
+  /* col_old of matrix 0, first column: after rsum, rmin, colsum[C], s[C]. */
+  memcpy(other + FPS_SPLIT_PARTIALS_HEADER + 16 + 16 * SC, &one, 4);
+  RECV(x.partials = other, FPS_ESTATE, "column state");
+  /* Early partials (version 0 before our step; version 1: one ahead) are
+   * kept; an identical retry is OK, different ones are not. */
+  RECV((void)0, 0, NULL);
+  RECV((void)0, 0, NULL);
+  memcpy(other, buf, len);
+  other[FPS_SPLIT_PARTIALS_HEADER - 9] ^= 1; /* the u2 field's last byte */
+  RECV(x.partials = other, FPS_EEXISTS, "already received");
+  RECV(x.version = 1, 0, NULL);
+  RECV(x.version = 1, 0, NULL);
+  RECV((x.version = 1, x.partials = other), FPS_EEXISTS, "already received");
+  /* Nothing above changed the block. */
+  expect_untouched(&s);
+  /* The early partials of block 1 are used by the step. */
+  ref_step(&s.r, &s.hp, 3, s.g);
+  wpush_t wp[MAXS];
+  push_all(&s, wp, 0);
+  net_idle();
+  expect_all_ok(&s, wp, 1);
+  /* Now block 1's version-0 partials are an identical retry of the step
+   * just finished (OK); anything else of version 0 is over. */
+  RECV((void)0, 0, NULL);
+  RECV(x.partials = other, FPS_ESTATE, "that step is over");
+  /* The version-1 partials kept earlier carry the column state before
+   * step 0: checked when step 1 starts, they fail it at once (nothing
+   * sent, nothing applied). */
+  wpush_t w1;
+  const char *nm[] = {"e"};
+  const float *gg[] = {blk_grad(&s, 0)};
+  push_start(&w1, &core[0], 0, 1, 1, nm, gg);
+  assert_int_equal(push_result(&w1, why, sizeof why), FPS_EUNAVAILABLE);
+  assert_non_null(strstr(why, "diverged"));
+  push_end(&w1);
+  expect_block_equals_ref(0, "e", &s.r, 1);
+  scen_down(&s);
+#undef RECV
+}
+
+static void early_partials_from_faster_peers(void **u) {
+  (void)u;
+  scen_t s;
+  scen_up(&s, 3, false);
+  wpush_t wp[MAXS];
+  const char *nm[] = {"e"};
+  ref_step(&s.r, &s.hp, 3, s.g);
+  /* Shards 2 and 1 step first: their partials wait in shard 0's mail. */
+  for (uint32_t b = 3; b-- > 1;) {
+    const float *gg[] = {blk_grad(&s, b)};
+    push_start(&wp[b], &core[b], 0, 0, 1, nm, gg);
+    net_idle();
+  }
+  fps_tensor_t *t0 = find(&core[0], "e");
+  pthread_mutex_lock(&t0->mu);
+  assert_non_null(t0->split->mail);
+  assert_null(t0->split->xs);
+  pthread_mutex_unlock(&t0->mu);
+  assert_int_equal(wp[1].d.calls, 0);
+  const float *gg[] = {blk_grad(&s, 0)};
+  push_start(&wp[0], &core[0], 0, 0, 1, nm, gg);
+  net_idle();
+  expect_all_ok(&s, wp, 1);
+  scen_down(&s);
+}
+
+static void set_of_block_and_whole_tensor(void **u) {
+  (void)u;
+  for (int fail = 0; fail < 2; fail++) {
+    scen_t s;
+    scen_up(&s, 2, false);
+    /* Shard 0 also holds "w" whole; worker 0's call there names both. */
+    float winit[SR * SC], wg[SR * SC];
+    fx_fill(winit, SR * SC, 3);
+    fx_fill(wg, SR * SC, 5);
+    whole_create(&core[0], "w", &s.shape, &s.hp, winit);
+    fps_shard_t lone; /* "w" alone, for its expected result */
+    fx_shard(&lone, FPS_MODE_SYNC, 1, 0);
+    whole_create(&lone, "w", &s.shape, &s.hp, winit);
+    if (fail) link_mode[1][0] = LINK_HOLD;
+    wpush_t wp[MAXS];
+    const char *nm2[] = {"e", "w"}, *nm1[] = {"e"};
+    const float *g0[] = {blk_grad(&s, 0), wg}, *g1[] = {blk_grad(&s, 1)};
+    push_start(&wp[0], &core[0], 0, 0, 2, nm2, g0);
+    push_start(&wp[1], &core[1], 0, 0, 1, nm1, g1);
+    net_idle();
+    char why[FPS_WHY_MAX];
+    if (fail) {
+      fps_fake_clock_advance((int64_t)(XDEADLINE_S * 1e9) + 1000);
+      for (uint32_t b = 0; b < 2; b++) fps_shard_expire(&core[b], fps_fake_now_ns);
+      assert_int_equal(push_result(&wp[0], why, sizeof why), FPS_EUNAVAILABLE);
+      assert_non_null(strstr(why, "'w'")); /* the linked rounds are named */
+      expect_all_fail(&s, wp, NULL);
+      expect_untouched(&s);
+      float now[SR * SC];
+      assert_int_equal(fx_params(&core[0], "w", now), 0);
+      assert_memory_equal(now, winit, sizeof now);
+    } else {
+      ref_step(&s.r, &s.hp, 2, s.g);
+      wpush_t lw;
+      const char *nw[] = {"w"};
+      const float *gw[] = {wg};
+      push_start(&lw, &lone, 0, 0, 1, nw, gw);
+      assert_int_equal(push_result(&lw, why, sizeof why), 0);
+      push_end(&lw);
+      expect_all_ok(&s, wp, 1);
+      float a[SR * SC], b[SR * SC];
+      assert_int_equal(fx_params(&core[0], "w", a), 1);
+      assert_int_equal(fx_params(&lone, "w", b), 1);
+      assert_memory_equal(a, b, sizeof a);
+    }
+    fx_shard_free(&lone);
+    scen_down(&s);
+  }
+}
+
+static void member_cancelled_mid_exchange(void **u) {
+  (void)u;
+  scen_t s;
+  scen_up(&s, 2, false);
+  link_mode[1][0] = LINK_HOLD;
+  wpush_t wp[MAXS];
+  push_all(&s, wp, 0);
+  net_idle();
+  /* Shard 0's member goes away while its set exchanges: the exchange goes
+   * on (shard 1 may apply with our partials: failing alone would
+   * diverge), and a retry of that push meanwhile is told to wait. */
+  fps_push_cancel(wp[0].p);
+  assert_int_equal(wp[0].d.calls, 0);
+  wpush_t again;
+  const char *nm[] = {"e"};
+  const float *gg[] = {blk_grad(&s, 0)};
+  push_start(&again, &core[0], 0, 0, 1, nm, gg);
+  char why[FPS_WHY_MAX];
+  assert_int_equal(push_result(&again, why, sizeof why), FPS_EUNAVAILABLE);
+  assert_non_null(strstr(why, "exchanging partials"));
+  push_end(&again);
+  ref_step(&s.r, &s.hp, 2, s.g);
+  net_release(0);
+  expect_all_ok(&s, wp, 1);
+  scen_down(&s);
+}
+
+static void stale_and_ahead_pushes(void **u) {
+  (void)u;
+  scen_t s;
+  scen_up(&s, 2, false);
+  wpush_t wp[MAXS];
+  ref_step(&s.r, &s.hp, 2, s.g);
+  push_all(&s, wp, 0);
+  net_idle();
+  expect_all_ok(&s, wp, 1);
+  char why[FPS_WHY_MAX];
+  wpush_t w;
+  const char *nm[] = {"e"};
+  const float *gg[] = {blk_grad(&s, 0)};
+  w.p = fx_push_new(&core[0], 0, 0, INT64_MAX, &w.d);
+  assert_int_equal(fx_push_grad(w.p, "e", gg[0], s.r.g[0].block_numel, 1, NULL), FPS_ESTALE);
+  push_end(&w);
+  w.p = fx_push_new(&core[0], 0, 5, INT64_MAX, &w.d);
+  assert_int_equal(fx_push_grad(w.p, "e", gg[0], s.r.g[0].block_numel, 1, NULL), FPS_EAHEAD);
+  push_end(&w);
+  (void)why;
+  (void)nm;
+  expect_block_equals_ref(0, "e", &s.r, 1);
+  scen_down(&s);
+}
+
+static void shutdown_fails_exchange(void **u) {
+  (void)u;
+  scen_t s;
+  scen_up(&s, 2, false);
+  link_mode[1][0] = LINK_HOLD;
+  wpush_t wp[MAXS];
+  push_all(&s, wp, 0);
+  net_idle();
+  fps_shard_fail_waiting(&core[0], FPS_EUNAVAILABLE, "the shard is shutting down");
+  fps_shard_fail_waiting(&core[1], FPS_EUNAVAILABLE, "the shard is shutting down");
+  expect_all_fail(&s, wp, "shutting down");
+  expect_untouched(&s);
+  scen_down(&s);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(receive_checks_in_order),
+      cmocka_unit_test(u2_phase_tiny_gradients),
+      cmocka_unit_test(peer_never_answers),
+      cmocka_unit_test(refused_send),
+      cmocka_unit_test(refused_send_two_shards),
+      cmocka_unit_test(lost_ack_then_retry),
+      cmocka_unit_test(early_partials_from_faster_peers),
+      cmocka_unit_test(set_of_block_and_whole_tensor),
+      cmocka_unit_test(member_cancelled_mid_exchange),
+      cmocka_unit_test(stale_and_ahead_pushes),
+      cmocka_unit_test(shutdown_fails_exchange),
+      cmocka_unit_test(golden_split_over_cores),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
