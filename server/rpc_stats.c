@@ -117,6 +117,11 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   sh.push_seconds_p50 = v.push_seconds_p50;
   sh.push_seconds_p99 = v.push_seconds_p99;
   sh.uptime_seconds = v.uptime_seconds;
+  sh.exchange_sent_bytes = v.xbytes_sent;
+  sh.exchange_received_bytes = v.xbytes_received;
+  sh.exchange_steps = v.xsteps;
+  sh.exchange_failures = v.xfailures;
+  sh.exchange_seconds_sum = v.xseconds_sum;
   resp.shard = &sh;
   resp.n_tensors = nt;
   resp.tensors = tsp;

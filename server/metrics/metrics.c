@@ -85,6 +85,12 @@ enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP, DIM_CKPT_REASON, DIM
     "sync rounds completed: one tensor's step with all workers' gradients applied.") \
   X(workers_waited, counter, "factorps_sync_workers_waited_total", NONE,             \
     "Workers the completed sync rounds waited for, summed over rounds.")             \
+  X(xsent_bytes, counter, "factorps_exchange_sent_bytes_total", NONE,                \
+    "Split tensors: bytes of partial sums sent to peer shards and acknowledged.")     \
+  X(xreceived_bytes, counter, "factorps_exchange_received_bytes_total", NONE,        \
+    "Split tensors: bytes of partial sums accepted from peer shards.")                \
+  X(xfailures, counter, "factorps_exchange_failures_total", NONE,                    \
+    "Split tensors: steps failed in the exchange (nothing applied on this shard).")   \
   X(waiting, gauge, "factorps_waiting_pushes", NONE,                                 \
     "Waiting now: sync, tensor gradients in open rounds; ssp, parked PushPull calls.")\
   X(http_responses, counter, "factorps_http_responses_total", HTTP,                  \
@@ -108,6 +114,9 @@ enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP, DIM_CKPT_REASON, DIM
     "Time inside the Adafactor update kernel, per tensor update.")                   \
   X(step_wait, "factorps_sync_wait_duration_seconds", NONE, latency,                 \
     "sync: how long a round's first push waited for the last worker's.")             \
+  X(exchange, "factorps_exchange_duration_seconds", NONE, latency,                   \
+    "Split tensors: a step's exchange, from sending its partials to having every "    \
+    "block's (completed steps).")                                                    \
   X(staleness, "factorps_ssp_staleness_steps", NONE, staleness,                      \
     "ssp: steps the pushing worker was ahead of the slowest worker when admitted.")   \
   X(ckpt_duration, "factorps_checkpoint_duration_seconds", NONE, checkpoint,         \
@@ -229,6 +238,16 @@ void fps_metrics_step_observe(uint32_t waited_for, double wait_seconds) {
   atomic_fetch_add_explicit(&g.steps[0], 1, RELAXED);
   atomic_fetch_add_explicit(&g.workers_waited[0], waited_for, RELAXED);
   hist_observe(&g.step_wait[0], &set_latency, wait_seconds);
+}
+
+void fps_metrics_exchange_bytes(uint64_t sent, uint64_t received) {
+  if (sent) atomic_fetch_add_explicit(&g.xsent_bytes[0], sent, RELAXED);
+  if (received) atomic_fetch_add_explicit(&g.xreceived_bytes[0], received, RELAXED);
+}
+
+void fps_metrics_exchange_observe(bool ok, double seconds) {
+  if (ok) hist_observe(&g.exchange[0], &set_latency, seconds);
+  else atomic_fetch_add_explicit(&g.xfailures[0], 1, RELAXED);
 }
 
 void fps_metrics_staleness_observe(uint64_t staleness) {

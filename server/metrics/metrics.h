@@ -154,6 +154,12 @@ void fps_metrics_update_observe(double seconds, uint64_t bytes);
  * `waited_for` workers averaged and applied); `wait_seconds` is how long its
  * first member waited for the last. Lock-free, any thread. */
 void fps_metrics_step_observe(uint32_t waited_for, double wait_seconds);
+/* Split tensors (the shard core's xstep.c): bytes of partial sums sent
+ * (acknowledged by the peer) and accepted; one step's exchange completed
+ * (ok: its seconds from sending our partials to having every block's) or
+ * failed. Lock-free, any thread. */
+void fps_metrics_exchange_bytes(uint64_t sent, uint64_t received);
+void fps_metrics_exchange_observe(bool ok, double seconds);
 /* ssp: a push admitted `staleness` steps ahead of the slowest worker. */
 void fps_metrics_staleness_observe(uint64_t staleness);
 /* Gauge of what waits for other workers now: in sync, tensor gradients

@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "alloc.h"
+#include "metrics.h"
 #include "shard.h"
 #include "xstep.h"
 
@@ -392,7 +393,10 @@ static void fps__xsend_done(void *arg, int err, const char *msg) {
   }
   bool ready = fps__xg_ready_locked(g);
   pthread_mutex_unlock(&g->mu);
-  if (!err) atomic_fetch_add(&sh->counters.xbytes_sent, rec->x->own_len[rec->phase - 1]);
+  if (!err) {
+    atomic_fetch_add(&sh->counters.xbytes_sent, rec->x->own_len[rec->phase - 1]);
+    fps_metrics_exchange_bytes(rec->x->own_len[rec->phase - 1], 0);
+  }
   if (ready) fps__xg_advance(g);
   fps__xg_unref(g); /* the send's */
 }
@@ -539,6 +543,7 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
   pthread_mutex_unlock(&g->mu);
   if (err) {
     atomic_fetch_add(&sh->counters.xfailures, 1);
+    fps_metrics_exchange_observe(false, 0);
     for (fps_tensor_t *t = g->set; t; t = t->round.cnext) {
       fps__apply_prep_release(&t->round.prep);
       fps_tbuf_free(sh, t->round.sum, t->numel);
@@ -549,6 +554,7 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
     pthread_mutex_lock(&sh->counters.mu);
     sh->counters.xseconds_sum += (double)(now - g->started_ns) / 1e9;
     pthread_mutex_unlock(&sh->counters.mu);
+    fps_metrics_exchange_observe(true, (double)(now - g->started_ns) / 1e9);
   }
   fps__set_settle(sh, g->set, g->k, err, why, sizeof why);
   fps__xg_unref(g); /* settled: no tensor points to it any more */
@@ -842,6 +848,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
   }
   memcpy(wire, m->partials, m->len);
   atomic_fetch_add(&sh->counters.xbytes_received, m->len);
+  fps_metrics_exchange_bytes(0, m->len);
   if (!x) {
     /* Before our own step of that version: kept until it starts. */
     *kp = (fps_xkept_t){m->version, m->block_index, m->phase, false, wire, m->len, dec, sp->mail->head};

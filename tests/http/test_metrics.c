@@ -97,6 +97,10 @@ static void test_state_and_update(void **st) {
                          .adamw_bytes = 48};
   fps_metrics_rpc_bytes(FPS_METRICS_PULL, 5, 6);
   fps_metrics_rpc_bytes((fps_metrics_method_t)-1, 5, 6);
+  fps_metrics_exchange_bytes(164, 0);
+  fps_metrics_exchange_bytes(0, 328);
+  fps_metrics_exchange_observe(true, 0.25);
+  fps_metrics_exchange_observe(false, 0);
   assert_int_equal(fps_metrics_method_from_name("/factorps.v1.ParameterServer/PushPull"),
                    FPS_METRICS_PUSHPULL);
   assert_int_equal(fps_metrics_method_from_name("Stats"), FPS_METRICS_STATS);
@@ -126,6 +130,11 @@ static void test_state_and_update(void **st) {
   assert_has(t, "process_cpu_seconds_total{shard=\"0\"} ");
   assert_has(t, "factorps_rpc_received_bytes_total{shard=\"0\",method=\"Pull\"} 5\n");
   assert_has(t, "factorps_rpc_sent_bytes_total{shard=\"0\",method=\"Pull\"} 6\n");
+  assert_has(t, "factorps_exchange_sent_bytes_total{shard=\"0\"} 164\n");
+  assert_has(t, "factorps_exchange_received_bytes_total{shard=\"0\"} 328\n");
+  assert_has(t, "factorps_exchange_failures_total{shard=\"0\"} 1\n");
+  assert_has(t, "factorps_exchange_duration_seconds_count{shard=\"0\"} 1\n");
+  assert_has(t, "factorps_exchange_duration_seconds_sum{shard=\"0\"} 0.25\n");
   free(t);
 
   fps_metrics_state_add_tensor(15, &sz);
