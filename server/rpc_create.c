@@ -10,7 +10,6 @@
 
 #include "alloc.h"
 #include "metrics.h"
-#include "shard/split_block.h"
 #include "wire.h"
 
 typedef struct fps_create_call_s {
@@ -22,27 +21,6 @@ static void fps__create_destroy(fps_call_t *c) { fps_free(c); }
 /* An init slice with nothing in it at all is no init (proto3 default). */
 static bool fps__init_empty(const Factorps__V1__TensorSlice *s) {
   return !s || (s->data.len == 0 && s->n_shape == 0 && (!s->name || !*s->name));
-}
-
-/* A row block of a split tensor (issue 12): its map is checked as the
- * contract says, then refused, since this shard cannot hold a block yet. */
-static int fps__split_refuse(const fps_server_t *srv, const char *name, const fps_shape_t *shape,
-                             const Factorps__V1__SplitBlock *sb, char *why, size_t why_len) {
-  fps_split_map_t map = {.block_index = sb->block_index,
-                         .bounds = sb->bounds,
-                         .n_bounds = sb->n_bounds,
-                         .block_shards = sb->block_shards,
-                         .n_block_shards = sb->n_block_shards,
-                         .shard_count = sb->shard_count};
-  uint64_t lo, hi;
-  int rc = fps_shard_split_check(name, shape, &map, srv->cfg.shard_id, srv->cfg.shard_count, &lo,
-                                 &hi, why, why_len);
-  if (rc < 0) return rc;
-  snprintf(why, why_len,
-           "tensor '%s': split block %u (rows [%llu, %llu)) is consistent, but this shard does "
-           "not serve row blocks of split tensors yet",
-           name, sb->block_index, (unsigned long long)lo, (unsigned long long)hi);
-  return FPS_EUNSUPPORTED;
 }
 
 static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateRequest *req) {
@@ -60,7 +38,8 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
   size_t nstate = 0;
   for (size_t i = 0; i < n; i++) nstate += req->tensors[i]->n_init_state;
   fps_state_slice_t *state_base = fps_calloc(nstate ? nstate : 1, sizeof *state_base), *states = state_base;
-  if (!items || !inits || !out || !info || !infop || !state_base) {
+  fps_split_map_t *maps = fps_calloc(n ? n : 1, sizeof *maps);
+  if (!items || !inits || !out || !info || !infop || !state_base || !maps) {
     rc = FPS_ENOMEM;
     snprintf(why, sizeof why, "Create: out of memory for %zu tensors", n);
     goto done;
@@ -78,7 +57,17 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
     items[i].ndim = tc->n_shape;
     if ((rc = fps_shard_name_check(name, why, sizeof why)) < 0) break;
     if ((rc = fps_shard_shape_check(name, tc->shape, tc->n_shape, &shape, &numel, why, sizeof why)) < 0) break;
-    if (tc->split && (rc = fps__split_refuse(srv, name, &shape, tc->split, why, sizeof why)) < 0) break;
+    if (tc->split) {
+      /* A row block of a split tensor: the core checks the map. */
+      const Factorps__V1__SplitBlock *sb = tc->split;
+      maps[i] = (fps_split_map_t){.block_index = sb->block_index,
+                                  .bounds = sb->bounds,
+                                  .n_bounds = sb->n_bounds,
+                                  .block_shards = sb->block_shards,
+                                  .n_block_shards = sb->n_block_shards,
+                                  .shard_count = sb->shard_count};
+      items[i].split = &maps[i];
+    }
     if ((rc = fps_wire_hparams(name, tc->optimizer, &items[i].hp, why, sizeof why)) < 0) break;
     items[i].step = tc->step;
     items[i].rms = tc->rms;
@@ -153,6 +142,7 @@ done:
   fps_free(reply_buf);
   fps_free(items);
   fps_free(state_base);
+  fps_free(maps);
   fps_free(inits);
   fps_free(out);
   fps_free(info);

@@ -15,7 +15,11 @@
  *      tensors this call writes and check that no other Create changed
  *      them since step 1 (init_gen), insert the new tensors;
  *   4. with only those tensors' locks held, write their values.
- * A concurrent Create of the same tensors sends step 3 back to step 1. */
+ * A concurrent Create of the same tensors sends step 3 back to step 1.
+ *
+ * A row block of a split tensor (item.split, split_tensor.h) goes the same
+ * way with its own elements and state sizes (split_block.c: the map's
+ * checks, whether this shard holds blocks, matching maps). */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -44,6 +48,8 @@ typedef struct fps_plan_s {
   bool replacing;              /* replaces an existing tensor's values */
   float *new_param;            /* replacing: the new values, staged */
   fps_adafactor_state_t new_st;
+  fps_split_state_t new_sst;   /* replacing a block: its new state */
+  fps_split_geom_t geom;       /* a split block's rows (item.split) */
   uint64_t gen;                /* lead, existing: its init_gen when checked */
   bool inserted;               /* lead, new: in the store (no longer ours to free) */
 } fps_plan_t;
@@ -58,8 +64,14 @@ static uint64_t fps__kind_size(const fps_state_size_t *z, int k) {
   return k == FPS_STATE_ROW ? z->row : k == FPS_STATE_COL ? z->col : k == FPS_STATE_VAR ? z->var : z->mom;
 }
 
-static float *fps__kind_array(const fps_adafactor_state_t *st, int k) {
-  return k == FPS_STATE_ROW ? st->row : k == FPS_STATE_COL ? st->col : k == FPS_STATE_VAR ? st->var : st->mom;
+/* The state arrays a replacement is staged in (a block's or a whole
+ * tensor's). */
+static void fps__staged_arrays(const fps_plan_t *lead, float *out[FPS_STATE_KINDS]) {
+  const bool b = lead->t->split != NULL;
+  out[FPS_STATE_ROW] = b ? lead->new_sst.row : lead->new_st.row;
+  out[FPS_STATE_COL] = b ? lead->new_sst.col : lead->new_st.col;
+  out[FPS_STATE_VAR] = b ? lead->new_sst.var : lead->new_st.var;
+  out[FPS_STATE_MOM] = b ? lead->new_sst.mom : lead->new_st.mom;
 }
 
 /* Every state array of the tensor covered? */
@@ -134,6 +146,22 @@ static int fps__create_check(fps_shard_t *sh, fps_plan_t *p, size_t i, char *why
   int rc;
   if ((rc = fps_shard_name_check(name, why, wl)) < 0) return rc;
   if ((rc = fps_shard_shape_check(name, tc->dims, tc->ndim, &it->shape, &it->numel, why, wl)) < 0) return rc;
+  if (tc->split) {
+    /* A row block: its map first (a client learns first whether its map is
+     * wrong), then whether this shard holds blocks at all. From here on
+     * numel, offsets and state sizes are the block's. */
+    uint64_t lo, hi;
+    rc = fps_shard_split_check(name, &it->shape, tc->split, sh->cfg.shard_id, sh->cfg.shard_count, &lo, &hi,
+                               why, wl);
+    if (rc < 0) return rc;
+    if ((rc = fps_shard_split_allowed(sh, name, why, wl)) < 0) return rc;
+    char sub[256] = "";
+    if (fps_split_geom_init(&it->geom, &it->shape, lo, hi, sub, sizeof sub) < 0) {
+      snprintf(why, wl, "tensor '%s': split block %u: %s", name, tc->split->block_index, sub);
+      return FPS_EINVAL;
+    }
+    it->numel = it->geom.block_numel;
+  }
 
   fps_plan_t *lead = &p[it->lead];
   /* What this item must agree with: the existing tensor, or the group's
@@ -173,6 +201,16 @@ static int fps__create_check(fps_shard_t *sh, fps_plan_t *p, size_t i, char *why
                name, d);
       return FPS_EEXISTS;
     }
+    /* Split or whole, and the same block of the same map. */
+    fps_split_map_t have_map;
+    const fps_split_map_t *have = NULL;
+    if (it->lead != i) {
+      have = lead->it->split;
+    } else if (it->t->split) {
+      fps_shard_split_map_of(it->t->split, &have_map);
+      have = &have_map;
+    }
+    if ((rc = fps_shard_split_match(name, have, tc->split, why, wl)) < 0) return rc;
   }
   /* Resume settings: a tensor's items agree, and are sane. */
   if (it->lead != i && (tc->step != lead->it->step || tc->replace != lead->it->replace ||
@@ -197,6 +235,7 @@ static int fps__create_check(fps_shard_t *sh, fps_plan_t *p, size_t i, char *why
       snprintf(why, wl, "tensor '%s': %s", name, fps_strerror(rc));
       return rc;
     }
+    if (tc->split) fps_shard_split_state_size(&it->geom, it->t ? &it->t->hp : &tc->hp, &it->ssz);
     if (it->t) {
       pthread_mutex_lock(&it->t->mu);
       pthread_mutex_lock(&sh->rounds_mu); /* guards the round */
@@ -271,6 +310,7 @@ static void fps__plan_reset(fps_plan_t *p, size_t n) {
     for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&p[i].sranges[k]);
     fps_free(p[i].new_param);
     fps_adafactor_state_destroy(&p[i].new_st);
+    fps_split_state_destroy(&p[i].new_sst);
     if (p[i].lead == i && p[i].is_new && !p[i].inserted) fps_tensor_destroy(p[i].t);
     const fps_create_item_t *it = p[i].it;
     size_t lead = p[i].lead;
@@ -283,7 +323,7 @@ static void fps__plan_reset(fps_plan_t *p, size_t n) {
 /* Writes item i's init values and state into `param` / `st` (its lead's
  * tensor, or a replacement's staging). Returns the init bytes. */
 static uint64_t fps__create_write(const fps_create_item_t *item, const fps_plan_t *pi, float *param,
-                                  const fps_adafactor_state_t *st) {
+                                  float *const st[FPS_STATE_KINDS]) {
   uint64_t received = 0;
   if (pi->count) {
     fps_dtype_decode(item->init->dtype, item->init->data, pi->count, param + pi->off, NULL);
@@ -291,7 +331,7 @@ static uint64_t fps__create_write(const fps_create_item_t *item, const fps_plan_
   }
   for (size_t j = 0; j < item->n_state; j++) {
     const fps_state_slice_t *ss = &item->state[j];
-    memcpy(fps__kind_array(st, ss->kind) + ss->offset, ss->data, ss->len);
+    memcpy(st[ss->kind] + ss->offset, ss->data, ss->len);
   }
   return received;
 }
@@ -420,8 +460,10 @@ again:
   for (size_t i = 0; i < n && rc == 0; i++) {
     if (p[i].lead != i || !p[i].is_new) continue;
     const char *name = items[i].name;
-    p[i].t = fps_tensor_create(name, strlen(name), &p[i].shape, p[i].numel, &items[i].hp, sh->cfg.workers,
-                               sh->cfg.apply_log);
+    p[i].t = items[i].split ? fps_tensor_create_split(name, strlen(name), &p[i].geom, items[i].split,
+                                                      &items[i].hp, sh->cfg.workers, sh->cfg.apply_log)
+                            : fps_tensor_create(name, strlen(name), &p[i].shape, p[i].numel, &items[i].hp,
+                                                sh->cfg.workers, sh->cfg.apply_log);
     if (!p[i].t) {
       rc = FPS_ENOMEM;
       snprintf(why, wl, "tensor '%s': out of memory allocating %" PRIu64 " parameters", name, p[i].numel);
@@ -429,13 +471,20 @@ again:
     }
     /* Resume: it starts at the step's version and state (still not ready). */
     p[i].t->version = items[i].step;
-    p[i].t->st.step = items[i].step;
-    p[i].t->st.rms = (float)items[i].rms;
+    if (p[i].t->split) {
+      p[i].t->split->st.step = items[i].step;
+      p[i].t->split->st.rms = (float)items[i].rms;
+    } else {
+      p[i].t->st.step = items[i].step;
+      p[i].t->st.rms = (float)items[i].rms;
+    }
   }
   for (size_t i = 0; i < n && rc == 0; i++) {
     if (p[i].lead != i || !p[i].replacing) continue;
     p[i].new_param = fps_malloc((p[i].numel ? p[i].numel : 1) * sizeof(float));
-    if (!p[i].new_param || fps_adafactor_state_init(&p[i].new_st, &p[i].shape, &p[i].t->hp) < 0) {
+    const fps_tensor_t *t = p[i].t;
+    if (!p[i].new_param || (t->split ? fps_split_state_init(&p[i].new_sst, &t->split->g, &t->hp)
+                                     : fps_adafactor_state_init(&p[i].new_st, &p[i].shape, &t->hp)) < 0) {
       rc = FPS_ENOMEM;
       snprintf(why, wl, "tensor '%s': out of memory staging its replacement", items[i].name);
     }
@@ -444,8 +493,14 @@ again:
   uint64_t received = 0;
   for (size_t i = 0; i < n; i++) {
     fps_plan_t *lead = &p[p[i].lead];
-    if (lead->is_new) received += fps__create_write(&items[i], &p[i], lead->t->param, &lead->t->st);
-    else if (lead->replacing) received += fps__create_write(&items[i], &p[i], lead->new_param, &lead->new_st);
+    float *arr[FPS_STATE_KINDS];
+    if (lead->is_new) {
+      fps_tensor_state_arrays(lead->t, arr);
+      received += fps__create_write(&items[i], &p[i], lead->t->param, arr);
+    } else if (lead->replacing) {
+      fps__staged_arrays(lead, arr);
+      received += fps__create_write(&items[i], &p[i], lead->new_param, arr);
+    }
   }
   for (size_t i = 0; i < n; i++)
     if (p[i].lead == i && p[i].is_new) fps__create_publish(&p[i]);
@@ -475,7 +530,7 @@ again:
       if (p[i].lead != i || p[i].is_new || !(p[i].replacing || !p[i].was_ready)) continue;
       fps_tensor_t *t = p[i].t;
       if (t->init_gen != p[i].gen) stale = true; /* another Create wrote it meanwhile */
-      else if (p[i].replacing && (t->round.open || t->red)) {
+      else if (p[i].replacing && (t->round.open || t->red || (t->split && t->split->xs))) {
         /* Pushes do not take the store lock: one more look, under the
          * tensor's. */
         rc = FPS_ESTATE;
@@ -512,18 +567,29 @@ again:
   for (size_t i = 0; i < n; i++) {
     fps_plan_t *lead = &p[p[i].lead];
     if (lead->is_new || lead->was_ready || lead->replacing) continue;
-    received += fps__create_write(&items[i], &p[i], lead->t->param, &lead->t->st);
+    float *arr[FPS_STATE_KINDS];
+    fps_tensor_state_arrays(lead->t, arr);
+    received += fps__create_write(&items[i], &p[i], lead->t->param, arr);
   }
   for (size_t i = 0; i < n; i++) {
     if (p[i].lead != i || p[i].is_new || p[i].was_ready) continue;
     fps_tensor_t *t = p[i].t;
     if (p[i].replacing) {
       float *old_param = t->param;
-      fps_adafactor_state_t old_st = t->st;
       t->param = p[i].new_param;
-      t->st = p[i].new_st;
-      t->st.step = items[i].step;
-      t->st.rms = (float)items[i].rms;
+      if (t->split) {
+        fps_split_state_t old_sst = t->split->st;
+        t->split->st = p[i].new_sst;
+        t->split->st.step = items[i].step;
+        t->split->st.rms = (float)items[i].rms;
+        p[i].new_sst = old_sst; /* freed below with the plan */
+      } else {
+        fps_adafactor_state_t old_st = t->st;
+        t->st = p[i].new_st;
+        t->st.step = items[i].step;
+        t->st.rms = (float)items[i].rms;
+        p[i].new_st = old_st;
+      }
       t->version = items[i].step;
       t->ready = true;
       fps_ranges_free(&t->init);
@@ -535,7 +601,6 @@ again:
       t->last_weight_decay = t->hp.weight_decay;
       t->init_gen++;
       p[i].new_param = old_param; /* freed below with the plan */
-      p[i].new_st = old_st;
     } else {
       fps__create_publish(&p[i]);
     }

@@ -52,6 +52,7 @@
 #include "dtype.h"
 #include "error.h"
 #include "name.h"
+#include "split_block.h"
 #include "split_tensor.h"
 
 #define FPS_NAME_MAX FPS_TENSOR_NAME_MAX /* bytes of UTF-8 in a tensor name (name.h) */
@@ -325,6 +326,16 @@ int fps__store_insert_locked(fps_store_t *st, fps_tensor_t *t);
 fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t *shape,
                                 uint64_t numel, const fps_adafactor_hparams_t *hp,
                                 uint32_t workers, uint32_t log_cap);
+/* The same for row block g of a split tensor placed by map (checked:
+ * fps_shard_split_check): t->shape the whole shape, t->numel and t->size
+ * the block's, t->split with a copy of the map and zeroed block state
+ * (split_tensor.h). NULL on OOM. */
+fps_tensor_t *fps_tensor_create_split(const char *name, size_t len, const fps_split_geom_t *g,
+                                      const fps_split_map_t *map, const fps_adafactor_hparams_t *hp,
+                                      uint32_t workers, uint32_t log_cap);
+/* The tensor's state arrays by kind (FPS_STATE_*; NULL where it has none):
+ * a block's from t->split->st, a whole tensor's from t->st. */
+void fps_tensor_state_arrays(const fps_tensor_t *t, float *out[FPS_STATE_KINDS]);
 void fps_tensor_destroy(fps_tensor_t *t);
 
 /* fps_apply_prep_t (above, with the rounds): checks uh and allocates. */
@@ -391,6 +402,8 @@ typedef struct fps_tensor_view_s {
 typedef struct fps_shard_view_s {
   uint64_t tensors;           /* tensors in the store */
   uint64_t param_elements;    /* their elements */
+  uint64_t split_blocks;      /* of them, row blocks of split tensors */
+  uint64_t split_elements;    /* the blocks' elements */
   fps_state_size_t state;     /* their optimizer state, summed */
   fps_tensor_view_t *t;       /* per tensor in creation order (with_tensors), else NULL */
   size_t n;
@@ -435,6 +448,9 @@ typedef struct fps_create_item_s {
   size_t n_state;
   double rms;                 /* hf RMS at resume */
   bool replace;               /* replace an existing tensor's values */
+  /* A row block of a split tensor (proto SplitBlock), NULL: whole. Then
+   * init and state are the block's, at block-local offsets. */
+  const fps_split_map_t *split;
 } fps_create_item_t;
 
 typedef struct fps_create_info_s {
@@ -463,7 +479,14 @@ typedef struct fps_create_info_s {
  * an existing tensor's params, state, step and version are replaced by
  * this call's, which must cover all of them (FPS_EINVAL otherwise), in one
  * step under its lock; FPS_ESTATE while a sync round is open for it. A
- * missing tensor is created as without replace. */
+ * missing tensor is created as without replace.
+ *
+ * Split blocks (item.split): the map is checked (fps_shard_split_check:
+ * FPS_ESTATE, FPS_EINVAL), then whether this shard may hold blocks
+ * (fps_shard_split_allowed: FPS_ESTATE); a block matches an existing one
+ * only with the same shape, settings and map, and a whole tensor never
+ * matches a block (FPS_EEXISTS naming what differs). Everything above
+ * then holds for the block: its numel, state sizes and offsets. */
 int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, const fps_create_item_t *items,
                      size_t n, fps_create_info_t *out, uint64_t *received, char *why, size_t why_len);
 

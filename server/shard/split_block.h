@@ -1,8 +1,8 @@
 /* Create of one row block of a split tensor (issue 12, proto SplitBlock):
- * the checks of the block map a shard can make on its own. The shard does
- * not hold blocks yet; rpc_create.c refuses a valid block with
- * UNIMPLEMENTED after these checks, so a client learns first whether its
- * map is wrong. gRPC-free (shard core). */
+ * the checks of the block map a shard can make on its own, whether this
+ * shard may hold blocks at all, create-or-match of two maps, and a
+ * block's state sizes. create.c applies them; split_tensor.h says how a
+ * block lives in the store. gRPC-free (shard core). */
 #ifndef FPS_SHARD_SPLIT_BLOCK_H
 #define FPS_SHARD_SPLIT_BLOCK_H
 
@@ -10,6 +10,10 @@
 #include <stdint.h>
 
 #include "adafactor.h"
+#include "adafactor_split.h"
+
+struct fps_shard_s;
+struct fps_tensor_split_s;
 
 /* A block map as it arrives (SplitBlock's fields). */
 typedef struct fps_split_map_s {
@@ -31,5 +35,31 @@ typedef struct fps_split_map_s {
 int fps_shard_split_check(const char *name, const fps_shape_t *shape, const fps_split_map_t *map,
                           uint32_t shard_id, uint32_t shard_count, uint64_t *row_lo,
                           uint64_t *row_hi, char *why, size_t why_len);
+
+/* Whether this shard can hold split blocks at all: FPS_ESTATE naming the
+ * tensor and the reason (no sender installed: "this shard has no
+ * --peers"; async/ssp mode: "split tensors need --mode sync"), else 0.
+ * The one place these rules live (the cross-shard step may lift the mode
+ * rule). */
+int fps_shard_split_allowed(const struct fps_shard_s *sh, const char *name, char *why,
+                            size_t why_len);
+
+/* Create-or-match of tensor `name`: the map it is held with (`have`, NULL:
+ * held whole) against the one asked for (`want`, NULL: whole). 0 if they
+ * are the same (both whole, or equal block_index, bounds, block_shards and
+ * shard_count), else FPS_EEXISTS naming what differs (existing vs
+ * requested). */
+int fps_shard_split_match(const char *name, const fps_split_map_t *have, const fps_split_map_t *want,
+                          char *why, size_t why_len);
+
+/* The map a block tensor's t->split holds, as a view (points into it). */
+void fps_shard_split_map_of(const struct fps_tensor_split_s *s, fps_split_map_t *out);
+
+/* The optimizer state a block keeps (proto SplitBlock): STATE_ROW its
+ * rows, STATE_COL cols per touched matrix (factored), STATE_VAR its
+ * elements (1-D), STATE_MOM its elements (hf with beta1); AdamW's figure
+ * for its elements. */
+void fps_shard_split_state_size(const fps_split_geom_t *g, const fps_adafactor_hparams_t *hp,
+                                fps_state_size_t *out);
 
 #endif

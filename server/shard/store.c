@@ -104,9 +104,10 @@ int fps__store_insert_locked(fps_store_t *st, fps_tensor_t *t) {
   return 0;
 }
 
-fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t *shape,
-                                uint64_t numel, const fps_adafactor_hparams_t *hp,
-                                uint32_t workers, uint32_t log_cap) {
+/* A tensor without its optimizer state, or NULL on OOM. */
+static fps_tensor_t *fps__tensor_alloc(const char *name, size_t len, const fps_shape_t *shape,
+                                       uint64_t numel, const fps_adafactor_hparams_t *hp,
+                                       uint32_t workers, uint32_t log_cap) {
   fps_tensor_t *t = fps_calloc(1, sizeof *t);
   if (!t) return NULL;
   if (pthread_mutex_init(&t->mu, NULL) != 0) {
@@ -130,12 +131,60 @@ fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t 
   if (!t->name || !t->param || !t->round.member) goto fail;
   memcpy(t->name, name, len);
   t->name[len] = 0;
-  if (fps_adafactor_state_init(&t->st, shape, hp) < 0) goto fail;
-  if (fps_adafactor_state_size(shape, hp, &t->size) < 0) goto fail;
   return t;
 fail:
   fps_tensor_destroy(t);
   return NULL;
+}
+
+fps_tensor_t *fps_tensor_create(const char *name, size_t len, const fps_shape_t *shape,
+                                uint64_t numel, const fps_adafactor_hparams_t *hp,
+                                uint32_t workers, uint32_t log_cap) {
+  fps_tensor_t *t = fps__tensor_alloc(name, len, shape, numel, hp, workers, log_cap);
+  if (!t) return NULL;
+  if (fps_adafactor_state_init(&t->st, shape, hp) < 0 || fps_adafactor_state_size(shape, hp, &t->size) < 0) {
+    fps_tensor_destroy(t);
+    return NULL;
+  }
+  return t;
+}
+
+fps_tensor_t *fps_tensor_create_split(const char *name, size_t len, const fps_split_geom_t *g,
+                                      const fps_split_map_t *map, const fps_adafactor_hparams_t *hp,
+                                      uint32_t workers, uint32_t log_cap) {
+  fps_tensor_t *t = fps__tensor_alloc(name, len, &g->shape, g->block_numel, hp, workers, log_cap);
+  if (!t) return NULL;
+  fps_tensor_split_t *sp = t->split = fps_calloc(1, sizeof *sp);
+  const size_t nb = map->n_bounds - 1;
+  if (!sp || !(sp->bounds = fps_malloc(map->n_bounds * sizeof *sp->bounds)) ||
+      !(sp->block_shards = fps_malloc(nb * sizeof *sp->block_shards)) ||
+      fps_split_state_init(&sp->st, g, hp) < 0) {
+    fps_tensor_destroy(t);
+    return NULL;
+  }
+  sp->g = *g;
+  sp->block_index = map->block_index;
+  sp->n_blocks = (uint32_t)nb;
+  memcpy(sp->bounds, map->bounds, map->n_bounds * sizeof *sp->bounds);
+  memcpy(sp->block_shards, map->block_shards, nb * sizeof *sp->block_shards);
+  sp->shard_count = map->shard_count;
+  fps_shard_split_state_size(g, hp, &t->size);
+  return t;
+}
+
+void fps_tensor_state_arrays(const fps_tensor_t *t, float *out[FPS_STATE_KINDS]) {
+  if (t->split) {
+    const fps_split_state_t *st = &t->split->st;
+    out[FPS_STATE_ROW] = st->row;
+    out[FPS_STATE_COL] = st->col;
+    out[FPS_STATE_VAR] = st->var;
+    out[FPS_STATE_MOM] = st->mom;
+  } else {
+    out[FPS_STATE_ROW] = t->st.row;
+    out[FPS_STATE_COL] = t->st.col;
+    out[FPS_STATE_VAR] = t->st.var;
+    out[FPS_STATE_MOM] = t->st.mom;
+  }
 }
 
 void fps_tensor_destroy(fps_tensor_t *t) {
@@ -423,15 +472,17 @@ int fps_shard_state_snap(fps_shard_t *sh, const char *name, fps_state_snap_t *ou
   bool ready = t->ready;
   uint64_t inited = t->init.covered;
   if (ready) {
-    const float *src[FPS_STATE_KINDS] = {t->st.row, t->st.col, t->st.var, t->st.mom};
+    float *src[FPS_STATE_KINDS];
+    fps_tensor_state_arrays(t, src);
     float *dst = out->data;
     for (int k = 0; k < FPS_STATE_KINDS; k++) {
       if (out->n[k]) memcpy(dst, src[k], out->n[k] * sizeof(float));
       dst += out->n[k];
     }
     out->version = t->version;
-    out->step = t->st.step;
-    out->rms = t->st.rms;
+    /* A block's step count and RMS are the whole tensor's (split_tensor.h). */
+    out->step = t->split ? t->split->st.step : t->st.step;
+    out->rms = t->split ? t->split->st.rms : t->st.rms;
     out->lr = t->last_lr;
     out->weight_decay = t->last_weight_decay;
   }
@@ -479,6 +530,10 @@ int fps_shard_view(fps_shard_t *sh, bool with_tensors, uint32_t log_limit, fps_s
   size_t nrec = 0;
   for (fps_tensor_t *t = sh->store.first; t; t = t->next) {
     v->param_elements += t->numel;
+    if (t->split) {
+      v->split_blocks++;
+      v->split_elements += t->numel;
+    }
     v->state.row += t->size.row;
     v->state.col += t->size.col;
     v->state.var += t->size.var;

@@ -2,11 +2,13 @@
 """Split tensors on the wire (issue 12, in progress): a Create carrying a
 SplitBlock gets its block map checked exactly as the proto says (another
 shard count or another shard's block: FAILED_PRECONDITION naming both;
-inconsistent geometry: INVALID_ARGUMENT naming the field) and a consistent
-block is refused with UNIMPLEMENTED, since shards do not hold row blocks yet.
-Every refusal leaves the shard without the tensor. Exchange requests are
-validated as the proto says and then refused (NOT_FOUND: no block here, or
-FAILED_PRECONDITION for a tensor held whole). One server (shard 1 of 3)."""
+inconsistent geometry: INVALID_ARGUMENT naming the field); a consistent
+block is then refused with FAILED_PRECONDITION by a shard without --peers
+("this shard has no --peers") or in async/ssp mode ("split tensors need
+--mode sync"). Every refusal leaves the shard without the tensor. Exchange
+requests are validated as the proto says and then refused (NOT_FOUND: no
+block here, or FAILED_PRECONDITION for a tensor held whole). One server
+(shard 1 of 3, sync) and, for the mode rule, one in async mode."""
 import struct
 import unittest
 
@@ -19,35 +21,48 @@ class SplitCreate(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.pb, _, cls.grpc = H.stubs()
-        cls.srv = H.Server("--shard-id", 1, "--shard-count", 3, "--mode", "async")
+        cls.srv = H.Server("--shard-id", 1, "--shard-count", 3)
 
     @classmethod
     def tearDownClass(cls):
         cls.srv.stop()
 
-    def create(self, **split):
+    def create(self, srv=None, **split):
         pb = self.pb
+        srv = srv or self.srv
         block = dict(block_index=1, bounds=[0, 2, 5, 6], block_shards=[0, 1, 2], shard_count=3)
         block.update(split)
         tc = pb.TensorCreate(name="emb", shape=SHAPE, optimizer=H.optimizer(),
                              split=pb.SplitBlock(**block))
-        return self.srv.stub.Create(pb.CreateRequest(shard_id=1, shard_count=3, tensors=[tc]),
-                                    timeout=30)
+        return srv.stub.Create(pb.CreateRequest(shard_id=1, shard_count=3, tensors=[tc]),
+                               timeout=30)
 
-    def assertRefused(self, code, words, **split):
+    def assertRefused(self, code, words, srv=None, **split):
+        srv = srv or self.srv
         with self.assertRaises(self.grpc.RpcError) as cm:
-            self.create(**split)
+            self.create(srv=srv, **split)
         e = cm.exception
         self.assertEqual(e.code(), code, e.details())
         for w in words:
             self.assertIn(w, e.details())
-        _, tensors = H.stats(self.srv.stub)
+        _, tensors = H.stats(srv.stub)
         self.assertNotIn("emb", tensors, "a refused block left a tensor behind")
 
-    def test_consistent_block_is_unimplemented(self):
-        self.assertRefused(self.grpc.StatusCode.UNIMPLEMENTED,
-                           ["tensor 'emb'", "split block 1 (rows [2, 5))",
-                            "does not serve row blocks"])
+    def test_consistent_block_needs_peers(self):
+        self.assertRefused(self.grpc.StatusCode.FAILED_PRECONDITION,
+                           ["tensor 'emb'", "this shard has no --peers"])
+
+    def test_consistent_block_needs_sync(self):
+        srv = H.Server("--shard-id", 1, "--shard-count", 3, "--mode", "async")
+        try:
+            self.assertRefused(self.grpc.StatusCode.FAILED_PRECONDITION,
+                               ["tensor 'emb'", "async mode", "split tensors need --mode sync"],
+                               srv=srv)
+            # The map is checked first, in any mode.
+            self.assertRefused(self.grpc.StatusCode.INVALID_ARGUMENT, ["split.block_index 3"],
+                               srv=srv, block_index=3)
+        finally:
+            srv.stop()
 
     def test_other_shard_count(self):
         self.assertRefused(self.grpc.StatusCode.FAILED_PRECONDITION,
