@@ -433,11 +433,17 @@ struct fps_split_step_s {
   bool *expl;                 /* factored: nmat, torch clamp may bind there */
   double *u2mat;              /* factored: batch, each matrix's sum U^2 (combine) */
   bool *expl_all;             /* factored: batch */
+  double *acc;                /* factored: 2 * cols, combine's column sums */
+  float *colc;                /* factored: cols, combine's new column state */
+  /* Everything combine and the U2 phase need is allocated at begin: a
+   * shard that has acknowledged its peers' partials must not fail for
+   * want of memory (they may apply; it would diverge). */
   double psq, u2;             /* the whole tensor's */
   fps_split_partials_t part;  /* this block's stats partials */
   fps_split_partials_t part_u2;
   void *part_mem;             /* storage of part's arrays */
-  void *u2_mem;               /* storage of part_u2's array */
+  void *u2_mem;               /* storage of part_u2's array (factored) */
+  bool u2_done;               /* part_u2 computed */
   fps__step_result_t res;
   bool explicit_rms;
   uint64_t bytes;
@@ -515,6 +521,8 @@ void fps_split_step_free(fps_split_step_t *s) {
   fps_free(s->expl);
   fps_free(s->u2mat);
   fps_free(s->expl_all);
+  fps_free(s->acc);
+  fps_free(s->colc);
   fps_free(s->part_mem);
   fps_free(s->u2_mem);
   fps_free(s);
@@ -529,8 +537,15 @@ static int begin_factored(fps_split_step_t *s) {
   s->m = fps_malloc(nm * sizeof(double));
   s->expl = fps_calloc(nm, sizeof(bool));
   s->part_mem = fps_malloc(nm * (2 + 2 * C) * sizeof(double));
+  const size_t M = (size_t)g->batch;
+  s->u2mat = fps_calloc(M, sizeof(double));
+  s->expl_all = fps_calloc(M, sizeof(bool));
+  s->acc = fps_malloc(2 * C * sizeof(double));
+  s->colc = fps_malloc(C * sizeof(float));
+  s->u2_mem = fps_calloc(nm ? nm : 1, sizeof(double));
   double *scratch = seg_scratch(g);
-  if (!s->new_row || !s->new_col || !s->colf || !s->m || !s->expl || !s->part_mem || !scratch) {
+  if (!s->new_row || !s->new_col || !s->colf || !s->m || !s->expl || !s->part_mem || !s->u2mat ||
+      !s->expl_all || !s->acc || !s->colc || !s->u2_mem || !scratch) {
     fps_free(scratch);
     return FPS_ENOMEM;
   }
@@ -730,14 +745,8 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
   }
 
   const size_t C = (size_t)g->cols, M = (size_t)g->batch;
-  double *acc = fps_malloc(2 * C * sizeof(double));
-  float *col = fps_malloc(C * sizeof(float));
-  s->u2mat = fps_calloc(M, sizeof(double));
-  s->expl_all = fps_calloc(M, sizeof(bool));
-  if (!acc || !col || !s->u2mat || !s->expl_all) {
-    rc = fps_errorf(FPS_ENOMEM, why, why_len, "no memory to combine %zu blocks", n);
-    goto fail;
-  }
+  double *acc = s->acc; /* allocated at begin: combine cannot run out of memory */
+  float *col = s->colc;
   bool any_expl = false;
   size_t first = 0; /* the first block touching matrix mtx */
   for (uint64_t mtx = 0; mtx < M; mtx++) {
@@ -780,8 +789,6 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
       s->expl[lm] = expl;
     }
   }
-  fps_free(acc);
-  fps_free(col);
   s->explicit_rms = any_expl;
   if (any_expl) {
     s->needs_u2 = true;
@@ -791,13 +798,8 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
   }
   return 0;
 fail:
-  /* nothing of the step changed: combine may be called again */
-  fps_free(acc);
-  fps_free(col);
-  fps_free(s->u2mat);
-  fps_free(s->expl_all);
-  s->u2mat = NULL;
-  s->expl_all = NULL;
+  /* nothing of the step changed (u2mat and expl_all are rewritten for
+   * every matrix): combine may be called again */
   return rc;
 }
 
@@ -805,11 +807,10 @@ bool fps_split_step_needs_u2(const fps_split_step_t *s) { return s && s->needs_u
 
 const fps_split_partials_t *fps_split_step_u2(fps_split_step_t *s) {
   if (!s || s->stage != STAGE_COMBINED || !s->needs_u2) return NULL;
-  if (s->u2_mem) return &s->part_u2;
+  if (s->u2_done) return &s->part_u2;
   const fps_split_geom_t *g = &s->st->g;
   const size_t C = (size_t)g->cols, nm = (size_t)g->nmat;
-  double *u2m = fps_calloc(nm ? nm : 1, sizeof(double));
-  if (!u2m) return NULL;
+  double *u2m = s->u2_mem; /* zeroed at begin */
   fps__fact_ctx_t c = {.k = s->k, .sc = &s->sc, .cols = C};
   for (size_t lm = 0; lm < nm; lm++) {
     if (!s->expl[lm]) continue;
@@ -827,7 +828,7 @@ const fps_split_partials_t *fps_split_step_u2(fps_split_step_t *s) {
     u2m[lm] = u2;
     s->bytes += 4 * (b - a) * C;
   }
-  s->u2_mem = u2m;
+  s->u2_done = true;
   s->part_u2 = (fps_split_partials_t){.phase = FPS_SPLIT_PHASE_U2, .factored = true,
                                       .row_lo = g->row_lo, .row_hi = g->row_hi, .cols = g->cols,
                                       .mtx_lo = g->mtx_lo, .nmat = g->nmat, .u2m = u2m};

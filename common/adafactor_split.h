@@ -180,7 +180,10 @@ typedef struct fps_split_step_s fps_split_step_t;
  * unchanged until apply or free. k: kernels (NULL = best); pool: NULL =
  * this thread. Changes nothing in st or param. *out owns the step; free it
  * with fps_split_step_free(). Returns 0, FPS_EINVAL (NULL args, state not
- * made for hp), FPS_EHPARAM/FPS_EFLAVOR, FPS_ENOMEM. */
+ * made for hp), FPS_EHPARAM/FPS_EFLAVOR, FPS_ENOMEM. Everything the later
+ * stages need is allocated here: combine, the u2 phase and apply cannot
+ * run out of memory (a shard that has acknowledged its peers' partials
+ * must be able to finish the step). */
 int fps_split_step_begin(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
                          fps_split_state_t *st, float *param, const float *grad,
                          fps_pool_t *pool, fps_split_step_t **out);
@@ -192,8 +195,8 @@ const fps_split_partials_t *fps_split_step_partials(const fps_split_step_t *s);
  * block's among them, at its place). Checks the blocks cover the tensor's
  * rows in order and that copies of a shared matrix's old column state are
  * bit-identical. Returns 0, FPS_EINVAL (blocks that do not tile the
- * tensor, this block not among them, called twice), FPS_ESTATE (column
- * states differ), FPS_ENOMEM; `why` says which. Then
+ * tensor, this block not among them, called twice) or FPS_ESTATE (column
+ * states differ); `why` says which. Allocates nothing. Then
  * fps_split_step_needs_u2() says whether phase u2 must follow. */
 int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *parts, size_t n,
                            char *why, size_t why_len);
@@ -203,9 +206,8 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
 bool fps_split_step_needs_u2(const fps_split_step_t *s);
 
 /* Phase u2: this block's explicit sums (runs the pass over g once; valid
- * until the step is freed). NULL if combine has not run, no u2 phase is
- * due, or out of memory (the step is then still intact: free it, or call
- * again). */
+ * until the step is freed). NULL if combine has not run or no u2 phase is
+ * due. Allocates nothing. */
 const fps_split_partials_t *fps_split_step_u2(fps_split_step_t *s);
 
 /* Combines every block's phase-u2 partials, in block order. Returns 0 or
