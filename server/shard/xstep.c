@@ -80,6 +80,11 @@ struct fps_xstep_s {
   fps_xpart_t *part;          /* [NPHASE * nb]: (phase - 1) * nb + block */
   uint8_t *own[NPHASE];       /* our wire form per phase (for the sends) */
   size_t own_len[NPHASE];
+  /* Allocated at start, so that nothing after our acknowledgements can
+   * fail for want of memory (a peer that has them may apply): combine's
+   * input, and the records that keep the partials after the step. */
+  fps_split_partials_t *parts; /* [nb] */
+  struct fps_xkept_s **kept;  /* [NPHASE * nb], NULL at our own block */
 };
 
 /* One send of our partials to a peer. */
@@ -136,6 +141,10 @@ static void fps__xstep_free(struct fps_xstep_s *x) {
   if (x->part)
     for (uint32_t i = 0; i < NPHASE * x->nb; i++) fps__xpart_clear(&x->part[i]);
   fps_free(x->part);
+  if (x->kept)
+    for (uint32_t i = 0; i < NPHASE * x->nb; i++) fps_free(x->kept[i]);
+  fps_free(x->kept);
+  fps_free(x->parts);
   for (int p = 0; p < NPHASE; p++) fps_free(x->own[p]);
   fps_free(x);
 }
@@ -281,7 +290,11 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_xgroup_t 
     x->nb = sp->n_blocks;
     x->me = sp->block_index;
     x->part = fps_calloc(NPHASE * (size_t)x->nb, sizeof *x->part);
-    if (!x->part) goto oom;
+    x->parts = fps_malloc(x->nb * sizeof *x->parts);
+    x->kept = fps_calloc(NPHASE * (size_t)x->nb, sizeof *x->kept);
+    if (!x->part || !x->parts || !x->kept) goto oom;
+    for (uint32_t j = 0; j < NPHASE * x->nb; j++)
+      if (j % x->nb != x->me && !(x->kept[j] = fps_calloc(1, sizeof *x->kept[j]))) goto oom;
     fps_adafactor_hparams_t hp = fps__update_hparams(t, &t->round.member[0]->uh);
     fps_pool_t *pool = t->numel >= FPS_POOL_MIN_NUMEL ? sh->pool : NULL;
     rc = fps_split_step_begin(sh->kernels, &hp, &sp->st, t->param, t->round.sum, pool, &x->step);
@@ -292,7 +305,8 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_xgroup_t 
       goto fail;
     }
     size_t sz = fps_split_partials_size(&sp->g, FPS_SPLIT_PHASE_STATS);
-    if (!sz || !(x->own[0] = fps_malloc(sz))) goto oom;
+    size_t sz2 = fps_split_partials_size(&sp->g, FPS_SPLIT_PHASE_U2);
+    if (!sz || !sz2 || !(x->own[0] = fps_malloc(sz)) || !(x->own[1] = fps_malloc(sz2))) goto oom;
     x->own_len[0] = fps_split_partials_encode(fps_split_step_partials(x->step), x->own[0], sz);
     if (x->own_len[0] != sz) {
       snprintf(why, wl, "tensor '%s': could not encode this block's partials", t->name);
@@ -307,7 +321,7 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_xgroup_t 
     struct fps_xstep_s *x = g->x[i];
     fps_tensor_split_t *sp = x->t->split;
     fps__mail_prune(sp, x->version);
-    if (!sp->mail) continue;
+    if (!sp->mail && !(sp->mail = fps_calloc(1, sizeof *sp->mail))) goto oom;
     for (fps_xkept_t **pp = &sp->mail->head; *pp;) {
       fps_xkept_t *m = *pp;
       if (m->done || m->version != x->version) {
@@ -511,12 +525,13 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
     }
     x->t->round.prep.split = x->step;
     x->step = NULL;
-    /* Kept for peers whose acknowledgement was lost: they retry these. */
-    if (!sp->mail) sp->mail = fps_calloc(1, sizeof *sp->mail);
+    /* Kept for peers whose acknowledgement was lost: they retry these.
+     * (The mail exists: the step was started with it.) */
     for (uint32_t j = 0; sp->mail && j < NPHASE * x->nb; j++) {
       fps_xpart_t *p = &x->part[j];
-      fps_xkept_t *kp = p->wire ? fps_calloc(1, sizeof *kp) : NULL;
-      if (!kp) continue; /* out of memory: such a retry is refused (old version) */
+      fps_xkept_t *kp = p->wire ? x->kept[j] : NULL;
+      if (!kp) continue;
+      x->kept[j] = NULL;
       kp->version = x->version;
       kp->block = j % x->nb;
       kp->phase = (int)(j / x->nb) + 1;
@@ -574,15 +589,10 @@ static void fps__xg_advance(fps_xgroup_t *g) {
     for (size_t i = 0; !err && i < g->n; i++) {
       struct fps_xstep_s *x = g->x[i];
       if (phase == FPS_SPLIT_PHASE_U2 && !x->u2) continue;
-      fps_split_partials_t *parts = fps_malloc(x->nb * sizeof *parts);
-      int rc = FPS_ENOMEM;
-      snprintf(why, sizeof why, "out of memory");
-      if (parts) {
-        fps__xstep_parts(x, phase, parts);
-        rc = phase == FPS_SPLIT_PHASE_STATS ? fps_split_step_combine(x->step, parts, x->nb, why, sizeof why)
-                                            : fps_split_step_combine_u2(x->step, parts, x->nb, why, sizeof why);
-        fps_free(parts);
-      }
+      fps_split_partials_t *parts = x->parts;
+      fps__xstep_parts(x, phase, parts);
+      int rc = phase == FPS_SPLIT_PHASE_STATS ? fps_split_step_combine(x->step, parts, x->nb, why, sizeof why)
+                                              : fps_split_step_combine_u2(x->step, parts, x->nb, why, sizeof why);
       if (rc < 0) {
         pthread_mutex_lock(&g->mu);
         fps__xg_fail_locked(g,
@@ -604,10 +614,10 @@ static void fps__xg_advance(fps_xgroup_t *g) {
       struct fps_xstep_s *x = g->x[i];
       const fps_split_partials_t *u = x->u2 ? fps_split_step_u2(x->step) : NULL;
       size_t sz = x->u2 ? fps_split_partials_size(&x->t->split->g, FPS_SPLIT_PHASE_U2) : 0;
-      if (x->u2 && (!u || !sz || !(x->own[1] = fps_malloc(sz)) ||
-                    (x->own_len[1] = fps_split_partials_encode(u, x->own[1], sz)) != sz)) {
+      if (x->u2 && (!u || !sz || (x->own_len[1] = fps_split_partials_encode(u, x->own[1], sz)) != sz)) {
+        /* Not reached: the U2 phase allocates nothing (begin did). */
         pthread_mutex_lock(&g->mu);
-        fps__xg_fail_locked(g, "tensor '%s' step %" PRIu64 ": out of memory for the U2 partials; nothing was applied",
+        fps__xg_fail_locked(g, "tensor '%s' step %" PRIu64 ": could not make the U2 partials; nothing was applied",
                             x->t->name, x->version);
         err = g->err;
         pthread_mutex_unlock(&g->mu);

@@ -1071,6 +1071,62 @@ static void shutdown_fails_exchange(void **u) {
   scen_down(&s);
 }
 
+/* Every allocation of a step (commits, pass A, partials, receives,
+ * combine, U2, apply) fails in turn, on whichever core makes it: after the
+ * deadline, every core is at the same version, with the reference's
+ * params there if it applied and its initial ones if not: an allocation
+ * that fails never lets one block apply without the others. */
+static void oom_sweep_stays_consistent(void **u) {
+  (void)u;
+  for (int tiny = 0; tiny < 2; tiny++) {
+    uint64_t calls = 0;
+    unsigned applied = 0, failed = 0;
+    for (uint64_t nth = 0;; nth++) {
+      scen_t s;
+      scen_up(&s, 2, tiny);
+      wpush_t wp[MAXS];
+      for (uint32_t b = 0; b < 2; b++) {
+        wp[b].p = fx_push_new(&core[b], 0, 0, INT64_MAX, &wp[b].d);
+        assert_int_equal(fx_push_grad(wp[b].p, "e", blk_grad(&s, b), s.r.g[b].block_numel, 1, NULL), 0);
+      }
+      /* Both steps start before any partials travel: the same allocations
+       * in the same order every time. */
+      link_mode[0][1] = link_mode[1][0] = LINK_HOLD;
+      fps_alloc_fault_arm(nth, 0);
+      for (uint32_t b = 0; b < 2; b++) wp[b].rc = fps_push_commit(wp[b].p, wp[b].why, sizeof wp[b].why);
+      link_mode[0][1] = link_mode[1][0] = LINK_OK;
+      net_release(0);
+      if (nth == 0) calls = fps_alloc_calls();
+      fps_alloc_fault_disarm();
+      fps_fake_clock_advance((int64_t)(XDEADLINE_S * 1e9) + 1000);
+      for (uint32_t b = 0; b < 2; b++) fps_shard_expire(&core[b], fps_fake_now_ns);
+      net_idle();
+      char why[FPS_WHY_MAX];
+      int rc0 = push_result(&wp[0], why, sizeof why), rc1 = push_result(&wp[1], why, sizeof why);
+      for (uint32_t b = 0; b < 2; b++) push_end(&wp[b]);
+      uint64_t v0 = find(&core[0], "e")->version, v1 = find(&core[1], "e")->version;
+      if (v0 != v1) print_error("nth %llu: versions %llu and %llu\n", (unsigned long long)nth,
+                                (unsigned long long)v0, (unsigned long long)v1);
+      assert_int_equal(v0, v1);
+      assert_int_equal(rc0 == 0, v0 == 1);
+      assert_int_equal(rc1 == 0, v1 == 1);
+      if (v0 == 1) {
+        ref_step(&s.r, &s.hp, 2, s.g);
+        for (uint32_t b = 0; b < 2; b++) expect_block_equals_ref(b, "e", &s.r, 1);
+        applied++;
+      } else {
+        expect_untouched(&s);
+        failed++;
+      }
+      scen_down(&s);
+      if (nth > 0 && nth >= calls) break;
+    }
+    print_message("oom sweep (%s): %llu allocations, %u applied, %u failed\n", tiny ? "u2" : "stats",
+                  (unsigned long long)calls, applied, failed);
+    assert_true(calls > 10 && failed >= calls - 2);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(receive_checks_in_order),
@@ -1084,6 +1140,7 @@ int main(void) {
       cmocka_unit_test(member_cancelled_mid_exchange),
       cmocka_unit_test(stale_and_ahead_pushes),
       cmocka_unit_test(shutdown_fails_exchange),
+      cmocka_unit_test(oom_sweep_stays_consistent),
       cmocka_unit_test(golden_split_over_cores),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
