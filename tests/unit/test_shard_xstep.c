@@ -216,46 +216,31 @@ static void cores_down(void) {
 /* --------------------------------------------------------- the tensors */
 
 /* Block idx (of nb, block b on core b) of tensor name on sh, with its
- * rows of the whole tensor's initial values. Built as Create builds one
- * (split_tensor.h): whole shape, block numel, block state. */
+ * rows of the whole tensor's initial values: a real Create of the block
+ * (TensorCreate.split). */
 static void blk_create(fps_shard_t *sh, const char *name, const fps_shape_t *shape, const fps_adafactor_hparams_t *hp,
                        const uint64_t *bounds, uint32_t nb, uint32_t idx, const float *whole) {
-  char why[256];
+  char why[FPS_WHY_MAX];
   fps_split_geom_t g;
   assert_int_equal(fps_split_geom_init(&g, shape, bounds[idx], bounds[idx + 1], why, sizeof why), 0);
-  fps_tensor_t *t = fps_tensor_create(name, strlen(name), shape, g.block_numel, hp, sh->cfg.workers, 8);
+  uint32_t shards[MAXS];
+  for (uint32_t k = 0; k < nb; k++) shards[k] = k;
+  fps_split_map_t map = {.block_index = idx, .bounds = bounds, .n_bounds = nb + 1, .block_shards = shards,
+                         .n_block_shards = nb, .shard_count = sh->cfg.shard_count};
+  fps_slice_t s = {.dtype = FPS_DTYPE_F32, .offset = 0, .data = (const uint8_t *)(whole + g.row_lo * g.cols),
+                   .len = g.block_numel * 4};
+  fps_create_item_t it = {.name = name, .dims = shape->dim, .ndim = shape->ndim, .init = &s, .hp = *hp,
+                          .split = &map};
+  fps_create_info_t info;
+  uint64_t rx;
+  int rc = fps_shard_create(sh, sh->cfg.shard_id, sh->cfg.shard_count, &it, 1, &info, &rx, why, sizeof why);
+  if (rc) print_error("create block %u of %s: %s\n", idx, name, why);
+  assert_int_equal(rc, 0);
+  fps_tensor_t *t = fps_store_find(&sh->store, name);
   assert_non_null(t);
-  fps_adafactor_state_destroy(&t->st);
-  memset(&t->st, 0, sizeof t->st);
-  fps_tensor_split_t *sp = fps_calloc(1, sizeof *sp);
-  assert_non_null(sp);
-  sp->g = g;
-  sp->block_index = idx;
-  sp->n_blocks = nb;
-  sp->shard_count = sh->cfg.shard_count;
-  sp->bounds = fps_malloc((nb + 1) * sizeof *sp->bounds);
-  sp->block_shards = fps_malloc(nb * sizeof *sp->block_shards);
-  assert_non_null(sp->bounds);
-  assert_non_null(sp->block_shards);
-  memcpy(sp->bounds, bounds, (nb + 1) * sizeof *bounds);
-  for (uint32_t b = 0; b < nb; b++) sp->block_shards[b] = b;
-  assert_int_equal(fps_split_state_init(&sp->st, &g, hp), 0);
-  memset(&t->size, 0, sizeof t->size);
-  if (g.factored) {
-    t->size.row = g.row_hi - g.row_lo;
-    t->size.col = g.nmat * g.cols;
-  } else {
-    t->size.var = g.block_numel;
-  }
-  if (sp->st.mom) t->size.mom = g.block_numel;
-  t->size.elements = t->size.row + t->size.col + t->size.var + t->size.mom;
-  t->size.bytes = t->size.elements * 4;
-  memcpy(t->param, whole + g.row_lo * g.cols, g.block_numel * sizeof(float));
-  t->split = sp;
-  t->ready = true;
-  pthread_rwlock_wrlock(&sh->store.mu);
-  assert_int_equal(fps__store_insert_locked(&sh->store, t), 0);
-  pthread_rwlock_unlock(&sh->store.mu);
+  assert_non_null(t->split);
+  assert_true(t->ready);
+  assert_int_equal(t->numel, g.block_numel);
 }
 
 /* A whole tensor with initial values and settings hp. */
