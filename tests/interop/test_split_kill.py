@@ -1,0 +1,178 @@
+#!/usr/bin/python3
+"""A shard that fails during a cross-shard step of a split tensor (issue
+12): a peer that stops answering mid-step (SIGSTOP), and SIGTERM to a
+shard whose block's step is waiting for a peer. Every waiting block's call
+fails UNAVAILABLE naming the peer, nothing is applied anywhere (Stats
+versions and Pull), and once the peer runs again the retried step
+succeeds on every block and equals the unsplit update.
+
+Three shards in sync mode (one worker) that know each other (--peers),
+each with its own --checkpoint-dir; one [7, 5] torch tensor split into
+blocks of 2, 1 and 4 rows (a single-row block included). Driven with a
+grpcio client generated from the proto (fpsharness), block by block as the
+contract says: each shard gets its block's Create and its block's gradient
+rows with block-local offsets.
+
+"During the step": the blocks on shards 0 and 1 are pushed and wait for
+shard 2's partials. The reference is torch_adafactor_step (float64) on the
+whole tensor; tolerance as in test_interop: 2e-6 of the largest value."""
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import unittest
+
+import numpy as np
+
+import fpsharness as H
+
+SHAPE = [7, 5]
+BOUNDS = [0, 2, 3, 7]
+SHARDS = 3
+EXCHANGE_DEADLINE = 3
+
+
+def block_rows(b):
+    return BOUNDS[b], BOUNDS[b + 1]
+
+
+class SplitKill(unittest.TestCase):
+    def setUp(self):
+        self.pb, self.pbg, self.grpc = H.stubs()
+        self.dir = tempfile.mkdtemp(prefix="fps-split-kill-")
+        dirs = [os.path.join(self.dir, "shard%d" % i) for i in range(SHARDS)]
+        self.job = H.Job(SHARDS, "--mode", "sync", "--workers", 1, "--exchange-deadline", EXCHANGE_DEADLINE,
+                         "--deadline", 30, shard_args=[["--checkpoint-dir", d] for d in dirs])
+
+    def tearDown(self):
+        try:
+            self.job.stop()
+        finally:
+            shutil.rmtree(self.dir, True)
+
+    def create(self, init):
+        pb = self.pb
+        flat = init.reshape(-1)
+        for b in range(SHARDS):
+            lo, hi = block_rows(b)
+            cols = SHAPE[1]
+            tc = pb.TensorCreate(name="emb", shape=SHAPE, optimizer=H.optimizer(),
+                                 init=pb.TensorSlice(dtype=pb.DTYPE_F32, offset=0,
+                                                     data=flat[lo * cols:hi * cols].tobytes()),
+                                 split=pb.SplitBlock(block_index=b, bounds=BOUNDS, block_shards=list(range(SHARDS)),
+                                                     shard_count=SHARDS))
+            self.job.stub(b).Create(pb.CreateRequest(shard_id=b, shard_count=SHARDS, tensors=[tc]), timeout=30)
+
+    def push_block(self, b, step, grad, out):
+        """Pushes block b's rows of grad (block-local offsets); out[b] gets
+        ("ok", rows) or ("error", code, details)."""
+        pb = self.pb
+        lo, hi = block_rows(b)
+        cols = SHAPE[1]
+        part = grad.reshape(-1)[lo * cols:hi * cols]
+        req = pb.PushPullRequest(worker_id=0, step=step, grads=[
+            pb.TensorSlice(name="emb", dtype=pb.DTYPE_F32, shape=SHAPE, offset=0, data=part.tobytes())])
+        # A channel of its own: stopping the shard closes the job's.
+        ch = self.job[b].channel()
+        try:
+            rows = np.full(part.size, np.nan, np.float32)
+            for r in self.pbg.ParameterServerStub(ch).PushPull(iter([req]), timeout=60):
+                for s in r.params:
+                    v = np.frombuffer(s.data, "<f4")
+                    rows[s.offset:s.offset + v.size] = v
+            out[b] = ("ok", rows)
+        except self.grpc.RpcError as e:
+            out[b] = ("error", e.code(), e.details())
+        finally:
+            ch.close()
+
+    def push_all(self, step, grad, blocks):
+        out = {}
+        th = [threading.Thread(target=self.push_block, args=(b, step, grad, out)) for b in blocks]
+        for t in th:
+            t.start()
+        return th, out
+
+    def block_state(self, b):
+        """(version, rows) of shard b's block."""
+        _, tensors = H.stats(self.job.stub(b))
+        lo, hi = block_rows(b)
+        got = {}
+        for r in self.job.stub(b).Pull(self.pb.PullRequest(names=["emb"]), timeout=30):
+            for s in r.params:
+                v = np.frombuffer(s.data, "<f4")
+                got[s.offset] = v
+        rows = np.concatenate([got[k] for k in sorted(got)])
+        self.assertEqual(rows.size, (hi - lo) * SHAPE[1])
+        return tensors["emb"].version, rows
+
+    def assertRowsClose(self, b, rows, want):
+        lo, hi = block_rows(b)
+        w = want.reshape(-1)[lo * SHAPE[1]:hi * SHAPE[1]]
+        np.testing.assert_allclose(rows, w, rtol=0, atol=2e-6 * np.abs(want).max())
+
+    def test_frozen_peer_then_retry(self):
+        """A peer that stops answering mid-step (SIGSTOP): the waiting
+        blocks fail UNAVAILABLE at the exchange deadline naming it, nothing
+        is applied; once it runs again (SIGCONT) the retried step (the same
+        gradient, as libfactorps retries with its push_id) succeeds on every
+        block and equals the unsplit update."""
+        rng = np.random.default_rng(13)
+        p0 = rng.standard_normal(SHAPE).astype(np.float32)
+        g1 = rng.standard_normal(SHAPE).astype(np.float32)
+        row, col = np.zeros(SHAPE[0]), np.zeros(SHAPE[1])
+        self.create(p0)
+        self.job[2].proc.send_signal(signal.SIGSTOP)
+        try:
+            th, out = self.push_all(0, g1, [0, 1])
+            for t in th:
+                t.join()
+        finally:
+            self.job[2].proc.send_signal(signal.SIGCONT)
+        for b in (0, 1):
+            self.assertEqual(out[b][0], "error", out[b])
+            self.assertEqual(out[b][1], self.grpc.StatusCode.UNAVAILABLE, out[b])
+            self.assertIn("shard 2", out[b][2])
+            version, rows = self.block_state(b)
+            self.assertEqual(version, 0)
+            lo, hi = block_rows(b)
+            np.testing.assert_array_equal(rows, p0.reshape(-1)[lo * SHAPE[1]:hi * SHAPE[1]])
+        th, out = self.push_all(0, g1, range(SHARDS))
+        for t in th:
+            t.join()
+        p1 = H.torch_adafactor_step(p0, g1, row, col, None, 1).astype(np.float32)
+        for b in range(SHARDS):
+            self.assertEqual(out[b][0], "ok", out[b])
+            self.assertRowsClose(b, out[b][1], p1)
+            self.assertEqual(self.block_state(b)[0], 1)
+
+    def test_sigterm_with_a_step_waiting(self):
+        """SIGTERM to a shard whose block's step waits for a peer: its push
+        fails UNAVAILABLE, it exits 0 within the shutdown bound (as
+        test_sigterm), and the peer whose step it was part of applies
+        nothing."""
+        rng = np.random.default_rng(14)
+        p0 = rng.standard_normal(SHAPE).astype(np.float32)
+        g1 = rng.standard_normal(SHAPE).astype(np.float32)
+        self.create(p0)
+        th, out = self.push_all(0, g1, [0, 1])
+        time.sleep(0.5)  # both pushes at their shards, waiting for block 2
+        t0 = time.monotonic()
+        rc, _ = self.job[0].stop()
+        took = time.monotonic() - t0
+        self.assertEqual(rc, 0)
+        self.assertLess(took, 5.0, "shard 0 took %.1f s to exit with a step waiting" % took)
+        for t in th:
+            t.join()
+        for b in (0, 1):
+            self.assertEqual(out[b][0], "error", "block %d's push succeeded without block 2" % b)
+            self.assertEqual(out[b][1], self.grpc.StatusCode.UNAVAILABLE, out[b])
+        version, rows = self.block_state(1)
+        self.assertEqual(version, 0)
+        np.testing.assert_array_equal(rows, p0.reshape(-1)[BOUNDS[1] * SHAPE[1]:BOUNDS[2] * SHAPE[1]])
+
+
+if __name__ == "__main__":
+    unittest.main()
