@@ -54,19 +54,34 @@ def _server_env():
 class Shards:
     """N real shards of one job: `with Shards(2, workers=2) as s: s.addrs`."""
 
-    def __init__(self, n=1, mode="sync", workers=1, deadline=None, extra=(), checkpoint=None):
+    def __init__(self, n=1, mode="sync", workers=1, deadline=None, extra=(), checkpoint=None,
+                 peers=False):
         """`checkpoint`: seconds between checkpoints; each shard then gets its
         own --checkpoint-dir (kept across restart()), so a restarted shard
-        comes back from its newest checkpoint."""
+        comes back from its newest checkpoint. `peers`: every shard gets
+        --peers (all shards' addresses, for split tensors), so the ports are
+        chosen before the shards start (free loopback ports; a start that
+        finds one taken is retried on fresh ports)."""
         self.n, self.mode, self.workers = n, mode, workers
         self.deadline, self.extra = deadline, list(extra)
         self.checkpoint = checkpoint
+        self.peers = peers
         self.dir = tempfile.mkdtemp(prefix="fps-pytest-")
         self.procs = [None] * n
         self.ports = [0] * n
         try:
-            for i in range(n):
-                self.start(i)
+            for attempt in range(3 if peers else 1):
+                if peers:
+                    self.ports = free_ports(n)
+                try:
+                    for i in range(n):
+                        self.start(i, self.ports[i])
+                    break
+                except RuntimeError:
+                    if attempt == 2 or not peers:
+                        raise
+                    for i in range(n):
+                        self.kill(i)
         except BaseException:
             self.close()
             raise
@@ -89,6 +104,8 @@ class Shards:
         if self.checkpoint is not None:
             cmd += ["--checkpoint-dir", os.path.join(self.dir, f"ckpt{i}"),
                     "--checkpoint-interval", str(self.checkpoint)]
+        if self.peers:
+            cmd += ["--peers", ",".join(self.addrs)]
         cmd += self.extra
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env(),
                                 stdin=subprocess.DEVNULL)
@@ -153,6 +170,22 @@ class Shards:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def free_ports(n):
+    """n distinct loopback ports nothing listens on right now (bound to port
+    0, then closed: another process may take one before we do)."""
+    import socket
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _worker_main(target, idx, args, q):

@@ -1,0 +1,65 @@
+"""The 100M load model split over 2, 3 and 4 shards (issue 12): balanced.
+
+`factorps load --model peer --params 100M --split-min-bytes 32Mi` (the
+recommended threshold, FPS_SPLIT_MIN_BYTES_DEFAULT) runs 2 steps against
+shards started with --peers, in sync mode; then Stats, as the shards report
+it, must show max/min shard parameter bytes <= 1.05 over 2, 3 and 4 shards,
+every shard holding a block of the embedding (the one tensor above the
+threshold) and the shards' bytes adding up to the model. Without splitting
+(the same model, --split-min-bytes 0, planned) the embedding alone would
+put the shards further apart, which is why this is worth checking.
+"""
+
+import os
+import subprocess
+import unittest
+
+from _support import Shards, need_server
+import factorps
+
+CLI = os.environ.get("FACTORPS_CLI", "")
+
+
+def result_line(out):
+    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+    return dict(kv.split("=", 1) for kv in line.split()[1:])
+
+
+@need_server
+class LoadBalanceTest(unittest.TestCase):
+    def balance(self, n_shards):
+        self.assertTrue(CLI and os.access(CLI, os.X_OK),
+                        f"FACTORPS_CLI ({CLI!r}) is not the factorps binary (ctest sets it)")
+        with Shards(n_shards, peers=True, deadline=120) as s:
+            proc = subprocess.run(
+                [CLI, "load", "--model", "peer", "--params", "100M", "--workers", "1",
+                 "--steps", "2", "--warmup", "1", "--deadline", "300",
+                 "--split-min-bytes", "32Mi", "--shards", ",".join(s.addrs)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
+                env={k: v for k, v in os.environ.items() if k != "FACTORPS_SHARDS"})
+            self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + "\n" +
+                             "\n".join(s.log(i) for i in range(n_shards)))
+            with factorps.connect(s.addrs, deadline=60) as c:
+                stats = c.stats()
+        per_shard = [st["param_bytes"] for st in stats]
+        ratio = max(per_shard) / min(per_shard)
+        print(f"{n_shards} shards: param bytes {per_shard}, max/min {ratio:.4f}")
+        self.assertLessEqual(ratio, 1.05, per_shard)
+        # Every parameter once: the model's 99,999,744 parameters, and its
+        # 64 tensors with the embedding held as one block per shard.
+        self.assertEqual(sum(per_shard), 4 * int(result_line(proc.stdout)["params"]))
+        self.assertEqual(sum(st["tensors"] for st in stats), 64 + n_shards - 1)
+        self.assertTrue(all(st["tensors"] >= 1 for st in stats))
+
+    def test_two_shards(self):
+        self.balance(2)
+
+    def test_three_shards(self):
+        self.balance(3)
+
+    def test_four_shards(self):
+        self.balance(4)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,120 @@
+"""libfactorps' routing of split tensors (issue 12), through real shards.
+
+With split_min_bytes=1 every tensor of >= 2 rows is cut into the plan's row
+blocks. Created with a resume state (step > 0: params, row and column
+statistics or variance, hf momentum, RMS), every block's shard gets its
+part, and reading back assembles the whole tensor exactly:
+  - Pull returns the initial values bit for bit, at version = step;
+  - GetState returns the state given, bit for bit (the column statistics
+    of a matrix several blocks touch come from each of them and must agree),
+    with the step and RMS;
+  - Client.blocks() says where each block went, and the shards' Stats count
+    the blocks' bytes: the plan's bytes per shard.
+Shapes: a matrix over 3 shards, a 3-D tensor over 4 (blocks spanning
+matrices, a one-row block), a 1-D tensor over 2; torch and hf with beta1.
+Pushes: with wire_dtype bf16 the fresh params come back in bf16 from
+every block's shard into the caller's array at the block's rows; a run
+split over 3 shards gets exactly the bf16 params (and versions) the same
+run gets from one shard holding everything whole (the split step is
+bit-identical to the whole one, tests/python/test_split_golden.py).
+A shard without --peers refuses a block with FAILED_PRECONDITION, and the
+error names the tensor and the shard.
+"""
+
+import unittest
+
+import numpy as np
+
+from _support import Shards, need_server
+import factorps
+
+RNG = np.random.default_rng(12)
+
+TENSORS = {
+    # name: (shape, flavor options, shard count)
+    "mat": ((7, 5), factorps.optimizer_config("torch"), 3),
+    "cube": ((3, 2, 4), factorps.optimizer_config("hf", beta1=0.9), 4),
+    "vec": ((7,), factorps.optimizer_config("hf", beta1=0.9), 2),
+}
+
+
+def resume_spec(name, shape, opt, step=3):
+    init = RNG.standard_normal(shape).astype(np.float32)
+    has_mom = opt.get("beta1") is not None
+    state = {k: np.abs(RNG.standard_normal(n)).astype(np.float32) + 0.01
+             for k, n in factorps.client.state_sizes(shape, False).items()}
+    if has_mom:
+        state["mom"] = RNG.standard_normal(int(np.prod(shape))).astype(np.float32)
+    rms = 0.75 if opt["flavor"] == "hf" else 0.0
+    return factorps.TensorSpec(name, shape, init=init, optimizer=opt, step=step, state=state,
+                               rms=rms)
+
+
+@need_server
+class SplitRoutingTest(unittest.TestCase):
+    def test_resume_state_round_trips_exactly(self):
+        for name, (shape, opt, S) in TENSORS.items():
+            with self.subTest(tensor=name, shards=S), Shards(S, peers=True) as s:
+                spec = resume_spec(name, shape, opt)
+                filler = factorps.TensorSpec("filler", (3,), init=np.ones(3, np.float32))
+                with factorps.connect(s.addrs, split_min_bytes=16) as c:
+                    c.create([spec, filler])
+                    plan, shard_bytes = factorps.placement_plan(
+                        {name: shape, "filler": (3,)}, S, 16)
+                    self.assertEqual(c.blocks(name), plan[name])
+                    self.assertGreater(len(plan[name]), 1, plan)
+                    params, versions = c.pull([name])
+                    np.testing.assert_array_equal(params[name].reshape(shape), spec.init)
+                    self.assertEqual(versions[name], 3)
+                    st = c.get_state([name])[name]
+                    self.assertEqual((st["version"], st["step"]), (3, 3))
+                    self.assertAlmostEqual(st["rms"], spec.rms, places=6)
+                    for kind, want in spec.state.items():
+                        np.testing.assert_array_equal(st[kind], want, f"{name} {kind}")
+                    stats = c.stats()
+                    self.assertEqual([x["param_bytes"] for x in stats], shard_bytes)
+
+    def test_blocks_span_matrices_and_single_rows(self):
+        plan, _ = factorps.placement_plan({"cube": (3, 2, 4), "filler": (3,)}, 4, 16)
+        rows = [(lo, hi) for _, lo, hi in plan["cube"]]
+        self.assertTrue(any(hi - lo == 1 for lo, hi in rows), rows)
+        self.assertTrue(any(lo // 2 != (hi - 1) // 2 for lo, hi in rows), rows)
+
+    def bf16_run(self, addrs, split):
+        rng = np.random.default_rng(5)
+        init = {"mat": rng.standard_normal((7, 5)).astype(np.float32),
+                "vec": rng.standard_normal(9).astype(np.float32)}
+        out = []
+        with factorps.connect(addrs, split_min_bytes=split, wire_dtype="bf16") as c:
+            c.create([factorps.TensorSpec(n, a.shape, init=a) for n, a in init.items()])
+            if split:
+                self.assertTrue(all(len(c.blocks(n)) > 1 for n in init), init)
+            for step in range(3):
+                grads = {n: rng.standard_normal(a.shape).astype(np.float32)
+                         for n, a in init.items()}
+                params, versions = c.push_pull(grads)
+                self.assertEqual(set(versions.values()), {step + 1})
+                out.append({n: np.array(p) for n, p in params.items()})
+        return out
+
+    def test_bf16_replies_land_at_each_blocks_rows(self):
+        with Shards(1) as s:
+            whole = self.bf16_run(s.addrs, 0)
+        with Shards(3, peers=True) as s:
+            split = self.bf16_run(s.addrs, 16)
+        for w, p in zip(whole, split):
+            for n in w:
+                np.testing.assert_array_equal(p[n], w[n], n)
+
+    def test_shard_without_peers_refuses_a_block(self):
+        with Shards(2) as s, factorps.connect(s.addrs, split_min_bytes=16, deadline=20) as c:
+            with self.assertRaises(factorps.FailedPreconditionError) as cm:
+                c.create([factorps.TensorSpec("mat", (7, 5), init=np.zeros((7, 5)))])
+            msg = str(cm.exception)
+            self.assertIn("'mat'", msg)
+            self.assertIn("no --peers", msg)
+            self.assertRegex(msg, r"shard \d")
+
+
+if __name__ == "__main__":
+    unittest.main()
