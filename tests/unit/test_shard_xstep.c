@@ -989,6 +989,59 @@ static void set_of_block_and_whole_tensor(void **u) {
   }
 }
 
+/* One call naming two split tensors on every core: one group exchanges
+ * both; each matches its own reference, and a failure of either's
+ * exchange fails both. */
+static void two_split_tensors_in_one_call(void **u) {
+  (void)u;
+  for (int fail = 0; fail < 2; fail++) {
+    scen_t s;
+    scen_up(&s, 3, false);
+    /* "f": 1-D, 7 elements, other bounds; fresh reference of its own. */
+    fps_shape_t fs = {.ndim = 1, .dim = {7}};
+    uint64_t fb[] = {0, 3, 4, 7};
+    float finit[7], fg[7];
+    fx_fill(finit, 7, 21);
+    fx_fill(fg, 7, 22);
+    for (uint32_t b = 0; b < 3; b++) blk_create(&core[b], "f", &fs, &s.hp, fb, 3, b, finit);
+    ref_t fr;
+    ref_init(&fr, &fs, &s.hp, fb, 3, finit, 7);
+    if (fail) link_mode[2][1] = LINK_HOLD;
+    wpush_t wp[MAXS];
+    const char *nm[] = {"e", "f"};
+    for (uint32_t b = 0; b < 3; b++) {
+      const float *gg[] = {blk_grad(&s, b), fg + fb[b]};
+      push_start(&wp[b], &core[b], 0, 0, 2, nm, gg);
+    }
+    net_idle();
+    if (fail) {
+      fps_fake_clock_advance((int64_t)(XDEADLINE_S * 1e9) + 1000);
+      for (uint32_t b = 0; b < 3; b++) fps_shard_expire(&core[b], fps_fake_now_ns);
+      char why[FPS_WHY_MAX];
+      /* 2 -> 1 is held: shard 1 lacks block 2's partials and shard 2
+       * shard 1's acknowledgement, so neither applies either tensor.
+       * Shard 0 has everything and every acknowledgement and applies:
+       * the one-way link failure the rule cannot cover (README). */
+      assert_int_equal(push_result(&wp[0], why, sizeof why), 0);
+      for (uint32_t b = 1; b < 3; b++) {
+        assert_int_equal(push_result(&wp[b], why, sizeof why), FPS_EUNAVAILABLE);
+        fps_tensor_t *te = find(&core[b], "e"), *tf = find(&core[b], "f");
+        assert_int_equal(te->version, 0);
+        assert_int_equal(tf->version, 0);
+        assert_memory_equal(tf->param, finit + fb[b], (fb[b + 1] - fb[b]) * 4);
+      }
+      for (uint32_t b = 0; b < 3; b++) push_end(&wp[b]);
+    } else {
+      ref_step(&s.r, &s.hp, 3, s.g);
+      ref_step(&fr, &s.hp, 3, fg);
+      expect_all_ok(&s, wp, 1);
+      for (uint32_t b = 0; b < 3; b++) expect_block_equals_ref(b, "f", &fr, 1);
+    }
+    ref_free(&fr, 3);
+    scen_down(&s);
+  }
+}
+
 static void member_cancelled_mid_exchange(void **u) {
   (void)u;
   scen_t s;
@@ -1122,6 +1175,7 @@ int main(void) {
       cmocka_unit_test(lost_ack_then_retry),
       cmocka_unit_test(early_partials_from_faster_peers),
       cmocka_unit_test(set_of_block_and_whole_tensor),
+      cmocka_unit_test(two_split_tensors_in_one_call),
       cmocka_unit_test(member_cancelled_mid_exchange),
       cmocka_unit_test(stale_and_ahead_pushes),
       cmocka_unit_test(shutdown_fails_exchange),
