@@ -259,6 +259,9 @@ typedef struct fps_round_s {
   fps_push_entry_t **member;  /* [workers], by worker id, NULL = missing */
   int64_t started_ns;         /* first join */
   int64_t deadline_ns;        /* fails the round (and its set) at this time */
+  int64_t calls_deadline_ns;  /* the members' call deadlines less their
+                               * margins (INT64_MAX: none): bounds a split
+                               * step's exchange (xstep.c) */
   uint64_t seen;              /* the last set walk that reached it */
   fps_tensor_t *cnext;        /* next tensor of the set walked */
   fps_apply_prep_t prep;      /* settling: what its update needs */

@@ -422,10 +422,12 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
         t->round.joined = 0;
         t->round.started_ns = now;
         t->round.deadline_ns = fps_clock_after(now, sh->cfg.deadline);
+        t->round.calls_deadline_ns = INT64_MAX;
         fps__rounds_link_locked(sh, t);
       }
       int64_t d = call_deadline_ns == INT64_MAX ? INT64_MAX : call_deadline_ns - fps__round_margin(call_deadline_ns, now);
       if (d < t->round.deadline_ns) t->round.deadline_ns = d;
+      if (d < t->round.calls_deadline_ns) t->round.calls_deadline_ns = d;
       t->round.member[worker_id] = x;
       t->round.joined++;
       fps_metrics_waiting_add(1);

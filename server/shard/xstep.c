@@ -277,8 +277,9 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_xgroup_t 
   g->started_ns = now;
   g->deadline_ns = fps_clock_after(now, sh->xdeadline > 0 ? sh->xdeadline : 10.0);
   for (fps_tensor_t *t = set; t; t = t->round.cnext) {
-    /* The members hear of a failure before their own calls give up. */
-    if (t->round.deadline_ns < g->deadline_ns) g->deadline_ns = t->round.deadline_ns;
+    /* The members hear of a failure before their own calls give up (the
+     * round's --deadline for waiting on workers does not bound it). */
+    if (t->round.calls_deadline_ns < g->deadline_ns) g->deadline_ns = t->round.calls_deadline_ns;
     if (!t->split || t->round.none) continue;
     fps_tensor_split_t *sp = t->split;
     struct fps_xstep_s *x = fps_calloc(1, sizeof *x);

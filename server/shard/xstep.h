@@ -32,7 +32,8 @@ bool fps__xstep_needed(const fps_tensor_t *set);
 /* Begins the exchange of a set of k rounds (locks held as for
  * fps__set_settle, sums divided by W): pass A of every block with a
  * gradient, this shard's partials encoded, early partials taken from the
- * mail, the deadline set (the exchange deadline, cut by the rounds'). On
+ * mail, the deadline set (the exchange deadline, cut by the members'
+ * call deadlines less their margins). On
  * success the set waits (*out: send its partials with fps__xstep_kick()
  * once the locks are released); on failure (FPS_E* and why) nothing
  * changed and the caller fails the set. */

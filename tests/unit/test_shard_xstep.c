@@ -580,6 +580,8 @@ typedef struct scen_s {
   ref_t r;
 } scen_t;
 
+static uint32_t scen_workers = 1; /* W of the next scen_up() */
+
 static void scen_up(scen_t *s, uint32_t nb, bool tiny) {
   memset(s, 0, sizeof *s);
   s->nb = nb;
@@ -592,7 +594,7 @@ static void scen_up(scen_t *s, uint32_t nb, bool tiny) {
   fx_fill(s->g, SR * SC, 11);
   if (tiny)
     for (int i = 0; i < SR * SC; i++) s->g[i] *= 1e-6f;
-  cores_up(nb, 1);
+  cores_up(nb, scen_workers);
   for (uint32_t b = 0; b < nb; b++) blk_create(&core[b], "e", &s->shape, &s->hp, s->bounds, nb, b, s->init);
   ref_init(&s->r, &s->shape, &s->hp, s->bounds, nb, s->init, SR * SC);
 }
@@ -709,6 +711,74 @@ static void peer_never_answers(void **u) {
   net_idle();
   expect_all_ok(&s, wp, 1);
   scen_down(&s);
+}
+
+/* The exchange's deadline: --exchange-deadline from the step's start,
+ * cut by the members' call deadlines (less their margin, so they hear
+ * UNAVAILABLE before their transport gives up), not by how long the round
+ * waited for its workers. */
+static void exchange_deadline_bounds(void **u) {
+  (void)u;
+  const int64_t S = INT64_C(1000000000);
+  {
+    /* A call with 2 s left: margin 0.5 s, so the exchange ends at 1.5 s. */
+    scen_t s;
+    scen_up(&s, 2, false);
+    link_mode[1][0] = LINK_HOLD;
+    wpush_t wp[MAXS];
+    for (uint32_t b = 0; b < 2; b++) {
+      wp[b].p = fx_push_new(&core[b], 0, 0, fps_fake_now_ns + 2 * S, &wp[b].d);
+      assert_int_equal(fx_push_grad(wp[b].p, "e", blk_grad(&s, b), s.r.g[b].block_numel, 1, NULL), 0);
+      wp[b].rc = fps_push_commit(wp[b].p, wp[b].why, sizeof wp[b].why);
+      assert_int_equal(wp[b].rc, FPS_EAGAIN);
+    }
+    net_idle();
+    fps_fake_clock_advance(3 * S / 2 - 1000);
+    for (uint32_t b = 0; b < 2; b++) fps_shard_expire(&core[b], fps_fake_now_ns);
+    for (uint32_t b = 0; b < 2; b++) assert_int_equal(wp[b].d.calls, 0);
+    fps_fake_clock_advance(2000);
+    for (uint32_t b = 0; b < 2; b++) fps_shard_expire(&core[b], fps_fake_now_ns);
+    expect_all_fail(&s, wp, "timed out");
+    expect_untouched(&s);
+    scen_down(&s);
+  }
+  {
+    /* Two workers, the second 9.5 s after the first (--deadline 10 s):
+     * the exchange still gets its 5 s. */
+    scen_workers = 2;
+    scen_t s;
+    scen_up(&s, 2, false);
+    scen_workers = 1;
+    link_mode[1][0] = LINK_HOLD;
+    wpush_t wp[MAXS][2];
+    const char *nm[] = {"e"};
+    for (uint32_t b = 0; b < 2; b++) {
+      const float *gg[] = {blk_grad(&s, b)};
+      push_start(&wp[b][0], &core[b], 0, 0, 1, nm, gg);
+    }
+    fps_fake_clock_advance(19 * S / 2);
+    for (uint32_t b = 0; b < 2; b++) {
+      const float *gg[] = {blk_grad(&s, b)};
+      push_start(&wp[b][1], &core[b], 1, 0, 1, nm, gg);
+    }
+    net_idle();
+    fps_fake_clock_advance(4 * S);
+    for (uint32_t b = 0; b < 2; b++) fps_shard_expire(&core[b], fps_fake_now_ns);
+    for (uint32_t b = 0; b < 2; b++)
+      for (int w = 0; w < 2; w++) assert_int_equal(wp[b][w].d.calls, 0);
+    net_release(0);
+    ref_step(&s.r, &s.hp, 2, s.g); /* the mean of two equal gradients */
+    char why[FPS_WHY_MAX];
+    for (uint32_t b = 0; b < 2; b++)
+      for (int w = 0; w < 2; w++) {
+        int rc = push_result(&wp[b][w], why, sizeof why);
+        if (rc) print_error("core %u worker %d: %s\n", b, w, why);
+        assert_int_equal(rc, 0);
+        push_end(&wp[b][w]);
+      }
+    for (uint32_t b = 0; b < 2; b++) expect_block_equals_ref(b, "e", &s.r, 1);
+    scen_down(&s);
+  }
 }
 
 static void refused_send(void **u) {
@@ -1170,6 +1240,7 @@ int main(void) {
       cmocka_unit_test(receive_checks_in_order),
       cmocka_unit_test(u2_phase_tiny_gradients),
       cmocka_unit_test(peer_never_answers),
+      cmocka_unit_test(exchange_deadline_bounds),
       cmocka_unit_test(refused_send),
       cmocka_unit_test(refused_send_two_shards),
       cmocka_unit_test(lost_ack_then_retry),
