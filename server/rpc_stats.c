@@ -34,6 +34,7 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   Factorps__V1__StateSize sh_state;
   Factorps__V1__TensorStats *ts = NULL, **tsp = NULL;
   Factorps__V1__StateSize *tstate = NULL;
+  Factorps__V1__SplitBlock *tsplit = NULL;
   Factorps__V1__ApplyRecord *recs = NULL, **recp = NULL;
   uint64_t *shapes = NULL;
   size_t nt = 0, nrec = 0;
@@ -48,10 +49,11 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
     ts = fps_calloc(v.n, sizeof *ts);
     tsp = fps_calloc(v.n, sizeof *tsp);
     tstate = fps_calloc(v.n, sizeof *tstate);
+    tsplit = fps_calloc(v.n, sizeof *tsplit);
     shapes = fps_calloc(v.n * FPS_MAX_DIMS, sizeof *shapes);
     recs = fps_calloc(logs ? logs : 1, sizeof *recs);
     recp = fps_calloc(logs ? logs : 1, sizeof *recp);
-    if (!ts || !tsp || !tstate || !shapes || !recs || !recp) {
+    if (!ts || !tsp || !tstate || !tsplit || !shapes || !recs || !recp) {
       fps_call_fail(&sc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Stats: out of memory for %zu tensors", v.n);
       goto out;
     }
@@ -65,7 +67,19 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
     o->n_shape = t->shape.ndim;
     o->shape = shapes + nt * FPS_MAX_DIMS;
     memcpy(o->shape, t->shape.dim, t->shape.ndim * sizeof(uint64_t));
-    o->factored = t->st.factored;
+    o->factored = t->split ? t->split->g.factored : t->st.factored;
+    if (t->split) {
+      /* The map is fixed at Create: read through t, like the shape. */
+      const fps_tensor_split_t *sp = t->split;
+      factorps__v1__split_block__init(&tsplit[nt]);
+      tsplit[nt].block_index = sp->block_index;
+      tsplit[nt].n_bounds = (size_t)sp->n_blocks + 1;
+      tsplit[nt].bounds = sp->bounds;
+      tsplit[nt].n_block_shards = sp->n_blocks;
+      tsplit[nt].block_shards = sp->block_shards;
+      tsplit[nt].shard_count = sp->shard_count;
+      o->split = &tsplit[nt];
+    }
     o->flavor = t->hp.flavor == FPS_FLAVOR_TORCH ? FACTORPS__V1__FLAVOR__FLAVOR_TORCH : FACTORPS__V1__FLAVOR__FLAVOR_HF;
     o->param_elements = t->numel;
     o->param_bytes = t->numel * 4;
@@ -117,6 +131,8 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   sh.push_seconds_p50 = v.push_seconds_p50;
   sh.push_seconds_p99 = v.push_seconds_p99;
   sh.uptime_seconds = v.uptime_seconds;
+  sh.split_blocks = v.split_blocks;
+  sh.split_param_bytes = v.split_elements * 4;
   sh.exchange_sent_bytes = v.xbytes_sent;
   sh.exchange_received_bytes = v.xbytes_received;
   sh.exchange_steps = v.xsteps;
@@ -134,6 +150,7 @@ out:
   fps_free(ts);
   fps_free(tsp);
   fps_free(tstate);
+  fps_free(tsplit);
   fps_free(shapes);
   fps_free(recs);
   fps_free(recp);

@@ -149,7 +149,9 @@ typedef struct hist_s {
 } hist_t;
 
 /* State totals, one atomic per fps_metrics_state_t field. */
-#define FPS__STATE_FIELDS(X) X(tensors) X(param_elements) X(row) X(col) X(var) X(mom) X(adamw_elements)
+#define FPS__STATE_FIELDS(X)                                                                       \
+  X(tensors) X(param_elements) X(row) X(col) X(var) X(mom) X(adamw_elements) X(split_blocks)     \
+  X(split_elements)
 
 #define FPS__LABEL_MAX 64
 
@@ -506,6 +508,12 @@ static void render_state(fps__mbuf_t *b, const char *shard) {
                (double)param_elements * 4);
   render_gauge(b, "factorps_tensors", "Tensors registered on this shard.", shard,
                (double)tensors);
+  render_gauge(b, "factorps_split_blocks",
+               "Row blocks of split tensors held by this shard (counted in factorps_tensors).",
+               shard, (double)split_blocks);
+  render_gauge(b, "factorps_split_block_parameter_bytes",
+               "Parameter bytes of the row blocks held (part of factorps_parameter_bytes).", shard,
+               (double)split_elements * 4);
 }
 
 static void render_checkpoint(fps__mbuf_t *b, const char *shard) {

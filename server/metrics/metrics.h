@@ -107,6 +107,8 @@ typedef struct fps_metrics_state_s {
   uint64_t param_elements;  /* sum of numel */
   uint64_t row, col, var, mom;  /* optimizer state elements by kind */
   uint64_t adamw_elements;  /* what AdamW would keep: 2 * numel */
+  uint64_t split_blocks;    /* of the tensors, row blocks of split tensors */
+  uint64_t split_elements;  /* their elements (part of param_elements) */
 } fps_metrics_state_t;
 
 /* Static facts about the shard, exposed as labels/gauges. Strings are copied

@@ -101,6 +101,7 @@ int fps__store_insert_locked(fps_store_t *st, fps_tensor_t *t) {
   st->count++;
   st->param_bytes += t->numel * 4;
   fps_metrics_state_add_tensor(t->numel, &t->size);
+  if (t->split) fps_metrics_state_add(&(fps_metrics_state_t){.split_blocks = 1, .split_elements = t->numel});
   return 0;
 }
 
