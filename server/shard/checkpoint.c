@@ -26,6 +26,7 @@
 #include "alloc.h"
 #include "metrics.h"
 #include "shard.h"
+#include "split_block.h"
 #include "split_tensor.h"
 
 /* The checkpoint's "created" (RFC 3339 UTC, "2026-01-02T03:04:05.123456789Z")
@@ -66,26 +67,56 @@ static void fps__ckpt_rejected(void *ctx, const char *path, int err, const char 
            why);
 }
 
-/* Moves one loaded tensor into the store. REQUIRES store->mu for writing. */
-static int fps__ckpt_adopt_locked(fps_shard_t *sh, const fps_ckpt_t *ck, fps_ckpt_tensor_t *ct) {
-  if (ct->block.n_blocks) {
-    FPS_SLOG(FPS_LOG_ERROR, "checkpoint %s: tensor '%s' is a row block, which this shard cannot restore yet",
-             ck->path, ct->name);
-    return FPS_ESTATE;
+/* A row block of the checkpoint as a block tensor (t->split), its map
+ * checked against this shard as a Create's would be. */
+static int fps__ckpt_block_tensor(fps_shard_t *sh, const fps_ckpt_t *ck, fps_ckpt_tensor_t *ct,
+                                  fps_tensor_t **out) {
+  char why[FPS_CKPT_WHY_MAX] = "";
+  const fps_ckpt_block_t *b = &ct->block;
+  fps_split_map_t map = {.block_index = b->block_index, .bounds = b->bounds, .n_bounds = (size_t)b->n_blocks + 1,
+                         .block_shards = b->block_shards, .n_block_shards = b->n_blocks,
+                         .shard_count = b->shard_count};
+  int rc = fps_shard_split_check(ct->name, &ct->bstate.g.shape, &map, sh->cfg.shard_id, sh->cfg.shard_count,
+                                 NULL, NULL, why, sizeof why);
+  if (rc == 0) rc = fps_shard_split_allowed(sh, ct->name, why, sizeof why);
+  if (rc < 0) {
+    FPS_SLOG(FPS_LOG_ERROR, "checkpoint %s holds a row block this shard cannot serve: %s", ck->path, why);
+    return rc;
   }
-  size_t len = strlen(ct->name);
-  fps_tensor_t *t = fps_tensor_create(ct->name, len, &ct->state.shape, ct->state.numel, &ct->hparams,
-                                      sh->cfg.workers, sh->cfg.apply_log);
+  fps_tensor_t *t = fps_tensor_create_split(ct->name, strlen(ct->name), &ct->bstate.g, &map, &ct->hparams,
+                                            sh->cfg.workers, sh->cfg.apply_log);
   if (!t) return FPS_ENOMEM;
-  /* Take the loaded arrays instead of copying them: the tensor's own
-   * param buffer and zeroed state are released, the checkpoint's fields are
-   * zeroed so fps_ckpt_destroy() leaves them alone. */
+  /* As for a whole tensor below: take the loaded arrays. */
   fps_free(t->param);
   t->param = ct->param;
   ct->param = NULL;
-  fps_adafactor_state_destroy(&t->st);
-  t->st = ct->state;
-  memset(&ct->state, 0, sizeof ct->state);
+  fps_split_state_destroy(&t->split->st);
+  t->split->st = ct->bstate;
+  memset(&ct->bstate, 0, sizeof ct->bstate);
+  *out = t;
+  return 0;
+}
+
+/* Moves one loaded tensor into the store. REQUIRES store->mu for writing. */
+static int fps__ckpt_adopt_locked(fps_shard_t *sh, const fps_ckpt_t *ck, fps_ckpt_tensor_t *ct) {
+  fps_tensor_t *t = NULL;
+  if (ct->block.n_blocks) {
+    int rc = fps__ckpt_block_tensor(sh, ck, ct, &t);
+    if (rc < 0) return rc;
+  } else {
+    t = fps_tensor_create(ct->name, strlen(ct->name), &ct->state.shape, ct->state.numel, &ct->hparams,
+                          sh->cfg.workers, sh->cfg.apply_log);
+    if (!t) return FPS_ENOMEM;
+    /* Take the loaded arrays instead of copying them: the tensor's own
+     * param buffer and zeroed state are released, the checkpoint's fields
+     * are zeroed so fps_ckpt_destroy() leaves them alone. */
+    fps_free(t->param);
+    t->param = ct->param;
+    ct->param = NULL;
+    fps_adafactor_state_destroy(&t->st);
+    t->st = ct->state;
+    memset(&ct->state, 0, sizeof ct->state);
+  }
   t->ready = true;
   t->version = ct->version;
   t->last_lr = ct->last_lr;
@@ -122,7 +153,8 @@ static int fps__ckpt_restore(fps_shard_t *sh) {
     return rc;
   }
   uint64_t bytes = 0;
-  for (size_t i = 0; i < ck->n_tensors; i++) bytes += ck->tensors[i].state.numel * 4;
+  for (size_t i = 0; i < ck->n_tensors; i++)
+    bytes += (ck->tensors[i].block.n_blocks ? ck->tensors[i].bstate.g.block_numel : ck->tensors[i].state.numel) * 4;
   if (ck->n_tensors > sh->cfg.max_tensors || bytes > sh->cfg.max_bytes) {
     FPS_SLOG(FPS_LOG_ERROR,
              "checkpoint %s holds %zu tensors and %" PRIu64 " parameter bytes, more than --max-tensors %" PRIu64
