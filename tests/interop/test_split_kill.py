@@ -1,10 +1,12 @@
 #!/usr/bin/python3
 """A shard that fails during a cross-shard step of a split tensor (issue
-12): a peer that stops answering mid-step (SIGSTOP), and SIGTERM to a
-shard whose block's step is waiting for a peer. Every waiting block's call
-fails UNAVAILABLE naming the peer, nothing is applied anywhere (Stats
-versions and Pull), and once the peer runs again the retried step
-succeeds on every block and equals the unsplit update.
+12). SIGKILLed: every block's call fails, nothing is applied anywhere
+(Stats versions and Pull on the surviving shards), and after the killed
+shard restarts from its checkpoint the next step (another gradient)
+succeeds on every block and equals the unsplit update. Also a peer that
+stops answering mid-step (SIGSTOP: the waiting blocks fail UNAVAILABLE
+naming it, nothing applied, the retry succeeds once it runs again), and
+SIGTERM to a shard whose block's step is waiting for a peer.
 
 Three shards in sync mode (one worker) that know each other (--peers),
 each with its own --checkpoint-dir; one [7, 5] torch tensor split into
@@ -14,7 +16,9 @@ contract says: each shard gets its block's Create and its block's gradient
 rows with block-local offsets.
 
 "During the step": the blocks on shards 0 and 1 are pushed and wait for
-shard 2's partials. The reference is torch_adafactor_step (float64) on the
+shard 2's partials; shard 2 is then killed, so its block's push fails too
+(its shard is gone) and the two waiting pushes fail UNAVAILABLE within the
+exchange deadline. The reference is torch_adafactor_step (float64) on the
 whole tensor; tolerance as in test_interop: 2e-6 of the largest value."""
 import os
 import shutil
@@ -112,6 +116,61 @@ class SplitKill(unittest.TestCase):
         lo, hi = block_rows(b)
         w = want.reshape(-1)[lo * SHAPE[1]:hi * SHAPE[1]]
         np.testing.assert_allclose(rows, w, rtol=0, atol=2e-6 * np.abs(want).max())
+
+    def test_kill_during_step_applies_nothing_then_recovers(self):
+        rng = np.random.default_rng(12)
+        p0 = rng.standard_normal(SHAPE).astype(np.float32)
+        g1 = rng.standard_normal(SHAPE).astype(np.float32)
+        g2 = rng.standard_normal(SHAPE).astype(np.float32)
+        g3 = rng.standard_normal(SHAPE).astype(np.float32)
+        row, col = np.zeros(SHAPE[0]), np.zeros(SHAPE[1])
+        self.create(p0)
+
+        # Step 0 on every block: the unsplit update.
+        th, out = self.push_all(0, g1, range(SHARDS))
+        for t in th:
+            t.join()
+        p1 = H.torch_adafactor_step(p0, g1, row, col, None, 1).astype(np.float32)
+        for b in range(SHARDS):
+            self.assertEqual(out[b][0], "ok", out[b])
+            self.assertRowsClose(b, out[b][1], p1)
+        for b in range(SHARDS):
+            self.job.stub(b).Checkpoint(self.pb.CheckpointRequest(), timeout=60)
+
+        # Step 1: blocks 0 and 1 wait for block 2's partials; shard 2 dies.
+        before = [self.block_state(b) for b in (0, 1)]
+        th, out = self.push_all(1, g2, [0, 1])
+        time.sleep(0.5)  # both pushes at their shards, waiting for block 2
+        self.job.kill(2)
+        self.push_block(2, 1, g2, out)
+        for t in th:
+            t.join()
+        for b in range(SHARDS):
+            self.assertEqual(out[b][0], "error", "block %d's push succeeded with its peer dead" % b)
+            self.assertEqual(out[b][1], self.grpc.StatusCode.UNAVAILABLE, out[b])
+        for b in (0, 1):
+            self.assertIn("shard 2", out[b][2])
+            version, rows = self.block_state(b)
+            self.assertEqual(version, 1, "shard %d applied a step its peer never joined" % b)
+            np.testing.assert_array_equal(rows, before[b][1])
+            self.assertRowsClose(b, rows, p1)
+
+        # Shard 2 back from its checkpoint: the next step (another batch's
+        # gradient: the survivors must not hold on to the failed step's
+        # partials) succeeds everywhere.
+        self.job.restart(2)
+        version, rows = self.block_state(2)
+        self.assertEqual(version, 1)
+        self.assertRowsClose(2, rows, p1)
+        th, out = self.push_all(1, g3, range(SHARDS))
+        for t in th:
+            t.join()
+        p2 = H.torch_adafactor_step(p1, g3, row, col, None, 2).astype(np.float32)
+        for b in range(SHARDS):
+            self.assertEqual(out[b][0], "ok", out[b])
+            self.assertRowsClose(b, out[b][1], p2)
+            self.assertEqual(self.block_state(b)[0], 2)
+
 
     def test_frozen_peer_then_retry(self):
         """A peer that stops answering mid-step (SIGSTOP): the waiting
