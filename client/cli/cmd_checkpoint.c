@@ -207,6 +207,15 @@ static int reshard(int argc, char **argv) {
     n_split += k && blocks[k].tensor == blocks[k - 1].tensor &&
                (k < 2 || blocks[k - 2].tensor != blocks[k].tensor);
   }
+  /* Shards hold row blocks only in sync mode (server/shard/split_block.c):
+   * outputs they would refuse to start on are not written at all. */
+  if (n_split && strcmp(job->mode, "sync") != 0) {
+    fprintf(stderr,
+            "factorps checkpoint reshard: the job runs in mode %s, and split tensors need --mode sync: "
+            "with --split-min-bytes %llu, %zu tensor%s would be split; nothing written\n",
+            job->mode, split, n_split, n_split == 1 ? "" : "s");
+    goto done;
+  }
   int wrc = fps_ckpt_job_write(job, plan, nb, (uint32_t)out_count, out_dirs, w, why, sizeof why);
   if (wrc < 0) {
     fprintf(stderr, "factorps checkpoint reshard: %s (%s); nothing written\n", why, fps_err_name(wrc));

@@ -505,6 +505,25 @@ static void failures_leave_nothing(void **unused) {
   assert_non_null(strstr(out, "data SHA-256"));
   assert_non_null(strstr(out, "no valid checkpoint"));
   assert_false(exists(b[1]));
+  /* An async job: its shards could not hold blocks, so splitting is
+   * refused and nothing written; placed whole, it reshards. */
+  char x[2][FPS_CKPT_PATH_MAX];
+  dirs_of(x, root, "x", 2);
+  snprintf(truth->mode, sizeof truth->mode, "async");
+  size_t nw;
+  fps_ckpt_place_t *whole = plan_of(truth, 2, 0, &nw);
+  const char *xo[2] = {x[0], x[1]};
+  char why[FPS_CKPT_WHY_MAX] = "";
+  assert_int_equal(fps_ckpt_job_write(truth, whole, nw, 2, xo, NULL, why, sizeof why), 0);
+  rc = run_cli(out, sizeof out, "--shard-count 3 --split-min-bytes %d %s %s %s %s %s", SPLIT_MIN, x[0],
+               x[1], b[0], b[1], b[2]);
+  assert_int_equal(rc, 1);
+  assert_non_null(strstr(out, "mode async, and split tensors need --mode sync"));
+  assert_false(exists(b[2]));
+  rc = run_cli(out, sizeof out, "--shard-count 3 %s %s %s %s %s", x[0], x[1], b[0], b[1], b[2]);
+  if (rc) fail_msg("async whole reshard failed (%d): %s", rc, out);
+  assert_non_null(strstr(out, "mode async"));
+  free(whole);
   /* Usage errors. */
   assert_int_equal(run_cli(out, sizeof out, "--shard-count 2 %s %s", a[0], b[0]), 2);
   assert_int_equal(run_cli(out, sizeof out, "%s %s", a[0], b[0]), 2);
