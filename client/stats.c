@@ -1,6 +1,10 @@
 /* fps_client_stats(), fps_client_tensor_stats(), fps_client_discover():
  * Stats calls to the shards in parallel, decoded with protobuf-c (small
- * messages; no tensor data). Read-only, so retried on UNAVAILABLE. */
+ * messages; no tensor data). Read-only, so retried on UNAVAILABLE.
+ *
+ * A row block of a split tensor (issue 12) is reported by its shard with
+ * its map (TensorStats.split); discover rebuilds the tensor's blocks from
+ * every shard's reports and checks they form one consistent map. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -136,6 +140,13 @@ int fps_client_stats(fps_client_t *c, fps_shard_stats_t *out, size_t n, fps_stat
     o->update_seconds_sum = s->update_seconds_sum;
     o->update_bytes = s->update_bytes;
     o->uptime_seconds = s->uptime_seconds;
+    o->split_blocks = s->split_blocks;
+    o->split_param_bytes = s->split_param_bytes;
+    o->exchange_sent_bytes = s->exchange_sent_bytes;
+    o->exchange_received_bytes = s->exchange_received_bytes;
+    o->exchange_steps = s->exchange_steps;
+    o->exchange_failures = s->exchange_failures;
+    o->exchange_seconds_sum = s->exchange_seconds_sum;
   }
   free_shards(sh, n);
   fps__status_ok(status);
@@ -163,6 +174,19 @@ static void fill_tensor(fps_tensor_stats_t *o, const Factorps__V1__TensorStats *
     o->state_bytes = t->state->bytes;
     o->adamw_elements = t->state->adamw_elements;
     o->adamw_bytes = t->state->adamw_bytes;
+  }
+  /* Which rows it is: a block's from its map, a whole tensor's all. */
+  uint64_t rows = 1;
+  for (uint32_t d = 0; d + 1 < o->ndim; d++) rows *= o->shape[d];
+  if (o->ndim == 1) rows = o->shape[0];
+  o->n_blocks = 1;
+  o->row_hi = rows;
+  const Factorps__V1__SplitBlock *sp = t->split;
+  if (sp && sp->n_bounds >= 3 && sp->block_index + 1 < sp->n_bounds) {
+    o->block_index = sp->block_index;
+    o->n_blocks = (uint32_t)(sp->n_bounds - 1);
+    o->row_lo = sp->bounds[sp->block_index];
+    o->row_hi = sp->bounds[sp->block_index + 1];
   }
 }
 
@@ -201,55 +225,158 @@ int fps_client_tensor_stats(fps_client_t *c, const char *name, fps_tensor_stats_
   return rc;
 }
 
+/* One tensor report of discover: which shard sent it. */
+typedef struct disc_s {
+  const Factorps__V1__TensorStats *t;
+  int shard;
+} disc_t;
+
+static int disc_by_name(const void *a, const void *b) {
+  const disc_t *x = a, *y = b;
+  int c = strcmp(x->t->name, y->t->name);
+  if (c) return c;
+  return x->shard < y->shard ? -1 : x->shard > y->shard;
+}
+
+static int is_block(const Factorps__V1__TensorStats *t) { return t->split && t->split->n_bounds >= 3; }
+
+/* The blocks of a split tensor from its reports r[0..n) (same name, by
+ * shard): one consistent map over the client's shards, every block
+ * reported once, by the shard the map puts it on. Fills x->blocks,
+ * n_blocks and shard. Returns 0, or DATA_LOSS/RESOURCE_EXHAUSTED via st. */
+static int disc_blocks(fps_client_t *c, const disc_t *r, size_t n, fps__tensor_t *x,
+                       fps_status_t *st) {
+  const Factorps__V1__SplitBlock *m = r[0].t->split;
+  const char *name = r[0].t->name;
+  const size_t nb = m->n_bounds - 1;
+  const uint64_t rows = x->numel / fps__row_elems(x);
+  if (m->shard_count != c->n_shards || m->n_block_shards != nb || nb > FPS__SPLIT_MAX_SHARDS)
+    return fps__status_set(st, FPS_CODE_DATA_LOSS, r[0].shard,
+                           "shard %d (%s) holds a block of tensor '%s' placed for %u shards in %zu "
+                           "blocks; this client has %zu shards",
+                           r[0].shard, c->addrs[r[0].shard], name, m->shard_count, nb, c->n_shards);
+  for (size_t k = 0; k < nb; k++)
+    if (m->bounds[k] >= m->bounds[k + 1] || m->block_shards[k] >= c->n_shards ||
+        (k && m->block_shards[k] <= m->block_shards[k - 1]))
+      return fps__status_set(st, FPS_CODE_DATA_LOSS, r[0].shard,
+                             "shard %d (%s) reports tensor '%s' with an inconsistent block map "
+                             "(block %zu)",
+                             r[0].shard, c->addrs[r[0].shard], name, k);
+  if (m->bounds[0] != 0 || m->bounds[nb] != rows)
+    return fps__status_set(st, FPS_CODE_DATA_LOSS, r[0].shard,
+                           "shard %d (%s) reports tensor '%s' with blocks over rows [%llu, %llu), "
+                           "not its %llu rows",
+                           r[0].shard, c->addrs[r[0].shard], name, (unsigned long long)m->bounds[0],
+                           (unsigned long long)m->bounds[nb], (unsigned long long)rows);
+  unsigned char *seen = calloc(nb, 1);
+  if (!seen) return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+  int rc = 0;
+  for (size_t i = 0; i < n && !rc; i++) {
+    const Factorps__V1__SplitBlock *o = r[i].t->split;
+    if (!is_block(r[i].t) || o->n_bounds != m->n_bounds || o->n_block_shards != nb ||
+        o->shard_count != m->shard_count ||
+        memcmp(o->bounds, m->bounds, m->n_bounds * sizeof *o->bounds) ||
+        memcmp(o->block_shards, m->block_shards, nb * sizeof *o->block_shards) ||
+        r[i].t->n_shape != r[0].t->n_shape ||
+        memcmp(r[i].t->shape, r[0].t->shape, r[0].t->n_shape * sizeof *r[0].t->shape)) {
+      rc = fps__status_set(st, FPS_CODE_DATA_LOSS, r[i].shard,
+                           "tensor '%s': shards %d and %d report it with different shapes or block "
+                           "maps (or one holds it whole)",
+                           name, r[0].shard, r[i].shard);
+    } else if (o->block_index >= nb || m->block_shards[o->block_index] != (uint32_t)r[i].shard ||
+               seen[o->block_index]) {
+      rc = fps__status_set(st, FPS_CODE_DATA_LOSS, r[i].shard,
+                           "shard %d (%s) reports block %u of tensor '%s', which its map puts on "
+                           "shard %u%s",
+                           r[i].shard, c->addrs[r[i].shard], o->block_index, name,
+                           o->block_index < nb ? m->block_shards[o->block_index] : 0,
+                           o->block_index < nb && seen[o->block_index] ? " (reported twice)" : "");
+    } else {
+      seen[o->block_index] = 1;
+    }
+  }
+  for (size_t k = 0; k < nb && !rc; k++)
+    if (!seen[k])
+      rc = fps__status_set(st, FPS_CODE_DATA_LOSS, (int)m->block_shards[k],
+                           "tensor '%s' block %zu (rows [%llu, %llu)) is missing: shard %u (%s) "
+                           "does not hold it",
+                           name, k, (unsigned long long)m->bounds[k],
+                           (unsigned long long)m->bounds[k + 1], m->block_shards[k],
+                           c->addrs[m->block_shards[k]]);
+  free(seen);
+  if (rc) return rc;
+  if (!(x->blocks = malloc(nb * sizeof *x->blocks)))
+    return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+  for (size_t k = 0; k < nb; k++)
+    x->blocks[k] = (fps__block_t){.shard = (int)m->block_shards[k], .row_lo = m->bounds[k],
+                                  .row_hi = m->bounds[k + 1]};
+  x->n_blocks = nb;
+  x->shard = x->blocks[0].shard;
+  return 0;
+}
+
 int fps_client_discover(fps_client_t *c, size_t *n_found, fps_status_t *status) {
   stats_shard_t *sh;
   fps__tensor_list_t list = {0};
+  disc_t *r = NULL;
   size_t total = 0;
   int rc;
   if (!c) return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "client is NULL");
   if ((rc = stats_all(c, 1, 0, &sh, status))) return rc;
   for (size_t i = 0; i < c->n_shards; i++) total += sh[i].resp->n_tensors;
   list.t = calloc(total ? total : 1, sizeof *list.t);
-  if (!list.t) {
+  r = calloc(total ? total : 1, sizeof *r);
+  if (!list.t || !r) {
     rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
     goto fail;
   }
+  size_t nr = 0;
   for (size_t i = 0; i < c->n_shards; i++) {
-    const Factorps__V1__StatsResponse *r = sh[i].resp;
-    for (size_t j = 0; j < r->n_tensors; j++) {
-      const Factorps__V1__TensorStats *t = r->tensors[j];
-      fps__tensor_t *x = &list.t[list.n];
-      char err[64];
+    const Factorps__V1__StatsResponse *resp = sh[i].resp;
+    for (size_t j = 0; j < resp->n_tensors; j++) {
+      const Factorps__V1__TensorStats *t = resp->tensors[j];
       if (!fps__name_valid(t->name) || t->n_shape > FPS_CLIENT_MAX_DIMS) {
         rc = fps__status_set(status, FPS_CODE_DATA_LOSS, (int)i,
                              "shard %zu reports a tensor with a bad name or shape", i);
         goto fail;
       }
-      x->ndim = (uint32_t)t->n_shape;
-      if (t->n_shape) memcpy(x->shape, t->shape, t->n_shape * sizeof *t->shape);
-      x->numel = fps__shape_numel(x->ndim, x->shape, err, sizeof err);
-      if (!x->numel) {
-        rc = fps__status_set(status, FPS_CODE_DATA_LOSS, (int)i,
-                             "shard %zu reports tensor '%s' with a bad shape: %s", i, t->name,
-                             err);
-        goto fail;
-      }
-      x->bytes = x->numel * 4;
-      x->shard = (int)i;
-      if (!(x->name = strdup(t->name))) {
-        rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
-        goto fail;
-      }
-      list.n++;
+      r[nr++] = (disc_t){t, (int)i};
     }
   }
-  long dup = fps__tensor_list_sort(&list);
-  if (dup >= 0) {
-    rc = fps__status_set(status, FPS_CODE_DATA_LOSS, list.t[dup].shard,
-                         "tensor '%s' is held by shards %d and %d", list.t[dup].name,
-                         list.t[dup - 1].shard, list.t[dup].shard);
-    goto fail;
+  /* A name reported by several shards must be a split tensor's blocks. */
+  qsort(r, nr, sizeof *r, disc_by_name);
+  for (size_t a = 0, b; a < nr; a = b) {
+    for (b = a + 1; b < nr && !strcmp(r[a].t->name, r[b].t->name);) b++;
+    const Factorps__V1__TensorStats *t = r[a].t;
+    fps__tensor_t *x = &list.t[list.n];
+    char err[64];
+    x->ndim = (uint32_t)t->n_shape;
+    if (t->n_shape) memcpy(x->shape, t->shape, t->n_shape * sizeof *t->shape);
+    x->numel = fps__shape_numel(x->ndim, x->shape, err, sizeof err);
+    if (!x->numel) {
+      rc = fps__status_set(status, FPS_CODE_DATA_LOSS, r[a].shard,
+                           "shard %d reports tensor '%s' with a bad shape: %s", r[a].shard, t->name,
+                           err);
+      goto fail;
+    }
+    x->bytes = x->numel * 4;
+    x->shard = r[a].shard;
+    x->n_blocks = 1;
+    if (!(x->name = strdup(t->name))) {
+      rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+      goto fail;
+    }
+    list.n++;
+    if (is_block(t)) {
+      if ((rc = disc_blocks(c, r + a, b - a, x, status))) goto fail;
+    } else if (b - a > 1) {
+      rc = fps__status_set(status, FPS_CODE_DATA_LOSS, r[a + 1].shard,
+                           "tensor '%s' is held by shards %d and %d", t->name, r[a].shard,
+                           r[a + 1].shard);
+      goto fail;
+    }
   }
+  fps__tensor_list_sort(&list); /* already in name order; keeps the invariant */
   pthread_rwlock_wrlock(&c->lock);
   fps__tensor_list_free(&c->tensors);
   c->tensors = list;
@@ -259,6 +386,7 @@ int fps_client_discover(fps_client_t *c, size_t *n_found, fps_status_t *status) 
   fps__status_ok(status);
   rc = 0;
 fail:
+  free(r);
   fps__tensor_list_free(&list);
   free_shards(sh, c->n_shards);
   return rc;

@@ -11,7 +11,8 @@ static void usage(FILE *out) {
   fprintf(out,
           "usage: factorps stats --shards HOST:PORT[,HOST:PORT...] [--json] [--deadline SECONDS]\n"
           "Prints each shard's mode, tensors, parameter and optimizer-state sizes (with AdamW's\n"
-          "equivalent), push counts and latencies, then a total line with the AdamW ratio.\n"
+          "equivalent), the row blocks of split tensors it holds and their exchange with the\n"
+          "other shards, push counts and latencies, then a total line with the AdamW ratio.\n"
           "--json prints one JSON object. --shards defaults to $FACTORPS_SHARDS.\n"
           FPS_CLI_SEC_USAGE);
 }
@@ -48,7 +49,11 @@ static void print_json(char **addrs, const fps_shard_stats_t *st, size_t n) {
            "\"adamw_bytes\": %llu, \"pushes\": %llu, \"push_errors\": %llu, \"updates\": %llu, "
            "\"bytes_received\": %llu, \"bytes_sent\": %llu, \"push_seconds_sum\": %.9g, "
            "\"push_seconds_p50\": %.9g, \"push_seconds_p99\": %.9g, "
-           "\"update_seconds_sum\": %.9g, \"update_bytes\": %llu, \"uptime_seconds\": %.9g}",
+           "\"update_seconds_sum\": %.9g, \"update_bytes\": %llu, \"uptime_seconds\": %.9g, "
+           "\"split_blocks\": %llu, \"split_param_bytes\": %llu, "
+           "\"exchange_sent_bytes\": %llu, \"exchange_received_bytes\": %llu, "
+           "\"exchange_steps\": %llu, \"exchange_failures\": %llu, "
+           "\"exchange_seconds_sum\": %.9g}",
            (unsigned long long)s->tensors, (unsigned long long)s->param_elements,
            (unsigned long long)s->param_bytes, (unsigned long long)s->state_row,
            (unsigned long long)s->state_col, (unsigned long long)s->state_var,
@@ -58,7 +63,11 @@ static void print_json(char **addrs, const fps_shard_stats_t *st, size_t n) {
            (unsigned long long)s->push_errors, (unsigned long long)s->updates,
            (unsigned long long)s->bytes_received, (unsigned long long)s->bytes_sent,
            s->push_seconds_sum, s->push_seconds_p50, s->push_seconds_p99, s->update_seconds_sum,
-           (unsigned long long)s->update_bytes, s->uptime_seconds);
+           (unsigned long long)s->update_bytes, s->uptime_seconds,
+           (unsigned long long)s->split_blocks, (unsigned long long)s->split_param_bytes,
+           (unsigned long long)s->exchange_sent_bytes,
+           (unsigned long long)s->exchange_received_bytes, (unsigned long long)s->exchange_steps,
+           (unsigned long long)s->exchange_failures, s->exchange_seconds_sum);
   }
   printf("\n]}\n");
 }
@@ -70,8 +79,13 @@ static void print_text(char **addrs, const fps_shard_stats_t *st, size_t n) {
     if (strcmp(s->mode, "async")) printf(" workers %u", s->workers);
     if (!strcmp(s->mode, "ssp")) printf(" staleness %u", s->staleness);
     printf("  simd %s  version %s  uptime %.0f s\n", s->simd, s->version, s->uptime_seconds);
-    printf("  tensors %llu  params %llu (%.1f MiB)\n", (unsigned long long)s->tensors,
+    printf("  tensors %llu  params %llu (%.1f MiB)", (unsigned long long)s->tensors,
            (unsigned long long)s->param_elements, (double)s->param_bytes / 1048576.0);
+    /* Row blocks of split tensors are among the tensors and params. */
+    if (s->split_blocks)
+      printf("  of which split-tensor blocks %llu (%.1f MiB)", (unsigned long long)s->split_blocks,
+             (double)s->split_param_bytes / 1048576.0);
+    printf("\n");
     printf("  optimizer state %llu elements (%.2f MiB: row %llu col %llu var %llu mom %llu); "
            "AdamW would keep %llu (%.1f MiB)\n",
            (unsigned long long)s->state_elements, (double)s->state_bytes / 1048576.0,
@@ -84,6 +98,12 @@ static void print_text(char **addrs, const fps_shard_stats_t *st, size_t n) {
            (double)s->bytes_sent / 1048576.0);
     printf("  push latency p50 %.3f ms  p99 %.3f ms  kernel time %.3f s\n",
            s->push_seconds_p50 * 1e3, s->push_seconds_p99 * 1e3, s->update_seconds_sum);
+    if (s->split_blocks || s->exchange_steps || s->exchange_failures)
+      printf("  exchange: %llu steps (%llu failed), %.3f ms per step, sent %.1f KiB, "
+             "received %.1f KiB\n",
+             (unsigned long long)s->exchange_steps, (unsigned long long)s->exchange_failures,
+             s->exchange_steps ? s->exchange_seconds_sum * 1e3 / (double)s->exchange_steps : 0.0,
+             (double)s->exchange_sent_bytes / 1024.0, (double)s->exchange_received_bytes / 1024.0);
   }
   unsigned long long tensors = 0, params = 0, state = 0, state_b = 0, adamw = 0, adamw_b = 0;
   for (size_t i = 0; i < n; i++) {

@@ -99,6 +99,13 @@ int main(void) {
   FIELD(fps_shard_stats_t, workers);
   FIELD(fps_shard_stats_t, staleness);
   FIELD(fps_shard_stats_t, version);
+  FIELD(fps_shard_stats_t, split_blocks);
+  FIELD(fps_shard_stats_t, split_param_bytes);
+  FIELD(fps_shard_stats_t, exchange_sent_bytes);
+  FIELD(fps_shard_stats_t, exchange_received_bytes);
+  FIELD(fps_shard_stats_t, exchange_steps);
+  FIELD(fps_shard_stats_t, exchange_failures);
+  FIELD(fps_shard_stats_t, exchange_seconds_sum);
 
   SIZE(fps_apply_record_t);
   FIELD(fps_apply_record_t, worker_id);
@@ -153,6 +160,10 @@ int main(void) {
   FIELD(fps_tensor_stats_t, state_bytes);
   FIELD(fps_tensor_stats_t, adamw_elements);
   FIELD(fps_tensor_stats_t, adamw_bytes);
+  FIELD(fps_tensor_stats_t, block_index);
+  FIELD(fps_tensor_stats_t, n_blocks);
+  FIELD(fps_tensor_stats_t, row_lo);
+  FIELD(fps_tensor_stats_t, row_hi);
 
   SIZE(fps_block_t);
   FIELD(fps_block_t, tensor);

@@ -12,15 +12,22 @@ part, and reading back assembles the whole tensor exactly:
     the blocks' bytes: the plan's bytes per shard.
 Shapes: a matrix over 3 shards, a 3-D tensor over 4 (blocks spanning
 matrices, a one-row block), a 1-D tensor over 2; torch and hf with beta1.
-Pushes: with wire_dtype bf16 the fresh params come back in bf16 from
+Stats count each shard's blocks and their exchange (`factorps stats`
+prints both). Pushes: with wire_dtype bf16 the fresh params come back in bf16 from
 every block's shard into the caller's array at the block's rows; a run
 split over 3 shards gets exactly the bf16 params (and versions) the same
 run gets from one shard holding everything whole (the split step is
 bit-identical to the whole one, tests/python/test_split_golden.py).
+A client that did not create the tensors (discover) rebuilds each split
+tensor's blocks from the shards' Stats and pulls it whole; Stats and
+tensor_stats show the blocks, and a block lost with its shard (restarted
+empty) makes discover fail with DATA_LOSS naming the block and the shard.
 A shard without --peers refuses a block with FAILED_PRECONDITION, and the
 error names the tensor and the shard.
 """
 
+import os
+import subprocess
 import unittest
 
 import numpy as np
@@ -29,6 +36,7 @@ from _support import Shards, need_server
 import factorps
 
 RNG = np.random.default_rng(12)
+CLI = os.environ.get("FACTORPS_CLI", "")  # ctest sets it
 
 TENSORS = {
     # name: (shape, flavor options, shard count)
@@ -95,6 +103,20 @@ class SplitRoutingTest(unittest.TestCase):
                 params, versions = c.push_pull(grads)
                 self.assertEqual(set(versions.values()), {step + 1})
                 out.append({n: np.array(p) for n, p in params.items()})
+            if split:
+                # Each shard's blocks, exchanged every step.
+                held = [sum(sh == i for n in init for sh, _, _ in c.blocks(n)) for i in range(3)]
+                for st, k in zip(c.stats(), held):
+                    self.assertEqual(st["split_blocks"], k, st)
+                    self.assertGreaterEqual(st["exchange_steps"], 3, st)
+                    self.assertEqual(st["exchange_failures"], 0, st)
+                    self.assertGreater(st["exchange_sent_bytes"], 0, st)
+                if CLI:
+                    text = subprocess.run([CLI, "stats", "--shards", ",".join(addrs)], check=True,
+                                          stdout=subprocess.PIPE, text=True, timeout=60).stdout
+                    for k in held:
+                        self.assertIn(f"of which split-tensor blocks {k} ", text)
+                    self.assertEqual(text.count("exchange: "), 3, text)
         return out
 
     def test_bf16_replies_land_at_each_blocks_rows(self):
@@ -105,6 +127,33 @@ class SplitRoutingTest(unittest.TestCase):
         for w, p in zip(whole, split):
             for n in w:
                 np.testing.assert_array_equal(p[n], w[n], n)
+
+    def test_discover_rebuilds_the_blocks(self):
+        with Shards(3, peers=True) as s:
+            spec = resume_spec("mat", (7, 5), factorps.optimizer_config("torch"))
+            with factorps.connect(s.addrs, split_min_bytes=16) as c:
+                c.create([spec])
+                blocks = c.blocks("mat")
+            self.assertEqual(len(blocks), 3)
+            with factorps.connect(s.addrs) as d:  # no split_min_bytes: the shards say
+                self.assertEqual(d.discover(), 1)
+                self.assertEqual(d.blocks("mat"), blocks)
+                params, versions = d.pull(["mat"])
+                np.testing.assert_array_equal(params["mat"].reshape(7, 5), spec.init)
+                self.assertEqual(versions["mat"], 3)
+                stats = d.stats()
+                self.assertEqual([x["split_blocks"] for x in stats], [1, 1, 1])
+                self.assertEqual([x["split_param_bytes"] for x in stats],
+                                 [(hi - lo) * 5 * 4 for _, lo, hi in blocks])
+                ts = d.tensor_stats("mat")
+                self.assertEqual((ts["shape"], ts["n_blocks"], ts["block_index"]), ((7, 5), 3, 0))
+                self.assertEqual((ts["row_lo"], ts["row_hi"]), blocks[0][1:])
+            s.restart(1)  # empty: block 1 is gone
+            with factorps.connect(s.addrs) as d:
+                with self.assertRaises(factorps.DataLossError) as cm:
+                    d.discover()
+                self.assertIn("tensor 'mat' block 1", str(cm.exception))
+                self.assertIn("shard 1", str(cm.exception))
 
     def test_shard_without_peers_refuses_a_block(self):
         with Shards(2) as s, factorps.connect(s.addrs, split_min_bytes=16, deadline=20) as c:

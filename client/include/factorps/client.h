@@ -387,6 +387,15 @@ typedef struct fps_shard_stats_s {
   uint32_t workers;             /* sync/ssp */
   uint32_t staleness;           /* ssp */
   char version[32];             /* factorps version of the shard */
+  /* Split tensors (issue 12; appended): */
+  uint64_t split_blocks;        /* row blocks of split tensors held (counted in
+                                   `tensors`) */
+  uint64_t split_param_bytes;   /* their parameter bytes (in param_bytes) */
+  uint64_t exchange_sent_bytes; /* partials sent that peers acknowledged */
+  uint64_t exchange_received_bytes; /* partials accepted from peers */
+  uint64_t exchange_steps;      /* block steps completed with the other shards */
+  uint64_t exchange_failures;   /* block steps that failed in the exchange */
+  double exchange_seconds_sum;  /* completed steps: sending ours to having all */
 } fps_shard_stats_t;
 
 /* Fills `out[i]` for every shard i (n must equal the shard count;
@@ -414,23 +423,34 @@ typedef struct fps_tensor_stats_s {
   uint64_t param_elements, param_bytes;
   uint64_t state_row, state_col, state_var, state_mom, state_elements, state_bytes;
   uint64_t adamw_elements, adamw_bytes;
+  /* Split tensors (issue 12; appended): which rows the reporting shard
+   * holds. A whole tensor: block 0 of 1, all its rows; a row block: its
+   * index, the tensor's block count and its rows (the sizes above are the
+   * block's, the shape the whole tensor's). */
+  uint32_t block_index, n_blocks;
+  uint64_t row_lo, row_hi;
 } fps_tensor_stats_t;
 
 /* Figures of tensor `name` and its last `log_cap` applied updates, oldest
  * first, into `log` (may be NULL when log_cap is 0); `*log_len` (may be
- * NULL) gets the number written. Asks the shard the tensor is placed on, or
- * every shard if the name is not in the tensor list. NOT_FOUND if no shard
+ * NULL) gets the number written. Asks every shard and reports the first
+ * (by index) that holds the tensor: a split tensor's first block held
+ * (out->block_index and row_lo/row_hi say which). NOT_FOUND if no shard
  * holds it. Thread-safe. */
 FPS_EXTERN int fps_client_tensor_stats(fps_client_t *c, const char *name, fps_tensor_stats_t *out,
                                        fps_apply_record_t *log, size_t log_cap, size_t *log_len,
                                        fps_status_t *status);
 
 /* Replaces the tensor list with the tensors the shards hold (from Stats),
- * each placed on the shard that reports it, so that a tool that did not
- * create the tensors can pull them. Optimizer settings are not known after
- * this call (create with them instead). `*n_found` (may be NULL) gets the
- * number of tensors. Errors: as fps_client_stats(); DATA_LOSS if two shards
- * report the same name. Must not race with other calls on `c`. */
+ * each placed on the shard that reports it (a split tensor: its blocks
+ * where the shards' maps put them), so that a tool that did not create the
+ * tensors can pull them. Optimizer settings are not known after this call
+ * (create with them instead). `*n_found` (may be NULL) gets the number of
+ * tensors. Errors: as fps_client_stats(); DATA_LOSS if two shards report
+ * the same name held whole, or a split tensor's blocks do not form one
+ * complete map for this client's shards (a block missing, reported twice
+ * or by another shard than its map's, maps that differ). Must not race
+ * with other calls on `c`. */
 FPS_EXTERN int fps_client_discover(fps_client_t *c, size_t *n_found, fps_status_t *status);
 
 /* The shape of tensor `name` from the tensor list: 0 and `*ndim`, `shape`

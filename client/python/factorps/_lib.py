@@ -112,6 +112,10 @@ class ShardStats(ctypes.Structure):
         ("uptime_seconds", ctypes.c_double),
         ("workers", ctypes.c_uint32), ("staleness", ctypes.c_uint32),
         ("version", ctypes.c_char * 32),
+        ("split_blocks", ctypes.c_uint64), ("split_param_bytes", ctypes.c_uint64),
+        ("exchange_sent_bytes", ctypes.c_uint64), ("exchange_received_bytes", ctypes.c_uint64),
+        ("exchange_steps", ctypes.c_uint64), ("exchange_failures", ctypes.c_uint64),
+        ("exchange_seconds_sum", ctypes.c_double),
     ]
 
 
@@ -174,6 +178,8 @@ class TensorStats(ctypes.Structure):
         ("state_var", ctypes.c_uint64), ("state_mom", ctypes.c_uint64),
         ("state_elements", ctypes.c_uint64), ("state_bytes", ctypes.c_uint64),
         ("adamw_elements", ctypes.c_uint64), ("adamw_bytes", ctypes.c_uint64),
+        ("block_index", ctypes.c_uint32), ("n_blocks", ctypes.c_uint32),
+        ("row_lo", ctypes.c_uint64), ("row_hi", ctypes.c_uint64),
     ]
 
 
