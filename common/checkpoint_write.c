@@ -161,6 +161,28 @@ int fps_ckpt_snapshot_add_block(fps_ckpt_snapshot_t *s, const char *name, const 
   return rc;
 }
 
+/* Copies param and the state arrays arr[kind] (NULL: the state has none
+ * of that kind) into t's buffer in its layout's order. The state must hold
+ * exactly the arrays the layout stores (FPS_ESHAPE otherwise). */
+static int snapshot_fill(snap_tensor_t *t, uint64_t version, const float *param,
+                         float *const arr[FPS__CKPT_KINDS], uint64_t step, float rms) {
+  bool want[FPS__CKPT_KINDS] = {false};
+  for (int i = 0; i < t->n_arr; i++) want[t->arr[i].kind] = true;
+  for (int k = FPS__CKPT_ROW; k < FPS__CKPT_KINDS; k++)
+    if ((arr[k] != NULL) != want[k]) return FPS_ESHAPE;
+  float *dst = t->data;
+  for (int i = 0; i < t->n_arr; i++) {
+    const float *src = i == 0 ? param : arr[t->arr[i].kind];
+    memcpy(dst, src, (size_t)t->arr[i].count * sizeof(float));
+    dst += t->arr[i].count;
+  }
+  t->version = version;
+  t->step = step;
+  t->rms = rms;
+  t->copied = true;
+  return 0;
+}
+
 int fps_ckpt_snapshot_copy(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
                            const float *param, const fps_adafactor_state_t *st) {
   if (!s || idx >= s->n || !param || !st || s->t[idx].map.n_blocks) return FPS_EINVAL;
@@ -169,23 +191,9 @@ int fps_ckpt_snapshot_copy(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
   if (st->shape.ndim != shape->ndim || st->numel != t->arr[0].count) return FPS_ESHAPE;
   for (uint32_t d = 0; d < shape->ndim; d++)
     if (st->shape.dim[d] != shape->dim[d]) return FPS_ESHAPE;
-  /* The state must hold exactly the arrays the layout stores. */
-  bool want[FPS__CKPT_KINDS] = {false};
-  for (int i = 0; i < t->n_arr; i++) want[t->arr[i].kind] = true;
-  for (int k = FPS__CKPT_ROW; k < FPS__CKPT_KINDS; k++)
-    if ((fps__ckpt_state_array(st, k) != NULL) != want[k]) return FPS_ESHAPE;
-
-  float *dst = t->data;
-  for (int i = 0; i < t->n_arr; i++) {
-    const float *src = i == 0 ? param : fps__ckpt_state_array(st, t->arr[i].kind);
-    memcpy(dst, src, (size_t)t->arr[i].count * sizeof(float));
-    dst += t->arr[i].count;
-  }
-  t->version = version;
-  t->step = st->step;
-  t->rms = st->rms;
-  t->copied = true;
-  return 0;
+  float *arr[FPS__CKPT_KINDS] = {NULL};
+  for (int k = FPS__CKPT_ROW; k < FPS__CKPT_KINDS; k++) arr[k] = fps__ckpt_state_array(st, k);
+  return snapshot_fill(t, version, param, arr, st->step, st->rms);
 }
 
 int fps_ckpt_snapshot_copy_block(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
@@ -198,21 +206,9 @@ int fps_ckpt_snapshot_copy_block(fps_ckpt_snapshot_t *s, size_t idx, uint64_t ve
     return FPS_ESHAPE;
   for (uint32_t d = 0; d < a->shape.ndim; d++)
     if (a->shape.dim[d] != b->shape.dim[d]) return FPS_ESHAPE;
-  bool want[FPS__CKPT_KINDS] = {false};
-  for (int i = 0; i < t->n_arr; i++) want[t->arr[i].kind] = true;
-  for (int k = FPS__CKPT_ROW; k < FPS__CKPT_KINDS; k++)
-    if ((fps__ckpt_split_array(st, k) != NULL) != want[k]) return FPS_ESHAPE;
-  float *dst = t->data;
-  for (int i = 0; i < t->n_arr; i++) {
-    const float *src = i == 0 ? param : fps__ckpt_split_array(st, t->arr[i].kind);
-    memcpy(dst, src, (size_t)t->arr[i].count * sizeof(float));
-    dst += t->arr[i].count;
-  }
-  t->version = version;
-  t->step = st->step;
-  t->rms = st->rms;
-  t->copied = true;
-  return 0;
+  float *arr[FPS__CKPT_KINDS] = {NULL};
+  for (int k = FPS__CKPT_ROW; k < FPS__CKPT_KINDS; k++) arr[k] = fps__ckpt_split_array(st, k);
+  return snapshot_fill(t, version, param, arr, st->step, st->rms);
 }
 
 int fps_ckpt_snapshot_set_applied(fps_ckpt_snapshot_t *s, size_t idx, double last_lr,
