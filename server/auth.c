@@ -74,6 +74,7 @@ int fps_auth_read_file(const char *flag, const char *path, char **out, size_t *l
   return 0;
 fail:
   fclose(f);
+  if (buf) OPENSSL_cleanse(buf, FPS_AUTH_FILE_MAX + 1); /* a secret read in part */
   fps_free(buf);
   return rc;
 }
@@ -172,48 +173,63 @@ static int fps__auth_digest(const char *s, size_t n, unsigned char out[FPS_AUTH_
   return 0;
 }
 
-/* One token per line; blank lines and lines starting with '#' are skipped,
- * so a file can hold the old and the new token while clients rotate. */
-static int fps__auth_tokens_load(fps_auth_t *a, const char *path) {
-  char *text = NULL;
-  int rc = fps_auth_read_file("auth-token-file", path, &text, NULL);
-  if (rc < 0) return rc;
-  fps_auth_warn_mode("auth-token-file", path);
-  rc = FPS_ENOMEM;
-  if (!(a->token = fps_calloc(FPS_AUTH_TOKENS_MAX, sizeof *a->token))) goto fail;
-  rc = FPS_EINVAL;
-  int lineno = 0;
-  for (char *line = text, *next; line; line = next) {
+int fps_auth_token_next(char **cursor, int *lineno, const char *flag, const char *path,
+                        const char **tok, size_t *n_out) {
+  for (char *line = *cursor, *next; line; line = next) {
     next = strchr(line, '\n');
     if (next) *next++ = 0;
-    lineno++;
+    *cursor = next;
+    ++*lineno;
     size_t n = strlen(line);
     while (n > 0 && (line[n - 1] == '\r' || line[n - 1] == ' ' || line[n - 1] == '\t')) line[--n] = 0;
     while (*line == ' ' || *line == '\t') line++, n--;
     if (n == 0 || *line == '#') continue;
-    /* Visible ASCII only: what an HTTP/2 header value can carry
-     * unchanged, and no space that would split "Bearer <token>". */
     for (size_t i = 0; i < n; i++) {
       if (line[i] < 0x21 || line[i] > 0x7e) {
         fprintf(stderr,
-                "factorps-server: --auth-token-file '%s' line %d: a token may contain only visible "
-                "ASCII characters (no spaces)\n",
-                path, lineno);
-        goto fail;
+                "factorps-server: --%s '%s' line %d: a token may contain only visible ASCII "
+                "characters (no spaces)\n",
+                flag, path, *lineno);
+        return FPS_EINVAL;
       }
     }
+    *tok = line;
+    *n_out = n;
+    return 1;
+  }
+  *cursor = NULL;
+  return 0;
+}
+
+/* One token per line; blank lines and lines starting with '#' are skipped,
+ * so a file can hold the old and the new token while clients rotate. */
+static int fps__auth_tokens_load(fps_auth_t *a, const char *path) {
+  char *text = NULL;
+  size_t text_len = 0;
+  int rc = fps_auth_read_file("auth-token-file", path, &text, &text_len);
+  if (rc < 0) return rc;
+  fps_auth_warn_mode("auth-token-file", path);
+  rc = FPS_ENOMEM;
+  if (!(a->token = fps_calloc(FPS_AUTH_TOKENS_MAX, sizeof *a->token))) goto fail;
+  int lineno = 0;
+  char *cursor = text;
+  const char *line;
+  size_t n;
+  while ((rc = fps_auth_token_next(&cursor, &lineno, "auth-token-file", path, &line, &n)) == 1) {
     if (n < 16)
       FPS_SLOG(FPS_LOG_WARN, "--auth-token-file '%s' line %d: token shorter than 16 characters is "
                "easy to guess", path, lineno);
     if (a->ntokens == FPS_AUTH_TOKENS_MAX) {
       fprintf(stderr, "factorps-server: --auth-token-file '%s': more than %d tokens\n", path,
               FPS_AUTH_TOKENS_MAX);
+      rc = FPS_EINVAL;
       goto fail;
     }
     if ((rc = fps__auth_digest(line, n, a->token[a->ntokens])) < 0) goto fail;
-    rc = FPS_EINVAL;
     a->ntokens++;
   }
+  if (rc < 0) goto fail;
+  rc = FPS_EINVAL;
   if (a->ntokens == 0) {
     fprintf(stderr, "factorps-server: --auth-token-file '%s' holds no token\n", path);
     goto fail;
@@ -221,7 +237,9 @@ static int fps__auth_tokens_load(fps_auth_t *a, const char *path) {
   rc = 0;
 fail:
   /* The plaintext tokens do not outlive start-up. */
-  if (text) OPENSSL_cleanse(text, strlen(text));
+  /* text_len: the lines were cut in place, so strlen would stop at the
+   * first one. */
+  if (text) OPENSSL_cleanse(text, text_len);
   fps_free(text);
   return rc;
 }

@@ -44,6 +44,16 @@ void fps_auth_warn_mode(const char *flag, const char *path);
 int fps_auth_check_pair(const char *cert_flag, const char *cert_path, const char *cert_pem,
                         const char *key_flag, const char *key_path, const char *key_pem);
 int fps_auth_check_ca(const char *flag, const char *path, const char *pem);
+/* The next token of a token file's text (read_file's), one per line;
+ * blank lines and lines starting with '#' are skipped, surrounding blanks
+ * trimmed. *cursor walks the text (start it at the text; the lines are
+ * cut in place), *lineno counts lines (start it at 0). Returns 1 with
+ * *tok / *n set (NUL-terminated in the text), 0 at the end, or FPS_EINVAL
+ * after printing why (naming --flag, path and the line) for a token with
+ * anything but visible ASCII: what an HTTP/2 header value carries
+ * unchanged, and no space that would split "Bearer <token>". */
+int fps_auth_token_next(char **cursor, int *lineno, const char *flag, const char *path,
+                        const char **tok, size_t *n);
 
 /* New server credentials for grpc_server_add_http2_port(): TLS (with
  * client certificates required and verified when --tls-client-ca is set) or

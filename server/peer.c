@@ -137,25 +137,17 @@ static int fps__err_from_status(grpc_status_code c) {
  * would send). */
 static int fps__peer_token(const char *path, char **header) {
   char *text = NULL;
-  int rc = fps_auth_read_file("peer-token-file", path, &text, NULL);
+  size_t text_len = 0;
+  int rc = fps_auth_read_file("peer-token-file", path, &text, &text_len);
   if (rc < 0) return rc;
   fps_auth_warn_mode("peer-token-file", path);
-  rc = FPS_EINVAL;
   int lineno = 0;
-  for (char *line = text, *next; line; line = next) {
-    next = strchr(line, '\n');
-    if (next) *next++ = 0;
-    lineno++;
-    size_t n = strlen(line);
-    while (n > 0 && (line[n - 1] == '\r' || line[n - 1] == ' ' || line[n - 1] == '\t')) line[--n] = 0;
-    while (*line == ' ' || *line == '\t') line++, n--;
-    if (n == 0 || *line == '#') continue;
-    for (size_t i = 0; i < n; i++)
-      if (line[i] < 0x21 || line[i] > 0x7e) {
-        fprintf(stderr, "factorps-server: --peer-token-file '%s' line %d: a token may contain only visible "
-                "ASCII characters (no spaces)\n", path, lineno);
-        goto done;
-      }
+  char *cursor = text;
+  const char *line;
+  size_t n;
+  rc = fps_auth_token_next(&cursor, &lineno, "peer-token-file", path, &line, &n);
+  if (rc == 1) {
+    rc = FPS_EINVAL;
     if (n > FPS_PEER_TOKEN_MAX) {
       fprintf(stderr, "factorps-server: --peer-token-file '%s' line %d: token longer than %d bytes\n", path,
               lineno, FPS_PEER_TOKEN_MAX);
@@ -168,11 +160,12 @@ static int fps__peer_token(const char *path, char **header) {
     }
     snprintf(*header, len, "Bearer %s", line);
     rc = 0;
-    goto done;
+  } else if (rc == 0) {
+    rc = FPS_EINVAL;
+    fprintf(stderr, "factorps-server: --peer-token-file '%s' holds no token\n", path);
   }
-  fprintf(stderr, "factorps-server: --peer-token-file '%s' holds no token\n", path);
 done:
-  OPENSSL_cleanse(text, strlen(text));
+  OPENSSL_cleanse(text, text_len); /* the lines were cut in place: not strlen */
   fps_free(text);
   return rc;
 }
