@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -175,6 +176,11 @@ static int fps__ckpt_restore(fps_shard_t *sh) {
     return rc;
   }
   sh->ckpt_restored_seq = ck->info.seq;
+  pthread_mutex_lock(&sh->ckpt_mu);
+  sh->ckpt_have_last = true;
+  sh->ckpt_last_changes = atomic_load(&sh->changes);
+  snprintf(sh->ckpt_last_path, sizeof sh->ckpt_last_path, "%s", ck->path);
+  pthread_mutex_unlock(&sh->ckpt_mu);
   fps_metrics_restore_set(FPS_METRICS_RESTORE_RESTORED, ck->info.seq, fps__ckpt_created_unix(ck->info.created),
                           (double)(fps_now_ns() - t0) / 1e9);
   FPS_SLOG(FPS_LOG_INFO, "restored %zu tensors (%" PRIu64 " bytes of data) from %s (sequence %" PRIu64
@@ -209,6 +215,7 @@ int fps_checkpoint_write(fps_shard_t *sh, fps_ckpt_done_t *out, char *why, size_
   pthread_mutex_lock(&sh->ckpt_mu);
   int64_t t0 = fps_now_ns();
   uint64_t mark = fps_metrics_checkpoint_mark(); /* before any tensor is copied */
+  uint64_t changes = atomic_load(&sh->changes);  /* likewise */
   fps_ckpt_snapshot_t *snap = NULL;
   int rc = fps_ckpt_snapshot_create(&snap, sh->cfg.shard_id, sh->cfg.shard_count, fps_mode_name(sh->cfg.mode));
   if (rc < 0) {
@@ -278,6 +285,9 @@ int fps_checkpoint_write(fps_shard_t *sh, fps_ckpt_done_t *out, char *why, size_
                                    done.bytes, mark);
   }
   fps_ckpt_snapshot_destroy(snap);
+  sh->ckpt_have_last = true;
+  sh->ckpt_last_changes = changes;
+  snprintf(sh->ckpt_last_path, sizeof sh->ckpt_last_path, "%s", done.path);
   pthread_mutex_unlock(&sh->ckpt_mu);
   FPS_SLOG(FPS_LOG_INFO,
            "checkpoint %s: %" PRIu64 " tensors, %" PRIu64 " bytes in %.3f s (%.0f MB/s; copying %.3f s, "
@@ -297,22 +307,17 @@ fail:
   return rc == FPS_ENOTFOUND ? FPS_EIO : rc;
 }
 
-/* What the shard's state looks like from outside the locks: updates
- * applied and tensors known. Equal values mean nothing changed since, unless
- * a tensor was still initialising then (its init slices change it without
- * an update). */
-static void fps__ckpt_mark(fps_shard_t *sh, uint64_t *updates, uint64_t *count) {
-  pthread_rwlock_rdlock(&sh->store.mu);
-  *count = sh->store.count;
-  *updates = atomic_load(&sh->counters.updates);
-  pthread_rwlock_unlock(&sh->store.mu);
+bool fps_checkpoint_unchanged(fps_shard_t *sh) {
+  pthread_mutex_lock(&sh->ckpt_mu);
+  struct stat stb;
+  bool same = sh->ckpt_have_last && sh->ckpt_last_changes == atomic_load(&sh->changes) &&
+              stat(sh->ckpt_last_path, &stb) == 0;
+  pthread_mutex_unlock(&sh->ckpt_mu);
+  return same;
 }
 
 static void *fps__ckpt_thread(void *arg) {
   fps_shard_t *sh = arg;
-  /* An idle shard does not rewrite the same state every interval. */
-  bool have_last = false, last_skipped = false;
-  uint64_t last_updates = 0, last_count = 0;
   pthread_mutex_lock(&sh->ckpt_thread_mu);
   while (!sh->ckpt_thread_stop) {
     struct timespec until;
@@ -329,20 +334,12 @@ static void *fps__ckpt_thread(void *arg) {
     }
     if (sh->ckpt_thread_stop) break;
     pthread_mutex_unlock(&sh->ckpt_thread_mu);
-    uint64_t updates, count;
-    fps__ckpt_mark(sh, &updates, &count);
-    if (!have_last || last_skipped || updates != last_updates || count != last_count) {
+    /* An idle shard does not rewrite the same state every interval. A
+     * failure is logged by fps_checkpoint_write; the next interval tries
+     * again (a full disk may clear). */
+    if (!fps_checkpoint_unchanged(sh)) {
       char why[FPS_CKPT_WHY_MAX] = "";
-      fps_ckpt_done_t done;
-      /* A failure is logged by fps_checkpoint_write; the next interval
-       * tries again (a full disk may clear). The mark is taken before the
-       * copy, so an update racing with it only causes one more write. */
-      if (fps_checkpoint_write(sh, &done, why, sizeof why) == 0) {
-        have_last = true;
-        last_skipped = done.skipped > 0;
-        last_updates = updates;
-        last_count = count;
-      }
+      fps_checkpoint_write(sh, NULL, why, sizeof why);
     }
     pthread_mutex_lock(&sh->ckpt_thread_mu);
   }

@@ -607,6 +607,8 @@ again:
   }
   for (size_t a = nr; a-- > 0;) pthread_mutex_unlock(&rt[a]->mu);
   tlocked = false;
+  /* After the writes (checkpoint.c reads the count before it copies). */
+  atomic_fetch_add(&sh->changes, 1);
   atomic_fetch_add(&sh->counters.bytes_received, received);
   *received_out = received;
   for (size_t i = 0; i < n; i++) {

@@ -703,8 +703,16 @@ struct fps_shard_s {
   pthread_mutex_t held_mu;
   fps_push_t *held;
   uint64_t rounds_walk;             /* set walks so far (fps_round_t.seen) */
+  /* Bumped after anything a checkpoint holds changes (an update; a Create
+   * that writes values, replaces or adds tensors; over-counting only costs
+   * a write), so checkpoint.c can tell that nothing changed since the last
+   * checkpoint it wrote or loaded. */
+  atomic_uint_fast64_t changes;
   /* Checkpoints (checkpoint.c). */
   pthread_mutex_t ckpt_mu;          /* one checkpoint at a time */
+  bool ckpt_have_last;              /* a checkpoint was written or loaded (ckpt_mu) */
+  uint64_t ckpt_last_changes;       /* `changes` before its copy (ckpt_mu) */
+  char ckpt_last_path[4096];        /* its file (ckpt_mu) */
   int ckpt_dir_fd;                  /* lease on checkpoint_dir, -1: none */
   uint64_t ckpt_restored_seq;       /* checkpoint loaded at start-up, 0: none */
   pthread_t ckpt_thread;            /* periodic checkpoints */
@@ -866,6 +874,11 @@ int fps_checkpoint_write(fps_shard_t *sh, fps_ckpt_done_t *out, char *why, size_
 int fps_checkpoint_start(fps_shard_t *sh);
 void fps_checkpoint_stop(fps_shard_t *sh);
 void fps_checkpoint_close(fps_shard_t *sh);
+/* True if the newest checkpoint this process wrote or loaded still holds
+ * the shard's state: nothing changed since it was copied and its file is
+ * still there (SIGTERM's final write and the periodic one are skipped
+ * then). Thread-safe. */
+bool fps_checkpoint_unchanged(fps_shard_t *sh);
 /* Appends to `buf` what a worker ahead of a restored tensor must do
  * (nothing if the tensor was not restored). No lock needed: the
  * restored_* fields are written before serving and never change. */

@@ -286,6 +286,7 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool
       return rc;
     }
     t->version++;
+    atomic_fetch_add(&sh->changes, 1); /* after the step's writes: checkpoint.c */
     /* hf relative_step: the lr is the relative step size this step used. */
     t->last_lr = hp.flavor == FPS_FLAVOR_HF && hp.relative_step ? tr.rel_step : hp.lr;
     t->last_weight_decay = hp.weight_decay;
