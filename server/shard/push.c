@@ -171,6 +171,8 @@ int fps_push_set_id(fps_push_t *p, uint64_t push_id, char *why, size_t wl) {
 
 bool fps_push_replayed(const fps_push_t *p) { return p->replayed; }
 
+uint64_t fps__push_key(const fps_push_t *p) { return p->push_id; }
+
 void fps_push_set_resume(fps_push_t *p, fps_push_resume_fn fn, void *arg) {
   p->resume = fn;
   p->resume_arg = arg;

@@ -577,6 +577,8 @@ int fps_push_set_id(fps_push_t *p, uint64_t push_id, char *why, size_t why_len);
 /* True if the resolved push was a retry answered from the window (nothing
  * applied by this call). */
 bool fps_push_replayed(const fps_push_t *p);
+/* The push's idempotency key (0: none); fixed once it is committed. */
+uint64_t fps__push_key(const fps_push_t *p);
 
 /* Sync backpressure. A slice that arrives before the workers below its
  * worker have been summed over its elements is staged; so that staging

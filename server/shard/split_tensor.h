@@ -56,6 +56,9 @@ typedef struct fps_xmsg_s {
   uint64_t version;            /* the block's version before the step */
   uint32_t from_shard, shard_count, block_index;
   int phase;                   /* FPS_SPLIT_PHASE_* */
+  uint64_t attempt;            /* the step's attempt (xstep.c): a hash of
+                                * its members' (worker_id, push_id); 0: the
+                                * members carry no push_id */
   const void *partials;
   size_t len;
 } fps_xmsg_t;
@@ -85,8 +88,9 @@ void fps_shard_set_exchange(fps_shard_t *sh, fps_xsend_fn send, void *ctx, doubl
  * shard's block of m->name: FPS_ENOTFOUND (no block of it here),
  * FPS_ESTATE (held whole; the block/shard pair is not in this map; an old
  * version; geometry or old column state that differ: diverged),
- * FPS_EEXISTS (different partials for a (version, block, phase) already
- * received; an identical retry is 0), FPS_EINVAL, FPS_ENOMEM; `why` names
+ * FPS_ESTATE also for partials of an attempt whose step failed here,
+ * FPS_EEXISTS (different partials for a (version, block, phase, attempt)
+ * already received; an identical retry is 0), FPS_EINVAL, FPS_ENOMEM; `why` names
  * the tensor, the sender and the problem. Kept partials may complete this
  * shard's step on the calling thread (its pushes resolved before return).
  * Thread-safe. */

@@ -27,6 +27,19 @@
  * partials it used are kept (wire only) so that a peer whose
  * acknowledgement was lost can retry them and be answered OK.
  *
+ * Attempts. The same version can be stepped more than once: a step that
+ * failed is pushed again, as a retry (the same push_ids: the same
+ * gradients, the same partials) or as new pushes (other gradients). A
+ * step's attempt is a hash of its round's members' (worker_id, push_id),
+ * the same on every shard; partials are kept and matched per (version,
+ * block, phase, attempt), so a step never combines another attempt's.
+ * When a step fails, its attempt is remembered as failed (until the
+ * version moves on or a retry of it starts here) and its partials are
+ * refused: a peer whose step of that attempt is still running (it was
+ * frozen, say) must not be acknowledged, or it could apply what this
+ * shard abandoned. Attempt 0 (no push_ids) cannot be told apart from the
+ * next one and is never remembered as failed.
+ *
  * Locks: tensor->mu (a block's xs and mail, its round) -> sh->xs_mu (the
  * list of groups, for the expiry hook) -> g->mu (the group's counts,
  * error and send records). Whoever makes a group ready (all in, or an
@@ -55,6 +68,7 @@ typedef struct fps_xpart_s {
  * the step of `version` used (done: wire only, for identical retries). */
 typedef struct fps_xkept_s {
   uint64_t version;
+  uint64_t attempt;
   uint32_t block;
   int phase;
   bool done;
@@ -64,8 +78,16 @@ typedef struct fps_xkept_s {
   struct fps_xkept_s *next;
 } fps_xkept_t;
 
+#define FAILED_MAX 4  /* failed attempts remembered per block */
+#define KEPT_ATTEMPTS 2 /* early attempts kept per (version, block, phase) */
+
 struct fps_xmail_s {
   fps_xkept_t *head;
+  /* Attempts of the step at failed_version that failed here, oldest
+   * first. */
+  uint64_t failed_version;
+  uint64_t failed[FAILED_MAX];
+  unsigned nfailed;
 };
 
 /* One block tensor's step in flight (t->split->xs; t->mu). */
@@ -73,6 +95,7 @@ struct fps_xstep_s {
   fps_xgroup_t *g;
   fps_tensor_t *t;
   uint64_t version;
+  uint64_t attempt;           /* fps__attempt() of its round */
   uint32_t nb, me;
   fps_split_step_t *step;     /* until handed to the apply (prep.split) */
   bool combined;              /* phase STATS combined */
@@ -205,6 +228,66 @@ static uint64_t fps__colstate_differs(const fps_tensor_t *t, const fps_split_par
   return 0;
 }
 
+/* splitmix64's finaliser: every input bit moves every output bit. */
+static uint64_t fps__mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
+  z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
+  return z ^ (z >> 31);
+}
+
+/* The attempt of t's round: its members' (worker_id, push_id) in worker
+ * order, hashed alike on every shard (libfactorps sends one push_id per
+ * logical push to every shard; a retry reuses it). 0 if no member has a
+ * push_id; never 0 otherwise. REQUIRES t->mu (the round is settling). */
+static uint64_t fps__attempt(const fps_shard_t *sh, const fps_tensor_t *t) {
+  uint64_t h = UINT64_C(0x6a09e667f3bcc908);
+  bool keyed = false;
+  for (uint32_t w = 0; w < sh->cfg.workers; w++) {
+    const fps_push_entry_t *m = t->round.member[w];
+    uint64_t id = m ? fps__push_key(m->owner) : 0;
+    keyed |= id != 0;
+    h = fps__mix64(h ^ fps__mix64(((uint64_t)w << 1 | (m != NULL)) + UINT64_C(0x9e3779b97f4a7c15)));
+    h = fps__mix64(h ^ id);
+  }
+  if (!keyed) return 0;
+  return h ? h : 1;
+}
+
+/* True if attempt a of the step at version v failed here. REQUIRES t->mu. */
+static bool fps__attempt_failed(const fps_tensor_split_t *sp, uint64_t v, uint64_t a) {
+  const struct fps_xmail_s *ml = sp->mail;
+  if (!a || !ml || ml->failed_version != v) return false;
+  for (unsigned i = 0; i < ml->nfailed; i++)
+    if (ml->failed[i] == a) return true;
+  return false;
+}
+
+/* Remembers (failed) or forgets attempt a of the step at version v. The
+ * list holds one version's attempts: another version clears it. REQUIRES
+ * t->mu and sp->mail. */
+static void fps__attempt_mark(fps_tensor_split_t *sp, uint64_t v, uint64_t a, bool failed) {
+  struct fps_xmail_s *ml = sp->mail;
+  if (!a) return;
+  if (ml->failed_version != v) {
+    ml->failed_version = v;
+    ml->nfailed = 0;
+  }
+  unsigned i = 0;
+  while (i < ml->nfailed && ml->failed[i] != a) i++;
+  if (i < ml->nfailed) { /* known: forget it, or it stays failed */
+    if (failed) return;
+    memmove(&ml->failed[i], &ml->failed[i + 1], (ml->nfailed - i - 1) * sizeof ml->failed[0]);
+    ml->nfailed--;
+    return;
+  }
+  if (!failed) return;
+  if (ml->nfailed == FAILED_MAX) { /* full: the oldest goes */
+    memmove(&ml->failed[0], &ml->failed[1], (FAILED_MAX - 1) * sizeof ml->failed[0]);
+    ml->nfailed--;
+  }
+  ml->failed[ml->nfailed++] = a;
+}
+
 /* ------------------------------------------------------------ set-up */
 
 void fps__split_destroy(fps_tensor_split_t *s) {
@@ -288,6 +371,7 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_xgroup_t 
     x->g = g;
     x->t = t;
     x->version = t->version;
+    x->attempt = fps__attempt(sh, t);
     x->nb = sp->n_blocks;
     x->me = sp->block_index;
     x->part = fps_calloc(NPHASE * (size_t)x->nb, sizeof *x->part);
@@ -325,7 +409,7 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_xgroup_t 
     if (!sp->mail && !(sp->mail = fps_calloc(1, sizeof *sp->mail))) goto oom;
     for (fps_xkept_t **pp = &sp->mail->head; *pp;) {
       fps_xkept_t *m = *pp;
-      if (m->done || m->version != x->version) {
+      if (m->done || m->version != x->version || m->attempt != x->attempt) {
         pp = &m->next;
         continue;
       }
@@ -349,6 +433,9 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_xgroup_t 
   }
   g->missing = nsend - have;
   g->unacked = nsend;
+  /* A retry of an attempt that failed here: its partials are welcome again
+   * (they are the same as the failed one's). */
+  for (size_t i = 0; i < g->n; i++) fps__attempt_mark(g->x[i]->t->split, g->x[i]->version, g->x[i]->attempt, false);
   size_t r = 0;
   for (size_t i = 0; i < g->n; i++) {
     struct fps_xstep_s *x = g->x[i];
@@ -434,7 +521,7 @@ static void fps__xg_send(fps_xgroup_t *g, int phase) {
     if (stop) break; /* failed meanwhile: the rest need not go */
     fps_xmsg_t m = {.name = x->t->name, .version = x->version, .from_shard = sh->cfg.shard_id,
                     .shard_count = sh->cfg.shard_count, .block_index = x->me, .phase = phase,
-                    .partials = x->own[phase - 1], .len = x->own_len[phase - 1]};
+                    .attempt = x->attempt, .partials = x->own[phase - 1], .len = x->own_len[phase - 1]};
     int rc = sh->xsend(sh->xsend_ctx, rec[i].to, &m, g->deadline_ns, fps__xsend_done, &rec[i]);
     if (rc < 0) {
       char cause[128];
@@ -522,6 +609,9 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
     if (err) {
       fps_split_step_free(x->step); /* abandoned: nothing changed */
       x->step = NULL;
+      /* Its partials are refused from now on (the mail exists: the step
+       * was started with it). */
+      fps__attempt_mark(sp, x->version, x->attempt, true);
       continue;
     }
     x->t->round.prep.split = x->step;
@@ -534,6 +624,7 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
       if (!kp) continue;
       x->kept[j] = NULL;
       kp->version = x->version;
+      kp->attempt = x->attempt;
       kp->block = j % x->nb;
       kp->phase = (int)(j / x->nb) + 1;
       kp->done = true;
@@ -696,12 +787,34 @@ void fps__xstep_expire(fps_shard_t *sh, int64_t now, bool force, const char *rea
 
 /* ------------------------------------------------------------ receive */
 
-/* Finds `m`'s (version, block, phase) among t's kept partials. */
-static fps_xkept_t *fps__mail_find(fps_tensor_split_t *sp, uint64_t v, uint32_t b, int phase, bool done) {
+/* Finds `m`'s (version, block, phase, attempt) among t's kept partials. */
+static fps_xkept_t *fps__mail_find(fps_tensor_split_t *sp, uint64_t v, uint32_t b, int phase, uint64_t a,
+                                   bool done) {
   if (!sp->mail) return NULL;
   for (fps_xkept_t *k = sp->mail->head; k; k = k->next)
-    if (k->version == v && k->block == b && k->phase == phase && k->done == done) return k;
+    if (k->version == v && k->block == b && k->phase == phase && k->attempt == a && k->done == done) return k;
   return NULL;
+}
+
+/* Before keeping early partials of (v, b, phase): drops the oldest kept
+ * ones of that (v, b, phase) while KEPT_ATTEMPTS attempts are kept (the
+ * newest attempt is the likeliest to be stepped). REQUIRES t->mu. */
+static void fps__mail_bound(fps_tensor_split_t *sp, uint64_t v, uint32_t b, int phase) {
+  for (;;) {
+    fps_xkept_t **oldest = NULL;
+    unsigned n = 0;
+    for (fps_xkept_t **pp = &sp->mail->head; *pp; pp = &(*pp)->next) {
+      const fps_xkept_t *k = *pp;
+      if (!k->done && k->version == v && k->block == b && k->phase == phase) {
+        n++;
+        oldest = pp; /* the list is newest first */
+      }
+    }
+    if (n < KEPT_ATTEMPTS) return;
+    fps_xkept_t *k = *oldest;
+    *oldest = k->next;
+    fps__xkept_free(k);
+  }
 }
 
 static bool fps__same(const uint8_t *a, size_t alen, const void *b, size_t blen) {
@@ -776,7 +889,8 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
   if (m->version < v) {
     /* A peer retrying partials of the step just finished here (our
      * acknowledgement was lost): the same bytes are answered OK. */
-    fps_xkept_t *k = m->version + 1 == v ? fps__mail_find(sp, m->version, m->block_index, m->phase, true) : NULL;
+    fps_xkept_t *k =
+        m->version + 1 == v ? fps__mail_find(sp, m->version, m->block_index, m->phase, m->attempt, true) : NULL;
     if (k && fps__same(k->wire, k->len, m->partials, m->len)) {
       rc = 0;
       goto out;
@@ -796,10 +910,23 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
              name, m->from_shard, m->version, v);
     goto out;
   }
-  struct fps_xstep_s *x = sp->xs && sp->xs->version == m->version ? sp->xs : NULL;
+  if (fps__attempt_failed(sp, m->version, m->attempt)) {
+    /* Not acknowledged, so the sender's step of that attempt fails too and
+     * nobody applies what this shard abandoned. */
+    rc = FPS_ESTATE;
+    snprintf(why, wl,
+             "Exchange of tensor '%s' from shard %u: attempt %016" PRIx64 " of step %" PRIu64
+             " failed on this shard; nothing was applied",
+             name, m->from_shard, m->attempt, m->version);
+    goto out;
+  }
+  /* Our step in flight, if these partials are of its attempt; otherwise
+   * they are kept for a step of their own attempt. */
+  struct fps_xstep_s *x =
+      sp->xs && sp->xs->version == m->version && sp->xs->attempt == m->attempt ? sp->xs : NULL;
   /* A retry of partials already here: OK if identical. */
   const fps_xpart_t *had = x ? &x->part[(size_t)(m->phase - 1) * x->nb + m->block_index] : NULL;
-  const fps_xkept_t *kept = x ? NULL : fps__mail_find(sp, m->version, m->block_index, m->phase, false);
+  const fps_xkept_t *kept = x ? NULL : fps__mail_find(sp, m->version, m->block_index, m->phase, m->attempt, false);
   if ((had && had->wire) || kept) {
     bool same = had && had->wire ? fps__same(had->wire, had->len, m->partials, m->len)
                                  : fps__same(kept->wire, kept->len, m->partials, m->len);
@@ -807,8 +934,8 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
     if (!same)
       snprintf(why, wl,
                "Exchange of tensor '%s' from shard %u: different %s partials of block %u for version %" PRIu64
-               " were already received",
-               name, m->from_shard, ph, m->block_index, m->version);
+               " (attempt %016" PRIx64 ") were already received",
+               name, m->from_shard, ph, m->block_index, m->version, m->attempt);
     goto out;
   }
   fps_split_partials_t dec;
@@ -861,8 +988,10 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
   atomic_fetch_add(&sh->counters.xbytes_received, m->len);
   fps_metrics_exchange_bytes(0, m->len);
   if (!x) {
-    /* Before our own step of that version: kept until it starts. */
-    *kp = (fps_xkept_t){m->version, m->block_index, m->phase, false, wire, m->len, dec, sp->mail->head};
+    /* Before our own step of that version and attempt: kept until it
+     * starts. */
+    fps__mail_bound(sp, m->version, m->block_index, m->phase);
+    *kp = (fps_xkept_t){m->version, m->attempt, m->block_index, m->phase, false, wire, m->len, dec, sp->mail->head};
     sp->mail->head = kp;
     rc = 0;
     goto out;

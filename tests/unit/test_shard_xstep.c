@@ -1235,6 +1235,152 @@ static void oom_sweep_stays_consistent(void **u) {
   }
 }
 
+/* Worker 0 pushes "e" at step on every core with push_id id and the whole
+ * gradient g (each core its block's rows), without waiting. */
+static void push_all_id(scen_t *s, wpush_t *wp, uint64_t step, uint64_t id, const float *g) {
+  char why[FPS_WHY_MAX];
+  for (uint32_t b = 0; b < s->nb; b++) {
+    wp[b].p = fx_push_new(&core[b], 0, step, INT64_MAX, &wp[b].d);
+    assert_int_equal(fps_push_set_id(wp[b].p, id, why, sizeof why), 0);
+    assert_int_equal(fx_push_grad(wp[b].p, "e", g + s->r.g[b].row_lo * SC, s->r.g[b].block_numel, 1, NULL), 0);
+    wp[b].rc = fps_push_commit(wp[b].p, wp[b].why, sizeof wp[b].why);
+  }
+}
+
+/* Holds (or frees) every link to and from core c: c is frozen. */
+static void freeze(uint32_t c, int mode) {
+  for (uint32_t o = 0; o < ncores; o++)
+    if (o != c) link_mode[c][o] = link_mode[o][c] = mode;
+}
+
+/* The colleague's case: shard 2 frozen during step 0 (attempt A), shards
+ * 0 and 1 fail it at the deadline; shard 2 resumes and its step A's
+ * partials reach them: refused (A failed there), never acknowledged, so
+ * shard 2's step fails too. The workers push step 0 again with another
+ * gradient (attempt B): every core applies B alone, as an unsplit run of
+ * that one push would. */
+static void dead_attempt_partials_refused(void **u) {
+  (void)u;
+  scen_t s;
+  scen_up(&s, 3, false);
+  float g2[SR * SC];
+  fx_fill(g2, SR * SC, 23);
+  freeze(2, LINK_HOLD);
+  wpush_t wp[MAXS];
+  push_all_id(&s, wp, 0, 1001, s.g);
+  net_idle();
+  fps_fake_clock_advance((int64_t)(XDEADLINE_S * 1e9) + 1000);
+  for (uint32_t b = 0; b < 2; b++) fps_shard_expire(&core[b], fps_fake_now_ns); /* 2 is frozen */
+  char why[FPS_WHY_MAX];
+  for (uint32_t b = 0; b < 2; b++) {
+    assert_int_equal(push_result(&wp[b], why, sizeof why), FPS_EUNAVAILABLE);
+    push_end(&wp[b]);
+  }
+  assert_int_equal(wp[2].d.calls, 0);
+  /* Shard 2 resumes: what was queued to and from it is delivered. */
+  freeze(2, LINK_OK);
+  net_release(0);
+  for (uint32_t b = 0; b < 2; b++) {
+    assert_int_equal(last_rc[2][b], FPS_ESTATE);
+    expect_in(last_why[2][b], "failed on this shard; nothing was applied");
+    expect_in(last_why[2][b], "step 0");
+  }
+  assert_int_equal(push_result(&wp[2], why, sizeof why), FPS_EUNAVAILABLE);
+  expect_in(why, "failed on this shard");
+  push_end(&wp[2]);
+  expect_untouched(&s);
+  /* Attempt A's partials again (the frozen shard's transport retrying):
+   * still refused, nothing kept. */
+  uint8_t buf[4096];
+  size_t len = craft(&s, 2, s.g, FPS_SPLIT_PHASE_STATS, buf, sizeof buf);
+  fps_xmsg_t m = {.name = "e", .version = 0, .from_shard = 2, .shard_count = 3, .block_index = 2,
+                  .phase = FPS_SPLIT_PHASE_STATS, .attempt = 0, .partials = buf, .len = len};
+  /* The attempt shard 0 failed: learn it from shard 2's refused message. */
+  const char *hex = strstr(last_why[2][0], "attempt ");
+  assert_non_null(hex);
+  m.attempt = strtoull(hex + 8, NULL, 16);
+  assert_true(m.attempt != 0);
+  assert_int_equal(fps_shard_exchange_receive(&core[0], &m, why, sizeof why), FPS_ESTATE);
+  expect_in(why, "failed on this shard");
+  /* Partials of some other attempt of step 0 are kept (acknowledged) for a
+   * step of that attempt; at most 2 attempts are kept. */
+  for (uint64_t a = 1; a <= 3; a++) {
+    fps_xmsg_t o = m;
+    o.attempt = a;
+    assert_int_equal(fps_shard_exchange_receive(&core[0], &o, why, sizeof why), 0);
+  }
+  fps_tensor_t *t0 = find(&core[0], "e");
+  pthread_mutex_lock(&t0->mu);
+  assert_null(t0->split->xs);
+  pthread_mutex_unlock(&t0->mu);
+  /* Attempt B, another gradient: only B's partials are combined. The
+   * mean gradient with W = 1 is g2 itself. */
+  ref_step(&s.r, &s.hp, 3, g2);
+  push_all_id(&s, wp, 0, 2002, g2);
+  net_idle();
+  expect_all_ok(&s, wp, 1);
+  for (uint32_t b = 0; b < 3; b++) assert_int_equal(find(&core[b], "e")->version, 1);
+  /* And the unsplit core agrees (the blocks match common's split math bit
+   * for bit above; this is the whole tensor stepped once with g2). */
+  {
+    fps_shard_t whole;
+    const fps_kernels_t *k;
+    assert_int_equal(fps_kernels_by_name("auto", &k, why, sizeof why), 0);
+    fps_shard_opts_t o = {.shard_id = 0, .shard_count = 1, .mode = FPS_MODE_SYNC, .workers = 1,
+                          .deadline = FX_DEADLINE_S, .max_tensors = 8, .max_bytes = 16u << 20,
+                          .max_staging_bytes = 16u << 20, .apply_log = 8, .checkpoint_dir = ""};
+    assert_int_equal(fps_shard_init(&whole, &o, k, NULL), 0);
+    whole_create(&whole, "e", &s.shape, &s.hp, s.init);
+    fx_done_t d = {0};
+    fps_push_t *p = fx_push_new(&whole, 0, 0, INT64_MAX, &d);
+    assert_int_equal(fx_push_grad(p, "e", g2, SR * SC, 1, NULL), 0);
+    assert_int_equal(fx_commit(p, why), 0);
+    fps_push_destroy(p);
+    float wparam[SR * SC];
+    assert_int_equal(fx_params(&whole, "e", wparam), 1);
+    for (uint32_t b = 0; b < 3; b++) {
+      fps_tensor_t *t = find(&core[b], "e");
+      const float *ref = wparam + s.r.g[b].row_lo * SC, *prev = s.init + s.r.g[b].row_lo * SC;
+      double e = param_scaled(t->param, ref, prev, s.r.g[b].block_numel);
+      if (e > PTOL) print_error("block %u: param scaled error %g\n", b, e);
+      assert_true(e <= PTOL);
+    }
+    fps_shard_destroy(&whole);
+  }
+  scen_down(&s);
+}
+
+/* A step that failed everywhere, pushed again with the same push_ids (a
+ * retry: the same attempt, the same partials), applies once every core
+ * has started it again; an Exchange retried within the attempt (a lost
+ * acknowledgement) is accepted as identical. */
+static void failed_attempt_retried(void **u) {
+  (void)u;
+  scen_t s;
+  scen_up(&s, 3, false);
+  freeze(2, LINK_HOLD);
+  wpush_t wp[MAXS];
+  push_all_id(&s, wp, 0, 77, s.g);
+  net_idle();
+  fps_fake_clock_advance((int64_t)(XDEADLINE_S * 1e9) + 1000);
+  for (uint32_t b = 0; b < 3; b++) fps_shard_expire(&core[b], fps_fake_now_ns);
+  net_release(FPS_EUNAVAILABLE);
+  expect_all_fail(&s, wp, "timed out");
+  expect_untouched(&s);
+  /* The retry: every core starts it before the partials flow (a peer's
+   * retry arriving before this core restarted is refused: README). */
+  for (uint32_t c = 0; c < 3; c++) freeze(c, LINK_HOLD);
+  ref_step(&s.r, &s.hp, 3, s.g);
+  push_all_id(&s, wp, 0, 77, s.g);
+  net_idle();
+  for (uint32_t c = 0; c < 3; c++) freeze(c, LINK_OK);
+  link_mode[1][0] = LINK_LOSE_ACK;
+  net_release(0);
+  assert_int_equal(last_rc[1][0], 0);
+  expect_all_ok(&s, wp, 1);
+  scen_down(&s);
+}
+
 int main(int argc, char **argv) {
   /* "golden": only the golden cases (their own ctest entry, not run under
    * TSan: 246 runs of real math dominate its time, and the scenarios
@@ -1258,6 +1404,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(stale_and_ahead_pushes),
       cmocka_unit_test(shutdown_fails_exchange),
       cmocka_unit_test(oom_sweep_stays_consistent),
+      cmocka_unit_test(dead_attempt_partials_refused),
+      cmocka_unit_test(failed_attempt_retried),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
