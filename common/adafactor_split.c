@@ -300,6 +300,65 @@ static int parse_header(const unsigned char *b, size_t len, int phase, fps_split
   return 0;
 }
 
+/* Every sum a block's partials carry but S is a sum of squares (or a
+ * minimum of row statistics, or column state), so finite and >= 0 from
+ * any shard that validated its gradients; a NaN, Inf or negative one can only come
+ * from a broken or hostile peer and would poison the whole tensor's step
+ * on every shard. p: a header whose length already matched. */
+static int check_values(const unsigned char *b, const fps_split_partials_t *p, char *why,
+                        size_t why_len) {
+  static const char *const hname[2] = {"sum p^2", "unfactored sum U^2"};
+  for (int i = 0; i < 2; i++) {
+    double v = get_f64(b + 48 + 8 * i);
+    if (!(isfinite(v) && v >= 0.0))
+      return fps_errorf(FPS_EFORMAT, why, why_len, "partials header %s is %g (must be finite, >= 0)",
+                        hname[i], v);
+  }
+  const unsigned char *q = b + FPS_SPLIT_PARTIALS_HEADER;
+  for (uint64_t m = 0; m < p->nmat; m++) {
+    if (p->phase == FPS_SPLIT_PHASE_U2) {
+      double v = get_f64(q);
+      q += 8;
+      if (!(isfinite(v) && v >= 0.0))
+        return fps_errorf(FPS_EFORMAT, why, why_len,
+                          "partials sum U^2 of matrix %llu is %g (must be finite, >= 0)",
+                          (unsigned long long)m, v);
+      continue;
+    }
+    /* S_j is not checked: an all-zero row makes it 0 * (1/0) = NaN on an
+     * honest shard too (as in adafactor_step.c). */
+    static const char *const field[3] = {"row-statistic sum", "row-statistic min",
+                                         "column sum of g^2"};
+    for (int f = 0; f < 4; f++) {
+      uint64_t n = f < 2 ? 1 : p->cols;
+      if (f == 3) {
+        q += 8 * n;
+        continue;
+      }
+      for (uint64_t j = 0; j < n; j++, q += 8) {
+        double v = get_f64(q);
+        if (!(isfinite(v) && v >= 0.0) && f < 2)
+          return fps_errorf(FPS_EFORMAT, why, why_len,
+                            "partials %s of matrix %llu is %g (must be finite, >= 0)", field[f],
+                            (unsigned long long)m, v);
+        if (!(isfinite(v) && v >= 0.0))
+          return fps_errorf(FPS_EFORMAT, why, why_len,
+                            "partials %s of matrix %llu, column %llu is %g (must be finite, >= 0)",
+                            field[f], (unsigned long long)m, (unsigned long long)j, v);
+      }
+    }
+    for (uint64_t j = 0; j < p->cols; j++, q += 4) {
+      float v = get_f32(q);
+      if (!(isfinite(v) && v >= 0.0f))
+        return fps_errorf(FPS_EFORMAT, why, why_len,
+                          "partials column state of matrix %llu, column %llu is %g (must be "
+                          "finite, >= 0)",
+                          (unsigned long long)m, (unsigned long long)j, (double)v);
+    }
+  }
+  return 0;
+}
+
 int fps_split_partials_check(const void *buf, size_t len, int phase, fps_split_partials_t *hdr,
                              char *why, size_t why_len) {
   if (hdr) memset(hdr, 0, sizeof *hdr);
@@ -338,6 +397,8 @@ int fps_split_partials_check(const void *buf, size_t len, int phase, fps_split_p
                     "partials of %zu bytes do not match their header (%llu matrices of %llu "
                     "columns)",
                     len, (unsigned long long)p.nmat, (unsigned long long)p.cols);
+  rc = check_values(buf, &p, why, why_len);
+  if (rc) return rc;
   if (hdr) *hdr = p;
   return 0;
 }
@@ -375,6 +436,8 @@ int fps_split_partials_decode(const void *buf, size_t len, const fps_split_geom_
   if (phase == FPS_SPLIT_PHASE_U2 && (p.psq != 0.0 || p.u2 != 0.0 || signbit(p.psq) ||
                                       signbit(p.u2)))
     return fps_errorf(FPS_EFORMAT, why, why_len, "u2 partials carry nonzero header sums");
+  rc = check_values(b, &p, why, why_len);
+  if (rc) return rc;
   const bool stats = phase == FPS_SPLIT_PHASE_STATS;
   const size_t nd = stats ? (size_t)(p.nmat * (2 + 2 * p.cols)) : (size_t)p.nmat;
   const size_t nf = stats ? (size_t)(p.nmat * p.cols) : 0;

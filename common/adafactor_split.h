@@ -157,8 +157,9 @@ size_t fps_split_partials_encode(const fps_split_partials_t *p, void *buf, size_
  * length, magic, kind, reserved byte) or FPS_EPROTO (another version,
  * phase or block), with a message naming the field. On success out owns
  * an allocation (free with fps_split_partials_free); on failure out is
- * zeroed. FPS_ENOMEM possible. Values are not range-checked: non-finite
- * sums propagate like non-finite gradients do in fps_adafactor_step. */
+ * zeroed. FPS_ENOMEM possible. A sum other than S that is not finite and
+ * >= 0 (NaN, Inf, negative: no shard that validated its gradients sends
+ * one) is FPS_EFORMAT naming it, as in fps_split_partials_check. */
 int fps_split_partials_decode(const void *buf, size_t len, const fps_split_geom_t *expect,
                               int phase, fps_split_partials_t *out, char *why, size_t why_len);
 void fps_split_partials_free(fps_split_partials_t *p);
@@ -166,8 +167,9 @@ void fps_split_partials_free(fps_split_partials_t *p);
 /* The checks of a wire form that need no block geometry (what a shard can
  * check before it looks the tensor up): magic, version, `phase`, kind,
  * reserved byte, a nonempty row range, fields the kind lacks at 0 (1-D:
- * cols, mtx_lo and nmat; factored: cols and nmat >= 1), and a length that
- * matches the header (computed without overflow). Returns 0 (and *hdr, may
+ * cols, mtx_lo and nmat; factored: cols and nmat >= 1), a length that
+ * matches the header (computed without overflow), and every sum but S
+ * finite and >= 0. Returns 0 (and *hdr, may
  * be NULL, gets the header: arrays NULL) or FPS_EFORMAT / FPS_EPROTO as
  * decode, with a message naming the field. */
 int fps_split_partials_check(const void *buf, size_t len, int phase, fps_split_partials_t *hdr,

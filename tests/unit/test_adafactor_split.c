@@ -780,6 +780,44 @@ static void partials_wire_errors(void **u) {
     assert_int_equal(rc, FPS_EFORMAT);
     assert_non_null(strstr(why, hcases[i].msg));
   }
+  /* a NaN, Inf or negative sum (but S, NaN on an honest shard for an
+   * all-zero row) comes only from a broken or hostile peer: refused by
+   * both, naming the field. Layout per matrix: rsum, rmin, colsum[4],
+   * S[4] (f64), col_old[4] (f32); matrix 1 starts at 64 + 96. */
+  struct {
+    size_t at;
+    double val;
+    bool f32;
+    const char *msg;
+  } vcases[] = {
+      {48, NAN, false, "header sum p^2 is nan"},
+      {56, -1.0, false, "unfactored sum U^2 is -1"},
+      {64, INFINITY, false, "row-statistic sum of matrix 0 is inf"},
+      {64 + 96 + 8, -2.0, false, "row-statistic min of matrix 1 is -2"},
+      {64 + 16 + 3 * 8, NAN, false, "column sum of g^2 of matrix 0, column 3 is nan"},
+      {64 + 96 + 16 + 64 + 4, -INFINITY, true, "column state of matrix 1, column 1 is -inf"},
+  };
+  for (size_t i = 0; i < sizeof vcases / sizeof vcases[0]; i++) {
+    memcpy(bad, buf, sz);
+    if (vcases[i].f32) {
+      float f = (float)vcases[i].val;
+      memcpy(bad + vcases[i].at, &f, 4);
+    } else {
+      memcpy(bad + vcases[i].at, &vcases[i].val, 8);
+    }
+    int rc = fps_split_partials_check(bad, sz, FPS_SPLIT_PHASE_STATS, &h, why, sizeof why);
+    if (rc != FPS_EFORMAT || !strstr(why, vcases[i].msg))
+      print_error("value case %zu: rc %d, '%s'\n", i, rc, why);
+    assert_int_equal(rc, FPS_EFORMAT);
+    assert_non_null(strstr(why, vcases[i].msg));
+    assert_int_equal(fps_split_partials_decode(bad, sz, &p.g[0], FPS_SPLIT_PHASE_STATS, &d, why,
+                                               sizeof why), FPS_EFORMAT);
+    assert_non_null(strstr(why, vcases[i].msg));
+  }
+  memcpy(bad, buf, sz);
+  double snan = NAN;
+  memcpy(bad + 64 + 16 + 4 * 8, &snan, 8); /* S of matrix 0, column 0 */
+  assert_int_equal(fps_split_partials_check(bad, sz, FPS_SPLIT_PHASE_STATS, &h, why, sizeof why), 0);
   assert_int_equal(fps_split_partials_check(buf, sz, FPS_SPLIT_PHASE_U2, &h, why, sizeof why),
                    FPS_EPROTO);
   assert_int_equal(fps_split_partials_check(buf, 10, FPS_SPLIT_PHASE_STATS, &h, why, sizeof why),
