@@ -136,6 +136,7 @@ static void fz__check_reply(fz_call_t *c, grpc_byte_buffer *bb) {
     case FZ_STATS: m = (ProtobufCMessage *)factorps__v1__stats_response__unpack(NULL, len, buf); break;
     case FZ_CHECKPOINT: m = (ProtobufCMessage *)factorps__v1__checkpoint_response__unpack(NULL, len, buf); break;
     case FZ_GETSTATE: m = (ProtobufCMessage *)factorps__v1__get_state_response__unpack(NULL, len, buf); break;
+    case FZ_EXCHANGE: m = (ProtobufCMessage *)factorps__v1__exchange_response__unpack(NULL, len, buf); break;
   }
   if (!m) {
     fprintf(stderr, "fuzz: method %d sent a reply that does not decode (%zu bytes)\n", (int)c->method, len);
@@ -265,6 +266,7 @@ fz_call_t *fz_call_start(fps_server_t *srv, fz_method_t m, const uint8_t *reques
     case FZ_STATS: fps_rpc_stats_start(srv, (grpc_call *)c, deadline, &md, payload); break;
     case FZ_CHECKPOINT: fps_rpc_checkpoint_start(srv, (grpc_call *)c, deadline, &md, payload); break;
     case FZ_GETSTATE: fps_rpc_getstate_start(srv, (grpc_call *)c, deadline, &md, payload); break;
+    case FZ_EXCHANGE: fps_rpc_exchange_start(srv, (grpc_call *)c, deadline, &md, payload); break;
     case FZ_PUSHPULL:
       if (payload) grpc_byte_buffer_destroy(payload);
       fps_rpc_pushpull_start(srv, (grpc_call *)c, deadline, &md);
@@ -379,7 +381,8 @@ static void fz__fixture_tensors(fps_server_t *srv) {
   fz_call_finish(c);
 }
 
-fps_server_t *fz_server_new(int mode, uint32_t workers, uint32_t staleness) {
+static fps_server_t *fz__server_new(int mode, uint32_t workers, uint32_t staleness, uint32_t shard_id,
+                                    uint32_t shard_count, fps_xsend_fn send, void *ctx) {
   static bool once;
   static const fps_kernels_t *kernels;
   if (!once) {
@@ -402,8 +405,8 @@ fps_server_t *fz_server_new(int mode, uint32_t workers, uint32_t staleness) {
   char arg0[] = "factorps-server";
   char *argv[] = {arg0, NULL};
   if (fps_config_load(cfg, 1, argv) != 0) abort();
-  cfg->shard_id = 0;
-  cfg->shard_count = 1;
+  cfg->shard_id = shard_id;
+  cfg->shard_count = shard_count;
   cfg->mode = mode;
   cfg->workers = workers ? workers : 1;
   cfg->staleness = staleness;
@@ -422,8 +425,18 @@ fps_server_t *fz_server_new(int mode, uint32_t workers, uint32_t staleness) {
   fps_shard_opts_t opts;
   fps_config_shard_opts(cfg, &opts);
   if (fps_shard_init(&srv->shard, &opts, kernels, NULL) < 0) abort();
+  if (send) fps_shard_set_exchange(&srv->shard, send, ctx, cfg->deadline);
   fz__fixture_tensors(srv);
   return srv;
+}
+
+fps_server_t *fz_server_new(int mode, uint32_t workers, uint32_t staleness) {
+  return fz__server_new(mode, workers, staleness, 0, 1, NULL, NULL);
+}
+
+fps_server_t *fz_server_new_peer(int mode, uint32_t workers, uint32_t shard_id, uint32_t shard_count,
+                                 fps_xsend_fn send, void *ctx) {
+  return fz__server_new(mode, workers, 0, shard_id, shard_count, send, ctx);
 }
 
 void fz_server_free(fps_server_t *srv) {

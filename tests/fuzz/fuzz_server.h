@@ -1,5 +1,5 @@
 /* Shared harness of the gRPC-side fuzz targets (fuzz_create, fuzz_pull,
- * fuzz_stats, fuzz_pushpull, fuzz_ckpt_rpc, fuzz_getstate).
+ * fuzz_stats, fuzz_pushpull, fuzz_ckpt_rpc, fuzz_getstate, fuzz_exchange).
  *
  * The targets drive the shard's real request path: the method entry points
  * of server/rpc_*.c, the call base of server/grpc_server.c, wire.c's
@@ -27,7 +27,7 @@
 
 #include "server.h"
 
-typedef enum fz_method_e { FZ_CREATE, FZ_PUSHPULL, FZ_PULL, FZ_STATS, FZ_CHECKPOINT, FZ_GETSTATE } fz_method_t;
+typedef enum fz_method_e { FZ_CREATE, FZ_PUSHPULL, FZ_PULL, FZ_STATS, FZ_CHECKPOINT, FZ_GETSTATE, FZ_EXCHANGE } fz_method_t;
 
 typedef struct fz_call_s fz_call_t;
 
@@ -39,6 +39,11 @@ typedef struct fz_call_s fz_call_t;
  *   "half" [2, 2] torch, only elements [0, 2) initialised (not ready)
  * Aborts if the fixture cannot be built. */
 fps_server_t *fz_server_new(int mode, uint32_t workers, uint32_t staleness);
+/* The same shard as shard `shard_id` of `shard_count` (the fixture tensors
+ * are its own), with `send` installed as its Exchange sender, so that it
+ * accepts row blocks of split tensors (sync mode only). */
+fps_server_t *fz_server_new_peer(int mode, uint32_t workers, uint32_t shard_id, uint32_t shard_count,
+                                 fps_xsend_fn send, void *ctx);
 void fz_server_free(fps_server_t *srv);
 
 /* Starts a call of method m. For the unary methods, request holds the

@@ -8,6 +8,7 @@
 #                                       in build-fuzz/fuzz-runs/; prints the
 #                                       executions of each run
 # Targets: fuzz_create fuzz_pull fuzz_stats fuzz_pushpull fuzz_ckpt_rpc fuzz_getstate fuzz_http fuzz_checkpoint
+#          fuzz_wire fuzz_split_partials fuzz_exchange
 # Environment: FPS_FUZZ_BUILD (build dir, default build-fuzz), CC (default clang).
 # Exit status: 0 if every run ended without a crash, leak or sanitizer report.
 # A crashing input is left as build-fuzz/fuzz-runs/<target>-crash-*: copy
@@ -16,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 all=(fuzz_create fuzz_pull fuzz_stats fuzz_pushpull fuzz_ckpt_rpc fuzz_getstate fuzz_http fuzz_checkpoint
-     fuzz_wire fuzz_split_partials)
+     fuzz_wire fuzz_split_partials fuzz_exchange)
 build=${FPS_FUZZ_BUILD:-build-fuzz}
 jobs=1
 ci=0
@@ -46,7 +47,7 @@ if ((ci)); then
 fi
 
 if (($# < 1)) || ! [[ $1 =~ ^[0-9]+$ ]]; then
-  sed -n '2,14p' "$0" >&2
+  sed -n '2,15p' "$0" >&2
   exit 2
 fi
 seconds=$1
