@@ -233,6 +233,89 @@ static void seeds_create(void) {
   }
 }
 
+/* Create with SplitBlock maps (issue 12): fuzz_create also sends every
+ * input to shard 0 of 2 in sync mode with peers, where a good map makes a
+ * block; the bad ones must be refused naming the field. */
+static void seeds_create_split(void) {
+  const char *T = "fuzz_create";
+  Factorps__V1__AdafactorConfig hf = FACTORPS__V1__ADAFACTOR_CONFIG__INIT;
+  hf.flavor = FACTORPS__V1__FLAVOR__FLAVOR_HF;
+  static uint64_t s43[] = {4, 3}, s234[] = {2, 3, 4}, s8192[] = {8192}, b2[] = {0, 2, 4},
+                  bspan[] = {0, 4, 6}, bdown[] = {0, 3, 2, 4}, bshort[] = {0, 2, 3},
+                  bover[] = {0, UINT64_MAX, 4}, bwrap[] = {0, UINT64_MAX - 1, UINT64_MAX},
+                  bzero[] = {0, 0, 4}, bone[] = {0, 4};
+  static uint32_t sh2[] = {0, 1}, sh_dup[] = {0, 0}, sh_down[] = {1, 0}, sh_out[] = {0, 9}, sh3[] = {0, 1, 2};
+  static uint64_t big_b[4098];
+  static uint32_t big_s[4097];
+  for (uint32_t i = 0; i < 4097; i++) big_s[i] = i;
+  Factorps__V1__TensorSlice sl;
+  Factorps__V1__SplitBlock sb;
+  Factorps__V1__TensorCreate tc;
+  Factorps__V1__TensorCreate *tcp[1] = {&tc};
+  Factorps__V1__CreateRequest req = FACTORPS__V1__CREATE_REQUEST__INIT;
+  req.tensors = tcp;
+  req.n_tensors = 1;
+  req.shard_id = 0;
+  req.shard_count = 2;
+  struct {
+    const char *name;
+    uint64_t *shape;
+    size_t ndim;
+    uint64_t *bounds;
+    size_t nb;
+    uint32_t *shards;
+    size_t ns;
+    uint32_t index, count;
+    size_t init; /* elements of init, 0: none */
+  } cases[] = {
+      {"split-ok", s43, 2, b2, 3, sh2, 2, 0, 2, 6},
+      {"split-span", s234, 3, bspan, 3, sh2, 2, 0, 2, 16},
+      {"split-noinit", s43, 2, b2, 3, sh2, 2, 0, 2, 0},
+      {"split-init-too-long", s43, 2, b2, 3, sh2, 2, 0, 2, 12},
+      {"split-other-shard", s43, 2, b2, 3, sh2, 2, 1, 2, 6},
+      {"split-count-3", s43, 2, b2, 3, sh2, 2, 0, 3, 6},
+      {"split-bounds-down", s43, 2, bdown, 4, sh3, 3, 0, 2, 6},
+      {"split-bounds-short", s43, 2, bshort, 3, sh2, 2, 0, 2, 6},
+      {"split-bounds-overflow", s43, 2, bover, 3, sh2, 2, 0, 2, 6},
+      {"split-bounds-wrap", s43, 2, bwrap, 3, sh2, 2, 0, 2, 6},
+      {"split-bounds-empty-block", s43, 2, bzero, 3, sh2, 2, 0, 2, 0},
+      {"split-one-block", s43, 2, bone, 2, sh2, 1, 0, 2, 12},
+      {"split-shards-dup", s43, 2, b2, 3, sh_dup, 2, 0, 2, 6},
+      {"split-shards-down", s43, 2, b2, 3, sh_down, 2, 0, 2, 6},
+      {"split-shards-range", s43, 2, b2, 3, sh_out, 2, 0, 2, 6},
+      {"split-shards-len", s43, 2, b2, 3, sh3, 3, 0, 2, 6},
+      {"split-index-range", s43, 2, b2, 3, sh2, 2, 7, 2, 6},
+      {"split-4096-blocks", s8192, 1, big_b, 4097, big_s, 4096, 0, 4096, 2},
+      {"split-4097-blocks", s8192, 1, big_b, 4098, big_s, 4097, 0, 4097, 2},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    /* The large maps: blocks of 2 elements (4096) or 1 element for all but
+     * the last (4097 blocks). */
+    for (uint64_t i = 0; i < 4098; i++) big_b[i] = cases[c].nb == 4097 ? 2 * i : i < 4097 ? i : 8192;
+    factorps__v1__tensor_slice__init(&sl);
+    factorps__v1__split_block__init(&sb);
+    factorps__v1__tensor_create__init(&tc);
+    tc.name = (char *)cases[c].name;
+    tc.n_shape = cases[c].ndim;
+    tc.shape = cases[c].shape;
+    tc.optimizer = &hf;
+    if (cases[c].init) {
+      sl.dtype = FACTORPS__V1__DTYPE__DTYPE_F32;
+      sl.data.data = (uint8_t *)F;
+      sl.data.len = cases[c].init * sizeof(float);
+      tc.init = &sl;
+    }
+    sb.block_index = cases[c].index;
+    sb.n_bounds = cases[c].nb;
+    sb.bounds = cases[c].bounds;
+    sb.n_block_shards = cases[c].ns;
+    sb.block_shards = cases[c].shards;
+    sb.shard_count = cases[c].count;
+    tc.split = &sb;
+    put_msg(T, cases[c].name, &req);
+  }
+}
+
 /* -------------------------------------------------------- Pull, Stats */
 
 static void seeds_pull(void) {
@@ -736,6 +819,7 @@ int main(int argc, char **argv) {
     BF[i] = (uint16_t)(u >> 16);
   }
   seeds_create();
+  seeds_create_split();
   seeds_pull();
   seeds_getstate();
   seeds_stats();
