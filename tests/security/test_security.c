@@ -402,6 +402,9 @@ typedef struct pusher_s {
 
 /* Pushers that have registered the tensor list (their Create is done), so
  * the calls left in flight are the parked pushes alone. */
+/* The parked pushes' deadline: long enough for both to get parked on a
+ * loaded machine while the Stats polls compete for the two slots. */
+#define PUSH_DEADLINE_S 12
 static pthread_mutex_t ready_mu = PTHREAD_MUTEX_INITIALIZER;
 static int ready;
 
@@ -410,7 +413,7 @@ static void *push_thread(void *arg) {
   fps_status_t st;
   fps_client_options_t o;
   fps_client_options_init(&o);
-  o.deadline_seconds = 6;
+  o.deadline_seconds = PUSH_DEADLINE_S;
   o.max_retries = 0;
   const char *addrs[1] = {p->addr};
   fps_client_t *c = fps_client_create(addrs, 1, &o, &st);
@@ -430,12 +433,15 @@ static void *push_thread(void *arg) {
     /* The main thread's Stats polls and the other pusher compete for the
      * two slots until both pushes are parked: a refused push tries again
      * (nothing was applied; bounded by the loop). */
-    for (int i = 0; i < 200; i++) {
+    struct timespec t0, now;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    do {
       p->code = fps_client_push_pull(c, p->worker, 0, names, grads, params, NULL, 1, &st);
       if (p->code != FPS_CODE_RESOURCE_EXHAUSTED) break;
-      struct timespec ts = {0, 10 * 1000000L};
+      struct timespec ts = {0, 5 * 1000000L};
       nanosleep(&ts, NULL);
-    }
+      clock_gettime(CLOCK_MONOTONIC, &now);
+    } while (now.tv_sec - t0.tv_sec < PUSH_DEADLINE_S - 2);
   } else {
     p->code = st.code;
   }
@@ -470,7 +476,7 @@ static void test_concurrent_call_limit(void **state) {
     if (n == 2) break;
     sleep_ms(5);
   }
-  /* Wait until both pushes are parked (bounded by their 6 s deadline: a
+  /* Wait until both pushes are parked (bounded by their deadline: a
    * loaded machine can take seconds to get both there): then Stats is
    * refused, every time (five in a row rule out a moment when a push was
    * merely arriving). */
@@ -479,7 +485,10 @@ static void test_concurrent_call_limit(void **state) {
   for (int i = 0; i < 1000 && refused < 5; i++) {
     code = fps_client_stats(c, &ss, 1, &st);
     refused = code == FPS_CODE_RESOURCE_EXHAUSTED ? refused + 1 : 0;
-    sleep_ms(5);
+    /* Long gaps between polls: while one is in flight it holds the slot a
+     * refused pusher needs (a loaded machine made Stats slow enough to
+     * shut one out for all its tries). */
+    sleep_ms(25);
   }
   assert_code(code, FPS_CODE_RESOURCE_EXHAUSTED, st);
   assert_int_equal(refused, 5);
