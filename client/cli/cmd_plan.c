@@ -22,30 +22,6 @@ static void usage(FILE *out) {
           "(2^10..) suffixes. --model and --tensors as in `factorps load`.\n");
 }
 
-/* A byte or element count: decimal k/M/G as fps_cli_count, or Ki/Mi/Gi. */
-static int parse_size(const char *s, const char *what, unsigned long long *out) {
-  size_t n = strlen(s);
-  if (!strcmp(s, "0")) { /* --split-min-bytes 0: never split */
-    *out = 0;
-    return 0;
-  }
-  if (n >= 3 && s[n - 1] == 'i') {
-    int shift = s[n - 2] == 'K' ? 10 : s[n - 2] == 'M' ? 20 : s[n - 2] == 'G' ? 30 : 0;
-    char num[64];
-    unsigned long long v;
-    if (!shift || n - 2 >= sizeof num) {
-      fprintf(stderr, "factorps plan: %s: bad size '%s'\n", what, s);
-      return -1;
-    }
-    memcpy(num, s, n - 2);
-    num[n - 2] = 0;
-    if (fps_cli_u64(num, what, 0, (1ull << (63 - shift)) - 1, &v)) return -1;
-    *out = v << shift;
-    return 0;
-  }
-  return fps_cli_count(s, what, out);
-}
-
 static double ratio(const uint64_t *load, size_t S) {
   uint64_t mx = 0, mn = UINT64_MAX;
   for (size_t s = 0; s < S; s++) {
@@ -84,13 +60,17 @@ int fps_cli_plan(int argc, char **argv) {
         peer = !strcmp(optarg, "peer");
         break;
       case 'n':
-        if (parse_size(optarg, "--params", &params)) return 2;
+        if (fps_cli_bytes(optarg, "--params", &params)) return 2;
+        if (params == 0 || params > (1ull << 40)) {
+          fprintf(stderr, "factorps plan: --params must be 1..2^40, not '%s'\n", optarg);
+          return 2;
+        }
         break;
       case 'K':
         if (fps_cli_u64(optarg, "--tensors", 7, 3073, &tensors)) return 2;
         break;
       case 'B':
-        if (parse_size(optarg, "--split-min-bytes", &split)) return 2;
+        if (fps_cli_bytes(optarg, "--split-min-bytes", &split)) return 2;
         break;
       case 'h':
         usage(stdout);
