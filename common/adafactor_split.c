@@ -778,15 +778,30 @@ static int check_tiling(const fps_split_step_t *s, const fps_split_partials_t *p
   return 0;
 }
 
-static void finish_scalars(fps_split_step_t *s) {
+/* The whole-tensor scalars of pass C. Honest partials (finite gradients
+ * below the shard's limit) always give finite ones; a peer's corrupt sums
+ * (finite, but overflowing once added) may not, and pass C would then write
+ * NaN into every block. Every shard combines the same bytes, so every shard
+ * refuses alike. Returns 0, or FPS_ESTATE with why (the step stays
+ * combinable: nothing changed). */
+static int finish_scalars(fps_split_step_t *s, char *why, size_t why_len) {
   const fps_split_geom_t *g = &s->st->g;
+  double u2 = s->u2;
   if (g->factored) {
-    double u2 = 0;
+    u2 = 0;
     for (uint64_t mtx = 0; mtx < g->batch; mtx++) u2 += s->u2mat[mtx];
-    s->u2 = u2;
   }
-  fps__step_result(&s->hp, &s->sc, s->psq, s->u2, g->numel, &s->res);
+  fps__step_result_t res;
+  fps__step_result(&s->hp, &s->sc, s->psq, u2, g->numel, &res);
+  if (!isfinite(res.pmul) || !isfinite(res.step_size) || !isfinite(res.rms_f))
+    return fps_errorf(FPS_ESTATE, why, why_len,
+                      "the blocks' partial sums give a non-finite step (sum p^2 %g, sum U^2 %g): a "
+                      "peer's sums are corrupt",
+                      s->psq, u2);
+  s->u2 = u2;
+  s->res = res;
   s->stage = STAGE_READY;
+  return 0;
 }
 
 int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *parts, size_t n,
@@ -803,8 +818,7 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
     double u2 = 0;
     for (size_t b = 0; b < n; b++) u2 += parts[b].u2;
     s->u2 = u2;
-    finish_scalars(s);
-    return 0;
+    return finish_scalars(s, why, why_len);
   }
 
   const size_t C = (size_t)g->cols, M = (size_t)g->batch;
@@ -842,6 +856,16 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
     }
     double m;
     bool expl = fps__fact_factors(&s->sc, rsum, g->rows, rmin, cmin, &m);
+    /* As finish_scalars: only corrupt sums make these non-finite. */
+    bool finite = isfinite(m) && (expl || isfinite(ssum)); /* ssum unused when explicit */
+    for (size_t j = 0; finite && j < C; j++) finite = isfinite(col[j]);
+    if (!finite) {
+      rc = fps_errorf(FPS_ESTATE, why, why_len,
+                      "the blocks' partial sums give a non-finite column statistic of matrix %llu: a "
+                      "peer's sums are corrupt",
+                      (unsigned long long)mtx);
+      goto fail;
+    }
     s->expl_all[mtx] = expl;
     s->u2mat[mtx] = expl ? 0.0 : m * ssum;
     any_expl |= expl;
@@ -856,8 +880,8 @@ int fps_split_step_combine(fps_split_step_t *s, const fps_split_partials_t *part
   if (any_expl) {
     s->needs_u2 = true;
     s->stage = STAGE_COMBINED;
-  } else {
-    finish_scalars(s);
+  } else if ((rc = finish_scalars(s, why, why_len)) < 0) {
+    goto fail;
   }
   return 0;
 fail:
@@ -914,8 +938,7 @@ int fps_split_step_combine_u2(fps_split_step_t *s, const fps_split_partials_t *p
       u2 += parts[b].u2m[mtx - parts[b].mtx_lo];
     s->u2mat[mtx] = u2;
   }
-  finish_scalars(s);
-  return 0;
+  return finish_scalars(s, why, why_len);
 }
 
 int fps_split_step_apply(fps_split_step_t *s, fps_adafactor_trace_t *trace) {
