@@ -247,11 +247,6 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
     if (!err) err = fps__round_sum_take_locked(sh, prepared, want, why, sizeof why);
   }
   if (err) {
-    for (fps_tensor_t *t = set; t != prepared; t = t->round.cnext) {
-      fps__apply_prep_release(&t->round.prep);
-      fps_tbuf_free(sh, t->round.sum, t->numel);
-      t->round.sum = NULL;
-    }
     fps__set_settle(sh, set, k, err, why, sizeof why);
     return;
   }
@@ -267,11 +262,6 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
     fps_xgroup_t *g = NULL;
     err = fps__xstep_start(sh, set, k, &g, why, sizeof why);
     if (err) {
-      for (fps_tensor_t *t = set; t; t = t->round.cnext) {
-        fps__apply_prep_release(&t->round.prep);
-        fps_tbuf_free(sh, t->round.sum, t->numel);
-        t->round.sum = NULL;
-      }
       fps__set_settle(sh, set, k, err, why, sizeof why);
       return;
     }
@@ -286,6 +276,13 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
   uint32_t W = sh->cfg.workers;
   fps_push_entry_t *list = NULL;
   if (err) {
+    /* What was prepared or summed for the rounds is not used (rounds
+     * never prepared hold nothing: both releases are no-ops then). */
+    for (fps_tensor_t *t = set; t; t = t->round.cnext) {
+      fps__apply_prep_release(&t->round.prep);
+      fps_tbuf_free(sh, t->round.sum, t->numel);
+      t->round.sum = NULL;
+    }
     fps__set_suffix(why, why_len, strlen(why), set, k);
     /* The members' gradients were summed: pushes still streaming into
      * those sums can no longer be applied either. */

@@ -651,11 +651,6 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
   if (err) {
     atomic_fetch_add(&sh->counters.xfailures, 1);
     fps_metrics_exchange_observe(false, 0);
-    for (fps_tensor_t *t = g->set; t; t = t->round.cnext) {
-      fps__apply_prep_release(&t->round.prep);
-      fps_tbuf_free(sh, t->round.sum, t->numel);
-      t->round.sum = NULL;
-    }
   } else {
     atomic_fetch_add(&sh->counters.xsteps, 1);
     pthread_mutex_lock(&sh->counters.mu);

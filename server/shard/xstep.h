@@ -17,7 +17,8 @@ typedef struct fps_xgroup_s fps_xgroup_t;
  * prepared and its sum taken: err 0 applies every round (a block's update
  * is the combined step its prep.split holds), otherwise every member of
  * every round fails with err and why (the set's tensors appended to why,
- * of why_len bytes) and nothing is applied. Releases the tensors' locks,
+ * of why_len bytes), nothing is applied and what the rounds had prepared
+ * or summed is freed (rounds not prepared yet may hold nothing). Releases the tensors' locks,
  * then resolves the members. */
 void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char *why, size_t why_len);
 
