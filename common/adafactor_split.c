@@ -363,7 +363,7 @@ int fps_split_partials_check(const void *buf, size_t len, int phase, fps_split_p
                              char *why, size_t why_len) {
   if (hdr) memset(hdr, 0, sizeof *hdr);
   if (!buf) return fps_errorf(FPS_EINVAL, why, why_len, "no partials given");
-  fps_split_partials_t p;
+  fps_split_partials_t p = {0};
   int rc = parse_header(buf, len, phase, &p, why, why_len);
   if (rc) return rc;
   if (!(p.row_lo < p.row_hi))
@@ -409,7 +409,7 @@ int fps_split_partials_decode(const void *buf, size_t len, const fps_split_geom_
   memset(out, 0, sizeof *out);
   if (!buf || !expect) return fps_errorf(FPS_EINVAL, why, why_len, "no partials or block given");
   const unsigned char *b = buf;
-  fps_split_partials_t p;
+  fps_split_partials_t p = {0};
   int rc = parse_header(b, len, phase, &p, why, why_len);
   if (rc) return rc;
   const uint64_t ecols = expect->factored ? expect->cols : 0;
