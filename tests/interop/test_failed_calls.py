@@ -175,34 +175,56 @@ class Sync(Base):
         # and a sum cannot be taken apart: the round is aborted, worker 1
         # fails with UNAVAILABLE naming worker 0 (a client retries it), and
         # nothing is applied.
+        # Order matters and is waited for, not slept for: worker 0's process
+        # starts (Python, numpy, grpc, the stubs: seconds on a loaded
+        # machine) and connects before worker 1 pushes, worker 1's gradient
+        # is at the shard before worker 0 pushes, and worker 1's deadline
+        # only has to cover worker 0's push and death. (Worker 1 used to
+        # start first with a 4 s deadline; when worker 0's start-up took
+        # over 3 s, the round timed out before worker 0 came.)
         name = "r"
         before = self.fresh(name)
+        w0 = self.killed_worker_ready(name)
+        received = H.stats(self.srv.stub)[0].shard.bytes_received
         res = {}
 
         def w1():
             try:
-                res["r"] = H.push(self.srv.stub, 1, 0, {name: (SHAPE, np.full(N, 3.0, np.float32))}, timeout=4)
+                res["r"] = H.push(self.srv.stub, 1, 0, {name: (SHAPE, np.full(N, 3.0, np.float32))}, timeout=20)
             except self.grpc.RpcError as e:
                 res["r"] = e
         th = threading.Thread(target=w1)
         th.start()
-        time.sleep(0.3)
-        self.killed_case_after(name, before)
-        th.join(20)
+        t0 = time.monotonic()
+        while H.stats(self.srv.stub)[0].shard.bytes_received < received + 4 * N:
+            self.assertLess(time.monotonic() - t0, 20, "worker 1's gradient never reached the shard")
+            time.sleep(0.02)
+        time.sleep(0.2)  # its half-close follows its last message at once
+        self.killed_worker_go(w0)
+        th.join(30)
+        self.assertFalse(th.is_alive(), "worker 1's call did not end")
         self.assertIsInstance(res["r"], self.grpc.RpcError, "worker 1 got a reply from a round with a dead worker")
         self.assertEqual(res["r"].code(), self.grpc.StatusCode.UNAVAILABLE, res["r"].details())
         self.assertIn("worker 0's call failed", res["r"].details())
         self.assertIn("nothing was applied", res["r"].details())
         self.assertNothingApplied(name, before, errors=2)
 
-    def killed_case_after(self, name, before):
+    def killed_worker_ready(self, name):
+        """Starts worker 0's process and waits until it is connected and
+        ready to push; killed_worker_go() lets it push its whole gradient
+        and kill itself before half-closing."""
         code = r'''
 import os, signal, sys, time
 sys.path.insert(0, %r)
 import numpy as np, fpsharness as H
 pb, pbg, grpc = H.stubs()
-stub = pbg.ParameterServerStub(grpc.insecure_channel(%r))
+ch = grpc.insecure_channel(%r)
+grpc.channel_ready_future(ch).result(timeout=60)
+stub = pbg.ParameterServerStub(ch)
 msgs = list(H.grad_messages(0, 0, {%r: (%r, np.ones(%d, np.float32))}))
+print("ready", flush=True)
+if sys.stdin.readline().strip() != "go":
+    sys.exit(3)
 def gen():
     yield from msgs
     time.sleep(0.5)
@@ -211,8 +233,16 @@ def gen():
 for _ in stub.PushPull(gen(), timeout=30):
     pass
 ''' % (HERE, self.srv.addr, name, SHAPE, N)
-        p = subprocess.run([sys.executable, "-c", code], timeout=60)
-        self.assertEqual(p.returncode, -signal.SIGKILL)
+        p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.addCleanup(lambda: p.poll() is None and (p.kill(), p.wait()))
+        line = p.stdout.readline()  # ends at its exit too, then empty
+        self.assertEqual(line.strip(), "ready", "worker 0's process failed before it was ready")
+        return p
+
+    def killed_worker_go(self, p):
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        self.assertEqual(p.wait(timeout=60), -signal.SIGKILL)
 
 
 class SyncMulti(Base):
