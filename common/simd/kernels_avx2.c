@@ -282,6 +282,76 @@ static size_t bf16_decode_avx2(float *dst, const void *src, size_t n) {
   return bad;
 }
 
+/* ---- the wire gradient's one pass in: check, convert, sum ---- */
+
+/* 8 elements of little-endian fp32 (bf16 = 0) or bf16 data as fp32 bits;
+ * the bf16 widening is a shift, exact. */
+static inline __m256i wire_load8(const unsigned char *s, size_t j, int bf16) {
+  if (bf16)
+    return _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(s + 2 * j))), 16);
+  return _mm256_loadu_si256((const __m256i *)(const void *)(s + 4 * j));
+}
+
+/* Lanes whose exponent field is 0xBE or more (dtype.h's rule); both sides
+ * are below 2^31, so the signed compare is the unsigned one. */
+static inline __m256i wire_bad8(__m256i u) {
+  return _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f800000)),
+                            _mm256_set1_epi32(0x5f000000 - 1));
+}
+
+static inline __m256 wire_put8(float *dst, __m256i u, int add) {
+  __m256 f = _mm256_castsi256_ps(u);
+  return add ? _mm256_add_ps(_mm256_loadu_ps(dst), f) : f;
+}
+
+/* 16 then 8 lanes while no lane is bad; a block with a bad lane, and the
+ * tail, go element by element, so nothing at or after the bad one is
+ * written. */
+static inline size_t wire_in_avx2(float *dst, const void *src, size_t n, int bf16, int add) {
+  const unsigned char *s = src;
+  size_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m256i u0 = wire_load8(s, j, bf16), u1 = wire_load8(s, j + 8, bf16);
+    if (!_mm256_testz_si256(_mm256_or_si256(wire_bad8(u0), wire_bad8(u1)), _mm256_set1_epi32(-1)))
+      break;
+    __m256 a0 = wire_put8(dst + j, u0, add), a1 = wire_put8(dst + j + 8, u1, add);
+    _mm256_storeu_ps(dst + j, a0);
+    _mm256_storeu_ps(dst + j + 8, a1);
+  }
+  for (; j + 8 <= n; j += 8) {
+    __m256i u = wire_load8(s, j, bf16);
+    if (!_mm256_testz_si256(wire_bad8(u), wire_bad8(u))) break;
+    _mm256_storeu_ps(dst + j, wire_put8(dst + j, u, add));
+  }
+  for (; j < n; j++) {
+    uint32_t u;
+    if (bf16) {
+      uint16_t h;
+      memcpy(&h, s + 2 * j, 2);
+      u = (uint32_t)h << 16;
+    } else {
+      memcpy(&u, s + 4 * j, 4);
+    }
+    if ((u & 0x7f800000u) >= 0x5f000000u) return j;
+    float f;
+    memcpy(&f, &u, 4);
+    if (add) dst[j] += f;
+    else dst[j] = f;
+  }
+  return n;
+}
+
+static size_t sum_f32_avx2(float *acc, const void *src, size_t n) {
+  return wire_in_avx2(acc, src, n, 0, 1);
+}
+static size_t sum_bf16_avx2(float *acc, const void *src, size_t n) {
+  return wire_in_avx2(acc, src, n, 1, 1);
+}
+static size_t decode_f32_avx2(float *dst, const void *src, size_t n) {
+  return wire_in_avx2(dst, src, n, 0, 0);
+}
+
 const fps_kernels_t fps__kernels_avx2 = {
     .name = "avx2",
     .row_stats = row_stats_avx2,
@@ -294,4 +364,7 @@ const fps_kernels_t fps__kernels_avx2 = {
     .div_f32 = div_f32_avx2,
     .bf16_encode = bf16_encode_avx2,
     .bf16_decode = bf16_decode_avx2,
+    .sum_f32 = sum_f32_avx2,
+    .sum_bf16 = sum_bf16_avx2,
+    .decode_f32 = decode_f32_avx2,
 };

@@ -256,6 +256,65 @@ static size_t bf16_decode_avx512(float *dst, const void *src, size_t n) {
   return bad;
 }
 
+/* ---- the wire gradient's one pass in: check, convert, sum ---- */
+
+/* The lanes of m of 16 elements of little-endian fp32 (bf16 = 0) or bf16
+ * data as fp32 bits (0 elsewhere; nothing outside m is read); the bf16
+ * widening is a shift, exact (vcvtneps2bf16 goes the other way, and
+ * flushes denormals). */
+static inline __m512i wire_load16(const unsigned char *s, size_t j, __mmask16 m, int bf16) {
+  if (bf16)
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, s + 2 * j)), 16);
+  return _mm512_maskz_loadu_epi32(m, s + 4 * j);
+}
+
+/* Lanes whose exponent field is 0xBE or more (dtype.h's rule). */
+static inline __mmask16 wire_bad16(__m512i u) {
+  return _mm512_cmpge_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7f800000)),
+                                 _mm512_set1_epi32(0x5f000000));
+}
+
+static inline void wire_put16(float *dst, __mmask16 m, __m512i u, int add) {
+  __m512 f = _mm512_castsi512_ps(u);
+  if (add) f = _mm512_add_ps(_mm512_maskz_loadu_ps(m, dst), f);
+  _mm512_mask_storeu_ps(dst, m, f);
+}
+
+/* 32 lanes at a time, then one masked block per 16; in a block with a bad
+ * lane only the lanes before it are written. */
+static inline size_t wire_in_avx512(float *dst, const void *src, size_t n, int bf16, int add) {
+  const unsigned char *s = src;
+  size_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    __m512i u0 = wire_load16(s, j, 0xffff, bf16), u1 = wire_load16(s, j + 16, 0xffff, bf16);
+    if (wire_bad16(u0) | wire_bad16(u1)) break;
+    wire_put16(dst + j, 0xffff, u0, add);
+    wire_put16(dst + j + 16, 0xffff, u1, add);
+  }
+  for (; j < n; j += 16) {
+    __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : tail_mask(n - j);
+    __m512i u = wire_load16(s, j, m, bf16);
+    __mmask16 bad = wire_bad16(u) & m;
+    if (bad) {
+      unsigned first = (unsigned)__builtin_ctz(bad);
+      wire_put16(dst + j, (__mmask16)((1u << first) - 1u), u, add);
+      return j + first;
+    }
+    wire_put16(dst + j, m, u, add);
+  }
+  return n;
+}
+
+static size_t sum_f32_avx512(float *acc, const void *src, size_t n) {
+  return wire_in_avx512(acc, src, n, 0, 1);
+}
+static size_t sum_bf16_avx512(float *acc, const void *src, size_t n) {
+  return wire_in_avx512(acc, src, n, 1, 1);
+}
+static size_t decode_f32_avx512(float *dst, const void *src, size_t n) {
+  return wire_in_avx512(dst, src, n, 0, 0);
+}
+
 const fps_kernels_t fps__kernels_avx512 = {
     .name = "avx512",
     .row_stats = row_stats_avx512,
@@ -268,4 +327,7 @@ const fps_kernels_t fps__kernels_avx512 = {
     .div_f32 = div_f32_avx512,
     .bf16_encode = bf16_encode_avx512,
     .bf16_decode = bf16_decode_avx512,
+    .sum_f32 = sum_f32_avx512,
+    .sum_bf16 = sum_bf16_avx512,
+    .decode_f32 = decode_f32_avx512,
 };

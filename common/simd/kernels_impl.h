@@ -61,6 +61,18 @@ struct fps_kernels_s {
    * of the first element that is not a valid gradient (exponent field of
    * 0xBE or more: |x| >= 2^63, Inf, NaN; see dtype.h), or n. */
   size_t (*bf16_decode)(float *dst, const void *src, size_t n);
+
+  /* The wire gradient's one pass in (the sync sum and the staging decode):
+   * src holds n little-endian fp32 (sum_f32, decode_f32) or bf16
+   * (sum_bf16) values at any alignment. Each returns the index of the
+   * first value that is not a valid gradient (bf16_decode's rule), or n;
+   * elements before that index are done, dst/acc from it on is untouched,
+   * so a caller's record of what was summed stays exact. The additions are
+   * add_f32's (one fp32 add per element, no FMA), so the sum is
+   * bit-identical to decoding first and then add_f32 in every variant. */
+  size_t (*sum_f32)(float *acc, const void *src, size_t n);    /* acc[j] += le_f32(src[j]) */
+  size_t (*sum_bf16)(float *acc, const void *src, size_t n);   /* acc[j] += bf16(src[j]) */
+  size_t (*decode_f32)(float *dst, const void *src, size_t n); /* dst[j] = le_f32(src[j]) */
 };
 
 extern const fps_kernels_t fps__kernels_scalar;

@@ -244,6 +244,70 @@ static size_t bf16_decode_neon(float *dst, const void *src, size_t n) {
   return bad;
 }
 
+/* ---- the wire gradient's one pass in: check, convert, sum ---- */
+
+/* 4 elements of little-endian fp32 (bf16 = 0) or bf16 data as fp32 bits;
+ * bytes in, so src needs no alignment; the bf16 widening is a shift. */
+static inline uint32x4_t wire_load4(const unsigned char *s, size_t j, int bf16) {
+  if (bf16) return vshll_n_u16(vreinterpret_u16_u8(vld1_u8(s + 2 * j)), 16);
+  return vreinterpretq_u32_u8(vld1q_u8(s + 4 * j));
+}
+
+/* Lanes whose exponent field is 0xBE or more (dtype.h's rule). */
+static inline uint32x4_t wire_bad4(uint32x4_t u) {
+  return vcgeq_u32(vandq_u32(u, vdupq_n_u32(0x7f800000u)), vdupq_n_u32(0x5f000000u));
+}
+
+static inline float32x4_t wire_put4(const float *dst, uint32x4_t u, int add) {
+  float32x4_t f = vreinterpretq_f32_u32(u);
+  return add ? vaddq_f32(vld1q_f32(dst), f) : f;
+}
+
+/* 8 then 4 lanes while no lane is bad; a block with a bad lane, and the
+ * tail, go element by element, so nothing at or after it is written. */
+static inline size_t wire_in_neon(float *dst, const void *src, size_t n, int bf16, int add) {
+  const unsigned char *s = src;
+  size_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    uint32x4_t u0 = wire_load4(s, j, bf16), u1 = wire_load4(s, j + 4, bf16);
+    if (vmaxvq_u32(vorrq_u32(wire_bad4(u0), wire_bad4(u1)))) break;
+    float32x4_t a0 = wire_put4(dst + j, u0, add), a1 = wire_put4(dst + j + 4, u1, add);
+    vst1q_f32(dst + j, a0);
+    vst1q_f32(dst + j + 4, a1);
+  }
+  for (; j + 4 <= n; j += 4) {
+    uint32x4_t u = wire_load4(s, j, bf16);
+    if (vmaxvq_u32(wire_bad4(u))) break;
+    vst1q_f32(dst + j, wire_put4(dst + j, u, add));
+  }
+  for (; j < n; j++) {
+    uint32_t u;
+    if (bf16) {
+      uint16_t h;
+      memcpy(&h, s + 2 * j, 2);
+      u = (uint32_t)h << 16;
+    } else {
+      memcpy(&u, s + 4 * j, 4);
+    }
+    if ((u & 0x7f800000u) >= 0x5f000000u) return j;
+    float f;
+    memcpy(&f, &u, 4);
+    if (add) dst[j] += f;
+    else dst[j] = f;
+  }
+  return n;
+}
+
+static size_t sum_f32_neon(float *acc, const void *src, size_t n) {
+  return wire_in_neon(acc, src, n, 0, 1);
+}
+static size_t sum_bf16_neon(float *acc, const void *src, size_t n) {
+  return wire_in_neon(acc, src, n, 1, 1);
+}
+static size_t decode_f32_neon(float *dst, const void *src, size_t n) {
+  return wire_in_neon(dst, src, n, 0, 0);
+}
+
 const fps_kernels_t fps__kernels_neon = {
     .name = "neon",
     .row_stats = row_stats_neon,
@@ -256,4 +320,7 @@ const fps_kernels_t fps__kernels_neon = {
     .div_f32 = div_f32_neon,
     .bf16_encode = bf16_encode_neon,
     .bf16_decode = bf16_decode_neon,
+    .sum_f32 = sum_f32_neon,
+    .sum_bf16 = sum_bf16_neon,
+    .decode_f32 = decode_f32_neon,
 };

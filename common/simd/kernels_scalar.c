@@ -117,6 +117,48 @@ static size_t bf16_decode_scalar(float *dst, const void *src, size_t n) {
   return bad;
 }
 
+/* ---- the wire gradient's one pass in: check, convert, sum ---- */
+
+/* fp32 bits of element j of little-endian fp32 (bf16 = 0) or bf16 data. */
+static inline uint32_t wire_bits(const unsigned char *s, size_t j, int bf16) {
+  if (bf16) {
+    uint16_t h;
+    memcpy(&h, s + 2 * j, 2);
+    return (uint32_t)h << 16;
+  }
+  uint32_t u;
+  memcpy(&u, s + 4 * j, 4);
+  return u;
+}
+
+/* dtype.h's gradient rule on the bits: an exponent field of 0xBE or more
+ * (|x| >= 2^63, Inf, NaN). */
+static inline int bad_grad(uint32_t u) { return (u & 0x7f800000u) >= 0x5f000000u; }
+
+/* Element by element, stopping at the first invalid gradient. */
+static inline size_t wire_in_scalar(float *dst, const void *src, size_t n, int bf16, int add) {
+  const unsigned char *s = src;
+  for (size_t j = 0; j < n; j++) {
+    uint32_t u = wire_bits(s, j, bf16);
+    if (bad_grad(u)) return j;
+    float f;
+    memcpy(&f, &u, 4);
+    if (add) dst[j] += f;
+    else dst[j] = f;
+  }
+  return n;
+}
+
+static size_t sum_f32_scalar(float *acc, const void *src, size_t n) {
+  return wire_in_scalar(acc, src, n, 0, 1);
+}
+static size_t sum_bf16_scalar(float *acc, const void *src, size_t n) {
+  return wire_in_scalar(acc, src, n, 1, 1);
+}
+static size_t decode_f32_scalar(float *dst, const void *src, size_t n) {
+  return wire_in_scalar(dst, src, n, 0, 0);
+}
+
 const fps_kernels_t fps__kernels_scalar = {
     .name = "scalar",
     .row_stats = row_stats_scalar,
@@ -129,4 +171,7 @@ const fps_kernels_t fps__kernels_scalar = {
     .div_f32 = div_f32_scalar,
     .bf16_encode = bf16_encode_scalar,
     .bf16_decode = bf16_decode_scalar,
+    .sum_f32 = sum_f32_scalar,
+    .sum_bf16 = sum_bf16_scalar,
+    .decode_f32 = decode_f32_scalar,
 };

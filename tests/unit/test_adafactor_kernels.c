@@ -19,7 +19,11 @@
  * written here: the sync round's ((g0 + g1) + g2) ... / W, and
  * fps_f32_to_bf16() / the dtype.h gradient rule on every fp32 bit class
  * (random bit patterns: NaNs with payloads, Inf, denormals, rounding
- * ties), at odd byte offsets for the bf16 side. */
+ * ties), at odd byte offsets for the bf16 side. The wire gradient's fused
+ * passes (sum_f32, sum_bf16, decode_f32) are checked against the scalar
+ * decode followed by the scalar add_f32: src at every byte offset, invalid
+ * gradients at random places, the returned index, and nothing written at
+ * or after it. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -346,6 +350,121 @@ static void bf16_avx512(void **u) { (void)u; bf16_parity("avx512"); }
 static void bf16_neon(void **u) { (void)u; bf16_parity("neon"); }
 #endif
 
+/* ---- the wire gradient's one pass in: sum_f32, sum_bf16, decode_f32 ---- */
+
+/* An invalid gradient's fp32 bits (exponent field 0xBE..0xFF): NaN with a
+ * payload, +-Inf, exactly 2^63, or anything beyond it. */
+static uint32_t bad_bits(void) {
+  uint32_t sign = rbits() & 0x80000000u;
+  switch (rbits() % 4) {
+    case 0: return sign | 0x7f800000u | (1 + rbits() % 0x7fffffu); /* NaN */
+    case 1: return sign | 0x7f800000u;                             /* Inf */
+    case 2: return sign | 0x5f000000u;                             /* 2^63 */
+    default: return sign | ((0xbeu + rbits() % 0x41u) << 23) | (rbits() & 0x7fffffu);
+  }
+}
+
+/* A valid gradient's fp32 bits, every class: ordinary, tiny, denormal,
+ * zero of either sign, and the largest allowed (just below 2^63). */
+static uint32_t good_bits(void) {
+  switch (rbits() % 6) {
+    case 0: return rbits() & 0xdeffffffu; /* any exponent below 0xBE */
+    case 1: return (rbits() & 0x807fffffu);                 /* denormal or zero */
+    case 2: return (rbits() & 0x80000000u) | 0x5effffffu;   /* largest valid */
+    default: return bits_of(nrand());
+  }
+}
+
+/* Every kind of fused pass of variant k against the scalar decode (a
+ * memcpy or bf16 shift, then dtype.h's rule) followed by SCALAR add_f32 on
+ * the valid prefix: random lengths around the vector widths, src at any
+ * byte offset, dst at any float offset, none, one or several bad values at
+ * random positions. The returned index must be the first bad one, the
+ * prefix bit-identical, everything from it on (and the canaries past n)
+ * untouched. */
+static void wire_in_parity(const char *variant) {
+  const fps_kernels_t *k = variant_or_skip(variant);
+  enum { MAXW = 700, CANARY = 16 };
+  unsigned char *raw = aligned_alloc(64, (MAXW + 64) * 4);
+  float *dbase = aligned_alloc(64, (MAXW + 64) * 4), *ref = aligned_alloc(64, (MAXW + 64) * 4);
+  float *dec = aligned_alloc(64, (MAXW + 64) * 4);
+  assert_true(raw && dbase && ref && dec);
+  const char *what[3] = {"sum_f32", "sum_bf16", "decode_f32"};
+  for (int kind = 0; kind < 3; kind++) {
+    const int bf16 = kind == 1, add = kind != 2;
+    size_t (*fn)(float *, const void *, size_t) = kind == 0 ? k->sum_f32 : kind == 1 ? k->sum_bf16 : k->decode_f32;
+    for (int trial = 0; trial < 3000; trial++) {
+      /* half the lengths near a multiple of 16 (the wider loops' edges) */
+      long edge = (long)(rbits() % 40) * 16 + (long)(rbits() % 3) - 1;
+      size_t n = trial % 2 ? rbits() % (MAXW - CANARY) : (size_t)(edge < 0 ? 0 : edge);
+      size_t soff = rbits() % 64, doff = rbits() % 16;
+      unsigned char *src = raw + soff;
+      float *dst = dbase + doff;
+      memset(raw, 0x5a, (MAXW + 64) * 4);
+      for (size_t i = 0; i < n; i++) {
+        uint32_t b = good_bits();
+        if (bf16) {
+          uint16_t h = (uint16_t)(b >> 16);
+          memcpy(src + 2 * i, &h, 2);
+        } else {
+          memcpy(src + 4 * i, &b, 4);
+        }
+      }
+      /* 0 bad values in a third of the trials, else 1..3 anywhere */
+      int nbad = n && trial % 3 ? 1 + (int)(rbits() % 3) : 0;
+      for (int b = 0; b < nbad; b++) {
+        size_t at = rbits() % n;
+        uint32_t v = bad_bits();
+        if (bf16) {
+          uint16_t h = (uint16_t)(v >> 16);
+          memcpy(src + 2 * at, &h, 2);
+        } else {
+          memcpy(src + 4 * at, &v, 4);
+        }
+      }
+      /* the reference: decode everything, find the first bad one */
+      size_t want = n;
+      for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        if (bf16) {
+          uint16_t h;
+          memcpy(&h, src + 2 * i, 2);
+          u = (uint32_t)h << 16;
+        } else {
+          memcpy(&u, src + 4 * i, 4);
+        }
+        dec[i] = f_of(u);
+        if (want == n && (u & 0x7f800000u) >= 0x5f000000u) want = i;
+      }
+      /* the accumulator: finite sums of valid gradients, any class */
+      for (size_t i = 0; i < n + CANARY; i++) {
+        uint32_t b = rbits() % 4 ? good_bits() : (rbits() & 0xff7fffffu); /* up to 2^127 */
+        dst[i] = ref[i] = f_of(b);
+      }
+      if (add) fps__kernels_scalar.add_f32(ref, dec, want);
+      else memcpy(ref, dec, want * 4);
+      size_t got = fn(dst, src, n);
+      if (got != want || memcmp(dst, ref, (n + CANARY) * 4)) {
+        size_t i = 0;
+        while (i < n + CANARY && bits_of(dst[i]) == bits_of(ref[i])) i++;
+        print_error("%s %s: n=%zu src+%zu dst+%zu: returned %zu, want %zu; first differing element %zu\n",
+                    variant, what[kind], n, soff, doff, got, want, i);
+        fail();
+      }
+    }
+  }
+  free(raw), free(dbase), free(ref), free(dec);
+}
+
+static void wire_in_scalar(void **u) { (void)u; wire_in_parity("scalar"); }
+#if defined(__x86_64__)
+static void wire_in_avx2(void **u) { (void)u; wire_in_parity("avx2"); }
+static void wire_in_avx512(void **u) { (void)u; wire_in_parity("avx512"); }
+#endif
+#if defined(__aarch64__)
+static void wire_in_neon(void **u) { (void)u; wire_in_parity("neon"); }
+#endif
+
 /* ---- full steps on odd shapes ---- */
 
 typedef void (*hp_fn)(fps_adafactor_hparams_t *);
@@ -450,15 +569,18 @@ int main(void) {
    * an ISA the CPU may lack at run time (AVX-512) skips. */
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(sum_scalar),   cmocka_unit_test(bf16_scalar),
+      cmocka_unit_test(wire_in_scalar),
 #if defined(__x86_64__)
       cmocka_unit_test(parity_avx2),  cmocka_unit_test(parity_avx512),
       cmocka_unit_test(steps_avx2),   cmocka_unit_test(steps_avx512),
       cmocka_unit_test(sum_avx2),     cmocka_unit_test(sum_avx512),
       cmocka_unit_test(bf16_avx2),    cmocka_unit_test(bf16_avx512),
+      cmocka_unit_test(wire_in_avx2), cmocka_unit_test(wire_in_avx512),
 #endif
 #if defined(__aarch64__)
       cmocka_unit_test(parity_neon),  cmocka_unit_test(steps_neon),
       cmocka_unit_test(sum_neon),     cmocka_unit_test(bf16_neon),
+      cmocka_unit_test(wire_in_neon),
 #endif
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
