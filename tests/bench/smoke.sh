@@ -3,7 +3,8 @@
 # --model peer must build the peer's 64 tensors (10M: 9999872 elements,
 # the total of torch_rpc_ps.py's model_shapes(10M, 64)), and
 # side_by_side.py must complete a tiny sync + async matrix with fp32 and
-# bf16 on the wire (no peer, no iperf3: timings are not checked here).
+# bf16 on the wire (no peer, no iperf3: timings are not checked here),
+# printing the sync memory bound per shard.
 #   smoke.sh BUILD_DIR SOURCE_DIR
 set -eu
 build=$1 src=$2
@@ -28,5 +29,10 @@ if "$build/client/factorps" load --shards "127.0.0.1:1" --model nope >/dev/null 
   echo "smoke: --model nope accepted" >&2
   exit 1
 fi
-/usr/bin/python3 "$src/tests/bench/side_by_side.py" --build "$build" --params 300k --workers 2 \
-  --modes sync,async --reps 1 --steps-10m 2 --peers "$tmp/no-peers" --no-iperf
+table=$(/usr/bin/python3 "$src/tests/bench/side_by_side.py" --build "$build" --params 300k \
+  --workers 2 --modes sync,async --reps 1 --steps-10m 2 --peers "$tmp/no-peers" --no-iperf)
+echo "$table"
+# The sync row must set each shard's VmHWM against the memory bound computed
+# from that shard's Stats (a "-" there means Stats could not be read).
+echo "$table" | grep -Eq '^\| 300k \| 2 \| sync \|.*\(([0-9.]+ / [0-9.]+), (within|OVER)\)' ||
+  { echo "smoke: no sync memory bound in the table" >&2; exit 1; }
