@@ -168,6 +168,18 @@ int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hpara
                                fps_adafactor_state_t *st, float *param, const float *grad,
                                fps_pool_t *pool, double *scratch, fps_adafactor_trace_t *trace);
 
+/* fps_adafactor_step_scratch() out of place: reads param and grad, writes
+ * the new params to out (numel floats). out may be param (in place, what
+ * the calls above do) or grad (the gradient buffer is consumed and becomes
+ * the new params); any other overlap of out with param or grad is not
+ * allowed. param is only read, so a buffer others are reading (a published
+ * parameter snapshot) stays unchanged when out is not param. Results are
+ * bit-identical to the in-place step for every kernel variant. */
+int fps_adafactor_step_to(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
+                          fps_adafactor_state_t *st, const float *param, const float *grad,
+                          float *out, fps_pool_t *pool, double *scratch,
+                          fps_adafactor_trace_t *trace);
+
 /* Bytes the step moves through memory per step for this state, on the
  * common path (no torch clamp fallback): see adafactor_step.c. */
 uint64_t fps_adafactor_step_bytes(const fps_adafactor_state_t *st);

@@ -127,7 +127,8 @@ typedef struct fps__fact_ctx_s {
   const fps__step_scalars_t *sc;
   size_t rows, cols, nchunks;
   const float *g;
-  float *p;
+  const float *p;
+  float *out;       /* pass C's new params: p, g or a separate buffer */
   float *mom;
   float *row;       /* this matrix's row state */
   const float *col; /* this matrix's col state (pass C) */
@@ -150,7 +151,9 @@ typedef struct fps__var_ctx_s {
   const fps__step_scalars_t *sc;
   size_t n, nchunks;
   const float *g;
-  float *p, *v, *mom;
+  const float *p;
+  float *out;       /* pass C's new params: p, g or a separate buffer */
+  float *v, *mom;
   float a, b, e;
   double psq[FPS_STEP_MAX_CHUNKS];
   double u2[FPS_STEP_MAX_CHUNKS];

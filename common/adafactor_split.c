@@ -942,7 +942,11 @@ int fps_split_step_combine_u2(fps_split_step_t *s, const fps_split_partials_t *p
 }
 
 int fps_split_step_apply(fps_split_step_t *s, fps_adafactor_trace_t *trace) {
-  if (!s || s->stage != STAGE_READY) return FPS_EINVAL;
+  return fps_split_step_apply_to(s, s ? s->param : NULL, trace);
+}
+
+int fps_split_step_apply_to(fps_split_step_t *s, float *out, fps_adafactor_trace_t *trace) {
+  if (!s || !out || s->stage != STAGE_READY) return FPS_EINVAL;
   fps_split_state_t *st = s->st;
   const fps_split_geom_t *g = &st->g;
   const float pmul = (float)s->res.pmul, step = (float)(s->sc.sign * s->res.step_size);
@@ -957,6 +961,7 @@ int fps_split_step_apply(fps_split_step_t *s, fps_adafactor_trace_t *trace) {
       c.nchunks = fps__chunk_count(b - a, C);
       c.g = s->grad + a * C;
       c.p = s->param + a * C;
+      c.out = out + a * C;
       c.mom = st->mom ? st->mom + a * C : NULL;
       c.row = s->new_row + a;
       c.col = s->new_col + lm * C;
@@ -974,8 +979,8 @@ int fps_split_step_apply(fps_split_step_t *s, fps_adafactor_trace_t *trace) {
   } else {
     const size_t n = (size_t)g->block_numel;
     fps__var_ctx_t c = {.k = s->k, .sc = &s->sc, .n = n, .nchunks = fps__chunk_count(n, 1),
-                   .g = s->grad, .p = s->param, .v = s->new_var, .mom = st->mom, .pmul = pmul,
-                   .s = step};
+                   .g = s->grad, .p = s->param, .out = out, .v = s->new_var, .mom = st->mom,
+                   .pmul = pmul, .s = step};
     fps_pool_run(s->pool, c.nchunks, fps__var_pass_c, &c);
     memcpy(st->var, s->new_var, n * sizeof(float));
   }

@@ -224,6 +224,12 @@ int fps_split_step_combine_u2(fps_split_step_t *s, const fps_split_partials_t *p
  * or applied already); on error nothing changed. Cannot fail otherwise. */
 int fps_split_step_apply(fps_split_step_t *s, fps_adafactor_trace_t *trace);
 
+/* fps_split_step_apply() out of place: the block's new params go to out
+ * (block_numel floats) and begin's param is only read. out may be begin's
+ * param or grad; no other overlap. Same errors (NULL out: FPS_EINVAL);
+ * bit-identical to the in-place apply. */
+int fps_split_step_apply_to(fps_split_step_t *s, float *out, fps_adafactor_trace_t *trace);
+
 /* Frees the step; before apply this abandons it with nothing changed.
  * NULL-safe. */
 void fps_split_step_free(fps_split_step_t *s);

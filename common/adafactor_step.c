@@ -10,8 +10,9 @@
  *             After the column update, sum U^2 = m * sum_j S_j / c_j, where
  *             m = mean r (hf) or max(mean r, eps1) (torch): U_ij^2 =
  *             g_ij^2 m / (r_i c_j) whenever no clamp binds.
- *     pass C  reads g and p, writes p (12 B; p's line is read anyway, so no
- *             extra write-allocate traffic).
+ *     pass C  reads g and p, writes the new params (12 B) to p, to g (the
+ *             consumed gradient buffer) or to a separate out; into p or g
+ *             the line is read anyway (no extra write-allocate traffic).
  *     = 20 B/elem. torch only: if min r * min c / m < eps1^2 a clamp may
  *     bind and RMS(U) takes an explicit pass over g (+4 B = 24 B/elem).
  *   unfactored (ndim <= 1):
@@ -78,10 +79,11 @@ void fps__fact_pass_c(void *arg, size_t ck) {
     if (c->colf) {
       /* U_ij = g_ij * sqrt(m / r_i) * (1 / sqrt(c_j)), times the step. */
       float rowf = (float)((double)c->s * sqrt(c->m / (double)c->row[i]));
-      c->k->apply_rowcol(c->p + i * C, c->g + i * C, mom, c->colf, C, rowf, c->pmul, c->sc->beta1);
+      c->k->apply_rowcol(c->out + i * C, c->p + i * C, c->g + i * C, mom, c->colf, C, rowf,
+                         c->pmul, c->sc->beta1);
     } else {
-      c->k->apply_elem(c->p + i * C, c->g + i * C, mom, c->col, C, (float)(c->row[i] / c->m),
-                       c->sc->floor, c->s, c->pmul, c->sc->beta1);
+      c->k->apply_elem(c->out + i * C, c->p + i * C, c->g + i * C, mom, c->col, C,
+                       (float)(c->row[i] / c->m), c->sc->floor, c->s, c->pmul, c->sc->beta1);
     }
   }
 }
@@ -115,8 +117,8 @@ void fps__var_pass_a(void *arg, size_t ck) {
 void fps__var_pass_c(void *arg, size_t ck) {
   fps__var_ctx_t *c = arg;
   uint64_t lo = fps__chunk_lo(c->n, c->nchunks, ck), hi = fps__chunk_lo(c->n, c->nchunks, ck + 1);
-  c->k->apply_elem(c->p + lo, c->g + lo, c->mom ? c->mom + lo : NULL, c->v + lo, hi - lo, 1.0f,
-                   c->sc->floor, c->s, c->pmul, c->sc->beta1);
+  c->k->apply_elem(c->out + lo, c->p + lo, c->g + lo, c->mom ? c->mom + lo : NULL, c->v + lo,
+                   hi - lo, 1.0f, c->sc->floor, c->s, c->pmul, c->sc->beta1);
 }
 
 /* ---- the step ---------------------------------------------------------- */
@@ -150,13 +152,20 @@ size_t fps_adafactor_scratch_len(const fps_adafactor_state_t *st) {
 int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
                        fps_adafactor_state_t *st, float *param, const float *grad,
                        fps_pool_t *pool, fps_adafactor_trace_t *trace) {
-  return fps_adafactor_step_scratch(k, hp, st, param, grad, pool, NULL, trace);
+  return fps_adafactor_step_to(k, hp, st, param, grad, param, pool, NULL, trace);
 }
 
 int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
                                fps_adafactor_state_t *st, float *param, const float *grad,
                                fps_pool_t *pool, double *scratch, fps_adafactor_trace_t *trace) {
-  if (!param || !grad) return FPS_EINVAL;
+  return fps_adafactor_step_to(k, hp, st, param, grad, param, pool, scratch, trace);
+}
+
+int fps_adafactor_step_to(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
+                          fps_adafactor_state_t *st, const float *param, const float *grad,
+                          float *out, fps_pool_t *pool, double *scratch,
+                          fps_adafactor_trace_t *trace) {
+  if (!param || !grad || !out) return FPS_EINVAL;
   int rc = fps_adafactor_step_check(hp, st);
   if (rc) return rc;
   if (!k) k = fps_kernels_best();
@@ -225,6 +234,7 @@ int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hpara
     vc.nchunks = fps__chunk_count(numel, 1);
     vc.g = grad;
     vc.p = param;
+    vc.out = out;
     vc.v = st->var;
     vc.mom = st->mom;
     vc.a = (float)(1.0 - sc.w);
@@ -252,6 +262,7 @@ int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hpara
     for (uint64_t mtx = 0; mtx < st->batch; mtx++) {
       fc.g = grad + mtx * R * C;
       fc.p = param + mtx * R * C;
+      fc.out = out + mtx * R * C;
       fc.mom = st->mom ? st->mom + mtx * R * C : NULL;
       fc.row = st->row + mtx * R;
       fc.col = st->col + mtx * C;

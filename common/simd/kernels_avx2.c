@@ -135,8 +135,8 @@ static double row_u2_clamped_avx2(const float *g, const float *c, size_t n, floa
   return us;
 }
 
-static void apply_rowcol_avx2(float *p, const float *g, float *mom, const float *colf, size_t n,
-                              float rowf, float pmul, float beta1) {
+static void apply_rowcol_avx2(float *out, const float *p, const float *g, float *mom,
+                              const float *colf, size_t n, float rowf, float pmul, float beta1) {
   const __m256 rv = _mm256_set1_ps(rowf), mv = _mm256_set1_ps(pmul);
   size_t j = 0;
   if (mom) {
@@ -146,13 +146,13 @@ static void apply_rowcol_avx2(float *p, const float *g, float *mom, const float 
       __m256 u = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(g + j), _mm256_loadu_ps(colf + j)), rv);
       __m256 m = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(mom + j)), _mm256_mul_ps(ob, u));
       _mm256_storeu_ps(mom + j, m);
-      _mm256_storeu_ps(p + j, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), mv), m));
+      _mm256_storeu_ps(out + j, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), mv), m));
     }
     for (; j < n; j++) {
       float u = (g[j] * colf[j]) * rowf;
       float m = beta1 * mom[j] + omb * u;
       mom[j] = m;
-      p[j] = p[j] * pmul - m;
+      out[j] = p[j] * pmul - m;
     }
     return;
   }
@@ -160,21 +160,22 @@ static void apply_rowcol_avx2(float *p, const float *g, float *mom, const float 
     __m256 u0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(g + j), _mm256_loadu_ps(colf + j)), rv);
     __m256 u1 =
         _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(g + j + 8), _mm256_loadu_ps(colf + j + 8)), rv);
-    _mm256_storeu_ps(p + j, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), mv), u0));
-    _mm256_storeu_ps(p + j + 8, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j + 8), mv), u1));
+    _mm256_storeu_ps(out + j, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), mv), u0));
+    _mm256_storeu_ps(out + j + 8,
+                     _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j + 8), mv), u1));
   }
   for (; j + 8 <= n; j += 8) {
     __m256 u = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(g + j), _mm256_loadu_ps(colf + j)), rv);
-    _mm256_storeu_ps(p + j, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), mv), u));
+    _mm256_storeu_ps(out + j, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), mv), u));
   }
   for (; j < n; j++) {
     float u = (g[j] * colf[j]) * rowf;
-    p[j] = p[j] * pmul - u;
+    out[j] = p[j] * pmul - u;
   }
 }
 
-static void apply_elem_avx2(float *p, const float *g, float *mom, const float *c, size_t n,
-                            float rr, float floor, float s, float pmul, float beta1) {
+static void apply_elem_avx2(float *out, const float *p, const float *g, float *mom, const float *c,
+                            size_t n, float rr, float floor, float s, float pmul, float beta1) {
   const float omb = 1.0f - beta1;
   const __m256 rv = _mm256_set1_ps(rr), fv = _mm256_set1_ps(floor), sv = _mm256_set1_ps(s);
   const __m256 mv = _mm256_set1_ps(pmul), one = _mm256_set1_ps(1.0f);
@@ -188,7 +189,7 @@ static void apply_elem_avx2(float *p, const float *g, float *mom, const float *c
       u = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(mom + j)), _mm256_mul_ps(ob, u));
       _mm256_storeu_ps(mom + j, u);
     }
-    _mm256_storeu_ps(p + j, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), mv), u));
+    _mm256_storeu_ps(out + j, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), mv), u));
   }
   for (; j < n; j++) {
     float v = rr * c[j];
@@ -198,7 +199,7 @@ static void apply_elem_avx2(float *p, const float *g, float *mom, const float *c
       u = beta1 * mom[j] + omb * u;
       mom[j] = u;
     }
-    p[j] = p[j] * pmul - u;
+    out[j] = p[j] * pmul - u;
   }
 }
 

@@ -140,8 +140,8 @@ static double row_u2_clamped_avx512(const float *g, const float *c, size_t n, fl
   return _mm512_reduce_add_pd(_mm512_add_pd(ua0, ua1));
 }
 
-static void apply_rowcol_avx512(float *p, const float *g, float *mom, const float *colf, size_t n,
-                                float rowf, float pmul, float beta1) {
+static void apply_rowcol_avx512(float *out, const float *p, const float *g, float *mom,
+                                const float *colf, size_t n, float rowf, float pmul, float beta1) {
   const __m512 rv = _mm512_set1_ps(rowf), mv = _mm512_set1_ps(pmul);
   if (mom) {
     const float omb = 1.0f - beta1;
@@ -153,7 +153,7 @@ static void apply_rowcol_avx512(float *p, const float *g, float *mom, const floa
       __m512 mo =
           _mm512_add_ps(_mm512_mul_ps(b1, _mm512_maskz_loadu_ps(m, mom + j)), _mm512_mul_ps(ob, u));
       _mm512_mask_storeu_ps(mom + j, m, mo);
-      _mm512_mask_storeu_ps(p + j, m,
+      _mm512_mask_storeu_ps(out + j, m,
                             _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + j), mv), mo));
     }
     return;
@@ -163,20 +163,22 @@ static void apply_rowcol_avx512(float *p, const float *g, float *mom, const floa
     __m512 u0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(g + j), _mm512_loadu_ps(colf + j)), rv);
     __m512 u1 = _mm512_mul_ps(
         _mm512_mul_ps(_mm512_loadu_ps(g + j + 16), _mm512_loadu_ps(colf + j + 16)), rv);
-    _mm512_storeu_ps(p + j, _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p + j), mv), u0));
-    _mm512_storeu_ps(p + j + 16, _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p + j + 16), mv), u1));
+    _mm512_storeu_ps(out + j, _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p + j), mv), u0));
+    _mm512_storeu_ps(out + j + 16,
+                     _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p + j + 16), mv), u1));
   }
   for (; j < n; j += 16) {
     __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : tail_mask(n - j);
     __m512 u = _mm512_mul_ps(
         _mm512_mul_ps(_mm512_maskz_loadu_ps(m, g + j), _mm512_maskz_loadu_ps(m, colf + j)), rv);
-    _mm512_mask_storeu_ps(p + j, m,
+    _mm512_mask_storeu_ps(out + j, m,
                           _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + j), mv), u));
   }
 }
 
-static void apply_elem_avx512(float *p, const float *g, float *mom, const float *c, size_t n,
-                              float rr, float floor, float s, float pmul, float beta1) {
+static void apply_elem_avx512(float *out, const float *p, const float *g, float *mom,
+                              const float *c, size_t n, float rr, float floor, float s, float pmul,
+                              float beta1) {
   const float omb = 1.0f - beta1;
   const __m512 rv = _mm512_set1_ps(rr), fv = _mm512_set1_ps(floor), sv = _mm512_set1_ps(s);
   const __m512 mv = _mm512_set1_ps(pmul), one = _mm512_set1_ps(1.0f);
@@ -190,7 +192,7 @@ static void apply_elem_avx512(float *p, const float *g, float *mom, const float 
       u = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_maskz_loadu_ps(m, mom + j)), _mm512_mul_ps(ob, u));
       _mm512_mask_storeu_ps(mom + j, m, u);
     }
-    _mm512_mask_storeu_ps(p + j, m,
+    _mm512_mask_storeu_ps(out + j, m,
                           _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + j), mv), u));
   }
 }

@@ -36,15 +36,20 @@ struct fps_kernels_s {
   double (*row_u2_clamped)(const float *g, const float *c, size_t n, float rr, float floor);
 
   /* Pass C, factored: u = (g[j] * colf[j]) * rowf; then momentum if mom
-   * (m = beta1*m + (1-beta1)*u; u = m); p[j] = p[j]*pmul - u. */
-  void (*apply_rowcol)(float *p, const float *g, float *mom, const float *colf, size_t n,
-                       float rowf, float pmul, float beta1);
+   * (m = beta1*m + (1-beta1)*u; u = m); out[j] = p[j]*pmul - u.
+   * out may be p (in place) or g (the gradient buffer becomes the new
+   * parameters); any other overlap is not allowed. Element j is read
+   * before out[j] is written and never read again, so both aliasings give
+   * the same bits as a separate out: no `restrict` here. */
+  void (*apply_rowcol)(float *out, const float *p, const float *g, float *mom, const float *colf,
+                       size_t n, float rowf, float pmul, float beta1);
 
   /* Pass C, elementwise variance: u = (g[j] * (1 / sqrt(max(rr*c[j], floor)))) * s,
-   * then momentum and p as apply_rowcol. Used for 0/1-D tensors (rr = 1,
-   * c = the variance) and for torch's clamped factored case. */
-  void (*apply_elem)(float *p, const float *g, float *mom, const float *c, size_t n, float rr,
-                     float floor, float s, float pmul, float beta1);
+   * then momentum and out as apply_rowcol (same aliasing rule). Used for
+   * 0/1-D tensors (rr = 1, c = the variance) and for torch's clamped
+   * factored case. */
+  void (*apply_elem)(float *out, const float *p, const float *g, float *mom, const float *c,
+                     size_t n, float rr, float floor, float s, float pmul, float beta1);
 
   /* The sync round's sum, one worker at a time in worker-id order:
    * dst[j] += src[j] (fp32), then once per round div_f32: dst[j] /= d

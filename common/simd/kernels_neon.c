@@ -116,8 +116,8 @@ static double row_u2_clamped_neon(const float *g, const float *c, size_t n, floa
   return us;
 }
 
-static void apply_rowcol_neon(float *p, const float *g, float *mom, const float *colf, size_t n,
-                              float rowf, float pmul, float beta1) {
+static void apply_rowcol_neon(float *out, const float *p, const float *g, float *mom,
+                              const float *colf, size_t n, float rowf, float pmul, float beta1) {
   const float omb = 1.0f - beta1;
   const float32x4_t rv = vdupq_n_f32(rowf), mv = vdupq_n_f32(pmul);
   const float32x4_t b1 = vdupq_n_f32(beta1), ob = vdupq_n_f32(omb);
@@ -128,7 +128,7 @@ static void apply_rowcol_neon(float *p, const float *g, float *mom, const float 
       u = vaddq_f32(vmulq_f32(b1, vld1q_f32(mom + j)), vmulq_f32(ob, u));
       vst1q_f32(mom + j, u);
     }
-    vst1q_f32(p + j, vsubq_f32(vmulq_f32(vld1q_f32(p + j), mv), u));
+    vst1q_f32(out + j, vsubq_f32(vmulq_f32(vld1q_f32(p + j), mv), u));
   }
   for (; j < n; j++) {
     float u = (g[j] * colf[j]) * rowf;
@@ -136,12 +136,12 @@ static void apply_rowcol_neon(float *p, const float *g, float *mom, const float 
       u = beta1 * mom[j] + omb * u;
       mom[j] = u;
     }
-    p[j] = p[j] * pmul - u;
+    out[j] = p[j] * pmul - u;
   }
 }
 
-static void apply_elem_neon(float *p, const float *g, float *mom, const float *c, size_t n,
-                            float rr, float floor, float s, float pmul, float beta1) {
+static void apply_elem_neon(float *out, const float *p, const float *g, float *mom, const float *c,
+                            size_t n, float rr, float floor, float s, float pmul, float beta1) {
   const float omb = 1.0f - beta1;
   const float32x4_t rv = vdupq_n_f32(rr), fv = vdupq_n_f32(floor), sv = vdupq_n_f32(s);
   const float32x4_t mv = vdupq_n_f32(pmul), one = vdupq_n_f32(1.0f);
@@ -155,7 +155,7 @@ static void apply_elem_neon(float *p, const float *g, float *mom, const float *c
       u = vaddq_f32(vmulq_f32(b1, vld1q_f32(mom + j)), vmulq_f32(ob, u));
       vst1q_f32(mom + j, u);
     }
-    vst1q_f32(p + j, vsubq_f32(vmulq_f32(vld1q_f32(p + j), mv), u));
+    vst1q_f32(out + j, vsubq_f32(vmulq_f32(vld1q_f32(p + j), mv), u));
   }
   for (; j < n; j++) {
     float v = rr * c[j];
@@ -165,7 +165,7 @@ static void apply_elem_neon(float *p, const float *g, float *mom, const float *c
       u = beta1 * mom[j] + omb * u;
       mom[j] = u;
     }
-    p[j] = p[j] * pmul - u;
+    out[j] = p[j] * pmul - u;
   }
 }
 

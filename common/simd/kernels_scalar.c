@@ -56,26 +56,27 @@ static double row_u2_clamped_scalar(const float *g, const float *c, size_t n, fl
   return us;
 }
 
-static void apply_rowcol_scalar(float *p, const float *g, float *mom, const float *colf, size_t n,
-                                float rowf, float pmul, float beta1) {
+static void apply_rowcol_scalar(float *out, const float *p, const float *g, float *mom,
+                                const float *colf, size_t n, float rowf, float pmul, float beta1) {
   if (mom) {
     float omb = 1.0f - beta1;
     for (size_t j = 0; j < n; j++) {
       float u = (g[j] * colf[j]) * rowf;
       float m = beta1 * mom[j] + omb * u;
       mom[j] = m;
-      p[j] = p[j] * pmul - m;
+      out[j] = p[j] * pmul - m;
     }
   } else {
     for (size_t j = 0; j < n; j++) {
       float u = (g[j] * colf[j]) * rowf;
-      p[j] = p[j] * pmul - u;
+      out[j] = p[j] * pmul - u;
     }
   }
 }
 
-static void apply_elem_scalar(float *p, const float *g, float *mom, const float *c, size_t n,
-                              float rr, float floor, float s, float pmul, float beta1) {
+static void apply_elem_scalar(float *out, const float *p, const float *g, float *mom,
+                              const float *c, size_t n, float rr, float floor, float s, float pmul,
+                              float beta1) {
   float omb = 1.0f - beta1;
   for (size_t j = 0; j < n; j++) {
     float v = rr * c[j];
@@ -85,7 +86,7 @@ static void apply_elem_scalar(float *p, const float *g, float *mom, const float 
       u = beta1 * mom[j] + omb * u;
       mom[j] = u;
     }
-    p[j] = p[j] * pmul - u;
+    out[j] = p[j] * pmul - u;
   }
 }
 

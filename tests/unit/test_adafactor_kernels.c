@@ -14,6 +14,10 @@
  *    the sums) can differ.
  * Elements past the end of every output are canaries and must not change.
  *
+ * Pass C out of place (out == p, out == g, a separate out) of every
+ * variant, scalar included, is bit-identical to scalar's in-place pass C,
+ * and fps_adafactor_step_to() to the same variant's in-place step.
+ *
  * The sync sum (add_f32 / div_f32) and the bf16 conversions of every
  * variant, scalar included, are checked bit for bit against plain loops
  * written here: the sync round's ((g0 + g1) + g2) ... / W, and
@@ -168,15 +172,15 @@ static void parity(const char *variant) {
       BOTH(K(r->r1 = kk->row_u2_clamped(r->b[G].f, r->b[V].f, n, 0.9f, 1e-8f)),
            K(r->r1 = kk->row_u2_clamped(r->b[G].f, r->b[V].f, n, 0.9f, 1e-8f)), "row_u2_clamped");
       for (int mo = 0; mo < 2; mo++) {
-        BOTH(K(kk->apply_rowcol(r->b[P].f, r->b[G].f, mo ? r->b[M].f : NULL, r->b[C].f, n, -3e-3f,
-                                0.999f, 0.9f)),
-             K(kk->apply_rowcol(r->b[P].f, r->b[G].f, mo ? r->b[M].f : NULL, r->b[C].f, n, -3e-3f,
-                                0.999f, 0.9f)),
+        BOTH(K(kk->apply_rowcol(r->b[P].f, r->b[P].f, r->b[G].f, mo ? r->b[M].f : NULL, r->b[C].f,
+                                n, -3e-3f, 0.999f, 0.9f)),
+             K(kk->apply_rowcol(r->b[P].f, r->b[P].f, r->b[G].f, mo ? r->b[M].f : NULL, r->b[C].f,
+                                n, -3e-3f, 0.999f, 0.9f)),
              "apply_rowcol");
-        BOTH(K(kk->apply_elem(r->b[P].f, r->b[G].f, mo ? r->b[M].f : NULL, r->b[V].f, n, 1.0f,
-                              1e-8f, 2e-3f, 1.0f, 0.9f)),
-             K(kk->apply_elem(r->b[P].f, r->b[G].f, mo ? r->b[M].f : NULL, r->b[V].f, n, 1.0f,
-                              1e-8f, 2e-3f, 1.0f, 0.9f)),
+        BOTH(K(kk->apply_elem(r->b[P].f, r->b[P].f, r->b[G].f, mo ? r->b[M].f : NULL, r->b[V].f,
+                              n, 1.0f, 1e-8f, 2e-3f, 1.0f, 0.9f)),
+             K(kk->apply_elem(r->b[P].f, r->b[P].f, r->b[G].f, mo ? r->b[M].f : NULL, r->b[V].f,
+                              n, 1.0f, 1e-8f, 2e-3f, 1.0f, 0.9f)),
              "apply_elem");
       }
     }
@@ -196,6 +200,77 @@ static void parity_avx512(void **u) { (void)u; parity("avx512"); }
 #endif
 #if defined(__aarch64__)
 static void parity_neon(void **u) { (void)u; parity("neon"); }
+#endif
+
+/* ---- pass C out of place: out == p, out == g, a separate out ---- */
+
+static const fps_kernels_t *variant_or_skip(const char *variant);
+
+/* Pass C of variant k with out aliasing array `dst` (P, G or V, V standing
+ * for a separate buffer here) against scalar's in-place pass C: out's n
+ * floats bit-identical to scalar's new params, momentum bit-identical,
+ * every other array (p when out is not p) and every canary unchanged. */
+static void apply_out_case(const fps_kernels_t *k, const run_t *src, run_t *rs, run_t *rk,
+                           size_t n, int elem, int mo, int dst) {
+  const fps_kernels_t *s = &fps__kernels_scalar;
+  copy_run(rs, src, n);
+  copy_run(rk, src, n);
+  /* scalar in place; the variant's pass gets a separate out in V (apply
+   * elem reads c, which is C here, so V is free to be the output) */
+  float *ms = mo ? rs->b[M].f : NULL, *mk = mo ? rk->b[M].f : NULL;
+  float *out = rk->b[dst].f;
+  if (elem) {
+    s->apply_elem(rs->b[P].f, rs->b[P].f, rs->b[G].f, ms, rs->b[C].f, n, 0.7f, 1e-8f, 2e-3f,
+                  0.999f, 0.9f);
+    k->apply_elem(out, rk->b[P].f, rk->b[G].f, mk, rk->b[C].f, n, 0.7f, 1e-8f, 2e-3f, 0.999f,
+                  0.9f);
+  } else {
+    s->apply_rowcol(rs->b[P].f, rs->b[P].f, rs->b[G].f, ms, rs->b[C].f, n, -3e-3f, 0.999f, 0.9f);
+    k->apply_rowcol(out, rk->b[P].f, rk->b[G].f, mk, rk->b[C].f, n, -3e-3f, 0.999f, 0.9f);
+  }
+  for (int i = 0; i < NB; i++) {
+    const float *want = i == dst ? rs->b[P].f : i == P ? src->b[P].f : rs->b[i].f;
+    if (memcmp(rk->b[i].f, want, n * sizeof(float)) ||
+        memcmp(rk->b[i].f + n, src->b[i].f + n, PAD * sizeof(float))) {
+      print_error("%s %s out=%d mom=%d: n=%zu: array %d differs\n", fps_kernels_name(k),
+                  elem ? "apply_elem" : "apply_rowcol", dst, mo, n, i);
+      fail();
+    }
+  }
+}
+
+static void out_parity(const char *variant) {
+  const fps_kernels_t *k = variant_or_skip(variant);
+  const size_t offs[] = {1, 3, 5};
+  for (size_t oi = 0; oi < 3; oi++) {
+    run_t src, rs, rk;
+    for (int i = 0; i < NB; i++) {
+      buf_init(&src.b[i], offs[oi]);
+      buf_init(&rs.b[i], offs[oi]);
+      buf_init(&rk.b[i], (offs[oi] + 2 * i + 1) % 8);
+    }
+    for (size_t n = 0; n <= MAXN; n++) {
+      fill(src.b, n);
+      const int dsts[] = {P, G, V};
+      for (int elem = 0; elem < 2; elem++)
+        for (int mo = 0; mo < 2; mo++)
+          for (int d = 0; d < 3; d++) apply_out_case(k, &src, &rs, &rk, n, elem, mo, dsts[d]);
+    }
+    for (int i = 0; i < NB; i++) {
+      buf_free(&src.b[i]);
+      buf_free(&rs.b[i]);
+      buf_free(&rk.b[i]);
+    }
+  }
+}
+
+static void out_scalar(void **u) { (void)u; out_parity("scalar"); }
+#if defined(__x86_64__)
+static void out_avx2(void **u) { (void)u; out_parity("avx2"); }
+static void out_avx512(void **u) { (void)u; out_parity("avx512"); }
+#endif
+#if defined(__aarch64__)
+static void out_neon(void **u) { (void)u; out_parity("neon"); }
 #endif
 
 /* ---- sync sum and bf16, every variant against plain loops ---- */
@@ -564,13 +639,88 @@ static void steps_avx512(void **u) { (void)u; step_parity("avx512"); }
 static void steps_neon(void **u) { (void)u; step_parity("neon"); }
 #endif
 
+/* fps_adafactor_step_to() with the gradient buffer as out (the shard's
+ * way: the consumed gradient becomes the next params) and with a separate
+ * out, 3 steps, against the in-place step of the same variant: params and
+ * state bit-identical, and the params read are never written. */
+static void step_to_parity(const char *variant) {
+  const fps_kernels_t *k = variant_or_skip(variant);
+  const fps_shape_t shapes[] = {
+      {.ndim = 0},
+      {.ndim = 1, .dim = {257}},
+      {.ndim = 2, .dim = {17, 33}},
+      {.ndim = 3, .dim = {3, 5, 7}},
+      {.ndim = 2, .dim = {300, 301}},
+  };
+  const hp_fn hps[] = {hp_torch, hp_torch_wd_max, hp_hf, hp_hf_trainer_beta1};
+  const float gscale[] = {1.0f, 1e-15f};
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+    for (size_t hi = 0; hi < sizeof hps / sizeof hps[0]; hi++)
+      for (size_t gi = 0; gi < 2; gi++)
+        for (int mode = 0; mode < 2; mode++) { /* 0: out = grad, 1: separate out */
+          fps_adafactor_hparams_t hp;
+          hps[hi](&hp);
+          uint64_t n;
+          assert_int_equal(fps_shape_validate(&shapes[si], &n, NULL, 0), 0);
+          float *g = malloc(3 * n * 4), *pin = malloc(n * 4);
+          float *bufs[2] = {malloc(n * 4), malloc(n * 4)};
+          float *keep = malloc(n * 4);
+          assert_true(g && pin && bufs[0] && bufs[1] && keep);
+          for (uint64_t i = 0; i < n; i++) pin[i] = bufs[0][i] = nrand() * 0.5f;
+          for (uint64_t i = 0; i < 3 * n; i++) g[i] = nrand() * gscale[gi];
+          fps_adafactor_state_t si_, so;
+          assert_int_equal(fps_adafactor_state_init(&si_, &shapes[si], &hp), 0);
+          assert_int_equal(fps_adafactor_state_init(&so, &shapes[si], &hp), 0);
+          int cur = 0; /* bufs[cur] holds the out-of-place run's params */
+          for (int t = 0; t < 3; t++) {
+            assert_int_equal(fps_adafactor_step(k, &hp, &si_, pin, g + t * n, NULL, NULL), 0);
+            float *next = bufs[1 - cur];
+            memcpy(next, g + t * n, n * 4); /* mode 0: the gradient buffer itself */
+            memcpy(keep, bufs[cur], n * 4);
+            float *out = next, *grad = mode == 0 ? next : g + t * n;
+            assert_int_equal(
+                fps_adafactor_step_to(k, &hp, &so, bufs[cur], grad, out, NULL, NULL, NULL), 0);
+            assert_memory_equal(keep, bufs[cur], n * 4); /* the published params stayed */
+            cur = 1 - cur;
+          }
+          if (memcmp(pin, bufs[cur], n * 4)) {
+            print_error("%s shape %zu hp %zu mode %d: params differ from in place\n", variant, si,
+                        hi, mode);
+            fail();
+          }
+          const float *as[] = {si_.row, si_.col, si_.var, si_.mom};
+          const float *bs[] = {so.row, so.col, so.var, so.mom};
+          const uint64_t ns[] = {si_.batch * si_.rows, si_.batch * si_.cols, n, n};
+          for (int a = 0; a < 4; a++)
+            if (as[a]) assert_memory_equal(as[a], bs[a], ns[a] * 4);
+          assert_int_equal(si_.step, so.step);
+          assert_int_equal(fps_adafactor_step_to(k, &hp, &so, bufs[cur], g, NULL, NULL, NULL, NULL),
+                           FPS_EINVAL);
+          fps_adafactor_state_destroy(&si_);
+          fps_adafactor_state_destroy(&so);
+          free(g), free(pin), free(bufs[0]), free(bufs[1]), free(keep);
+        }
+}
+
+static void step_to_scalar(void **u) { (void)u; step_to_parity("scalar"); }
+#if defined(__x86_64__)
+static void step_to_avx2(void **u) { (void)u; step_to_parity("avx2"); }
+static void step_to_avx512(void **u) { (void)u; step_to_parity("avx512"); }
+#endif
+#if defined(__aarch64__)
+static void step_to_neon(void **u) { (void)u; step_to_parity("neon"); }
+#endif
+
 int main(void) {
   /* A variant that cannot exist in this build is not a case at all; only
    * an ISA the CPU may lack at run time (AVX-512) skips. */
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(sum_scalar),   cmocka_unit_test(bf16_scalar),
       cmocka_unit_test(wire_in_scalar),
+      cmocka_unit_test(out_scalar),   cmocka_unit_test(step_to_scalar),
 #if defined(__x86_64__)
+      cmocka_unit_test(out_avx2),     cmocka_unit_test(out_avx512),
+      cmocka_unit_test(step_to_avx2), cmocka_unit_test(step_to_avx512),
       cmocka_unit_test(parity_avx2),  cmocka_unit_test(parity_avx512),
       cmocka_unit_test(steps_avx2),   cmocka_unit_test(steps_avx512),
       cmocka_unit_test(sum_avx2),     cmocka_unit_test(sum_avx512),
@@ -579,6 +729,7 @@ int main(void) {
 #endif
 #if defined(__aarch64__)
       cmocka_unit_test(parity_neon),  cmocka_unit_test(steps_neon),
+      cmocka_unit_test(out_neon),     cmocka_unit_test(step_to_neon),
       cmocka_unit_test(sum_neon),     cmocka_unit_test(bf16_neon),
       cmocka_unit_test(wire_in_neon),
 #endif

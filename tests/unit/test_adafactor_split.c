@@ -7,8 +7,9 @@
  * each step goes through what the shards will do: pass A per block, the
  * partials encoded, decoded by every other block, combined (in block order)
  * by every block on its own, the torch explicit U^2 phase where due, then
- * pass C. The reassembled params and state are checked, for every SIMD
- * variant this machine has:
+ * pass C (in place on odd steps, out of place into the gradient buffer on
+ * even ones, the params read left untouched). The reassembled params and
+ * state are checked, for every SIMD variant this machine has:
  *   against the golden files, with check_vectors.py's metrics/tolerances
  *     param scaled  max|d| / max(max|ref_t|, max|ref_t - ref_t-1|)  <= 1e-5
  *     param upd-rel max|d| / max|ref_t - ref_t-1| (updates >= 1e-3 max|ref|) <= 1e-3
@@ -244,6 +245,8 @@ static void split_run(const fps_golden_case_t *c, const fps_kernels_t *k, fps_po
   memset(out, 0, sizeof *out);
   out->params = malloc(c->steps * n * sizeof(float));
   float *param = malloc(n * sizeof(float)), *grad = malloc(n * sizeof(float));
+  float *keep = malloc(n * sizeof(float));
+  assert_non_null(keep);
   assert_non_null(out->params);
   assert_non_null(param);
   assert_non_null(grad);
@@ -277,15 +280,29 @@ static void split_run(const fps_golden_case_t *c, const fps_kernels_t *k, fps_po
       exchange(geo, steps, nb, FPS_SPLIT_PHASE_U2);
     }
     fps_adafactor_trace_t tr0 = {0};
+    /* even steps apply out of place into the gradient buffer (the
+     * shard's way), reading param only; odd steps in place */
+    const bool to_grad = t % 2 == 0;
+    if (to_grad) memcpy(keep, param, n * sizeof(float));
     for (size_t b = 0; b < nb; b++) {
       fps_adafactor_trace_t tr;
-      assert_int_equal(fps_split_step_apply(steps[b], &tr), 0);
+      uint64_t off = geo[b].row_lo * geo[b].cols;
+      if (to_grad) {
+        assert_int_equal(fps_split_step_apply_to(steps[b], NULL, NULL), FPS_EINVAL);
+        assert_int_equal(fps_split_step_apply_to(steps[b], grad + off, &tr), 0);
+      } else {
+        assert_int_equal(fps_split_step_apply(steps[b], &tr), 0);
+      }
       if (b == 0) tr0 = tr;
       /* every block computed the same whole-tensor scalars */
       assert_memory_equal(&tr.step_size, &tr0.step_size, sizeof(double));
       assert_memory_equal(&tr.rms_param, &tr0.rms_param, sizeof(double));
       assert_int_equal(fps_split_step_apply(steps[b], NULL), FPS_EINVAL);
       fps_split_step_free(steps[b]);
+    }
+    if (to_grad) {
+      assert_memory_equal(keep, param, n * sizeof(float));
+      memcpy(param, grad, n * sizeof(float));
     }
     memcpy(out->params + (t - 1) * n, param, n * sizeof(float));
   }
@@ -340,6 +357,7 @@ static void split_run(const fps_golden_case_t *c, const fps_kernels_t *k, fps_po
   for (size_t b = 0; b < nb; b++) fps_split_state_destroy(&st[b]);
   free(param);
   free(grad);
+  free(keep);
 }
 
 /* Checks one split run against the golden files and the unsplit run. */
