@@ -1,8 +1,9 @@
 /* Pull: current parameters and versions of named tensors, streamed.
  *
- * Every tensor is snapshotted by the core (fps_shard_snapshot: one copy,
- * under its lock, briefly) before the first message goes out, so the reply
- * is all-or-nothing and a slow reader never holds a tensor lock. */
+ * Every tensor's published parameters are referenced by the core
+ * (fps_shard_snapshot: no copy, under its lock, briefly) before the first
+ * message goes out, so the reply is all-or-nothing, shows each tensor at
+ * one version, and a slow reader never holds a tensor lock. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -88,8 +88,8 @@ static int fps__ckpt_block_tensor(fps_shard_t *sh, const fps_ckpt_t *ck, fps_ckp
                                             sh->cfg.workers, sh->cfg.apply_log);
   if (!t) return FPS_ENOMEM;
   /* As for a whole tensor below: take the loaded arrays. */
-  fps_free(t->param);
-  t->param = ct->param;
+  fps_free(t->pbuf->data);
+  t->param = t->pbuf->data = ct->param;
   ct->param = NULL;
   fps_split_state_destroy(&t->split->st);
   t->split->st = ct->bstate;
@@ -110,9 +110,10 @@ static int fps__ckpt_adopt_locked(fps_shard_t *sh, const fps_ckpt_t *ck, fps_ckp
     if (!t) return FPS_ENOMEM;
     /* Take the loaded arrays instead of copying them: the tensor's own
      * param buffer and zeroed state are released, the checkpoint's fields
-     * are zeroed so fps_ckpt_destroy() leaves them alone. */
-    fps_free(t->param);
-    t->param = ct->param;
+     * are zeroed so fps_ckpt_destroy() leaves them alone. The tensor is
+     * new (nobody holds its buffer): its data may be swapped. */
+    fps_free(t->pbuf->data);
+    t->param = t->pbuf->data = ct->param;
     ct->param = NULL;
     fps_adafactor_state_destroy(&t->st);
     t->st = ct->state;
@@ -120,6 +121,7 @@ static int fps__ckpt_adopt_locked(fps_shard_t *sh, const fps_ckpt_t *ck, fps_ckp
   }
   t->ready = true;
   t->version = ct->version;
+  t->pbuf->version = t->version;
   t->last_lr = ct->last_lr;
   t->last_weight_decay = ct->last_weight_decay;
   t->restored_seq = ck->info.seq;

@@ -46,12 +46,14 @@ typedef struct fps_plan_s {
   fps_state_size_t ssz;        /* the tensor's state sizes */
   fps_ranges_t sranges[FPS_STATE_KINDS]; /* state ranges after this call */
   bool replacing;              /* replaces an existing tensor's values */
-  float *new_param;            /* replacing: the new values, staged */
+  fps_snap_t *new_pbuf;        /* replacing: the new values, staged (a new
+                                * buffer: the published one is never written) */
   fps_adafactor_state_t new_st;
   fps_split_state_t new_sst;   /* replacing a block: its new state */
   fps_split_geom_t geom;       /* a split block's rows (item.split) */
   uint64_t gen;                /* lead, existing: its init_gen when checked */
   bool inserted;               /* lead, new: in the store (no longer ours to free) */
+  fps_shard_t *sh;             /* replacing: whose staging a retired buffer counts in */
 } fps_plan_t;
 
 /* A Create that keeps meeting concurrent Creates of its tensors gives up
@@ -308,7 +310,7 @@ static void fps__plan_reset(fps_plan_t *p, size_t n) {
   for (size_t i = 0; i < n; i++) {
     fps_ranges_free(&p[i].ranges);
     for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&p[i].sranges[k]);
-    fps_free(p[i].new_param);
+    fps__pbuf_retire(p[i].sh, p[i].new_pbuf);
     fps_adafactor_state_destroy(&p[i].new_st);
     fps_split_state_destroy(&p[i].new_sst);
     if (p[i].lead == i && p[i].is_new && !p[i].inserted) fps_tensor_destroy(p[i].t);
@@ -350,6 +352,7 @@ static void fps__create_publish(fps_plan_t *lead) {
   }
   if (t->init.covered == t->numel && (t->version == 0 || fps__state_covered(&t->size, t->init_state))) {
     t->ready = true;
+    t->pbuf->version = t->version; /* published from now on: read only */
     fps_ranges_free(&t->init);
     for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
     FPS_SLOG(FPS_LOG_DEBUG, "tensor '%s' is ready", t->name);
@@ -481,9 +484,10 @@ again:
   }
   for (size_t i = 0; i < n && rc == 0; i++) {
     if (p[i].lead != i || !p[i].replacing) continue;
-    p[i].new_param = fps_malloc((p[i].numel ? p[i].numel : 1) * sizeof(float));
+    p[i].new_pbuf = fps__pbuf_new(p[i].numel);
+    p[i].sh = sh;
     const fps_tensor_t *t = p[i].t;
-    if (!p[i].new_param || (t->split ? fps_split_state_init(&p[i].new_sst, &t->split->g, &t->hp)
+    if (!p[i].new_pbuf || (t->split ? fps_split_state_init(&p[i].new_sst, &t->split->g, &t->hp)
                                      : fps_adafactor_state_init(&p[i].new_st, &p[i].shape, &t->hp)) < 0) {
       rc = FPS_ENOMEM;
       snprintf(why, wl, "tensor '%s': out of memory staging its replacement", items[i].name);
@@ -499,7 +503,7 @@ again:
       received += fps__create_write(&items[i], &p[i], lead->t->param, arr);
     } else if (lead->replacing) {
       fps__staged_arrays(lead, arr);
-      received += fps__create_write(&items[i], &p[i], lead->new_param, arr);
+      received += fps__create_write(&items[i], &p[i], lead->new_pbuf->data, arr);
     }
   }
   for (size_t i = 0; i < n; i++)
@@ -575,8 +579,9 @@ again:
     if (p[i].lead != i || p[i].is_new || p[i].was_ready) continue;
     fps_tensor_t *t = p[i].t;
     if (p[i].replacing) {
-      float *old_param = t->param;
-      t->param = p[i].new_param;
+      fps_snap_t *old_pbuf = t->pbuf;
+      t->pbuf = p[i].new_pbuf;
+      t->param = t->pbuf->data;
       if (t->split) {
         fps_split_state_t old_sst = t->split->st;
         t->split->st = p[i].new_sst;
@@ -591,6 +596,7 @@ again:
         p[i].new_st = old_st;
       }
       t->version = items[i].step;
+      t->pbuf->version = t->version;
       t->ready = true;
       fps_ranges_free(&t->init);
       for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
@@ -600,7 +606,8 @@ again:
       t->last_lr = t->hp.has_lr ? t->hp.lr : 0.0;
       t->last_weight_decay = t->hp.weight_decay;
       t->init_gen++;
-      p[i].new_param = old_param; /* freed below with the plan */
+      p[i].new_pbuf = old_pbuf; /* retired below with the plan (replies may
+                                 * still read it) */
     } else {
       fps__create_publish(&p[i]);
     }

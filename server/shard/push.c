@@ -275,15 +275,7 @@ static bool fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
   size_t k = 0;
   for (; k < p->n && rc == 0; k++) {
     fps_push_entry_t *e = p->e[k];
-    rc = fps__apply_prepare(sh, e->t, &e->uh, !e->no_grad && !replay, !e->skip_params, &e->prep, why,
-                            sizeof why);
-    /* Sync stages no buffer per push: a retry's snapshot needs one. */
-    bool over = false;
-    if (rc == 0 && !e->grad && !e->skip_params && !(e->grad = fps_tbuf_alloc(sh, e->t->numel, &over))) {
-      snprintf(why, sizeof why, "tensor '%s': %s for the parameter snapshot", e->t->name,
-               over ? "the staging limit (--max-staging-bytes) leaves no room" : "out of memory");
-      rc = over ? FPS_ELIMIT : FPS_ENOMEM;
-    }
+    rc = fps__apply_prepare(sh, e->t, &e->uh, !e->no_grad && !replay, &e->prep, why, sizeof why);
   }
   if (rc < 0) {
     for (size_t i = 0; i < k; i++) fps__apply_prep_release(&p->e[i]->prep);
@@ -301,7 +293,7 @@ static bool fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
     pthread_mutex_lock(&t->mu);
     /* no_grad: nothing to apply (no update, no weight decay); the reply
      * carries the current params. Prepared: cannot fail. */
-    fps__tensor_apply_locked(sh, t, e->grad, !e->no_grad && !replay, p->worker_id, e->step, &e->uh,
+    fps__tensor_apply_locked(sh, t, &e->grad, !e->no_grad && !replay, p->worker_id, e->step, &e->uh,
                              !e->skip_params, 1, &snap, &e->prep);
     e->version = t->version;
     pthread_mutex_unlock(&t->mu);
@@ -310,13 +302,9 @@ static bool fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
      * the current ones). */
     if (replay) e->version = vers ? vers[i] : 0;
     e->err = 0;
-    if (!e->skip_params) {
-      e->grad = NULL; /* consumed */
-      e->snap = snap;
-    } else {
-      fps_tbuf_free(sh, e->grad, t->numel);
-      e->grad = NULL;
-    }
+    e->snap = snap; /* NULL with skip_params */
+    fps_tbuf_free(sh, e->grad, t->numel); /* not consumed: no update */
+    e->grad = NULL;
   }
   if (sh->cfg.mode == FPS_MODE_SSP && !replay) fps__ssp_advance(sh, p->worker_id, p->step);
   return true;

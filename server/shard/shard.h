@@ -1,10 +1,10 @@
 /* The shard core: everything a shard decides, and nothing of how calls
  * reach it (README "Layout"; DESIGN "Inside the shard").
  *
- *   store.c       tensors and the store (name -> tensor), the one
- *                 apply-and-snapshot path of every mode, snapshots for
- *                 Pull, staging-buffer accounting, counters, the name and
- *                 slice rules
+ *   store.c       tensors and the store (name -> tensor), the one apply
+ *                 path of every mode, the published parameter buffers
+ *                 replies and Pull reference, staging-buffer accounting,
+ *                 counters, the name and slice rules
  *   create.c      Create's rules: create-or-match, init coverage, limits
  *   push.c        one worker's push: staging, the checks, then async
  *                 apply, a sync round or an ssp wait
@@ -191,25 +191,40 @@ typedef struct fps_tensor_s fps_tensor_t;
 typedef struct fps_push_s fps_push_t;
 typedef struct fps_push_entry_s fps_push_entry_t;
 
-/* A refcounted fp32 copy of a tensor's parameters at one version: what a
- * reply streams from, so a slow reader never holds the tensor's lock. */
+/* A refcounted, immutable fp32 parameter buffer at one version. A tensor's
+ * parameters are one (t->pbuf, published): replies, Pull and checkpoints
+ * take references instead of copying, so a slow reader never holds the
+ * tensor's lock and nothing is copied per sent byte. Rule: nobody writes a
+ * buffer another holder may read. An update writes the new parameters out
+ * of place into its own gradient buffer, which becomes the next t->pbuf;
+ * Create's init writes only a tensor that is not ready (no references
+ * handed out yet); replace and restore install a new buffer. */
 typedef struct fps_snap_s {
   atomic_int refs;
   fps_shard_t *sh;            /* whose buffer accounting data counts in */
   float *data;                /* numel floats, owned */
   uint64_t numel;
   uint64_t version;
+  bool staged;                /* data counts in sh->tbuf_bytes (every buffer
+                               * but a tensor's own t->pbuf, which counts in
+                               * its parameter bytes) */
 } fps_snap_t;
 
 /* Takes ownership of data (from fps_tbuf_alloc). Returns NULL on OOM (data
  * freed). */
 fps_snap_t *fps_snap_wrap(fps_shard_t *sh, float *data, uint64_t numel, uint64_t version, int refs);
+/* A tensor's own parameter buffer (not staged), one reference: NULL on OOM. */
+fps_snap_t *fps__pbuf_new(uint64_t numel);
+/* The tensor lets go of its buffer s (NULL-safe): a buffer others still
+ * read is counted as staging from now on, until its last reference goes. */
+void fps__pbuf_retire(fps_shard_t *sh, fps_snap_t *s);
 /* Drops one reference; the last frees. NULL is a no-op. Thread-safe. */
 void fps_snap_unref(fps_snap_t *s);
 /* Takes one more reference (e.g. for a reply slice over data). Thread-safe. */
 static inline void fps_snap_ref(fps_snap_t *s) { atomic_fetch_add(&s->refs, 1); }
 
-/* Tensor-sized transient buffers (gradient staging, reply snapshots) are
+/* Tensor-sized transient buffers (gradient staging, sync sums, retired
+ * parameter buffers replies still read) are
  * counted against max_staging_bytes, so many concurrent pushes cannot
  * exhaust memory. alloc returns NULL with *over_limit set when the limit
  * would be passed, or NULL on OOM. fps_free(NULL) is a no-op. */
@@ -237,7 +252,8 @@ typedef struct fps_update_hp_s {
  * first, then fps__tensor_apply_locked() with each prep cannot fail. */
 typedef struct fps_apply_prep_s {
   double *scratch;            /* the Adafactor step's scratch, NULL: none needed */
-  fps_snap_t *snap;           /* the snapshot's wrapper, NULL: none wanted */
+  fps_snap_t *snap;           /* with update: the wrapper of the buffer that
+                               * becomes the new parameters */
   struct fps_split_step_s *split; /* a block's combined cross-shard step
                                * (xstep.c): its apply is pass C; NULL: none */
 } fps_apply_prep_t;
@@ -277,7 +293,9 @@ struct fps_tensor_s {
   fps_adafactor_hparams_t hp;
   fps_state_size_t size;      /* optimizer state sizes (constant) */
   pthread_mutex_t mu;         /* guards everything below */
-  float *param;               /* numel floats */
+  fps_snap_t *pbuf;           /* the published parameters (one reference) */
+  float *param;               /* pbuf->data: numel floats, read only once
+                               * ready (fps_snap_t's rule) */
   fps_adafactor_state_t st;
   struct fps_tensor_split_s *split; /* NULL: held whole; else a row block of
                                * a split tensor (split_tensor.h: then numel
@@ -343,32 +361,32 @@ void fps_tensor_destroy(fps_tensor_t *t);
 
 /* fps_apply_prep_t (above, with the rounds): checks uh and allocates. */
 /* Checks uh against t's settings and state (FPS_EHPARAM, FPS_EINVAL) and
- * allocates what the update needs (FPS_ENOMEM), with a message naming the
+ * allocates what the update needs (FPS_ENOMEM: with update, the wrapper of
+ * the buffer that becomes the new parameters), with a message naming the
  * tensor. No lock needed: settings and state sizes are constant. On failure
  * prep holds nothing. */
 int fps__apply_prepare(fps_shard_t *sh, const fps_tensor_t *t, const fps_update_hp_t *uh, bool update,
-                       bool want_snap, fps_apply_prep_t *prep, char *why, size_t why_len);
+                       fps_apply_prep_t *prep, char *why, size_t why_len);
 /* Frees what a prep still holds (what the apply did not use). */
 void fps__apply_prep_release(fps_apply_prep_t *prep);
 
-/* The one apply-and-snapshot path of every mode. With update: one
- * Adafactor step of t with grad (finite, numel floats) and the update's
- * hyperparameters uh (NULL: Create's), version+1, apply log, counters;
- * without (no_grad): nothing changes. With want_snap, grad's buffer (an
- * fps_tbuf_alloc buffer of t->numel) is then consumed: overwritten with the
- * current parameters, it becomes *snap with `refs` references. Without
- * want_snap, grad stays the caller's. With prep (fps__apply_prepare() for
- * the same uh, update and want_snap) this cannot fail; without (NULL), it
- * allocates: the step may fail (FPS_E*, nothing changed, nothing consumed)
- * and a snapshot wrapper that cannot be allocated leaves *snap NULL (grad
- * freed; the update stays applied). REQUIRES t->mu. */
-int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool update, uint32_t worker_id,
+/* The one apply path of every mode. With update: one Adafactor step of t
+ * with *grad (finite; an fps_tbuf_alloc buffer of t->numel) and the
+ * update's hyperparameters uh (NULL: Create's), written out of place into
+ * *grad, which becomes the tensor's published parameters (*grad set NULL:
+ * consumed; the old buffer is retired), version+1, apply log, counters;
+ * without (no_grad): nothing changes and *grad stays the caller's. With
+ * want_snap, *snap gets the parameters after it with `refs` references (no
+ * copy). With prep (fps__apply_prepare() for the same uh and update) this
+ * cannot fail; without (NULL) it allocates: it may fail (FPS_E*, nothing
+ * changed, nothing consumed). REQUIRES t->mu. */
+int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float **grad, bool update, uint32_t worker_id,
                              uint64_t step, const fps_update_hp_t *uh, bool want_snap, int refs, fps_snap_t **snap,
                              fps_apply_prep_t *prep);
 
-/* Pull's view of a tensor: a snapshot of its parameters (one copy under
- * its lock) and its version. Returns 0, FPS_ENOTFOUND, FPS_ESTATE (still
- * initialising), FPS_ELIMIT (staging limit) or FPS_ENOMEM, with why. */
+/* Pull's view of a tensor: a reference to its published parameters (no
+ * copy) and their version. Returns 0, FPS_ENOTFOUND or FPS_ESTATE (still
+ * initialising), with why. */
 int fps_shard_snapshot(fps_shard_t *sh, const char *name, fps_tensor_t **t, fps_snap_t **snap, char *why,
                        size_t why_len);
 
@@ -794,7 +812,7 @@ struct fps_push_entry_s {
   fps_tensor_t *t;
   uint32_t worker_id;         /* the pushing worker */
   bool skip_params;           /* no snapshot wanted */
-  float *grad;                /* numel floats: staging, becomes the snapshot */
+  float *grad;                /* numel floats: staging, becomes the params */
   fps_ranges_t got;           /* slices received */
   int dtype;                  /* dtype of the first slice: reply dtype */
   uint64_t step;              /* this tensor's step (TensorPush.step or the push's) */

@@ -122,14 +122,14 @@ static fps_tensor_t *fps__tensor_alloc(const char *name, size_t len, const fps_s
   t->last_weight_decay = hp->weight_decay;
   t->name = fps_malloc(len + 1);
   /* Parameters are written by Create's init slices; malloc (not calloc)
-   * leaves untouched pages unfaulted until then. At least one float so a
-   * zero-sized tensor still has a valid pointer. */
-  t->param = fps_malloc((numel ? numel : 1) * sizeof(float));
+   * leaves untouched pages unfaulted until then. */
+  t->pbuf = fps__pbuf_new(numel);
+  t->param = t->pbuf ? t->pbuf->data : NULL;
   t->round.member = fps_calloc(workers ? workers : 1, sizeof *t->round.member);
   /* The apply log grows on demand: most tensors of a big model never need
    * the full --apply-log ring, and 1M tensors x 4096 records would be GBs. */
   t->log_max = log_cap;
-  if (!t->name || !t->param || !t->round.member) goto fail;
+  if (!t->name || !t->pbuf || !t->round.member) goto fail;
   memcpy(t->name, name, len);
   t->name[len] = 0;
   return t;
@@ -196,7 +196,7 @@ void fps_tensor_destroy(fps_tensor_t *t) {
   for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
   fps_free(t->round.member);
   fps_free(t->log);
-  fps_free(t->param);
+  fps__pbuf_retire(NULL, t->pbuf); /* the shard's own teardown: no readers left */
   fps_free(t->name);
   pthread_mutex_destroy(&t->mu);
   fps_free(t);
@@ -214,7 +214,7 @@ fps_adafactor_hparams_t fps__update_hparams(const fps_tensor_t *t, const fps_upd
 }
 
 int fps__apply_prepare(fps_shard_t *sh, const fps_tensor_t *t, const fps_update_hp_t *uh, bool update,
-                       bool want_snap, fps_apply_prep_t *prep, char *why, size_t wl) {
+                       fps_apply_prep_t *prep, char *why, size_t wl) {
   prep->scratch = NULL;
   prep->snap = NULL;
   prep->split = NULL;
@@ -239,10 +239,10 @@ int fps__apply_prepare(fps_shard_t *sh, const fps_tensor_t *t, const fps_update_
       return FPS_ENOMEM;
     }
   }
-  if (want_snap && !(prep->snap = fps_malloc(sizeof *prep->snap))) {
+  if (update && !(prep->snap = fps_malloc(sizeof *prep->snap))) {
     fps_free(prep->scratch);
     prep->scratch = NULL;
-    snprintf(why, wl, "tensor '%s': out of memory for the parameter snapshot", t->name);
+    snprintf(why, wl, "tensor '%s': out of memory for the new parameters' wrapper", t->name);
     return FPS_ENOMEM;
   }
   return 0;
@@ -257,7 +257,7 @@ void fps__apply_prep_release(fps_apply_prep_t *prep) {
   prep->snap = NULL;
 }
 
-int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool update, uint32_t worker_id,
+int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float **grad, bool update, uint32_t worker_id,
                              uint64_t step, const fps_update_hp_t *uh, bool want_snap, int refs, fps_snap_t **snap,
                              fps_apply_prep_t *prep) {
   if (snap) *snap = NULL;
@@ -265,16 +265,24 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool
     fps_adafactor_trace_t tr;
     memset(&tr, 0, sizeof tr);
     fps_adafactor_hparams_t hp = fps__update_hparams(t, uh);
+    /* The wrapper the gradient buffer is published in, before anything
+     * changes (prepared: cannot fail). */
+    fps_snap_t *nb = prep && prep->snap ? prep->snap : fps_malloc(sizeof *nb);
+    if (!nb) return FPS_ENOMEM;
+    if (prep) prep->snap = NULL;
+    float *out = *grad;
     int64_t t0 = fps_now_ns();
     fps_pool_t *pool = t->numel >= FPS_POOL_MIN_NUMEL ? sh->pool : NULL;
     int rc;
+    /* Out of place into the gradient buffer: the published parameters
+     * stay as replies and Pulls read them (fps_snap_t's rule). */
     if (!t->split) {
-      rc = fps_adafactor_step_scratch(sh->kernels, &hp, &t->st, t->param, grad, pool,
-                                      prep ? prep->scratch : NULL, &tr);
+      rc = fps_adafactor_step_to(sh->kernels, &hp, &t->st, t->param, out, out, pool,
+                                 prep ? prep->scratch : NULL, &tr);
     } else if (prep && prep->split) {
       /* A block: pass C of the step combined with the other shards
        * (xstep.c); grad is the sum its pass A read. */
-      rc = fps_split_step_apply(prep->split, &tr);
+      rc = fps_split_step_apply_to(prep->split, out, &tr);
       fps_split_step_free(prep->split);
       prep->split = NULL;
     } else {
@@ -282,10 +290,25 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool
     }
     int64_t t1 = fps_now_ns();
     if (rc < 0) {
+      fps_free(nb);
       FPS_SLOG(FPS_LOG_ERROR, "tensor '%s': Adafactor step failed: %s", t->name, fps_strerror(rc));
       return rc;
     }
     t->version++;
+    /* Publish: the staged gradient buffer becomes the tensor's own (no
+     * longer staging), the old one is retired (staging while read). */
+    atomic_init(&nb->refs, 1);
+    nb->sh = sh;
+    nb->data = out;
+    nb->numel = t->numel;
+    nb->version = t->version;
+    nb->staged = false;
+    atomic_fetch_sub(&sh->tbuf_bytes, (t->numel ? t->numel : 1) * sizeof(float));
+    *grad = NULL;
+    fps_snap_t *old = t->pbuf;
+    t->pbuf = nb;
+    t->param = out;
+    fps__pbuf_retire(sh, old);
     atomic_fetch_add(&sh->changes, 1); /* after the step's writes: checkpoint.c */
     /* hf relative_step: the lr is the relative step size this step used. */
     t->last_lr = hp.flavor == FPS_FLAVOR_HF && hp.relative_step ? tr.rel_step : hp.lr;
@@ -315,22 +338,10 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float *grad, bool
     sh->counters.update_seconds_sum += (double)(t1 - t0) / 1e9;
     pthread_mutex_unlock(&sh->counters.mu);
   }
-  if (want_snap) {
-    /* The gradient is spent: its buffer becomes the snapshot of the
-     * parameters, so an update costs one copy of them and no allocation. */
-    memcpy(grad, t->param, t->numel * sizeof(float));
-    if (prep && prep->snap) {
-      fps_snap_t *s = prep->snap;
-      prep->snap = NULL;
-      atomic_init(&s->refs, refs);
-      s->sh = sh;
-      s->data = grad;
-      s->numel = t->numel;
-      s->version = t->version;
-      *snap = s;
-    } else {
-      *snap = fps_snap_wrap(sh, grad, t->numel, t->version, refs); /* NULL: grad freed */
-    }
+  if (want_snap && refs > 0) {
+    /* The replies read the published buffer itself: no copy. */
+    atomic_fetch_add(&t->pbuf->refs, refs);
+    *snap = t->pbuf;
   }
   return 0;
 }
@@ -364,6 +375,38 @@ void fps_tbuf_free(fps_shard_t *sh, float *p, uint64_t numel) {
   atomic_fetch_sub(&sh->tbuf_bytes, (numel ? numel : 1) * sizeof(float));
 }
 
+fps_snap_t *fps__pbuf_new(uint64_t numel) {
+  fps_snap_t *s = fps_malloc(sizeof *s);
+  /* At least one float so a zero-sized tensor still has a valid pointer. */
+  float *data = fps_malloc((numel ? numel : 1) * sizeof(float));
+  if (!s || !data) {
+    fps_free(s);
+    fps_free(data);
+    return NULL;
+  }
+  atomic_init(&s->refs, 1);
+  s->sh = NULL;
+  s->data = data;
+  s->numel = numel;
+  s->version = 0;
+  s->staged = false;
+  return s;
+}
+
+void fps__pbuf_retire(fps_shard_t *sh, fps_snap_t *s) {
+  if (!s) return;
+  /* refs == 1: only the tensor holds it, and nobody can take a reference
+   * without the tensor (REQUIRES t->mu or sole ownership): free now.
+   * Otherwise readers keep it alive: it counts as staging until the last
+   * one lets go (fps_snap_unref frees it as staged). */
+  if (sh && atomic_load(&s->refs) > 1) {
+    s->sh = sh;
+    s->staged = true;
+    atomic_fetch_add(&sh->tbuf_bytes, (s->numel ? s->numel : 1) * sizeof(float));
+  }
+  fps_snap_unref(s);
+}
+
 fps_snap_t *fps_snap_wrap(fps_shard_t *sh, float *data, uint64_t numel, uint64_t version, int refs) {
   fps_snap_t *s = fps_malloc(sizeof *s);
   if (!s) {
@@ -375,13 +418,15 @@ fps_snap_t *fps_snap_wrap(fps_shard_t *sh, float *data, uint64_t numel, uint64_t
   s->data = data;
   s->numel = numel;
   s->version = version;
+  s->staged = true;
   return s;
 }
 
 void fps_snap_unref(fps_snap_t *s) {
   if (!s) return;
   if (atomic_fetch_sub(&s->refs, 1) == 1) {
-    fps_tbuf_free(s->sh, s->data, s->numel);
+    if (s->staged) fps_tbuf_free(s->sh, s->data, s->numel);
+    else fps_free(s->data);
     fps_free(s);
   }
 }
@@ -410,35 +455,20 @@ int fps_shard_snapshot(fps_shard_t *sh, const char *name, fps_tensor_t **tp, fps
     snprintf(why, wl, "tensor '%s' not found on shard %u", name, sh->cfg.shard_id);
     return FPS_ENOTFOUND;
   }
-  bool over = false;
-  float *copy = fps_tbuf_alloc(sh, t->numel, &over);
-  if (!copy && over) {
-    snprintf(why, wl,
-             "tensor '%s': its %" PRIu64 "-byte snapshot would pass the shard's limit of %" PRIu64
-             " bytes for in-flight tensors (--max-staging-bytes); retry later",
-             name, t->numel * 4, sh->cfg.max_staging_bytes);
-    return FPS_ELIMIT;
-  }
-  if (!copy) {
-    snprintf(why, wl, "tensor '%s': out of memory for a %" PRIu64 "-element snapshot", name, t->numel);
-    return FPS_ENOMEM;
-  }
   pthread_mutex_lock(&t->mu);
   bool ready = t->ready;
-  uint64_t version = t->version;
   uint64_t inited = t->init.covered;
-  if (ready) memcpy(copy, t->param, t->numel * sizeof(float));
+  /* The published buffer itself (immutable): a reference, no copy, and
+   * nothing to allocate. */
+  if (ready) {
+    fps_snap_ref(t->pbuf);
+    *snap = t->pbuf;
+  }
   pthread_mutex_unlock(&t->mu);
   if (!ready) {
-    fps_tbuf_free(sh, copy, t->numel);
     snprintf(why, wl, "tensor '%s' is still initialising (%" PRIu64 " of %" PRIu64 " elements have initial values)",
              name, inited, t->numel);
     return FPS_ESTATE;
-  }
-  *snap = fps_snap_wrap(sh, copy, t->numel, version, 1);
-  if (!*snap) {
-    snprintf(why, wl, "tensor '%s': out of memory", name);
-    return FPS_ENOMEM;
   }
   *tp = t;
   return 0;

@@ -197,7 +197,7 @@ static fps_tensor_t *fps__set_sort(fps_tensor_t *l, size_t k) {
  * the snapshot if one is wanted). 0, or FPS_EUNAVAILABLE if the sum lost
  * a member's gradient (it was aborted meanwhile), FPS_ELIMIT / FPS_ENOMEM
  * for the snapshot's buffer, with why. REQUIRES t->mu. */
-static int fps__round_sum_take_locked(fps_shard_t *sh, fps_tensor_t *t, bool want, char *why, size_t wl) {
+static int fps__round_sum_take_locked(fps_shard_t *sh, fps_tensor_t *t, char *why, size_t wl) {
   t->round.sum = NULL;
   if (!t->round.none) {
     if ((t->round.sum = fps__reduce_take_locked(sh, t))) return 0;
@@ -215,12 +215,7 @@ static int fps__round_sum_take_locked(fps_shard_t *sh, fps_tensor_t *t, bool wan
            "worker (which sent no_grad); not counted",
            t->name, t->round.step);
   fps__reduce_discard_locked(sh, t, FPS_EDUP, msg);
-  if (!want) return 0;
-  bool over = false;
-  if ((t->round.sum = fps_tbuf_alloc(sh, t->numel, &over))) return 0;
-  snprintf(why, wl, "tensor '%s': %s for the %" PRIu64 "-byte parameter snapshot", t->name,
-           over ? "the staging limit (--max-staging-bytes) leaves no room" : "out of memory", t->numel * 4);
-  return over ? FPS_ELIMIT : FPS_ENOMEM;
+  return 0; /* the replies reference the current parameters: no buffer */
 }
 
 /* Completes a full set of k rounds that the caller marked settling: every
@@ -240,11 +235,9 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
   fps_tensor_t *prepared = set;
   for (; prepared && !err; prepared = prepared->round.cnext) {
     fps_push_entry_t **m = prepared->round.member;
-    bool want = false;
-    for (uint32_t w = 0; w < W; w++) want |= !m[w]->skip_params;
-    err = fps__apply_prepare(sh, prepared, &m[0]->uh, !prepared->round.none, want, &prepared->round.prep, why,
+    err = fps__apply_prepare(sh, prepared, &m[0]->uh, !prepared->round.none, &prepared->round.prep, why,
                              sizeof why);
-    if (!err) err = fps__round_sum_take_locked(sh, prepared, want, why, sizeof why);
+    if (!err) err = fps__round_sum_take_locked(sh, prepared, why, sizeof why);
   }
   if (err) {
     fps__set_settle(sh, set, k, err, why, sizeof why);
@@ -300,15 +293,16 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
       if (!t->round.none)
         fps_metrics_step_observe(W, (double)(fps_now_ns() - t->round.started_ns) / 1e9);
       /* The sum buffer (divided by W: fps__set_complete) becomes the
-       * snapshot all W share (one reference each). Every worker said
-       * no_grad: nothing is applied, every member gets the current params
-       * at the current version. */
-      bool want = t->round.prep.snap != NULL;
+       * tensor's parameters, which all W replies share (one reference
+       * each). Every worker said no_grad: nothing is applied, every member
+       * gets the current params at the current version. */
+      bool want = false;
+      for (uint32_t w = 0; w < W; w++) want |= !m[w]->skip_params;
       fps_snap_t *snap = NULL;
-      int rc = fps__tensor_apply_locked(sh, t, sum, !t->round.none, 0, t->round.step, &m[0]->uh, want, (int)W,
+      int rc = fps__tensor_apply_locked(sh, t, &sum, !t->round.none, 0, t->round.step, &m[0]->uh, want, (int)W,
                                         &snap, &t->round.prep);
       fps__apply_prep_release(&t->round.prep);
-      if (!(rc == 0 && want)) fps_tbuf_free(sh, sum, n); /* not consumed */
+      fps_tbuf_free(sh, sum, n); /* NULL once consumed */
       for (uint32_t w = 0; w < W; w++) {
         fps_push_entry_t *e = m[w];
         fps_tbuf_free(sh, e->grad, n);
