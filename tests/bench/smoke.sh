@@ -4,7 +4,8 @@
 # the total of torch_rpc_ps.py's model_shapes(10M, 64)), and
 # side_by_side.py must complete a tiny sync + async matrix with fp32 and
 # bf16 on the wire (no peer, no iperf3: timings are not checked here),
-# printing the sync memory bound per shard.
+# printing the sync memory bound per shard; perf_summary.py (the profile
+# helper's report) must group a canned perf report right.
 #   smoke.sh BUILD_DIR SOURCE_DIR
 set -eu
 build=$1 src=$2
@@ -36,3 +37,25 @@ echo "$table"
 # from that shard's Stats (a "-" there means Stats could not be read).
 echo "$table" | grep -Eq '^\| 300k \| 2 \| sync \|.*\(([0-9.]+ / [0-9.]+), (within|OVER)\)' ||
   { echo "smoke: no sync memory bound in the table" >&2; exit 1; }
+# perf_summary.py groups a shard's symbols: a canned `perf report` excerpt
+# (percent, user [.] or kernel [k], symbol) with known group totals.
+cat >"$tmp/report.txt" <<'REPORT'
+# Samples: 1000  of event 'cpu-clock:pppH'
+    30.00%  [k] _copy_to_iter
+    20.00%  [.] sum_f32_avx512
+    15.00%  [.] __memmove_avx512_unaligned_erms
+    10.00%  [.] apply_rowcol_avx512
+     5.00%  [k] memcpy_orig
+     5.00%  [.] fps_dtype_decode
+     5.00%  [k] clear_page_erms
+     5.00%  [.] bf16_encode_avx2
+     5.00%  [k] finish_task_switch.isra.0
+REPORT
+summary=$(/usr/bin/python3 "$src/tests/bench/perf_summary.py" --report "$tmp/report.txt")
+echo "$summary"
+for want in " 35.00%  kernel TCP copies" " 25.00%  decode / sum kernels" \
+  " 15.00%  user-space copies" " 10.00%  Adafactor kernels" "  5.00%  bf16 encode" \
+  "  5.00%  page faults, zeroing" "  5.00%  other kernel" "  0.00%  other user" \
+  "user 55.0%, kernel 45.0%"; do
+  echo "$summary" | grep -qF -- "$want" || { echo "smoke: perf_summary lacks '$want'" >&2; exit 1; }
+done
