@@ -52,54 +52,58 @@ float fps_bf16_to_f32(uint16_t h) {
   return f;
 }
 
-/* An exponent field of 0xBE or more means |x| >= 2^63 = FPS_GRAD_ABS_LIMIT,
- * NaN and Inf (all ones) included; testing the bits keeps the loop
- * branch-free and independent of -ffast-math. */
-#define FPS__BAD_GRAD_EXP 0x5f000000u
-static inline int fps__bad_grad_bits(uint32_t u) {
-  return (u & 0x7f800000u) >= FPS__BAD_GRAD_EXP;
-}
-
 int fps_dtype_decode(int dtype, const void *src, uint64_t n, float *dst,
                      uint64_t *first_bad_grad) {
-  const unsigned char *p = src;
   uint64_t bad = n;
   if (dtype == FPS_DTYPE_F32) {
-    /* One pass: copy a cache-sized block, then test it while it is hot.
-     * (bits & exponent) + (2^31 - FPS__BAD_GRAD_EXP) carries into bit 31
-     * only for an exponent field of 0xBE or more (|x| >= 2^63, NaN, Inf);
-     * the OR over a fixed-size block is branch-free, so the compiler
-     * vectorises it. Only a block with a hit is scanned. */
-    const uint32_t carry = 0x80000000u - FPS__BAD_GRAD_EXP;
-    enum { B = 1024 };
-    for (uint64_t i = 0; i < n; i += B) {
-      uint64_t m = n - i < B ? n - i : B;
-      memcpy(dst + i, p + 4 * i, m * 4);
-      if (!first_bad_grad || bad != n) continue;
-      const uint32_t *w = (const uint32_t *)(const void *)(dst + i);
-      uint32_t acc = 0;
-      if (m == B) {
-        for (uint64_t j = 0; j < B; j++) acc |= (w[j] & 0x7f800000u) + carry;
-      } else {
-        for (uint64_t j = 0; j < m; j++) acc |= (w[j] & 0x7f800000u) + carry;
-      }
-      if (acc & 0x80000000u) {
-        for (uint64_t j = 0; j < m; j++) {
-          if (fps__bad_grad_bits(w[j])) {
-            bad = i + j;
-            break;
-          }
-        }
-      }
+    if (!first_bad_grad) {
+      memcpy(dst, src, n * 4); /* nothing to check: the plain copy */
+      return 0;
     }
+    /* Copy and check in one pass; the kernel stops at the first invalid
+     * value, and the rest is still decoded, as this function promises. */
+    bad = fps_kernels_best()->decode_f32(dst, src, (size_t)n);
+    if (bad < n) memcpy(dst + bad, (const unsigned char *)src + 4 * bad, (n - bad) * 4);
   } else if (dtype == FPS_DTYPE_BF16) {
     /* The SIMD variant converts and checks in one pass (exact: a shift). */
-    bad = fps_kernels_best()->bf16_decode(dst, p, (size_t)n);
+    bad = fps_kernels_best()->bf16_decode(dst, src, (size_t)n);
   } else {
     return FPS_EINVAL;
   }
   if (first_bad_grad) *first_bad_grad = bad;
   return 0;
+}
+
+uint64_t fps_dtype_grad_sum(const fps_kernels_t *k, int dtype, float *acc, const void *src, uint64_t n) {
+  if (!k) k = fps_kernels_best();
+  switch (dtype) {
+    case FPS_DTYPE_F32: return k->sum_f32(acc, src, (size_t)n);
+    case FPS_DTYPE_BF16: return k->sum_bf16(acc, src, (size_t)n);
+    default: return 0;
+  }
+}
+
+uint64_t fps_dtype_grad_decode(const fps_kernels_t *k, int dtype, float *dst, const void *src,
+                               uint64_t n) {
+  if (!k) k = fps_kernels_best();
+  switch (dtype) {
+    case FPS_DTYPE_F32: return k->decode_f32(dst, src, (size_t)n);
+    case FPS_DTYPE_BF16: return k->bf16_decode(dst, src, (size_t)n);
+    default: return 0;
+  }
+}
+
+float fps_dtype_value(int dtype, const void *src, uint64_t i) {
+  const unsigned char *p = src;
+  float f = 0;
+  if (dtype == FPS_DTYPE_F32) {
+    memcpy(&f, p + 4 * i, 4);
+  } else if (dtype == FPS_DTYPE_BF16) {
+    uint16_t h;
+    memcpy(&h, p + 2 * i, 2);
+    f = fps_bf16_to_f32(h);
+  }
+  return f;
 }
 
 int fps_dtype_encode(int dtype, const float *src, uint64_t n, void *dst) {

@@ -49,6 +49,27 @@ float fps_bf16_to_f32(uint16_t h);
 int fps_dtype_decode(int dtype, const void *src, uint64_t n, float *dst,
                      uint64_t *first_bad_grad);
 
+/* The kernel table (simd/kernels.h); NULL below means the best variant. */
+typedef struct fps_kernels_s fps_kernels_t;
+
+/* A received gradient's one pass in: n little-endian `dtype` values at src
+ * (any alignment; dtype F32 or BF16, already validated: any other dtype
+ * refuses element 0) are checked and added to acc (acc[j] += x[j], one
+ * fp32 add, bit-identical to decoding first and then
+ * fps_kernels_add_f32) or, for fps_dtype_grad_decode, stored at dst.
+ * Returns the index of the first element that is not a valid gradient
+ * (see FPS_GRAD_ABS_LIMIT) or n. Elements before it are done; a sum
+ * leaves acc from that index on untouched (so what was summed is exactly
+ * [0, index)); a decode may have written dst there. Kernels k (NULL: the
+ * best); every variant gives the same bits. */
+uint64_t fps_dtype_grad_sum(const fps_kernels_t *k, int dtype, float *acc, const void *src, uint64_t n);
+uint64_t fps_dtype_grad_decode(const fps_kernels_t *k, int dtype, float *dst, const void *src,
+                               uint64_t n);
+
+/* Element i of little-endian `dtype` data at src as fp32 (0 for an
+ * unsupported dtype): the value to name in an error message. */
+float fps_dtype_value(int dtype, const void *src, uint64_t i);
+
 /* Encodes n fp32 values to little-endian `dtype` bytes at dst (any
  * alignment; fps_dtype_size(dtype) * n bytes). Returns 0 or FPS_EINVAL. */
 int fps_dtype_encode(int dtype, const float *src, uint64_t n, void *dst);

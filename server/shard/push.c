@@ -719,17 +719,19 @@ int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *
     /* Check, convert and stage in one pass, piece by piece when the data is
      * in several buffers (each piece whole elements). */
     uint64_t bad = count, done = 0;
+    float badv = 0;
     if (!s->src) {
-      fps_dtype_decode(s->dtype, s->data, count, e->grad + s->offset, &bad);
+      bad = fps_dtype_grad_decode(sh->kernels, s->dtype, e->grad + s->offset, s->data, count);
+      if (bad < count) badv = fps_dtype_value(s->dtype, s->data, bad);
     } else {
       const uint8_t *piece;
       uint64_t k;
       while (done < count && (k = s->src->next(s->src->ctx, &piece)) > 0) {
         if (k > count - done) k = count - done;
-        uint64_t b = k;
-        fps_dtype_decode(s->dtype, piece, k, e->grad + s->offset + done, &b);
+        uint64_t b = fps_dtype_grad_decode(sh->kernels, s->dtype, e->grad + s->offset + done, piece, k);
         if (b < k) {
           bad = done + b;
+          badv = fps_dtype_value(s->dtype, piece, b);
           break;
         }
         done += k;
@@ -741,7 +743,7 @@ int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *
       }
     }
     if (bad < count) {
-      fps__reduce_bad_value_why(why, wl, name, s->offset + bad, e->grad[s->offset + bad]);
+      fps__reduce_bad_value_why(why, wl, name, s->offset + bad, badv);
       return FPS_EINVAL;
     }
   }

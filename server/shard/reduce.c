@@ -23,8 +23,8 @@
 #include "alloc.h"
 #include "simd/kernels.h"
 
-/* Floats converted per step when a slice is added to the sum: decoded
- * (and checked) into this stack buffer while it is in L1, then added. */
+/* Floats checked per step by a retry that only checks (its values are not
+ * kept): decoded into this stack buffer, which stays in L1. */
 #define FPS_REDUCE_CHUNK 2048
 
 /* ------------------------------------------------------------- pieces */
@@ -261,19 +261,21 @@ static int fps__reduce_check_only(const fps_tensor_t *t, const fps_slice_t *s, u
   float tmp[FPS_REDUCE_CHUNK];
   size_t esz = fps_dtype_size(s->dtype);
   for (uint64_t off = 0; off < count; off += FPS_REDUCE_CHUNK) {
-    uint64_t n = count - off < FPS_REDUCE_CHUNK ? count - off : FPS_REDUCE_CHUNK, bad = n;
-    fps_dtype_decode(s->dtype, s->data + off * esz, n, tmp, &bad);
+    uint64_t n = count - off < FPS_REDUCE_CHUNK ? count - off : FPS_REDUCE_CHUNK;
+    uint64_t bad = fps_dtype_grad_decode(NULL, s->dtype, tmp, s->data + off * esz, n);
     if (bad < n) {
-      fps__reduce_bad_value_why(why, wl, t->name, s->offset + off + bad, tmp[bad]);
+      fps__reduce_bad_value_why(why, wl, t->name, s->offset + off + bad,
+                                fps_dtype_value(s->dtype, s->data, off + bad));
       return FPS_EINVAL;
     }
   }
   return 0;
 }
 
-/* s is ready for e's worker: converted, checked and summed in one pass per
- * chunk. A bad value stops it; what was summed before it stays recorded
- * in done[w] (the push then fails, and leaving aborts the round). */
+/* s is ready for e's worker: checked, converted and summed in one pass
+ * straight from the received bytes. A bad value stops it; exactly the
+ * elements before it are summed, and they stay recorded in done[w] (the
+ * push then fails, and if that is not empty, leaving aborts the round). */
 static int fps__reduce_sum_slice(fps_shard_t *sh, fps_push_entry_t *e, const fps_slice_t *s, uint64_t count,
                                  char *why, size_t wl) {
   fps_tensor_t *t = e->t;
@@ -287,25 +289,18 @@ static int fps__reduce_sum_slice(fps_shard_t *sh, fps_push_entry_t *e, const fps
   if (w == 0) {
     /* Worker 0 decodes straight into the sum. On a bad value nothing is
      * recorded: the elements stay unsummed and are overwritten later. */
-    uint64_t bad = count;
-    fps_dtype_decode(s->dtype, s->data, count, r->acc + lo, &bad);
+    uint64_t bad = fps_dtype_grad_decode(sh->kernels, s->dtype, r->acc + lo, s->data, count);
     if (bad < count) {
-      fps__reduce_bad_value_why(why, wl, t->name, lo + bad, r->acc[lo + bad]);
+      fps__reduce_bad_value_why(why, wl, t->name, lo + bad, fps_dtype_value(s->dtype, s->data, bad));
       return FPS_EINVAL;
     }
   } else {
-    float tmp[FPS_REDUCE_CHUNK];
-    size_t esz = fps_dtype_size(s->dtype);
-    for (uint64_t off = 0; off < count; off += FPS_REDUCE_CHUNK) {
-      uint64_t n = count - off < FPS_REDUCE_CHUNK ? count - off : FPS_REDUCE_CHUNK, bad = n;
-      fps_dtype_decode(s->dtype, s->data + off * esz, n, tmp, &bad);
-      if (bad < n) {
-        fps__reduce_bad_value_why(why, wl, t->name, lo + off + bad, tmp[bad]);
-        fps_ranges_add(&r->done[w], lo, lo + off);
-        fps__reduce_cascade(sh, t, w, lo, lo + off);
-        return FPS_EINVAL;
-      }
-      fps_kernels_add_f32(sh->kernels, r->acc + lo + off, tmp, (size_t)n);
+    uint64_t bad = fps_dtype_grad_sum(sh->kernels, s->dtype, r->acc + lo, s->data, count);
+    if (bad < count) {
+      fps__reduce_bad_value_why(why, wl, t->name, lo + bad, fps_dtype_value(s->dtype, s->data, bad));
+      fps_ranges_add(&r->done[w], lo, lo + bad); /* reserved: cannot fail */
+      fps__reduce_cascade(sh, t, w, lo, lo + bad);
+      return FPS_EINVAL;
     }
   }
   fps_ranges_add(&r->done[w], lo, hi);
@@ -332,10 +327,9 @@ static int fps__reduce_stage(fps_shard_t *sh, fps_push_entry_t *e, const fps_sli
       snprintf(why, wl, "tensor '%s': out of memory staging %" PRIu64 " gradient elements", t->name, count);
     return over ? FPS_ELIMIT : FPS_ENOMEM;
   }
-  uint64_t bad = count;
-  fps_dtype_decode(s->dtype, s->data, count, data, &bad);
+  uint64_t bad = fps_dtype_grad_decode(sh->kernels, s->dtype, data, s->data, count);
   if (bad < count) {
-    fps__reduce_bad_value_why(why, wl, t->name, s->offset + bad, data[bad]);
+    fps__reduce_bad_value_why(why, wl, t->name, s->offset + bad, fps_dtype_value(s->dtype, s->data, bad));
     fps_tbuf_free(sh, data, count);
     fps_free(x);
     return FPS_EINVAL;

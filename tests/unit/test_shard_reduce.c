@@ -392,6 +392,112 @@ static void failed_member_aborts_the_round(void **unused) {
   fx_shard_free(&sh);
 }
 
+/* Worker 1's slice [lo, N) in dtype dt with the fp32 bits badf (their top
+ * half in bf16) at absolute element `at`; the caller frees it. */
+static uint8_t *wire_with_bad(int dt, const float *g, uint64_t lo, uint64_t at, uint32_t badf) {
+  size_t esz = fps_dtype_size(dt);
+  uint8_t *b = malloc((N - lo) * esz);
+  assert_non_null(b);
+  assert_int_equal(fps_dtype_encode(dt, g + lo, N - lo, b), 0);
+  if (dt == FPS_DTYPE_BF16) {
+    uint16_t h = (uint16_t)(badf >> 16);
+    memcpy(b + (at - lo) * 2, &h, 2);
+  } else {
+    memcpy(b + (at - lo) * 4, &badf, 4);
+  }
+  return b;
+}
+
+/* A bad value inside a slice, at a position no vector width divides, for
+ * every variant and both dtypes, the slice in one piece and in runs: the
+ * push fails naming the element and its value; exactly the elements before
+ * it are in the sum and recorded as summed, the rest of the sum is
+ * untouched, and its leaving aborts the round. A bad value at the first
+ * element of the worker's first summed slice sums nothing: that push just
+ * leaves, and a retry completes the round bit-identical to the replay. */
+static void bad_value_inside_a_slice(void **unused) {
+  (void)unused;
+  static float init[N], g[2][N], want[N], got[N];
+  fx_fill(init, N, 120);
+  for (const char *const *name = fps_kernels_all_names; *name; name++) {
+    const fps_kernels_t *k;
+    char why[FPS_WHY_MAX];
+    if (fps_kernels_by_name(*name, &k, why, sizeof why) < 0) continue; /* not on this CPU */
+    for (int dt = FPS_DTYPE_F32; dt <= FPS_DTYPE_BF16; dt++) {
+      fx_fill(g[0], N, 121);
+      fx_fill(g[1], N, 122);
+      /* what the shard sees of worker 1's gradient */
+      uint8_t *enc = malloc(N * fps_dtype_size(dt));
+      assert_non_null(enc);
+      assert_int_equal(fps_dtype_encode(dt, g[1], N, enc), 0);
+      assert_int_equal(fps_dtype_decode(dt, enc, N, g[1], NULL), 0);
+      replay(k, init, g, 2, want);
+      fps_shard_t sh;
+      shard_with(&sh, FPS_MODE_SYNC, 2, k, 64u << 20);
+      assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
+      fps_tensor_t *t = fps_store_find(&sh.store, "w");
+      fx_done_t d0, dx;
+      fps_push_t *p0 = fx_push_new(&sh, 0, 0, INT64_MAX, &d0);
+      send_ok(p0, &sh, g[0], 0, N);
+      assert_int_equal(fx_commit(p0, NULL), FPS_EAGAIN);
+      fps_push_t *x = fx_push_new(&sh, 1, 0, INT64_MAX, &dx);
+      ev_t ev = {.lo = 0, .hi = 3, .dtype = dt, .bytes = enc};
+      assert_int_equal(send(x, &sh, &ev, why), 0);
+      const uint64_t at = 3 + 37; /* element 37 of the slice [3, N) */
+      uint8_t *bad = wire_with_bad(dt, g[1], 3, at, 0x7fc00000u); /* a NaN */
+      ev = (ev_t){.lo = 3, .hi = N, .dtype = dt, .bytes = bad};
+      assert_int_equal(send_runs(x, &sh, &ev, dt == FPS_DTYPE_BF16 ? 7 : 0, why), FPS_EINVAL);
+      assert_non_null(strstr(why, "gradient element 40 is NaN"));
+      assert_non_null(t->red);
+      assert_int_equal(t->red->done[1].covered, at);
+      for (uint64_t i = 0; i < N; i++) {
+        float sum = i < at ? g[0][i] + g[1][i] : g[0][i];
+        if (memcmp(&sum, &t->red->acc[i], 4)) {
+          print_error("%s %s: sum element %llu differs\n", *name, fps_dtype_name(dt),
+                      (unsigned long long)i);
+          fail();
+        }
+      }
+      fps_push_destroy(x); /* part of it is summed: the round is aborted */
+      assert_int_equal(d0.calls, 1);
+      assert_int_equal(d0.err, FPS_EUNAVAILABLE);
+      assert_non_null(strstr(d0.why, "worker 1's call failed"));
+      fps_push_destroy(p0);
+      assert_null(t->red);
+      assert_int_equal(fx_params(&sh, "w", got), 0);
+      assert_memory_equal(got, init, sizeof got);
+      free(bad);
+
+      /* The first element bad (an Inf): nothing summed, nobody fails. */
+      p0 = fx_push_new(&sh, 0, 0, INT64_MAX, &d0);
+      send_ok(p0, &sh, g[0], 0, N);
+      assert_int_equal(fx_commit(p0, NULL), FPS_EAGAIN);
+      x = fx_push_new(&sh, 1, 0, INT64_MAX, &dx);
+      bad = wire_with_bad(dt, g[1], 100, 100, 0xff800000u);
+      ev = (ev_t){.lo = 100, .hi = N, .dtype = dt, .bytes = bad};
+      assert_int_equal(send(x, &sh, &ev, why), FPS_EINVAL);
+      assert_non_null(strstr(why, "gradient element 100 is Inf"));
+      assert_int_equal(t->red->done[1].covered, 0);
+      fps_push_destroy(x);
+      assert_int_equal(d0.calls, 0);
+      x = fx_push_new(&sh, 1, 0, INT64_MAX, &dx);
+      ev = (ev_t){.lo = 0, .hi = N, .dtype = dt, .bytes = enc};
+      assert_int_equal(send(x, &sh, &ev, why), 0);
+      assert_int_equal(fx_commit(x, why), 0);
+      assert_int_equal(d0.calls, 1);
+      assert_int_equal(d0.err, 0);
+      fps_push_destroy(x);
+      fps_push_destroy(p0);
+      assert_int_equal(fx_params(&sh, "w", got), 1);
+      assert_memory_equal(got, want, sizeof got);
+      assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+      fx_shard_free(&sh);
+      free(bad);
+      free(enc);
+    }
+  }
+}
+
 /* A second push of a worker stages privately while the first holds the
  * place; it is refused while the first streams, takes the place when the
  * first leaves with nothing summed, and is a duplicate once the first has
@@ -638,6 +744,7 @@ int main(void) {
       cmocka_unit_test(sum_is_bit_identical_for_every_variant),
       cmocka_unit_test(early_pieces_are_staged_and_drained),
       cmocka_unit_test(failed_member_aborts_the_round),
+      cmocka_unit_test(bad_value_inside_a_slice),
       cmocka_unit_test(second_push_of_a_worker_and_deadline),
       cmocka_unit_test(no_grad_and_retries),
       cmocka_unit_test(backpressure_holds_and_resumes),
