@@ -123,39 +123,127 @@ static void kcase_free(kcase_t *c) {
   free(c->p), free(c->g);
 }
 
-/* The sync sum (dst += src, 12 B/elem) and the bf16 wire conversions
- * (encode 6 B/elem, decode + check 6 B/elem) over 16M elements, one
- * thread, per variant: best of `reps` (like the triad) and median. */
+/* The path the fused kernels replaced (reduce.c and dtype.c before them),
+ * kept here as the baseline: per 1024 floats, memcpy from the received
+ * bytes, then a branch-free OR over the copy tests the exponents (the old
+ * fps_dtype_decode); the sync sum did that into a 2048-float stack buffer
+ * and then add_f32'd it. */
+static size_t old_decode_check(float *dst, const void *src, size_t n) {
+  const unsigned char *p = src;
+  const uint32_t carry = 0x80000000u - 0x5f000000u;
+  for (size_t i = 0; i < n; i += 1024) {
+    size_t m = n - i < 1024 ? n - i : 1024;
+    memcpy(dst + i, p + 4 * i, m * 4);
+    const uint32_t *w = (const uint32_t *)(const void *)(dst + i);
+    uint32_t acc = 0;
+    for (size_t j = 0; j < m; j++) acc |= (w[j] & 0x7f800000u) + carry;
+    if (acc & 0x80000000u)
+      for (size_t j = 0; j < m; j++)
+        if ((w[j] & 0x7f800000u) >= 0x5f000000u) return i + j;
+  }
+  return n;
+}
+
+static size_t old_sum(const fps_kernels_t *k, float *acc, const void *src, size_t n) {
+  float tmp[2048];
+  const unsigned char *p = src;
+  for (size_t off = 0; off < n; off += 2048) {
+    size_t m = n - off < 2048 ? n - off : 2048;
+    size_t bad = old_decode_check(tmp, p + 4 * off, m);
+    if (bad < m) return off + bad;
+    k->add_f32(acc + off, tmp, m);
+  }
+  return n;
+}
+
+enum {
+  SK_ADD, SK_OLD_SUM, SK_SUM_F32, SK_SUM_BF16, SK_OLD_DECODE, SK_DECODE_F32, SK_ENCODE_BF16,
+  SK_DECODE_BF16, SK_COUNT
+};
+static const char *const sk_what[SK_COUNT] = {
+    "add_f32 (sync sum of fp32 arrays)",
+    "old sum: memcpy + check into L1, then add_f32",
+    "sum_f32 (check + add from the wire bytes)",
+    "sum_bf16 (check + widen + add)",
+    "old fps_dtype_decode f32: memcpy + check",
+    "decode_f32 (check + copy)",
+    "bf16_encode",
+    "bf16_decode + gradient check"};
+/* bytes each must move: reads plus writes, per element */
+static const double sk_bpe[SK_COUNT] = {12, 12, 12, 10, 8, 8, 6, 6};
+
+/* The sync sum and the wire conversions over 16M elements, one thread,
+ * per variant; the old memcpy-based decode is variant-independent and
+ * runs once. All (kernel, variant) pairs run round-robin rep by rep, so
+ * that the machine's load hits the new kernels and the ones they replaced
+ * alike: best of `reps` and median. */
 static void bench_stream_kernels(int reps) {
   const size_t n = (size_t)16 << 20;
-  float *a = malloc(n * 4), *b = malloc(n * 4);
+  float *a = malloc(n * 4), *b = malloc(n * 4), *c = malloc(n * 4);
   uint16_t *h = malloc(n * 2);
-  if (!a || !b || !h) exit(1);
-  for (size_t i = 0; i < n; i++) a[i] = frand(), b[i] = frand() * 1e-3f;
-  printf("\n| kernel | simd | best ms | median ms | B/elem | best GB/s | vs scalar (best) |\n");
-  printf("|---|---|---|---|---|---|---|\n");
-  const char *what[3] = {"add_f32 (sync sum)", "bf16_encode", "bf16_decode"};
-  const double bpe[3] = {12, 6, 6};
-  for (int w = 0; w < 3; w++) {
-    double scalar_best = 0;
+  unsigned char *wire = malloc(n * 4 + 64);
+  if (!a || !b || !c || !h || !wire) exit(1);
+  for (size_t i = 0; i < n; i++) a[i] = frand(), b[i] = frand() * 1e-3f, c[i] = 0;
+  memcpy(wire, b, n * 4);
+  for (size_t i = 0; i < n; i++) {
+    uint32_t u;
+    memcpy(&u, b + i, 4);
+    h[i] = (uint16_t)(u >> 16); /* valid bf16 gradients: b's top halves */
+  }
+  typedef struct pair_s {
+    int what;
+    const fps_kernels_t *k;
+    double t[64];
+  } pair_t;
+  pair_t pairs[SK_COUNT * 4];
+  int np = 0;
+  for (int w = 0; w < SK_COUNT; w++)
     for (int vi = 0; fps_kernels_all_names[vi]; vi++) {
       const fps_kernels_t *k;
       if (fps_kernels_by_name(fps_kernels_all_names[vi], &k, NULL, 0) != 0) continue;
-      double t[64];
-      for (int r = -1; r < reps; r++) {
-        double t0 = now_s();
-        if (w == 0) k->add_f32(a, b, n);
-        else if (w == 1) k->bf16_encode(h, a, n);
-        else if (k->bf16_decode(b, h, n) != n) exit(1);
-        if (r >= 0) t[r] = now_s() - t0;
-      }
-      double best = minimum(t, reps), med = median(t, reps);
-      if (vi == 0) scalar_best = best;
-      printf("| %s | %s | %.2f | %.2f | %.0f | %.2f | %.2fx |\n", what[w], k->name, best * 1e3,
-             med * 1e3, bpe[w], bpe[w] * (double)n / best / 1e9, scalar_best / best);
+      if (w == SK_OLD_DECODE && vi > 0) continue;
+      pairs[np].what = w;
+      pairs[np++].k = k;
     }
+  for (int r = -1; r < reps; r++)
+    for (int i = 0; i < np; i++) {
+      const fps_kernels_t *k = pairs[i].k;
+      size_t got = n;
+      double t0 = now_s();
+      switch (pairs[i].what) {
+        case SK_ADD: k->add_f32(a, b, n); break;
+        case SK_OLD_SUM: got = old_sum(k, a, wire, n); break;
+        case SK_SUM_F32: got = k->sum_f32(a, wire, n); break;
+        case SK_SUM_BF16: got = k->sum_bf16(a, h, n); break;
+        case SK_OLD_DECODE: got = old_decode_check(c, wire, n); break;
+        case SK_DECODE_F32: got = k->decode_f32(c, wire, n); break;
+        case SK_ENCODE_BF16: k->bf16_encode(h, a, n); break;
+        default: got = k->bf16_decode(c, h, n); break;
+      }
+      if (r >= 0) pairs[i].t[r] = now_s() - t0;
+      if (got != n) exit(1);
+    }
+  /* "vs replaced": the fused kernel's best rep against the best rep of
+   * the path it replaced, same variant, same run. */
+  printf("\n| kernel | simd | best ms | median ms | B/elem | best GB/s | vs scalar (best) | vs replaced (best) |\n");
+  printf("|---|---|---|---|---|---|---|---|\n");
+  double scalar_best = 0, best_of[SK_COUNT][4] = {{0}};
+  for (int i = 0; i < np; i++) {
+    double best = minimum(pairs[i].t, reps), med = median(pairs[i].t, reps);
+    if (i == 0 || pairs[i].what != pairs[i - 1].what) scalar_best = best;
+    int w = pairs[i].what, vi = 0;
+    while (strcmp(fps_kernels_all_names[vi], pairs[i].k->name)) vi++;
+    best_of[w][vi] = best;
+    char vs[32] = "-";
+    if (w == SK_SUM_F32 && best_of[SK_OLD_SUM][vi] > 0)
+      snprintf(vs, sizeof vs, "%.2fx", best_of[SK_OLD_SUM][vi] / best);
+    if (w == SK_DECODE_F32 && best_of[SK_OLD_DECODE][0] > 0)
+      snprintf(vs, sizeof vs, "%.2fx", best_of[SK_OLD_DECODE][0] / best);
+    printf("| %s | %s | %.2f | %.2f | %.0f | %.2f | %.2fx | %s |\n", sk_what[w],
+           w == SK_OLD_DECODE ? "memcpy" : pairs[i].k->name, best * 1e3, med * 1e3, sk_bpe[w],
+           sk_bpe[w] * (double)n / best / 1e9, scalar_best / best, vs);
   }
-  free(a), free(b), free(h);
+  free(a), free(b), free(c), free(h), free(wire);
 }
 
 int main(int argc, char **argv) {
