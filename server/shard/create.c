@@ -310,7 +310,7 @@ static void fps__plan_reset(fps_plan_t *p, size_t n) {
   for (size_t i = 0; i < n; i++) {
     fps_ranges_free(&p[i].ranges);
     for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&p[i].sranges[k]);
-    fps__pbuf_retire(p[i].sh, p[i].new_pbuf);
+    fps__pbuf_retire(p[i].sh, p[i].t, p[i].new_pbuf);
     fps_adafactor_state_destroy(&p[i].new_st);
     fps_split_state_destroy(&p[i].new_sst);
     if (p[i].lead == i && p[i].is_new && !p[i].inserted) fps_tensor_destroy(p[i].t);
@@ -597,6 +597,7 @@ again:
       }
       t->version = items[i].step;
       t->pbuf->version = t->version;
+      fps_free(atomic_exchange(&t->spare, NULL)); /* a new history: start afresh */
       t->ready = true;
       fps_ranges_free(&t->init);
       for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);

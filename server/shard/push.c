@@ -97,7 +97,7 @@ void fps_push_destroy(fps_push_t *p) {
   for (size_t i = 0; i < p->n; i++) {
     fps_push_entry_t *e = p->e[i];
     if (p->sh->cfg.mode == FPS_MODE_SYNC) fps__sync_leave(p->sh, e);
-    fps_tbuf_free(p->sh, e->grad, e->t->numel);
+    fps__tbuf_keep(p->sh, e->t, e->grad);
     fps_ranges_free(&e->got);
     fps_free(e->msg);
     fps_snap_unref(e->snap);
@@ -303,7 +303,7 @@ static bool fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
     if (replay) e->version = vers ? vers[i] : 0;
     e->err = 0;
     e->snap = snap; /* NULL with skip_params */
-    fps_tbuf_free(sh, e->grad, t->numel); /* not consumed: no update */
+    fps__tbuf_keep(sh, t, e->grad); /* not consumed: no update */
     e->grad = NULL;
   }
   if (sh->cfg.mode == FPS_MODE_SSP && !replay) fps__ssp_advance(sh, p->worker_id, p->step);
@@ -551,7 +551,7 @@ static fps_push_entry_t *fps__push_entry(fps_push_t *p, fps_tensor_t *t, int dty
   fps_push_entry_t *e = fps_calloc(1, sizeof *e);
   if (!e) return NULL;
   /* Sync sums into its round's accumulator instead (reduce.c). */
-  if (p->sh->cfg.mode != FPS_MODE_SYNC && !(e->grad = fps_tbuf_alloc(p->sh, t->numel, over_limit))) {
+  if (p->sh->cfg.mode != FPS_MODE_SYNC && !(e->grad = fps__tbuf_take(p->sh, t, over_limit))) {
     fps_free(e);
     return NULL;
   }

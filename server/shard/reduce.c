@@ -130,7 +130,7 @@ void fps__reduce_bad_value_why(char *why, size_t wl, const char *name, uint64_t 
 static void fps__reduce_destroy(fps_shard_t *sh, fps_tensor_t *t) {
   fps_reduce_t *r = t->red;
   if (!r) return;
-  fps_tbuf_free(sh, r->acc, t->numel);
+  fps__tbuf_keep(sh, t, r->acc);
   for (uint32_t w = 0; w < sh->cfg.workers; w++) fps_ranges_free(&r->done[w]);
   fps_free(r->done);
   fps_free(r->owner);
@@ -228,7 +228,7 @@ static int fps__reduce_attach(fps_shard_t *sh, fps_push_entry_t *e, char *why, s
     if (r) {
       r->owner = fps_calloc(W, sizeof *r->owner);
       r->done = fps_calloc(W, sizeof *r->done);
-      if (r->owner && r->done) r->acc = fps_tbuf_alloc(sh, t->numel, &over);
+      if (r->owner && r->done) r->acc = fps__tbuf_take(sh, t, &over);
     }
     if (!r || !r->acc) {
       if (r) {

@@ -208,6 +208,8 @@ typedef struct fps_snap_s {
   bool staged;                /* data counts in sh->tbuf_bytes (every buffer
                                * but a tensor's own t->pbuf, which counts in
                                * its parameter bytes) */
+  fps_tensor_t *owner;        /* retired: the tensor whose spare the freed
+                               * data may become (fps__tbuf_keep), or NULL */
 } fps_snap_t;
 
 /* Takes ownership of data (from fps_tbuf_alloc). Returns NULL on OOM (data
@@ -215,9 +217,11 @@ typedef struct fps_snap_s {
 fps_snap_t *fps_snap_wrap(fps_shard_t *sh, float *data, uint64_t numel, uint64_t version, int refs);
 /* A tensor's own parameter buffer (not staged), one reference: NULL on OOM. */
 fps_snap_t *fps__pbuf_new(uint64_t numel);
-/* The tensor lets go of its buffer s (NULL-safe): a buffer others still
- * read is counted as staging from now on, until its last reference goes. */
-void fps__pbuf_retire(fps_shard_t *sh, fps_snap_t *s);
+/* Tensor t lets go of its buffer s (NULL-safe; t NULL: no recycling): it
+ * counts as staging from now on, and its last holder (readers may keep it
+ * past this call) makes it t's spare (fps__tbuf_keep). sh NULL: the
+ * shard's teardown, just freed. */
+void fps__pbuf_retire(fps_shard_t *sh, fps_tensor_t *t, fps_snap_t *s);
 /* Drops one reference; the last frees. NULL is a no-op. Thread-safe. */
 void fps_snap_unref(fps_snap_t *s);
 /* Takes one more reference (e.g. for a reply slice over data). Thread-safe. */
@@ -230,6 +234,15 @@ static inline void fps_snap_ref(fps_snap_t *s) { atomic_fetch_add(&s->refs, 1); 
  * would be passed, or NULL on OOM. fps_free(NULL) is a no-op. */
 float *fps_tbuf_alloc(fps_shard_t *sh, uint64_t numel, bool *over_limit);
 void fps_tbuf_free(fps_shard_t *sh, float *p, uint64_t numel);
+/* Recycling of t->numel-float staging buffers (a round's sum, a push's
+ * staging): take returns t's spare if it has one (counted against the
+ * limit like a fresh one) or a fresh fps_tbuf_alloc buffer; keep makes p
+ * (counted, t->numel floats) t's one spare, uncounted from then on (an
+ * older spare is freed). A spare saves the munmap, mmap and page faults of
+ * a large buffer per round; it is what the tensor's next sum or staging
+ * takes, and is freed with the tensor or at a replace. Thread-safe. */
+float *fps__tbuf_take(fps_shard_t *sh, fps_tensor_t *t, bool *over_limit);
+void fps__tbuf_keep(fps_shard_t *sh, fps_tensor_t *t, float *p);
 
 typedef struct fps_apply_rec_s {
   uint32_t worker_id;
@@ -294,6 +307,8 @@ struct fps_tensor_s {
   fps_state_size_t size;      /* optimizer state sizes (constant) */
   pthread_mutex_t mu;         /* guards everything below */
   fps_snap_t *pbuf;           /* the published parameters (one reference) */
+  float *_Atomic spare;       /* a freed numel-float buffer for the next sum
+                               * or staging, or NULL (fps__tbuf_keep) */
   float *param;               /* pbuf->data: numel floats, read only once
                                * ready (fps_snap_t's rule) */
   fps_adafactor_state_t st;

@@ -196,7 +196,8 @@ void fps_tensor_destroy(fps_tensor_t *t) {
   for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
   fps_free(t->round.member);
   fps_free(t->log);
-  fps__pbuf_retire(NULL, t->pbuf); /* the shard's own teardown: no readers left */
+  fps__pbuf_retire(NULL, NULL, t->pbuf); /* the shard's own teardown: no readers left */
+  fps_free(atomic_exchange(&t->spare, NULL));
   fps_free(t->name);
   pthread_mutex_destroy(&t->mu);
   fps_free(t);
@@ -303,12 +304,13 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float **grad, boo
     nb->numel = t->numel;
     nb->version = t->version;
     nb->staged = false;
+    nb->owner = NULL;
     atomic_fetch_sub(&sh->tbuf_bytes, (t->numel ? t->numel : 1) * sizeof(float));
     *grad = NULL;
     fps_snap_t *old = t->pbuf;
     t->pbuf = nb;
     t->param = out;
-    fps__pbuf_retire(sh, old);
+    fps__pbuf_retire(sh, t, old);
     atomic_fetch_add(&sh->changes, 1); /* after the step's writes: checkpoint.c */
     /* hf relative_step: the lr is the relative step size this step used. */
     t->last_lr = hp.flavor == FPS_FLAVOR_HF && hp.relative_step ? tr.rel_step : hp.lr;
@@ -390,20 +392,46 @@ fps_snap_t *fps__pbuf_new(uint64_t numel) {
   s->numel = numel;
   s->version = 0;
   s->staged = false;
+  s->owner = NULL;
   return s;
 }
 
-void fps__pbuf_retire(fps_shard_t *sh, fps_snap_t *s) {
+float *fps__tbuf_take(fps_shard_t *sh, fps_tensor_t *t, bool *over_limit) {
+  float *p = atomic_exchange(&t->spare, NULL);
+  if (!p) return fps_tbuf_alloc(sh, t->numel, over_limit);
+  uint64_t bytes = (t->numel ? t->numel : 1) * sizeof(float);
+  *over_limit = false;
+  uint64_t cur = atomic_load(&sh->tbuf_bytes);
+  do {
+    if (cur + bytes > sh->cfg.max_staging_bytes || cur + bytes < cur) {
+      *over_limit = true;
+      fps_free(atomic_exchange(&t->spare, p)); /* keep the newest: p */
+      return NULL;
+    }
+  } while (!atomic_compare_exchange_weak(&sh->tbuf_bytes, &cur, cur + bytes));
+  return p;
+}
+
+void fps__tbuf_keep(fps_shard_t *sh, fps_tensor_t *t, float *p) {
+  if (!p) return;
+  atomic_fetch_sub(&sh->tbuf_bytes, (t->numel ? t->numel : 1) * sizeof(float));
+  fps_free(atomic_exchange(&t->spare, p));
+}
+
+void fps__pbuf_retire(fps_shard_t *sh, fps_tensor_t *t, fps_snap_t *s) {
   if (!s) return;
-  /* refs == 1: only the tensor holds it, and nobody can take a reference
-   * without the tensor (REQUIRES t->mu or sole ownership): free now.
-   * Otherwise readers keep it alive: it counts as staging until the last
-   * one lets go (fps_snap_unref frees it as staged). */
-  if (sh && atomic_load(&s->refs) > 1) {
-    s->sh = sh;
-    s->staged = true;
-    atomic_fetch_add(&sh->tbuf_bytes, (s->numel ? s->numel : 1) * sizeof(float));
+  if (!sh) { /* the shard's own teardown: no readers left */
+    fps_snap_unref(s);
+    return;
   }
+  /* From now on it is a staging buffer like any other (its last holder
+   * frees it, or makes it t's spare: fps__tbuf_keep): readers may keep it
+   * alive after the tensor moved on. Not checked against the limit: the
+   * caller has just taken a buffer of this size out of staging. */
+  s->sh = sh;
+  s->owner = t;
+  s->staged = true;
+  atomic_fetch_add(&sh->tbuf_bytes, (s->numel ? s->numel : 1) * sizeof(float));
   fps_snap_unref(s);
 }
 
@@ -419,13 +447,15 @@ fps_snap_t *fps_snap_wrap(fps_shard_t *sh, float *data, uint64_t numel, uint64_t
   s->numel = numel;
   s->version = version;
   s->staged = true;
+  s->owner = NULL;
   return s;
 }
 
 void fps_snap_unref(fps_snap_t *s) {
   if (!s) return;
   if (atomic_fetch_sub(&s->refs, 1) == 1) {
-    if (s->staged) fps_tbuf_free(s->sh, s->data, s->numel);
+    if (s->staged && s->owner) fps__tbuf_keep(s->sh, s->owner, s->data);
+    else if (s->staged) fps_tbuf_free(s->sh, s->data, s->numel);
     else fps_free(s->data);
     fps_free(s);
   }

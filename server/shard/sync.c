@@ -273,7 +273,7 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
      * never prepared hold nothing: both releases are no-ops then). */
     for (fps_tensor_t *t = set; t; t = t->round.cnext) {
       fps__apply_prep_release(&t->round.prep);
-      fps_tbuf_free(sh, t->round.sum, t->numel);
+      fps__tbuf_keep(sh, t, t->round.sum);
       t->round.sum = NULL;
     }
     fps__set_suffix(why, why_len, strlen(why), set, k);
@@ -287,7 +287,6 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
     /* Nothing below can fail: every round of the set is applied. */
     for (fps_tensor_t *t = set; t; t = t->round.cnext) {
       fps_push_entry_t **m = t->round.member;
-      uint64_t n = t->numel;
       float *sum = t->round.sum;
       t->round.sum = NULL;
       if (!t->round.none)
@@ -302,10 +301,10 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
       int rc = fps__tensor_apply_locked(sh, t, &sum, !t->round.none, 0, t->round.step, &m[0]->uh, want, (int)W,
                                         &snap, &t->round.prep);
       fps__apply_prep_release(&t->round.prep);
-      fps_tbuf_free(sh, sum, n); /* NULL once consumed */
+      fps__tbuf_keep(sh, t, sum); /* NULL once consumed */
       for (uint32_t w = 0; w < W; w++) {
         fps_push_entry_t *e = m[w];
-        fps_tbuf_free(sh, e->grad, n);
+        fps__tbuf_keep(sh, t, e->grad);
         e->grad = NULL;
         if (rc < 0) { /* not reached: the step was checked and prepared */
           e->err = rc;

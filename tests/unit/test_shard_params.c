@@ -12,7 +12,9 @@
  *    (the sum), a retired buffer still read counts as staging, and the
  *    count returns to 0 once every reference is dropped;
  *  - the nth allocation of an update failing, for every n, leaves the
- *    tensor exactly as it was (params, version) and staging at 0. */
+ *    tensor exactly as it was (params, version) and staging at 0;
+ *  - a freed tensor-sized buffer is the tensor's spare, reused by its next
+ *    sum or staging. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -221,11 +223,66 @@ static void oom_in_an_update_changes_nothing(void **unused) {
   }
 }
 
+/* A freed tensor-sized buffer becomes the tensor's one spare, which its
+ * next sum (sync) or staging (async) takes instead of a fresh mapping; the
+ * spare is not staging, and taking it is checked against the limit. */
+static void freed_buffers_are_recycled(void **unused) {
+  (void)unused;
+  int modes[] = {FPS_MODE_SYNC, FPS_MODE_ASYNC};
+  for (int mi = 0; mi < 2; mi++) {
+    fps_shard_t sh;
+    fx_shard(&sh, modes[mi], 1, 0);
+    float v[N], g[N];
+    fx_fill(v, N, 40);
+    fx_fill(g, N, 41);
+    assert_int_equal(fx_create(&sh, "w", DIMS, 2, v), 0);
+    fps_tensor_t *t = fps_store_find(&sh.store, "w");
+    assert_null(t->spare);
+    float *first = t->param;
+    fx_done_t d;
+    fps_push_t *p;
+    assert_int_equal(push(&sh, &p, &d, 0, 0, g), 0);
+    fps_snap_t *r = reply_of(p);
+    fps_push_destroy(p);
+    /* The initial buffer, retired with no reader, is the spare now. */
+    assert_ptr_equal(t->spare, first);
+    assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+    /* Taking the spare counts against the limit: refused, it stays. */
+    uint64_t lim = sh.cfg.max_staging_bytes;
+    sh.cfg.max_staging_bytes = TB - 1;
+    p = fx_push_new(&sh, 0, 1, INT64_MAX, &d);
+    int rc = fx_push_grad(p, "w", g, N, 1, NULL);
+    if (rc == 0) rc = fx_commit(p, NULL);
+    char why[FPS_WHY_MAX];
+    if (rc == 0) rc = fps_push_result(p, why, sizeof why);
+    assert_int_equal(rc, FPS_ELIMIT);
+    fps_push_destroy(p);
+    if (modes[mi] == FPS_MODE_SYNC) fps_shard_fail_waiting(&sh, FPS_EUNAVAILABLE, "test over");
+    assert_ptr_equal(t->spare, first);
+    assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+    sh.cfg.max_staging_bytes = lim;
+    /* The next update's buffer is the spare: it becomes the parameters. */
+    float *second = t->param;
+    assert_int_equal(push(&sh, &p, &d, 0, 1, g), 0);
+    fps_snap_t *r2 = reply_of(p);
+    fps_push_destroy(p);
+    assert_ptr_equal(t->param, first);
+    assert_null(t->spare); /* the reply r still reads the second buffer */
+    assert_int_equal(atomic_load(&sh.tbuf_bytes), TB);
+    fps_snap_unref(r);
+    assert_ptr_equal(t->spare, second);
+    assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+    fps_snap_unref(r2);
+    fx_shard_free(&sh); /* frees the spare (ASan: no leak) */
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(async_reply_and_pull_keep_old_values),
       cmocka_unit_test(sync_peak_is_params_plus_sum),
       cmocka_unit_test(oom_in_an_update_changes_nothing),
+      cmocka_unit_test(freed_buffers_are_recycled),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
