@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Reproduces the README's `factorps load` table: 2 shards on loopback, 10M
 # and 100M parameters, 2 and 4 workers, sync and async, plus the loopback
-# TCP bandwidth measured by iperf3 in the same run for comparison.
+# TCP bandwidth measured by iperf3 in the same run for comparison, as one
+# stream and as W x 2 parallel streams (a W-worker job opens one connection
+# from each worker to each shard), before and after the runs.
 #
 #   tests/bench/load.sh [BUILD_DIR]          (default: build)
 #
@@ -57,17 +59,17 @@ wait_port() {  # wait_port FILE PID -> prints the port
   return 1
 }
 
-# Loopback TCP bandwidth. iperf3 cannot listen on port 0, so try a few
-# random high ports.
+# Loopback TCP bandwidth over $1 parallel streams (default 1). iperf3
+# cannot listen on port 0, so try a few random high ports.
 iperf_gbs() {
-  local port out
+  local port out streams=${1:-1}
   for _ in 1 2 3 4 5; do
     port=$((20000 + RANDOM % 40000))
     iperf3 -s -1 -B 127.0.0.1 -p "$port" >/dev/null 2>&1 &
     local sp=$!
     pids+=("$sp")
     sleep 0.3
-    if out=$(iperf3 -c 127.0.0.1 -p "$port" -t 5 -J 2>/dev/null); then
+    if out=$(iperf3 -c 127.0.0.1 -p "$port" -t 5 -P "$streams" -J 2>/dev/null); then
       wait "$sp" 2>/dev/null || true
       pids=()
       /usr/bin/python3 -c 'import json,sys; print("%.2f" % (json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"] / 8e9))' <<<"$out"
@@ -136,17 +138,30 @@ row() {  # row MODE WORKERS PARAMS -> prints the medians of REPS runs as a table
   for k in steps_per_s gb_per_s p50_ms p99_ms; do
     cols+=("$(for r in "${all[@]}"; do get "$k" "$r"; done | median)")
   done
-  printf "| %s | %s | %s | %s | %s | %s | %s | %s |\n" "$3" "$1" "$2" "${cols[0]}" "${cols[1]}" \
-    "${cols[2]}" "${cols[3]}" "$loop_gbs"
+  printf "| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n" "$3" "$1" "$2" "${cols[0]}" "${cols[1]}" \
+    "${cols[2]}" "${cols[3]}" "${loop_gbs[1]}" "${loop_gbs[$2]}"
+}
+
+# loop_gbs[STREAMS]: one stream and W x 2 streams for every W of $WORKERS.
+declare -A loop_gbs
+measure_loop() {
+  local w
+  loop_gbs[1]=$(iperf_gbs 1)
+  for w in $WORKERS; do loop_gbs[$w]=$(iperf_gbs $((w * 2))); done
+}
+loop_line() {  # loop_line WHEN
+  local w line="# loopback TCP $1 (iperf3, 5 s): ${loop_gbs[1]} GB/s (1 stream)"
+  for w in $WORKERS; do line+=", ${loop_gbs[$w]} GB/s ($((w * 2)) streams)"; done
+  echo "$line"
 }
 
 echo "# factorps load: 2 shards on 127.0.0.1, $(sed -n 's/^model name[^:]*: //p' /proc/cpuinfo | head -n 1)," \
   "$(nproc) CPUs, model $MODEL, $WIRE on the wire, medians of $REPS, $(date -u +%Y-%m-%dT%H:%MZ)"
-loop_gbs=$(iperf_gbs)
-echo "# loopback TCP (iperf3, 1 stream, 5 s): $loop_gbs GB/s"
+measure_loop
+loop_line "before the runs"
 echo
-echo "| params | mode | workers | steps/s | GB/s | p50 ms | p99 ms | iperf3 GB/s |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
+echo "| params | mode | workers | steps/s | GB/s | p50 ms | p99 ms | iperf3 1 stream GB/s | iperf3 W x 2 streams GB/s |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 for n in $PARAMS; do
   for mode in $MODES; do
     for w in $WORKERS; do
@@ -154,6 +169,6 @@ for n in $PARAMS; do
     done
   done
 done
-loop_after=$(iperf_gbs)
+measure_loop
 echo
-echo "# loopback TCP after the runs: $loop_after GB/s"
+loop_line "after the runs"
