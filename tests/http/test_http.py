@@ -136,6 +136,11 @@ class HttpTest(unittest.TestCase):
         self.assertEqual(metric_value(text, "factorps_build_info", {"simd": 'test\\"simd'}), 1)
         self.assertGreater(metric_value(text, "process_resident_memory_bytes", sh), 0)
         self.assertGreater(metric_value(text, "process_start_time_seconds", sh), 1e9)
+        # glibc malloc's totals (under ASan, whose allocator replaces glibc's,
+        # they count little).
+        in_use = metric_value(text, "factorps_heap_in_use_bytes", sh)
+        self.assertGreaterEqual(in_use, 0)
+        self.assertLessEqual(in_use, metric_value(text, "factorps_heap_size_bytes", sh))
         for line in text.splitlines():
             if not line.startswith("#"):
                 self.assertIn('shard="3"', line)
