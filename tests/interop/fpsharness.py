@@ -14,9 +14,11 @@ plaintext, TLS, mutual TLS and bearer-token variants (certificates from
 tests/security/gencerts.sh); kill() and restart() a shard on its port.
 
 Environment (set by CMake): FPS_SERVER (factorps-server binary), FPS_PROTO_DIR
-(the proto/ directory); FPS_GENCERTS (gencerts.sh, default the repo's).
+(the proto/ directory); FPS_GENCERTS (gencerts.sh, default the repo's);
+FPS_TEST_TIMEOUT (the test's CTest TIMEOUT: arms the watchdog below).
 """
 import atexit
+import faulthandler
 import importlib.util
 import os
 import shutil
@@ -25,7 +27,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -40,6 +44,31 @@ MAX_MSG = 64 * MiB
 SLICE_ELEMS = MiB  # 4 MiB of fp32 per slice, like libfactorps' default
 
 _mods = None
+
+_live = weakref.WeakSet()  # Servers started here: the watchdog kills those still running
+
+
+def _watchdog(seconds):
+    """gRPC 1.51 now and then never ends a cancelled call (tests/load counts
+    them); grpcio then waits for it for good, and CTest's TIMEOUT kills the
+    test without a word. Shortly before that, print every thread's stack
+    (which wait is stuck), kill the shards this process started, fail."""
+    def fire():
+        sys.stderr.write("fpsharness: still running after %d s (5 s before CTest's TIMEOUT): a wait that "
+                         "never ended, most likely a gRPC call; every thread's stack:\n" % seconds)
+        faulthandler.dump_traceback(all_threads=True)
+        for srv in list(_live):
+            if srv.proc.poll() is None:
+                srv.proc.kill()
+            shutil.rmtree(srv.dir, True)
+        os._exit(1)
+    t = threading.Timer(seconds, fire)
+    t.daemon = True
+    t.start()
+
+
+if os.environ.get("FPS_TEST_TIMEOUT", "").isdigit() and int(os.environ["FPS_TEST_TIMEOUT"]) > 10:
+    _watchdog(int(os.environ["FPS_TEST_TIMEOUT"]) - 5)
 
 
 def stubs():
@@ -91,6 +120,7 @@ class Server:
         env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
         cmd = [SERVER, "--listen", listen, "--port-file", self.port_file] + [str(a) for a in args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=env)
+        _live.add(self)
         t0 = time.monotonic()
         while not os.path.exists(self.port_file):
             if self.proc.poll() is not None:
