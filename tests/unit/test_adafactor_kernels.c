@@ -459,7 +459,7 @@ static uint32_t good_bits(void) {
  * untouched. */
 static void wire_in_parity(const char *variant) {
   const fps_kernels_t *k = variant_or_skip(variant);
-  enum { MAXW = 700, CANARY = 16 };
+  enum { MAXW = 704, CANARY = 16 }; /* (MAXW + 64) * 4: a multiple of 64 (C11 aligned_alloc) */
   unsigned char *raw = aligned_alloc(64, (MAXW + 64) * 4);
   float *dbase = aligned_alloc(64, (MAXW + 64) * 4), *ref = aligned_alloc(64, (MAXW + 64) * 4);
   float *dec = aligned_alloc(64, (MAXW + 64) * 4);
