@@ -114,7 +114,9 @@
  *   for each tensor:
  *     fps_ckpt_snapshot_add()                   no lock: allocates and
  *                                               pre-faults the copy buffers
- *     lock the tensor; fps_ckpt_snapshot_copy(); unlock   (memcpy only)
+ *     lock the tensor; fps_ckpt_snapshot_copy(); unlock   (memcpy only;
+ *                                               the shard borrows the
+ *                                               weights: _copy_ref)
  *   fps_ckpt_write()                            no lock: hashing and I/O
  *   fps_ckpt_snapshot_destroy()
  * Each tensor is consistent in itself (weights, state, version and step of
@@ -232,6 +234,22 @@ int fps_ckpt_snapshot_add_block(fps_ckpt_snapshot_t *s, const char *name, const 
  * or FPS_ESHAPE (st is of another block or kind). */
 int fps_ckpt_snapshot_copy_block(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
                                  const float *param, const fps_split_state_t *st);
+
+/* Weights by reference instead of by copy (the shard's parameter buffers
+ * are immutable once published: shard.h), for tensors added from now on;
+ * call it before the first add (later: no effect). Such a tensor must be
+ * filled with the _ref calls below (the plain ones give FPS_EINVAL); the
+ * snapshot keeps param readable until release(ref) runs, at a later _ref
+ * copy of the same index or at destroy. Only the state is copied under
+ * the lock, and the snapshot holds no second copy of the weights. */
+void fps_ckpt_snapshot_borrow_params(fps_ckpt_snapshot_t *s, void (*release)(void *ref));
+/* fps_ckpt_snapshot_copy() / _copy_block() for a borrowing snapshot: ref
+ * (non-NULL) is what keeps param alive; on success the snapshot owns it,
+ * on failure (same codes) the caller still does. */
+int fps_ckpt_snapshot_copy_ref(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
+                               const float *param, void *ref, const fps_adafactor_state_t *st);
+int fps_ckpt_snapshot_copy_block_ref(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
+                                     const float *param, void *ref, const fps_split_state_t *st);
 
 /* Records the lr and weight decay the tensor's last update applied (they
  * travel with each push; see TensorPush in the proto), stored as the

@@ -27,8 +27,12 @@ typedef struct snap_tensor_s {
   fps_adafactor_hparams_t hp;
   fps__ckpt_array_t arr[FPS__CKPT_KINDS]; /* file order, arr[0] the weights */
   int n_arr;
-  float *data;                            /* every array back to back, file order */
-  uint64_t floats;                        /* elements in data */
+  float *data;                            /* every array back to back, file order
+                                           * (borrowed: all but the weights) */
+  uint64_t floats;                        /* elements of all its arrays */
+  bool borrowed;                          /* weights referenced, not copied */
+  const float *param;                     /* borrowed: the weights */
+  void *ref;                              /* borrowed: what release() drops */
   bool copied;                            /* fps_ckpt_snapshot_copy was called */
   uint64_t version, step;
   float rms;
@@ -43,6 +47,7 @@ struct fps_ckpt_snapshot_s {
   size_t n, cap;
   uint64_t bytes;                         /* sum of floats * 4 */
   size_t blocks;                          /* tensors that are row blocks */
+  void (*release)(void *ref);             /* non-NULL: weights are borrowed */
 };
 
 int fps_ckpt_snapshot_create(fps_ckpt_snapshot_t **out, uint32_t shard_id, uint32_t shard_count,
@@ -64,10 +69,15 @@ void fps_ckpt_snapshot_destroy(fps_ckpt_snapshot_t *s) {
   if (!s) return;
   for (size_t i = 0; i < s->n; i++) {
     fps_free(s->t[i].data);
+    if (s->t[i].ref) s->release(s->t[i].ref);
     fps__ckpt_block_free(&s->t[i].map);
   }
   fps_free(s->t);
   fps_free(s);
+}
+
+void fps_ckpt_snapshot_borrow_params(fps_ckpt_snapshot_t *s, void (*release)(void *ref)) {
+  if (s && s->n == 0) s->release = release;
 }
 
 size_t fps_ckpt_snapshot_count(const fps_ckpt_snapshot_t *s) { return s ? s->n : 0; }
@@ -95,12 +105,14 @@ static int snapshot_append(fps_ckpt_snapshot_t *s, snap_tensor_t *tp, const char
     s->t = nt;
     s->cap = nc;
   }
-  t.data = fps_malloc((size_t)t.floats * sizeof(float));
+  t.borrowed = s->release != NULL;
+  uint64_t own = t.floats - (t.borrowed ? t.arr[0].count : 0);
+  t.data = fps_malloc((size_t)(own ? own : 1) * sizeof(float));
   if (!t.data) goto nomem;
   /* Touch every page now, outside the tensor's lock, so the copy under
    * the lock does not take the page faults. Not with zeros: compilers
    * turn malloc + memset(0) into calloc, which touches nothing. */
-  memset(t.data, 0xff, (size_t)t.floats * sizeof(float));
+  memset(t.data, 0xff, (size_t)own * sizeof(float));
   s->t[s->n] = t;
   if (idx) *idx = s->n;
   s->n++;
@@ -164,17 +176,24 @@ int fps_ckpt_snapshot_add_block(fps_ckpt_snapshot_t *s, const char *name, const 
 /* Copies param and the state arrays arr[kind] (NULL: the state has none
  * of that kind) into t's buffer in its layout's order. The state must hold
  * exactly the arrays the layout stores (FPS_ESHAPE otherwise). */
-static int snapshot_fill(snap_tensor_t *t, uint64_t version, const float *param,
-                         float *const arr[FPS__CKPT_KINDS], uint64_t step, float rms) {
+static int snapshot_fill(const fps_ckpt_snapshot_t *s, snap_tensor_t *t, uint64_t version,
+                         const float *param, void *ref, float *const arr[FPS__CKPT_KINDS],
+                         uint64_t step, float rms) {
+  if (t->borrowed != (ref != NULL)) return FPS_EINVAL; /* the copy call of the other kind */
   bool want[FPS__CKPT_KINDS] = {false};
   for (int i = 0; i < t->n_arr; i++) want[t->arr[i].kind] = true;
   for (int k = FPS__CKPT_ROW; k < FPS__CKPT_KINDS; k++)
     if ((arr[k] != NULL) != want[k]) return FPS_ESHAPE;
   float *dst = t->data;
-  for (int i = 0; i < t->n_arr; i++) {
+  for (int i = t->borrowed ? 1 : 0; i < t->n_arr; i++) {
     const float *src = i == 0 ? param : arr[t->arr[i].kind];
     memcpy(dst, src, (size_t)t->arr[i].count * sizeof(float));
     dst += t->arr[i].count;
+  }
+  if (t->borrowed) {
+    if (t->ref) s->release(t->ref); /* copied again: the newer one */
+    t->param = param;
+    t->ref = ref;
   }
   t->version = version;
   t->step = step;
@@ -185,6 +204,11 @@ static int snapshot_fill(snap_tensor_t *t, uint64_t version, const float *param,
 
 int fps_ckpt_snapshot_copy(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
                            const float *param, const fps_adafactor_state_t *st) {
+  return fps_ckpt_snapshot_copy_ref(s, idx, version, param, NULL, st);
+}
+
+int fps_ckpt_snapshot_copy_ref(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
+                               const float *param, void *ref, const fps_adafactor_state_t *st) {
   if (!s || idx >= s->n || !param || !st || s->t[idx].map.n_blocks) return FPS_EINVAL;
   snap_tensor_t *t = &s->t[idx];
   const fps_shape_t *shape = &t->arr[0].shape;
@@ -193,11 +217,16 @@ int fps_ckpt_snapshot_copy(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
     if (st->shape.dim[d] != shape->dim[d]) return FPS_ESHAPE;
   float *arr[FPS__CKPT_KINDS] = {NULL};
   for (int k = FPS__CKPT_ROW; k < FPS__CKPT_KINDS; k++) arr[k] = fps__ckpt_state_array(st, k);
-  return snapshot_fill(t, version, param, arr, st->step, st->rms);
+  return snapshot_fill(s, t, version, param, ref, arr, st->step, st->rms);
 }
 
 int fps_ckpt_snapshot_copy_block(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
                                  const float *param, const fps_split_state_t *st) {
+  return fps_ckpt_snapshot_copy_block_ref(s, idx, version, param, NULL, st);
+}
+
+int fps_ckpt_snapshot_copy_block_ref(fps_ckpt_snapshot_t *s, size_t idx, uint64_t version,
+                                     const float *param, void *ref, const fps_split_state_t *st) {
   if (!s || idx >= s->n || !param || !st || !s->t[idx].map.n_blocks) return FPS_EINVAL;
   snap_tensor_t *t = &s->t[idx];
   const fps_split_geom_t *a = &t->g, *b = &st->g;
@@ -208,7 +237,7 @@ int fps_ckpt_snapshot_copy_block(fps_ckpt_snapshot_t *s, size_t idx, uint64_t ve
     if (a->shape.dim[d] != b->shape.dim[d]) return FPS_ESHAPE;
   float *arr[FPS__CKPT_KINDS] = {NULL};
   for (int k = FPS__CKPT_ROW; k < FPS__CKPT_KINDS; k++) arr[k] = fps__ckpt_split_array(st, k);
-  return snapshot_fill(t, version, param, arr, st->step, st->rms);
+  return snapshot_fill(s, t, version, param, ref, arr, st->step, st->rms);
 }
 
 int fps_ckpt_snapshot_set_applied(fps_ckpt_snapshot_t *s, size_t idx, double last_lr,
@@ -431,15 +460,22 @@ static int write_file(int fd, const fps_ckpt_snapshot_t *s, char *header, size_t
   rc = fps_sha256_create(&h);
   if (rc < 0) return rc;
   for (size_t i = 0; i < s->n && rc == 0; i++) {
-    const char *p = (const char *)s->t[i].data;
-    uint64_t left = s->t[i].floats * sizeof(float);
-    while (left && rc == 0) {
-      size_t c = (size_t)(left < CHUNK ? left : CHUNK);
-      rc = fps_sha256_update(h, p, c);
-      if (rc == 0 && (rc = write_all(fd, p, c)) < 0)
-        fps__ckpt_why(why, why_len, "write: %s", strerror(errno));
-      p += c;
-      left -= c;
+    const snap_tensor_t *t = &s->t[i];
+    /* Borrowed weights come first (file order), then the copied rest. */
+    uint64_t wbytes = t->borrowed ? t->arr[0].count * sizeof(float) : 0;
+    const char *piece[2] = {(const char *)t->param, (const char *)t->data};
+    uint64_t plen[2] = {wbytes, t->floats * sizeof(float) - wbytes};
+    for (int k = 0; k < 2 && rc == 0; k++) {
+      const char *p = piece[k];
+      uint64_t left = plen[k];
+      while (left && rc == 0) {
+        size_t c = (size_t)(left < CHUNK ? left : CHUNK);
+        rc = fps_sha256_update(h, p, c);
+        if (rc == 0 && (rc = write_all(fd, p, c)) < 0)
+          fps__ckpt_why(why, why_len, "write: %s", strerror(errno));
+        p += c;
+        left -= c;
+      }
     }
   }
   uint8_t dig[FPS_SHA256_LEN];

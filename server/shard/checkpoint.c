@@ -68,6 +68,9 @@ static void fps__ckpt_rejected(void *ctx, const char *path, int err, const char 
            why);
 }
 
+/* A borrowed parameter buffer (fps_ckpt_snapshot_borrow_params) goes. */
+static void fps__ckpt_params_release(void *ref) { fps_snap_unref(ref); }
+
 /* A row block of the checkpoint as a block tensor (t->split), its map
  * checked against this shard as a Create's would be. */
 static int fps__ckpt_block_tensor(fps_shard_t *sh, const fps_ckpt_t *ck, fps_ckpt_tensor_t *ct,
@@ -224,6 +227,7 @@ int fps_checkpoint_write(fps_shard_t *sh, fps_ckpt_done_t *out, char *why, size_
     snprintf(why, why_len, "cannot create a snapshot: %s", fps_strerror(rc));
     goto fail;
   }
+  fps_ckpt_snapshot_borrow_params(snap, fps__ckpt_params_release);
   /* The store's read lock only keeps the tensor list still (tensors are
    * never removed); pushes take it for reading too, so they are not held up. */
   pthread_rwlock_rdlock(&sh->store.mu);
@@ -250,8 +254,12 @@ int fps_checkpoint_write(fps_shard_t *sh, fps_ckpt_done_t *out, char *why, size_
     int64_t h0 = fps_now_ns();
     pthread_mutex_lock(&t->mu);
     /* A block's state changes only when a step applies, under t->mu. */
-    rc = sp ? fps_ckpt_snapshot_copy_block(snap, idx, t->version, t->param, &sp->st)
-            : fps_ckpt_snapshot_copy(snap, idx, t->version, t->param, &t->st);
+    /* The published parameters are immutable: referenced, not copied;
+     * only the state (changed in place by updates) is copied here. */
+    fps_snap_ref(t->pbuf);
+    rc = sp ? fps_ckpt_snapshot_copy_block_ref(snap, idx, t->version, t->param, t->pbuf, &sp->st)
+            : fps_ckpt_snapshot_copy_ref(snap, idx, t->version, t->param, t->pbuf, &t->st);
+    if (rc < 0) fps_snap_unref(t->pbuf); /* not taken (the tensor holds its own) */
     if (rc == 0) rc = fps_ckpt_snapshot_set_applied(snap, idx, t->last_lr, t->last_weight_decay);
     pthread_mutex_unlock(&t->mu);
     double held = (double)(fps_now_ns() - h0) / 1e9;

@@ -228,6 +228,57 @@ static const fps_ckpt_expect_t EXPECT = {.shard_id = 0, .shard_count = 2, .mode 
 
 /* ------------------------------------------------------------- tests */
 
+/* The shard's way: weights borrowed (fps_ckpt_snapshot_borrow_params),
+ * only the state copied. The file is the same as a copying snapshot's
+ * (same data digest), the weights are read at write time (changing the
+ * live state after the copy changes nothing), and every reference is
+ * released exactly once: at a second copy of an index and at destroy. */
+static int released[NSPECS + 1];
+static void release_ref(void *ref) { released[(int *)ref - released]++; }
+
+static void borrowed_params_round_trip(void **unused) {
+  (void)unused;
+  char *dir = make_dir(), *dir2 = make_dir();
+  fps_ckpt_written_t w, w2;
+  write_gen(dir, 1, 3, &w);
+  memset(released, 0, sizeof released);
+  live_t lv[NSPECS];
+  fps_ckpt_snapshot_t *s = NULL;
+  assert_int_equal(fps_ckpt_snapshot_create(&s, 0, 2, "sync"), 0);
+  fps_ckpt_snapshot_borrow_params(s, release_ref);
+  for (size_t i = 0; i < NSPECS; i++) {
+    live_make(&lv[i], &SPECS[i], (int)i + 10);
+    size_t idx;
+    assert_int_equal(fps_ckpt_snapshot_add(s, SPECS[i].name, &SPECS[i].shape, &lv[i].hp, &idx, NULL, 0), 0);
+    /* a plain copy into a borrowing snapshot is refused */
+    assert_int_equal(fps_ckpt_snapshot_copy(s, idx, lv[i].version, lv[i].param, &lv[i].st), FPS_EINVAL);
+    int *ref = &released[i];
+    assert_int_equal(fps_ckpt_snapshot_copy_ref(s, idx, lv[i].version, lv[i].param, ref, &lv[i].st), 0);
+    if (i == 0) { /* copied again: the first reference goes, the second stays */
+      assert_int_equal(fps_ckpt_snapshot_copy_ref(s, idx, lv[i].version, lv[i].param, ref, &lv[i].st), 0);
+      assert_int_equal(released[0], 1);
+    }
+    if (lv[i].st.row) lv[i].st.row[0] = -1.0f; /* after the copy: not in the file */
+  }
+  char why[FPS_CKPT_WHY_MAX] = "";
+  int rc = fps_ckpt_write(dir2, s, 3, &w2, why, sizeof why);
+  if (rc) fail_msg("write: %s", why);
+  for (size_t i = 0; i < NSPECS; i++) assert_int_equal(released[i], i == 0 ? 1 : 0);
+  fps_ckpt_snapshot_destroy(s);
+  for (size_t i = 0; i < NSPECS; i++) assert_int_equal(released[i], i == 0 ? 2 : 1);
+  for (size_t i = 0; i < NSPECS; i++) live_free(&lv[i]);
+  assert_int_equal(w2.file_bytes, w.file_bytes);
+  fps_ckpt_t *c = NULL, *c1 = NULL;
+  assert_int_equal(fps_ckpt_load_file(w2.path, &EXPECT, &c, why, sizeof why), 0);
+  assert_int_equal(fps_ckpt_load_file(w.path, &EXPECT, &c1, why, sizeof why), 0);
+  expect_equal_gen(c, 1);
+  assert_string_equal(c->info.data_sha256, c1->info.data_sha256);
+  fps_ckpt_destroy(c);
+  fps_ckpt_destroy(c1);
+  remove_dir(dir);
+  remove_dir(dir2);
+}
+
 static void round_trip(void **unused) {
   (void)unused;
   char *dir = make_dir();
@@ -1242,6 +1293,7 @@ static void directory_lease(void **unused) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(round_trip),
+      cmocka_unit_test(borrowed_params_round_trip),
       cmocka_unit_test(applied_settings_round_trip),
       cmocka_unit_test(non_finite_values_round_trip),
       cmocka_unit_test(empty_snapshot),
