@@ -679,7 +679,7 @@ typedef struct idle_s {
  * in the shard may trail the client by a little), reads their heaps
  * IDLE_READS times (the smallest: a checkpoint being written holds a
  * buffer for a moment), and, unless last, lets the clients go on. */
-static void idle_moment(job_t *job, idle_t *m, double t0, bool last) {
+static void idle_moment(job_t *job, const client_t *cls, unsigned n_clients, idle_t *m, double t0, bool last) {
   pthread_mutex_lock(&job->mu);
   job->pause = true;
   struct timespec until;
@@ -731,6 +731,9 @@ static void idle_moment(job_t *job, idle_t *m, double t0, bool last) {
     nanosleep(&(struct timespec){0, 100 * 1000 * 1000}, NULL);
   }
   for (int s = 0; s < SHARDS; s++) m->kib[s] = vmrss_kib(job->srv[s].pid);
+  /* The clients are paused or gone: their records are still. */
+  for (unsigned i = 0; i < n_clients; i++)
+    for (uint64_t k = 0; k < cls[i].n; k++) m->pushes[cls[i].rec[k].shard]++;
   pthread_mutex_lock(&job->mu);
   if (last) atomic_store(&job->stop, 1);
   job->pause = false;
@@ -878,11 +881,8 @@ static void test_load_async_exact_and_flat(void **state) {
     double at = warmup + (seconds - warmup) * r / IDLE_ROUNDS;
     while (now_s() - smp.t0 - idle_spent < at) nanosleep(&(struct timespec){0, 50 * 1000 * 1000}, NULL);
     double p0 = now_s();
-    idle_moment(&job, &idle[r], smp.t0, r == IDLE_ROUNDS);
+    idle_moment(&job, cls, n_clients, &idle[r], smp.t0, r == IDLE_ROUNDS);
     idle_spent += now_s() - p0;
-    /* The clients are paused or gone: their records are still. */
-    for (unsigned i = 0; i < n_clients; i++)
-      for (uint64_t k = 0; k < cls[i].n; k++) idle[r].pushes[cls[i].rec[k].shard]++;
   }
   for (unsigned i = 0; i < n_clients; i++) pthread_join(cls[i].thread, NULL);
   double elapsed = now_s() - smp.t0;
