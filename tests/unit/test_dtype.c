@@ -10,6 +10,7 @@
 #include <cmocka.h>
 
 #include "dtype.h"
+#include "simd/kernels.h"
 
 static float f_from_bits(uint32_t u) {
   float f;
@@ -149,6 +150,60 @@ static void test_decode_encode_bf16(void **state) {
   assert_memory_equal(back, src, sizeof src);
 }
 
+/* fps_dtype_decode still decodes every element past an invalid one (the
+ * kernel stops there; dtype.c copies the rest), bit for bit. */
+static void test_decode_f32_past_a_bad_value(void **state) {
+  (void)state;
+  enum { N = 777 };
+  static unsigned char raw[4 * N + 3];
+  static float src[N], dst[N];
+  for (int i = 0; i < N; i++) src[i] = (float)i - 300.5f;
+  src[123] = f_from_bits(0x7fc01234u); /* a NaN with a payload */
+  src[500] = INFINITY;
+  memcpy(raw + 3, src, sizeof src);
+  uint64_t bad = 0;
+  assert_int_equal(fps_dtype_decode(FPS_DTYPE_F32, raw + 3, N, dst, &bad), 0);
+  assert_int_equal(bad, 123);
+  assert_memory_equal(dst, src, sizeof src);
+}
+
+/* The shard's one pass in: sums and decodes through the dtype, with the
+ * best kernels (NULL) and each variant; stops at the first invalid
+ * gradient and leaves the sum from there untouched; an unknown dtype
+ * refuses element 0; fps_dtype_value reads the element the error names. */
+static void test_grad_sum_and_decode(void **state) {
+  (void)state;
+  enum { N = 100 };
+  float g[N], acc[N], want[N], dst[N];
+  unsigned char f32[4 * N + 1], bf[2 * N + 1];
+  for (int i = 0; i < N; i++) g[i] = (float)(i % 7) - 2.75f; /* exact in bf16 */
+  g[61] = f_from_bits(0xdf000000u);                         /* -2^63 */
+  memcpy(f32 + 1, g, sizeof g);
+  assert_int_equal(fps_dtype_encode(FPS_DTYPE_BF16, g, N, bf + 1), 0);
+  for (int vi = -1; vi < 0 || fps_kernels_all_names[vi]; vi++) { /* -1: NULL, the best */
+    const fps_kernels_t *k = NULL;
+    if (vi >= 0 && fps_kernels_by_name(fps_kernels_all_names[vi], &k, NULL, 0) != 0) continue;
+    for (int dt = FPS_DTYPE_F32; dt <= FPS_DTYPE_BF16; dt++) {
+      const unsigned char *w = dt == FPS_DTYPE_F32 ? f32 + 1 : bf + 1;
+      for (int i = 0; i < N; i++) acc[i] = want[i] = 0.5f * (float)i;
+      for (int i = 0; i < 61; i++) want[i] += g[i];
+      assert_int_equal(fps_dtype_grad_sum(k, dt, acc, w, N), 61);
+      assert_memory_equal(acc, want, sizeof acc);
+      assert_int_equal(fps_dtype_grad_sum(k, dt, acc, w, 61), 61);
+      assert_int_equal(fps_dtype_grad_decode(k, dt, dst, w, 61), 61);
+      assert_memory_equal(dst, g, 61 * sizeof(float));
+      assert_int_equal(fps_dtype_grad_decode(k, dt, dst, w, N), 61);
+      assert_true(fps_dtype_value(dt, w, 61) == -(float)FPS_GRAD_ABS_LIMIT);
+      assert_true(fps_dtype_value(dt, w, 5) == g[5]);
+    }
+    memcpy(want, acc, sizeof acc);
+    assert_int_equal(fps_dtype_grad_sum(k, 9, acc, f32 + 1, N), 0);
+    assert_int_equal(fps_dtype_grad_decode(k, 0, acc, f32 + 1, N), 0);
+    assert_memory_equal(acc, want, sizeof acc);
+  }
+  assert_true(fps_dtype_value(9, f32 + 1, 0) == 0.0f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_sizes),
@@ -158,6 +213,8 @@ int main(void) {
       cmocka_unit_test(test_decode_f32_finite_check),
       cmocka_unit_test(test_decode_gradient_magnitude_limit),
       cmocka_unit_test(test_decode_encode_bf16),
+      cmocka_unit_test(test_decode_f32_past_a_bad_value),
+      cmocka_unit_test(test_grad_sum_and_decode),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
