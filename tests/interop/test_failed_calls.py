@@ -261,11 +261,20 @@ class SyncMulti(Base):
                 res[i] = e
         ths = []
         for i, (w, g) in enumerate(calls):
+            # In this order: each call's gradient is at the shard before the
+            # next starts (a fixed sleep was not enough on a loaded machine,
+            # see test_last_worker_of_round_killed).
+            received = H.stats(self.srv.stub)[0].shard.bytes_received
             ths.append(threading.Thread(target=run, args=(i, w, g)))
             ths[-1].start()
-            time.sleep(0.3)  # in this order
+            t0 = time.monotonic()
+            while H.stats(self.srv.stub)[0].shard.bytes_received < received + 4 * N * len(g):
+                self.assertLess(time.monotonic() - t0, 20, "call %d's gradient never reached the shard" % i)
+                time.sleep(0.02)
+            time.sleep(0.1)  # its half-close follows its last message at once
         for th in ths:
             th.join(30)
+            self.assertFalse(th.is_alive(), "a call did not end")
         return res
 
     def test_multi_tensor_deadline_applies_nothing(self):
