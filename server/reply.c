@@ -9,8 +9,15 @@
  * a slice before each payload, and each fp32 payload as a slice over the
  * snapshot's own memory (grpc_slice_new_with_user_data) holding a
  * snapshot reference that its destroy callback drops, on whichever thread
- * gRPC releases it. No byte of an fp32 reply is copied in user space; a
- * bf16 payload needs its conversion, one pass into a buffer gRPC owns. */
+ * gRPC releases it. No byte of an fp32 reply is copied in user space. A
+ * bf16 payload is a slice over the snapshot's one shared bf16 encoding
+ * (shard/snap_bf16.c: converted by the first reply that needs it and used
+ * by all that send the snapshot meanwhile, the W of a sync round), holding
+ * a reference to the encoding the same way; the reply itself holds one
+ * until it is freed, so the encoding outlives the gaps between its
+ * messages. Only when the encoding cannot be had (the staging limit, out
+ * of memory, another reply is converting it) does a reply convert its own
+ * payload, one pass into a buffer gRPC owns. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,7 +30,10 @@
 #include "wire.h"
 
 void fps_reply_free(fps_reply_t *r) {
-  for (size_t i = 0; i < r->n; i++) fps_snap_unref(r->items[i].snap);
+  for (size_t i = 0; i < r->n; i++) {
+    fps_snap_bf16_unref(r->items[i].bf16);
+    fps_snap_unref(r->items[i].snap);
+  }
   fps_free(r->items);
   memset(r, 0, sizeof *r);
 }
@@ -32,6 +42,12 @@ void fps_reply_free(fps_reply_t *r) {
 static void fps__reply_slice_released(void *snap) {
   FPS_TSAN_ACQUIRE(snap); /* gRPC may drop the slice on any thread */
   fps_snap_unref(snap);
+}
+
+/* gRPC is done with a slice over a shared bf16 encoding. */
+static void fps__reply_bf16_released(void *enc) {
+  FPS_TSAN_ACQUIRE(enc); /* gRPC may drop the slice on any thread */
+  fps_snap_bf16_unref(enc);
 }
 
 /* gRPC is done with a buffer of ours (framing, a bf16 payload). */
@@ -43,8 +59,9 @@ static void fps__reply_buf_free(void *p, size_t len) {
 
 /* One run of a tensor's elements in the message being built. */
 typedef struct fps_reply_run_s {
-  const fps_reply_item_t *it;
+  fps_reply_item_t *it;
   uint64_t off, cnt;
+  uint8_t *own;               /* bf16 without it->bf16: this run's conversion */
 } fps_reply_run_t;
 
 grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) {
@@ -63,7 +80,7 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
   size_t cur = r->cur;
   uint64_t off = r->off;
   while (cur < r->n && ns < MAX_RUNS) {
-    const fps_reply_item_t *it = &r->items[cur];
+    fps_reply_item_t *it = &r->items[cur];
     if (!it->snap || it->snap->numel == 0 || off >= it->snap->numel) {
       cur++;
       off = 0;
@@ -76,7 +93,7 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
     uint64_t can = (budget - overhead) / esz;
     uint64_t left = it->snap->numel - off;
     uint64_t cnt = left < can ? left : can;
-    runs[ns++] = (fps_reply_run_t){it, off, cnt};
+    runs[ns++] = (fps_reply_run_t){it, off, cnt, NULL};
     hdr_cap += FPS_WIRE_SLICE_HEADER_MAX(name_len, it->t->shape.ndim);
     payload += cnt * esz;
     budget -= overhead + cnt * esz;
@@ -101,22 +118,24 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
   /* Encode: per run its framing, then its payload; the versions last. */
   sl = fps_malloc((2 * ns + 1) * sizeof *sl);
   uint8_t *h = fps_malloc(hdr_cap ? hdr_cap : 1);
-  uint8_t **enc = ns ? fps_calloc(ns, sizeof *enc) : NULL;
-  if (!sl || !h || (ns && !enc)) {
+  if (!sl || !h) {
     fps_free(h);
-    fps_free(enc);
     goto fail;
   }
-  /* The bf16 conversions first: the only step left that can fail. */
+  /* The bf16 payloads first: a conversion of its own, for a run whose
+   * snapshot has no shared encoding, is the only step left that can fail. */
   for (size_t i = 0; i < ns; i++) {
-    if (runs[i].it->dtype == FPS_DTYPE_F32) continue;
-    if (!(enc[i] = fps_malloc((size_t)runs[i].cnt * fps_dtype_size(runs[i].it->dtype)))) {
-      for (size_t j = 0; j < i; j++) fps_free(enc[j]);
+    fps_reply_run_t *run = &runs[i];
+    if (run->it->dtype == FPS_DTYPE_F32) continue;
+    if (run->it->dtype == FPS_DTYPE_BF16 && !run->it->bf16)
+      run->it->bf16 = fps_snap_bf16_get(&srv->shard, run->it->snap);
+    if (run->it->bf16) continue;
+    if (!(run->own = fps_malloc((size_t)run->cnt * fps_dtype_size(run->it->dtype)))) {
+      for (size_t j = 0; j < i; j++) fps_free(runs[j].own);
       fps_free(h);
-      fps_free(enc);
       goto fail;
     }
-    fps_dtype_encode(runs[i].it->dtype, runs[i].it->snap->data + runs[i].off, runs[i].cnt, enc[i]);
+    fps_dtype_encode(run->it->dtype, run->it->snap->data + run->off, run->cnt, run->own);
   }
   grpc_slice hdr = grpc_slice_new_with_len(h, hdr_cap, fps__reply_buf_free);
   size_t hn = 0, mark = 0;
@@ -134,12 +153,18 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
       fps_snap_ref(snap);
       FPS_TSAN_RELEASE(snap);
       sl[n_sl++] = grpc_slice_new_with_user_data(snap->data + run->off, bytes, fps__reply_slice_released, snap);
+    } else if (run->it->bf16) {
+      /* bf16 from the snapshot's shared encoding. */
+      fps_snap_bf16_t *enc = run->it->bf16;
+      fps_snap_bf16_ref(enc);
+      FPS_TSAN_RELEASE(enc);
+      sl[n_sl++] = grpc_slice_new_with_user_data((void *)(fps_snap_bf16_data(enc) + run->off * 2), bytes,
+                                                 fps__reply_bf16_released, enc);
     } else {
-      FPS_TSAN_RELEASE(enc[i]);
-      sl[n_sl++] = grpc_slice_new_with_len(enc[i], bytes, fps__reply_buf_free);
+      FPS_TSAN_RELEASE(run->own);
+      sl[n_sl++] = grpc_slice_new_with_len(run->own, bytes, fps__reply_buf_free);
     }
   }
-  fps_free(enc);
   if (*last)
     for (size_t i = 0; i < r->n; i++)
       hn += fps_wire_version(h + hn, 2, r->items[i].t->name, strlen(r->items[i].t->name), r->items[i].version);

@@ -264,6 +264,8 @@ void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
 typedef struct fps_reply_item_s {
   fps_tensor_t *t;
   fps_snap_t *snap;           /* NULL: versions only */
+  fps_snap_bf16_t *bf16;      /* bf16: the reply's hold on snap's shared
+                               * encoding, NULL: none (yet) */
   uint64_t version;
   int dtype;                  /* wire dtype of the data */
 } fps_reply_item_t;

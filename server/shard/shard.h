@@ -15,6 +15,7 @@
  *   reduce.c      a sync round's running sum: slices summed in worker-id
  *                 order as they arrive, early ones staged (reduce.h)
  *   ssp.c         ssp waits: admit, park, advance, expire
+ *   snap_bf16.c   a parameter buffer's bf16 encoding, shared by replies
  *   checkpoint.c  durable checkpoints: restore, snapshots, the interval
  *   ranges.c      sorted interval sets (slice coverage and overlap)
  *   split_tensor.h  a row block of a split tensor, the exchange contract
@@ -36,7 +37,8 @@
  * locks are taken in address order, and by a thread holding no other tensor
  * lock. A set of linked sync rounds is completed with its tensors' locks
  * held only to check, sum, apply and collect its members; their pushes are
- * resolved (callbacks run) after they are released. */
+ * resolved (callbacks run) after they are released. snap_bf16.c's lock is
+ * a leaf: taken with or without any of these, nothing is taken inside it. */
 #ifndef FPS_SHARD_H
 #define FPS_SHARD_H
 
@@ -210,6 +212,8 @@ typedef struct fps_snap_s {
                                * its parameter bytes) */
   fps_tensor_t *owner;        /* retired: the tensor whose spare the freed
                                * data may become (fps__tbuf_keep), or NULL */
+  struct fps_snap_bf16_s *bf16; /* its bf16 encoding while replies use it,
+                               * or NULL (snap_bf16.c, under its lock) */
 } fps_snap_t;
 
 /* Takes ownership of data (from fps_tbuf_alloc). Returns NULL on OOM (data
@@ -226,6 +230,25 @@ void fps__pbuf_retire(fps_shard_t *sh, fps_tensor_t *t, fps_snap_t *s);
 void fps_snap_unref(fps_snap_t *s);
 /* Takes one more reference (e.g. for a reply slice over data). Thread-safe. */
 static inline void fps_snap_ref(fps_snap_t *s) { atomic_fetch_add(&s->refs, 1); }
+
+/* A buffer's numel elements as little-endian bf16 (round to nearest even),
+ * converted once and shared by every reply that sends the buffer while
+ * any of them holds a reference (snap_bf16.c). */
+typedef struct fps_snap_bf16_s fps_snap_bf16_t;
+/* A reference to s's encoding, converted now by this caller if there is
+ * none, into a buffer counted against sh's max_staging_bytes. NULL when it
+ * cannot be had now (the limit, out of memory, or another thread is
+ * converting it): the caller converts its own copy. REQUIRES: the caller
+ * holds a reference to s. Thread-safe; never waits for a conversion. */
+fps_snap_bf16_t *fps_snap_bf16_get(fps_shard_t *sh, fps_snap_t *s);
+/* Its bytes: 2 * s->numel, valid while the reference is held. */
+const uint8_t *fps_snap_bf16_data(const fps_snap_bf16_t *e);
+/* One more reference (a reply slice over the data). Thread-safe. */
+void fps_snap_bf16_ref(fps_snap_bf16_t *e);
+/* Drops one; the last frees the encoding and its reference to the buffer,
+ * so the next reply of the buffer converts again. NULL is a no-op.
+ * Thread-safe. */
+void fps_snap_bf16_unref(fps_snap_bf16_t *e);
 
 /* Tensor-sized transient buffers (gradient staging, sync sums, retired
  * parameter buffers replies still read) are

@@ -305,6 +305,7 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float **grad, boo
     nb->version = t->version;
     nb->staged = false;
     nb->owner = NULL;
+    nb->bf16 = NULL;
     atomic_fetch_sub(&sh->tbuf_bytes, (t->numel ? t->numel : 1) * sizeof(float));
     *grad = NULL;
     fps_snap_t *old = t->pbuf;
@@ -393,6 +394,7 @@ fps_snap_t *fps__pbuf_new(uint64_t numel) {
   s->version = 0;
   s->staged = false;
   s->owner = NULL;
+  s->bf16 = NULL;
   return s;
 }
 
@@ -448,6 +450,7 @@ fps_snap_t *fps_snap_wrap(fps_shard_t *sh, float *data, uint64_t numel, uint64_t
   s->version = version;
   s->staged = true;
   s->owner = NULL;
+  s->bf16 = NULL;
   return s;
 }
 

@@ -133,6 +133,47 @@ class Interop(unittest.TestCase):
         finally:
             srv.stop()
 
+    def test_sync_bf16_replies_identical(self):
+        """A sync round's bf16 replies (one shared encoding per snapshot on
+        the shard) are bit-identical for all W workers and equal to the
+        bf16 of the fp32 parameters, also across reply messages: "big" needs
+        two messages of bf16, "small" shares the first one."""
+        pb, _, _ = H.stubs()
+        W, steps = 4, 2
+        shapes = {"big": [1536, 1500], "small": [7, 9]}
+        srv = H.Server("--mode", "sync", "--workers", W, "--deadline", 60)
+        try:
+            rng = np.random.default_rng(11)
+            for name, shape in shapes.items():
+                H.create(srv.stub, name, shape, (0.5 * rng.standard_normal(shape)).astype(np.float32))
+            for k in range(steps):
+                grads = [{n: (s, rng.standard_normal(s).astype(np.float32)) for n, s in shapes.items()}
+                         for _ in range(W)]
+                got, errors = [None] * W, []
+
+                def worker(w):
+                    try:
+                        got[w] = H.push(srv.stub, w, k, grads[w], dtype=pb.DTYPE_BF16)
+                    except Exception as e:  # reported by the main thread
+                        errors.append(e)
+
+                ths = [threading.Thread(target=worker, args=(w,)) for w in range(W)]
+                for t in ths:
+                    t.start()
+                for t in ths:
+                    t.join(120)
+                self.assertFalse(errors, errors)
+                exact, ver = H.pull(srv.stub, shapes)
+                self.assertEqual(ver, {n: k + 1 for n in shapes})
+                for name in shapes:
+                    want = H.to_bf16(exact[name])
+                    for w in range(W):
+                        self.assertEqual(got[w][1], {n: k + 1 for n in shapes})
+                        np.testing.assert_array_equal(H.to_bf16(got[w][0][name]), want,
+                                                      err_msg="step %d worker %d %s" % (k, w, name))
+        finally:
+            srv.stop()
+
     def _sync_run(self, workers, steps, shape, order_seed):
         """W workers push `steps` steps concurrently (arrival order shuffled).
         Returns the params each worker got back, per step, and the grads."""
