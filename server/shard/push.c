@@ -71,6 +71,9 @@ struct fps_push_s {
   uint64_t wakes;             /* fps__push_wake() calls so far */
   int64_t held_until;         /* the expiry hook resumes it then */
   fps_push_t *hprev, *hnext;  /* sh->held */
+  /* The step timeline (fps_push_times_t; held_* under sh->held_mu). */
+  int64_t created_ns, recv_end_ns, held_since_ns, held_ns;
+  uint32_t holds;
 };
 
 static void fps__push_unhold_locked(fps_shard_t *sh, fps_push_t *p);
@@ -83,6 +86,7 @@ int fps_push_create(fps_shard_t *sh, int64_t deadline_ns, fps_push_done_fn done,
   p->sh = sh;
   p->state = PUSH_RECV;
   p->deadline_ns = deadline_ns;
+  p->created_ns = fps_now_ns();
   p->done = done;
   p->arg = arg;
   *out = p;
@@ -190,6 +194,7 @@ bool fps__push_streaming(fps_push_t *p) {
 /* Unlinks a held push. REQUIRES sh->held_mu. */
 static void fps__push_unhold_locked(fps_shard_t *sh, fps_push_t *p) {
   p->held = false;
+  p->held_ns += fps_now_ns() - p->held_since_ns;
   if (p->hprev) p->hprev->hnext = p->hnext;
   else sh->held = p->hnext;
   if (p->hnext) p->hnext->hprev = p->hprev;
@@ -221,6 +226,17 @@ void fps__push_expire_holds(fps_shard_t *sh, int64_t now, bool force) {
   }
 }
 
+void fps__push_times(fps_push_t *p, fps_push_times_t *out) {
+  out->created_ns = p->created_ns;
+  pthread_mutex_lock(&p->mu);
+  out->recv_end_ns = p->recv_end_ns;
+  pthread_mutex_unlock(&p->mu);
+  pthread_mutex_lock(&p->sh->held_mu);
+  out->held_ns = p->held_ns + (p->held ? fps_now_ns() - p->held_since_ns : 0);
+  out->holds = p->holds;
+  pthread_mutex_unlock(&p->sh->held_mu);
+}
+
 bool fps_push_hold(fps_push_t *p) {
   fps_shard_t *sh = p->sh;
   if (sh->cfg.mode != FPS_MODE_SYNC || !p->resume) return false;
@@ -247,6 +263,8 @@ bool fps_push_hold(fps_push_t *p) {
   if (hold) {
     p->held = true;
     p->held_until = until;
+    p->held_since_ns = fps_now_ns();
+    p->holds++;
     p->hprev = NULL;
     p->hnext = sh->held;
     if (sh->held) sh->held->hprev = p;
@@ -391,6 +409,7 @@ int fps_push_commit(fps_push_t *p, char *why, size_t wl) {
   bool cancelled = p->cancelled;
   p->state = cancelled || late ? PUSH_DONE : PUSH_WAIT;
   p->pending = 1; /* this thread's hold until it is done here */
+  p->recv_end_ns = fps_now_ns();
   pthread_mutex_unlock(&p->mu);
   /* No longer streaming: the higher workers it held back may go on. */
   for (size_t i = 0; sh->cfg.mode == FPS_MODE_SYNC && i < p->n; i++) {

@@ -310,6 +310,7 @@ typedef struct fps_round_s {
   uint32_t joined;            /* members present */
   fps_push_entry_t **member;  /* [workers], by worker id, NULL = missing */
   int64_t started_ns;         /* first join */
+  int64_t complete_ns;        /* settling: its set was found complete */
   int64_t deadline_ns;        /* fails the round (and its set) at this time */
   int64_t calls_deadline_ns;  /* the members' call deadlines less their
                                * margins (INT64_MAX: none): bounds a split
@@ -843,6 +844,14 @@ void fps__push_entry_resolved(fps_push_entry_t *e);
 size_t fps__push_entries(fps_push_t *p, uint64_t walk, fps_push_entry_t ***out);
 void fps__push_ssp_resume(fps_push_t *p);
 void fps__push_ssp_fail(fps_push_t *p, int err, const char *msg);
+/* Where a push's time went, for the sync step timeline (sync.c, debug
+ * log): created (its call's first message), its stream's end (0: still
+ * streaming), and how long and how often it was held (fps_push_hold). */
+typedef struct fps_push_times_s {
+  int64_t created_ns, recv_end_ns, held_ns;
+  uint32_t holds;
+} fps_push_times_t;
+void fps__push_times(fps_push_t *p, fps_push_times_t *out);
 
 /* One tensor's gradient within one push. */
 struct fps_push_entry_s {

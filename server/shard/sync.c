@@ -227,7 +227,11 @@ static int fps__round_sum_take_locked(fps_shard_t *sh, fps_tensor_t *t, char *wh
 static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
   uint32_t W = sh->cfg.workers;
   set = fps__set_sort(set, k);
-  for (fps_tensor_t *t = set; t; t = t->round.cnext) pthread_mutex_lock(&t->mu);
+  int64_t found = fps_now_ns();
+  for (fps_tensor_t *t = set; t; t = t->round.cnext) {
+    pthread_mutex_lock(&t->mu);
+    t->round.complete_ns = found;
+  }
   char why[1024];
   int err = 0;
   for (fps_tensor_t *t = set; t && !err; t = t->round.cnext)
@@ -265,6 +269,37 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
   fps__set_settle(sh, set, k, 0, why, sizeof why);
 }
 
+/* The step timeline (--log-level debug): for a set about to be applied,
+ * when each worker's call began and finished streaming and how long it
+ * was held, the set's completion and the apply's start, in ms after the
+ * earliest call began. Members are read from the set's first tensor (a
+ * worker's other pushes of the set, if any, are not shown). REQUIRES the
+ * set's t->mu. */
+static void fps__set_timeline(fps_shard_t *sh, fps_tensor_t *set, size_t k, int64_t apply_ns) {
+  uint32_t W = sh->cfg.workers;
+  uint64_t numel = 0;
+  for (fps_tensor_t *t = set; t; t = t->round.cnext) numel += t->numel;
+  fps_push_times_t tm;
+  int64_t t0 = set->round.complete_ns;
+  for (uint32_t w = 0; w < W; w++) {
+    fps__push_times(set->round.member[w]->owner, &tm);
+    if (tm.created_ns < t0) t0 = tm.created_ns;
+  }
+  char line[1536];
+  size_t at = (size_t)snprintf(line, sizeof line, "sync step %" PRIu64 " timeline: %zu tensors, %" PRIu64 " params;",
+                               set->round.step, k, numel);
+  for (uint32_t w = 0; w < W && at < sizeof line; w++) {
+    fps__push_times(set->round.member[w]->owner, &tm);
+    at += (size_t)snprintf(line + at, sizeof line - at, " w%u call +%.1f end +%.1f held %.1f (%u)", w,
+                           (double)(tm.created_ns - t0) / 1e6, (double)(tm.recv_end_ns - t0) / 1e6,
+                           (double)tm.held_ns / 1e6, tm.holds);
+  }
+  if (at < sizeof line)
+    snprintf(line + at, sizeof line - at, "; complete +%.1f apply +%.1f ms", (double)(set->round.complete_ns - t0) / 1e6,
+             (double)(apply_ns - t0) / 1e6);
+  FPS_SLOG(FPS_LOG_DEBUG, "%s", line);
+}
+
 void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char *why, size_t why_len) {
   uint32_t W = sh->cfg.workers;
   fps_push_entry_t *list = NULL;
@@ -285,6 +320,8 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
     pthread_mutex_unlock(&sh->rounds_mu);
   } else {
     /* Nothing below can fail: every round of the set is applied. */
+    int64_t apply_ns = fps_now_ns();
+    if (FPS_LOG_DEBUG <= fps__log_level) fps__set_timeline(sh, set, k, apply_ns);
     for (fps_tensor_t *t = set; t; t = t->round.cnext) {
       fps_push_entry_t **m = t->round.member;
       float *sum = t->round.sum;
@@ -317,6 +354,9 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
         }
       }
     }
+    if (FPS_LOG_DEBUG <= fps__log_level)
+      FPS_SLOG(FPS_LOG_DEBUG, "sync step %" PRIu64 " timeline: applied %zu tensors in %.1f ms", set->round.step, k,
+               (double)(fps_now_ns() - apply_ns) / 1e6);
     pthread_mutex_lock(&sh->rounds_mu);
     for (fps_tensor_t *t = set, *next; t; t = next) {
       next = t->round.cnext;

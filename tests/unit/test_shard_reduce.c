@@ -722,12 +722,26 @@ static void backpressure_holds_and_resumes(void **unused) {
       fps_fake_clock_advance(1000);
       fps_shard_expire(&sh, fps_now_ns());
       assert_int_equal(resumed[1], 1);
+      /* The step timeline counts the hold and its whole length (fake
+       * clock: exact); worker 0 was never held. */
+      fps_push_times_t tm;
+      fps__push_times(p[1], &tm);
+      assert_int_equal(tm.holds, 1);
+      assert_int_equal(tm.held_ns, (int64_t)(FX_DEADLINE_S * 1e9));
+      assert_int_equal(tm.recv_end_ns, 0); /* still streaming */
+      fps__push_times(p[0], &tm);
+      assert_int_equal(tm.holds, 0);
+      assert_int_equal(tm.held_ns, 0);
       /* Held again; worker 0's call goes away (its first 1000 elements
        * are in the sum): the sum is discarded, and it resumes. */
       assert_true(fps_push_hold(p[1]));
+      fps_fake_clock_advance(5000);
       fps_push_destroy(p[0]);
       p[0] = NULL;
       assert_int_equal(resumed[1], 2);
+      fps__push_times(p[1], &tm);
+      assert_int_equal(tm.holds, 2);
+      assert_int_equal(tm.held_ns, (int64_t)(FX_DEADLINE_S * 1e9) + 5000);
     }
     assert_int_equal(resumed[0], 0);
     for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
