@@ -1,6 +1,10 @@
 /* Fixed pthread pool: workers sleep on a condition variable, wake up for a
  * run (a generation counter tells a new run from a spurious wake-up), take
- * chunk indices from a shared counter and report when they finish. */
+ * chunk indices from a shared counter and report when they finish. A run
+ * waits only for the workers that joined it: one that wakes after the
+ * caller has taken the last chunk (a busy machine may not schedule it for
+ * milliseconds) stays out, so the run never waits on a sleeping thread
+ * that has nothing left to do. */
 #include "pool.h"
 
 #include <pthread.h>
@@ -22,7 +26,8 @@ struct fps_pool_s {
   unsigned started;         /* workers actually started */
   pthread_t *tids;
   unsigned long generation; /* bumped once per run */
-  unsigned busy;            /* workers still inside the current run */
+  int open;                 /* the current run still takes workers */
+  unsigned busy;            /* workers that joined it and are still inside */
   int stop;
   fps_pool_fn fn;
   void *arg;
@@ -46,6 +51,8 @@ static void *pool_worker(void *vp) {
     while (!p->stop && p->generation == seen) pthread_cond_wait(&p->wake, &p->mu);
     if (p->stop) break;
     seen = p->generation;
+    if (!p->open) continue; /* woke after the run's chunks were all taken */
+    p->busy++;
     fps_pool_fn fn = p->fn;
     void *arg = p->arg;
     size_t n = p->n;
@@ -121,14 +128,18 @@ void fps_pool_run(fps_pool_t *p, size_t n, fps_pool_fn fn, void *arg) {
   p->arg = arg;
   p->n = n;
   atomic_store(&p->next, 0);
-  p->busy = p->started;
+  p->busy = 0;
+  p->open = 1;
   p->generation++;
   pthread_cond_broadcast(&p->wake);
   pthread_mutex_unlock(&p->mu);
 
   pool_drain(p, fn, arg, n);
 
+  /* Every chunk is taken: close the run to workers not yet in it, and
+   * wait for those in it to finish theirs. */
   pthread_mutex_lock(&p->mu);
+  p->open = 0;
   while (p->busy) pthread_cond_wait(&p->done, &p->mu);
   pthread_mutex_unlock(&p->mu);
   pthread_mutex_unlock(&p->run_mu);

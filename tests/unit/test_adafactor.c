@@ -466,6 +466,30 @@ static void pool_runs_every_chunk_once(void **u) {
   assert_int_equal(fps_pool_create(NULL, 2), FPS_EINVAL);
 }
 
+/* Runs of a few chunks back to back: the caller often takes every chunk
+ * before a worker wakes, so workers wake late for runs that are over (they
+ * must stay out) or join the next one (they must use its fn, arg and n):
+ * every run's chunks run exactly once, before it returns, and nothing of
+ * an old run runs after it. */
+static void pool_late_workers_stay_out(void **u) {
+  (void)u;
+  skip_without_threads();
+  fps_pool_t *pool;
+  assert_int_equal(fps_pool_create(&pool, 4), 0);
+  static atomic_int a[8], b[8];
+  for (int round = 0; round < 20000; round++) {
+    atomic_int *hits = round & 1 ? a : b, *other = round & 1 ? b : a;
+    size_t n = 1 + (size_t)round % 7;
+    for (size_t i = 0; i < 8; i++) atomic_store(&hits[i], 0);
+    fps_pool_run(pool, n, count_chunk, hits);
+    for (size_t i = 0; i < 8; i++) assert_int_equal(atomic_load(&hits[i]), i < n ? 1 : 0);
+    /* The previous run's counts (checked when it returned) are unchanged. */
+    if (round > 0)
+      for (size_t i = 0; i < 8; i++) assert_int_equal(atomic_load(&other[i]), i < 1 + (size_t)(round - 1) % 7 ? 1 : 0);
+  }
+  fps_pool_destroy(pool);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(defaults_are_valid_and_upstream),
@@ -481,6 +505,7 @@ int main(void) {
       cmocka_unit_test(kernel_selection),
       cmocka_unit_test(thread_count_independent),
       cmocka_unit_test(pool_runs_every_chunk_once),
+      cmocka_unit_test(pool_late_workers_stay_out),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
