@@ -64,6 +64,13 @@
  * the calling thread (the pool runs one job at a time, and many small
  * tensors already spread over the pollers). */
 #define FPS_POOL_MIN_NUMEL (UINT64_C(1) << 22)
+/* Sync mode: a set's rounds are applied one after the other on the thread
+ * that completed it, while every worker waits for the replies (the step
+ * timeline's "applied" line), so every tensor with more than a few
+ * chunks of work (adafactor_internal.h) goes to the pool; the pool's
+ * chunking does not depend on the thread count (bit-identical). */
+#define FPS_POOL_MIN_NUMEL_SYNC (UINT64_C(1) << 18)
+#define FPS_POOL_MIN(sh) ((sh)->cfg.mode == FPS_MODE_SYNC ? FPS_POOL_MIN_NUMEL_SYNC : FPS_POOL_MIN_NUMEL)
 /* A round fails ahead of its earliest member's own deadline, so the
  * members hear which workers were missing rather than a bare
  * DEADLINE_EXCEEDED from their own transport timer: by a quarter of the

@@ -273,7 +273,7 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float **grad, boo
     if (prep) prep->snap = NULL;
     float *out = *grad;
     int64_t t0 = fps_now_ns();
-    fps_pool_t *pool = t->numel >= FPS_POOL_MIN_NUMEL ? sh->pool : NULL;
+    fps_pool_t *pool = t->numel >= FPS_POOL_MIN(sh) ? sh->pool : NULL;
     int rc;
     /* Out of place into the gradient buffer: the published parameters
      * stay as replies and Pulls read them (fps_snap_t's rule). */

@@ -42,6 +42,7 @@
 
 #include "alloc.h"
 #include "metrics.h"
+#include "pool.h"
 #include "reduce.h"
 #include "shard.h"
 #include "xstep.h"
@@ -218,6 +219,30 @@ static int fps__round_sum_take_locked(fps_shard_t *sh, fps_tensor_t *t, char *wh
   return 0; /* the replies reference the current parameters: no buffer */
 }
 
+/* The division of a round's sum by W, in chunks on the kernel pool (the
+ * set's update waits for it, and one thread would leave the other cores
+ * idle); each element is divided once, so the bits do not depend on the
+ * chunking. */
+typedef struct fps__div_job_s {
+  const fps_kernels_t *k;
+  float *x;
+  uint64_t n;
+  size_t nchunks;
+  float d;
+} fps__div_job_t;
+
+static void fps__div_chunk(void *arg, size_t c) {
+  const fps__div_job_t *j = arg;
+  uint64_t lo = j->n * c / j->nchunks, hi = j->n * (c + 1) / j->nchunks;
+  fps_kernels_div_f32(j->k, j->x + lo, (size_t)(hi - lo), j->d);
+}
+
+static void fps__sum_divide(fps_shard_t *sh, float *sum, uint64_t numel, float d) {
+  fps__div_job_t j = {.k = sh->kernels, .x = sum, .n = numel, .d = d, .nchunks = 1};
+  if (sh->pool && numel >= FPS_POOL_MIN(sh)) j.nchunks = 2 * (size_t)fps_pool_threads(sh->pool);
+  fps_pool_run(j.nchunks > 1 ? sh->pool : NULL, j.nchunks, fps__div_chunk, &j);
+}
+
 /* Completes a full set of k rounds that the caller marked settling: every
  * round is checked and prepared before any is applied. A set holding
  * split blocks then exchanges their partials with the other shards
@@ -253,7 +278,7 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
    * plain loop's bits. A block's pass A needs the mean before the
    * exchange, so every sum is divided here. */
   for (fps_tensor_t *t = set; t && W > 1; t = t->round.cnext)
-    if (!t->round.none) fps_kernels_div_f32(sh->kernels, t->round.sum, (size_t)t->numel, (float)W);
+    if (!t->round.none) fps__sum_divide(sh, t->round.sum, t->numel, (float)W);
   /* issue 12: blocks of split tensors step with the other shards first. */
   if (fps__xstep_needed(set)) {
     fps_xgroup_t *g = NULL;

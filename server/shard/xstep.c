@@ -381,7 +381,7 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_xgroup_t 
     for (uint32_t j = 0; j < NPHASE * x->nb; j++)
       if (j % x->nb != x->me && !(x->kept[j] = fps_calloc(1, sizeof *x->kept[j]))) goto oom;
     fps_adafactor_hparams_t hp = fps__update_hparams(t, &t->round.member[0]->uh);
-    fps_pool_t *pool = t->numel >= FPS_POOL_MIN_NUMEL ? sh->pool : NULL;
+    fps_pool_t *pool = t->numel >= FPS_POOL_MIN(sh) ? sh->pool : NULL;
     rc = fps_split_step_begin(sh->kernels, &hp, &sp->st, t->param, t->round.sum, pool, &x->step);
     if (rc == FPS_ENOMEM) goto oom;
     if (rc < 0) {

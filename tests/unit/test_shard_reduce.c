@@ -20,6 +20,7 @@
 
 #include "shard/reduce.h"
 #include "shard_fixture.h"
+#include "pool.h"
 #include "simd/kernels.h"
 
 static const uint64_t DIMS[] = {37, 29}; /* factored, odd sizes */
@@ -753,6 +754,85 @@ static void backpressure_holds_and_resumes(void **unused) {
   free(g);
 }
 
+/* A sync set's tensors of FPS_POOL_MIN_NUMEL_SYNC or more elements are
+ * divided by W and stepped on the kernel pool: the parameters are the
+ * replay's bits (the replay's async shard has no pool), factored and not. */
+#define PA_ROWS 640
+#define PA_COLS 512
+#define PA ((uint64_t)PA_ROWS * PA_COLS)
+#define PB (FPS_POOL_MIN_NUMEL_SYNC + 3)
+
+static void step_with(fps_shard_t *sh, int mode, fps_pool_t *pool, const float *init_a, const float *init_b) {
+  static const uint64_t da[] = {PA_ROWS, PA_COLS}, db[] = {PB};
+  fps__log_level = -1;
+  fps_shard_opts_t o = {.shard_id = 0, .shard_count = 1, .mode = mode, .workers = mode == FPS_MODE_SYNC ? 3 : 1,
+                        .deadline = FX_DEADLINE_S, .max_tensors = 8, .max_bytes = 64u << 20,
+                        .max_staging_bytes = 64u << 20, .apply_log = 8, .checkpoint_dir = ""};
+  if (fps_shard_init(sh, &o, fps_kernels_best(), pool) < 0) abort();
+  assert_int_equal(fx_create(sh, "a", da, 2, init_a), 0);
+  assert_int_equal(fx_create(sh, "b", db, 1, init_b), 0);
+}
+
+static void sync_set_on_the_pool_matches_the_replay(void **unused) {
+  (void)unused;
+  assert_true(PA >= FPS_POOL_MIN_NUMEL_SYNC && PA < FPS_POOL_MIN_NUMEL);
+  float *ia = malloc(PA * 4), *ib = malloc(PB * 4), *ga[3], *gb[3];
+  float *sa = malloc(PA * 4), *sb = malloc(PB * 4), *got = malloc(PA * 4), *want = malloc(PA * 4);
+  assert_true(ia && ib && sa && sb && got && want);
+  fx_fill(ia, PA, 7);
+  fx_fill(ib, PB, 8);
+  for (uint32_t w = 0; w < 3; w++) {
+    ga[w] = malloc(PA * 4);
+    gb[w] = malloc(PB * 4);
+    assert_true(ga[w] && gb[w]);
+    fx_fill(ga[w], PA, 100 + w);
+    fx_fill(gb[w], PB, 200 + w);
+  }
+  fps_pool_t *pool;
+  assert_int_equal(fps_pool_create(&pool, 3), 0);
+  fps_shard_t sh;
+  step_with(&sh, FPS_MODE_SYNC, pool, ia, ib);
+  fps_push_t *p[3];
+  fx_done_t d[3];
+  for (uint32_t w = 0; w < 3; w++) {
+    p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+    assert_int_equal(fx_push_grad(p[w], "a", ga[w], PA, 3, NULL), 0);
+    assert_int_equal(fx_push_grad(p[w], "b", gb[w], PB, 2, NULL), 0);
+    assert_int_equal(fx_commit(p[w], NULL), w < 2 ? FPS_EAGAIN : 0);
+  }
+  /* The replay: ((g0 + g1) + g2) / 3 in plain fp32, one async step. */
+  for (uint64_t i = 0; i < PA; i++) sa[i] = ((ga[0][i] + ga[1][i]) + ga[2][i]) / 3.0f;
+  for (uint64_t i = 0; i < PB; i++) sb[i] = ((gb[0][i] + gb[1][i]) + gb[2][i]) / 3.0f;
+  fps_shard_t ref;
+  step_with(&ref, FPS_MODE_ASYNC, NULL, ia, ib);
+  fx_done_t rd;
+  fps_push_t *r = fx_push_new(&ref, 0, 0, INT64_MAX, &rd);
+  assert_int_equal(fx_push_grad(r, "a", sa, PA, 1, NULL), 0);
+  assert_int_equal(fx_push_grad(r, "b", sb, PB, 1, NULL), 0);
+  assert_int_equal(fx_commit(r, NULL), 0);
+  assert_int_equal(fx_params(&sh, "a", got), 1);
+  assert_int_equal(fx_params(&ref, "a", want), 1);
+  assert_memory_equal(got, want, PA * 4);
+  assert_int_equal(fx_params(&sh, "b", got), 1);
+  assert_int_equal(fx_params(&ref, "b", want), 1);
+  assert_memory_equal(got, want, PB * 4);
+  fps_push_destroy(r);
+  for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
+  fx_shard_free(&ref);
+  fx_shard_free(&sh);
+  fps_pool_destroy(pool);
+  for (uint32_t w = 0; w < 3; w++) {
+    free(ga[w]);
+    free(gb[w]);
+  }
+  free(ia);
+  free(ib);
+  free(sa);
+  free(sb);
+  free(got);
+  free(want);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(sum_is_bit_identical_for_every_variant),
@@ -762,6 +842,7 @@ int main(void) {
       cmocka_unit_test(second_push_of_a_worker_and_deadline),
       cmocka_unit_test(no_grad_and_retries),
       cmocka_unit_test(backpressure_holds_and_resumes),
+      cmocka_unit_test(sync_set_on_the_pool_matches_the_replay),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
