@@ -69,6 +69,8 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
      "write the bound metrics port to this file"},
     {"malloc-tune", CFG_BOOL, OFF(malloc_tune), "true", 0, 0,
      "tune glibc malloc for large messages (one arena, no mmap threshold, no trim)"},
+    {"http2-bdp-probe", CFG_BOOL, OFF(http2_bdp_probe), "false", 0, 0,
+     "let gRPC grow HTTP/2 receive windows to its bandwidth-delay estimate (long links; more memory)"},
     {"checkpoint-dir", CFG_STR, OFF(checkpoint_dir), "", 0, 0,
      "directory for durable checkpoints (created if missing; empty: no checkpoints)"},
     {"checkpoint-interval", CFG_DOUBLE, OFF(checkpoint_interval), "0", 0, 1e7,

@@ -272,16 +272,19 @@ int fps_grpc_start(fps_server_t *srv) {
   args[4].type = GRPC_ARG_INTEGER;
   args[4].key = GRPC_ARG_ENABLE_PER_MESSAGE_DECOMPRESSION;
   args[4].value.integer = 0;
-  /* No BDP probing: it grows every stream's receive window to its
-   * bandwidth-delay estimate, and a stream whose push the shard is not
+  /* No BDP probing by default: it grows every stream's receive window to
+   * its bandwidth-delay estimate, and a stream whose push the shard is not
    * reading yet (a sync round held back, a slow sum) then holds that many
    * received bytes in gRPC's buffers. On loopback under load that was
    * 150-200 MiB per shard at W = 4 (100M parameters, VmHWM 621-676 MiB
    * with it, 452-478 without). Each read still opens the window for the
-   * whole message it waits for, so messages stream at full speed. */
+   * whole message it waits for, so messages stream at full speed; only on
+   * links whose bandwidth-delay product nears a message (4 MiB) does the
+   * one round trip between messages show, and --http2-bdp-probe trades
+   * that memory back for it. */
   args[5].type = GRPC_ARG_INTEGER;
   args[5].key = GRPC_ARG_HTTP2_BDP_PROBE;
-  args[5].value.integer = 0;
+  args[5].value.integer = srv->cfg.http2_bdp_probe ? 1 : 0;
   grpc_channel_args ca = {6, args};
   srv->server = grpc_server_create(&ca, NULL);
   srv->cq = grpc_completion_queue_create_for_next(NULL);

@@ -90,6 +90,7 @@ typedef struct fps_config_s {
   char *simd;                 /* scalar|avx2|neon|auto */
   uint32_t kernel_threads;    /* pool size for large tensors' updates (0: CPUs) */
   int malloc_tune;            /* 1: one arena, no mmap threshold, no trim */
+  int http2_bdp_probe;        /* 1: gRPC grows receive windows to its BDP estimate */
   char *metrics_listen;       /* HTTP /metrics /healthz /readyz host:port, "" = off */
   char *metrics_port_file;    /* written with the bound metrics port, or "" */
   char *checkpoint_dir;       /* durable checkpoints, "" = off */

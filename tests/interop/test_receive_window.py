@@ -100,8 +100,11 @@ class Conn:
 
 
 class ReceiveWindow(unittest.TestCase):
-    def test_no_bdp_probe_while_receiving(self):
-        srv = H.Server("--mode", "sync", "--workers", 2)
+    def push_message(self, *flags):
+        """Streams the 16 MiB message into a PushPull call of a new shard
+        started with flags, within the windows it grants, until the shard
+        answers; returns the connection's record."""
+        srv = H.Server("--mode", "sync", "--workers", 2, *flags)
         try:
             c = Conn(srv.addr)
             c.send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(SETTINGS, 0, 0))
@@ -129,13 +132,22 @@ class ReceiveWindow(unittest.TestCase):
             while not c.closed and time.monotonic() < end:
                 c.pump(0.2)
             self.assertEqual(c.closed, "trailers", "the shard should answer the bad message with a status")
-            self.assertEqual(c.pings, 0, "the shard probes the bandwidth-delay product (PINGs): its "
-                             "receive windows grow with it")
-            self.assertLessEqual(c.granted, len(body) + LOOKAHEAD + 65535,
-                                 "the shard granted the stream more than the message it reads")
             c.sock.close()
+            return c, len(body)
         finally:
             srv.stop()
+
+    def test_no_bdp_probe_while_receiving(self):
+        c, size = self.push_message()
+        self.assertEqual(c.pings, 0, "the shard probes the bandwidth-delay product (PINGs): its "
+                         "receive windows grow with it")
+        self.assertLessEqual(c.granted, size + LOOKAHEAD + 65535,
+                             "the shard granted the stream more than the message it reads")
+
+    def test_bdp_probe_when_asked(self):
+        c, _ = self.push_message("--http2-bdp-probe", "true")
+        self.assertGreater(c.pings, 0, "--http2-bdp-probe true should let gRPC probe the "
+                           "bandwidth-delay product (it sends PINGs with the data it receives)")
 
 
 if __name__ == "__main__":
