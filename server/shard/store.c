@@ -105,6 +105,23 @@ int fps__store_insert_locked(fps_store_t *st, fps_tensor_t *t) {
   return 0;
 }
 
+/* Bytes a tensor-sized buffer of numel floats takes (at least one float,
+ * so a zero-sized tensor still has a valid pointer). */
+static uint64_t fps__tbuf_bytes(uint64_t numel) { return (numel ? numel : 1) * sizeof(float); }
+
+/* Fills a buffer wrapper (fps_snap_t): not retired, no bf16 encoding. */
+static void fps__snap_init(fps_snap_t *s, fps_shard_t *sh, float *data, uint64_t numel, uint64_t version,
+                           int refs, bool staged) {
+  atomic_init(&s->refs, refs);
+  s->sh = sh;
+  s->data = data;
+  s->numel = numel;
+  s->version = version;
+  s->staged = staged;
+  s->owner = NULL;
+  s->bf16 = NULL;
+}
+
 /* A tensor without its optimizer state, or NULL on OOM. */
 static fps_tensor_t *fps__tensor_alloc(const char *name, size_t len, const fps_shape_t *shape,
                                        uint64_t numel, const fps_adafactor_hparams_t *hp,
@@ -298,15 +315,8 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float **grad, boo
     t->version++;
     /* Publish: the staged gradient buffer becomes the tensor's own (no
      * longer staging), the old one is retired (staging while read). */
-    atomic_init(&nb->refs, 1);
-    nb->sh = sh;
-    nb->data = out;
-    nb->numel = t->numel;
-    nb->version = t->version;
-    nb->staged = false;
-    nb->owner = NULL;
-    nb->bf16 = NULL;
-    atomic_fetch_sub(&sh->tbuf_bytes, (t->numel ? t->numel : 1) * sizeof(float));
+    fps__snap_init(nb, sh, out, t->numel, t->version, 1, false);
+    atomic_fetch_sub(&sh->tbuf_bytes, fps__tbuf_bytes(t->numel));
     *grad = NULL;
     fps_snap_t *old = t->pbuf;
     t->pbuf = nb;
@@ -357,16 +367,19 @@ void fps_shape_format(const fps_shape_t *s, char *buf, size_t len) {
   if (n < len) snprintf(buf + n, len - n, "]");
 }
 
-float *fps_tbuf_alloc(fps_shard_t *sh, uint64_t numel, bool *over_limit) {
-  uint64_t bytes = (numel ? numel : 1) * sizeof(float);
-  *over_limit = false;
+/* Counts bytes against max_staging_bytes; false if that would pass it. */
+static bool fps__tbuf_reserve(fps_shard_t *sh, uint64_t bytes) {
   uint64_t cur = atomic_load(&sh->tbuf_bytes);
   do {
-    if (cur + bytes > sh->cfg.max_staging_bytes || cur + bytes < cur) {
-      *over_limit = true;
-      return NULL;
-    }
+    if (cur + bytes > sh->cfg.max_staging_bytes || cur + bytes < cur) return false;
   } while (!atomic_compare_exchange_weak(&sh->tbuf_bytes, &cur, cur + bytes));
+  return true;
+}
+
+float *fps_tbuf_alloc(fps_shard_t *sh, uint64_t numel, bool *over_limit) {
+  uint64_t bytes = fps__tbuf_bytes(numel);
+  *over_limit = !fps__tbuf_reserve(sh, bytes);
+  if (*over_limit) return NULL;
   float *p = fps_malloc(bytes);
   if (!p) atomic_fetch_sub(&sh->tbuf_bytes, bytes);
   return p;
@@ -375,48 +388,35 @@ float *fps_tbuf_alloc(fps_shard_t *sh, uint64_t numel, bool *over_limit) {
 void fps_tbuf_free(fps_shard_t *sh, float *p, uint64_t numel) {
   if (!p) return;
   fps_free(p);
-  atomic_fetch_sub(&sh->tbuf_bytes, (numel ? numel : 1) * sizeof(float));
+  atomic_fetch_sub(&sh->tbuf_bytes, fps__tbuf_bytes(numel));
 }
 
 fps_snap_t *fps__pbuf_new(uint64_t numel) {
   fps_snap_t *s = fps_malloc(sizeof *s);
-  /* At least one float so a zero-sized tensor still has a valid pointer. */
-  float *data = fps_malloc((numel ? numel : 1) * sizeof(float));
+  float *data = fps_malloc(fps__tbuf_bytes(numel));
   if (!s || !data) {
     fps_free(s);
     fps_free(data);
     return NULL;
   }
-  atomic_init(&s->refs, 1);
-  s->sh = NULL;
-  s->data = data;
-  s->numel = numel;
-  s->version = 0;
-  s->staged = false;
-  s->owner = NULL;
-  s->bf16 = NULL;
+  fps__snap_init(s, NULL, data, numel, 0, 1, false);
   return s;
 }
 
 float *fps__tbuf_take(fps_shard_t *sh, fps_tensor_t *t, bool *over_limit) {
   float *p = atomic_exchange(&t->spare, NULL);
   if (!p) return fps_tbuf_alloc(sh, t->numel, over_limit);
-  uint64_t bytes = (t->numel ? t->numel : 1) * sizeof(float);
-  *over_limit = false;
-  uint64_t cur = atomic_load(&sh->tbuf_bytes);
-  do {
-    if (cur + bytes > sh->cfg.max_staging_bytes || cur + bytes < cur) {
-      *over_limit = true;
-      fps_free(atomic_exchange(&t->spare, p)); /* keep the newest: p */
-      return NULL;
-    }
-  } while (!atomic_compare_exchange_weak(&sh->tbuf_bytes, &cur, cur + bytes));
+  *over_limit = !fps__tbuf_reserve(sh, fps__tbuf_bytes(t->numel));
+  if (*over_limit) {
+    fps_free(atomic_exchange(&t->spare, p)); /* keep the newest: p */
+    return NULL;
+  }
   return p;
 }
 
 void fps__tbuf_keep(fps_shard_t *sh, fps_tensor_t *t, float *p) {
   if (!p) return;
-  atomic_fetch_sub(&sh->tbuf_bytes, (t->numel ? t->numel : 1) * sizeof(float));
+  atomic_fetch_sub(&sh->tbuf_bytes, fps__tbuf_bytes(t->numel));
   fps_free(atomic_exchange(&t->spare, p));
 }
 
@@ -433,7 +433,7 @@ void fps__pbuf_retire(fps_shard_t *sh, fps_tensor_t *t, fps_snap_t *s) {
   s->sh = sh;
   s->owner = t;
   s->staged = true;
-  atomic_fetch_add(&sh->tbuf_bytes, (s->numel ? s->numel : 1) * sizeof(float));
+  atomic_fetch_add(&sh->tbuf_bytes, fps__tbuf_bytes(s->numel));
   fps_snap_unref(s);
 }
 
@@ -443,14 +443,7 @@ fps_snap_t *fps_snap_wrap(fps_shard_t *sh, float *data, uint64_t numel, uint64_t
     fps_tbuf_free(sh, data, numel);
     return NULL;
   }
-  atomic_init(&s->refs, refs);
-  s->sh = sh;
-  s->data = data;
-  s->numel = numel;
-  s->version = version;
-  s->staged = true;
-  s->owner = NULL;
-  s->bf16 = NULL;
+  fps__snap_init(s, sh, data, numel, version, refs, true);
   return s;
 }
 
