@@ -180,6 +180,17 @@ int fps_adafactor_step_to(const fps_kernels_t *k, const fps_adafactor_hparams_t 
                           float *out, fps_pool_t *pool, double *scratch,
                           fps_adafactor_trace_t *trace);
 
+/* fps_adafactor_step_to() that also writes the new parameters' bf16
+ * encoding (numel little-endian bf16, any alignment, fps_f32_to_bf16()'s
+ * bits) to out_bf16 in the same pass: each block of the update is encoded
+ * while it is still in L1, so the replies that send bf16 need no second
+ * pass over the parameters. out_bf16 NULL: exactly fps_adafactor_step_to().
+ * out_bf16 must not overlap param, grad or out. */
+int fps_adafactor_step_to_bf16(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
+                               fps_adafactor_state_t *st, const float *param, const float *grad,
+                               float *out, void *out_bf16, fps_pool_t *pool, double *scratch,
+                               fps_adafactor_trace_t *trace);
+
 /* Bytes the step moves through memory per step for this state, on the
  * common path (no torch clamp fallback): see adafactor_step.c. */
 uint64_t fps_adafactor_step_bytes(const fps_adafactor_state_t *st);

@@ -129,6 +129,7 @@ typedef struct fps__fact_ctx_s {
   const float *g;
   const float *p;
   float *out;       /* pass C's new params: p, g or a separate buffer */
+  void *out16;      /* NULL, or pass C also writes out's bf16 encoding here */
   float *mom;
   float *row;       /* this matrix's row state */
   const float *col; /* this matrix's col state (pass C) */
@@ -153,6 +154,7 @@ typedef struct fps__var_ctx_s {
   const float *g;
   const float *p;
   float *out;       /* pass C's new params: p, g or a separate buffer */
+  void *out16;      /* NULL, or pass C also writes out's bf16 encoding here */
   float *v, *mom;
   float a, b, e;
   double psq[FPS_STEP_MAX_CHUNKS];

@@ -19,6 +19,8 @@
  *     pass A  reads g, p, v, writes v (16 B), and sums U^2 with the new v.
  *     pass C  reads g, v, p, writes p (16 B).  = 32 B/elem.
  *   hf momentum adds a read and a write of mom in pass C (+8 B/elem).
+ *   a bf16 out (fps_adafactor_step_to_bf16) adds its write (+2 B/elem):
+ *   each block is encoded while it is in L1.
  * Both passes are needed: the clip factor (RMS(U)) and the lr (RMS(param))
  * are whole-tensor reductions that every element's update depends on.
  *
@@ -69,22 +71,35 @@ void fps__fact_pass_u2(void *arg, size_t ck) {
   c->u2[ck] = u2;
 }
 
+/* With bf16 out, pass C runs in blocks of this many elements (16 KiB of
+ * fp32, within any L1): each block is updated and then encoded from L1,
+ * so the encoding adds a 2 B/elem write and no read from memory. The
+ * kernels are elementwise, so cutting a row into blocks changes no bit. */
+#define FPS_BF16_BLOCK 4096
+
+static void fact_row_c(const fps__fact_ctx_t *c, uint64_t i, size_t j, size_t n, float rowf) {
+  const size_t C = c->cols;
+  const size_t at = i * C + j;
+  float *mom = c->mom ? c->mom + at : NULL;
+  if (c->colf)
+    c->k->apply_rowcol(c->out + at, c->p + at, c->g + at, mom, c->colf + j, n, rowf, c->pmul,
+                       c->sc->beta1);
+  else
+    c->k->apply_elem(c->out + at, c->p + at, c->g + at, mom, c->col + j, n,
+                     (float)(c->row[i] / c->m), c->sc->floor, c->s, c->pmul, c->sc->beta1);
+  if (c->out16) c->k->bf16_encode((uint8_t *)c->out16 + 2 * at, c->out + at, n);
+}
+
 void fps__fact_pass_c(void *arg, size_t ck) {
   fps__fact_ctx_t *c = arg;
   const size_t C = c->cols;
+  const size_t blk = c->out16 ? FPS_BF16_BLOCK : C;
   const uint64_t lo = fps__chunk_lo(c->rows, c->nchunks, ck);
   const uint64_t hi = fps__chunk_lo(c->rows, c->nchunks, ck + 1);
   for (uint64_t i = lo; i < hi; i++) {
-    float *mom = c->mom ? c->mom + i * C : NULL;
-    if (c->colf) {
-      /* U_ij = g_ij * sqrt(m / r_i) * (1 / sqrt(c_j)), times the step. */
-      float rowf = (float)((double)c->s * sqrt(c->m / (double)c->row[i]));
-      c->k->apply_rowcol(c->out + i * C, c->p + i * C, c->g + i * C, mom, c->colf, C, rowf,
-                         c->pmul, c->sc->beta1);
-    } else {
-      c->k->apply_elem(c->out + i * C, c->p + i * C, c->g + i * C, mom, c->col, C,
-                       (float)(c->row[i] / c->m), c->sc->floor, c->s, c->pmul, c->sc->beta1);
-    }
+    /* U_ij = g_ij * sqrt(m / r_i) * (1 / sqrt(c_j)), times the step. */
+    float rowf = c->colf ? (float)((double)c->s * sqrt(c->m / (double)c->row[i])) : 0.0f;
+    for (size_t j = 0; j < C; j += blk) fact_row_c(c, i, j, C - j < blk ? C - j : blk, rowf);
   }
 }
 
@@ -117,8 +132,13 @@ void fps__var_pass_a(void *arg, size_t ck) {
 void fps__var_pass_c(void *arg, size_t ck) {
   fps__var_ctx_t *c = arg;
   uint64_t lo = fps__chunk_lo(c->n, c->nchunks, ck), hi = fps__chunk_lo(c->n, c->nchunks, ck + 1);
-  c->k->apply_elem(c->out + lo, c->p + lo, c->g + lo, c->mom ? c->mom + lo : NULL, c->v + lo,
-                   hi - lo, 1.0f, c->sc->floor, c->s, c->pmul, c->sc->beta1);
+  const uint64_t blk = c->out16 ? FPS_BF16_BLOCK : hi - lo;
+  for (uint64_t j = lo; j < hi; j += blk) {
+    size_t n = (size_t)(hi - j < blk ? hi - j : blk);
+    c->k->apply_elem(c->out + j, c->p + j, c->g + j, c->mom ? c->mom + j : NULL, c->v + j, n, 1.0f,
+                     c->sc->floor, c->s, c->pmul, c->sc->beta1);
+    if (c->out16) c->k->bf16_encode((uint8_t *)c->out16 + 2 * j, c->out + j, n);
+  }
 }
 
 /* ---- the step ---------------------------------------------------------- */
@@ -165,6 +185,13 @@ int fps_adafactor_step_to(const fps_kernels_t *k, const fps_adafactor_hparams_t 
                           fps_adafactor_state_t *st, const float *param, const float *grad,
                           float *out, fps_pool_t *pool, double *scratch,
                           fps_adafactor_trace_t *trace) {
+  return fps_adafactor_step_to_bf16(k, hp, st, param, grad, out, NULL, pool, scratch, trace);
+}
+
+int fps_adafactor_step_to_bf16(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
+                               fps_adafactor_state_t *st, const float *param, const float *grad,
+                               float *out, void *out_bf16, fps_pool_t *pool, double *scratch,
+                               fps_adafactor_trace_t *trace) {
   if (!param || !grad || !out) return FPS_EINVAL;
   int rc = fps_adafactor_step_check(hp, st);
   if (rc) return rc;
@@ -179,6 +206,7 @@ int fps_adafactor_step_to(const fps_kernels_t *k, const fps_adafactor_hparams_t 
   const uint64_t numel = st->numel;
   double psq = 0, u2 = 0;
   uint64_t bytes = fps_adafactor_step_bytes(st);
+  if (out_bf16) bytes += 2 * numel; /* the encoding's write */
   bool explicit_rms = false;
   fps__fact_ctx_t fc;
   fps__var_ctx_t vc;
@@ -235,6 +263,7 @@ int fps_adafactor_step_to(const fps_kernels_t *k, const fps_adafactor_hparams_t 
     vc.g = grad;
     vc.p = param;
     vc.out = out;
+    vc.out16 = out_bf16;
     vc.v = st->var;
     vc.mom = st->mom;
     vc.a = (float)(1.0 - sc.w);
@@ -263,6 +292,7 @@ int fps_adafactor_step_to(const fps_kernels_t *k, const fps_adafactor_hparams_t 
       fc.g = grad + mtx * R * C;
       fc.p = param + mtx * R * C;
       fc.out = out + mtx * R * C;
+      fc.out16 = out_bf16 ? (uint8_t *)out_bf16 + 2 * mtx * R * C : NULL;
       fc.mom = st->mom ? st->mom + mtx * R * C : NULL;
       fc.row = st->row + mtx * R;
       fc.col = st->col + mtx * C;

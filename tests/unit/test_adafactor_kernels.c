@@ -640,9 +640,13 @@ static void steps_neon(void **u) { (void)u; step_parity("neon"); }
 #endif
 
 /* fps_adafactor_step_to() with the gradient buffer as out (the shard's
- * way: the consumed gradient becomes the next params) and with a separate
- * out, 3 steps, against the in-place step of the same variant: params and
- * state bit-identical, and the params read are never written. */
+ * way: the consumed gradient becomes the next params), with a separate
+ * out and in place, 3 steps, against the in-place step of the same
+ * variant: params and state bit-identical, and the params read are never
+ * written (out of place). Each also runs as fps_adafactor_step_to_bf16():
+ * the same params and state, and its bf16 is exactly the scalar
+ * reference's encoding of those params (rows wider than the 4096-element
+ * block, and a 1-D tensor of several blocks, cover the block cuts). */
 static void step_to_parity(const char *variant) {
   const fps_kernels_t *k = variant_or_skip(variant);
   const fps_shape_t shapes[] = {
@@ -651,13 +655,17 @@ static void step_to_parity(const char *variant) {
       {.ndim = 2, .dim = {17, 33}},
       {.ndim = 3, .dim = {3, 5, 7}},
       {.ndim = 2, .dim = {300, 301}},
+      {.ndim = 2, .dim = {3, 9001}},
+      {.ndim = 1, .dim = {3 * 4096 + 5}},
   };
   const hp_fn hps[] = {hp_torch, hp_torch_wd_max, hp_hf, hp_hf_trainer_beta1};
   const float gscale[] = {1.0f, 1e-15f};
   for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
     for (size_t hi = 0; hi < sizeof hps / sizeof hps[0]; hi++)
       for (size_t gi = 0; gi < 2; gi++)
-        for (int mode = 0; mode < 2; mode++) { /* 0: out = grad, 1: separate out */
+        for (int mode = 0; mode < 6; mode++) {
+          /* mode % 3: 0 out = grad, 1 separate out, 2 in place; mode / 3: bf16 too */
+          const int alias = mode % 3, enc = mode / 3;
           fps_adafactor_hparams_t hp;
           hps[hi](&hp);
           uint64_t n;
@@ -665,7 +673,8 @@ static void step_to_parity(const char *variant) {
           float *g = malloc(3 * n * 4), *pin = malloc(n * 4);
           float *bufs[2] = {malloc(n * 4), malloc(n * 4)};
           float *keep = malloc(n * 4);
-          assert_true(g && pin && bufs[0] && bufs[1] && keep);
+          uint16_t *h = malloc(n * 2), *ref = malloc(n * 2);
+          assert_true(g && pin && bufs[0] && bufs[1] && keep && h && ref);
           for (uint64_t i = 0; i < n; i++) pin[i] = bufs[0][i] = nrand() * 0.5f;
           for (uint64_t i = 0; i < 3 * n; i++) g[i] = nrand() * gscale[gi];
           fps_adafactor_state_t si_, so;
@@ -677,9 +686,24 @@ static void step_to_parity(const char *variant) {
             float *next = bufs[1 - cur];
             memcpy(next, g + t * n, n * 4); /* mode 0: the gradient buffer itself */
             memcpy(keep, bufs[cur], n * 4);
-            float *out = next, *grad = mode == 0 ? next : g + t * n;
-            assert_int_equal(
-                fps_adafactor_step_to(k, &hp, &so, bufs[cur], grad, out, NULL, NULL, NULL), 0);
+            float *out = next, *grad = alias == 0 ? next : g + t * n;
+            if (alias == 2) out = bufs[cur];
+            if (enc) {
+              memset(h, 0xa5, n * 2);
+              assert_int_equal(fps_adafactor_step_to_bf16(k, &hp, &so, bufs[cur], grad, out, h,
+                                                          NULL, NULL, NULL),
+                               0);
+              fps__kernels_scalar.bf16_encode(ref, out, n);
+              if (memcmp(h, ref, n * 2)) {
+                print_error("%s shape %zu hp %zu mode %d step %d: bf16 is not bf16(params)\n",
+                            variant, si, hi, mode, t);
+                fail();
+              }
+            } else {
+              assert_int_equal(
+                  fps_adafactor_step_to(k, &hp, &so, bufs[cur], grad, out, NULL, NULL, NULL), 0);
+            }
+            if (alias == 2) continue; /* in place: bufs[cur] is the result */
             assert_memory_equal(keep, bufs[cur], n * 4); /* the published params stayed */
             cur = 1 - cur;
           }
@@ -698,7 +722,7 @@ static void step_to_parity(const char *variant) {
                            FPS_EINVAL);
           fps_adafactor_state_destroy(&si_);
           fps_adafactor_state_destroy(&so);
-          free(g), free(pin), free(bufs[0]), free(bufs[1]), free(keep);
+          free(g), free(pin), free(bufs[0]), free(bufs[1]), free(keep), free(h), free(ref);
         }
 }
 
