@@ -100,6 +100,7 @@ static void fps__pp_finish(fps_pp_call_t *pp) {
     fps_reply_item_t *it = &pp->reply.items[i];
     it->t = o.t;
     it->snap = o.snap;
+    it->bf16 = fps_push_take_bf16(pp->push, i); /* made by the update, or NULL: the reply converts */
     it->version = o.version;
     it->dtype = o.dtype;
   }

@@ -104,6 +104,7 @@ void fps_push_destroy(fps_push_t *p) {
     fps__tbuf_keep(p->sh, e->t, e->grad);
     fps_ranges_free(&e->got);
     fps_free(e->msg);
+    fps_snap_bf16_unref(e->bf16);
     fps_snap_unref(e->snap);
     fps__apply_prep_release(&e->prep);
     fps_free(e);
@@ -308,11 +309,15 @@ static bool fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
     fps_push_entry_t *e = p->e[i];
     fps_tensor_t *t = e->t;
     fps_snap_t *snap = NULL;
+    /* A bf16 reply: the update makes its encoding (store.c). */
+    e->prep.bf16_replies = !e->skip_params && e->dtype == FPS_DTYPE_BF16;
     pthread_mutex_lock(&t->mu);
     /* no_grad: nothing to apply (no update, no weight decay); the reply
      * carries the current params. Prepared: cannot fail. */
     fps__tensor_apply_locked(sh, t, &e->grad, !e->no_grad && !replay, p->worker_id, e->step, &e->uh,
                              !e->skip_params, 1, &snap, &e->prep);
+    e->bf16 = e->prep.bf16;
+    e->prep.bf16 = NULL;
     e->version = t->version;
     pthread_mutex_unlock(&t->mu);
     fps__apply_prep_release(&e->prep);
@@ -376,6 +381,12 @@ int fps_push_result(fps_push_t *p, char *why, size_t wl) {
 }
 
 size_t fps_push_count(const fps_push_t *p) { return p->n; }
+
+fps_snap_bf16_t *fps_push_take_bf16(fps_push_t *p, size_t i) {
+  fps_snap_bf16_t *enc = p->e[i]->bf16;
+  p->e[i]->bf16 = NULL;
+  return enc;
+}
 
 void fps_push_take(fps_push_t *p, size_t i, fps_push_out_t *out) {
   fps_push_entry_t *e = p->e[i];

@@ -256,6 +256,16 @@ void fps_snap_bf16_ref(fps_snap_bf16_t *e);
  * so the next reply of the buffer converts again. NULL is a no-op.
  * Thread-safe. */
 void fps_snap_bf16_unref(fps_snap_bf16_t *e);
+/* The update's own encoding (made in its pass C): an unattached buffer
+ * for numel elements with `refs` references, counted against
+ * max_staging_bytes; NULL at the limit or out of memory (then there is
+ * none: the replies convert). Its bytes to write: fps__snap_bf16_buf().
+ * Attach it to the new buffer before the buffer is published (takes a
+ * reference to s); an encoding never attached goes with _discard(). */
+fps_snap_bf16_t *fps__snap_bf16_new(fps_shard_t *sh, uint64_t numel, int refs);
+uint8_t *fps__snap_bf16_buf(fps_snap_bf16_t *e);
+void fps__snap_bf16_attach(fps_snap_bf16_t *e, fps_snap_t *s);
+void fps__snap_bf16_discard(fps_snap_bf16_t *e);
 
 /* Tensor-sized transient buffers (gradient staging, sync sums, retired
  * parameter buffers replies still read) are
@@ -299,6 +309,12 @@ typedef struct fps_apply_prep_s {
                                * becomes the new parameters */
   struct fps_split_step_s *split; /* a block's combined cross-shard step
                                * (xstep.c): its apply is pass C; NULL: none */
+  int bf16_replies;           /* set by the caller after preparing: how many
+                               * replies of this update send bf16; then the
+                               * update encodes them in its pass C */
+  struct fps_snap_bf16_s *bf16; /* after the apply: that encoding with
+                               * bf16_replies references for the caller to
+                               * hand out, or NULL (none: replies convert) */
 } fps_apply_prep_t;
 
 /* Kinds of optimizer state arrays (the wire's StateKind - 1). */
@@ -631,6 +647,10 @@ typedef struct fps_push_out_s {
   uint64_t version;           /* version after the update */
   int dtype;                  /* dtype of the first slice received */
 } fps_push_out_t;
+/* Item i's bf16 encoding of its snapshot, made by the update for a bf16
+ * reply: the reference moves to the caller (NULL: none; a second take
+ * gets NULL; one not taken goes with the push). */
+fps_snap_bf16_t *fps_push_take_bf16(fps_push_t *p, size_t i);
 /* Item i of a successful push; the snapshot reference moves to the caller
  * (a second take of the same item gets snap NULL). */
 void fps_push_take(fps_push_t *p, size_t i, fps_push_out_t *out);
@@ -880,6 +900,8 @@ struct fps_push_entry_s {
   int err;                    /* result when resolved: 0 or FPS_E* */
   char *msg;                  /* error text when err != 0 */
   fps_snap_t *snap;           /* result params (ok, unless skip_params) */
+  fps_snap_bf16_t *bf16;      /* snap's encoding made by the update, for a
+                               * bf16 reply (one reference), or NULL */
   uint64_t version;           /* version after the update */
   fps_apply_prep_t prep;      /* async/ssp: allocated before any tensor is applied */
   fps_push_entry_t *resolve_next; /* sync: members of a finished set, to resolve */

@@ -21,7 +21,15 @@
  * a leaf (nothing is locked inside it) held for a few instructions, never
  * while converting: the converting thread marks the field BUSY, and a
  * reply that finds BUSY converts its own message instead of waiting,
- * which would stall a gRPC poller for a whole conversion. */
+ * which would stall a gRPC poller for a whole conversion.
+ *
+ * An update whose replies will send bf16 (a sync round with bf16 members,
+ * an async bf16 push) makes the encoding itself, in its pass C
+ * (fps_adafactor_step_to_bf16), with one reference per such reply, and
+ * attaches it to the new buffer before publishing it: the replies find it
+ * made and nobody converts. Same staging count, same lifetime (the last
+ * reply's reference frees it); if it cannot be allocated the update runs
+ * without it and the replies convert as before. */
 #include "alloc.h"
 #include "shard.h"
 
@@ -36,6 +44,37 @@ struct fps_snap_bf16_s {
 static pthread_mutex_t fps__bf16_mu = PTHREAD_MUTEX_INITIALIZER;
 /* The BUSY mark: an address no encoding can have. */
 static fps_snap_bf16_t fps__bf16_busy;
+
+/* Header and data in one staging buffer: the header's bytes count too. */
+static uint64_t fps__bf16_floats(uint64_t numel) {
+  return (sizeof(fps_snap_bf16_t) + numel * 2 + sizeof(float) - 1) / sizeof(float);
+}
+
+fps_snap_bf16_t *fps__snap_bf16_new(fps_shard_t *sh, uint64_t numel, int refs) {
+  uint64_t floats = fps__bf16_floats(numel);
+  bool over = false;
+  fps_snap_bf16_t *e = (fps_snap_bf16_t *)(void *)fps_tbuf_alloc(sh, floats, &over);
+  if (!e) return NULL;
+  e->refs = refs;
+  e->sh = sh;
+  e->snap = NULL;
+  e->floats = floats;
+  return e;
+}
+
+uint8_t *fps__snap_bf16_buf(fps_snap_bf16_t *e) { return e->data; }
+
+void fps__snap_bf16_attach(fps_snap_bf16_t *e, fps_snap_t *s) {
+  fps_snap_ref(s);
+  e->snap = s;
+  pthread_mutex_lock(&fps__bf16_mu);
+  s->bf16 = e;
+  pthread_mutex_unlock(&fps__bf16_mu);
+}
+
+void fps__snap_bf16_discard(fps_snap_bf16_t *e) {
+  if (e) fps_tbuf_free(e->sh, (float *)(void *)e, e->floats);
+}
 
 fps_snap_bf16_t *fps_snap_bf16_get(fps_shard_t *sh, fps_snap_t *s) {
   pthread_mutex_lock(&fps__bf16_mu);
@@ -52,8 +91,7 @@ fps_snap_bf16_t *fps_snap_bf16_get(fps_shard_t *sh, fps_snap_t *s) {
   s->bf16 = &fps__bf16_busy;
   pthread_mutex_unlock(&fps__bf16_mu);
 
-  /* Header and data in one staging buffer: the header's bytes count too. */
-  uint64_t floats = (sizeof *e + s->numel * 2 + sizeof(float) - 1) / sizeof(float);
+  uint64_t floats = fps__bf16_floats(s->numel);
   bool over = false;
   e = (fps_snap_bf16_t *)(void *)fps_tbuf_alloc(sh, floats, &over);
   if (e) {

@@ -236,6 +236,8 @@ int fps__apply_prepare(fps_shard_t *sh, const fps_tensor_t *t, const fps_update_
   prep->scratch = NULL;
   prep->snap = NULL;
   prep->split = NULL;
+  prep->bf16_replies = 0;
+  prep->bf16 = NULL;
   if (update && t->split && sh->cfg.mode != FPS_MODE_SYNC) {
     /* Not reached while Create refuses blocks outside sync mode. */
     snprintf(why, wl, "tensor '%s' is a block of a split tensor: split tensors need --mode sync", t->name);
@@ -273,6 +275,10 @@ void fps__apply_prep_release(fps_apply_prep_t *prep) {
   fps_free(prep->snap);
   prep->scratch = NULL;
   prep->snap = NULL;
+  /* References to the update's encoding nobody took. */
+  for (int i = 0; prep->bf16 && i < prep->bf16_replies; i++) fps_snap_bf16_unref(prep->bf16);
+  prep->bf16 = NULL;
+  prep->bf16_replies = 0;
 }
 
 int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float **grad, bool update, uint32_t worker_id,
@@ -292,11 +298,16 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float **grad, boo
     int64_t t0 = fps_now_ns();
     fps_pool_t *pool = t->numel >= FPS_POOL_MIN(sh) ? sh->pool : NULL;
     int rc;
+    /* Replies that send bf16: their encoding is written by pass C (none if
+     * it cannot be had within the staging limit: they convert). */
+    fps_snap_bf16_t *enc = NULL;
+    if (!t->split && prep && prep->bf16_replies > 0) enc = fps__snap_bf16_new(sh, t->numel, prep->bf16_replies);
     /* Out of place into the gradient buffer: the published parameters
      * stay as replies and Pulls read them (fps_snap_t's rule). */
     if (!t->split) {
-      rc = fps_adafactor_step_to(sh->kernels, &hp, &t->st, t->param, out, out, pool,
-                                 prep ? prep->scratch : NULL, &tr);
+      rc = fps_adafactor_step_to_bf16(sh->kernels, &hp, &t->st, t->param, out, out,
+                                      enc ? fps__snap_bf16_buf(enc) : NULL, pool, prep ? prep->scratch : NULL,
+                                      &tr);
     } else if (prep && prep->split) {
       /* A block: pass C of the step combined with the other shards
        * (xstep.c); grad is the sum its pass A read. */
@@ -308,6 +319,7 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float **grad, boo
     }
     int64_t t1 = fps_now_ns();
     if (rc < 0) {
+      fps__snap_bf16_discard(enc);
       fps_free(nb);
       FPS_SLOG(FPS_LOG_ERROR, "tensor '%s': Adafactor step failed: %s", t->name, fps_strerror(rc));
       return rc;
@@ -316,6 +328,10 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float **grad, boo
     /* Publish: the staged gradient buffer becomes the tensor's own (no
      * longer staging), the old one is retired (staging while read). */
     fps__snap_init(nb, sh, out, t->numel, t->version, 1, false);
+    if (enc) { /* before publishing: every reader finds it made */
+      fps__snap_bf16_attach(enc, nb);
+      prep->bf16 = enc;
+    }
     atomic_fetch_sub(&sh->tbuf_bytes, fps__tbuf_bytes(t->numel));
     *grad = NULL;
     fps_snap_t *old = t->pbuf;

@@ -359,9 +359,16 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
        * gets the current params at the current version. */
       bool want = false;
       for (uint32_t w = 0; w < W; w++) want |= !m[w]->skip_params;
+      /* The bf16 replies' encoding is made by the update (store.c), one
+       * reference for each. */
+      int bf16_replies = 0;
+      for (uint32_t w = 0; w < W; w++) bf16_replies += !m[w]->skip_params && m[w]->dtype == FPS_DTYPE_BF16;
+      t->round.prep.bf16_replies = bf16_replies;
       fps_snap_t *snap = NULL;
       int rc = fps__tensor_apply_locked(sh, t, &sum, !t->round.none, 0, t->round.step, &m[0]->uh, want, (int)W,
                                         &snap, &t->round.prep);
+      fps_snap_bf16_t *enc = t->round.prep.bf16;
+      t->round.prep.bf16 = NULL;
       fps__apply_prep_release(&t->round.prep);
       fps__tbuf_keep(sh, t, sum); /* NULL once consumed */
       for (uint32_t w = 0; w < W; w++) {
@@ -374,8 +381,12 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
         } else {
           e->err = 0;
           e->version = t->version;
-          if (snap && !e->skip_params) e->snap = snap;
-          else if (snap) fps_snap_unref(snap);
+          if (snap && !e->skip_params) {
+            e->snap = snap;
+            if (enc && e->dtype == FPS_DTYPE_BF16) e->bf16 = enc;
+          } else if (snap) {
+            fps_snap_unref(snap);
+          }
         }
       }
     }

@@ -137,10 +137,13 @@ class Interop(unittest.TestCase):
         """A sync round's bf16 replies (one shared encoding per snapshot on
         the shard) are bit-identical for all W workers and equal to the
         bf16 of the fp32 parameters, also across reply messages: "big" needs
-        two messages of bf16, "small" shares the first one."""
+        two messages of bf16, "small" shares the first one. The encoding is
+        made by the update's pass C in blocks: "wide" rows and "vec" span
+        several blocks. Step 1 mixes bf16 and fp32 workers: the fp32 ones
+        get the exact parameters."""
         pb, _, _ = H.stubs()
         W, steps = 4, 2
-        shapes = {"big": [1536, 1500], "small": [7, 9]}
+        shapes = {"big": [1536, 1500], "small": [7, 9], "wide": [3, 10001], "vec": [20003]}
         srv = H.Server("--mode", "sync", "--workers", W, "--deadline", 60)
         try:
             rng = np.random.default_rng(11)
@@ -151,9 +154,12 @@ class Interop(unittest.TestCase):
                          for _ in range(W)]
                 got, errors = [None] * W, []
 
+                def dtype(w):
+                    return pb.DTYPE_F32 if k == 1 and w % 2 else pb.DTYPE_BF16
+
                 def worker(w):
                     try:
-                        got[w] = H.push(srv.stub, w, k, grads[w], dtype=pb.DTYPE_BF16)
+                        got[w] = H.push(srv.stub, w, k, grads[w], dtype=dtype(w))
                     except Exception as e:  # reported by the main thread
                         errors.append(e)
 
@@ -169,6 +175,10 @@ class Interop(unittest.TestCase):
                     want = H.to_bf16(exact[name])
                     for w in range(W):
                         self.assertEqual(got[w][1], {n: k + 1 for n in shapes})
+                        if dtype(w) == pb.DTYPE_F32:
+                            np.testing.assert_array_equal(got[w][0][name], exact[name],
+                                                          err_msg="step %d worker %d %s" % (k, w, name))
+                            continue
                         np.testing.assert_array_equal(H.to_bf16(got[w][0][name]), want,
                                                       err_msg="step %d worker %d %s" % (k, w, name))
         finally:

@@ -4,7 +4,9 @@
  * while a reply holds a reference (and keeps its buffer alive), is counted
  * against max_staging_bytes, and the last reference frees it; over the
  * limit or out of memory there is none (the reply converts its own) and
- * nothing is left behind; replies racing for it share one conversion. */
+ * nothing is left behind; replies racing for it share one conversion.
+ * An update whose replies send bf16 makes their encoding in its pass C
+ * (one reference per bf16 reply), within the same limit. */
 #include <pthread.h>
 #include <sched.h>
 #include <setjmp.h>
@@ -257,11 +259,123 @@ static void racing_replies_share_one_conversion(void **unused) {
   free(init);
 }
 
+/* ---- the update's own encoding (made in its pass C) ---- */
+
+/* Tensor name's gradient g (numel floats) as one bf16 slice. */
+static void push_bf16(fps_shard_t *sh, fps_push_t *p, const char *name, const float *g, uint64_t numel) {
+  uint8_t *b = malloc(numel * 2);
+  assert_non_null(b);
+  assert_int_equal(fps_dtype_encode(FPS_DTYPE_BF16, g, numel, b), 0);
+  fps_tensor_t *t = fps_store_find(&sh->store, name);
+  fps_slice_t s = {.dtype = FPS_DTYPE_BF16, .offset = 0, .data = b, .len = numel * 2,
+                   .shape = t->shape.dim, .n_shape = t->shape.ndim};
+  char why[FPS_WHY_MAX];
+  assert_int_equal(fps_push_slice(p, name, &s, why, sizeof why), 0);
+  free(b);
+}
+
+/* A sync round with bf16 members 0 and 2 and fp32 members 1 and 3: the
+ * update attaches one encoding to the new buffer with a reference for each
+ * bf16 member (the fp32 ones get none), equal to fps_f32_to_bf16 of the
+ * new parameters; a reply finds it made; an encoding reference not taken
+ * goes with its push, and the last one frees it and its charge. */
+static void sync_update_encodes_for_bf16_members(void **unused) {
+  (void)unused;
+  static float init[NA], g[NA];
+  fx_fill(init, NA, 5);
+  fps_shard_t sh;
+  fx_shard(&sh, FPS_MODE_SYNC, W, 0);
+  assert_int_equal(fx_create(&sh, "a", DIMS_A, 2, init), 0);
+  fps_push_t *p[W];
+  fx_done_t d[W];
+  for (uint32_t w = 0; w < W; w++) {
+    fx_fill(g, NA, 40 + w);
+    p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+    if (w % 2 == 0) push_bf16(&sh, p[w], "a", g, NA);
+    else assert_int_equal(fx_push_grad(p[w], "a", g, NA, 1, NULL), 0);
+    assert_int_equal(fx_commit(p[w], NULL), w < W - 1 ? FPS_EAGAIN : 0);
+  }
+  fps_snap_t *snap[W];
+  for (uint32_t w = 0; w < W; w++) {
+    char why[FPS_WHY_MAX];
+    assert_int_equal(fps_push_result(p[w], why, sizeof why), 0);
+    fps_push_out_t o;
+    fps_push_take(p[w], 0, &o);
+    snap[w] = o.snap;
+  }
+  assert_non_null(snap[0]->bf16); /* attached before anyone could read it */
+  fps_snap_bf16_t *e0 = fps_push_take_bf16(p[0], 0);
+  assert_non_null(e0);
+  assert_null(fps_push_take_bf16(p[0], 0)); /* moved */
+  assert_null(fps_push_take_bf16(p[1], 0));
+  assert_null(fps_push_take_bf16(p[3], 0));
+  assert_ptr_equal(snap[0]->bf16, e0);
+  assert_bf16_of(fps_snap_bf16_data(e0), snap[0]->data, NA);
+  /* A reply of this buffer finds it made: the same encoding, no charge. */
+  uint64_t held = atomic_load(&sh.tbuf_bytes);
+  fps_snap_bf16_t *r = fps_snap_bf16_get(&sh, snap[1]);
+  assert_ptr_equal(r, e0);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), held);
+  fps_snap_bf16_unref(r);
+  /* Worker 2 never takes its reference: its push's end drops it. */
+  for (uint32_t w = 0; w < W; w++) fps_push_destroy(p[w]);
+  assert_ptr_equal(snap[0]->bf16, e0);
+  for (uint32_t w = 0; w < W; w++) fps_snap_unref(snap[w]);
+  uint64_t before = atomic_load(&sh.tbuf_bytes);
+  fps_snap_bf16_unref(e0); /* the last: the encoding and its buffer go */
+  assert_true(before - atomic_load(&sh.tbuf_bytes) >= 2 * NA);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  fx_shard_free(&sh);
+}
+
+/* Async: a bf16 push's update makes its reply's encoding, an fp32 push's
+ * none; at the staging limit the update runs without one (the push
+ * succeeds as before, nothing is charged, the reply would convert). */
+static void async_update_encodes_within_the_limit(void **unused) {
+  (void)unused;
+  static float init[NA], g[NA], want[NA];
+  fx_fill(init, NA, 6);
+  fps_shard_t sh;
+  fx_shard(&sh, FPS_MODE_ASYNC, 1, 0);
+  assert_int_equal(fx_create(&sh, "a", DIMS_A, 2, init), 0);
+  for (int round = 0; round < 3; round++) { /* 0 bf16, 1 fp32, 2 bf16 over the limit */
+    fx_fill(g, NA, 60 + round);
+    fx_done_t d;
+    fps_push_t *p = fx_push_new(&sh, 0, 0, INT64_MAX, &d);
+    if (round == 1) assert_int_equal(fx_push_grad(p, "a", g, NA, 1, NULL), 0);
+    else push_bf16(&sh, p, "a", g, NA);
+    uint64_t staged = atomic_load(&sh.tbuf_bytes);
+    if (round == 2) sh.cfg.max_staging_bytes = staged + 2 * NA - 1;
+    assert_int_equal(fx_commit(p, NULL), 0);
+    assert_int_equal(fps_push_result(p, NULL, 0), 0);
+    fps_push_out_t o;
+    fps_push_take(p, 0, &o);
+    fps_snap_bf16_t *e = fps_push_take_bf16(p, 0);
+    assert_int_equal(fx_params(&sh, "a", want), (uint64_t)round + 1);
+    assert_memory_equal(o.snap->data, want, sizeof want);
+    if (round == 0) {
+      assert_non_null(e);
+      assert_bf16_of(fps_snap_bf16_data(e), want, NA);
+    } else {
+      assert_null(e);
+      assert_null(o.snap->bf16);
+    }
+    fps_snap_bf16_unref(e);
+    fps_snap_unref(o.snap);
+    fps_push_destroy(p);
+    sh.cfg.max_staging_bytes = 64u << 20;
+  }
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  fx_shard_free(&sh);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(sync_replies_share_one_encoding_per_buffer),
       cmocka_unit_test(limit_and_oom_leave_no_encoding),
       cmocka_unit_test(racing_replies_share_one_conversion),
+      cmocka_unit_test(sync_update_encodes_for_bf16_members),
+      cmocka_unit_test(async_update_encodes_within_the_limit),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
