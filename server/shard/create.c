@@ -597,7 +597,7 @@ again:
       }
       t->version = items[i].step;
       t->pbuf->version = t->version;
-      fps_free(atomic_exchange(&t->spare, NULL)); /* a new history: start afresh */
+      fps__tbuf_drop_spare(sh, t); /* a new history: start afresh */
       t->ready = true;
       fps_ranges_free(&t->init);
       for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);

@@ -275,14 +275,20 @@ void fps__snap_bf16_discard(fps_snap_bf16_t *e);
 float *fps_tbuf_alloc(fps_shard_t *sh, uint64_t numel, bool *over_limit);
 void fps_tbuf_free(fps_shard_t *sh, float *p, uint64_t numel);
 /* Recycling of t->numel-float staging buffers (a round's sum, a push's
- * staging): take returns t's spare if it has one (counted against the
- * limit like a fresh one) or a fresh fps_tbuf_alloc buffer; keep makes p
- * (counted, t->numel floats) t's one spare, uncounted from then on (an
- * older spare is freed). A spare saves the munmap, mmap and page faults of
- * a large buffer per round; it is what the tensor's next sum or staging
- * takes, and is freed with the tensor or at a replace. Thread-safe. */
+ * staging): take returns t's spare if it has one (already counted: it
+ * cannot pass the limit) or a fresh fps_tbuf_alloc buffer; keep makes p
+ * (counted, t->numel floats) t's one spare, still counted (an older spare
+ * is freed). A spare saves the munmap, mmap and page faults of a large
+ * buffer per round; it is what the tensor's next sum or staging takes, and
+ * is freed with the tensor, at a replace (drop), or when a fresh buffer
+ * would otherwise pass max_staging_bytes: spares are given up first, so
+ * no request is refused that would fit without them. Thread-safe. */
 float *fps__tbuf_take(fps_shard_t *sh, fps_tensor_t *t, bool *over_limit);
 void fps__tbuf_keep(fps_shard_t *sh, fps_tensor_t *t, float *p);
+/* Frees t's spare, if any (Create's replace: a new history). */
+void fps__tbuf_drop_spare(fps_shard_t *sh, fps_tensor_t *t);
+/* Staging bytes of calls in flight: tbuf_bytes without the spares. */
+uint64_t fps_shard_in_flight_bytes(fps_shard_t *sh);
 
 typedef struct fps_apply_rec_s {
   uint32_t worker_id;
@@ -354,8 +360,10 @@ struct fps_tensor_s {
   fps_state_size_t size;      /* optimizer state sizes (constant) */
   pthread_mutex_t mu;         /* guards everything below */
   fps_snap_t *pbuf;           /* the published parameters (one reference) */
-  float *_Atomic spare;       /* a freed numel-float buffer for the next sum
-                               * or staging, or NULL (fps__tbuf_keep) */
+  float *spare;               /* a freed numel-float buffer for the next sum
+                               * or staging, or NULL (fps__tbuf_keep; this
+                               * and the links: sh->spare_mu) */
+  fps_tensor_t *spare_prev, *spare_next; /* in sh->spares while spare */
   float *param;               /* pbuf->data: numel floats, read only once
                                * ready (fps_snap_t's rule) */
   fps_adafactor_state_t st;
@@ -771,7 +779,13 @@ struct fps_shard_s {
   fps_idem_t idem;                  /* push idempotency (idem.c) */
   const fps_kernels_t *kernels;
   fps_pool_t *pool;                 /* splits large tensors' updates; NULL: none */
-  atomic_uint_fast64_t tbuf_bytes;  /* bytes in fps_tbuf_alloc buffers */
+  atomic_uint_fast64_t tbuf_bytes;  /* bytes in fps_tbuf_alloc buffers,
+                                     * the tensors' spares included */
+  atomic_uint_fast64_t spare_bytes; /* of which spares (in flight: the rest) */
+  pthread_mutex_t spare_mu;         /* a leaf lock: spares, t->spare */
+  fps_tensor_t *spares, *spares_last; /* tensors holding a spare, least
+                                     * recently kept first (given up in
+                                     * that order) */
   fps_store_t store;
   fps_counters_t counters;
   int64_t started_ns;

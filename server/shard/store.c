@@ -214,7 +214,7 @@ void fps_tensor_destroy(fps_tensor_t *t) {
   fps_free(t->round.member);
   fps_free(t->log);
   fps__pbuf_retire(NULL, NULL, t->pbuf); /* the shard's own teardown: no readers left */
-  fps_free(atomic_exchange(&t->spare, NULL));
+  fps_free(t->spare);                    /* likewise: nobody counts any more */
   fps_free(t->name);
   pthread_mutex_destroy(&t->mu);
   fps_free(t);
@@ -383,13 +383,69 @@ void fps_shape_format(const fps_shape_t *s, char *buf, size_t len) {
   if (n < len) snprintf(buf + n, len - n, "]");
 }
 
-/* Counts bytes against max_staging_bytes; false if that would pass it. */
-static bool fps__tbuf_reserve(fps_shard_t *sh, uint64_t bytes) {
-  uint64_t cur = atomic_load(&sh->tbuf_bytes);
-  do {
-    if (cur + bytes > sh->cfg.max_staging_bytes || cur + bytes < cur) return false;
-  } while (!atomic_compare_exchange_weak(&sh->tbuf_bytes, &cur, cur + bytes));
+/* t out of sh->spares. REQUIRES: sh->spare_mu, t->spare set. */
+static void fps__spare_unlink_locked(fps_shard_t *sh, fps_tensor_t *t) {
+  if (t->spare_prev) t->spare_prev->spare_next = t->spare_next;
+  else sh->spares = t->spare_next;
+  if (t->spare_next) t->spare_next->spare_prev = t->spare_prev;
+  else sh->spares_last = t->spare_prev;
+  t->spare_prev = t->spare_next = NULL;
+}
+
+/* Takes t's spare out of the list (NULL if none); still counted in
+ * tbuf_bytes, no longer in spare_bytes. */
+static float *fps__spare_detach(fps_shard_t *sh, fps_tensor_t *t) {
+  pthread_mutex_lock(&sh->spare_mu);
+  float *p = t->spare;
+  if (p) {
+    fps__spare_unlink_locked(sh, t);
+    t->spare = NULL;
+    atomic_fetch_sub(&sh->spare_bytes, fps__tbuf_bytes(t->numel));
+  }
+  pthread_mutex_unlock(&sh->spare_mu);
+  return p;
+}
+
+/* Frees the least recently kept spare; false if there is none. */
+static bool fps__spare_give_up_one(fps_shard_t *sh) {
+  pthread_mutex_lock(&sh->spare_mu);
+  fps_tensor_t *t = sh->spares;
+  float *p = NULL;
+  uint64_t bytes = 0;
+  if (t) {
+    p = t->spare;
+    bytes = fps__tbuf_bytes(t->numel);
+    fps__spare_unlink_locked(sh, t);
+    t->spare = NULL;
+    atomic_fetch_sub(&sh->spare_bytes, bytes);
+  }
+  pthread_mutex_unlock(&sh->spare_mu);
+  if (!t) return false;
+  fps_free(p); /* before it stops counting: the limit stays true */
+  atomic_fetch_sub(&sh->tbuf_bytes, bytes);
   return true;
+}
+
+/* Counts bytes against max_staging_bytes; false if that would pass it
+ * even with every spare given up. Spares are given up (least recently
+ * kept first) only when the bytes would not fit otherwise. */
+static bool fps__tbuf_reserve(fps_shard_t *sh, uint64_t bytes) {
+  const uint64_t max = sh->cfg.max_staging_bytes;
+  for (;;) {
+    uint64_t cur = atomic_load(&sh->tbuf_bytes);
+    do {
+      if (cur + bytes < cur) return false;
+      if (cur + bytes > max) break;
+      if (atomic_compare_exchange_weak(&sh->tbuf_bytes, &cur, cur + bytes)) return true;
+    } while (1);
+    /* Over: only what is in flight counts against a request (cur and
+     * spare are read apart: a spare kept since cur was read may not be
+     * in it, hence the clamp). Each pass gives a spare up or ends. */
+    uint64_t spare = atomic_load(&sh->spare_bytes);
+    uint64_t in_flight = cur > spare ? cur - spare : 0;
+    if (in_flight + bytes > max || in_flight + bytes < in_flight) return false;
+    if (!fps__spare_give_up_one(sh)) return false;
+  }
 }
 
 float *fps_tbuf_alloc(fps_shard_t *sh, uint64_t numel, bool *over_limit) {
@@ -420,20 +476,45 @@ fps_snap_t *fps__pbuf_new(uint64_t numel) {
 }
 
 float *fps__tbuf_take(fps_shard_t *sh, fps_tensor_t *t, bool *over_limit) {
-  float *p = atomic_exchange(&t->spare, NULL);
+  float *p = fps__spare_detach(sh, t);
   if (!p) return fps_tbuf_alloc(sh, t->numel, over_limit);
-  *over_limit = !fps__tbuf_reserve(sh, fps__tbuf_bytes(t->numel));
-  if (*over_limit) {
-    fps_free(atomic_exchange(&t->spare, p)); /* keep the newest: p */
-    return NULL;
-  }
+  *over_limit = false; /* counted since it was in flight last time */
   return p;
 }
 
 void fps__tbuf_keep(fps_shard_t *sh, fps_tensor_t *t, float *p) {
   if (!p) return;
+  const uint64_t bytes = fps__tbuf_bytes(t->numel);
+  pthread_mutex_lock(&sh->spare_mu);
+  float *old = t->spare;
+  if (old) fps__spare_unlink_locked(sh, t);
+  else atomic_fetch_add(&sh->spare_bytes, bytes);
+  t->spare = p; /* the most recently kept: last to be given up */
+  t->spare_prev = sh->spares_last;
+  t->spare_next = NULL;
+  if (sh->spares_last) sh->spares_last->spare_next = t;
+  else sh->spares = t;
+  sh->spares_last = t;
+  pthread_mutex_unlock(&sh->spare_mu);
+  if (old) {
+    fps_free(old);
+    atomic_fetch_sub(&sh->tbuf_bytes, bytes);
+  }
+}
+
+uint64_t fps_shard_in_flight_bytes(fps_shard_t *sh) {
+  /* Spares are counted in tbuf_bytes before spare_bytes and leave it after:
+   * read spare_bytes first so the difference never goes below zero. */
+  uint64_t spare = atomic_load(&sh->spare_bytes);
+  uint64_t all = atomic_load(&sh->tbuf_bytes);
+  return all > spare ? all - spare : 0;
+}
+
+void fps__tbuf_drop_spare(fps_shard_t *sh, fps_tensor_t *t) {
+  float *p = fps__spare_detach(sh, t);
+  if (!p) return;
+  fps_free(p);
   atomic_fetch_sub(&sh->tbuf_bytes, fps__tbuf_bytes(t->numel));
-  fps_free(atomic_exchange(&t->spare, p));
 }
 
 void fps__pbuf_retire(fps_shard_t *sh, fps_tensor_t *t, fps_snap_t *s) {
@@ -776,6 +857,7 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
   sh->pool = pool;
   sh->ckpt_dir_fd = -1;
   atomic_init(&sh->tbuf_bytes, 0);
+  atomic_init(&sh->spare_bytes, 0);
   sh->ssp_clock = fps_calloc(sh->cfg.workers, sizeof *sh->ssp_clock);
   if (!sh->ssp_clock || fps_store_init(&sh->store) < 0 || fps__idem_init(&sh->idem, FPS_IDEM_WINDOW) < 0) {
     fps_free(sh->ssp_clock);
@@ -788,6 +870,7 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
   pthread_mutex_init(&sh->counters.mu, NULL);
   pthread_mutex_init(&sh->ckpt_mu, NULL);
   pthread_mutex_init(&sh->xs_mu, NULL);
+  pthread_mutex_init(&sh->spare_mu, NULL);
   sh->started_ns = fps_now_ns();
   return 0;
 }
@@ -806,6 +889,7 @@ void fps_shard_destroy(fps_shard_t *sh) {
   pthread_mutex_destroy(&sh->counters.mu);
   pthread_mutex_destroy(&sh->ckpt_mu);
   pthread_mutex_destroy(&sh->xs_mu);
+  pthread_mutex_destroy(&sh->spare_mu);
 }
 
 void fps_shard_set_exchange(fps_shard_t *sh, fps_xsend_fn send, void *ctx, double deadline_seconds) {

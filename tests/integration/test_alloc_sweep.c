@@ -133,20 +133,21 @@ static void shard_stop(void) {
 }
 
 /* Waits until the shard has no call left (the last one's reply may still
- * be in flight when the client returns) and no staging bytes in use (a
- * reply's snapshot is dropped with its call): an idle shard holds none. */
+ * be in flight when the client returns) and no staging bytes in flight (a
+ * reply's snapshot is dropped with its call): an idle shard holds none
+ * but its tensors' spares. */
 static void shard_settle(void) {
   const uint64_t tbuf = 0;
   for (int i = 0; i < 2000; i++) {
     pthread_mutex_lock(&g_srv.calls_mu);
     uint64_t n = g_srv.ncalls;
     pthread_mutex_unlock(&g_srv.calls_mu);
-    if (n == 0 && atomic_load(&g_srv.shard.tbuf_bytes) == tbuf) return;
+    if (n == 0 && fps_shard_in_flight_bytes(&g_srv.shard) == tbuf) return;
     struct timespec ts = {0, 5 * 1000 * 1000};
     nanosleep(&ts, NULL);
   }
   fail_msg("the shard still has calls or staging bytes (%" PRIu64 ", want %" PRIu64 ") after 10 s",
-           (uint64_t)atomic_load(&g_srv.shard.tbuf_bytes), tbuf);
+           fps_shard_in_flight_bytes(&g_srv.shard), tbuf);
 }
 
 /* ------------------------------------------------------ the shard's state */
@@ -254,7 +255,7 @@ static void shard_state_take(shard_state_t *s) {
   pthread_rwlock_unlock(&g_srv.shard.store.mu);
   s->updates = atomic_load(&g_srv.shard.counters.updates);
   s->update_bytes = atomic_load(&g_srv.shard.counters.update_bytes);
-  s->tbuf = atomic_load(&g_srv.shard.tbuf_bytes);
+  s->tbuf = fps_shard_in_flight_bytes(&g_srv.shard); /* spares are a cache */
 }
 
 static void shard_state_assert_equal(const shard_state_t *a, const shard_state_t *b, const char *what) {
@@ -263,7 +264,7 @@ static void shard_state_assert_equal(const shard_state_t *a, const shard_state_t
              a->count, b->count, a->param_bytes, b->param_bytes);
   if (a->updates != b->updates || a->update_bytes != b->update_bytes)
     fail_msg("%s: update counters moved (%" PRIu64 " -> %" PRIu64 ")", what, a->updates, b->updates);
-  if (a->tbuf != b->tbuf) fail_msg("%s: staging bytes %" PRIu64 " -> %" PRIu64, what, a->tbuf, b->tbuf);
+  if (a->tbuf != b->tbuf) fail_msg("%s: staging bytes in flight %" PRIu64 " -> %" PRIu64, what, a->tbuf, b->tbuf);
 }
 
 /* ------------------------------------------------------------ the client */

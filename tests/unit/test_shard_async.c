@@ -55,7 +55,7 @@ static void async_applies_at_commit(void **unused) {
   assert_int_equal(t->log[0].worker_id, 7);
   assert_int_equal(t->log[0].version, 1);
   /* Staging is all given back. */
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
   fx_shard_free(&ref);
 }
@@ -107,7 +107,7 @@ static void refused_pushes_change_nothing(void **unused) {
   fps_push_destroy(p);
   assert_int_equal(fx_params(&sh, "w", a), 0);
   assert_memory_equal(a, v, sizeof a);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 
@@ -155,7 +155,7 @@ static void no_grad_and_skip_params(void **unused) {
   lr.lr = -1;
   assert_int_equal(fps_push_tensor(p, &lr, why, sizeof why), FPS_EHPARAM);
   fps_push_destroy(p);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 
@@ -267,7 +267,7 @@ static void slice_in_pieces(void **unused) {
   fps_push_destroy(p);
   assert_int_equal(fx_params(&b, "w", pb), 1);
   assert_memory_equal(pa, pb, sizeof pa);
-  assert_int_equal(atomic_load(&b.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&b), 0);
   fx_shard_free(&a);
   fx_shard_free(&b);
 }

@@ -89,7 +89,7 @@ static void sync_replies_share_one_encoding_per_buffer(void **unused) {
   for (uint32_t w = 0; w < W; w++)
     for (size_t i = 0; i < 2; i++) assert_ptr_equal(r1[w][i], s1[i]);
   int refs0[2] = {atomic_load(&s1[0]->refs), atomic_load(&s1[1]->refs)};
-  uint64_t base = atomic_load(&sh.tbuf_bytes);
+  uint64_t base = fps_shard_in_flight_bytes(&sh);
 
   /* W replies, each taking a reference to each tensor's encoding: the
    * first converts (and the encoding takes one buffer reference), all get
@@ -103,7 +103,7 @@ static void sync_replies_share_one_encoding_per_buffer(void **unused) {
     }
   assert_ptr_not_equal(e[0][0], e[0][1]);
   for (size_t i = 0; i < 2; i++) assert_bf16_of(fps_snap_bf16_data(e[0][i]), s1[i]->data, n[i]);
-  uint64_t charged = atomic_load(&sh.tbuf_bytes) - base;
+  uint64_t charged = fps_shard_in_flight_bytes(&sh) - base;
   assert_true(charged >= 2 * (NA + NB) && charged < 2 * (NA + NB) + 128);
 
   /* Slices over it hold references too. */
@@ -121,15 +121,15 @@ static void sync_replies_share_one_encoding_per_buffer(void **unused) {
   }
   /* The new buffers get their own encodings. */
   for (size_t i = 0; i < 2; i++) {
-    uint64_t before = atomic_load(&sh.tbuf_bytes);
+    uint64_t before = fps_shard_in_flight_bytes(&sh);
     fps_snap_bf16_t *e2 = fps_snap_bf16_get(&sh, r2[0][i]);
     assert_non_null(e2);
     assert_ptr_not_equal(e2, e[0][i]);
     assert_bf16_of(fps_snap_bf16_data(e2), r2[0][i]->data, n[i]);
-    assert_charged(atomic_load(&sh.tbuf_bytes) - before, n[i]);
+    assert_charged(fps_shard_in_flight_bytes(&sh) - before, n[i]);
     assert_memory_not_equal(fps_snap_bf16_data(e2), fps_snap_bf16_data(e[0][i]), 16);
     fps_snap_bf16_unref(e2);
-    assert_int_equal(atomic_load(&sh.tbuf_bytes), before);
+    assert_int_equal(fps_shard_in_flight_bytes(&sh), before);
     assert_null(r2[0][i]->bf16); /* the next reply converts afresh */
   }
   /* The replies end one by one; the last reference frees each encoding,
@@ -140,7 +140,7 @@ static void sync_replies_share_one_encoding_per_buffer(void **unused) {
   fps_snap_bf16_unref(NULL);
   for (uint32_t w = 0; w < W; w++)
     for (size_t i = 0; i < 2; i++) fps_snap_unref(r2[w][i]);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 
@@ -156,14 +156,14 @@ static void limit_and_oom_leave_no_encoding(void **unused) {
   char why[FPS_WHY_MAX];
   assert_int_equal(fps_shard_snapshot(&sh, "a", &t, &snap, why, sizeof why), 0);
   int refs0 = atomic_load(&snap->refs);
-  uint64_t base = atomic_load(&sh.tbuf_bytes);
+  uint64_t base = fps_shard_in_flight_bytes(&sh);
 
   /* Short of the encoding's bytes: none, nothing charged, no reference
    * kept, and a later reply may try again. */
   sh.cfg.max_staging_bytes = base + 2 * NA - 1;
   for (int i = 0; i < 3; i++) {
     assert_null(fps_snap_bf16_get(&sh, snap));
-    assert_int_equal(atomic_load(&sh.tbuf_bytes), base);
+    assert_int_equal(fps_shard_in_flight_bytes(&sh), base);
     assert_null(snap->bf16);
     assert_int_equal(atomic_load(&snap->refs), refs0);
   }
@@ -173,18 +173,18 @@ static void limit_and_oom_leave_no_encoding(void **unused) {
   fps_snap_bf16_t *e = fps_snap_bf16_get(&sh, snap);
   fps_alloc_fault_disarm();
   assert_null(e);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), base);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), base);
   assert_null(snap->bf16);
   assert_int_equal(atomic_load(&snap->refs), refs0);
   /* Room: made and charged. */
   assert_non_null(e = fps_snap_bf16_get(&sh, snap));
   assert_bf16_of(fps_snap_bf16_data(e), init, NA);
-  assert_charged(atomic_load(&sh.tbuf_bytes) - base, NA);
+  assert_charged(fps_shard_in_flight_bytes(&sh) - base, NA);
   fps_snap_bf16_unref(e);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), base);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), base);
   assert_int_equal(atomic_load(&snap->refs), refs0);
   fps_snap_unref(snap);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 
@@ -228,7 +228,7 @@ static void racing_replies_share_one_conversion(void **unused) {
   fps_snap_t *snap;
   char why[FPS_WHY_MAX];
   assert_int_equal(fps_shard_snapshot(&sh, "big", &t, &snap, why, sizeof why), 0);
-  uint64_t base = atomic_load(&sh.tbuf_bytes);
+  uint64_t base = fps_shard_in_flight_bytes(&sh);
   for (int round = 0; round < 3; round++) {
     pthread_barrier_t go, held;
     pthread_barrier_init(&go, NULL, RACERS);
@@ -244,17 +244,17 @@ static void racing_replies_share_one_conversion(void **unused) {
       assert_non_null(r[i].got);
       assert_ptr_equal(r[i].got, r[0].got);
     }
-    assert_charged(atomic_load(&sh.tbuf_bytes) - base, NBIG);
+    assert_charged(fps_shard_in_flight_bytes(&sh) - base, NBIG);
     assert_bf16_of(fps_snap_bf16_data(r[0].got), init, NBIG);
     for (int i = 0; i < RACERS; i++) pthread_join(th[i], NULL);
     pthread_barrier_destroy(&go);
     pthread_barrier_destroy(&held);
     for (int i = 0; i < RACERS; i++) fps_snap_bf16_unref(r[i].got);
-    assert_int_equal(atomic_load(&sh.tbuf_bytes), base);
+    assert_int_equal(fps_shard_in_flight_bytes(&sh), base);
     assert_null(snap->bf16);
   }
   fps_snap_unref(snap);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
   free(init);
 }
@@ -324,7 +324,7 @@ static void sync_update_encodes_for_bf16_members(void **unused) {
   uint64_t before = atomic_load(&sh.tbuf_bytes);
   fps_snap_bf16_unref(e0); /* the last: the encoding and its buffer go */
   assert_true(before - atomic_load(&sh.tbuf_bytes) >= 2 * NA);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 
@@ -365,7 +365,7 @@ static void async_update_encodes_within_the_limit(void **unused) {
     fps_push_destroy(p);
     sh.cfg.max_staging_bytes = 64u << 20;
   }
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 

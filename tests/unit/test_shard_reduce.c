@@ -176,7 +176,7 @@ static bool one_random_round(const fps_kernels_t *k, uint32_t W, uint32_t seed) 
      * several buffers), the others in one piece. */
     uint64_t cap = rnd(&s) % 3 == 0 ? 64 : 0;
     assert_int_equal(send_runs(p[ev[i].w], &sh, &ev[i], cap, why), 0);
-    staged |= atomic_load(&sh.tbuf_bytes) > (uint64_t)N * 4;
+    staged |= fps_shard_in_flight_bytes(&sh) > (uint64_t)N * 4;
     if (--left[ev[i].w] == 0) {
       int rc = fx_commit(p[ev[i].w], why);
       committed++;
@@ -197,7 +197,7 @@ static bool one_random_round(const fps_kernels_t *k, uint32_t W, uint32_t seed) 
   }
   assert_int_equal(fx_params(&sh, "w", got), 1);
   assert_memory_equal(got, want, sizeof want);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   assert_null(fps_store_find(&sh.store, "w")->red);
   fx_shard_free(&sh);
   for (size_t i = 0; i < nev; i++) free(ev[i].bytes);
@@ -240,7 +240,7 @@ static void early_pieces_are_staged_and_drained(void **unused) {
   for (uint64_t lo = 0; lo < N; lo += 100)
     for (uint32_t w = 0; w < 3; w++) {
       send_ok(p[w], &sh, g[w], lo, lo + 100 < N ? lo + 100 : N);
-      assert_int_equal(atomic_load(&sh.tbuf_bytes), acc);
+      assert_int_equal(fps_shard_in_flight_bytes(&sh), acc);
     }
   for (uint32_t w = 0; w < 3; w++) assert_int_equal(fx_commit(p[w], NULL), w < 2 ? FPS_EAGAIN : 0);
   for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
@@ -253,22 +253,22 @@ static void early_pieces_are_staged_and_drained(void **unused) {
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   for (uint32_t w = 0; w < 3; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
   send_ok(p[2], &sh, g[2], 0, N);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), acc + acc);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), acc + acc);
   assert_int_equal(fx_commit(p[2], NULL), FPS_EAGAIN); /* joins with its gradient staged */
   send_ok(p[1], &sh, g[1], 0, 500);
   send_ok(p[1], &sh, g[1], 500, N);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), acc * 3);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), acc * 3);
   send_ok(p[0], &sh, g[0], 0, 500);
   /* Worker 1's first piece is summed; worker 2's whole piece still waits. */
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), acc * 3 - 500 * 4);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), acc * 3 - 500 * 4);
   send_ok(p[0], &sh, g[0], 500, N);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), acc); /* everything cascaded */
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), acc); /* everything cascaded */
   assert_int_equal(fx_commit(p[1], NULL), FPS_EAGAIN);
   assert_int_equal(fx_commit(p[0], NULL), 0);
   for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
   assert_int_equal(fx_params(&sh, "w", got), 1);
   assert_memory_equal(got, want, sizeof want);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 
   /* Room for the sum and a few pieces: staging more is FPS_ELIMIT. */
@@ -283,9 +283,9 @@ static void early_pieces_are_staged_and_drained(void **unused) {
   assert_non_null(strstr(why, "--max-staging-bytes"));
   /* Worker 0 is not held up by it: its slices go straight into the sum. */
   send_ok(p[0], &sh, g[0], 0, N);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), acc);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), acc);
   for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 
@@ -326,7 +326,7 @@ static void failed_member_aborts_the_round(void **unused) {
   assert_null(t->red);
   assert_false(t->round.open);
   assert_null(sh.rounds);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
 
   /* A member cancelled while waiting, with its gradient summed: the same.
    * A push still streaming into that sum fails at its next slice. */
@@ -347,7 +347,7 @@ static void failed_member_aborts_the_round(void **unused) {
   assert_non_null(strstr(why, "worker 1's call failed"));
   for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
   assert_null(t->red);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
 
   /* Worker 1 with only staged pieces (worker 0 has sent nothing) leaves:
    * nobody fails, its retry takes its place. */
@@ -357,7 +357,7 @@ static void failed_member_aborts_the_round(void **unused) {
   send_ok(p[1], &sh, g[0], 0, N); /* the wrong values: never summed */
   fps_push_destroy(p[1]);
   assert_int_equal(d[2].calls, 0);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), (uint64_t)N * 8); /* the sum and worker 2's piece */
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), (uint64_t)N * 8); /* the sum and worker 2's piece */
   p[1] = fx_push_new(&sh, 1, 0, INT64_MAX, &d[1]);
   send_ok(p[1], &sh, g[1], 0, N);
   assert_int_equal(fx_commit(p[1], NULL), FPS_EAGAIN);
@@ -369,7 +369,7 @@ static void failed_member_aborts_the_round(void **unused) {
   }
   assert_int_equal(fx_params(&sh, "w", got), 1);
   assert_memory_equal(got, want, sizeof got);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
 
   /* A bad value after part of a slice was summed fails the push, and its
    * leaving aborts the round. */
@@ -389,7 +389,7 @@ static void failed_member_aborts_the_round(void **unused) {
   assert_int_equal(d[0].err, FPS_EUNAVAILABLE);
   fps_push_destroy(p[0]);
   assert_int_equal(fx_params(&sh, "w", got), 1);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 
@@ -491,7 +491,7 @@ static void bad_value_inside_a_slice(void **unused) {
       fps_push_destroy(p0);
       assert_int_equal(fx_params(&sh, "w", got), 1);
       assert_memory_equal(got, want, sizeof got);
-      assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+      assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
       fx_shard_free(&sh);
       free(bad);
       free(enc);
@@ -565,7 +565,7 @@ static void second_push_of_a_worker_and_deadline(void **unused) {
   assert_int_equal(fx_params(&sh, "w", got), 1);
   assert_memory_equal(got, want, sizeof got);
   assert_null(fps_store_find(&sh.store, "w")->red);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 
@@ -613,7 +613,7 @@ static void no_grad_and_retries(void **unused) {
   assert_non_null(strstr(d[0].why, "disagree about its gradient"));
   for (uint32_t w = 0; w < 2; w++) fps_push_destroy(p[w]);
   assert_null(t->red);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
 
   /* Step 0 with push ids; then worker 0 retries its applied push while
    * step 1 is being summed: answered, step 1 untouched. */
@@ -641,7 +641,7 @@ static void no_grad_and_retries(void **unused) {
   fps_push_destroy(r);
   fps_push_destroy(s1);
   assert_null(t->red);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 
@@ -709,7 +709,7 @@ static void backpressure_holds_and_resumes(void **unused) {
       send_big(p[0], &sh, g, 500000, BIG);
       assert_int_equal(resumed[1], 1);
       assert_false(fps_push_hold(p[1]));
-      assert_int_equal(atomic_load(&sh.tbuf_bytes), BIG * 4);
+      assert_int_equal(fps_shard_in_flight_bytes(&sh), BIG * 4);
     } else if (c == 2) {
       /* Cancelled while held: resumed (its receive then fails). */
       fps_push_cancel(p[1]);
@@ -746,7 +746,7 @@ static void backpressure_holds_and_resumes(void **unused) {
     }
     assert_int_equal(resumed[0], 0);
     for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
-    assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+    assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
     assert_null(sh.held);
     fx_shard_free(&sh);
   }

@@ -81,7 +81,7 @@ static void holds(fps_shard_t *sh, const char *name, uint64_t v, const float *wa
 
 static void no_round_left(fps_shard_t *sh) {
   assert_null(sh->rounds);
-  assert_int_equal(atomic_load(&sh->tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(sh), 0);
 }
 
 /* -------------------------------------------------------------- sync */
@@ -417,7 +417,7 @@ static void push_applies_all_or_none(int mode) {
     assert_int_equal(fx_params(&sh, "a", ga), 1);
     assert_int_equal(fx_params(&sh, "b", gb), 1);
     assert_int_equal(atomic_load(&sh.counters.updates), 2);
-    assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+    assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
     fx_shard_free(&sh);
     if (!hit) break;
   }

@@ -60,7 +60,7 @@ static void admit_park_advance(void **unused) {
   assert_int_equal(fx_params(&sh, "w", got), 4);
   assert_int_equal(sh.ssp_clock[0], 3);
   assert_int_equal(sh.ssp_clock[1], 1);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 
@@ -106,7 +106,7 @@ static void parked_push_expires_is_cancelled_or_shut_down(void **unused) {
   /* None of them was applied. */
   assert_int_equal(fx_params(&sh, "w", got), 1);
   assert_null(sh.ssp_waits);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 

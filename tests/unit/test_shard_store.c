@@ -269,7 +269,7 @@ static void limits_and_placement(void **unused) {
   assert_ptr_equal(snap, t->pbuf);
   assert_memory_equal(snap->data, v, sizeof v);
   fps_snap_unref(snap);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   assert_int_equal(fps_shard_snapshot(&sh, "nope", &t, &snap, why, sizeof why), FPS_ENOTFOUND);
   fx_shard_free(&sh);
 }

@@ -100,7 +100,7 @@ static void round_is_bit_identical_in_every_arrival_order(void **unused) {
     }
     assert_int_equal(fx_params(&sh, "w", got), 1);
     assert_memory_equal(got, want, sizeof want);
-    assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+    assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
     assert_null(sh.rounds);
     fx_shard_free(&sh);
     orders++;
@@ -150,7 +150,7 @@ static void round_deadline_fails_members_and_changes_nothing(void **unused) {
   assert_int_equal(d1.calls, 1);
   assert_int_equal(d1.err, FPS_ETIMEOUT);
   fps_push_destroy(p);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 
@@ -242,7 +242,7 @@ static void withdrawn_member_never_counts(void **unused) {
   replay(init, g, 2, want);
   assert_int_equal(fx_params(&sh, "w", got), 1);
   assert_memory_equal(got, want, sizeof got);
-  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
   fx_shard_free(&sh);
 }
 
