@@ -484,11 +484,18 @@ again:
   }
   for (size_t i = 0; i < n && rc == 0; i++) {
     if (p[i].lead != i || !p[i].replacing) continue;
-    p[i].new_pbuf = fps__pbuf_new(p[i].numel);
+    bool over = false;
+    p[i].new_pbuf = fps__pbuf_new_staged(sh, p[i].t, &over);
     p[i].sh = sh;
     const fps_tensor_t *t = p[i].t;
-    if (!p[i].new_pbuf || (t->split ? fps_split_state_init(&p[i].new_sst, &t->split->g, &t->hp)
-                                     : fps_adafactor_state_init(&p[i].new_st, &p[i].shape, &t->hp)) < 0) {
+    if (over) {
+      rc = FPS_ELIMIT;
+      snprintf(why, wl,
+               "tensor '%s': staging its %" PRIu64 "-element replacement would pass the shard's limit for "
+               "in-flight tensors (--max-staging-bytes); retry later",
+               items[i].name, t->numel);
+    } else if (!p[i].new_pbuf || (t->split ? fps_split_state_init(&p[i].new_sst, &t->split->g, &t->hp)
+                                            : fps_adafactor_state_init(&p[i].new_st, &p[i].shape, &t->hp)) < 0) {
       rc = FPS_ENOMEM;
       snprintf(why, wl, "tensor '%s': out of memory staging its replacement", items[i].name);
     }
@@ -582,6 +589,7 @@ again:
       fps_snap_t *old_pbuf = t->pbuf;
       t->pbuf = p[i].new_pbuf;
       t->param = t->pbuf->data;
+      fps__pbuf_publish(sh, t->pbuf); /* the tensor's own now, no longer staging */
       if (t->split) {
         fps_split_state_t old_sst = t->split->st;
         t->split->st = p[i].new_sst;

@@ -226,8 +226,19 @@ typedef struct fps_snap_s {
 /* Takes ownership of data (from fps_tbuf_alloc). Returns NULL on OOM (data
  * freed). */
 fps_snap_t *fps_snap_wrap(fps_shard_t *sh, float *data, uint64_t numel, uint64_t version, int refs);
-/* A tensor's own parameter buffer (not staged), one reference: NULL on OOM. */
+/* A tensor's own parameter buffer (not staged), one reference: NULL on OOM.
+ * Its sh stays NULL: it counts in the store's param_bytes (--max-bytes),
+ * not in any staging, and a shard's accounting is reached only once it
+ * is retired (fps__pbuf_retire sets sh). */
 fps_snap_t *fps__pbuf_new(uint64_t numel);
+/* A replacement for t's parameters (Create's replace) staged until it is
+ * published: counted against max_staging_bytes like a gradient buffer
+ * (t's spare if it has one). NULL with *over_limit set over the limit, or
+ * NULL on OOM. fps__pbuf_publish makes it the tensor's own (uncounted:
+ * the old buffer retired takes its place in staging); retired unpublished,
+ * it becomes t's spare. */
+fps_snap_t *fps__pbuf_new_staged(fps_shard_t *sh, fps_tensor_t *t, bool *over_limit);
+void fps__pbuf_publish(fps_shard_t *sh, fps_snap_t *s);
 /* Tensor t lets go of its buffer s (NULL-safe; t NULL: no recycling): it
  * counts as staging from now on, and its last holder (readers may keep it
  * past this call) makes it t's spare (fps__tbuf_keep). sh NULL: the

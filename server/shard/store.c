@@ -475,6 +475,26 @@ fps_snap_t *fps__pbuf_new(uint64_t numel) {
   return s;
 }
 
+fps_snap_t *fps__pbuf_new_staged(fps_shard_t *sh, fps_tensor_t *t, bool *over_limit) {
+  *over_limit = false;
+  fps_snap_t *s = fps_malloc(sizeof *s);
+  if (!s) return NULL;
+  float *data = fps__tbuf_take(sh, t, over_limit);
+  if (!data) {
+    fps_free(s);
+    return NULL;
+  }
+  fps__snap_init(s, sh, data, t->numel, 0, 1, true);
+  s->owner = t; /* never published: released as t's spare */
+  return s;
+}
+
+void fps__pbuf_publish(fps_shard_t *sh, fps_snap_t *s) {
+  s->staged = false;
+  s->owner = NULL;
+  atomic_fetch_sub(&sh->tbuf_bytes, fps__tbuf_bytes(s->numel));
+}
+
 float *fps__tbuf_take(fps_shard_t *sh, fps_tensor_t *t, bool *over_limit) {
   float *p = fps__spare_detach(sh, t);
   if (!p) return fps_tbuf_alloc(sh, t->numel, over_limit);
@@ -519,14 +539,19 @@ void fps__tbuf_drop_spare(fps_shard_t *sh, fps_tensor_t *t) {
 
 void fps__pbuf_retire(fps_shard_t *sh, fps_tensor_t *t, fps_snap_t *s) {
   if (!s) return;
-  if (!sh) { /* the shard's own teardown: no readers left */
+  if (!sh || s->staged) { /* the shard's own teardown (no readers left), or
+                           * a replacement never published (counted) */
     fps_snap_unref(s);
     return;
   }
   /* From now on it is a staging buffer like any other (its last holder
    * frees it, or makes it t's spare: fps__tbuf_keep): readers may keep it
    * alive after the tensor moved on. Not checked against the limit: the
-   * caller has just taken a buffer of this size out of staging. */
+   * caller has just taken a buffer of this size out of staging (an
+   * update's gradient buffer, or a replacement: fps__pbuf_publish). Its
+   * sh was NULL until now: a tensor's own buffer counts in param_bytes
+   * (--max-bytes), and nothing reads sh but the last unref, which for a
+   * buffer not staged frees data uncounted. */
   s->sh = sh;
   s->owner = t;
   s->staged = true;

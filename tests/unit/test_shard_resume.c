@@ -178,11 +178,65 @@ static void replace_swaps_everything_at_once(void **unused) {
   fx_shard_free(&sh);
 }
 
+/* A replace stages the new values in a buffer of its own until it swaps
+ * them in: that buffer counts against --max-staging-bytes (refused over it,
+ * nothing changed), and the replaced buffer, retired, counts while a Pull
+ * still reads it and then as the tensor's spare, which the next replace
+ * takes: the count never passes the limit. */
+static void replace_stages_within_the_limit(void **unused) {
+  (void)unused;
+  const uint64_t TB = N * 4;
+  fps_shard_t sh;
+  fx_shard(&sh, FPS_MODE_ASYNC, 1, 0);
+  float p[N], q[N], row[4] = {4, 3, 2, 1}, col[3] = {1, 2, 3};
+  fx_fill(p, N, 9);
+  fx_fill(q, N, 10);
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, p), 0);
+  fps_tensor_t *t = fps_store_find(&sh.store, "w");
+  fps_create_info_t info;
+  char why[FPS_WHY_MAX];
+  fps_slice_t all = slice(q, 0, N);
+  fps_state_slice_t rc2[2] = {sslice(FPS_STATE_ROW, row, 0, 4), sslice(FPS_STATE_COL, col, 0, 3)};
+  sh.cfg.max_staging_bytes = TB - 1;
+  assert_int_equal(create_w(&sh, &all, 5, rc2, 2, true, &info, why), FPS_ELIMIT);
+  assert_non_null(strstr(why, "tensor 'w': staging its 12-element replacement would pass"));
+  assert_non_null(strstr(why, "--max-staging-bytes"));
+  float got[N];
+  assert_int_equal(fx_params(&sh, "w", got), 0);
+  assert_memory_equal(got, p, sizeof p);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), 0);
+  /* At the limit, with a Pull reading the old values: through. */
+  sh.cfg.max_staging_bytes = TB;
+  fps_tensor_t *pt;
+  fps_snap_t *pull;
+  assert_int_equal(fps_shard_snapshot(&sh, "w", &pt, &pull, why, sizeof why), 0);
+  float *old = pull->data;
+  assert_int_equal(create_w(&sh, &all, 5, rc2, 2, true, &info, why), 0);
+  assert_int_equal(fx_params(&sh, "w", got), 5);
+  assert_memory_equal(got, q, sizeof q);
+  assert_memory_equal(pull->data, p, sizeof p);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), TB); /* the Pull's buffer */
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), TB);
+  fps_snap_unref(pull);
+  assert_ptr_equal(t->spare, old); /* counted, not in flight */
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), TB);
+  /* The next replace stages in the spare: no more than the limit. */
+  fx_fill(q, N, 11);
+  assert_int_equal(create_w(&sh, &all, 6, rc2, 2, true, &info, why), 0);
+  assert_ptr_equal(t->param, old);
+  assert_int_equal(fx_params(&sh, "w", got), 6);
+  assert_memory_equal(got, q, sizeof q);
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), TB);
+  fx_shard_free(&sh);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(resume_at_a_step),
       cmocka_unit_test(bad_state_changes_nothing),
       cmocka_unit_test(replace_swaps_everything_at_once),
+      cmocka_unit_test(replace_stages_within_the_limit),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
