@@ -367,8 +367,11 @@ int fps_split_partials_check(const void *buf, size_t len, int phase, fps_split_p
   int rc = parse_header(buf, len, phase, &p, why, why_len);
   if (rc) return rc;
   if (!(p.row_lo < p.row_hi))
-    return fps_errorf(FPS_EFORMAT, why, why_len, "partials rows [%llu, %llu) are empty",
-                    (unsigned long long)p.row_lo, (unsigned long long)p.row_hi);
+  {
+    char lo[FPS_U64_TEXT], hi[FPS_U64_TEXT];
+    return fps_errorf(FPS_EFORMAT, why, why_len, "partials rows [%s, %s) are empty", fps_u64_text(p.row_lo, lo),
+                      fps_u64_text(p.row_hi, hi));
+  }
   if (!p.factored && (p.cols || p.mtx_lo || p.nmat))
     return fps_errorf(FPS_EFORMAT, why, why_len,
                     "unfactored partials name %llu columns and matrices %llu+%llu (must be 0)",
@@ -392,11 +395,20 @@ int fps_split_partials_check(const void *buf, size_t len, int phase, fps_split_p
   } else {
     fits = body % 8 == 0 && body / 8 == p.nmat;
   }
-  if (!fits)
+  if (!fits) {
+    /* The size the header implies, in words where it passes 64 bits. */
+    char need[64], nm[FPS_U64_TEXT], nc[FPS_U64_TEXT];
+    const uint64_t per = !p.factored ? 0 : phase == FPS_SPLIT_PHASE_STATS ? 16 + 20 * p.cols : 8;
+    bool big = !p.factored ? false
+               : phase == FPS_SPLIT_PHASE_STATS && p.cols > (UINT64_MAX - 16) / 20 ? true
+                                                                                  : p.nmat > (UINT64_MAX - 64) / per;
+    if (big) snprintf(need, sizeof need, "more than 2^64 bytes");
+    else snprintf(need, sizeof need, "%llu bytes", (unsigned long long)(64 + p.nmat * per));
     return fps_errorf(FPS_EFORMAT, why, why_len,
-                    "partials of %zu bytes do not match their header (%llu matrices of %llu "
-                    "columns)",
-                    len, (unsigned long long)p.nmat, (unsigned long long)p.cols);
+                      "partials of %zu bytes do not match their header (%s %s of %s columns: %s)", len,
+                      fps_u64_text(p.nmat, nm), p.nmat == 1 ? "matrix" : "matrices", fps_u64_text(p.cols, nc),
+                      need);
+  }
   rc = check_values(buf, &p, why, why_len);
   if (rc) return rc;
   if (hdr) *hdr = p;

@@ -23,6 +23,12 @@ const char *fps_err_name(int err) {
   }
 }
 
+const char *fps_u64_text(uint64_t v, char buf[FPS_U64_TEXT]) {
+  if (v == UINT64_MAX) snprintf(buf, FPS_U64_TEXT, "2^64 - 1");
+  else snprintf(buf, FPS_U64_TEXT, "%llu", (unsigned long long)v);
+  return buf;
+}
+
 int fps_errorf(int rc, char *why, size_t why_len, const char *fmt, ...) {
   if (why && why_len) {
     va_list ap;

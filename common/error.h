@@ -6,6 +6,7 @@
 #define FPS_ERROR_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #define FPS_ERRNO_MAP(X)                                                  \
   X(INVAL, "invalid argument")                                             \
@@ -45,6 +46,12 @@ const char *fps_strerror(int err);
 /* Writes the message (printf-style) into why[why_len] when why is not NULL
  * and returns rc: `return fps_errorf(FPS_EINVAL, why, len, "...", ...);`. */
 int fps_errorf(int rc, char *why, size_t why_len, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+/* A 64-bit count, version or step from a request, for a message: decimal,
+ * but "2^64 - 1" for the all-ones value (a field a peer filled with ones,
+ * never a count any tensor reaches), so no message shows a 20-digit
+ * number the user cannot place. Writes buf[FPS_U64_TEXT], returns it. */
+#define FPS_U64_TEXT 24
+const char *fps_u64_text(uint64_t v, char buf[FPS_U64_TEXT]);
 /* Symbolic name for an FPS_E* code ("FPS_EINVAL"); never NULL. */
 const char *fps_err_name(int err);
 

@@ -253,6 +253,14 @@ static uint64_t fps__attempt(const fps_shard_t *sh, const fps_tensor_t *t) {
   return h ? h : 1;
 }
 
+/* Attempt a for a message: a hash means nothing to a user, so 0 says why
+ * attempts cannot be told apart, and any other is shown as the hash it is
+ * (hex, so shards' logs can be matched). */
+static void fps__attempt_text(uint64_t a, char *buf, size_t len) {
+  if (!a) snprintf(buf, len, "attempt 0 (pushes without a push_id)");
+  else snprintf(buf, len, "attempt 0x%016" PRIx64 " (a hash of its pushes' push_ids)", a);
+}
+
 /* True if attempt a of the step at version v failed here. REQUIRES t->mu. */
 static bool fps__attempt_failed(const fps_tensor_split_t *sp, uint64_t v, uint64_t a) {
   const struct fps_xmail_s *ml = sp->mail;
@@ -892,27 +900,30 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
     }
     rc = FPS_ESTATE;
     snprintf(why, wl,
-             "Exchange of tensor '%s' from shard %u: %s partials of version %" PRIu64
+             "Exchange of tensor '%s' from shard %u: %s partials of the step from version %" PRIu64
              ", but this shard's block is at version %" PRIu64 " (that step is over here)",
              name, m->from_shard, ph, m->version, v);
     goto out;
   }
   if (m->version > v + 1) {
+    char mv[FPS_U64_TEXT], ahead[FPS_U64_TEXT];
     rc = FPS_ESTATE;
     snprintf(why, wl,
-             "Exchange of tensor '%s' from shard %u: partials of version %" PRIu64 ", more than one step ahead of "
-             "this shard's block (version %" PRIu64 "): the blocks have diverged",
-             name, m->from_shard, m->version, v);
+             "Exchange of tensor '%s' from shard %u: partials of the step from version %s, more than one step "
+             "ahead of this shard's block (version %" PRIu64 ", %s steps behind them): the blocks have diverged",
+             name, m->from_shard, fps_u64_text(m->version, mv), v, fps_u64_text(m->version - v, ahead));
     goto out;
   }
+  char att[64];
+  fps__attempt_text(m->attempt, att, sizeof att);
   if (fps__attempt_failed(sp, m->version, m->attempt)) {
     /* Not acknowledged, so the sender's step of that attempt fails too and
      * nobody applies what this shard abandoned. */
     rc = FPS_ESTATE;
     snprintf(why, wl,
-             "Exchange of tensor '%s' from shard %u: attempt %016" PRIx64 " of step %" PRIu64
+             "Exchange of tensor '%s' from shard %u: %s of the step from version %" PRIu64
              " failed on this shard; nothing was applied",
-             name, m->from_shard, m->attempt, m->version);
+             name, m->from_shard, att, m->version);
     goto out;
   }
   /* Our step in flight, if these partials are of its attempt; otherwise
@@ -928,9 +939,9 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
     rc = same ? 0 : FPS_EEXISTS;
     if (!same)
       snprintf(why, wl,
-               "Exchange of tensor '%s' from shard %u: different %s partials of block %u for version %" PRIu64
-               " (attempt %016" PRIx64 ") were already received",
-               name, m->from_shard, ph, m->block_index, m->version, m->attempt);
+               "Exchange of tensor '%s' from shard %u: different %s partials of block %u for the step from "
+               "version %" PRIu64 " (%s) were already received",
+               name, m->from_shard, ph, m->block_index, m->version, att);
     goto out;
   }
   fps_split_partials_t dec;

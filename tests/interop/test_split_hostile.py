@@ -82,7 +82,8 @@ class SplitHostile(unittest.TestCase):
             (C.INVALID_ARGUMENT, ["phase 2 (u2), expected 1 (stats)"], dict(partials=partials(phase=2))),
             (C.INVALID_ARGUMENT, ["rows [6, 6) are empty"], dict(partials=partials(row_lo=6))),
             (C.INVALID_ARGUMENT, ["do not match their header"], dict(partials=partials(nmat=1 << 60))),
-            (C.INVALID_ARGUMENT, ["do not match their header"], dict(partials=partials(cols=(1 << 64) - 1))),
+            (C.INVALID_ARGUMENT, ["do not match their header", "of 2^64 - 1 columns: more than 2^64 bytes"],
+             dict(partials=partials(cols=(1 << 64) - 1))),
             (C.INVALID_ARGUMENT, ["do not match their header"], dict(partials=partials()[:-1])),
             (C.INVALID_ARGUMENT, ["header sum p^2 is nan"], dict(partials=partials(psq=nan))),
             (C.INVALID_ARGUMENT, ["row-statistic sum of matrix 0 is inf"], dict(partials=partials(rsum=inf))),
@@ -97,7 +98,8 @@ class SplitHostile(unittest.TestCase):
              dict(block_index=0)),
             (C.FAILED_PRECONDITION, ["not in this shard's map"], dict(block_index=5)),
             (C.FAILED_PRECONDITION, ["more than one step ahead", "diverged"], dict(version=1000)),
-            (C.FAILED_PRECONDITION, ["diverged"], dict(version=(1 << 64) - 1)),
+            (C.FAILED_PRECONDITION, ["version 2^64 - 1, more than one step ahead", "2^64 - 1 steps behind them", "diverged"],
+             dict(version=(1 << 64) - 1)),
             (C.FAILED_PRECONDITION, ["do not fit block 1", "diverged"],
              dict(partials=partials(row_lo=0, row_hi=4))),
             (C.FAILED_PRECONDITION, ["do not fit block 1", "diverged"], dict(partials=partials(mtx_lo=1))),
@@ -123,6 +125,8 @@ class SplitHostile(unittest.TestCase):
                         self.assertEqual(e.code(), code, e.details())
                         for w in words:
                             self.assertIn(w, e.details())
+                        # All ones in a 64-bit field reads as 2^64 - 1, not 20 digits.
+                        self.assertNotIn("18446744073709551615", e.details())
                         self.assertEqual(self.snapshot(stub), before)
                 # The job still steps, like the tensor held whole.
                 prev = init.astype(np.float64)

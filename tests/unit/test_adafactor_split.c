@@ -784,9 +784,10 @@ static void partials_wire_errors(void **u) {
   } hcases[] = {
       {16, 0, "rows [0, 0) are empty"},
       {24, 0, "both must be >= 1"},
-      {40, 3, "do not match their header (3 matrices of 4 columns)"},
+      {40, 3, "do not match their header (3 matrices of 4 columns: 352 bytes)"},
       {24, UINT64_C(1) << 62, "do not match"},
-      {24, UINT64_MAX, "do not match"},
+      /* All ones reads as 2^64 - 1, and the size it implies in words. */
+      {24, UINT64_MAX, "(2 matrices of 2^64 - 1 columns: more than 2^64 bytes)"},
       {40, UINT64_MAX / 96, "do not match"},
   };
   for (size_t i = 0; i < sizeof hcases / sizeof hcases[0]; i++) {

@@ -936,7 +936,11 @@ static void receive_checks_in_order(void **u) {
   RECV(x.block_index = 0, FPS_ESTATE, "not in this shard's map");
   RECV(x.block_index = 2, FPS_ESTATE, "not in this shard's map");
   RECV(x.block_index = 7, FPS_ESTATE, "not in this shard's map");
-  RECV(x.version = 2, FPS_ESTATE, "more than one step ahead");
+  RECV(x.version = 2, FPS_ESTATE, "version 2, more than one step ahead of this shard's block (version 0, 2 steps");
+  /* A version of all ones reads as what it is, not as 20 digits. */
+  RECV(x.version = UINT64_MAX, FPS_ESTATE, "the step from version 2^64 - 1, more than one step ahead");
+  expect_in(why, "(version 0, 2^64 - 1 steps behind them)");
+  assert_null(strstr(why, "18446744073709551615"));
   /* Block 2's partials sent as block 2 from shard 1: not its map. */
   size_t len2 = craft(&s, 2, s.g, FPS_SPLIT_PHASE_STATS, other, sizeof other);
   RECV((x.partials = other, x.len = len2), FPS_ESTATE, "do not fit block 1");
@@ -953,6 +957,7 @@ static void receive_checks_in_order(void **u) {
   memcpy(other, buf, len);
   other[FPS_SPLIT_PARTIALS_HEADER - 9] ^= 1; /* the u2 field's last byte */
   RECV(x.partials = other, FPS_EEXISTS, "already received");
+  expect_in(why, "for the step from version 0 (attempt 0 (pushes without a push_id))");
   RECV(x.version = 1, 0, NULL);
   RECV(x.version = 1, 0, NULL);
   RECV((x.version = 1, x.partials = other), FPS_EEXISTS, "already received");
@@ -1283,7 +1288,7 @@ static void dead_attempt_partials_refused(void **u) {
   for (uint32_t b = 0; b < 2; b++) {
     assert_int_equal(last_rc[2][b], FPS_ESTATE);
     expect_in(last_why[2][b], "failed on this shard; nothing was applied");
-    expect_in(last_why[2][b], "step 0");
+    expect_in(last_why[2][b], "the step from version 0");
   }
   assert_int_equal(push_result(&wp[2], why, sizeof why), FPS_EUNAVAILABLE);
   expect_in(why, "failed on this shard");
@@ -1296,8 +1301,9 @@ static void dead_attempt_partials_refused(void **u) {
   fps_xmsg_t m = {.name = "e", .version = 0, .from_shard = 2, .shard_count = 3, .block_index = 2,
                   .phase = FPS_SPLIT_PHASE_STATS, .attempt = 0, .partials = buf, .len = len};
   /* The attempt shard 0 failed: learn it from shard 2's refused message. */
-  const char *hex = strstr(last_why[2][0], "attempt ");
+  const char *hex = strstr(last_why[2][0], "attempt 0x");
   assert_non_null(hex);
+  expect_in(hex, "(a hash of its pushes' push_ids) of the step from version 0 failed on this shard");
   m.attempt = strtoull(hex + 8, NULL, 16);
   assert_true(m.attempt != 0);
   assert_int_equal(fps_shard_exchange_receive(&core[0], &m, why, sizeof why), FPS_ESTATE);
