@@ -25,6 +25,7 @@
 
 #include "factorps/client.h"
 #include "harness.h"
+#include "scrape.h"
 
 #define NUMEL 32
 
@@ -400,13 +401,9 @@ typedef struct pusher_s {
   int code;
 } pusher_t;
 
-/* Pushers that have registered the tensor list (their Create is done), so
- * the calls left in flight are the parked pushes alone. */
 /* The parked pushes' deadline: long enough for both to get parked on a
- * loaded machine while the Stats polls compete for the two slots. */
-#define PUSH_DEADLINE_S 12
-static pthread_mutex_t ready_mu = PTHREAD_MUTEX_INITIALIZER;
-static int ready;
+ * loaded machine (nothing else competes for the two slots meanwhile). */
+#define PUSH_DEADLINE_S 15
 
 static void *push_thread(void *arg) {
   pusher_t *p = arg;
@@ -421,18 +418,15 @@ static void *push_thread(void *arg) {
   if (!c) return NULL;
   fps_tensor_def_t d = def_of("w", NULL);
   int created = fps_client_create_tensors(c, &d, 1, &st);
-  pthread_mutex_lock(&ready_mu);
-  ready++;
-  pthread_mutex_unlock(&ready_mu);
   if (created == 0) {
     float grad[NUMEL] = {0};
     grad[0] = 1;
     const char *names[1] = {"w"};
     const float *grads[1] = {grad};
     float *params[1] = {NULL}; /* versions only */
-    /* The main thread's Stats polls and the other pusher compete for the
-     * two slots until both pushes are parked: a refused push tries again
-     * (nothing was applied; bounded by the loop). */
+    /* The other pusher's Create may still hold a slot for a moment (a
+     * call is briefly counted twice): a refused push tries again (nothing
+     * was applied; bounded by the loop). */
     struct timespec t0, now;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     do {
@@ -454,11 +448,24 @@ static void sleep_ms(int ms) {
   nanosleep(&ts, NULL);
 }
 
+/* The shard's factorps_waiting_pushes gauge (sync: gradients in open
+ * rounds), read over /metrics, which takes no gRPC call slot; -1 if the
+ * scrape failed. */
+static double waiting_pushes(int mport) {
+  const char *names[1] = {"factorps_waiting_pushes"};
+  double v = -1;
+  return fps_test_scrape(mport, names, &v, 1) == 0 ? v : -1;
+}
+
 static void test_concurrent_call_limit(void **state) {
   (void)state;
   fps_test_server_t srv;
-  const char *flags[] = {"--max-concurrent-calls", "2", NULL};
+  const char *flags[] = {"--max-concurrent-calls", "2", "--metrics-listen", "127.0.0.1:0",
+                         "--metrics-port-file", path("metrics.port"), NULL};
   assert_int_equal(fps_test_server_start(&srv, 0, 1, "sync", 3, flags), 0);
+  /* Written before the gRPC port the harness waited for. */
+  int mport = fps_test_read_port(path("metrics.port"));
+  assert_true(mport > 0);
   fps_status_t st;
   fps_client_t *c = client_new(srv.addr, (creds_t){0}, &st);
   assert_non_null(c);
@@ -469,43 +476,55 @@ static void test_concurrent_call_limit(void **state) {
   pusher_t p[2] = {{srv.addr, 0, 0}, {srv.addr, 1, 0}};
   pthread_t th[2];
   for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&th[i], NULL, push_thread, &p[i]), 0);
-  for (int i = 0; i < 1000; i++) {
-    pthread_mutex_lock(&ready_mu);
-    int n = ready;
-    pthread_mutex_unlock(&ready_mu);
-    if (n == 2) break;
-    sleep_ms(5);
-  }
-  /* Wait until both pushes are parked (bounded by their deadline: a
-   * loaded machine can take seconds to get both there): then Stats is
-   * refused, every time (five in a row rule out a moment when a push was
-   * merely arriving). */
-  int code = 0, refused = 0;
+  /* Sequenced on the shard's own state, not on time: no gRPC call of
+   * ours competes with the pushers until both are parked in the round
+   * (3 workers: it never completes), each holding a slot to its deadline.
+   * Waiting longer than that deadline would mean they never got there. */
+  struct timespec t0, now;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  double w = 0;
+  do {
+    w = waiting_pushes(mport);
+    if (w == 2) break;
+    sleep_ms(10);
+    clock_gettime(CLOCK_MONOTONIC, &now);
+  } while (now.tv_sec - t0.tv_sec < PUSH_DEADLINE_S + 5);
+  if (w != 2) fail_msg("the two pushes were never both parked (factorps_waiting_pushes %g)", w);
+  /* Both slots are held: every call is refused, naming the flag. */
   fps_shard_stats_t ss;
-  for (int i = 0; i < 1000 && refused < 5; i++) {
-    code = fps_client_stats(c, &ss, 1, &st);
-    refused = code == FPS_CODE_RESOURCE_EXHAUSTED ? refused + 1 : 0;
-    /* Long gaps between polls: while one is in flight it holds the slot a
-     * refused pusher needs (a loaded machine made Stats slow enough to
-     * shut one out for all its tries). */
-    sleep_ms(25);
+  for (int i = 0; i < 5; i++) {
+    int code = fps_client_stats(c, &ss, 1, &st);
+    assert_code(code, FPS_CODE_RESOURCE_EXHAUSTED, st);
+    assert_non_null(strstr(st.message, "max-concurrent-calls"));
   }
-  assert_code(code, FPS_CODE_RESOURCE_EXHAUSTED, st);
-  assert_int_equal(refused, 5);
-  assert_non_null(strstr(st.message, "max-concurrent-calls"));
   for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
   /* The round never completed: both pushes failed at their deadline. */
-  for (int i = 0; i < 2; i++) assert_int_equal(p[i].code, FPS_CODE_DEADLINE_EXCEEDED);
+  for (int i = 0; i < 2; i++)
+    if (p[i].code != FPS_CODE_DEADLINE_EXCEEDED)
+      fail_msg("pusher %d ended with %s, not DEADLINE_EXCEEDED", i,
+               p[i].code < 0 ? "no client" : fps_code_name(p[i].code));
   /* The pushers have their answers, but the shard may still count their
-   * calls for a moment while it tears them down: wait until a call gets
-   * a slot (then at most one is still counted, and the snapshot's calls,
-   * one at a time, fit). */
-  for (int i = 0; i < 200 && fps_client_stats(c, &ss, 1, &st) == FPS_CODE_RESOURCE_EXHAUSTED; i++) sleep_ms(25);
-  snapshot_t s;
-  snapshot(c, &s);
-  assert_int_equal(s.version, 0);
-  assert_int_equal(s.updates, 0);
-  assert_memory_equal(s.w, init, sizeof init);
+   * calls for a moment while it tears them down: until the round is empty
+   * and the calls are gone, a call may still be refused (the refusal says
+   * "retry later"), so each call below is retried while it is refused. */
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int code;
+  uint64_t version = 0;
+  float now_w[NUMEL];
+  const char *names[1] = {"w"};
+  float *params[1] = {now_w};
+  do {
+    code = waiting_pushes(mport) == 0 ? fps_client_stats(c, &ss, 1, &st) : FPS_CODE_RESOURCE_EXHAUSTED;
+    if (code == 0) code = fps_client_pull(c, names, params, &version, 1, &st);
+    if (code != FPS_CODE_RESOURCE_EXHAUSTED) break;
+    sleep_ms(25);
+    clock_gettime(CLOCK_MONOTONIC, &now);
+  } while (now.tv_sec - t0.tv_sec < 30);
+  assert_code(code, 0, st);
+  /* Nothing was applied. */
+  assert_int_equal(version, 0);
+  assert_int_equal(ss.updates, 0);
+  assert_memory_equal(now_w, init, sizeof init);
   fps_client_destroy(c);
   assert_int_equal(fps_test_server_stop(&srv), 0);
 }
