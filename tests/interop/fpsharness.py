@@ -71,6 +71,31 @@ if os.environ.get("FPS_TEST_TIMEOUT", "").isdigit() and int(os.environ["FPS_TEST
     _watchdog(int(os.environ["FPS_TEST_TIMEOUT"]) - 5)
 
 
+# How long a test thread doing one gRPC call (timeout=60 s in these tests)
+# may take before it counts as hung: its own deadline plus room for a
+# loaded machine.
+JOIN_SECONDS = 90
+
+
+def join(threads, what, seconds=JOIN_SECONDS):
+    """Joins threads, all within `seconds`. One still running then is a wait
+    that never ended (a call past its own deadline): print every thread's
+    stack and fail naming `what`, instead of hanging until the watchdog or
+    CTest's TIMEOUT. Threads should be daemons, so a hung one cannot keep
+    the process alive after the failure."""
+    end = time.monotonic() + seconds
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    stuck = [t.name for t in threads if t.is_alive()]
+    if stuck:
+        sys.stderr.write("fpsharness: %s: %s still running after %g s; every thread's stack:\n"
+                         % (what, ", ".join(stuck), seconds))
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        raise AssertionError("%s: thread(s) %s did not finish within %g s (stacks on stderr)"
+                             % (what, ", ".join(stuck), seconds))
+
+
 def stubs():
     """(pb2, pb2_grpc, grpc), generated once per process."""
     global _mods

@@ -94,7 +94,8 @@ class SplitKill(unittest.TestCase):
 
     def push_all(self, step, grad, blocks):
         out = {}
-        th = [threading.Thread(target=self.push_block, args=(b, step, grad, out)) for b in blocks]
+        th = [threading.Thread(target=self.push_block, args=(b, step, grad, out), name="push block %d" % b,
+                         daemon=True) for b in blocks]
         for t in th:
             t.start()
         return th, out
@@ -128,8 +129,7 @@ class SplitKill(unittest.TestCase):
 
         # Step 0 on every block: the unsplit update.
         th, out = self.push_all(0, g1, range(SHARDS))
-        for t in th:
-            t.join()
+        H.join(th, "step 0's pushes")
         p1 = H.torch_adafactor_step(p0, g1, row, col, None, 1).astype(np.float32)
         for b in range(SHARDS):
             self.assertEqual(out[b][0], "ok", out[b])
@@ -143,8 +143,7 @@ class SplitKill(unittest.TestCase):
         time.sleep(0.5)  # both pushes at their shards, waiting for block 2
         self.job.kill(2)
         self.push_block(2, 1, g2, out)
-        for t in th:
-            t.join()
+        H.join(th, "step 1's pushes (shard 2 killed)")
         for b in range(SHARDS):
             self.assertEqual(out[b][0], "error", "block %d's push succeeded with its peer dead" % b)
             self.assertEqual(out[b][1], self.grpc.StatusCode.UNAVAILABLE, out[b])
@@ -163,8 +162,7 @@ class SplitKill(unittest.TestCase):
         self.assertEqual(version, 1)
         self.assertRowsClose(2, rows, p1)
         th, out = self.push_all(1, g3, range(SHARDS))
-        for t in th:
-            t.join()
+        H.join(th, "step 1's pushes after the restart")
         p2 = H.torch_adafactor_step(p1, g3, row, col, None, 2).astype(np.float32)
         for b in range(SHARDS):
             self.assertEqual(out[b][0], "ok", out[b])
@@ -186,8 +184,7 @@ class SplitKill(unittest.TestCase):
         self.job[2].proc.send_signal(signal.SIGSTOP)
         try:
             th, out = self.push_all(0, g1, [0, 1])
-            for t in th:
-                t.join()
+            H.join(th, "the pushes while shard 2 is frozen")
         finally:
             self.job[2].proc.send_signal(signal.SIGCONT)
         for b in (0, 1):
@@ -199,8 +196,7 @@ class SplitKill(unittest.TestCase):
             lo, hi = block_rows(b)
             np.testing.assert_array_equal(rows, p0.reshape(-1)[lo * SHAPE[1]:hi * SHAPE[1]])
         th, out = self.push_all(0, g1, range(SHARDS))
-        for t in th:
-            t.join()
+        H.join(th, "the retried step's pushes")
         p1 = H.torch_adafactor_step(p0, g1, row, col, None, 1).astype(np.float32)
         for b in range(SHARDS):
             self.assertEqual(out[b][0], "ok", out[b])
@@ -223,8 +219,7 @@ class SplitKill(unittest.TestCase):
         took = time.monotonic() - t0
         self.assertEqual(rc, 0)
         self.assertLess(took, 5.0, "shard 0 took %.1f s to exit with a step waiting" % took)
-        for t in th:
-            t.join()
+        H.join(th, "the pushes around shard 0's SIGTERM")
         for b in (0, 1):
             self.assertEqual(out[b][0], "error", "block %d's push succeeded without block 2" % b)
             self.assertEqual(out[b][1], self.grpc.StatusCode.UNAVAILABLE, out[b])

@@ -60,11 +60,10 @@ class SplitSecurity(unittest.TestCase):
                 out[b] = rows
             except self.grpc.RpcError as e:
                 out[b] = e
-        th = [threading.Thread(target=one, args=(b,)) for b in range(2)]
+        th = [threading.Thread(target=one, args=(b,), name="push block %d" % b, daemon=True) for b in range(2)]
         for t in th:
             t.start()
-        for t in th:
-            t.join()
+        H.join(th, "the step's block pushes")
         return out
 
     def data(self):
