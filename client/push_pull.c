@@ -246,7 +246,8 @@ static int on_slice(void *ctx, const fps_wire_tslice_t *sl) {
   if (sl->n_shape != t->ndim || memcmp(sl->shape, t->shape, t->ndim * sizeof *t->shape) != 0)
     return fps__stream_fail(&sh->s, FPS_CODE_FAILED_PRECONDITION,
                             "tensor '%s': the shard's shape differs from the client's", t->name);
-  /* Straight from gRPC's buffers into the caller's array: one pass. */
+  /* Straight from gRPC's buffers into the caller's array: one pass (bf16
+   * with non-temporal stores: the array is not read again this call). */
   float *dst = job->params[it->idx];
   if (dst) {
     fps_welems_t el;
@@ -254,7 +255,7 @@ static int on_slice(void *ctx, const fps_wire_tslice_t *sl) {
     const uint8_t *p;
     uint64_t k, at = it->base + sl->offset;
     while ((k = fps_welems_next(&el, &p)) > 0) {
-      fps_dtype_decode(sl->dtype, p, k, dst + at, NULL);
+      fps_dtype_decode_out(sl->dtype, p, k, dst + at);
       at += k;
     }
   }

@@ -283,6 +283,26 @@ static size_t bf16_decode_avx2(float *dst, const void *src, size_t n) {
   return bad;
 }
 
+/* Ordinary stores up to dst's 32-byte alignment, then 8 lanes at a time
+ * with non-temporal stores, the tail ordinary again. */
+static void bf16_widen_nt_avx2(float *dst, const void *src, size_t n) {
+  const unsigned char *s = src;
+  size_t j = 0;
+  for (; j < n && ((uintptr_t)(dst + j) & 31); j++) {
+    uint16_t h;
+    memcpy(&h, s + 2 * j, 2);
+    uint32_t u = (uint32_t)h << 16;
+    memcpy(dst + j, &u, 4);
+  }
+  for (; j + 8 <= n; j += 8) {
+    __m256i u = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(s + 2 * j))), 16);
+    _mm256_stream_si256((__m256i *)(void *)(dst + j), u);
+  }
+  _mm_sfence(); /* the stores are visible before whatever publishes dst */
+  if (j < n) (void)bf16_decode_avx2(dst + j, s + 2 * j, n - j);
+}
+
 /* ---- the wire gradient's one pass in: check, convert, sum ---- */
 
 /* 8 elements of little-endian fp32 (bf16 = 0) or bf16 data as fp32 bits;
@@ -365,6 +385,7 @@ const fps_kernels_t fps__kernels_avx2 = {
     .div_f32 = div_f32_avx2,
     .bf16_encode = bf16_encode_avx2,
     .bf16_decode = bf16_decode_avx2,
+    .bf16_widen_nt = bf16_widen_nt_avx2,
     .sum_f32 = sum_f32_avx2,
     .sum_bf16 = sum_bf16_avx2,
     .decode_f32 = decode_f32_avx2,

@@ -258,6 +258,31 @@ static size_t bf16_decode_avx512(float *dst, const void *src, size_t n) {
   return bad;
 }
 
+/* One masked ordinary store up to dst's 64-byte alignment, then whole
+ * lines with non-temporal stores, the tail masked and ordinary. */
+static void bf16_widen_nt_avx512(float *dst, const void *src, size_t n) {
+  const uint16_t *s = src;
+  size_t head = (size_t)((64 - ((uintptr_t)dst & 63)) & 63) / 4;
+  if (head > n) head = n;
+  if (head) {
+    __mmask16 m = tail_mask(head);
+    __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, s)), 16);
+    _mm512_mask_storeu_ps(dst, m, _mm512_castsi512_ps(u));
+  }
+  size_t j = head;
+  for (; j + 16 <= n; j += 16) {
+    __m512i u = _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(s + j))), 16);
+    _mm512_stream_si512((void *)(dst + j), u);
+  }
+  _mm_sfence(); /* the stores are visible before whatever publishes dst */
+  if (j < n) {
+    __mmask16 m = tail_mask(n - j);
+    __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, s + j)), 16);
+    _mm512_mask_storeu_ps(dst + j, m, _mm512_castsi512_ps(u));
+  }
+}
+
 /* ---- the wire gradient's one pass in: check, convert, sum ---- */
 
 /* The lanes of m of 16 elements of little-endian fp32 (bf16 = 0) or bf16
@@ -329,6 +354,7 @@ const fps_kernels_t fps__kernels_avx512 = {
     .div_f32 = div_f32_avx512,
     .bf16_encode = bf16_encode_avx512,
     .bf16_decode = bf16_decode_avx512,
+    .bf16_widen_nt = bf16_widen_nt_avx512,
     .sum_f32 = sum_f32_avx512,
     .sum_bf16 = sum_bf16_avx512,
     .decode_f32 = decode_f32_avx512,

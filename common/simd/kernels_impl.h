@@ -67,6 +67,14 @@ struct fps_kernels_s {
    * 0xBE or more: |x| >= 2^63, Inf, NaN; see dtype.h), or n. */
   size_t (*bf16_decode)(float *dst, const void *src, size_t n);
 
+  /* bf16 -> fp32 exactly as bf16_decode, without the gradient check, for
+   * a dst that is not read again soon (a reply written into the caller's
+   * parameter array): the x86 variants store whole 64-byte lines with
+   * non-temporal stores, which skip reading dst's lines into the cache
+   * first (6 B/elem of memory traffic instead of 10), then sfence. dst must
+   * be 4-byte aligned (a float array); src any alignment. */
+  void (*bf16_widen_nt)(float *dst, const void *src, size_t n);
+
   /* The wire gradient's one pass in (the sync sum and the staging decode):
    * src holds n little-endian fp32 (sum_f32, decode_f32) or bf16
    * (sum_bf16) values at any alignment. Each returns the index of the

@@ -244,6 +244,11 @@ static size_t bf16_decode_neon(float *dst, const void *src, size_t n) {
   return bad;
 }
 
+/* No non-temporal store worth having here: bf16_decode without its check. */
+static void bf16_widen_nt_neon(float *dst, const void *src, size_t n) {
+  (void)bf16_decode_neon(dst, src, n);
+}
+
 /* ---- the wire gradient's one pass in: check, convert, sum ---- */
 
 /* 4 elements of little-endian fp32 (bf16 = 0) or bf16 data as fp32 bits;
@@ -320,6 +325,7 @@ const fps_kernels_t fps__kernels_neon = {
     .div_f32 = div_f32_neon,
     .bf16_encode = bf16_encode_neon,
     .bf16_decode = bf16_decode_neon,
+    .bf16_widen_nt = bf16_widen_nt_neon,
     .sum_f32 = sum_f32_neon,
     .sum_bf16 = sum_bf16_neon,
     .decode_f32 = decode_f32_neon,

@@ -118,6 +118,10 @@ static size_t bf16_decode_scalar(float *dst, const void *src, size_t n) {
   return bad;
 }
 
+static void bf16_widen_nt_scalar(float *dst, const void *src, size_t n) {
+  (void)bf16_decode_scalar(dst, src, n);
+}
+
 /* ---- the wire gradient's one pass in: check, convert, sum ---- */
 
 /* fp32 bits of element j of little-endian fp32 (bf16 = 0) or bf16 data. */
@@ -172,6 +176,7 @@ const fps_kernels_t fps__kernels_scalar = {
     .div_f32 = div_f32_scalar,
     .bf16_encode = bf16_encode_scalar,
     .bf16_decode = bf16_decode_scalar,
+    .bf16_widen_nt = bf16_widen_nt_scalar,
     .sum_f32 = sum_f32_scalar,
     .sum_bf16 = sum_bf16_scalar,
     .decode_f32 = decode_f32_scalar,

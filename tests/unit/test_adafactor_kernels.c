@@ -398,6 +398,14 @@ static void bf16_parity(const char *variant) {
         if (got != want) print_error("%s: n=%zu first bad %zu, want %zu\n", variant, n, got, want);
         assert_int_equal(got, want);
         assert_memory_equal(dec, rdec, (n + PAD) * sizeof(float));
+        /* the unchecked non-temporal widening: the same bits, at every
+         * float offset from a 64-byte line */
+        for (size_t d = 0; d < 16; d++) {
+          for (size_t i = 0; i < n + PAD + 16; i++) dec[i] = -7.0f;
+          k->bf16_widen_nt(dec + d, h, n);
+          assert_memory_equal(dec + d, rdec, (n + PAD) * sizeof(float));
+          for (size_t i = 0; i < d; i++) assert_true(dec[i] == -7.0f);
+        }
       }
     }
   }
