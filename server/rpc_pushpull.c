@@ -15,8 +15,11 @@
  *   SEND  the reply streams from the snapshots, one message per batch
  * A message is decoded where gRPC received it, in its slices (wire.c,
  * common/wire_codec.h): no flat copy, no unpacked copy; the core reads each
- * gradient byte once, checking, converting and staging it in one pass. A
- * compressed message is inflated into one buffer first. */
+ * gradient byte once, checking, converting and summing it in one pass. A
+ * compressed message is inflated into one buffer first. The received
+ * buffers are refcounted (fps_pp_msg_t): a sync slice that arrives before
+ * the workers below it is staged by the core as a reference to them, and
+ * the last reference frees them. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +31,32 @@
 
 enum { PP_RECV, PP_CLOSING, PP_WAIT, PP_SEND, PP_DONE };
 
+/* One received message's buffers (gRPC's byte buffer, or the inflated copy
+ * of a compressed one), kept alive while the core stages pieces of it:
+ * the handler holds one reference while it decodes the message, each
+ * staged piece one more. */
+typedef struct fps_pp_msg_s {
+  fps_slice_owner_t owner;    /* what the core sees (ctx: this) */
+  atomic_int refs;
+  grpc_byte_buffer *bb;
+  uint8_t *flat;              /* the inflated message, or NULL */
+} fps_pp_msg_t;
+
+static void fps__pp_msg_ref(void *ctx) {
+  fps_pp_msg_t *m = ctx;
+  atomic_fetch_add_explicit(&m->refs, 1, memory_order_relaxed);
+}
+
+/* Any thread, maybe under core locks: frees only (grpc_byte_buffer_destroy
+ * is thread-safe and calls nothing of ours). */
+static void fps__pp_msg_unref(void *ctx) {
+  fps_pp_msg_t *m = ctx;
+  if (atomic_fetch_sub_explicit(&m->refs, 1, memory_order_acq_rel) != 1) return;
+  if (m->bb) grpc_byte_buffer_destroy(m->bb);
+  fps_free(m->flat);
+  fps_free(m);
+}
+
 typedef struct fps_pp_call_s {
   fps_call_t base;
   int phase;                  /* PP_* (base.mu) */
@@ -35,6 +64,7 @@ typedef struct fps_pp_call_s {
   fps_reply_t reply;
   fps_wspan_t *spans;         /* the received message's buffers (reused) */
   size_t spans_cap;
+  fps_pp_msg_t *msg;          /* the message being decoded, NULL: none */
 } fps_pp_call_t;
 
 static void fps__pp_destroy(fps_call_t *c) {
@@ -194,8 +224,9 @@ static int fps__pp_grad(fps_pp_call_t *pp, fps_wreader_t r, char *why, size_t wl
   /* The core reads the pieces only once the dtype and the length passed
    * its checks, so a bad dtype's element size is never used. */
   fps_welems_init(&it, &ts.data, esz && ts.data_len % esz == 0 ? esz : 1);
-  fps_slice_src_t src = {fps__pp_next_piece, &it};
+  fps_slice_src_t src = {fps__pp_next_piece, &it, it.bounce};
   fps_slice_t sl = {
+      .owner = pp->msg ? &pp->msg->owner : NULL,
       .dtype = ts.dtype,
       .shape = ts.shape,
       .n_shape = ts.n_shape < FPS_WIRE_SHAPE_KEEP ? (size_t)ts.n_shape : FPS_WIRE_SHAPE_KEEP,
@@ -284,6 +315,7 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
   char why[FPS_WHY_MAX] = "";
   int rc = 0;
   grpc_byte_buffer *bb = c->recv_buf;
+  c->recv_buf = NULL; /* the holder below (or this function) frees it */
   size_t total = grpc_byte_buffer_length(bb);
   if (bb->data.raw.compression != GRPC_COMPRESS_NONE) {
     /* A compressed message is inflated (bounded) into one buffer. */
@@ -303,17 +335,42 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
   }
   if (rc < 0) {
     snprintf(why, sizeof why, "PushPull: cannot take a %zu-byte message: %s", total, fps_bb_flatten_why(rc));
+    fps_free(flat);
+    grpc_byte_buffer_destroy(bb);
   } else {
+    /* Without a holder (out of memory) the core copies what it stages. */
+    fps_pp_msg_t *m = fps_malloc(sizeof *m);
+    if (flat) {
+      grpc_byte_buffer_destroy(bb); /* inflated: only flat is read */
+      bb = NULL;
+    }
+    if (m) {
+      m->owner.ref = fps__pp_msg_ref;
+      m->owner.unref = fps__pp_msg_unref;
+      m->owner.ctx = m;
+      /* What staging a piece of it keeps: the bytes received (inflated). */
+      m->owner.bytes = flat ? len : total;
+      atomic_init(&m->owner.staged, 0);
+      atomic_init(&m->refs, 1);
+      m->bb = bb;
+      m->flat = flat;
+    }
+    pp->msg = m;
     fps_wreader_t msg;
     fps_wr_init(&msg, pp->spans, nspan);
     rc = fps__pp_message(pp, &msg, why, sizeof why);
     if (rc == FPS_EPROTO && why[0] == '\0')
       snprintf(why, sizeof why, "PushPull: malformed PushPullRequest (%zu bytes)", total);
+    pp->msg = NULL;
+    /* The handler's reference: the buffers stay while staged pieces
+     * reference them, otherwise they go before the next message. */
+    if (m) {
+      fps__pp_msg_unref(m);
+    } else {
+      fps_free(flat);
+      if (bb) grpc_byte_buffer_destroy(bb);
+    }
   }
-  fps_free(flat);
-  /* gRPC's buffers are done with: free them before the next message. */
-  grpc_byte_buffer_destroy(c->recv_buf);
-  c->recv_buf = NULL;
   if (rc < 0) {
     fps__pp_fail(pp, fps_status_from_err(rc), "%s", why);
     return;

@@ -719,9 +719,10 @@ int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *
   if (sh->cfg.mode == FPS_MODE_SYNC) {
     /* Summed into the round as it arrives, or staged until it can be;
      * piece by piece when the data is in several buffers. */
+    fps_push_entry_t *failed = NULL; /* pushes a bad staged value failed */
     pthread_mutex_lock(&t->mu);
     if (!s->src) {
-      rc = fps__reduce_slice_locked(sh, e, s, count, why, wl);
+      rc = fps__reduce_slice_locked(sh, e, s, count, why, wl, &failed);
     } else {
       const uint8_t *piece;
       uint64_t k, done = 0;
@@ -734,7 +735,9 @@ int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *
         part.data = piece;
         part.len = (size_t)k * esz;
         part.src = NULL;
-        rc = fps__reduce_slice_locked(sh, e, &part, k, why, wl);
+        /* An element cut between buffers was copied out: not held. */
+        if (piece == s->src->bounce) part.owner = NULL;
+        rc = fps__reduce_slice_locked(sh, e, &part, k, why, wl, &failed);
         done += k;
       }
       if (rc == 0 && done < count) {
@@ -744,6 +747,7 @@ int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *
       }
     }
     pthread_mutex_unlock(&t->mu);
+    fps__sync_resolve(failed);
     if (rc < 0) return rc;
   } else {
     /* Check, convert and stage in one pass, piece by piece when the data is

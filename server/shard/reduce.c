@@ -3,10 +3,14 @@
  * worker-id order.
  *
  * Memory per tensor while a round is streamed: one accumulator of numel
- * floats, plus the pieces that arrived ahead of the workers below them
- * (each counted against max_staging_bytes). When the workers stream in
- * step, little is staged; in the worst case (the higher workers finish
- * before worker 0 starts) it is what staging every gradient whole cost.
+ * floats, plus the pieces that arrived ahead of the workers below them.
+ * Such a piece is a reference to the message it came in (fps_slice_owner_t:
+ * the message's bytes count once against max_staging_bytes while any of
+ * its pieces is staged), so each received gradient byte is read once, when
+ * it is checked, converted and summed; only a slice whose bytes do not
+ * outlive the call (no owner) is staged as a converted copy. When the
+ * workers stream in step, little is staged; in the worst case (the higher
+ * workers finish before worker 0 starts) it is every gradient as received.
  *
  * Staged pieces of one push are a treap by lo, so finding the ones a new
  * range of done[w-1] made ready costs O(log n + k) whatever the order and
@@ -100,10 +104,38 @@ static fps_piece_t *fps__piece_pop_max(fps_piece_t **t) {
   return x;
 }
 
+/* One more staged piece of e over o's bytes: the first charges them
+ * (against the limit and as e's push's staged bytes). false: the limit. */
+static bool fps__owner_hold(fps_shard_t *sh, fps_push_entry_t *e, fps_slice_owner_t *o) {
+  if (atomic_fetch_add(&o->staged, 1) == 0) {
+    if (!fps__tbuf_charge(sh, o->bytes)) {
+      atomic_fetch_sub(&o->staged, 1);
+      return false;
+    }
+    fps__push_staged_add(e->owner, (int64_t)o->bytes);
+  }
+  o->ref(o->ctx);
+  return true;
+}
+
+/* The piece is gone: the last one over o's bytes releases the charge. All
+ * pieces of one message are of one push (o is one call's message). */
+static void fps__owner_drop(fps_shard_t *sh, fps_push_entry_t *e, fps_slice_owner_t *o) {
+  if (atomic_fetch_sub(&o->staged, 1) == 1) {
+    fps__tbuf_uncharge(sh, o->bytes);
+    fps__push_staged_add(e->owner, -(int64_t)o->bytes);
+  }
+  o->unref(o->ctx); /* may free o */
+}
+
 static void fps__piece_free(fps_shard_t *sh, fps_push_entry_t *e, fps_piece_t *x) {
   e->staged_n -= x->hi - x->lo;
-  fps__push_staged_add(e->owner, -(int64_t)((x->hi - x->lo) * sizeof(float)));
-  fps_tbuf_free(sh, x->data, x->hi - x->lo);
+  if (x->owner) {
+    fps__owner_drop(sh, e, x->owner);
+  } else {
+    fps__push_staged_add(e->owner, -(int64_t)((x->hi - x->lo) * sizeof(float)));
+    fps_tbuf_free(sh, x->data, x->hi - x->lo);
+  }
   fps_free(x);
 }
 
@@ -147,12 +179,58 @@ static bool fps__reduce_ready(const fps_reduce_t *r, uint32_t w, uint64_t lo, ui
   return fps_ranges_find(&r->done[w - 1], lo, &m) && hi <= m.hi;
 }
 
-/* Adds converted values for [lo, hi) as worker w's: worker 0 copies, the
- * others add (the one fp32 addition of the worker-id order). */
-static void fps__reduce_add(fps_shard_t *sh, fps_reduce_t *r, uint32_t w, uint64_t lo, uint64_t hi,
-                            const float *v) {
-  if (w == 0) memcpy(r->acc + lo, v, (size_t)(hi - lo) * sizeof(float));
-  else fps_kernels_add_f32(sh->kernels, r->acc + lo, v, (size_t)(hi - lo));
+/* Sums ready piece x as worker w's (worker 0 copies, the others add: the
+ * one fp32 addition of the worker-id order). A reference is checked and
+ * converted in the same pass. Returns how many elements may be recorded
+ * in done[w]: all, or on a bad value (why set) those before it (none for
+ * worker 0, whose unrecorded elements are overwritten later). */
+static uint64_t fps__reduce_add_piece(fps_shard_t *sh, fps_tensor_t *t, uint32_t w, const fps_piece_t *x,
+                                      int *err, char *why, size_t wl) {
+  fps_reduce_t *r = t->red;
+  uint64_t lo = x->lo, n = x->hi - x->lo;
+  *err = 0;
+  if (!x->owner) {
+    if (w == 0) memcpy(r->acc + lo, x->data, (size_t)n * sizeof(float));
+    else fps_kernels_add_f32(sh->kernels, r->acc + lo, x->data, (size_t)n);
+    return n;
+  }
+  uint64_t bad = w == 0 ? fps_dtype_grad_decode(sh->kernels, x->dtype, r->acc + lo, x->src, n)
+                        : fps_dtype_grad_sum(sh->kernels, x->dtype, r->acc + lo, x->src, n);
+  if (bad == n) return n;
+  fps__reduce_bad_value_why(why, wl, t->name, lo + bad, fps_dtype_value(x->dtype, x->src, bad));
+  *err = FPS_EINVAL;
+  return w == 0 ? 0 : bad;
+}
+
+/* e's staged gradient held a bad value (why): e fails (its later slices
+ * and its join too), its other staged pieces are dropped, its call is
+ * woken, and it is queued for the entry point to fail its round if it
+ * waits in one. */
+static void fps__reduce_fail(fps_shard_t *sh, fps_push_entry_t *e, int err, const char *why) {
+  if (!e->red_err) {
+    e->red_err = err;
+    e->red_msg = fps_strdup(why);
+  }
+  fps__piece_free_tree(sh, e, e->staged);
+  e->staged = NULL;
+  fps_reduce_t *r = e->t->red;
+  e->red_fail_next = r->failed;
+  r->failed = e;
+  fps__push_wake(e->owner);
+}
+
+/* Fails the rounds of the pushes queued by fps__reduce_fail (may discard
+ * t's sum). */
+static void fps__reduce_settle_failed(fps_shard_t *sh, fps_tensor_t *t, fps_push_entry_t **resolve) {
+  if (!t->red) return;
+  fps_push_entry_t *f = t->red->failed;
+  t->red->failed = NULL;
+  while (f) {
+    fps_push_entry_t *x = f;
+    f = x->red_fail_next;
+    x->red_fail_next = NULL;
+    fps__sync_member_failed_locked(sh, x, resolve);
+  }
 }
 
 /* done[w] just gained [lo, hi): sums the staged pieces of workers w+1,
@@ -177,11 +255,22 @@ static void fps__reduce_cascade(fps_shard_t *sh, fps_tensor_t *t, uint32_t w, ui
     while (b) {
       fps_piece_t *x = fps__piece_pop_min(&b);
       if (fps__reduce_ready(r, v, x->lo, x->hi) && fps_ranges_reserve(&r->done[v]) == 0) {
-        fps__reduce_add(sh, r, v, x->lo, x->hi, x->data);
-        fps_ranges_add(&r->done[v], x->lo, x->hi); /* reserved: cannot fail */
-        if (x->lo < nlo) nlo = x->lo;
-        if (x->hi > nhi) nhi = x->hi;
+        int err;
+        char why[FPS_WHY_MAX];
+        uint64_t k = fps__reduce_add_piece(sh, t, v, x, &err, why, sizeof why);
+        if (k) {
+          fps_ranges_add(&r->done[v], x->lo, x->lo + k); /* reserved: cannot fail */
+          if (x->lo < nlo) nlo = x->lo;
+          if (x->lo + k > nhi) nhi = x->lo + k;
+        }
         fps__piece_free(sh, ev, x);
+        if (err) {
+          /* ev's gradient is done for: nothing more of it is summed, and
+           * the levels above go on with what it did sum. */
+          fps__piece_free_tree(sh, ev, b);
+          b = NULL;
+          fps__reduce_fail(sh, ev, err, why);
+        }
       } else {
         fps__piece_insert(&ev->staged, x);
       }
@@ -202,11 +291,18 @@ static void fps__reduce_drain(fps_shard_t *sh, fps_push_entry_t *e) {
   while (all) {
     fps_piece_t *x = fps__piece_pop_min(&all);
     if (fps__reduce_ready(r, w, x->lo, x->hi) && fps_ranges_reserve(&r->done[w]) == 0) {
-      uint64_t lo = x->lo, hi = x->hi;
-      fps__reduce_add(sh, r, w, lo, hi, x->data);
-      fps_ranges_add(&r->done[w], lo, hi);
+      int err;
+      char why[FPS_WHY_MAX];
+      uint64_t lo = x->lo, k = fps__reduce_add_piece(sh, e->t, w, x, &err, why, sizeof why);
+      if (k) fps_ranges_add(&r->done[w], lo, lo + k); /* reserved: cannot fail */
       fps__piece_free(sh, e, x);
-      fps__reduce_cascade(sh, e->t, w, lo, hi);
+      if (k) fps__reduce_cascade(sh, e->t, w, lo, lo + k);
+      if (err) {
+        fps__piece_free_tree(sh, e, all);
+        all = NULL;
+        fps__reduce_fail(sh, e, err, why);
+        return;
+      }
     } else {
       fps__piece_insert(&e->staged, x);
     }
@@ -308,66 +404,92 @@ static int fps__reduce_sum_slice(fps_shard_t *sh, fps_push_entry_t *e, const fps
   return 0;
 }
 
-/* s arrived before e's worker may sum it: keep it, converted and checked. */
+/* s arrived before e's worker may sum it: keep a reference to its bytes
+ * (checked when summed), or without an owner a converted, checked copy. */
 static int fps__reduce_stage(fps_shard_t *sh, fps_push_entry_t *e, const fps_slice_t *s, uint64_t count,
                              char *why, size_t wl) {
   fps_tensor_t *t = e->t;
   bool over = false;
   fps_piece_t *x = fps_malloc(sizeof *x);
-  float *data = x ? fps_tbuf_alloc(sh, count, &over) : NULL;
-  if (!data) {
+  float *data = NULL;
+  bool ok = x != NULL;
+  if (ok && s->owner) {
+    over = !fps__owner_hold(sh, e, s->owner);
+    ok = !over;
+  } else if (ok) {
+    ok = (data = fps_tbuf_alloc(sh, count, &over)) != NULL;
+  }
+  if (!ok) {
     fps_free(x);
+    uint64_t bytes = s->owner ? s->owner->bytes : count * 4;
     if (over)
       snprintf(why, wl,
                "tensor '%s': staging %" PRIu64 " gradient bytes of worker %u that arrived before the workers "
                "below it would pass the shard's limit of %" PRIu64
                " bytes for in-flight tensors (--max-staging-bytes); retry later",
-               t->name, count * 4, e->worker_id, sh->cfg.max_staging_bytes);
+               t->name, bytes, e->worker_id, sh->cfg.max_staging_bytes);
     else
       snprintf(why, wl, "tensor '%s': out of memory staging %" PRIu64 " gradient elements", t->name, count);
     return over ? FPS_ELIMIT : FPS_ENOMEM;
   }
-  uint64_t bad = fps_dtype_grad_decode(sh->kernels, s->dtype, data, s->data, count);
-  if (bad < count) {
-    fps__reduce_bad_value_why(why, wl, t->name, s->offset + bad, fps_dtype_value(s->dtype, s->data, bad));
-    fps_tbuf_free(sh, data, count);
-    fps_free(x);
-    return FPS_EINVAL;
+  if (!s->owner) {
+    uint64_t bad = fps_dtype_grad_decode(sh->kernels, s->dtype, data, s->data, count);
+    if (bad < count) {
+      fps__reduce_bad_value_why(why, wl, t->name, s->offset + bad, fps_dtype_value(s->dtype, s->data, bad));
+      fps_tbuf_free(sh, data, count);
+      fps_free(x);
+      return FPS_EINVAL;
+    }
+    fps__push_staged_add(e->owner, (int64_t)(count * sizeof(float)));
   }
   x->lo = s->offset;
   x->hi = s->offset + count;
+  x->dtype = s->dtype;
+  x->owner = s->owner;
+  x->src = s->data;
   x->data = data;
   x->prio = fps__piece_prio();
   fps__piece_insert(&e->staged, x);
   e->staged_n += count;
-  fps__push_staged_add(e->owner, (int64_t)(count * sizeof(float)));
   return 0;
 }
 
-int fps__reduce_slice_locked(fps_shard_t *sh, fps_push_entry_t *e, const fps_slice_t *s, uint64_t count,
-                             char *why, size_t wl) {
-  if (e->red_err) {
-    snprintf(why, wl, "%s", e->red_msg ? e->red_msg : fps_strerror(e->red_err));
-    return e->red_err;
-  }
-  if (e->replay_only) return fps__reduce_check_only(e->t, s, count, why, wl);
-  int rc = fps__reduce_attach(sh, e, why, wl);
-  if (rc < 0) return rc;
-  if (e->attached && fps__reduce_ready(e->t->red, e->worker_id, s->offset, s->offset + count))
-    return fps__reduce_sum_slice(sh, e, s, count, why, wl);
-  return fps__reduce_stage(sh, e, s, count, why, wl);
+/* e's own error, if a discard or a bad staged value gave it one. */
+static int fps__reduce_own_err(const fps_push_entry_t *e, char *why, size_t wl) {
+  if (!e->red_err) return 0;
+  snprintf(why, wl, "%s", e->red_msg ? e->red_msg : fps_strerror(e->red_err));
+  return e->red_err;
 }
 
-int fps__reduce_join_locked(fps_shard_t *sh, fps_push_entry_t *e, char *why, size_t wl) {
-  if (e->red_err) {
-    snprintf(why, wl, "%s", e->red_msg ? e->red_msg : fps_strerror(e->red_err));
-    return e->red_err;
+int fps__reduce_slice_locked(fps_shard_t *sh, fps_push_entry_t *e, const fps_slice_t *s, uint64_t count,
+                             char *why, size_t wl, fps_push_entry_t **resolve) {
+  int rc = fps__reduce_own_err(e, why, wl);
+  if (rc < 0) return rc;
+  if (e->replay_only) return fps__reduce_check_only(e->t, s, count, why, wl);
+  rc = fps__reduce_attach(sh, e, why, wl);
+  if (rc == 0) rc = fps__reduce_own_err(e, why, wl); /* a piece the attach summed */
+  if (rc == 0) {
+    if (e->attached && fps__reduce_ready(e->t->red, e->worker_id, s->offset, s->offset + count))
+      rc = fps__reduce_sum_slice(sh, e, s, count, why, wl);
+    else
+      rc = fps__reduce_stage(sh, e, s, count, why, wl);
   }
-  if (e->attached) {
-    fps__reduce_drain(sh, e); /* pieces an allocation failure left behind */
-    return 0;
-  }
-  return fps__reduce_attach(sh, e, why, wl);
+  fps__reduce_settle_failed(sh, e->t, resolve);
+  return rc;
+}
+
+int fps__reduce_join_locked(fps_shard_t *sh, fps_push_entry_t *e, char *why, size_t wl,
+                            fps_push_entry_t **resolve) {
+  int rc = fps__reduce_own_err(e, why, wl);
+  if (rc < 0) return rc;
+  if (e->attached) fps__reduce_drain(sh, e); /* pieces an allocation failure left behind */
+  else rc = fps__reduce_attach(sh, e, why, wl);
+  fps__reduce_settle_failed(sh, e->t, resolve);
+  if (rc == 0) rc = fps__reduce_own_err(e, why, wl);
+  /* Another member's failure discarded the sum e had only staged pieces
+   * for: e takes its place in the next one. */
+  if (rc == 0 && !e->attached) rc = fps__reduce_attach(sh, e, why, wl);
+  return rc;
 }
 
 float *fps__reduce_take_locked(fps_shard_t *sh, fps_tensor_t *t) {

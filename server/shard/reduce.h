@@ -8,8 +8,9 @@
  * workers add). done[w] records what worker w has summed; since w may only
  * sum where w-1 has, done[w] is inside done[w-1], and a piece of w is ready
  * exactly when done[w-1] covers it. A piece that arrives earlier is staged
- * (converted and checked, counted against max_staging_bytes) and summed
- * when the workers below catch up, cascading upwards. When the round is
+ * (a reference to the received bytes, whose buffer counts once against
+ * max_staging_bytes) and checked, converted and summed in one pass when
+ * the workers below catch up, cascading upwards. When the round is
  * full every piece has arrived, so done[W-1] covers the tensor: the sum is
  * divided once by W and applied (sync.c).
  *
@@ -32,7 +33,12 @@ typedef struct fps_piece_s {
   uint64_t lo, hi;
   struct fps_piece_s *left, *right;
   uint32_t prio;
-  float *data;                /* hi - lo floats (fps_tbuf_alloc) */
+  int dtype;                  /* of src */
+  fps_slice_owner_t *owner;   /* keeps src alive (one reference), NULL: data */
+  const uint8_t *src;         /* hi - lo elements of dtype as received,
+                               * not checked yet */
+  float *data;                /* owner NULL: hi - lo floats, converted and
+                               * checked (fps_tbuf_alloc) */
 } fps_piece_t;
 
 typedef struct fps_reduce_s {
@@ -40,6 +46,8 @@ typedef struct fps_reduce_s {
   float *acc;                 /* numel floats (fps_tbuf_alloc) */
   fps_push_entry_t **owner;   /* [W]: whose gradient is summed as worker w's */
   fps_ranges_t *done;         /* [W]: elements summed for worker w */
+  fps_push_entry_t *failed;   /* pushes whose staged piece held a bad value,
+                               * for the entry point to fail (red_fail_next) */
 } fps_reduce_t;
 
 /* Worker e->worker_id's slice s of count elements (already checked against
@@ -47,12 +55,21 @@ typedef struct fps_reduce_s {
  * 0, FPS_EINVAL (a value that is not a valid gradient), FPS_ELIMIT
  * (max_staging_bytes), FPS_ENOMEM, or e->red_err (its sum was discarded),
  * with why. After a failure the push is never applied. */
+/* A piece staged with s->owner set is a reference to the received bytes
+ * (checked, converted and summed in one pass when it is ready); without,
+ * a converted, checked copy. A bad value in a staged reference is found
+ * when it is summed: its push gets red_err FPS_EINVAL (why naming the
+ * element), loses its other staged pieces and is woken; if it waits in
+ * its round, the round's set fails (fps__sync_member_failed_locked), its
+ * members chained onto *resolve for the caller to resolve after
+ * unlocking. */
 int fps__reduce_slice_locked(fps_shard_t *sh, fps_push_entry_t *e, const fps_slice_t *s, uint64_t count,
-                             char *why, size_t why_len);
+                             char *why, size_t why_len, fps_push_entry_t **resolve);
 /* At the join: e takes its worker's place in the sum if it does not hold
  * it yet and the place is free (e->attached tells), and sums what it can.
- * 0, e->red_err, FPS_ELIMIT, FPS_ENOMEM, with why. */
-int fps__reduce_join_locked(fps_shard_t *sh, fps_push_entry_t *e, char *why, size_t why_len);
+ * 0, e->red_err, FPS_ELIMIT, FPS_ENOMEM, with why; *resolve as above. */
+int fps__reduce_join_locked(fps_shard_t *sh, fps_push_entry_t *e, char *why, size_t why_len,
+                            fps_push_entry_t **resolve);
 /* The round is full: the finished sum (numel floats from fps_tbuf_alloc)
  * moves to the caller and t->red is gone. NULL if there is no sum (no
  * member had a gradient) or, defensively, if it does not cover the tensor

@@ -158,7 +158,27 @@ const char *fps_mode_name(int mode);
 typedef struct fps_slice_src_s {
   uint64_t (*next)(void *ctx, const uint8_t **data);
   void *ctx;
+  /* Where next puts an element cut between two buffers (copied there, so
+   * not held by the slice's owner), NULL: never. */
+  const uint8_t *bounce;
 } fps_slice_src_t;
+
+/* Who keeps a slice's bytes alive past the call that hands them to the
+ * core (the RPC layer's received message), so that a sync slice that
+ * arrives early is staged as a reference to them, not as a copy
+ * (reduce.c). The core takes one reference per staged piece (ref) and
+ * drops it when the piece is summed or thrown away (unref: any thread,
+ * maybe with core locks held, so it must not call into the core; the
+ * last one frees the bytes). While any staged piece references them,
+ * `bytes` count once against max_staging_bytes (`staged` is the core's
+ * count of those pieces: set it to 0). */
+typedef struct fps_slice_owner_s {
+  void (*ref)(void *ctx);
+  void (*unref)(void *ctx);
+  void *ctx;
+  uint64_t bytes;             /* the memory the references keep alive */
+  atomic_uint_fast64_t staged; /* the core's: staged pieces referencing it */
+} fps_slice_owner_t;
 
 /* One slice of a tensor as it came off the wire: data is little-endian
  * elements of dtype, any alignment, either in one piece (data) or, with
@@ -171,6 +191,8 @@ typedef struct fps_slice_s {
   const uint8_t *data;
   size_t len;                 /* bytes */
   const fps_slice_src_t *src; /* NULL: data holds all of it */
+  fps_slice_owner_t *owner;   /* keeps data alive, NULL: the bytes last only
+                               * for the call (the core copies what it keeps) */
 } fps_slice_t;
 
 /* Name rule (common/name.h): 1..FPS_NAME_MAX bytes of UTF-8 without
@@ -285,6 +307,10 @@ void fps__snap_bf16_discard(fps_snap_bf16_t *e);
  * would be passed, or NULL on OOM. fps_free(NULL) is a no-op. */
 float *fps_tbuf_alloc(fps_shard_t *sh, uint64_t numel, bool *over_limit);
 void fps_tbuf_free(fps_shard_t *sh, float *p, uint64_t numel);
+/* Counts bytes held elsewhere (a received message staged by reference)
+ * against the same limit: false if that would pass it. Thread-safe. */
+bool fps__tbuf_charge(fps_shard_t *sh, uint64_t bytes);
+void fps__tbuf_uncharge(fps_shard_t *sh, uint64_t bytes);
 /* Recycling of t->numel-float staging buffers (a round's sum, a push's
  * staging): take returns t's spare if it has one (already counted: it
  * cannot pass the limit) or a fresh fps_tbuf_alloc buffer; keep makes p
@@ -873,6 +899,16 @@ size_t fps__sync_withdraw(fps_shard_t *sh, fps_push_entry_t **e, size_t n);
 /* Entry e (not waiting) is being freed: it leaves its round's sum,
  * aborting the round if part of its gradient is in it. */
 void fps__sync_leave(fps_shard_t *sh, fps_push_entry_t *e);
+/* A bad value was found in entry e's staged gradient when it was summed
+ * (reduce.c; e->red_err and red_msg set). If e waits in its round, t's
+ * sum is discarded and the round's set fails: e's push with e->red_err
+ * and its message, the other members with FPS_EUNAVAILABLE, chained onto
+ * *list (resolve them with fps__sync_resolve once no lock is held). A push
+ * still streaming fails at its next slice or its join instead. REQUIRES
+ * e->t->mu. */
+void fps__sync_member_failed_locked(fps_shard_t *sh, fps_push_entry_t *e, fps_push_entry_t **list);
+/* Resolves the entries chained through resolve_next (NULL: none). */
+void fps__sync_resolve(fps_push_entry_t *list);
 void fps__sync_expire(fps_shard_t *sh, int64_t now, bool force, int err, const char *reason);
 /* ssp.c, for push.c. admit_or_park: true if the worker may go now,
  * otherwise parks w. advance: records a finished push and resumes parked
@@ -937,8 +973,11 @@ struct fps_push_entry_s {
   bool attached;              /* t->red->owner[worker_id] is this entry */
   bool replay_only;           /* a retry of an applied push: checked, not kept */
   bool withdrawn;             /* withdrawn from its round (sh->rounds_mu) */
-  int red_err;                /* the sum it was in was discarded: FPS_E*, 0: none */
+  int red_err;                /* the sum it was in was discarded, or its
+                               * staged gradient held a bad value: FPS_E*,
+                               * 0: none */
   char *red_msg;              /* why */
+  fps_push_entry_t *red_fail_next; /* t->red->failed (reduce.c) */
 };
 
 /* ------------------------------------- per-push settings (push_settings.c)

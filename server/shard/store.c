@@ -457,6 +457,10 @@ float *fps_tbuf_alloc(fps_shard_t *sh, uint64_t numel, bool *over_limit) {
   return p;
 }
 
+bool fps__tbuf_charge(fps_shard_t *sh, uint64_t bytes) { return fps__tbuf_reserve(sh, bytes); }
+
+void fps__tbuf_uncharge(fps_shard_t *sh, uint64_t bytes) { atomic_fetch_sub(&sh->tbuf_bytes, bytes); }
+
 void fps_tbuf_free(fps_shard_t *sh, float *p, uint64_t numel) {
   if (!p) return;
   fps_free(p);

@@ -428,6 +428,7 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
   }
   memcpy(sorted, e, n * sizeof *sorted);
   qsort(sorted, n, sizeof *sorted, fps__cmp_entry_tensor);
+  fps_push_entry_t *failed = NULL; /* pushes a bad staged value failed */
   for (size_t i = 0; i < n; i++) pthread_mutex_lock(&sorted[i]->t->mu);
   for (size_t i = 0; i < n && code == 0; i++) {
     fps_tensor_t *t = sorted[i]->t;
@@ -454,7 +455,7 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
       fps_checkpoint_ahead_hint(t, why, why_len);
     } else if (!sorted[i]->no_grad) {
       /* Takes the worker's place in the round's sum if it is free. */
-      code = fps__reduce_join_locked(sh, sorted[i], why, why_len);
+      code = fps__reduce_join_locked(sh, sorted[i], why, why_len, &failed);
     }
   }
   pthread_mutex_lock(&sh->rounds_mu);
@@ -513,6 +514,7 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
   pthread_mutex_unlock(&sh->rounds_mu);
   for (size_t i = n; i-- > 0;) pthread_mutex_unlock(&sorted[i]->t->mu);
   fps_free(sorted);
+  fps__resolve_list(failed);
   if (settle) fps__set_complete(sh, settle, k);
   return code;
 }
@@ -575,6 +577,44 @@ static void fps__sum_abort_locked(fps_shard_t *sh, fps_tensor_t *t, uint32_t wor
   }
   pthread_mutex_unlock(&sh->rounds_mu);
 }
+
+void fps__sync_member_failed_locked(fps_shard_t *sh, fps_push_entry_t *e, fps_push_entry_t **list) {
+  fps_tensor_t *t = e->t;
+  pthread_mutex_lock(&sh->rounds_mu);
+  /* A set being completed is left to its completer (it finds the sum
+   * short and fails the set). */
+  bool member = e->in_round && t->round.open && !t->round.settling;
+  pthread_mutex_unlock(&sh->rounds_mu);
+  if (!member) return; /* still streaming: its next slice or its join fails */
+  char msg[1024];
+  snprintf(msg, sizeof msg,
+           "tensor '%s' step %" PRIu64 ": worker %u's gradient held an invalid value (found when it was summed); "
+           "the round was aborted and nothing was applied; retry the push",
+           t->name, t->version, e->worker_id);
+  fps__reduce_discard_locked(sh, t, FPS_EUNAVAILABLE, msg);
+  pthread_mutex_lock(&sh->rounds_mu);
+  if (e->in_round && t->round.open && !t->round.settling) {
+    size_t k;
+    bool full;
+    fps_push_entry_t *before = *list;
+    fps__set_walk_locked(sh, t, &k, &full);
+    fps__set_suffix(msg, sizeof msg, strlen(msg), t, k);
+    fps__set_fail_locked(sh, t, FPS_EUNAVAILABLE, msg, list);
+    /* The push with the bad value is told what it was, in every round. */
+    for (fps_push_entry_t *x = *list; x != before; x = x->resolve_next) {
+      if (x->owner != e->owner) continue;
+      char *m = fps_strdup(e->red_msg ? e->red_msg : msg);
+      if (m) {
+        fps_free(x->msg);
+        x->msg = m;
+      }
+      x->err = e->red_err;
+    }
+  }
+  pthread_mutex_unlock(&sh->rounds_mu);
+}
+
+void fps__sync_resolve(fps_push_entry_t *list) { fps__resolve_list(list); }
 
 void fps__sync_leave(fps_shard_t *sh, fps_push_entry_t *e) {
   fps_tensor_t *t = e->t;

@@ -238,7 +238,7 @@ static void slice_in_pieces(void **unused) {
   assert_int_equal(fx_commit(p, why), 0);
   fps_push_destroy(p);
   pieces_t pc = {(const uint8_t *)g, N, 4, 1};
-  fps_slice_src_t src = {next_piece, &pc};
+  fps_slice_src_t src = {next_piece, &pc, NULL};
   fps_slice_t sl = {.dtype = FPS_DTYPE_F32, .shape = DIMS, .n_shape = 2, .len = N * 4, .src = &src};
   p = fx_push_new(&b, 0, 0, INT64_MAX, &d);
   assert_int_equal(fps_push_slice(p, "w", &sl, why, sizeof why), 0);
