@@ -106,8 +106,13 @@ static int fps__state_slice_check(const char *name, fps_plan_t *lead, const fps_
   }
   uint64_t cnt = ss->len / 4;
   if (ss->offset > n || cnt > n - ss->offset) {
-    snprintf(why, wl, "tensor '%s': %s state slice [%" PRIu64 ", %" PRIu64 ") is out of range: it has %" PRIu64
-             " elements", name, kn, ss->offset, ss->offset + cnt, n);
+    /* offset + cnt may not fit in 64 bits (a hostile offset): name both. */
+    if (ss->offset > UINT64_MAX - cnt)
+      snprintf(why, wl, "tensor '%s': %s state slice of %" PRIu64 " elements at offset %" PRIu64
+               " is out of range: it has %" PRIu64 " elements", name, kn, cnt, ss->offset, n);
+    else
+      snprintf(why, wl, "tensor '%s': %s state slice [%" PRIu64 ", %" PRIu64 ") is out of range: it has %" PRIu64
+               " elements", name, kn, ss->offset, ss->offset + cnt, n);
     return FPS_EINVAL;
   }
   for (uint64_t j = 0; j < cnt; j++) {
@@ -366,17 +371,23 @@ static int fps__cmp_tensor_ptr(const void *a, const void *b) {
 }
 
 /* max_tensors and max_bytes against new_count tensors of new_bytes more:
- * 0 or FPS_ELIMIT with why. REQUIRES store->mu (read or write). */
-static int fps__create_limits_locked(fps_shard_t *sh, uint64_t new_count, uint64_t new_bytes, char *why,
-                                     size_t wl) {
+ * 0 or FPS_ELIMIT with why, naming `largest` (the call's largest new
+ * tensor). REQUIRES store->mu (read or write). */
+static int fps__create_limits_locked(fps_shard_t *sh, uint64_t new_count, uint64_t new_bytes, const char *largest,
+                                     char *why, size_t wl) {
+  char who[320];
+  if (new_count > 1)
+    snprintf(who, sizeof who, "tensor '%s' and %" PRIu64 " more", largest, new_count - 1);
+  else
+    snprintf(who, sizeof who, "tensor '%s'", largest ? largest : "");
   if (sh->store.count + new_count > sh->cfg.max_tensors) {
-    snprintf(why, wl, "Create: %" PRIu64 " new tensors would exceed this shard's limit of %" PRIu64
-             " tensors (--max-tensors)", new_count, sh->cfg.max_tensors);
+    snprintf(why, wl, "Create of %s: %" PRIu64 " new tensors would exceed this shard's limit of %" PRIu64
+             " tensors (--max-tensors)", who, new_count, sh->cfg.max_tensors);
     return FPS_ELIMIT;
   }
   if (sh->store.param_bytes + new_bytes > sh->cfg.max_bytes) {
-    snprintf(why, wl, "Create: %" PRIu64 " new parameter bytes would exceed this shard's limit of %" PRIu64
-             " bytes (--max-bytes; %" PRIu64 " in use)", new_bytes, sh->cfg.max_bytes, sh->store.param_bytes);
+    snprintf(why, wl, "Create of %s: %" PRIu64 " new parameter bytes would exceed this shard's limit of %" PRIu64
+             " bytes (--max-bytes; %" PRIu64 " in use)", who, new_bytes, sh->cfg.max_bytes, sh->store.param_bytes);
     return FPS_ELIMIT;
   }
   return 0;
@@ -421,12 +432,14 @@ int fps_shard_create(fps_shard_t *sh, uint32_t shard_id, uint32_t shard_count, c
 again:
   /* Step 1: validate (no store lock but for each lookup). */
   nr = 0;
-  uint64_t new_count = 0, new_bytes = 0;
+  uint64_t new_count = 0, new_bytes = 0, largest_numel = 0;
+  const char *largest = NULL; /* named by a limit's message */
   for (size_t i = 0; i < n && rc == 0; i++) {
     rc = fps__create_check(sh, p, i, why, wl);
     if (rc == 0 && p[i].lead == i && p[i].is_new) {
       new_count++;
       new_bytes += p[i].numel * 4;
+      if (!largest || p[i].numel > largest_numel) largest = items[i].name, largest_numel = p[i].numel;
     }
   }
   if (rc < 0) goto done;
@@ -434,7 +447,7 @@ again:
    * not get its terabytes reserved only to be refused at insertion. They
    * are checked again under the write lock (others may insert meanwhile). */
   pthread_rwlock_rdlock(&sh->store.mu);
-  rc = fps__create_limits_locked(sh, new_count, new_bytes, why, wl);
+  rc = fps__create_limits_locked(sh, new_count, new_bytes, largest, why, wl);
   pthread_rwlock_unlock(&sh->store.mu);
   if (rc < 0) goto done;
   /* A replace covers everything in this call. */
@@ -528,7 +541,7 @@ again:
   for (size_t i = 0; i < n && !stale; i++)
     if (p[i].lead == i && p[i].is_new && fps__store_find_locked(&sh->store, items[i].name, strlen(items[i].name)))
       stale = true; /* another Create made it meanwhile */
-  if (!stale) rc = fps__create_limits_locked(sh, new_count, new_bytes, why, wl);
+  if (!stale) rc = fps__create_limits_locked(sh, new_count, new_bytes, largest, why, wl);
   if (!stale && rc == 0 && fps__store_reserve_locked(&sh->store, sh->store.count + new_count) < 0) {
     rc = FPS_ENOMEM;
     snprintf(why, wl, "Create: out of memory growing the tensor map");

@@ -848,10 +848,17 @@ int fps_shard_slice_check(const char *name, const fps_slice_t *s, const fps_shap
   }
   uint64_t n = s->len / esz;
   if (s->offset > numel || n > numel - s->offset) {
-    snprintf(why, why_len,
-             "tensor '%s': slice [%" PRIu64 ", %" PRIu64 ") is out of range: the tensor has %" PRIu64
-             " elements (wrong element count for its shape?)",
-             name, s->offset, s->offset + n, numel);
+    /* offset + n may not fit in 64 bits (a hostile offset): name both. */
+    if (s->offset > UINT64_MAX - n)
+      snprintf(why, why_len,
+               "tensor '%s': slice of %" PRIu64 " elements at offset %" PRIu64
+               " is out of range: the tensor has %" PRIu64 " elements",
+               name, n, s->offset, numel);
+    else
+      snprintf(why, why_len,
+               "tensor '%s': slice [%" PRIu64 ", %" PRIu64 ") is out of range: the tensor has %" PRIu64
+               " elements (wrong element count for its shape?)",
+               name, s->offset, s->offset + n, numel);
     return FPS_EINVAL;
   }
   *count = n;
