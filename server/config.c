@@ -187,6 +187,28 @@ static void fps__cfg_usage(FILE *f) {
   fprintf(f, "  --help               this text\n  --version            print the version\n");
 }
 
+/* The port of a host:port address, when it is one: gRPC takes the port
+ * modulo 2^16 (127.0.0.1:99999 binds 34463), so an out-of-range port is a
+ * bad value here, not a silently different port. Addresses whose tail is
+ * not a decimal port (unix:..., a bare name) are left to gRPC. With
+ * `need_port` (the metrics endpoint, which only takes host:port) the tail
+ * must be a port. 0 or FPS_EINVAL with a message naming the flag. */
+static int fps__cfg_check_port(const char *flag, const char *addr, bool need_port) {
+  const char *colon = strrchr(addr, ':');
+  const char *d = colon ? colon + 1 : "";
+  size_t nd = strspn(d, "0123456789");
+  if (!colon || !*d || d[nd]) {
+    if (!need_port) return 0;
+    fprintf(stderr, "factorps-server: --%s '%s' must be host:port (a port 0..65535)\n", flag, addr);
+    return FPS_EINVAL;
+  }
+  if (nd > 5 || strtoul(d, NULL, 10) > 65535) {
+    fprintf(stderr, "factorps-server: --%s '%s': port %s is out of range (0..65535)\n", flag, addr, d);
+    return FPS_EINVAL;
+  }
+  return 0;
+}
+
 /* --peers and the peer TLS/token flags: the shapes of the values. The
  * files themselves are read and checked by peer.c at start-up. */
 static int fps__cfg_check_peers(const fps_config_t *cfg) {
@@ -211,6 +233,10 @@ static int fps__cfg_check_peers(const fps_config_t *cfg) {
               n, len ? "longer than 1024 bytes" : "empty");
       return FPS_EINVAL;
     }
+    char entry[1025];
+    memcpy(entry, p, len);
+    entry[len] = '\0';
+    if (fps__cfg_check_port("peers", entry, false) < 0) return FPS_EINVAL;
     n++;
     if (!e) break;
     p = e;
@@ -242,6 +268,9 @@ static int fps__cfg_check(fps_config_t *cfg) {
     fprintf(stderr, "factorps-server: --listen must not be empty\n");
     return FPS_EINVAL;
   }
+  if (fps__cfg_check_port("listen", cfg->listen, false) < 0) return FPS_EINVAL;
+  if (*cfg->metrics_listen && fps__cfg_check_port("metrics-listen", cfg->metrics_listen, true) < 0)
+    return FPS_EINVAL;
   const char *lv[] = {"error", "warn", "info", "debug"};
   int level = -1;
   for (int i = 0; i < 4; i++)
@@ -266,6 +295,16 @@ static int fps__cfg_check(fps_config_t *cfg) {
     return FPS_EINVAL;
   }
   if (fps__cfg_check_peers(cfg) < 0) return FPS_EINVAL;
+  /* The combinations here, so that they exit 2 like every bad value (the
+   * files themselves are read by auth.c at start-up). */
+  if (!*cfg->tls_cert != !*cfg->tls_key) {
+    fprintf(stderr, "factorps-server: --tls-cert and --tls-key must be given together\n");
+    return FPS_EINVAL;
+  }
+  if (*cfg->tls_client_ca && !*cfg->tls_cert) {
+    fprintf(stderr, "factorps-server: --tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)\n");
+    return FPS_EINVAL;
+  }
   if (cfg->checkpoint_interval > 0 && cfg->checkpoint_interval < 0.01) {
     fprintf(stderr, "factorps-server: --checkpoint-interval must be 0 (off) or at least 0.01 s, not %g\n",
             cfg->checkpoint_interval);
