@@ -18,6 +18,8 @@ code calls an optimizer:
   weight decay;
 - zero_grad(set_to_none=False) (gradients of zeros, not None) is a real
   push: every parameter with a gradient, zeros included, is stepped;
+- float64, bfloat16 and float16 parameters and a non-contiguous one are
+  stepped as float32 copies and receive the shards' values in their dtype;
 - a state_dict() taken mid-run with two groups and a ReduceLROnPlateau,
   saved with torch.save to bytes and loaded into a new optimizer on new,
   empty shards, continues bit for bit where the uninterrupted run goes.
@@ -193,6 +195,42 @@ class LoopTest(unittest.TestCase):
                 self.assertEqual(v, {"zeros/head": 2, "zeros/unused": 0})
             finally:
                 opt.close()
+
+    def test_other_dtypes_and_non_contiguous_parameters(self):
+        """README: parameters are CPU float32, others go through a float32
+        copy. The shards step the float32 values of float64, bfloat16 and
+        float16 parameters (and of a non-contiguous float32 one, in its
+        logical C order), and each parameter receives the shards' values in
+        its own dtype."""
+        with Shards(1, mode="sync", workers=1) as shards:
+            for dt in (torch.float64, torch.bfloat16, torch.float16):
+                g = torch.Generator().manual_seed(3)
+                w = torch.nn.Parameter((0.5 * torch.randn(4, 6, generator=g)).to(dt))
+                nc = torch.nn.Parameter(torch.randn(6, 4, generator=g).t())
+                self.assertFalse(nc.is_contiguous())
+                ns = f"{str(dt)[6:]}/"
+                opt = RemoteAdafactor([("w", w), ("nc", nc)], shards=shards.addrs, namespace=ns)
+                refs = {n: ReferenceAdafactor(tuple(p.shape), "torch") for n, p in
+                        (("w", w), ("nc", nc))}
+                want = {"w": w.detach().float().numpy().copy(), "nc": nc.detach().numpy().copy()}
+                try:
+                    for step in range(3):
+                        w.grad = torch.linspace(-1, 1, 24).reshape(4, 6).to(dt) * (step + 1)
+                        nc.grad = torch.linspace(2, -1, 24).reshape(6, 4).t().contiguous()
+                        for n, p in (("w", w), ("nc", nc)):
+                            want[n] = refs[n].step(want[n], p.grad.float().numpy())
+                        opt.step()
+                    held, _ = opt.client.pull([ns + "w", ns + "nc"])
+                    for n, p in (("w", w), ("nc", nc)):
+                        got = held[ns + n].reshape(p.shape)
+                        scale = max(float(np.max(np.abs(want[n]))), 1e-3)
+                        err = float(np.max(np.abs(got.astype(np.float64) - want[n])))
+                        self.assertLessEqual(err, TOL * scale, f"{dt} {n}: {err:.3g}")
+                        self.assertEqual(p.dtype, dt if n == "w" else torch.float32)
+                        self.assertTrue(torch.equal(p.detach(), torch.from_numpy(got).to(p.dtype)),
+                                        f"{dt} {n}: the parameter is not the shards' value")
+                finally:
+                    opt.close()
 
     def test_state_dict_round_trip_continues_bit_for_bit(self):
         split, total = 5, 10
