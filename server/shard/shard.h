@@ -663,9 +663,11 @@ int fps_push_tensor(fps_push_t *p, const fps_push_tensor_t *tp, char *why, size_
  * (FPS_ESTALE, FPS_EAHEAD); the slice must fit (FPS_EINVAL), not overlap
  * one already received (FPS_EINVAL) and hold finite values below
  * FPS_GRAD_ABS_LIMIT (FPS_EINVAL); its tensor is staged within
- * max_staging_bytes (FPS_ELIMIT). The data is decoded into staging in one
- * pass (piece by piece with s->src: FPS_EPROTO if the pieces end early);
- * nothing is applied before fps_push_commit(). */
+ * max_staging_bytes (FPS_ELIMIT). The data is read in one pass (piece by
+ * piece with s->src: FPS_EPROTO if the pieces end early): decoded into
+ * staging or the sync sum, or (sync, s->owner set) staged as a reference
+ * to be checked when it is summed, which may then fail the push later
+ * (reduce.h); nothing is applied before fps_push_commit(). */
 int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *why, size_t why_len);
 /* The stream is complete: every staged tensor must be covered (FPS_EINVAL).
  * async: applies now. ssp: applies now or parks until the slowest worker
