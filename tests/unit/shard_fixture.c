@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dtype.h"
 #include "simd/kernels.h"
 
 void fx_shard(fps_shard_t *sh, int mode, uint32_t workers, uint32_t staleness) {
@@ -97,4 +98,88 @@ void fx_fill(float *v, uint64_t n, uint32_t seed) {
     x ^= x << 5;
     v[i] = (float)((double)x / 2147483648.0 - 1.0);
   }
+}
+
+void fx_shard_with(fps_shard_t *sh, int mode, uint32_t workers, const fps_kernels_t *k, uint64_t staging) {
+  fps__log_level = -1;
+  fps_shard_opts_t o = {.shard_id = 0, .shard_count = 1, .mode = mode, .workers = workers,
+                        .deadline = FX_DEADLINE_S, .max_tensors = 8, .max_bytes = 64u << 20,
+                        .max_staging_bytes = staging, .apply_log = 8, .checkpoint_dir = ""};
+  if (fps_shard_init(sh, &o, k, NULL) < 0) abort();
+}
+
+uint32_t fx_rnd(uint32_t *s) {
+  *s ^= *s << 13;
+  *s ^= *s >> 17;
+  *s ^= *s << 5;
+  return *s;
+}
+
+void fx_random_slices(uint32_t *s, uint32_t w, float *g, uint64_t numel, size_t max_parts, fx_ev_t *ev,
+                      size_t *nev) {
+  size_t parts = 1 + fx_rnd(s) % max_parts;
+  uint64_t *cut = malloc((parts + 1) * sizeof *cut);
+  if (!cut) abort();
+  cut[0] = 0;
+  for (size_t i = 1; i < parts; i++) cut[i] = fx_rnd(s) % numel;
+  cut[parts] = numel;
+  for (size_t i = 1; i < parts; i++) /* insertion sort of the inner cuts */
+    for (size_t j = i; j > 1 && cut[j - 1] > cut[j]; j--) {
+      uint64_t x = cut[j];
+      cut[j] = cut[j - 1];
+      cut[j - 1] = x;
+    }
+  for (size_t i = 0; i < parts; i++) {
+    if (cut[i] == cut[i + 1]) continue;
+    fx_ev_t *e = &ev[(*nev)++];
+    e->w = w;
+    e->lo = cut[i];
+    e->hi = cut[i + 1];
+    e->dtype = fx_rnd(s) % 2 ? FPS_DTYPE_BF16 : FPS_DTYPE_F32;
+    uint64_t n = e->hi - e->lo;
+    e->bytes = malloc(n * fps_dtype_size(e->dtype));
+    if (!e->bytes || fps_dtype_encode(e->dtype, g + e->lo, n, e->bytes) != 0 ||
+        fps_dtype_decode(e->dtype, e->bytes, n, g + e->lo, NULL) != 0)
+      abort();
+  }
+  free(cut);
+}
+
+void fx_shuffle(uint32_t *s, fx_ev_t *ev, size_t n) {
+  for (size_t i = n; i > 1; i--) {
+    size_t j = fx_rnd(s) % i;
+    fx_ev_t x = ev[i - 1];
+    ev[i - 1] = ev[j];
+    ev[j] = x;
+  }
+}
+
+void fx_events_free(fx_ev_t *ev, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    free(ev[i].bytes);
+    ev[i].bytes = NULL;
+  }
+}
+
+void fx_replay(const fps_kernels_t *k, const uint64_t *dims, size_t ndim, const float *init, const float *g,
+               uint32_t nw, float *out) {
+  uint64_t numel = 1;
+  for (size_t i = 0; i < ndim; i++) numel *= dims[i];
+  float *sum = malloc(numel * sizeof *sum);
+  if (!sum) abort();
+  memcpy(sum, g, numel * sizeof *sum);
+  for (uint32_t w = 1; w < nw; w++)
+    for (uint64_t i = 0; i < numel; i++) sum[i] += g[w * numel + i];
+  if (nw > 1)
+    for (uint64_t i = 0; i < numel; i++) sum[i] /= (float)nw;
+  fps_shard_t ref;
+  fx_shard_with(&ref, FPS_MODE_ASYNC, 1, k, 64u << 20);
+  fx_done_t d;
+  if (fx_create(&ref, "w", dims, ndim, init) != 0) abort();
+  fps_push_t *p = fx_push_new(&ref, 0, 0, INT64_MAX, &d);
+  if (fx_push_grad(p, "w", sum, numel, 1, NULL) != 0 || fx_commit(p, NULL) != 0) abort();
+  fps_push_destroy(p);
+  if (fx_params(&ref, "w", out) != 1) abort();
+  fx_shard_free(&ref);
+  free(sum);
 }

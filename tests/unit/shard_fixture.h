@@ -46,4 +46,34 @@ uint64_t fx_params(fps_shard_t *sh, const char *name, float *out);
 /* Deterministic pseudo-random floats in [-1, 1). */
 void fx_fill(float *v, uint64_t n, uint32_t seed);
 
+/* --- sync rounds with random slices (test_shard_reduce*.c) */
+
+/* A shard with kernels k and a staging limit (sync, or async for a
+ * replay). Aborts on failure. */
+void fx_shard_with(fps_shard_t *sh, int mode, uint32_t workers, const fps_kernels_t *k, uint64_t staging);
+/* xorshift32: the tests' deterministic choices. */
+uint32_t fx_rnd(uint32_t *s);
+
+/* One slice of worker w's gradient as it goes on the wire. */
+typedef struct fx_ev_s {
+  uint32_t w;
+  uint64_t lo, hi;
+  int dtype;
+  uint8_t *bytes;             /* malloc'd wire bytes (fx_events_free) */
+} fx_ev_t;
+
+/* Cuts worker w's gradient g (numel floats) into 1..max_parts slices at
+ * random points, each fp32 or bf16 at random, appended to ev[*nev]. g is
+ * rewritten with what the shard will decode, so a replay sums that. */
+void fx_random_slices(uint32_t *s, uint32_t w, float *g, uint64_t numel, size_t max_parts, fx_ev_t *ev,
+                      size_t *nev);
+/* ev[0..n) in a random order. */
+void fx_shuffle(uint32_t *s, fx_ev_t *ev, size_t n);
+void fx_events_free(fx_ev_t *ev, size_t n);
+/* The local replay of a sync round of tensor `name` (shape dims):
+ * ((g0 + g1) + g2) + ... in plain fp32 (g: nw rows of numel floats), one
+ * division by nw, one step through an async shard with kernels k. */
+void fx_replay(const fps_kernels_t *k, const uint64_t *dims, size_t ndim, const float *init, const float *g,
+               uint32_t nw, float *out);
+
 #endif

@@ -27,31 +27,6 @@ static const uint64_t DIMS[] = {37, 29}; /* factored, odd sizes */
 #define N (37 * 29)
 #define WMAX 5
 
-/* A sync shard (or, for the replay, an async one) with kernels k and a
- * staging limit. */
-static void shard_with(fps_shard_t *sh, int mode, uint32_t workers, const fps_kernels_t *k, uint64_t staging) {
-  fps__log_level = -1;
-  fps_shard_opts_t o = {.shard_id = 0, .shard_count = 1, .mode = mode, .workers = workers,
-                        .deadline = FX_DEADLINE_S, .max_tensors = 8, .max_bytes = 64u << 20,
-                        .max_staging_bytes = staging, .apply_log = 8, .checkpoint_dir = ""};
-  if (fps_shard_init(sh, &o, k, NULL) < 0) abort();
-}
-
-static uint32_t rnd(uint32_t *s) {
-  *s ^= *s << 13;
-  *s ^= *s >> 17;
-  *s ^= *s << 5;
-  return *s;
-}
-
-/* One slice of worker w's gradient as it goes on the wire. */
-typedef struct ev_s {
-  uint32_t w;
-  uint64_t lo, hi;
-  int dtype;
-  uint8_t *bytes;
-} ev_t;
-
 /* The data of a slice in runs of 1..cap whole elements, as the handler
  * hands over a message received in several buffers (fps_slice_src_t). */
 typedef struct runs_s {
@@ -73,7 +48,7 @@ static uint64_t runs_next(void *ctx, const uint8_t **data) {
   return k;
 }
 
-static int send_runs(fps_push_t *p, fps_shard_t *sh, const ev_t *ev, uint64_t cap, char *why) {
+static int send_runs(fps_push_t *p, fps_shard_t *sh, const fx_ev_t *ev, uint64_t cap, char *why) {
   fps_tensor_t *t = fps_store_find(&sh->store, "w");
   size_t esz = fps_dtype_size(ev->dtype);
   runs_t r = {.data = ev->bytes, .left = ev->hi - ev->lo, .cap = cap, .esz = esz, .seed = (uint32_t)ev->lo + 1};
@@ -83,35 +58,14 @@ static int send_runs(fps_push_t *p, fps_shard_t *sh, const ev_t *ev, uint64_t ca
   return fps_push_slice(p, "w", &s, why, FPS_WHY_MAX);
 }
 
-static int send(fps_push_t *p, fps_shard_t *sh, const ev_t *ev, char *why) { return send_runs(p, sh, ev, 0, why); }
+static int send(fps_push_t *p, fps_shard_t *sh, const fx_ev_t *ev, char *why) { return send_runs(p, sh, ev, 0, why); }
 
 static void send_ok(fps_push_t *p, fps_shard_t *sh, const float *g, uint64_t lo, uint64_t hi) {
-  ev_t ev = {.lo = lo, .hi = hi, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(uintptr_t)(g + lo)};
+  fx_ev_t ev = {.lo = lo, .hi = hi, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(uintptr_t)(g + lo)};
   char why[FPS_WHY_MAX];
   int rc = send(p, sh, &ev, why);
   if (rc) fprintf(stderr, "slice: %s\n", why);
   assert_int_equal(rc, 0);
-}
-
-/* The local replay: ((g0 + g1) + g2) + ... in plain fp32, one division by
- * W, one step through an async shard with the same kernels. */
-static void replay(const fps_kernels_t *k, const float *init, float g[][N], uint32_t nw, float *out) {
-  static float sum[N];
-  memcpy(sum, g[0], sizeof sum);
-  for (uint32_t w = 1; w < nw; w++)
-    for (uint64_t i = 0; i < N; i++) sum[i] += g[w][i];
-  if (nw > 1)
-    for (uint64_t i = 0; i < N; i++) sum[i] /= (float)nw;
-  fps_shard_t ref;
-  shard_with(&ref, FPS_MODE_ASYNC, 1, k, 64u << 20);
-  assert_int_equal(fx_create(&ref, "w", DIMS, 2, init), 0);
-  fx_done_t d;
-  fps_push_t *p = fx_push_new(&ref, 0, 0, INT64_MAX, &d);
-  assert_int_equal(fx_push_grad(p, "w", sum, N, 1, NULL), 0);
-  assert_int_equal(fx_commit(p, NULL), 0);
-  fps_push_destroy(p);
-  assert_int_equal(fx_params(&ref, "w", out), 1);
-  fx_shard_free(&ref);
 }
 
 /* Random slices of every worker, interleaved in a random order, of random
@@ -119,49 +73,20 @@ static void replay(const fps_kernels_t *k, const float *init, float g[][N], uint
  * worker's last slice). Returns whether anything had to be staged. */
 static bool one_random_round(const fps_kernels_t *k, uint32_t W, uint32_t seed) {
   static float init[N], g[WMAX][N], want[N], got[N];
-  static ev_t ev[WMAX * 64];
+  static fx_ev_t ev[WMAX * 64];
   uint32_t s = seed * 2654435761u + 7;
   fx_fill(init, N, seed);
   size_t nev = 0;
   for (uint32_t w = 0; w < W; w++) {
     fx_fill(g[w], N, seed * 31 + w + 1);
     /* Cut into 1..40 pieces at random points. */
-    size_t parts = 1 + rnd(&s) % 40;
-    uint64_t cut[41];
-    cut[0] = 0;
-    for (size_t i = 1; i < parts; i++) cut[i] = rnd(&s) % N;
-    cut[parts] = N;
-    for (size_t i = 1; i < parts; i++) /* sort */
-      for (size_t j = i; j > 1 && cut[j - 1] > cut[j]; j--) {
-        uint64_t x = cut[j];
-        cut[j] = cut[j - 1];
-        cut[j - 1] = x;
-      }
-    for (size_t i = 0; i < parts; i++) {
-      if (cut[i] == cut[i + 1]) continue;
-      ev_t *e = &ev[nev++];
-      e->w = w;
-      e->lo = cut[i];
-      e->hi = cut[i + 1];
-      e->dtype = rnd(&s) % 2 ? FPS_DTYPE_BF16 : FPS_DTYPE_F32;
-      uint64_t n = e->hi - e->lo;
-      e->bytes = malloc(n * fps_dtype_size(e->dtype));
-      assert_non_null(e->bytes);
-      assert_int_equal(fps_dtype_encode(e->dtype, g[w] + e->lo, n, e->bytes), 0);
-      /* What the shard sees is the decoded value: the replay sums that. */
-      assert_int_equal(fps_dtype_decode(e->dtype, e->bytes, n, g[w] + e->lo, NULL), 0);
-    }
+    fx_random_slices(&s, w, g[w], N, 40, ev, &nev);
   }
-  for (size_t i = nev; i > 1; i--) {
-    size_t j = rnd(&s) % i;
-    ev_t x = ev[i - 1];
-    ev[i - 1] = ev[j];
-    ev[j] = x;
-  }
-  replay(k, init, g, W, want);
+  fx_shuffle(&s, ev, nev);
+  fx_replay(k, DIMS, 2, init, &g[0][0], W, want);
 
   fps_shard_t sh;
-  shard_with(&sh, FPS_MODE_SYNC, W, k, 64u << 20);
+  fx_shard_with(&sh, FPS_MODE_SYNC, W, k, 64u << 20);
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   fps_push_t *p[WMAX];
   fx_done_t d[WMAX];
@@ -174,7 +99,7 @@ static bool one_random_round(const fps_kernels_t *k, uint32_t W, uint32_t seed) 
   for (size_t i = 0; i < nev; i++) {
     /* A third of the slices come in runs of 1..64 elements (a message in
      * several buffers), the others in one piece. */
-    uint64_t cap = rnd(&s) % 3 == 0 ? 64 : 0;
+    uint64_t cap = fx_rnd(&s) % 3 == 0 ? 64 : 0;
     assert_int_equal(send_runs(p[ev[i].w], &sh, &ev[i], cap, why), 0);
     staged |= fps_shard_in_flight_bytes(&sh) > (uint64_t)N * 4;
     if (--left[ev[i].w] == 0) {
@@ -228,11 +153,11 @@ static void early_pieces_are_staged_and_drained(void **unused) {
   fx_fill(init, N, 90);
   for (int w = 0; w < 3; w++) fx_fill(g[w], N, 91 + w);
   const fps_kernels_t *k = fps_kernels_best();
-  replay(k, init, g, 3, want);
+  fx_replay(k, DIMS, 2, init, &g[0][0], 3, want);
   const uint64_t acc = (uint64_t)N * 4;
   /* In step: worker 0, 1, 2 piece by piece: only the accumulator. */
   fps_shard_t sh;
-  shard_with(&sh, FPS_MODE_SYNC, 3, k, 64u << 20);
+  fx_shard_with(&sh, FPS_MODE_SYNC, 3, k, 64u << 20);
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   fps_push_t *p[3];
   fx_done_t d[3];
@@ -249,7 +174,7 @@ static void early_pieces_are_staged_and_drained(void **unused) {
   fx_shard_free(&sh);
 
   /* Backwards: worker 2 whole, then 1, then 0 in two halves. */
-  shard_with(&sh, FPS_MODE_SYNC, 3, k, 64u << 20);
+  fx_shard_with(&sh, FPS_MODE_SYNC, 3, k, 64u << 20);
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   for (uint32_t w = 0; w < 3; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
   send_ok(p[2], &sh, g[2], 0, N);
@@ -272,11 +197,11 @@ static void early_pieces_are_staged_and_drained(void **unused) {
   fx_shard_free(&sh);
 
   /* Room for the sum and a few pieces: staging more is FPS_ELIMIT. */
-  shard_with(&sh, FPS_MODE_SYNC, 3, k, acc + 400 * 4);
+  fx_shard_with(&sh, FPS_MODE_SYNC, 3, k, acc + 400 * 4);
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   for (uint32_t w = 0; w < 3; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
   send_ok(p[1], &sh, g[1], 0, 300);
-  ev_t ev = {.lo = 300, .hi = 600, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(g[1] + 300)};
+  fx_ev_t ev = {.lo = 300, .hi = 600, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(g[1] + 300)};
   char why[FPS_WHY_MAX];
   assert_int_equal(send(p[1], &sh, &ev, why), FPS_ELIMIT);
   assert_non_null(strstr(why, "arrived before the workers below it"));
@@ -297,9 +222,9 @@ static void failed_member_aborts_the_round(void **unused) {
   fx_fill(init, N, 100);
   for (int w = 0; w < 3; w++) fx_fill(g[w], N, 101 + w);
   const fps_kernels_t *k = fps_kernels_best();
-  replay(k, init, g, 3, want);
+  fx_replay(k, DIMS, 2, init, &g[0][0], 3, want);
   fps_shard_t sh;
-  shard_with(&sh, FPS_MODE_SYNC, 3, k, 64u << 20);
+  fx_shard_with(&sh, FPS_MODE_SYNC, 3, k, 64u << 20);
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   fps_tensor_t *t = fps_store_find(&sh.store, "w");
   char why[FPS_WHY_MAX];
@@ -342,7 +267,7 @@ static void failed_member_aborts_the_round(void **unused) {
   assert_int_equal(d[0].calls, 1);
   assert_int_equal(d[0].err, FPS_EUNAVAILABLE);
   assert_non_null(strstr(d[0].why, "worker 1's call failed"));
-  ev_t ev = {.lo = 10, .hi = N, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(g[2] + 10)};
+  fx_ev_t ev = {.lo = 10, .hi = N, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(g[2] + 10)};
   assert_int_equal(send(p[2], &sh, &ev, why), FPS_EUNAVAILABLE);
   assert_non_null(strstr(why, "worker 1's call failed"));
   for (uint32_t w = 0; w < 3; w++) fps_push_destroy(p[w]);
@@ -381,7 +306,7 @@ static void failed_member_aborts_the_round(void **unused) {
   static float bad[N];
   memcpy(bad, g[1], sizeof bad);
   bad[N - 3] = 1e30f; /* > 2^63 */
-  ev = (ev_t){.lo = 500, .hi = N, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(bad + 500)};
+  ev = (fx_ev_t){.lo = 500, .hi = N, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(bad + 500)};
   assert_int_equal(send(x, &sh, &ev, why), FPS_EINVAL);
   assert_non_null(strstr(why, "gradient element 1070 is 1e+30"));
   fps_push_destroy(x);
@@ -432,9 +357,9 @@ static void bad_value_inside_a_slice(void **unused) {
       assert_non_null(enc);
       assert_int_equal(fps_dtype_encode(dt, g[1], N, enc), 0);
       assert_int_equal(fps_dtype_decode(dt, enc, N, g[1], NULL), 0);
-      replay(k, init, g, 2, want);
+      fx_replay(k, DIMS, 2, init, &g[0][0], 2, want);
       fps_shard_t sh;
-      shard_with(&sh, FPS_MODE_SYNC, 2, k, 64u << 20);
+      fx_shard_with(&sh, FPS_MODE_SYNC, 2, k, 64u << 20);
       assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
       fps_tensor_t *t = fps_store_find(&sh.store, "w");
       fx_done_t d0, dx;
@@ -442,11 +367,11 @@ static void bad_value_inside_a_slice(void **unused) {
       send_ok(p0, &sh, g[0], 0, N);
       assert_int_equal(fx_commit(p0, NULL), FPS_EAGAIN);
       fps_push_t *x = fx_push_new(&sh, 1, 0, INT64_MAX, &dx);
-      ev_t ev = {.lo = 0, .hi = 3, .dtype = dt, .bytes = enc};
+      fx_ev_t ev = {.lo = 0, .hi = 3, .dtype = dt, .bytes = enc};
       assert_int_equal(send(x, &sh, &ev, why), 0);
       const uint64_t at = 3 + 37; /* element 37 of the slice [3, N) */
       uint8_t *bad = wire_with_bad(dt, g[1], 3, at, 0x7fc00000u); /* a NaN */
-      ev = (ev_t){.lo = 3, .hi = N, .dtype = dt, .bytes = bad};
+      ev = (fx_ev_t){.lo = 3, .hi = N, .dtype = dt, .bytes = bad};
       assert_int_equal(send_runs(x, &sh, &ev, dt == FPS_DTYPE_BF16 ? 7 : 0, why), FPS_EINVAL);
       assert_non_null(strstr(why, "gradient element 40 is NaN"));
       assert_non_null(t->red);
@@ -475,14 +400,14 @@ static void bad_value_inside_a_slice(void **unused) {
       assert_int_equal(fx_commit(p0, NULL), FPS_EAGAIN);
       x = fx_push_new(&sh, 1, 0, INT64_MAX, &dx);
       bad = wire_with_bad(dt, g[1], 100, 100, 0xff800000u);
-      ev = (ev_t){.lo = 100, .hi = N, .dtype = dt, .bytes = bad};
+      ev = (fx_ev_t){.lo = 100, .hi = N, .dtype = dt, .bytes = bad};
       assert_int_equal(send(x, &sh, &ev, why), FPS_EINVAL);
       assert_non_null(strstr(why, "gradient element 100 is Inf"));
       assert_int_equal(t->red->done[1].covered, 0);
       fps_push_destroy(x);
       assert_int_equal(d0.calls, 0);
       x = fx_push_new(&sh, 1, 0, INT64_MAX, &dx);
-      ev = (ev_t){.lo = 0, .hi = N, .dtype = dt, .bytes = enc};
+      ev = (fx_ev_t){.lo = 0, .hi = N, .dtype = dt, .bytes = enc};
       assert_int_equal(send(x, &sh, &ev, why), 0);
       assert_int_equal(fx_commit(x, why), 0);
       assert_int_equal(d0.calls, 1);
@@ -511,9 +436,9 @@ static void second_push_of_a_worker_and_deadline(void **unused) {
   fx_fill(g[0], N, 111);
   fx_fill(g[1], N, 112);
   const fps_kernels_t *k = fps_kernels_best();
-  replay(k, init, g, 2, want);
+  fx_replay(k, DIMS, 2, init, &g[0][0], 2, want);
   fps_shard_t sh;
-  shard_with(&sh, FPS_MODE_SYNC, 2, k, 64u << 20);
+  fx_shard_with(&sh, FPS_MODE_SYNC, 2, k, 64u << 20);
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   char why[FPS_WHY_MAX];
   fps_push_t *a, *b, *p0;
@@ -558,7 +483,7 @@ static void second_push_of_a_worker_and_deadline(void **unused) {
   assert_int_equal(db.calls, 1);
   assert_int_equal(db.err, FPS_ETIMEOUT);
   fps_push_destroy(b);
-  ev_t ev = {.lo = 200, .hi = N, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(g[0] + 200)};
+  fx_ev_t ev = {.lo = 200, .hi = N, .dtype = FPS_DTYPE_F32, .bytes = (uint8_t *)(g[0] + 200)};
   assert_int_equal(send(p0, &sh, &ev, why), FPS_EUNAVAILABLE);
   assert_non_null(strstr(why, "worker 1's call failed"));
   fps_push_destroy(p0);
@@ -578,9 +503,9 @@ static void no_grad_and_retries(void **unused) {
   fx_fill(g[0], N, 121);
   fx_fill(g[1], N, 122);
   const fps_kernels_t *k = fps_kernels_best();
-  replay(k, init, g, 2, want);
+  fx_replay(k, DIMS, 2, init, &g[0][0], 2, want);
   fps_shard_t sh;
-  shard_with(&sh, FPS_MODE_SYNC, 2, k, 64u << 20);
+  fx_shard_with(&sh, FPS_MODE_SYNC, 2, k, 64u << 20);
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   fps_tensor_t *t = fps_store_find(&sh.store, "w");
   char why[FPS_WHY_MAX];
@@ -679,7 +604,7 @@ static void backpressure_holds_and_resumes(void **unused) {
   const uint64_t six = (6u << 20) / 4; /* 6 MiB of elements: above the hold */
   for (int c = 0; c < 4; c++) {
     fps_shard_t sh;
-    shard_with(&sh, FPS_MODE_SYNC, 3, fps_kernels_best(), 256u << 20);
+    fx_shard_with(&sh, FPS_MODE_SYNC, 3, fps_kernels_best(), 256u << 20);
     assert_int_equal(fx_create(&sh, "big", dims, 2, init), 0);
     fps_push_t *p[3];
     fx_done_t d[3];

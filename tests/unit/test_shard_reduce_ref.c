@@ -63,14 +63,6 @@ static msg_t *msg_new(const void *src, size_t n) {
   return m;
 }
 
-static void shard_with(fps_shard_t *sh, int mode, uint32_t workers, const fps_kernels_t *k, uint64_t staging) {
-  fps__log_level = -1;
-  fps_shard_opts_t o = {.shard_id = 0, .shard_count = 1, .mode = mode, .workers = workers,
-                        .deadline = FX_DEADLINE_S, .max_tensors = 8, .max_bytes = 64u << 20,
-                        .max_staging_bytes = staging, .apply_log = 8, .checkpoint_dir = ""};
-  if (fps_shard_init(sh, &o, k, NULL) < 0) abort();
-}
-
 /* Sends wire bytes of [lo, hi) in dtype dt as one message; returns the
  * slice call's result. The test's reference is dropped afterwards. */
 static int send_ref(fps_push_t *p, fps_shard_t *sh, int dt, const uint8_t *wire, uint64_t lo, uint64_t hi,
@@ -92,84 +84,22 @@ static void send_f32(fps_push_t *p, fps_shard_t *sh, const float *g, uint64_t lo
   assert_int_equal(rc, 0);
 }
 
-/* ((g0 + g1) + ...) / W, one step through an async shard. */
-static void replay(const fps_kernels_t *k, const float *init, float g[][N], uint32_t nw, float *out) {
-  static float sum[N];
-  memcpy(sum, g[0], sizeof sum);
-  for (uint32_t w = 1; w < nw; w++)
-    for (uint64_t i = 0; i < N; i++) sum[i] += g[w][i];
-  if (nw > 1)
-    for (uint64_t i = 0; i < N; i++) sum[i] /= (float)nw;
-  fps_shard_t ref;
-  shard_with(&ref, FPS_MODE_ASYNC, 1, k, 64u << 20);
-  assert_int_equal(fx_create(&ref, "w", DIMS, 2, init), 0);
-  fx_done_t d;
-  fps_push_t *p = fx_push_new(&ref, 0, 0, INT64_MAX, &d);
-  assert_int_equal(fx_push_grad(p, "w", sum, N, 1, NULL), 0);
-  assert_int_equal(fx_commit(p, NULL), 0);
-  fps_push_destroy(p);
-  assert_int_equal(fx_params(&ref, "w", out), 1);
-  fx_shard_free(&ref);
-}
-
-static uint32_t rnd(uint32_t *s) {
-  *s ^= *s << 13;
-  *s ^= *s >> 17;
-  *s ^= *s << 5;
-  return *s;
-}
-
-typedef struct ev_s {
-  uint32_t w;
-  uint64_t lo, hi;
-  int dtype;
-  uint8_t *bytes;
-} ev_t;
-
 /* One round of random slices by reference; returns whether anything was
  * staged (the accumulator is N * 4 bytes). */
 static bool random_round(const fps_kernels_t *k, uint32_t W, uint32_t seed) {
   static float init[N], g[WMAX][N], want[N], got[N];
-  static ev_t ev[WMAX * 32];
+  static fx_ev_t ev[WMAX * 32];
   uint32_t s = seed * 2654435761u + 11;
   fx_fill(init, N, seed);
   size_t nev = 0;
   for (uint32_t w = 0; w < W; w++) {
     fx_fill(g[w], N, seed * 17 + w + 1);
-    size_t parts = 1 + rnd(&s) % 30;
-    uint64_t cut[31];
-    cut[0] = 0;
-    for (size_t i = 1; i < parts; i++) cut[i] = rnd(&s) % N;
-    cut[parts] = N;
-    for (size_t i = 1; i < parts; i++)
-      for (size_t j = i; j > 1 && cut[j - 1] > cut[j]; j--) {
-        uint64_t x = cut[j];
-        cut[j] = cut[j - 1];
-        cut[j - 1] = x;
-      }
-    for (size_t i = 0; i < parts; i++) {
-      if (cut[i] == cut[i + 1]) continue;
-      ev_t *e = &ev[nev++];
-      e->w = w;
-      e->lo = cut[i];
-      e->hi = cut[i + 1];
-      e->dtype = rnd(&s) % 2 ? FPS_DTYPE_BF16 : FPS_DTYPE_F32;
-      uint64_t n = e->hi - e->lo;
-      e->bytes = malloc(n * fps_dtype_size(e->dtype));
-      assert_non_null(e->bytes);
-      assert_int_equal(fps_dtype_encode(e->dtype, g[w] + e->lo, n, e->bytes), 0);
-      assert_int_equal(fps_dtype_decode(e->dtype, e->bytes, n, g[w] + e->lo, NULL), 0);
-    }
+    fx_random_slices(&s, w, g[w], N, 30, ev, &nev);
   }
-  for (size_t i = nev; i > 1; i--) {
-    size_t j = rnd(&s) % i;
-    ev_t x = ev[i - 1];
-    ev[i - 1] = ev[j];
-    ev[j] = x;
-  }
-  replay(k, init, g, W, want);
+  fx_shuffle(&s, ev, nev);
+  fx_replay(k, DIMS, 2, init, &g[0][0], W, want);
   fps_shard_t sh;
-  shard_with(&sh, FPS_MODE_SYNC, W, k, 64u << 20);
+  fx_shard_with(&sh, FPS_MODE_SYNC, W, k, 64u << 20);
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   fps_push_t *p[WMAX];
   fx_done_t d[WMAX];
@@ -226,7 +156,7 @@ static void held_messages_are_counted_once(void **unused) {
   const fps_kernels_t *k = fps_kernels_best();
   const uint64_t acc = (uint64_t)N * 4;
   fps_shard_t sh;
-  shard_with(&sh, FPS_MODE_SYNC, 2, k, 64u << 20);
+  fx_shard_with(&sh, FPS_MODE_SYNC, 2, k, 64u << 20);
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   fps_tensor_t *t = fps_store_find(&sh.store, "w");
   fx_done_t d[2];
@@ -258,7 +188,7 @@ static void held_messages_are_counted_once(void **unused) {
   assert_int_equal(fx_commit(p0, NULL), 0);
   fps_push_destroy(p0);
   fps_push_destroy(p1);
-  replay(k, init, g, 2, want);
+  fx_replay(k, DIMS, 2, init, &g[0][0], 2, want);
   assert_int_equal(fx_params(&sh, "w", got), 1);
   assert_memory_equal(got, want, sizeof want);
   assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
@@ -266,7 +196,7 @@ static void held_messages_are_counted_once(void **unused) {
 
   /* Room for the sum and 1000 bytes: a 400-float message fits, a second
    * one does not (FPS_ELIMIT, nothing kept). */
-  shard_with(&sh, FPS_MODE_SYNC, 2, k, acc + 2000);
+  fx_shard_with(&sh, FPS_MODE_SYNC, 2, k, acc + 2000);
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   p1 = fx_push_new(&sh, 1, 0, INT64_MAX, &d[1]);
   send_f32(p1, &sh, g[1], 0, 400);
@@ -298,7 +228,7 @@ static void bad_value_in_a_staged_piece(void **unused) {
    * makes it ready, worker 2 fails at once with INVALID_ARGUMENT naming
    * element 701, the others with UNAVAILABLE; nothing is applied. */
   fps_shard_t sh;
-  shard_with(&sh, FPS_MODE_SYNC, 3, k, 64u << 20);
+  fx_shard_with(&sh, FPS_MODE_SYNC, 3, k, 64u << 20);
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   fps_tensor_t *t = fps_store_find(&sh.store, "w");
   for (uint32_t w = 0; w < 3; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
@@ -352,7 +282,7 @@ static void references_dropped_on_every_path(void **unused) {
   fx_fill(init, N, 30);
   for (int w = 0; w < 3; w++) fx_fill(g[w], N, 31 + w);
   fps_shard_t sh;
-  shard_with(&sh, FPS_MODE_SYNC, 3, fps_kernels_best(), 64u << 20);
+  fx_shard_with(&sh, FPS_MODE_SYNC, 3, fps_kernels_best(), 64u << 20);
   assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
   fx_done_t d[3];
   fps_push_t *p[3];
