@@ -67,6 +67,11 @@ struct fps_push_s {
   fps_push_resume_fn resume;
   void *resume_arg;
   atomic_int_fast64_t staged; /* bytes of its slices staged (reduce.c) */
+  /* The first entry whose staged gradient held a bad value (reduce.c;
+   * its red_err and red_msg are set before and never change), NULL:
+   * none. The push cannot be applied: its later slices of any tensor are
+   * refused with that entry's error. */
+  fps_push_entry_t *_Atomic bad_staged;
   bool held;                  /* the caller waits for resume */
   uint64_t wakes;             /* fps__push_wake() calls so far */
   int64_t held_until;         /* the expiry hook resumes it then */
@@ -184,6 +189,11 @@ void fps_push_set_resume(fps_push_t *p, fps_push_resume_fn fn, void *arg) {
 }
 
 void fps__push_staged_add(fps_push_t *p, int64_t bytes) { atomic_fetch_add(&p->staged, bytes); }
+
+void fps__push_staged_failed(fps_push_t *p, fps_push_entry_t *e) {
+  fps_push_entry_t *none = NULL;
+  atomic_compare_exchange_strong_explicit(&p->bad_staged, &none, e, memory_order_release, memory_order_relaxed);
+}
 
 bool fps__push_streaming(fps_push_t *p) {
   pthread_mutex_lock(&p->mu);
@@ -696,6 +706,13 @@ int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *
   if (!t) return rc;
   uint64_t count;
   if ((rc = fps_shard_slice_check(name, s, &t->shape, t->numel, true, &count, why, wl)) < 0) return rc;
+  /* Sync: a staged slice of this push (maybe of another tensor) held a
+   * bad value when it was summed; nothing more of it is kept. */
+  fps_push_entry_t *bad_entry = atomic_load_explicit(&p->bad_staged, memory_order_acquire);
+  if (bad_entry) {
+    snprintf(why, wl, "%s", bad_entry->red_msg ? bad_entry->red_msg : fps_strerror(bad_entry->red_err));
+    return bad_entry->red_err;
+  }
   fps_push_entry_t *e = p->hcap ? *fps__push_slot(p, t) : NULL;
   if (!e) {
     e = fps__push_new_entry(p, t, version, s->dtype, p->step, &rc, why, wl);

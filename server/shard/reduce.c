@@ -216,6 +216,7 @@ static void fps__reduce_fail(fps_shard_t *sh, fps_push_entry_t *e, int err, cons
   fps_reduce_t *r = e->t->red;
   e->red_fail_next = r->failed;
   r->failed = e;
+  fps__push_staged_failed(e->owner, e);
   fps__push_wake(e->owner);
 }
 

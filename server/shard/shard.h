@@ -926,6 +926,9 @@ void fps__push_wake(fps_push_t *p);
 bool fps__push_streaming(fps_push_t *p);
 /* Counts bytes of p's slices staged (+) or summed/freed (-). */
 void fps__push_staged_add(fps_push_t *p, int64_t bytes);
+/* Entry e of p (red_err, red_msg set) held a bad value in a staged slice:
+ * p's later slices are refused with e's error (the first such entry's). */
+void fps__push_staged_failed(fps_push_t *p, fps_push_entry_t *e);
 void fps__push_expire_holds(fps_shard_t *sh, int64_t now, bool force);
 void fps__push_entry_resolved(fps_push_entry_t *e);
 /* The push's entries (*out), fixed once it is committed; returns their

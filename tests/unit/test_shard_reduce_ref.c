@@ -9,7 +9,10 @@
  * FPS_ELIMIT; a bad value in a staged piece fails its push with
  * FPS_EINVAL naming the element, at once if it waits in its round, and
  * nothing is applied; every reference is dropped after success, a bad
- * value, a cancel, an aborted round and a shutdown. */
+ * value, a cancel, an aborted round and a shutdown; a message with slices
+ * of two tensors counts once, and a bad value in one fails the push's
+ * later slices of the other; an element cut between two buffers (the
+ * handler's bounce buffer) is staged as a copy. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -65,16 +68,30 @@ static msg_t *msg_new(const void *src, size_t n) {
 
 /* Sends wire bytes of [lo, hi) in dtype dt as one message; returns the
  * slice call's result. The test's reference is dropped afterwards. */
-static int send_ref(fps_push_t *p, fps_shard_t *sh, int dt, const uint8_t *wire, uint64_t lo, uint64_t hi,
-                    char *why) {
-  fps_tensor_t *t = fps_store_find(&sh->store, "w");
+static int send_ref_to(fps_push_t *p, fps_shard_t *sh, const char *name, int dt, const uint8_t *wire, uint64_t lo,
+                       uint64_t hi, char *why) {
+  fps_tensor_t *t = fps_store_find(&sh->store, name);
   size_t len = (size_t)(hi - lo) * fps_dtype_size(dt);
   msg_t *m = msg_new(wire, len);
   fps_slice_t s = {.dtype = dt, .shape = t->shape.dim, .n_shape = t->shape.ndim, .offset = lo,
                    .data = m->bytes, .len = len, .owner = &m->owner};
-  int rc = fps_push_slice(p, "w", &s, why, FPS_WHY_MAX);
+  int rc = fps_push_slice(p, name, &s, why, FPS_WHY_MAX);
   msg_unref(m);
   return rc;
+}
+
+static int send_ref(fps_push_t *p, fps_shard_t *sh, int dt, const uint8_t *wire, uint64_t lo, uint64_t hi,
+                    char *why) {
+  return send_ref_to(p, sh, "w", dt, wire, lo, hi, why);
+}
+
+/* Tensor name's g[lo, hi) as one fp32 message. */
+static void send_f32_to(fps_push_t *p, fps_shard_t *sh, const char *name, const float *g, uint64_t lo,
+                        uint64_t hi) {
+  char why[FPS_WHY_MAX];
+  int rc = send_ref_to(p, sh, name, FPS_DTYPE_F32, (const uint8_t *)(g + lo), lo, hi, why);
+  if (rc) fprintf(stderr, "slice: %s\n", why);
+  assert_int_equal(rc, 0);
 }
 
 static void send_f32(fps_push_t *p, fps_shard_t *sh, const float *g, uint64_t lo, uint64_t hi) {
@@ -328,12 +345,190 @@ static void references_dropped_on_every_path(void **unused) {
   fx_shard_free(&sh);
 }
 
+/* Worker w's slices of tensors a and b in one message m (one owner): the
+ * slices' sizes in elements, each from its gradient's element lo. */
+static int send_two(fps_push_t *p, fps_shard_t *sh, msg_t *m, const char *na, uint64_t lo_a, size_t n_a,
+                    const char *nb, uint64_t lo_b, size_t n_b, char *why) {
+  fps_tensor_t *ta = fps_store_find(&sh->store, na), *tb = fps_store_find(&sh->store, nb);
+  fps_slice_t a = {.dtype = FPS_DTYPE_F32, .shape = ta->shape.dim, .n_shape = ta->shape.ndim, .offset = lo_a,
+                   .data = m->bytes, .len = n_a * 4, .owner = &m->owner};
+  fps_slice_t b = {.dtype = FPS_DTYPE_F32, .shape = tb->shape.dim, .n_shape = tb->shape.ndim, .offset = lo_b,
+                   .data = m->bytes + n_a * 4, .len = n_b * 4, .owner = &m->owner};
+  int rc = fps_push_slice(p, na, &a, why, FPS_WHY_MAX);
+  if (rc == 0) rc = fps_push_slice(p, nb, &b, why, FPS_WHY_MAX);
+  return rc;
+}
+
+/* One message carrying slices of two tensors: it counts once while pieces
+ * of both are staged, and a bad value in the staged slice of one tensor
+ * fails the push for good: its next slice of the other tensor too (it
+ * should not go on staging a gradient that cannot be applied), its join,
+ * and, once it waits, at once with the set of both rounds. */
+static void message_of_two_tensors(void **unused) {
+  (void)unused;
+  static float init[N], ga[2][N], gb[2][N], bad[N], got[N], msgbuf[2 * N];
+  fx_fill(init, N, 40);
+  for (int w = 0; w < 2; w++) {
+    fx_fill(ga[w], N, 41 + w);
+    fx_fill(gb[w], N, 43 + w);
+  }
+  memcpy(bad, ga[1], sizeof bad);
+  uint32_t nan = 0x7fc00001u;
+  memcpy(&bad[701], &nan, 4);
+  const uint64_t acc = (uint64_t)N * 4;
+  char why[FPS_WHY_MAX];
+  fx_done_t d[2];
+  fps_push_t *p[2];
+  fps_shard_t sh;
+  fx_shard_with(&sh, FPS_MODE_SYNC, 2, fps_kernels_best(), 64u << 20);
+  assert_int_equal(fx_create(&sh, "a", DIMS, 2, init), 0);
+  assert_int_equal(fx_create(&sh, "b", DIMS, 2, init), 0);
+
+  /* Still streaming: worker 1's message holds all of a (bad) and the first
+   * 400 elements of b, both staged (worker 0 has sent nothing). */
+  for (uint32_t w = 0; w < 2; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+  memcpy(msgbuf, bad, N * 4);
+  memcpy(msgbuf + N, gb[1], 400 * 4);
+  msg_t *m = msg_new(msgbuf, (N + 400) * 4);
+  assert_int_equal(send_two(p[1], &sh, m, "a", 0, N, "b", 0, 400, why), 0);
+  msg_unref(m);
+  assert_int_equal(live_msgs, 1);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 2 * acc + (N + 400) * 4); /* two sums, the message once */
+  send_f32_to(p[0], &sh, "a", ga[0], 0, N); /* sums worker 1's piece of a: the NaN */
+  assert_int_equal(live_msgs, 1);   /* b's piece still references it */
+  assert_int_equal(d[1].calls, 0);
+  /* The rest of b: refused with a's message, nothing more staged. */
+  assert_int_equal(send_ref_to(p[1], &sh, "b", FPS_DTYPE_F32, (const uint8_t *)(gb[1] + 400), 400, N, why), FPS_EINVAL);
+  assert_non_null(strstr(why, "tensor 'a': gradient element 701 is NaN"));
+  assert_int_equal(live_msgs, 1);
+  fps_push_destroy(p[1]); /* 701 elements of it were in a's sum: worker 0 loses it */
+  assert_int_equal(live_msgs, 0);
+  send_f32_to(p[0], &sh, "b", gb[0], 0, N);
+  assert_int_equal(fx_commit(p[0], why), FPS_EUNAVAILABLE);
+  fps_push_destroy(p[0]);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
+
+  /* Waiting: worker 1 sent a (bad) and all of b in one message and
+   * committed; worker 0's a fails it at once, and the set of both rounds. */
+  for (uint32_t w = 0; w < 2; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+  memcpy(msgbuf + N, gb[1], N * 4);
+  m = msg_new(msgbuf, 2 * N * 4);
+  assert_int_equal(send_two(p[1], &sh, m, "a", 0, N, "b", 0, N, why), 0);
+  msg_unref(m);
+  assert_int_equal(fx_commit(p[1], NULL), FPS_EAGAIN);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 2 * acc + 2 * N * 4);
+  send_f32_to(p[0], &sh, "a", ga[0], 0, N);
+  assert_int_equal(d[1].calls, 1);
+  assert_int_equal(d[1].err, FPS_EINVAL);
+  assert_non_null(strstr(d[1].why, "tensor 'a': gradient element 701 is NaN"));
+  assert_int_equal(send_ref_to(p[0], &sh, "b", FPS_DTYPE_F32, (const uint8_t *)gb[0], 0, N, why), 0);
+  assert_int_equal(fx_commit(p[0], why), FPS_EUNAVAILABLE);
+  for (uint32_t w = 0; w < 2; w++) fps_push_destroy(p[w]);
+  assert_int_equal(live_msgs, 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
+  assert_int_equal(fx_params(&sh, "a", got), 0);
+  assert_memory_equal(got, init, sizeof got);
+  assert_int_equal(fx_params(&sh, "b", got), 0);
+  assert_memory_equal(got, init, sizeof got);
+
+  /* And the round goes on: a clean retry of both applies. */
+  static float want_a[N], want_b[N];
+  const fps_kernels_t *k = fps_kernels_best();
+  fx_replay(k, DIMS, 2, init, &ga[0][0], 2, want_a);
+  fx_replay(k, DIMS, 2, init, &gb[0][0], 2, want_b);
+  for (uint32_t w = 0; w < 2; w++) p[w] = fx_push_new(&sh, w, 0, INT64_MAX, &d[w]);
+  memcpy(msgbuf, ga[1], N * 4);
+  m = msg_new(msgbuf, 2 * N * 4);
+  assert_int_equal(send_two(p[1], &sh, m, "a", 0, N, "b", 0, N, why), 0);
+  msg_unref(m);
+  assert_int_equal(fx_commit(p[1], NULL), FPS_EAGAIN);
+  send_f32_to(p[0], &sh, "a", ga[0], 0, N);
+  send_f32_to(p[0], &sh, "b", gb[0], 0, N);
+  assert_int_equal(live_msgs, 0);
+  assert_int_equal(fx_commit(p[0], why), 0);
+  assert_int_equal(d[1].err, 0);
+  for (uint32_t w = 0; w < 2; w++) fps_push_destroy(p[w]);
+  assert_int_equal(fx_params(&sh, "a", got), 1);
+  assert_memory_equal(got, want_a, sizeof got);
+  assert_int_equal(fx_params(&sh, "b", got), 1);
+  assert_memory_equal(got, want_b, sizeof got);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
+  fx_shard_free(&sh);
+}
+
+/* A slice in pieces (s->src) whose middle element was cut between two
+ * received buffers and copied into the handler's bounce buffer: that
+ * piece is not the message's, so it is staged as a copy (the handler
+ * reuses the bounce buffer at once), the others by reference. */
+typedef struct pieces_s {
+  const uint8_t *at[3];
+  uint64_t n[3];
+  int i;
+} pieces_t;
+
+static uint64_t pieces_next(void *ctx, const uint8_t **data) {
+  pieces_t *ps = ctx;
+  if (ps->i == 3) return 0;
+  *data = ps->at[ps->i];
+  return ps->n[ps->i++];
+}
+
+static void element_cut_between_buffers(void **unused) {
+  (void)unused;
+  static float init[N], g[2][N], want[N], got[N];
+  fx_fill(init, N, 50);
+  fx_fill(g[0], N, 51);
+  fx_fill(g[1], N, 52);
+  const fps_kernels_t *k = fps_kernels_best();
+  fx_replay(k, DIMS, 2, init, &g[0][0], 2, want);
+  fps_shard_t sh;
+  fx_shard_with(&sh, FPS_MODE_SYNC, 2, k, 64u << 20);
+  assert_int_equal(fx_create(&sh, "w", DIMS, 2, init), 0);
+  fps_tensor_t *t = fps_store_find(&sh.store, "w");
+  fx_done_t d[2];
+  fps_push_t *p1 = fx_push_new(&sh, 1, 0, INT64_MAX, &d[1]), *p0 = fx_push_new(&sh, 0, 0, INT64_MAX, &d[0]);
+  /* The message holds elements [0, 500) and [501, N); element 500 came
+   * through the bounce buffer. */
+  static float msgbuf[N - 1];
+  memcpy(msgbuf, g[1], 500 * 4);
+  memcpy(msgbuf + 500, g[1] + 501, (N - 501) * 4);
+  msg_t *m = msg_new(msgbuf, sizeof msgbuf);
+  uint8_t *bounce = malloc(8);
+  assert_non_null(bounce);
+  memcpy(bounce, &g[1][500], 4);
+  pieces_t ps = {{m->bytes, bounce, m->bytes + 500 * 4}, {500, 1, N - 501}, 0};
+  fps_slice_src_t src = {pieces_next, &ps, bounce};
+  fps_slice_t s = {.dtype = FPS_DTYPE_F32, .shape = t->shape.dim, .n_shape = 2, .offset = 0, .len = N * 4,
+                   .src = &src, .owner = &m->owner};
+  char why[FPS_WHY_MAX];
+  assert_int_equal(fps_push_slice(p1, "w", &s, why, sizeof why), 0);
+  msg_unref(m);
+  memset(bounce, 0xff, 8); /* reused for the next message: a NaN now */
+  free(bounce);
+  assert_int_equal(live_msgs, 1);
+  /* Staged: the sum, the message once, and one converted element. */
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), (uint64_t)N * 4 + sizeof msgbuf + 4);
+  assert_int_equal(fx_commit(p1, NULL), FPS_EAGAIN);
+  send_f32(p0, &sh, g[0], 0, N);
+  assert_int_equal(live_msgs, 0);
+  assert_int_equal(fx_commit(p0, why), 0);
+  assert_int_equal(d[1].err, 0);
+  fps_push_destroy(p0);
+  fps_push_destroy(p1);
+  assert_int_equal(fx_params(&sh, "w", got), 1);
+  assert_memory_equal(got, want, sizeof want);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
+  fx_shard_free(&sh);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(by_reference_is_bit_identical),
       cmocka_unit_test(held_messages_are_counted_once),
       cmocka_unit_test(bad_value_in_a_staged_piece),
       cmocka_unit_test(references_dropped_on_every_path),
+      cmocka_unit_test(message_of_two_tensors),
+      cmocka_unit_test(element_cut_between_buffers),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
