@@ -406,7 +406,8 @@ static int fps__reduce_sum_slice(fps_shard_t *sh, fps_push_entry_t *e, const fps
 }
 
 /* s arrived before e's worker may sum it: keep a reference to its bytes
- * (checked when summed), or without an owner a converted, checked copy. */
+ * (checked when summed), or without an owner (or if its message would
+ * pass the limit) a converted, checked copy. */
 static int fps__reduce_stage(fps_shard_t *sh, fps_push_entry_t *e, const fps_slice_t *s, uint64_t count,
                              char *why, size_t wl) {
   fps_tensor_t *t = e->t;
@@ -414,15 +415,15 @@ static int fps__reduce_stage(fps_shard_t *sh, fps_push_entry_t *e, const fps_sli
   fps_piece_t *x = fps_malloc(sizeof *x);
   float *data = NULL;
   bool ok = x != NULL;
-  if (ok && s->owner) {
-    over = !fps__owner_hold(sh, e, s->owner);
-    ok = !over;
-  } else if (ok) {
-    ok = (data = fps_tbuf_alloc(sh, count, &over)) != NULL;
-  }
+  fps_slice_owner_t *owner = s->owner;
+  /* A message that would pass the limit (its other slices were summed,
+   * or it is mostly other tensors') may leave room for a converted copy
+   * of this slice alone: no request is refused that would fit. */
+  if (ok && owner && !fps__owner_hold(sh, e, owner)) owner = NULL;
+  if (ok && !owner) ok = (data = fps_tbuf_alloc(sh, count, &over)) != NULL;
   if (!ok) {
     fps_free(x);
-    uint64_t bytes = s->owner ? s->owner->bytes : count * 4;
+    uint64_t bytes = count * 4;
     if (over)
       snprintf(why, wl,
                "tensor '%s': staging %" PRIu64 " gradient bytes of worker %u that arrived before the workers "
@@ -433,7 +434,7 @@ static int fps__reduce_stage(fps_shard_t *sh, fps_push_entry_t *e, const fps_sli
       snprintf(why, wl, "tensor '%s': out of memory staging %" PRIu64 " gradient elements", t->name, count);
     return over ? FPS_ELIMIT : FPS_ENOMEM;
   }
-  if (!s->owner) {
+  if (!owner) {
     uint64_t bad = fps_dtype_grad_decode(sh->kernels, s->dtype, data, s->data, count);
     if (bad < count) {
       fps__reduce_bad_value_why(why, wl, t->name, s->offset + bad, fps_dtype_value(s->dtype, s->data, bad));
@@ -446,7 +447,7 @@ static int fps__reduce_stage(fps_shard_t *sh, fps_push_entry_t *e, const fps_sli
   x->lo = s->offset;
   x->hi = s->offset + count;
   x->dtype = s->dtype;
-  x->owner = s->owner;
+  x->owner = owner;
   x->src = s->data;
   x->data = data;
   x->prio = fps__piece_prio();

@@ -12,7 +12,8 @@
  * value, a cancel, an aborted round and a shutdown; a message with slices
  * of two tensors counts once, and a bad value in one fails the push's
  * later slices of the other; an element cut between two buffers (the
- * handler's bounce buffer) is staged as a copy. */
+ * handler's bounce buffer) is staged as a copy, and so is a slice whose
+ * message would pass the limit when the copy fits. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -521,6 +522,58 @@ static void element_cut_between_buffers(void **unused) {
   fx_shard_free(&sh);
 }
 
+/* A reference that would pass --max-staging-bytes while a converted copy
+ * of the slice fits is staged as the copy: a message whose other slice
+ * was summed on arrival does not make a small early slice refused. */
+static void copy_when_the_message_does_not_fit(void **unused) {
+  (void)unused;
+  static const uint64_t BD[] = {4, 4};
+  static float init[N], ga[2][N], gb[2][16], want_a[N], want_b[16], got[N], msgbuf[N + 16];
+  fx_fill(init, N, 60);
+  for (int w = 0; w < 2; w++) {
+    fx_fill(ga[w], N, 61 + w);
+    fx_fill(gb[w], 16, 63 + w);
+  }
+  const fps_kernels_t *k = fps_kernels_best();
+  fx_replay(k, DIMS, 2, init, &ga[0][0], 2, want_a);
+  fx_replay(k, BD, 2, init, &gb[0][0], 2, want_b);
+  const uint64_t sums = (uint64_t)N * 4 + 16 * 4;
+  fps_shard_t sh;
+  /* Room for both sums and 1000 bytes: not for the message (N + 16
+   * floats), but for a copy of b's 16 elements. */
+  fx_shard_with(&sh, FPS_MODE_SYNC, 2, k, sums + 1000);
+  assert_int_equal(fx_create(&sh, "a", DIMS, 2, init), 0);
+  assert_int_equal(fx_create(&sh, "b", BD, 2, init), 0);
+  fx_done_t d[2];
+  fps_push_t *p0 = fx_push_new(&sh, 0, 0, INT64_MAX, &d[0]), *p1 = fx_push_new(&sh, 1, 0, INT64_MAX, &d[1]);
+  send_f32_to(p0, &sh, "a", ga[0], 0, N);
+  memcpy(msgbuf, ga[1], N * 4);
+  memcpy(msgbuf + N, gb[1], 16 * 4);
+  msg_t *m = msg_new(msgbuf, sizeof msgbuf);
+  char why[FPS_WHY_MAX];
+  int rc = send_two(p1, &sh, m, "a", 0, N, "b", 0, 16, why);
+  if (rc) fprintf(stderr, "slice: %s\n", why);
+  assert_int_equal(rc, 0); /* a summed on arrival, b staged as a copy */
+  msg_unref(m);
+  assert_int_equal(live_msgs, 0);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), sums + 16 * 4);
+  assert_int_equal(fx_commit(p1, NULL), FPS_EAGAIN);
+  fps_tensor_t *tb = fps_store_find(&sh.store, "b");
+  fps_slice_t s = {.dtype = FPS_DTYPE_F32, .shape = tb->shape.dim, .n_shape = 2, .offset = 0,
+                   .data = (const uint8_t *)gb[0], .len = 16 * 4};
+  assert_int_equal(fps_push_slice(p0, "b", &s, why, sizeof why), 0);
+  assert_int_equal(fx_commit(p0, why), 0);
+  assert_int_equal(d[1].err, 0);
+  fps_push_destroy(p0);
+  fps_push_destroy(p1);
+  assert_int_equal(fx_params(&sh, "a", got), 1);
+  assert_memory_equal(got, want_a, sizeof want_a);
+  assert_int_equal(fx_params(&sh, "b", got), 1);
+  assert_memory_equal(got, want_b, sizeof want_b);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
+  fx_shard_free(&sh);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(by_reference_is_bit_identical),
@@ -529,6 +582,7 @@ int main(void) {
       cmocka_unit_test(references_dropped_on_every_path),
       cmocka_unit_test(message_of_two_tensors),
       cmocka_unit_test(element_cut_between_buffers),
+      cmocka_unit_test(copy_when_the_message_does_not_fit),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
