@@ -25,10 +25,12 @@ SHAPE = [300, 400]
 SLICE = 20000  # several messages per gradient
 
 
-def push(stub, w, step, g, dtype=None, compression=None, timeout=60):
+def push(stub, w, step, g, dtype=None, compression=None, timeout=60, push_id=0):
     """Worker w's gradient g of tensor "s" in SLICE-element messages."""
-    msgs = H.grad_messages(w, step, {"s": (SHAPE, g)}, slice_elems=SLICE, dtype=dtype)
-    got, _ = H.collect(stub.PushPull(msgs, timeout=timeout, compression=compression), {"s": SHAPE})
+    msgs = list(H.grad_messages(w, step, {"s": (SHAPE, g)}, slice_elems=SLICE, dtype=dtype))
+    for m in msgs:
+        m.push_id = push_id
+    got, _ = H.collect(stub.PushPull(iter(msgs), timeout=timeout, compression=compression), {"s": SHAPE})
     return got["s"]
 
 
@@ -61,14 +63,15 @@ def wait_waiting(tc, srv, n):
 
 
 class StagedRef(unittest.TestCase):
-    def _round(self, srv, grads, step, dtype=None, compression=None):
+    def _round(self, srv, grads, step, dtype=None, compression=None, push_ids=(0, 0, 0)):
         """Workers 2 and 1 first, worker 0 once they are staged; returns
         {worker: (params or None, error or None)}."""
         out = {}
 
         def worker(w):
             try:
-                out[w] = (push(srv.stub, w, step, grads[w], dtype=dtype, compression=compression), None)
+                out[w] = (push(srv.stub, w, step, grads[w], dtype=dtype, compression=compression,
+                               push_id=push_ids[w]), None)
             except Exception as e:  # checked by the caller
                 out[w] = (None, e)
 
@@ -163,6 +166,35 @@ class StagedRef(unittest.TestCase):
             got, ver = H.pull(srv.stub, {"s": SHAPE})
             self.assertEqual(ver["s"], 0)
             np.testing.assert_array_equal(np.asarray(got["s"]).reshape(-1), p0.reshape(-1))
+        finally:
+            srv.stop()
+
+    def test_retry_same_push_id_after_bad_staged_value(self):
+        """The round a bad staged value failed applied nothing, so a retry
+        of every worker with the same push_id is applied, not answered
+        as a replay."""
+        _, _, grpc = H.stubs()
+        rng = np.random.default_rng(10)
+        p0 = (0.5 * rng.standard_normal(SHAPE)).astype(np.float32)
+        grads = [rng.standard_normal(SHAPE).astype(np.float32) for _ in range(3)]
+        bad = [g.copy() for g in grads]
+        bad[2].reshape(-1)[5 * SLICE + 7] = np.inf
+        ids = (1001, 2002, 3003)
+        want = np.asarray(self._replay(p0, ((grads[0] + grads[1]) + grads[2]) / np.float32(3))).reshape(-1)
+        srv = sync_server("--deadline", 60)
+        try:
+            H.create(srv.stub, "s", SHAPE, p0)
+            out = self._round(srv, bad, 0, push_ids=ids)
+            self.assertEqual(out[2][1].code(), grpc.StatusCode.INVALID_ARGUMENT, out[2][1])
+            self.assertIn("gradient element %d is Inf" % (5 * SLICE + 7), out[2][1].details())
+            for w in (0, 1):
+                self.assertEqual(out[w][1].code(), grpc.StatusCode.UNAVAILABLE, out[w][1])
+            out = self._round(srv, grads, 0, push_ids=ids)
+            for w in range(3):
+                self.assertIsNone(out[w][1], out[w][1])
+                np.testing.assert_array_equal(np.asarray(out[w][0]).reshape(-1), want)
+            _, ver = H.pull(srv.stub, {"s": SHAPE})
+            self.assertEqual(ver["s"], 1)
         finally:
             srv.stop()
 
