@@ -94,7 +94,9 @@ uint64_t fps_dtype_grad_decode(const fps_kernels_t *k, int dtype, float *dst, co
 }
 
 void fps_dtype_decode_out(int dtype, const void *src, uint64_t n, float *dst) {
-  if (dtype == FPS_DTYPE_BF16) fps_kernels_best()->bf16_widen_nt(dst, src, (size_t)n);
+  /* The streaming stores reach their 64-byte alignment only from a
+   * float-aligned dst; any other dst takes the plain decode. */
+  if (dtype == FPS_DTYPE_BF16 && ((uintptr_t)dst & 3) == 0) fps_kernels_best()->bf16_widen_nt(dst, src, (size_t)n);
   else (void)fps_dtype_decode(dtype, src, n, dst, NULL);
 }
 

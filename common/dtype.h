@@ -52,8 +52,9 @@ int fps_dtype_decode(int dtype, const void *src, uint64_t n, float *dst,
 /* fps_dtype_decode() without the check, for a dst that is not read again
  * soon (parameters a reply writes into the caller's array): bf16 is
  * widened with non-temporal stores where the CPU has them (no read of
- * dst's cache lines first), same bits. dst must be a float array (4-byte
- * aligned); an unsupported dtype writes nothing. */
+ * dst's cache lines first), same bits. A dst that is not 4-byte aligned
+ * (a caller's packed buffer) gets the plain decode; an unsupported dtype
+ * writes nothing. */
 void fps_dtype_decode_out(int dtype, const void *src, uint64_t n, float *dst);
 
 /* The kernel table (simd/kernels.h); NULL below means the best variant. */
