@@ -490,7 +490,13 @@ int fps__reduce_join_locked(fps_shard_t *sh, fps_push_entry_t *e, char *why, siz
   if (rc == 0) rc = fps__reduce_own_err(e, why, wl);
   /* Another member's failure discarded the sum e had only staged pieces
    * for: e takes its place in the next one. */
-  if (rc == 0 && !e->attached) rc = fps__reduce_attach(sh, e, why, wl);
+  if (rc == 0 && !e->attached) {
+    rc = fps__reduce_attach(sh, e, why, wl);
+    /* That attach sums e's ready pieces too: a bad value among them is
+     * queued like any other and must be settled before the locks go. */
+    fps__reduce_settle_failed(sh, e->t, resolve);
+    if (rc == 0) rc = fps__reduce_own_err(e, why, wl);
+  }
   return rc;
 }
 
