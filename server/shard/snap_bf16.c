@@ -91,16 +91,11 @@ fps_snap_bf16_t *fps_snap_bf16_get(fps_shard_t *sh, fps_snap_t *s) {
   s->bf16 = &fps__bf16_busy;
   pthread_mutex_unlock(&fps__bf16_mu);
 
-  uint64_t floats = fps__bf16_floats(s->numel);
-  bool over = false;
-  e = (fps_snap_bf16_t *)(void *)fps_tbuf_alloc(sh, floats, &over);
+  e = fps__snap_bf16_new(sh, s->numel, 1);
   if (e) {
-    e->refs = 1;
-    e->sh = sh;
-    e->snap = s;
-    e->floats = floats;
     fps_dtype_encode(FPS_DTYPE_BF16, s->data, s->numel, e->data);
     fps_snap_ref(s);
+    e->snap = s;
   }
   pthread_mutex_lock(&fps__bf16_mu);
   s->bf16 = e; /* NULL after a failure: a later reply may try again */
