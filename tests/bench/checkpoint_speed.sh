@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces the README's checkpoint figures (Deployment): one async shard
+# Reproduces the checkpoint figures of docs/performance.md: one async shard
 # holding PARAMS parameters (factorps load registers and trains them), then
 #   - a Checkpoint RPC (`factorps checkpoint`): bytes, seconds, MB/s;
 #   - SIGTERM: the seconds until the shard exits (call draining plus the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces the README's `factorps load` table: 2 shards on loopback, 10M
+# Reproduces docs/performance.md's `factorps load` figures: 2 shards on loopback, 10M
 # and 100M parameters, 2 and 4 workers, sync and async, plus the loopback
 # TCP bandwidth measured by iperf3 in the same run for comparison, as one
 # stream and as W x 2 parallel streams (a W-worker job opens one connection

@@ -25,7 +25,7 @@ printed against both. Printed per configuration: median steps/s (per worker;
 in sync, model steps), factorps / peer, factorps / peer tcp, bf16 / fp32,
 bytes moved (gradients in + parameters out, all workers), and each shard's
 peak RSS (VmHWM, max over the runs). For sync, each factorps shard's peak is
-set against the sync memory bound (README, "Memory: copies of a tensor"):
+set against the sync memory bound (docs/shards.md, "Memory: copies of a tensor"):
 1.15 x (its parameters + optimizer state) + its parameter bytes (the
 round's fp32 sum) + W x the largest message in flight (4 MiB) + 64 MiB,
 with the sizes from the shard's Stats.

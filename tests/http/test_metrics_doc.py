@@ -1,11 +1,11 @@
 #!/usr/bin/python3
-"""Every metric deploy/README.md's table lists (README "Monitoring" points
-users there for the full list), checked against a real shard's /metrics:
+"""Every metric deploy/README.md's table lists (docs/operations.md's
+"Monitoring" points users there for the full list), checked against a real shard's /metrics:
 
 - the name exists (a `# TYPE` line; a histogram's _bucket/_sum/_count);
 - its type is the documented one (gauge, counter, histogram);
 - every series carries exactly the documented labels plus `shard` (and `le`
-  on a histogram's buckets), as README promises ("Every series is labelled
+  on a histogram's buckets), as docs/operations.md promises ("Every series is labelled
   shard");
 - where the table enumerates a label's values (kind, reason, outcome), every
   listed value has a series, and no other value does;

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Exit codes the README promises: SIGTERM exits 1 when the final checkpoint
+"""Exit codes docs/shards.md promises: SIGTERM exits 1 when the final checkpoint
 cannot be written (the last updates are not on disk), 0 when there is
 nothing to write."""
 import os

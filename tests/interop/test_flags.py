@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""README's Configuration table, as a user reads it, against factorps-server:
+"""docs/shards.md's Configuration table, as a user reads it, against
+factorps-server:
 
 - every flag of the table is in --help, with its environment twin
   (FACTORPS_ + the flag's name), and where the table gives a plain default
@@ -19,7 +20,7 @@ import unittest
 import fpsharness as H
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-README = os.path.join(os.path.dirname(os.path.dirname(HERE)), "README.md")
+DOC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "shards.md")
 
 # flag -> a bad value (numbers out of range or not numbers, unknown choices,
 # non-booleans).
@@ -47,9 +48,9 @@ def env_name(flag):
 
 
 def table():
-    """[(flags, default cell)] of README's Configuration table."""
+    """[(flags, default cell)] of docs/shards.md's Configuration table."""
     rows, on = [], False
-    with open(README) as f:
+    with open(DOC) as f:
         for line in f:
             if line.startswith("| flag | default | meaning |"):
                 on = True
@@ -92,7 +93,7 @@ class Flags(unittest.TestCase):
         for flags, _ in self.rows:
             for f in flags:
                 with self.subTest(flag=f):
-                    self.assertIn(f, self.help, f"{f} is in README but not in --help")
+                    self.assertIn(f, self.help, f"{f} is in docs/shards.md but not in --help")
                     self.assertEqual(self.help[f][0], env_name(f))
 
     def test_plain_defaults_match_help(self):
@@ -105,7 +106,7 @@ class Flags(unittest.TestCase):
                 if not re.fullmatch(r"[0-9.]+|[a-z]+|[0-9.:]+", v) or v in ("off", "none"):
                     continue
                 with self.subTest(flag=f):
-                    self.assertEqual(self.help[f][1], v, f"{f}: README says {v}")
+                    self.assertEqual(self.help[f][1], v, f"{f}: docs/shards.md says {v}")
                     checked += 1
         self.assertGreaterEqual(checked, 12)
 

@@ -3,7 +3,7 @@
 hostile client or a negative number cast to unsigned sends: 2^64-1, 2^63,
 2^32, 2^32-1; enums -1, 2^31-1 and the first unknown value), and every
 per-push float setting NaN, +-Inf and negative. Each case must get the
-documented status (README "Errors", the proto's field comments) at once,
+documented status (docs/wire.md "Errors", the proto's field comments) at once,
 never after a deadline, with a message naming the tensor or the field and
 the value; the shard's state (tensor count, versions, readiness, params)
 must stay exactly as it was, and the server must exit 0 at the end.
@@ -137,7 +137,7 @@ class HostileValues(unittest.TestCase):
     def test_create_shape(self):
         for v in U64:
             with self.subTest(dim=v):
-                # Beyond the shard's element limit (README: limits are
+                # Beyond the shard's element limit (docs/wire.md: limits are
                 # RESOURCE_EXHAUSTED), the overflowing product included.
                 # The message names the tensor and the shape or the limit.
                 for shape in ([v, v], [2, v, 3]):

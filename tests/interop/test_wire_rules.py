@@ -124,7 +124,7 @@ class TorchD(BadInputBase):
 
 
 class Simd(unittest.TestCase):
-    """FACTORPS_SIMD=auto (README) and --simd auto over the environment."""
+    """FACTORPS_SIMD=auto (docs/shards.md) and --simd auto over the environment."""
 
     def simd_of(self, *args, env=None):
         srv = H.Server(*args, env=env)
@@ -149,7 +149,7 @@ class Simd(unittest.TestCase):
 class Metadata(BadInputBase):
     """Request metadata is capped at 8 KiB (GRPC_ARG_MAX_METADATA_SIZE). gRPC
     1.51's C core answers an oversized header block by closing that HTTP/2
-    connection (README, Security); calls on other connections go on."""
+    connection (docs/operations.md, Security); calls on other connections go on."""
     ARGS = ("--mode", "sync", "--workers", 2, "--deadline", 20)
 
     def conn(self):

@@ -1,6 +1,6 @@
 """A RemoteAdafactor worker process SIGKILLed in the middle of training.
 
-README promises that a failed call changes nothing, that a sync round
+docs/pytorch.md promises that a failed call changes nothing, that a sync round
 never completes with a dead worker's gradient (the round is aborted, or
 waits for the worker's retry until its deadline), that a call's tensors on
 one shard are applied together or not at all, and that step() retries a

@@ -1,6 +1,6 @@
 """RemoteAdafactor in the training loop a PyTorch user writes.
 
-What README's "Using it from PyTorch" promises, called the way torch.optim
+What docs/pytorch.md promises, called the way torch.optim
 code calls an optimizer:
 
 - a model with two param groups of different lr and weight_decay, a frozen
@@ -197,7 +197,7 @@ class LoopTest(unittest.TestCase):
                 opt.close()
 
     def test_other_dtypes_and_non_contiguous_parameters(self):
-        """README: parameters are CPU float32, others go through a float32
+        """docs/pytorch.md: parameters are CPU float32, others go through a float32
         copy. The shards step the float32 values of float64, bfloat16 and
         float16 parameters (and of a non-contiguous float32 one, in its
         logical C order), and each parameter receives the shards' values in

@@ -2,7 +2,7 @@
 is killed with SIGKILL at random moments (at least 20 times) and restarted
 from its periodic checkpoints.
 
-Worker recovery protocol (the one the README documents):
+Worker recovery protocol (the one docs/operations.md documents):
   Every worker tracks each tensor's version on its own: its `step` for a
   tensor is the version the shard last reported for it. A checkpoint is
   consistent per tensor, not across tensors or shards, so after a restart

@@ -1096,7 +1096,7 @@ static void two_split_tensors_in_one_call(void **u) {
       /* 2 -> 1 is held: shard 1 lacks block 2's partials and shard 2
        * shard 1's acknowledgement, so neither applies either tensor.
        * Shard 0 has everything and every acknowledgement and applies:
-       * the one-way link failure the rule cannot cover (README). */
+       * the one-way link failure the rule cannot cover (docs/shards.md). */
       assert_int_equal(push_result(&wp[0], why, sizeof why), 0);
       for (uint32_t b = 1; b < 3; b++) {
         assert_int_equal(push_result(&wp[b], why, sizeof why), FPS_EUNAVAILABLE);
@@ -1374,7 +1374,7 @@ static void failed_attempt_retried(void **u) {
   expect_all_fail(&s, wp, "timed out");
   expect_untouched(&s);
   /* The retry: every core starts it before the partials flow (a peer's
-   * retry arriving before this core restarted is refused: README). */
+   * retry arriving before this core restarted is refused: docs/shards.md). */
   for (uint32_t c = 0; c < 3; c++) freeze(c, LINK_HOLD);
   ref_step(&s.r, &s.hp, 3, s.g);
   push_all_id(&s, wp, 0, 77, s.g);
