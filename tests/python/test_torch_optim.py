@@ -154,6 +154,27 @@ class RemoteTest(unittest.TestCase):
             np.testing.assert_allclose(p.detach().numpy(), want, rtol=0, atol=1e-6)
         self.assertEqual(opt.remote_step, 1)
 
+    def test_low_precision_eps1_is_the_dtype_eps(self):
+        # eps=(None, ...) is torch.finfo(param.dtype).eps upstream: 2^-7
+        # for bf16, 2^-10 for fp16. Gradients whose mean square (1e-6) lies
+        # between fp32's eps (1.2e-7) and those tell the two apart.
+        for dtype in (torch.bfloat16, torch.float16):
+            with self.subTest(dtype=dtype):
+                g = torch.Generator().manual_seed(3)
+                p = torch.nn.Parameter(torch.randn(4, 3, generator=g).to(dtype))
+                p.grad = (torch.randn(4, 3, generator=g) * 1e-3).to(dtype)
+                p0, g0 = p.detach().float().numpy(), p.grad.float().numpy()
+                name = str(dtype).replace("torch.", "w_")
+                opt = self.opt([(name, p)])
+                opt.step()
+                got = opt.client.pull([name])[0][name]  # the shard's fp32 master
+                eps = float(torch.finfo(dtype).eps)
+                want = ReferenceAdafactor(p0.shape, "torch", eps1=eps).step(p0, g0)
+                fp32 = ReferenceAdafactor(p0.shape, "torch").step(p0, g0)
+                self.assertGreater(np.abs(want - fp32).max(), 1e-3)  # the case tells
+                np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+                opt.close()
+
     def test_none_gradients_are_not_stepped(self):
         # Issue 9: a parameter without a gradient gets no update (no_grad on
         # the wire), as in torch: its shard version stays 0.

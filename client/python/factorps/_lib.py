@@ -291,33 +291,15 @@ def candidates():
     return out
 
 
-# Functions added to client.h after its first draft: a library without them
-# still loads, and the methods that need them raise UnimplementedError.
-OPTIONAL = {"fps_code_name", "fps_client_tensor_shape", "fps_client_tensor_stats",
-            "fps_client_discover", "fps_client_push_pull_ex",
-            "fps_client_get_state", "fps_client_placement_plan", "fps_client_tensor_blocks"}
-
-
 def _bind(lib):
+    # Every function is required: the package and the library are built
+    # from the same tree, so a library without one is an old or foreign
+    # build (AttributeError, reported by load()).
     for name, (restype, argtypes) in _SIGNATURES.items():
-        try:
-            fn = getattr(lib, name)
-        except AttributeError:
-            if name in OPTIONAL:
-                continue
-            raise  # an old or foreign library
+        fn = getattr(lib, name)
         fn.restype = restype
         fn.argtypes = argtypes
     return lib
-
-
-def has(lib, name):
-    """True if the loaded library exports `name`."""
-    try:
-        getattr(lib, name)
-        return True
-    except AttributeError:
-        return False
 
 
 def load():

@@ -19,8 +19,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import _lib
-from .errors import (Error, InvalidArgumentError, NotFoundError, UnimplementedError,
-                     error_for)
+from .errors import Error, InvalidArgumentError, NotFoundError, error_for
 
 # The optimizer fields of the wire contract (AdafactorConfig), by flavor.
 # A value of None means "absent": the shard uses the flavor's upstream default.
@@ -266,7 +265,6 @@ class Client:
         self._inflight = 0
         self._exclusive = False
         self._closed = False
-        self._has_tensor_shape = _lib.has(self._lib, "fps_client_tensor_shape")
 
         opts = _lib.ClientOptions()
         self._lib.fps_client_options_init(ctypes.byref(opts))
@@ -327,18 +325,14 @@ class Client:
             raise error_for(rc, msg, st.shard)
 
     def _shape_of(self, name, h):
-        """The shape the library will read `name` with: asked from the library
-        itself where it can say (its tensor list is what counts), else from
-        the last create()."""
+        """The shape the library will read `name` with, asked from the
+        library itself (its tensor list is what counts)."""
         if not isinstance(name, str):
             raise InvalidArgumentError(f"tensor names are str, not {type(name).__name__}")
-        if self._has_tensor_shape:
-            ndim = ctypes.c_uint32()
-            dims = (ctypes.c_uint64 * _lib.MAX_DIMS)()
-            if self._lib.fps_client_tensor_shape(h, name.encode(), ctypes.byref(ndim), dims) == 0:
-                return tuple(int(dims[i]) for i in range(ndim.value))
-        elif name in self._shapes:
-            return self._shapes[name]
+        ndim = ctypes.c_uint32()
+        dims = (ctypes.c_uint64 * _lib.MAX_DIMS)()
+        if self._lib.fps_client_tensor_shape(h, name.encode(), ctypes.byref(ndim), dims) == 0:
+            return tuple(int(dims[i]) for i in range(ndim.value))
         raise NotFoundError(f"tensor '{name}' is not in this client's tensor list "
                             "(call create() first)")
 
@@ -414,9 +408,6 @@ class Client:
     def _fill_resume(d, t, shape):
         """Sets the resume/replace fields of one fps_tensor_def_t; returns the
         buffers to keep alive."""
-        if not hasattr(d, "replace"):
-            raise UnimplementedError(f"this libfactorps ({_lib.path()}) cannot create tensors "
-                                     "with a step, state or replace (needs issue 9's Create)")
         keep = []
         step = int(t.step or 0)
         if step < 0:
@@ -464,7 +455,7 @@ class Client:
         in row order (rows of its [..., R, C] view; elements for ndim <= 1):
         one block of all its rows for a whole tensor, several for a split
         one. NotFoundError if it is not in the tensor list."""
-        fn = self._need("fps_client_tensor_blocks")
+        fn = self._lib.fps_client_tensor_blocks
         h = self._enter()
         try:
             n = fn(h, str(name).encode(), None, 0)
@@ -476,15 +467,10 @@ class Client:
             self._leave()
         return [(int(b.shard), int(b.row_lo), int(b.row_hi)) for b in arr]
 
-    def _need(self, fn):
-        if not _lib.has(self._lib, fn):
-            raise UnimplementedError(f"this libfactorps ({_lib.path()}) has no {fn}()")
-        return getattr(self._lib, fn)
-
     def discover(self):
         """Replaces the tensor list with the tensors the shards hold, so that a
         tool that did not create them can pull them. Returns how many."""
-        fn = self._need("fps_client_discover")
+        fn = self._lib.fps_client_discover
         found = ctypes.c_size_t()
         self._shapes = OrderedDict()
         self._has_mom = {}
@@ -512,9 +498,9 @@ class Client:
         """Per-tensor figures of `name` (shape, version, ready, factored,
         flavor, sizes, optimizer state and AdamW's for comparison) as a dict,
         with its last `log` applied updates under "apply_log" (oldest first:
-        dicts of worker_id, step, version and, with issue 9's library, the lr
-        and weight_decay applied)."""
-        fn = self._need("fps_client_tensor_stats")
+        dicts of worker_id, step, version, and the lr and weight_decay
+        applied)."""
+        fn = self._lib.fps_client_tensor_stats
         ts = _lib.TensorStats()
         cap = max(0, int(log))
         recs = (_lib.ApplyRecord * max(cap, 1))()
@@ -565,7 +551,7 @@ class Client:
                                        f"{sorted(m for m in MODES if m)} or None, not "
                                        f"{expect_mode!r}")
         extended = bool(settings) or num_workers is not None or expect_mode is not None
-        fn_ex = self._need("fps_client_push_pull_ex") if extended else None
+        fn_ex = self._lib.fps_client_push_pull_ex if extended else None
         n = len(items)
         names = (ctypes.c_char_p * n)()
         gptr = (_lib.c_float_p * n)()
@@ -648,7 +634,7 @@ class Client:
         "lr", "weight_decay", "row", "col", "var", "mom"}}, the arrays flat
         float32 in the layouts of `state_sizes()` (None for kinds the tensor
         does not have). Each tensor is read at one version."""
-        fn = self._need("fps_client_get_state")
+        fn = self._lib.fps_client_get_state
         if names is None:
             names = list(self._shapes)
         elif isinstance(names, str):
@@ -807,9 +793,6 @@ def placement_plan(tensors, shard_count, split_min_bytes=0):
     of its [..., R, C] view (elements for ndim <= 1); a whole tensor has one
     block of all its rows."""
     lib = _lib.load()
-    if not _lib.has(lib, "fps_client_placement_plan"):
-        raise UnimplementedError(f"this libfactorps ({_lib.path()}) has no "
-                                 "fps_client_placement_plan()")
     items = list(tensors.items()) if isinstance(tensors, dict) else list(tensors)
     n, S = len(items), int(shard_count)
     if S < 1:

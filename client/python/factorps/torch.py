@@ -70,7 +70,6 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _lib
 from .client import Client, TensorSpec
 from .errors import (AbortedError, AlreadyExistsError, DeadlineExceededError, Error,
                      FailedPreconditionError, UnavailableError)
@@ -239,7 +238,6 @@ class _RemoteAdafactorBase(Optimizer):
         self._versions: Dict[str, int] = {}   # tensor name -> its version (last seen)
         self._pushes = 0                      # this worker's completed pushes (async/ssp)
         self._dirty = False                   # a push failed: re-read values and versions
-        self._created_hp: Dict[str, Dict[str, float]] = {}
         self._restored = False                # a shard went back to a checkpoint
         self._pool: Optional[ThreadPoolExecutor] = None
         self._prints: Dict[int, Tuple[int, int, float]] = {}
@@ -331,6 +329,10 @@ class _RemoteAdafactorBase(Optimizer):
     def _wire_config(self, g: Dict[str, Any]) -> Dict[str, Any]:
         raise NotImplementedError
 
+    def _tensor_config(self, cfg: Dict[str, Any], p: Tensor) -> Dict[str, Any]:
+        """The group's `cfg` as it applies to parameter `p` (its dtype)."""
+        return cfg
+
     def _push_hparams(self, gi: int, g: Dict[str, Any]) -> Dict[str, float]:
         """This step's lr / weight_decay of group `gi` for the push."""
         raise NotImplementedError
@@ -415,7 +417,7 @@ class _RemoteAdafactorBase(Optimizer):
             cfg = self._wire_config(g)
             for p in g["params"]:
                 name = self._names[id(p)]
-                spec = TensorSpec(name, tuple(p.shape), None, cfg)
+                spec = TensorSpec(name, tuple(p.shape), None, self._tensor_config(cfg, p))
                 st = loaded.get(p) if loaded is not None else None
                 if self.worker_id != 0 and st:
                     # Register at the step worker 0 resumes it at (a Create at
@@ -444,8 +446,6 @@ class _RemoteAdafactorBase(Optimizer):
         self._loaded = None
         self._state_cache = None
         self._fixed = [{k: g[k] for k in self._FIXED} for g in self.param_groups]
-        self._created_hp = {self._names[id(p)]: self._push_hparams(gi, g)
-                            for gi, g in enumerate(self.param_groups) for p in g["params"]}
         self._prints = {id(p): _fingerprint(p) for p in params}
         self._created = True
         if gone:
@@ -573,7 +573,7 @@ class _RemoteAdafactorBase(Optimizer):
             cfg = self._wire_config(g)
             for p in g["params"]:
                 name = self._names[id(p)]
-                spec = TensorSpec(name, tuple(p.shape), None, cfg)
+                spec = TensorSpec(name, tuple(p.shape), None, self._tensor_config(cfg, p))
                 if name in by_name:
                     st = states[name]
                     spec.init = p.detach()
@@ -653,8 +653,6 @@ class _RemoteAdafactorBase(Optimizer):
 
     def _push_once(self, names: List[str], grads: Dict[str, Optional[Tensor]],
                    settings: Dict[str, Dict[str, Any]], out: Dict[str, Tensor]) -> Dict[str, int]:
-        if not _lib.has(self.client._lib, "fps_client_push_pull_ex"):
-            return self._push_once_legacy(names, grads, settings, out)
         sync = self._shard_mode == "sync"
         if sync:
             step = Counter(self._versions[n] for n in names).most_common(1)[0][0]
@@ -666,28 +664,6 @@ class _RemoteAdafactorBase(Optimizer):
         _, versions = self.client.push_pull(
             {n: grads[n] for n in names}, step=step, out={n: out[n] for n in names},
             num_workers=self.num_workers, expect_mode=self.mode, settings=settings)
-        return versions
-
-    def _push_once_legacy(self, names: List[str], grads: Dict[str, Optional[Tensor]],
-                          settings: Dict[str, Dict[str, Any]],
-                          out: Dict[str, Tensor]) -> Dict[str, int]:
-        """A libfactorps without issue 9's push: one step number, no per-push
-        hyperparameters (they must keep their creation values), None
-        gradients pushed as zeros."""
-        for n in names:
-            now = {k: v for k, v in settings[n].items() if k in ("lr", "weight_decay")}
-            if now != self._created_hp[n]:
-                raise ValueError(
-                    f"tensor '{n}': lr/weight_decay changed from {self._created_hp[n]} to {now}, "
-                    f"but this libfactorps ({_lib.path()}) cannot send them with a push (it "
-                    "predates issue 9): the shards keep the values the tensors were created "
-                    "with")
-        grads = {n: (torch.zeros(out[n].shape) if grads[n] is None else grads[n]) for n in names}
-        if self._shard_mode == "sync":
-            step = Counter(self._versions[n] for n in names).most_common(1)[0][0]
-        else:
-            step = self._pushes
-        _, versions = self.client.push_pull(grads, step=step, out={n: out[n] for n in names})
         return versions
 
     @staticmethod
@@ -705,7 +681,7 @@ class _RemoteAdafactorBase(Optimizer):
         groups: Dict[int, List[str]] = {}
         for n in grads:
             groups.setdefault(self.client.shard_of(n), []).append(n)
-        if len(groups) == 1 or not _lib.has(self.client._lib, "fps_client_push_pull_ex"):
+        if len(groups) == 1:
             self._push_group(list(grads), grads, settings, out)
         else:
             if self._pool is None:
@@ -729,8 +705,7 @@ class _RemoteAdafactorBase(Optimizer):
             try:
                 versions = self._push_once(pending, grads, settings, out)
             except Error as e:
-                if not self._recoverable(e) or not _lib.has(self.client._lib,
-                                                            "fps_client_push_pull_ex"):
+                if not self._recoverable(e):
                     raise
                 if first_error is None:
                     first_error = e
@@ -900,6 +875,16 @@ class RemoteAdafactor(_RemoteAdafactorBase):
         return dict(flavor="torch", lr=_num(g["lr"]), beta2_decay=g["beta2_decay"], eps1=eps1,
                     eps2=eps2, clip_threshold=g["d"], weight_decay=_num(g["weight_decay"]),
                     maximize=bool(g["maximize"]))
+
+    def _tensor_config(self, cfg: Dict[str, Any], p: Tensor) -> Dict[str, Any]:
+        # eps1=None is torch.finfo(param.dtype).eps upstream (torch 2.5 to
+        # 2.13 at least): 2^-7 for a bf16 parameter, 2^-10 for fp16, not
+        # fp32's 2^-23. The shards default to fp32's, so send the
+        # parameter's own. (Upstream takes the first parameter's dtype for
+        # a whole group; a group mixing dtypes gets each one's here.)
+        if cfg["eps1"] is None and p.dtype != torch.float32:
+            return dict(cfg, eps1=float(torch.finfo(p.dtype).eps))
+        return cfg
 
     def _push_hparams(self, gi: int, g: Dict[str, Any]) -> Dict[str, float]:
         lr, wd = float(_num(g["lr"])), float(_num(g["weight_decay"]))
