@@ -138,36 +138,16 @@ static void fps__getstate_on_batch(fps_call_t *c, bool ok) {
   fps__getstate_send_next((fps_getstate_call_t *)c);
 }
 
-static int fps__cmp_str(const void *a, const void *b) {
-  return strcmp(*(const char *const *)a, *(const char *const *)b);
-}
-
 static void fps__getstate_run(fps_getstate_call_t *gc, const Factorps__V1__GetStateRequest *req) {
   fps_server_t *srv = gc->base.srv;
   char why[FPS_WHY_MAX];
   size_t n = req->n_names;
   gc->snap = fps_calloc(n ? n : 1, sizeof *gc->snap);
-  const char **sorted = fps_calloc(n ? n : 1, sizeof *sorted);
-  if (!gc->snap || !sorted) {
-    fps_free(sorted);
+  if (!gc->snap) {
     fps_call_fail(&gc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "GetState: out of memory for %zu tensors", n);
     return;
   }
-  int rc = 0;
-  for (size_t i = 0; i < n && rc == 0; i++) {
-    sorted[i] = req->names[i] ? req->names[i] : "";
-    rc = fps_shard_name_check(sorted[i], why, sizeof why);
-  }
-  if (rc == 0) {
-    qsort(sorted, n, sizeof *sorted, fps__cmp_str);
-    for (size_t i = 1; i < n; i++)
-      if (!strcmp(sorted[i - 1], sorted[i])) {
-        rc = FPS_EINVAL;
-        snprintf(why, sizeof why, "GetState: tensor '%s' is named twice", sorted[i]);
-        break;
-      }
-  }
-  fps_free(sorted);
+  int rc = fps_wire_names_check("GetState", req->names, n, why, sizeof why);
   for (size_t i = 0; i < n && rc == 0; i++) {
     rc = fps_shard_state_snap(&srv->shard, req->names[i], &gc->snap[i], why, sizeof why);
     if (rc == 0) gc->n = i + 1;

@@ -56,6 +56,12 @@ static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *
                   "Pull: unsupported dtype %d (supported: DTYPE_F32 = 1, DTYPE_BF16 = 2)", (int)req->dtype);
     return;
   }
+  /* Each name at most once, as GetState: otherwise a request of a few KiB
+   * naming one big tensor many times is answered with many copies. */
+  if ((rc = fps_wire_names_check("Pull", req->names, req->n_names, why, sizeof why)) < 0) {
+    fps_call_fail(&pc->base, fps_status_from_err(rc), "%s", why);
+    return;
+  }
   pc->reply.pull = true;
   pc->reply.items = fps_calloc(req->n_names ? req->n_names : 1, sizeof *pc->reply.items);
   if (!pc->reply.items) {
@@ -64,7 +70,6 @@ static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *
   }
   for (size_t i = 0; i < req->n_names && rc == 0; i++) {
     const char *name = req->names[i] ? req->names[i] : "";
-    if ((rc = fps_shard_name_check(name, why, sizeof why)) < 0) break;
     fps_reply_item_t *it = &pc->reply.items[pc->reply.n];
     if ((rc = fps_shard_snapshot(&srv->shard, name, &it->t, &it->snap, why, sizeof why)) < 0) break;
     it->version = it->snap->version;

@@ -549,6 +549,31 @@ bool fps_wire_tensor_push_parse(fps_wreader_t r, fps_push_tensor_t *t, fps_wread
   return true;
 }
 
+static int fps__cmp_name(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+int fps_wire_names_check(const char *rpc, char *const *names, size_t n, char *why, size_t why_len) {
+  int rc = 0;
+  for (size_t i = 0; i < n && rc == 0; i++) rc = fps_shard_name_check(names[i] ? names[i] : "", why, why_len);
+  if (rc < 0 || n < 2) return rc;
+  const char **sorted = fps_malloc(n * sizeof *sorted);
+  if (!sorted) {
+    snprintf(why, why_len, "%s: out of memory checking %zu names", rpc, n);
+    return FPS_ENOMEM;
+  }
+  for (size_t i = 0; i < n; i++) sorted[i] = names[i] ? names[i] : "";
+  qsort(sorted, n, sizeof *sorted, fps__cmp_name);
+  for (size_t i = 1; i < n; i++)
+    if (!strcmp(sorted[i - 1], sorted[i])) {
+      snprintf(why, why_len, "%s: tensor '%s' is named twice", rpc, sorted[i]);
+      rc = FPS_EINVAL;
+      break;
+    }
+  fps_free(sorted);
+  return rc;
+}
+
 size_t fps_wire_bb_spans(grpc_byte_buffer *bb, fps_wspan_t **spans, size_t *cap) {
   const grpc_slice_buffer *sb = &bb->data.raw.slice_buffer;
   if (sb->count > *cap) {

@@ -59,6 +59,14 @@ typedef struct fps_wire_pp_header_s {
 bool fps_wire_pp_header(const fps_wreader_t *msg, fps_wire_pp_header_t *h);
 bool fps_wire_tensor_push_parse(fps_wreader_t r, fps_push_tensor_t *t, fps_wreader_t *name, uint64_t *name_len);
 
+/* The names of a request that reads tensors (Pull, GetState): each must
+ * pass fps_shard_name_check() and none may appear twice, so a reply is
+ * never larger than the shard's tensors (a Pull naming one tensor a
+ * thousand times would otherwise be answered with a thousand copies).
+ * NULL names count as "". Returns 0, FPS_EINVAL with why naming the name
+ * ("<rpc>: tensor 'x' is named twice"), or FPS_ENOMEM. */
+int fps_wire_names_check(const char *rpc, char *const *names, size_t n, char *why, size_t why_len);
+
 /* The spans of a received, uncompressed byte buffer's slices into
  * *spans (grown as needed; *cap its capacity). Returns the count, or
  * SIZE_MAX on OOM. The spans point into bb's slices. */

@@ -76,6 +76,17 @@ class BadInput(BadInputBase):
                           self.grpc.StatusCode.NOT_FOUND, "'nope'", "not found")
         self.assertUnchanged()
 
+    def test_pull_repeated_name(self):
+        # A Pull naming a tensor many times would be answered with as many
+        # copies (finding 7 of issue 23): refused as GetState refuses it.
+        req = self.pb.PullRequest(names=["w"] * 1000)
+        self.assertStatus(lambda: list(self.srv.stub.Pull(req, timeout=10)),
+                          self.grpc.StatusCode.INVALID_ARGUMENT, "Pull", "'w'", "named twice")
+        req = self.pb.PullRequest(names=["w", "nope", "w"])
+        self.assertStatus(lambda: list(self.srv.stub.Pull(req, timeout=10)),
+                          self.grpc.StatusCode.INVALID_ARGUMENT, "'w'", "named twice")
+        self.assertUnchanged()
+
     def test_wrong_shape(self):
         self.assertStatus(lambda: self.pushpull(self.pushmsgs(self.slice(shape=[4, 3]))),
                           self.grpc.StatusCode.INVALID_ARGUMENT, "'w'", "wrong shape [4, 3]", "[3, 4]")
