@@ -13,7 +13,10 @@
  *   GB/s        gradient bytes pushed plus parameter bytes received, all
  *               workers together, per second (10^9 bytes)
  *   latency     push_pull percentiles over every worker's timed steps
- * and a final `RESULT key=value ...` line for scripts (tests/bench/load.sh). */
+ * and a final `RESULT key=value ...` line for scripts (tests/bench/load.sh);
+ * its t_start and t_end are the timed window on CLOCK_MONOTONIC, so that a
+ * benchmark can take the CPU time of every process over exactly that window
+ * (tests/bench/link_bench.py). */
 #include <getopt.h>
 #include <malloc.h>
 #include <math.h>
@@ -496,9 +499,9 @@ int fps_cli_load(int argc, char **argv) {
   printf("  %.3f GB/s (gradients pushed + parameters received, all workers)\n", gbs);
   printf("  push_pull latency ms: p50 %.2f  p90 %.2f  p99 %.2f  max %.2f\n", p50, p90, p99, mx);
   printf("RESULT shards=%zu workers=%u params=%llu steps=%zu steps_per_s=%.3f gb_per_s=%.3f "
-         "p50_ms=%.2f p90_ms=%.2f p99_ms=%.2f max_ms=%.2f wire=%s\n",
+         "p50_ms=%.2f p90_ms=%.2f p99_ms=%.2f max_ms=%.2f wire=%s t_start=%.6f t_end=%.6f\n",
          cfg.n_shards, cfg.workers, (unsigned long long)cfg.total, n_lat, steps_s, gbs, p50, p90,
-         p99, mx, cfg.wire_dtype == FPS_WIRE_BF16 ? "bf16" : "f32");
+         p99, mx, cfg.wire_dtype == FPS_WIRE_BF16 ? "bf16" : "f32", t0, t1);
   rc = 0;
 done:
   free(ws);
