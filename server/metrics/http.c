@@ -5,7 +5,13 @@
  *
  * Bounds, so a hostile or broken client costs little and never touches the
  * gRPC path (rendering reads atomics only):
- *   - at most max_connections open; extra ones get a canned 503 and are closed;
+ *   - at most max_connections open. A new connection is never turned away:
+ *     at the limit it takes the place of the oldest one not in the middle of
+ *     writing an answer (counted as rejected). Real clients (the kubelet's
+ *     probes, Prometheus) send their request as soon as they connect and are
+ *     answered in well under a millisecond, so only connections that sit
+ *     idle or trickle bytes are ever evicted: open connections cannot starve
+ *     /healthz and /readyz and get a healthy pod restarted;
  *   - one timer per connection covers the whole request, from accept: a
  *     client that trickles bytes gets 408 and is closed;
  *   - request line + headers at most max_header_bytes (431), URL at most
@@ -41,6 +47,7 @@ struct fps_metrics_http_s {
   uv_thread_t thread;
   int port;                         /* bound port */
   unsigned nconns;                  /* connections counted against the limit */
+  struct conn_s *oldest, *newest;   /* the counted ones, in accept order */
   fps_metrics_http_opts_t o;        /* limits with defaults applied; listen not kept */
   http_parser_settings settings;
   char rbuf[16384];                 /* read buffer, consumed within read_cb */
@@ -53,6 +60,7 @@ typedef struct conn_s {
   uv_shutdown_t sreq;
   http_parser parser;
   fps_metrics_http_t *h;
+  struct conn_s *prev, *next;       /* accept order, while counted */
   char *out;                        /* response being written */
   int handles;                      /* open handles; freed at 0 */
   size_t head_bytes;                /* request line + headers so far */
@@ -77,7 +85,10 @@ static void conn_close(conn_t *c) {
   if (c->closing) return;
   c->closing = true;
   if (c->counted) {
-    c->h->nconns--;
+    fps_metrics_http_t *h = c->h;
+    if (c->prev) c->prev->next = c->next; else h->oldest = c->next;
+    if (c->next) c->next->prev = c->prev; else h->newest = c->prev;
+    h->nconns--;
     fps__metrics_http_connections_add(-1);
   }
   uv_close((uv_handle_t *)&c->tcp, conn_close_cb);
@@ -314,14 +325,22 @@ static void on_connection(uv_stream_t *server, int status) {
   http_parser_init(&c->parser, HTTP_REQUEST);
   c->parser.data = c;
   if (h->nconns >= h->o.max_connections) {
-    /* Over the limit: answer at once, don't read, close after the write. */
+    /* At the limit: make room by closing the oldest connection that is not
+     * writing an answer (waiting for its request, or lingering after the
+     * answer went out); if every one is writing, the oldest. */
+    conn_t *victim = h->oldest;
+    for (conn_t *o = h->oldest; o; o = o->next)
+      if (o->out == NULL) {
+        victim = o;
+        break;
+      }
     fps__metrics_http_rejected();
-    c->status = 503;
-    uv_timer_start(&c->timer, on_timer, FPS__LINGER_MS, 0);
-    conn_respond(c);
-    return;
+    conn_close(victim);
   }
   c->counted = true;
+  c->prev = h->newest;
+  if (h->newest) h->newest->next = c; else h->oldest = c;
+  h->newest = c;
   h->nconns++;
   fps__metrics_http_connections_add(1);
   uv_timer_start(&c->timer, on_timer, h->o.request_timeout_ms, 0);

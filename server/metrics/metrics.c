@@ -96,7 +96,7 @@ enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP, DIM_CKPT_REASON, DIM
   X(http_responses, counter, "factorps_http_responses_total", HTTP,                  \
     "Responses of the metrics/health HTTP endpoint, by status code.")                \
   X(http_rejected, counter, "factorps_http_rejected_connections_total", NONE,        \
-    "HTTP connections refused with 503 because too many were open.")                 \
+    "HTTP connections closed to make room for a new one at the limit.")              \
   X(http_connections, gauge, "factorps_http_connections", NONE,                      \
     "HTTP connections open now.")                                                    \
   X(ckpt_written_bytes, counter, "factorps_checkpoint_written_bytes_total", NONE,    \

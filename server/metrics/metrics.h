@@ -220,7 +220,9 @@ typedef struct fps_metrics_http_opts_s {
   /* Optional: /readyz asks this instead of the fps_metrics_ready_set() flag. */
   bool (*ready)(void *arg);
   void *arg;                       /* passed to collect and ready */
-  unsigned max_connections;        /* open at once; 0: 128. Excess: 503, closed */
+  /* Open at once; 0: 128. At the limit a new connection evicts the oldest
+   * one not writing an answer, so probes are never starved. */
+  unsigned max_connections;
   unsigned request_timeout_ms;     /* whole request, from accept; 0: 5000. Then 408 */
   unsigned max_header_bytes;       /* request line + headers; 0: 8192. Then 431 */
   unsigned max_body_bytes;         /* declared body; 0: 1024. Then 413 */
