@@ -65,7 +65,7 @@
  *   n = int.from_bytes(f.read(8), "little"); h = json.loads(f.read(n))
  *   data = f.read(); b, e = h["w"]["data_offsets"]
  *   w = numpy.frombuffer(data[b:e], "<f4").reshape(h["w"]["shape"])
- * tests/unit/checkpoint_read.py does exactly this and checks both hashes.
+ * tests/unit/common/checkpoint_read.py does exactly this and checks both hashes.
  *
  * ROW BLOCKS (format_version "2"; issue 12, server/shard/split_tensor.h).
  * A shard holding a row block of a split tensor stores the block, under the

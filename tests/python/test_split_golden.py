@@ -17,7 +17,7 @@ Checked, per shard count:
     tensor's state assembled from the blocks) pass
     tests/vectors/check_vectors.py --require-state with its own tolerances;
   - so does the final state read from the shards' checkpoints (written
-    after the last step, read with tests/unit/checkpoint_read.py, numpy
+    after the last step, read with tests/unit/common/checkpoint_read.py, numpy
     only: each file holds its shard's blocks, and the blocks' copies of a
     matrix's column state must agree), and the checkpoints' params equal
     the last step's;

@@ -155,7 +155,7 @@ static void zero_never_splits_and_order_is_irrelevant(void **u) {
  * (client/cli/models.c fps_cli_model_peer: h the largest multiple of 64
  * with 12 L h^2 <= 0.88 N, L = 10 layers, an embedding [V, h] taking the
  * rest, 3 norm vectors), and the GPT-like default model (fps_cli_model_gpt);
- * `factorps plan` (tests/unit/plan_balance.sh) checks the real builders. */
+ * `factorps plan` (tests/unit/client/cli/plan_balance.sh) checks the real builders. */
 typedef struct model_s {
   fps_tensor_def_t defs[80];
   char names[80][32];

@@ -371,7 +371,7 @@ static void kernel_selection(void **u) {
 }
 
 /* qemu-user 7.2 (the aarch64 test runner) hangs in pthread_create on these
- * machines, so tests/unit/CMakeLists.txt sets FPS_TEST_NO_THREADS there. */
+ * machines, so tests/unit/common/CMakeLists.txt sets FPS_TEST_NO_THREADS there. */
 static void skip_without_threads(void) {
   const char *e = getenv("FPS_TEST_NO_THREADS");
   if (e && *e && strcmp(e, "0")) {

@@ -237,7 +237,7 @@ static void golden_neon(void **u) { (void)u; replay_all("neon", 1); }
 /* Small cases run on one chunk, so this mostly checks the pool plumbing. */
 static void golden_best_threads(void **u) {
   (void)u;
-  /* qemu-user 7.2 hangs in pthread_create here (see tests/unit/CMakeLists.txt) */
+  /* qemu-user 7.2 hangs in pthread_create here (see tests/unit/common/CMakeLists.txt) */
   const char *e = getenv("FPS_TEST_NO_THREADS");
   if (e && *e && strcmp(e, "0")) skip();
   replay_all(fps_kernels_name(fps_kernels_best()), 3);
