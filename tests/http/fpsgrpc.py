@@ -17,7 +17,6 @@ import importlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -174,89 +173,45 @@ def metric(text, name, **labels):
     return None
 
 
-def die_with_parent():
-    """preexec_fn: SIGTERM this child when the test process dies (e.g. killed
-    by a ctest timeout), so no shard or Prometheus outlives its test."""
-    import ctypes
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+# The one launcher of factorps-server (tests/fpsproc.py) and its helpers,
+# re-exported for the metrics tests.
+sys.path.insert(0, os.path.dirname(HERE))
+import fpsproc  # noqa: E402
+from fpsproc import _die_with_parent as die_with_parent, server_env  # noqa: E402,F401
 
 
-def server_env():
-    """The server reads FACTORPS_<FLAG> variables as flags: pass none of ours.
-    FACTORPS_TEST_SERVER_ENV ("K=V;K=") adjusts the rest (ASan builds)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FACTORPS_")}
-    for kv in filter(None, os.environ.get("FACTORPS_TEST_SERVER_ENV", "").split(";")):
-        k, _, v = kv.partition("=")
-        if v:
-            env[k] = v
-        else:
-            env.pop(k, None)
-    return env
-
-
-class Shard:
-    """One factorps-server process. `prefix` runs it through another command
-    (e.g. ["ip", "netns", "exec", ns])."""
+class Shard(fpsproc.ShardProcess):
+    """One factorps-server process with its metrics endpoint, on `host`.
+    `prefix` runs it through another command (e.g. ["ip", "netns", "exec",
+    ns]); it dies with the test process."""
 
     def __init__(self, server, shard_id, shard_count, host="127.0.0.1", mode="sync",
                  workers=1, prefix=(), extra=()):
-        self.id, self.host = shard_id, host
-        self.dir = tempfile.mkdtemp(prefix="fps-shard%d-" % shard_id)
-        pf, mpf = os.path.join(self.dir, "port"), os.path.join(self.dir, "metrics-port")
-        cmd = [*prefix, server, "--listen", "%s:0" % host, "--port-file", pf,
-               "--metrics-listen", "%s:0" % host, "--metrics-port-file", mpf,
-               "--shard-id", str(shard_id), "--shard-count", str(shard_count),
-               "--mode", mode, "--workers", str(workers), *extra]
-        self.log_path = os.path.join(self.dir, "log")
-        self.log = open(self.log_path, "w+")
-        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                  env=server_env(), preexec_fn=die_with_parent)
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            if self.p.poll() is not None:
-                raise RuntimeError("shard %d exited %d:\n%s" % (shard_id, self.p.returncode,
-                                                               self.read_log()))
-            if os.path.exists(pf) and os.path.exists(mpf):
-                try:
-                    self.port = int(read_text(pf))
-                    self.metrics_port = int(read_text(mpf))
-                    break
-                except ValueError:
-                    pass  # written but not complete yet
-            time.sleep(0.02)
-        else:
-            self.p.kill()
-            raise RuntimeError("shard %d did not start:\n%s" % (shard_id, self.read_log()))
-        self.addr = "%s:%d" % (host, self.port)
+        self.id = shard_id
+        args = ["--shard-id", shard_id, "--shard-count", shard_count, "--mode", mode,
+                "--workers", workers, *extra]
+        try:
+            super().__init__(args, server=server, listen="%s:0" % host, metrics_listen="%s:0" % host,
+                             prefix=prefix, timeout=20, name="shard%d" % shard_id,
+                             die_with_parent=True)
+        except RuntimeError as e:
+            raise RuntimeError("shard %d did not start: %s" % (shard_id, e)) from None
+        self.p = self.proc
 
     def read_log(self):
-        if self.log.closed:
-            try:
-                return read_text(self.log_path)[-4000:]
-            except OSError:
-                return "(log removed)"
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-4000:]
+        return self.stderr()[-4000:]
 
     def scrape(self, path="/metrics"):
         return http_get(self.host, self.metrics_port, path)
 
     def stop(self):
-        """SIGTERM, then the exit code (0 expected: a clean shutdown)."""
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-                return "hung"
-        self.log.close()
-        rc = self.p.returncode
+        """SIGTERM, then the exit code (0 expected: a clean shutdown), or
+        "hung" if it did not exit within 20 s. The log stays on failure."""
+        rc = self.terminate(20)
+        if rc is None:
+            return "hung"
         if rc == 0:
-            shutil.rmtree(self.dir, True)
+            self.remove()
         return rc
 
 

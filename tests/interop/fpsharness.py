@@ -22,8 +22,6 @@ import faulthandler
 import importlib.util
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +33,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-SERVER = os.environ.get("FPS_SERVER", os.path.join(REPO, "build", "server", "factorps-server"))
+sys.path.insert(0, os.path.dirname(HERE))
+import fpsproc  # noqa: E402  (tests/fpsproc.py: the one launcher of factorps-server)
+from fpsproc import SANITIZER_MARKERS, SERVER, ServerExited, free_ports  # noqa: E402,F401
 PROTO_DIR = os.environ.get("FPS_PROTO_DIR", os.path.join(REPO, "proto"))
 GENCERTS = os.environ.get("FPS_GENCERTS", os.path.join(REPO, "tests", "security", "gencerts.sh"))
 
@@ -124,51 +124,21 @@ def stubs():
     return _mods
 
 
-SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:",
-                     "ThreadSanitizer", "SUMMARY: UndefinedBehaviorSanitizer")
-
-
-class Server:
-    """factorps-server on `listen` (default 127.0.0.1:0); stop() checks it
-    exits 0 and clean. `security` (a Security, or None for plaintext) says
-    how channel() and stub reach it."""
+class Server(fpsproc.ShardProcess):
+    """factorps-server on `listen` (default 127.0.0.1:0), started by the
+    tests' one launcher (tests/fpsproc.py); stop() checks it exits 0 and
+    clean. `security` (a Security, or None for plaintext) says how
+    channel() and stub reach it. `line` is its "listening on" line."""
 
     def __init__(self, *args, timeout=30, env=None, listen="127.0.0.1:0", security=None):
         self.args = args
         self.security = security
-        self.dir = tempfile.mkdtemp(prefix="fps-server-")
-        self.port_file = os.path.join(self.dir, "port")
-        self.log_path = os.path.join(self.dir, "stderr.log")
-        self.log = open(self.log_path, "wb")
-        env = dict(os.environ, **(env or {}))
-        env.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=1")
-        env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
-        cmd = [SERVER, "--listen", listen, "--port-file", self.port_file] + [str(a) for a in args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=env)
-        _live.add(self)
-        t0 = time.monotonic()
-        while not os.path.exists(self.port_file):
-            if self.proc.poll() is not None:
-                err = self.stderr()
-                self.proc.stdout.close()
-                self.log.close()
-                shutil.rmtree(self.dir, True)
-                raise ServerExited(self.proc.returncode, err)
-            if time.monotonic() - t0 > timeout:
-                self.proc.kill()
-                raise RuntimeError("factorps-server did not write its port file in %d s" % timeout)
-            time.sleep(0.02)
-        with open(self.port_file) as f:
-            self.port = int(f.read())
+        super().__init__(args, listen=listen, env=env, timeout=timeout, first_line=True)
+        self.line = self.first_line
         self.addr = "127.0.0.1:%d" % self.port
-        self.line = self.proc.stdout.readline().decode()
         self._channel = None
         self._stub = None
-
-    def stderr(self):
-        self.log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
+        _live.add(self)
 
     def channel(self):
         _, _, grpc = stubs()
@@ -189,51 +159,32 @@ class Server:
                 self._stub = WithMetadata(self._stub, md)
         return self._stub
 
-    def kill(self):
-        """SIGKILL (no checkpoint, no clean exit); waits for it."""
+    def _close_channel(self):
         if self._channel is not None:
             self._channel.close()
-            self._channel = self._stub = None
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.proc.stdout.close()
-        self.log.close()
-        shutil.rmtree(self.dir, True)
+        self._channel = self._stub = None
+
+    def kill(self):
+        """SIGKILL (no checkpoint, no clean exit); waits for it."""
+        self._close_channel()
+        super().kill()
+        self.remove()
 
     def stop(self, timeout=60):
         """SIGTERM; returns (exit code, stderr). Raises if it hangs or a
         sanitizer reported anything."""
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-            self._stub = None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError("factorps-server did not exit within %d s of SIGTERM:\n%s" % (timeout, self.stderr()))
-        self.proc.stdout.close()
+        self._close_channel()
+        rc = self.terminate(timeout)
         err = self.stderr()
-        self.log.close()
-        shutil.rmtree(self.dir, True)
+        self.remove()
+        if rc is None:
+            raise AssertionError("factorps-server did not exit within %d s of SIGTERM:\n%s" % (timeout, err))
         for m in SANITIZER_MARKERS:
             if m in err:
                 raise AssertionError("sanitizer report from factorps-server:\n" + err)
         if rc != 0:
             raise AssertionError("factorps-server exited %d:\n%s" % (rc, err))
         return rc, err
-
-
-class ServerExited(RuntimeError):
-    """factorps-server exited before it listened (code, stderr)."""
-
-    def __init__(self, code, err):
-        super().__init__("factorps-server exited early (%d): %s" % (code, err))
-        self.code, self.err = code, err
 
 
 class WithMetadata:
@@ -344,21 +295,6 @@ class Security:
         if self.token:
             o["auth_token"] = self.token_value()
         return o
-
-
-def free_ports(n):
-    """n distinct loopback ports nothing listened on a moment ago (bound at
-    once, then closed: another process may still take one, see Job)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class Job:

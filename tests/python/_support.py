@@ -1,8 +1,9 @@
 """Shared helpers of the Python tests: paths, real shard processes, timeouts.
 
 Every test starts real factorps-server processes on 127.0.0.1:0 (the bound
-port comes back through --port-file) and kills them at the end, so a test
-never depends on a fixed port or on another test's servers.
+port comes back through --port-file; tests/fpsproc.py starts them) and
+kills them at the end, so a test never depends on a fixed port or on
+another test's servers.
 
 Environment (set by tests/python/CMakeLists.txt; tests that need a missing
 one are skipped when run by hand, never silently passed under ctest, which
@@ -26,6 +27,9 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(REPO, "client", "python"))
+sys.path.insert(0, os.path.dirname(HERE))
+import fpsproc  # noqa: E402  (tests/fpsproc.py: the one launcher of factorps-server)
+from fpsproc import free_ports  # noqa: E402,F401  (re-exported)
 
 SERVER = os.environ.get("FACTORPS_SERVER", "")
 START_TIMEOUT = 20.0  # seconds for a shard to write its port file
@@ -36,19 +40,6 @@ def need_server(test):
     if SERVER and os.access(SERVER, os.X_OK):
         return test
     return unittest.skip("FACTORPS_SERVER not set (run through ctest)")(test)
-
-
-def _server_env():
-    env = {k: v for k, v in os.environ.items()
-           # The server reads FACTORPS_<FLAG> variables as flags: pass none of ours.
-           if not k.startswith("FACTORPS_")}
-    for kv in filter(None, os.environ.get("FACTORPS_TEST_SERVER_ENV", "").split("|")):
-        k, _, v = kv.partition("=")
-        if v:
-            env[k] = v
-        else:
-            env.pop(k, None)
-    return env
 
 
 class Shards:
@@ -92,39 +83,22 @@ class Shards:
 
     def start(self, i, port=0):
         """Starts shard i (on `port`, or a fresh one) and waits for its port."""
-        pf = os.path.join(self.dir, f"shard{i}.port")
-        if os.path.exists(pf):
-            os.unlink(pf)
-        log = open(os.path.join(self.dir, f"shard{i}.log"), "ab")
-        cmd = [SERVER, "--listen", f"127.0.0.1:{port}", "--port-file", pf,
-               "--shard-id", str(i), "--shard-count", str(self.n), "--mode", self.mode,
-               "--workers", str(self.workers), "--log-level", "warn"]
+        args = ["--shard-id", str(i), "--shard-count", str(self.n), "--mode", self.mode,
+                "--workers", str(self.workers), "--log-level", "warn"]
         if self.deadline is not None:
-            cmd += ["--deadline", str(self.deadline)]
+            args += ["--deadline", str(self.deadline)]
         if self.checkpoint is not None:
-            cmd += ["--checkpoint-dir", os.path.join(self.dir, f"ckpt{i}"),
-                    "--checkpoint-interval", str(self.checkpoint)]
+            args += ["--checkpoint-dir", os.path.join(self.dir, f"ckpt{i}"),
+                     "--checkpoint-interval", str(self.checkpoint)]
         if self.peers:
-            cmd += ["--peers", ",".join(self.addrs)]
-        cmd += self.extra
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env(),
-                                stdin=subprocess.DEVNULL)
-        log.close()
-        self.procs[i] = proc
-        end = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < end:
-            if proc.poll() is not None:
-                raise RuntimeError(f"shard {i} exited with {proc.returncode}: {self.log(i)}")
-            try:
-                with open(pf) as f:
-                    text = f.read().strip()
-                if text:
-                    self.ports[i] = int(text)
-                    return
-            except (FileNotFoundError, ValueError):
-                pass
-            time.sleep(0.02)
-        raise RuntimeError(f"shard {i} wrote no port within {START_TIMEOUT}s: {self.log(i)}")
+            args += ["--peers", ",".join(self.addrs)]
+        args += self.extra
+        sp = fpsproc.ShardProcess(args, server=SERVER, listen=f"127.0.0.1:{port}", dir=self.dir,
+                                  name=f"shard{i}",
+                                  timeout=START_TIMEOUT)
+        sp.log.close()  # the process holds its own descriptor; log() reads the file
+        self.procs[i] = sp.proc
+        self.ports[i] = sp.port
 
     def log(self, i):
         try:
@@ -170,22 +144,6 @@ class Shards:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def free_ports(n):
-    """n distinct loopback ports nothing listens on right now (bound to port
-    0, then closed: another process may take one before we do)."""
-    import socket
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _worker_main(target, idx, args, q):
