@@ -23,13 +23,20 @@
 
 #define FPS_AUTH_DIGEST 32 /* SHA-256 */
 
+typedef struct fps_auth_token_s {
+  unsigned char digest[FPS_AUTH_DIGEST]; /* SHA-256 of the token */
+  unsigned roles;                        /* FPS_ROLE_* it grants */
+  int64_t peer_shard;                    /* with FPS_ROLE_PEER; -1: any */
+} fps_auth_token_t;
+
 struct fps_auth_s {
   char *cert_pem;             /* --tls-cert, NULL: plaintext */
   char *key_pem;              /* --tls-key */
   char *client_ca_pem;        /* --tls-client-ca, NULL: no client certificates */
-  unsigned char (*token)[FPS_AUTH_DIGEST]; /* SHA-256 of each token */
+  fps_auth_token_t *token;    /* of every token file */
   size_t ntokens;             /* 0: no token check */
-  char describe[64];
+  size_t cap;                 /* token's capacity */
+  char describe[96];
 };
 
 /* Last time (s, monotonic) a rejected call was logged: a client retrying a
@@ -202,36 +209,63 @@ int fps_auth_token_next(char **cursor, int *lineno, const char *flag, const char
 }
 
 /* One token per line; blank lines and lines starting with '#' are skipped,
- * so a file can hold the old and the new token while clients rotate. */
-static int fps__auth_tokens_load(fps_auth_t *a, const char *path) {
+ * so a file can hold the old and the new token while clients rotate. Each
+ * gets `roles`; with `peers` (--exchange-token-file) a line is
+ * "<shard-id>:<token>" and the token may speak only for that shard. */
+static int fps__auth_tokens_load(fps_auth_t *a, const char *flag, const char *path, unsigned roles, bool peers,
+                                 uint32_t shard_count) {
   char *text = NULL;
-  size_t text_len = 0;
-  int rc = fps_auth_read_file("auth-token-file", path, &text, &text_len);
+  size_t text_len = 0, nfile = 0, max = peers ? FPS_AUTH_PEER_TOKENS_MAX : FPS_AUTH_TOKENS_MAX;
+  int rc = fps_auth_read_file(flag, path, &text, &text_len);
   if (rc < 0) return rc;
-  fps_auth_warn_mode("auth-token-file", path);
+  fps_auth_warn_mode(flag, path);
   rc = FPS_ENOMEM;
-  if (!(a->token = fps_calloc(FPS_AUTH_TOKENS_MAX, sizeof *a->token))) goto fail;
+  fps_auth_token_t *grown = fps_realloc(a->token, (a->ntokens + max) * sizeof *grown);
+  if (!grown) goto fail;
+  a->token = grown;
+  a->cap = a->ntokens + max;
   int lineno = 0;
   char *cursor = text;
   const char *line;
   size_t n;
-  while ((rc = fps_auth_token_next(&cursor, &lineno, "auth-token-file", path, &line, &n)) == 1) {
+  while ((rc = fps_auth_token_next(&cursor, &lineno, flag, path, &line, &n)) == 1) {
+    int64_t peer = -1;
+    if (peers) {
+      /* "<shard-id>:<token>": the id in decimal, below --shard-count. */
+      const char *colon = memchr(line, ':', n);
+      char *end = NULL;
+      unsigned long id = colon && colon > line && line[0] >= '0' && line[0] <= '9' ? strtoul(line, &end, 10) : 0;
+      if (!colon || end != colon || id >= shard_count || colon + 1 == line + n) {
+        fprintf(stderr,
+                "factorps-server: --%s '%s' line %d: expected '<shard-id>:<token>' with a shard id "
+                "below --shard-count %u\n",
+                flag, path, lineno, shard_count);
+        rc = FPS_EINVAL;
+        goto fail;
+      }
+      peer = (int64_t)id;
+      n -= (size_t)(colon + 1 - line);
+      line = colon + 1;
+    }
     if (n < 16)
-      FPS_SLOG(FPS_LOG_WARN, "--auth-token-file '%s' line %d: token shorter than 16 characters is "
-               "easy to guess", path, lineno);
-    if (a->ntokens == FPS_AUTH_TOKENS_MAX) {
-      fprintf(stderr, "factorps-server: --auth-token-file '%s': more than %d tokens\n", path,
-              FPS_AUTH_TOKENS_MAX);
+      FPS_SLOG(FPS_LOG_WARN, "--%s '%s' line %d: token shorter than 16 characters is easy to guess", flag, path,
+               lineno);
+    if (nfile == max) {
+      fprintf(stderr, "factorps-server: --%s '%s': more than %zu tokens\n", flag, path, max);
       rc = FPS_EINVAL;
       goto fail;
     }
-    if ((rc = fps__auth_digest(line, n, a->token[a->ntokens])) < 0) goto fail;
+    fps_auth_token_t *t = &a->token[a->ntokens];
+    if ((rc = fps__auth_digest(line, n, t->digest)) < 0) goto fail;
+    t->roles = roles;
+    t->peer_shard = peer;
     a->ntokens++;
+    nfile++;
   }
   if (rc < 0) goto fail;
   rc = FPS_EINVAL;
-  if (a->ntokens == 0) {
-    fprintf(stderr, "factorps-server: --auth-token-file '%s' holds no token\n", path);
+  if (nfile == 0) {
+    fprintf(stderr, "factorps-server: --%s '%s' holds no token\n", flag, path);
     goto fail;
   }
   rc = 0;
@@ -260,12 +294,32 @@ int fps_auth_create(const fps_config_t *cfg, fps_auth_t **out) {
     goto fail;
   }
   if (cert && (rc = fps__auth_tls_load(a, cfg)) < 0) goto fail;
-  if (*cfg->auth_token_file && (rc = fps__auth_tokens_load(a, cfg->auth_token_file)) < 0) goto fail;
+  /* The worker tokens keep every role no other file takes from them. */
+  bool admins = *cfg->admin_token_file, peers = *cfg->exchange_token_file;
+  unsigned worker_roles = FPS_ROLE_WORKER | (admins ? 0 : FPS_ROLE_ADMIN) | (peers ? 0 : FPS_ROLE_PEER);
+  if ((admins || peers) && !*cfg->auth_token_file) {
+    fprintf(stderr, "factorps-server: --%s needs --auth-token-file (the workers' tokens): without it "
+                    "every call is let in and roles mean nothing\n",
+            admins ? "admin-token-file" : "exchange-token-file");
+    rc = FPS_EINVAL;
+    goto fail;
+  }
+  if (*cfg->auth_token_file &&
+      (rc = fps__auth_tokens_load(a, "auth-token-file", cfg->auth_token_file, worker_roles, false, 0)) < 0)
+    goto fail;
+  if (admins && (rc = fps__auth_tokens_load(a, "admin-token-file", cfg->admin_token_file,
+                                            FPS_ROLE_WORKER | FPS_ROLE_ADMIN, false, 0)) < 0)
+    goto fail;
+  if (peers && (rc = fps__auth_tokens_load(a, "exchange-token-file", cfg->exchange_token_file, FPS_ROLE_PEER,
+                                           true, cfg->shard_count)) < 0)
+    goto fail;
   if (a->ntokens && !cert)
     FPS_SLOG(FPS_LOG_WARN, "--auth-token-file without --tls-cert: tokens travel in plaintext and "
              "anyone on the path can read and replay them");
-  snprintf(a->describe, sizeof a->describe, "%s%s",
-           !cert ? "plaintext" : ca ? "mutual TLS" : "TLS", a->ntokens ? ", bearer tokens" : "");
+  snprintf(a->describe, sizeof a->describe, "%s%s%s",
+           !cert ? "plaintext" : ca ? "mutual TLS" : "TLS", a->ntokens ? ", bearer tokens" : "",
+           !a->ntokens ? "" : admins && peers ? " (worker, admin, peer)" : admins ? " (worker, admin; workers are peers)"
+                             : peers ? " (worker, peer; workers are admins)" : " (one role: every token may do everything)");
   *out = a;
   return 0;
 fail:
@@ -308,9 +362,14 @@ static bool fps__slice_eq_ci(grpc_slice s, const char *lit) {
   return true;
 }
 
-grpc_status_code fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, char *why,
-                                size_t why_len) {
-  if (!a || a->ntokens == 0) return GRPC_STATUS_OK;
+grpc_status_code fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, fps_ident_t *id,
+                                char *why, size_t why_len) {
+  id->roles = 0;
+  id->peer_shard = -1;
+  if (!a || a->ntokens == 0) {
+    id->roles = FPS_ROLE_ALL;
+    return GRPC_STATUS_OK;
+  }
   const grpc_metadata *found = NULL;
   size_t count = 0;
   for (size_t i = 0; i < md->count; i++) {
@@ -349,11 +408,44 @@ grpc_status_code fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *
     snprintf(why, why_len, "cannot hash the bearer token");
     return GRPC_STATUS_UNAUTHENTICATED;
   }
-  int match = 0;
-  for (size_t i = 0; i < a->ntokens; i++) match |= CRYPTO_memcmp(d, a->token[i], sizeof d) == 0;
-  if (match) return GRPC_STATUS_OK;
+  /* Every token compared (no early exit); the roles of all that match. */
+  unsigned roles = 0;
+  int64_t peer = -1;
+  for (size_t i = 0; i < a->ntokens; i++) {
+    const fps_auth_token_t *t = &a->token[i];
+    unsigned mask = 0u - (unsigned)(CRYPTO_memcmp(d, t->digest, sizeof d) == 0);
+    roles |= t->roles & mask;
+    if (mask && t->peer_shard >= 0) peer = t->peer_shard;
+  }
+  if (roles) {
+    id->roles = roles;
+    id->peer_shard = peer;
+    return GRPC_STATUS_OK;
+  }
   snprintf(why, why_len, "the bearer token is not valid for this shard");
   return GRPC_STATUS_UNAUTHENTICATED;
+}
+
+void fps_auth_call_ident(const fps_call_t *c, fps_ident_t *id) {
+  char why[256];
+  if (fps_auth_check(c->srv->auth, &c->md, id, why, sizeof why) != GRPC_STATUS_OK) id->roles = 0;
+}
+
+const char *fps_auth_role_name(unsigned role) {
+  switch (role) {
+    case FPS_ROLE_WORKER: return "worker";
+    case FPS_ROLE_ADMIN: return "admin";
+    case FPS_ROLE_PEER: return "peer";
+    default: return "other";
+  }
+}
+
+grpc_status_code fps_auth_allow(const fps_ident_t *id, unsigned need, const char *what, char *why,
+                                size_t why_len) {
+  if ((id->roles & need) == need) return GRPC_STATUS_OK;
+  snprintf(why, why_len, "%s needs the %s role: this call's token does not grant it", what,
+           fps_auth_role_name(need & ~id->roles));
+  return GRPC_STATUS_PERMISSION_DENIED;
 }
 
 void fps__auth_log_refusal(grpc_call *call, const char *method, const char *why) {

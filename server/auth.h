@@ -1,5 +1,16 @@
 /* The shard's security: TLS server credentials (optionally requiring and
- * verifying client certificates) and bearer tokens checked on every call.
+ * verifying client certificates) and bearer tokens checked on every call,
+ * each token granting roles:
+ *
+ *   worker  Create (without replace), PushPull, Pull, GetState, Stats;
+ *   admin   what a worker may, plus Create's replace and Checkpoint
+ *           (which prunes old files): anything that overwrites history;
+ *   peer    Exchange, only as the shard its token names (from_shard).
+ *
+ * --auth-token-file lists worker tokens. --admin-token-file and
+ * --exchange-token-file each take their role away from them: while one is
+ * not given, the worker tokens hold that role too, so one token still runs
+ * a one-machine job (and a job of several shards that trust each other).
  *
  * Everything that can be wrong with the files (missing, unreadable, not
  * PEM, a key that does not match its certificate, an expired certificate,
@@ -20,11 +31,26 @@ typedef struct fps_auth_s fps_auth_t;
 
 /* Largest file read for a certificate, key, CA bundle or token list. */
 #define FPS_AUTH_FILE_MAX (1u << 20)
-/* Most tokens one --auth-token-file may list (one per line). */
+/* Most tokens one --auth-token-file or --admin-token-file may list (one
+ * per line), and one --exchange-token-file (one per peer shard). */
 #define FPS_AUTH_TOKENS_MAX 64
+#define FPS_AUTH_PEER_TOKENS_MAX 4096
 
-/* Loads and checks --tls-cert, --tls-key, --tls-client-ca and
- * --auth-token-file. Returns 0 and *out (free with fps_auth_destroy), or
+/* Roles (bits of fps_ident_t.roles). */
+#define FPS_ROLE_WORKER 1u
+#define FPS_ROLE_ADMIN 2u
+#define FPS_ROLE_PEER 4u
+#define FPS_ROLE_ALL (FPS_ROLE_WORKER | FPS_ROLE_ADMIN | FPS_ROLE_PEER)
+
+/* Who a call's credential says the caller is. */
+typedef struct fps_ident_s {
+  unsigned roles;             /* FPS_ROLE_* bits */
+  int64_t peer_shard;         /* with FPS_ROLE_PEER: the shard it may speak for; -1: any */
+} fps_ident_t;
+
+/* Loads and checks --tls-cert, --tls-key, --tls-client-ca,
+ * --auth-token-file, --admin-token-file and --exchange-token-file (its
+ * lines "<shard-id>:<token>", ids below --shard-count). Returns 0 and *out (free with fps_auth_destroy), or
  * FPS_EINVAL / FPS_EIO / FPS_ENOMEM after printing the problem to stderr.
  * Flags that are empty switch their feature off. */
 int fps_auth_create(const fps_config_t *cfg, fps_auth_t **out);
@@ -61,13 +87,27 @@ int fps_auth_token_next(char **cursor, int *lineno, const char *flag, const char
 grpc_server_credentials *fps_auth_server_credentials(const fps_auth_t *a);
 
 /* Checks a call's request metadata for "authorization: Bearer <token>"
- * when tokens are configured. Returns GRPC_STATUS_OK, or
+ * when tokens are configured, and says in *id what it may do (everything,
+ * with no tokens configured). Returns GRPC_STATUS_OK, or
  * GRPC_STATUS_UNAUTHENTICATED with the reason in why (never the token).
  * Each token is compared as a SHA-256 digest with CRYPTO_memcmp, against
  * every configured token, so neither the time taken nor an early exit tells
  * how much of a guess was right or how long the token is. Thread-safe. */
-grpc_status_code fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, char *why,
+grpc_status_code fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, fps_ident_t *id,
+                                char *why, size_t why_len);
+
+/* Whether id holds every role of `need` (FPS_ROLE_* bits): GRPC_STATUS_OK,
+ * or PERMISSION_DENIED with why saying which role `what` needs. */
+grpc_status_code fps_auth_allow(const fps_ident_t *id, unsigned need, const char *what, char *why,
                                 size_t why_len);
+
+/* The identity of an admitted call, from its metadata again: for the
+ * handlers whose rule depends on the request (Create's replace, Exchange's
+ * from_shard). */
+void fps_auth_call_ident(const fps_call_t *c, fps_ident_t *id);
+
+/* "worker", "admin", ...: the roles that name a set of bits, for messages. */
+const char *fps_auth_role_name(unsigned role);
 
 /* Logs a refused call (peer, method, reason) at most once a second, so a
  * client retrying in a loop cannot flood the log. Thread-safe. */

@@ -56,7 +56,12 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
     {"tls-client-ca", CFG_STR, OFF(tls_client_ca), "", 0, 0,
      "PEM CA bundle: require client certificates signed by it (mutual TLS)"},
     {"auth-token-file", CFG_STR, OFF(auth_token_file), "", 0, 0,
-     "file of bearer tokens, one a line: calls must send 'authorization: Bearer <token>'"},
+     "file of the workers' bearer tokens, one a line: calls must send 'authorization: Bearer <token>'"},
+    {"admin-token-file", CFG_STR, OFF(admin_token_file), "", 0, 0,
+     "file of admin tokens: only they may replace or Checkpoint (unset: the worker tokens may)"},
+    {"exchange-token-file", CFG_STR, OFF(exchange_token_file), "", 0, 0,
+     "file of peer tokens, '<shard-id>:<token>' a line: only they may Exchange, as that shard "
+     "(unset: the worker tokens may, as any shard)"},
     {"apply-log", CFG_U32, OFF(apply_log), "4096", 0, 1 << 24,
      "per-tensor apply records kept for Stats.apply_log"},
     {"log-level", CFG_STR, OFF(log_level), "info", 0, 0, "error, warn, info or debug"},

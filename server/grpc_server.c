@@ -64,8 +64,13 @@ static fps_shutdown_tag_t fps__shutdown_tag;
 
 /* ---------------------------------------------------------- admission */
 
-/* TLS and tokens (auth.c), set up by fps_grpc_start(). */
-static fps_auth_t *fps__auth;
+/* The role each method needs (auth.h); Create's replace needs admin
+ * too, checked by its handler once the request is read. */
+static const unsigned fps__method_role[] = {
+    [M_CREATE] = FPS_ROLE_WORKER, [M_PUSHPULL] = FPS_ROLE_WORKER, [M_PULL] = FPS_ROLE_WORKER,
+    [M_STATS] = FPS_ROLE_WORKER,  [M_CHECKPOINT] = FPS_ROLE_ADMIN, [M_GETSTATE] = FPS_ROLE_WORKER,
+    [M_EXCHANGE] = FPS_ROLE_PEER, [M_GENERIC] = 0,
+};
 /* Calls admitted but maybe not yet linked into srv->calls: counted with
  * srv->ncalls so that pollers admitting at the same moment cannot together
  * pass --max-concurrent-calls (a call is briefly counted twice, which errs
@@ -73,8 +78,8 @@ static fps_auth_t *fps__auth;
 static atomic_uint_fast64_t fps__arriving;
 
 /* Decides, before any handler state exists, whether a call may run: its
- * bearer token (UNAUTHENTICATED) and the shard's call limit
- * (RESOURCE_EXHAUSTED). A refused call is answered here and its payload
+ * bearer token (UNAUTHENTICATED), the role the method needs
+ * (PERMISSION_DENIED) and the shard's call limit (RESOURCE_EXHAUSTED). A refused call is answered here and its payload
  * freed; an admitted one must be followed by fps__call_admitted() once the
  * handler has started. */
 static bool fps__call_admit(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
@@ -82,7 +87,9 @@ static bool fps__call_admit(fps_server_t *srv, grpc_call *call, gpr_timespec dea
   static const char prefix[] = "/factorps.v1.ParameterServer/";
   const char *name = method < M_GENERIC ? fps__method_path[method] + sizeof prefix - 1 : "unknown method";
   char why[512];
-  grpc_status_code code = fps_auth_check(fps__auth, md, why, sizeof why);
+  fps_ident_t id;
+  grpc_status_code code = fps_auth_check(srv->auth, md, &id, why, sizeof why);
+  if (code == GRPC_STATUS_OK) code = fps_auth_allow(&id, fps__method_role[method], name, why, sizeof why);
   if (code == GRPC_STATUS_OK) {
     uint64_t arriving = atomic_fetch_add(&fps__arriving, 1) + 1;
     pthread_mutex_lock(&srv->calls_mu);
@@ -236,9 +243,9 @@ static void fps__shutdown_done(fps_tag_t *tag, bool ok) {
 int fps_grpc_start(fps_server_t *srv) {
   srv->batches_closed = false; /* no thread of ours runs yet */
   /* Bad TLS files or tokens stop the start before anything listens. */
-  int rc = fps_auth_create(&srv->cfg, &fps__auth);
+  int rc = fps_auth_create(&srv->cfg, &srv->auth);
   if (rc < 0) return rc;
-  FPS_SLOG(FPS_LOG_INFO, "gRPC security: %s", fps_auth_describe(fps__auth));
+  FPS_SLOG(FPS_LOG_INFO, "gRPC security: %s", fps_auth_describe(srv->auth));
   if (srv->cfg.mode == FPS_MODE_SYNC && srv->cfg.max_concurrent_calls < srv->cfg.workers)
     FPS_SLOG(FPS_LOG_WARN, "--max-concurrent-calls %u is below --workers %u: a round needs every "
              "worker's push parked at once and can never complete", srv->cfg.max_concurrent_calls,
@@ -311,7 +318,7 @@ int fps_grpc_start(fps_server_t *srv) {
         m == M_PUSHPULL ? GRPC_SRM_PAYLOAD_NONE : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
     if (!srv->method[m]) return FPS_EPROTO;
   }
-  grpc_server_credentials *creds = fps_auth_server_credentials(fps__auth);
+  grpc_server_credentials *creds = fps_auth_server_credentials(srv->auth);
   if (!creds) return FPS_ENOMEM;
   srv->port = grpc_server_add_http2_port(srv->server, srv->cfg.listen, creds);
   grpc_server_credentials_release(creds);
@@ -383,8 +390,8 @@ void fps_grpc_stop(fps_server_t *srv, double grace_s) {
   fps__npollers = 0;
   grpc_completion_queue_destroy(srv->cq);
   srv->cq = NULL;
-  fps_auth_destroy(fps__auth);
-  fps__auth = NULL;
+  fps_auth_destroy(srv->auth);
+  srv->auth = NULL;
   pthread_mutex_destroy(&t->mu);
   pthread_cond_destroy(&t->cv);
 }

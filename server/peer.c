@@ -477,8 +477,11 @@ static void fps__complete(fps_peers_t *p, fps_psend_t *s, bool success) {
     err = fps__err_from_status(st);
     snprintf(msg, sizeof msg, "shard %u (%s) refused Exchange of '%s': %s: %s%s", s->to, p->addrs[s->to],
              s->name, fps__grpc_code_name(st), detail,
-             st == GRPC_STATUS_UNAUTHENTICATED ? " (check --peer-token-file against the peer's --auth-token-file)"
-                                              : "");
+             st == GRPC_STATUS_UNAUTHENTICATED
+                 ? " (check --peer-token-file against the peer's --exchange-token-file or --auth-token-file)"
+             : st == GRPC_STATUS_PERMISSION_DENIED
+                 ? " (--peer-token-file must hold this shard's own line of the peer's --exchange-token-file)"
+                 : "");
   }
   if (final) fps__unlink(p, s);
   pthread_mutex_unlock(&p->mu);

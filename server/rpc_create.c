@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "alloc.h"
+#include "auth.h"
 #include "metrics.h"
 #include "wire.h"
 
@@ -28,6 +29,20 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
   char why[FPS_WHY_MAX] = "";
   int rc = 0;
   size_t n = req->n_tensors;
+  /* replace overwrites a tensor's history: an administrator's call. */
+  for (size_t i = 0; i < n; i++) {
+    if (!req->tensors[i]->replace) continue;
+    fps_ident_t id;
+    fps_auth_call_ident(&cc->base, &id);
+    char what[FPS_TENSOR_NAME_MAX + 64];
+    snprintf(what, sizeof what, "Create of tensor '%s' with replace", req->tensors[i]->name ? req->tensors[i]->name : "");
+    grpc_status_code code = fps_auth_allow(&id, FPS_ROLE_ADMIN, what, why, sizeof why);
+    if (code != GRPC_STATUS_OK) {
+      fps_call_fail(&cc->base, code, "%s", why);
+      return;
+    }
+    break;
+  }
   uint8_t *reply_buf = NULL;
   size_t reply_cap = 0;
   fps_create_item_t *items = fps_calloc(n ? n : 1, sizeof *items);

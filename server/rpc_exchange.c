@@ -5,11 +5,13 @@
  * (fps_shard_exchange_receive), whose FPS_E* answer is translated by
  * status.c. Authentication happened before the handler runs, as for every
  * method. A refused request leaves the shard's state unchanged. */
+#include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "adafactor_split.h"
 #include "alloc.h"
+#include "auth.h"
 #include "wire.h"
 
 typedef struct fps_exchange_call_s {
@@ -66,7 +68,17 @@ void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
       "Exchange", &factorps__v1__exchange_request__descriptor, &c);
   if (!req) return;
   char why[FPS_WHY_MAX];
-  grpc_status_code code = fps__exchange_check(srv, req, why, sizeof why);
+  /* A peer's token speaks for one shard (--exchange-token-file): it may
+   * not send another shard's partial sums. */
+  fps_ident_t id;
+  fps_auth_call_ident(c, &id);
+  grpc_status_code code = GRPC_STATUS_OK;
+  if (id.peer_shard >= 0 && (int64_t)req->from_shard != id.peer_shard) {
+    code = GRPC_STATUS_PERMISSION_DENIED;
+    snprintf(why, sizeof why, "Exchange: from_shard %u, but this call's peer token is shard %" PRId64 "'s",
+             req->from_shard, id.peer_shard);
+  }
+  if (code == GRPC_STATUS_OK) code = fps__exchange_check(srv, req, why, sizeof why);
   if (code == GRPC_STATUS_OK) {
     fps_xmsg_t m = {.name = req->name, .version = req->version, .from_shard = req->from_shard,
                     .shard_count = req->shard_count, .block_index = req->block_index,

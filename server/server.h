@@ -84,7 +84,9 @@ typedef struct fps_config_s {
   char *tls_cert;             /* PEM chain, "" = plaintext (auth.c) */
   char *tls_key;              /* PEM key of tls_cert */
   char *tls_client_ca;        /* PEM CA: client certificates required, "" = none */
-  char *auth_token_file;      /* bearer tokens, one a line, "" = none */
+  char *auth_token_file;      /* workers' bearer tokens, one a line, "" = none */
+  char *admin_token_file;     /* admins' tokens, "" = the workers' hold the role */
+  char *exchange_token_file;  /* peers' "<shard-id>:<token>", "" = the workers' hold it */
   uint32_t apply_log;         /* per-tensor apply records kept for Stats */
   char *log_level;            /* error, warn, info, debug */
   char *simd;                 /* scalar|avx2|neon|auto */
@@ -216,6 +218,7 @@ const char *fps_bb_flatten_why(int rc);
 struct fps_server_s {
   fps_config_t cfg;
   fps_shard_t shard;                /* the core: every rule and all state */
+  struct fps_auth_s *auth;          /* TLS and tokens with their roles (auth.c) */
   fps_timer_t *timer;               /* deadline thread (timer.c) */
   grpc_server *server;
   grpc_completion_queue *cq;

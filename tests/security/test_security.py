@@ -178,6 +178,154 @@ class Grpcio(unittest.TestCase):
             srv.stop()
 
 
+class Roles(unittest.TestCase):
+    """Issue 23, finding 3: one credential granted everything. Worker, admin
+    and peer tokens: each role may do its own calls only, refused calls
+    change nothing, a peer token speaks for its own shard only; one token
+    alone keeps every role (the one-machine setup)."""
+
+    def setUp(self):
+        self.pb, self.pbg, self.grpc = H.stubs()
+        self.dir = tempfile.mkdtemp(prefix="fps-roles-")
+        self.tok = {r: os.urandom(24).hex() for r in ("worker", "admin", "peer0", "peer2", "stranger")}
+        self.files = {}
+        for name, lines in [("workers", [self.tok["worker"]]), ("admins", [self.tok["admin"]]),
+                            ("peers", ["0:" + self.tok["peer0"], "2:" + self.tok["peer2"]])]:
+            path = os.path.join(self.dir, name)
+            with open(path, "w") as f:
+                f.write("\n".join(lines) + "\n")
+            os.chmod(path, 0o600)
+            self.files[name] = path
+        self.channels = []
+
+    def tearDown(self):
+        for ch in self.channels:
+            ch.close()
+        shutil.rmtree(self.dir, True)
+
+    def stub(self, srv, who):
+        ch = self.grpc.insecure_channel(srv.addr)
+        self.channels.append(ch)
+        return WithMetadata(self.pbg.ParameterServerStub(ch), [("authorization", "Bearer " + self.tok[who])])
+
+    def calls(self, stub):
+        pb = self.pb
+        w = np.ones(12, np.float32)
+        replace = pb.TensorCreate(name="w", shape=[3, 4], optimizer=H.optimizer(), replace=True,
+                                  init=pb.TensorSlice(dtype=pb.DTYPE_F32, data=np.zeros(12, np.float32).tobytes()))
+        return {
+            "Create": lambda: H.create(stub, "w", [3, 4], w, shard_id=1, shard_count=3, timeout=10),
+            "Create replace": lambda: stub.Create(pb.CreateRequest(shard_id=1, shard_count=3, tensors=[replace]),
+                                                  timeout=10),
+            "PushPull": lambda: H.push(stub, 0, 1, {"w": ([3, 4], w)}, timeout=10),
+            "Pull": lambda: H.pull(stub, {"w": [3, 4]}, timeout=10),
+            "GetState": lambda: list(stub.GetState(pb.GetStateRequest(names=["w"]), timeout=10)),
+            "Stats": lambda: H.stats(stub, timeout=10),
+            "Checkpoint": lambda: stub.Checkpoint(pb.CheckpointRequest(), timeout=10),
+            "Exchange": lambda: stub.Exchange(pb.ExchangeRequest(name="w", from_shard=0, shard_count=3,
+                                                                 phase=pb.EXCHANGE_PHASE_STATS), timeout=10),
+        }
+
+    def code(self, fn):
+        try:
+            fn()
+            return None
+        except self.grpc.RpcError as e:
+            return e.code(), e.details()
+
+    def test_each_role_its_own_calls(self):
+        C = self.grpc.StatusCode
+        ckpt = os.path.join(self.dir, "ckpt")
+        srv = H.Server("--mode", "async", "--shard-id", 1, "--shard-count", 3, "--checkpoint-dir", ckpt,
+                       "--auth-token-file", self.files["workers"], "--admin-token-file", self.files["admins"],
+                       "--exchange-token-file", self.files["peers"])
+        try:
+            worker, admin = self.stub(srv, "worker"), self.stub(srv, "admin")
+            H.create(worker, "w", [3, 4], np.arange(12, dtype=np.float32), shard_id=1, shard_count=3)
+            H.push(worker, 0, 0, {"w": ([3, 4], np.ones(12, np.float32))})
+            before, versions = H.pull(worker, {"w": [3, 4]})
+            self.assertEqual(versions, {"w": 1})
+            # What each role may not do: PERMISSION_DENIED naming the role.
+            denied = {"worker": ["Create replace", "Checkpoint", "Exchange"],
+                      "admin": ["Exchange"],
+                      "peer0": ["Create", "Create replace", "PushPull", "Pull", "GetState", "Stats",
+                                "Checkpoint"]}
+            needs = {"Create replace": "admin", "Checkpoint": "admin", "Exchange": "peer"}
+            for who, methods in denied.items():
+                calls = self.calls(self.stub(srv, who))
+                for method in methods:
+                    with self.subTest(who=who, method=method):
+                        got = self.code(calls[method])
+                        self.assertIsNotNone(got, "%s may %s" % (who, method))
+                        self.assertEqual(got[0], C.PERMISSION_DENIED, got[1])
+                        # A peer is refused at the method (Create needs a worker).
+                        need = needs.get(method if who != "peer0" else method.split()[0], "worker")
+                        self.assertIn("the %s role" % need, got[1])
+                        self.assertNotIn(self.tok[who], got[1])
+            # An unknown token is still UNAUTHENTICATED.
+            got = self.code(self.calls(self.stub(srv, "stranger"))["Stats"])
+            self.assertEqual(got[0], C.UNAUTHENTICATED, got[1])
+            # Nothing the refused calls sent was applied.
+            after, versions = H.pull(worker, {"w": [3, 4]})
+            self.assertEqual(versions, {"w": 1})
+            np.testing.assert_array_equal(after["w"], before["w"])
+            self.assertEqual(H.stats(worker)[0].shard.pushes, 1)
+            self.assertEqual([f for f in os.listdir(ckpt) if f.endswith(".safetensors")] if os.path.exists(ckpt) else [],
+                             [], "a worker's Checkpoint wrote a file")
+            # What each may do: workers their calls, the admin its own too.
+            wcalls = self.calls(worker)
+            for method in ("Create", "PushPull", "Pull", "GetState", "Stats"):
+                with self.subTest(who="worker", method=method):
+                    self.assertIsNone(self.code(wcalls[method]))
+            acalls = self.calls(admin)
+            for method in ("Create", "Create replace", "PushPull", "Pull", "GetState", "Stats", "Checkpoint"):
+                with self.subTest(who="admin", method=method):
+                    self.assertIsNone(self.code(acalls[method]))
+            # A peer token speaks for its own shard only: shard 2's token
+            # with from_shard 0 is refused; shard 0's reaches the core
+            # (which holds no block of 'w': NOT_FOUND).
+            ex = self.pb.ExchangeRequest(name="w", from_shard=0, shard_count=3, phase=self.pb.EXCHANGE_PHASE_STATS)
+            got = self.code(lambda: self.stub(srv, "peer2").Exchange(ex, timeout=10))
+            self.assertEqual(got[0], C.PERMISSION_DENIED, got[1])
+            self.assertIn("from_shard 0", got[1])
+            self.assertIn("shard 2's", got[1])
+            got = self.code(lambda: self.stub(srv, "peer0").Exchange(ex, timeout=10))
+            self.assertNotIn(got[0], (C.PERMISSION_DENIED, C.UNAUTHENTICATED), got[1])
+        finally:
+            srv.stop()
+
+    def test_one_token_keeps_every_role(self):
+        ckpt = os.path.join(self.dir, "ckpt")
+        srv = H.Server("--mode", "async", "--shard-id", 1, "--shard-count", 3, "--checkpoint-dir", ckpt,
+                       "--auth-token-file", self.files["workers"])
+        try:
+            calls = self.calls(self.stub(srv, "worker"))
+            for method in ("Create", "Create replace", "PushPull", "Pull", "GetState", "Stats", "Checkpoint"):
+                with self.subTest(method=method):
+                    self.assertIsNone(self.code(calls[method]))
+            got = self.code(calls["Exchange"])
+            self.assertNotIn(got[0], (self.grpc.StatusCode.PERMISSION_DENIED,
+                                      self.grpc.StatusCode.UNAUTHENTICATED), got[1])
+        finally:
+            srv.stop()
+
+    def test_bad_role_files_stop_the_start(self):
+        bad = os.path.join(self.dir, "bad")
+        for lines, words in [(["5:" + "a" * 32], "below --shard-count 3"), (["x:" + "a" * 32], "<shard-id>:<token>"),
+                             (["1:"], "<shard-id>:<token>"), (["a" * 32], "<shard-id>:<token>")]:
+            with open(bad, "w") as f:
+                f.write("\n".join(lines) + "\n")
+            with self.subTest(lines=lines):
+                with self.assertRaises(H.ServerExited) as cm:
+                    H.Server("--shard-count", 3, "--auth-token-file", self.files["workers"],
+                             "--exchange-token-file", bad)
+                self.assertIn("--exchange-token-file", cm.exception.err)
+                self.assertIn(words, cm.exception.err)
+        with self.assertRaises(H.ServerExited) as cm:
+            H.Server("--admin-token-file", self.files["admins"])
+        self.assertIn("needs --auth-token-file", cm.exception.err)
+
+
 @unittest.skipUnless(os.environ.get("FACTORPS_LIB"), "FACTORPS_LIB not set (sanitizer build)")
 class Package(unittest.TestCase):
     def test_connect_options(self):
