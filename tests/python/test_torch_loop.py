@@ -150,10 +150,11 @@ class LoopTest(unittest.TestCase):
                 self.assertEqual(sent[5], [(LRS[0] / 2, WDS[0]), (LRS[1] / 2, WDS[1])])
                 for n, v in fixed.items():
                     self.assertTrue(torch.equal(model.get_parameter(n).detach(), v), n)
-                _, versions = opt.client.pull([f"loop/{n}" for n in
-                                               ("enc", "head", "frozen", "unused")])
+                _, versions = opt.client.pull([f"loop/{n}" for n in ("enc", "head", "unused")])
                 self.assertEqual(versions, {"loop/enc": STEPS, "loop/head": STEPS,
-                                            "loop/frozen": 0, "loop/unused": 0})
+                                            "loop/unused": 0})
+                # requires_grad=False never travels: not even created.
+                self.assertEqual(sum(st["tensors"] for st in opt.client.stats()), 4)
                 for n, gi in (("enc", 0), ("enc_b", 0), ("head", 1)):
                     log = opt.client.tensor_stats(f"loop/{n}", log=STEPS)["apply_log"]
                     self.assertEqual(len(log), STEPS, n)
@@ -162,8 +163,9 @@ class LoopTest(unittest.TestCase):
                                                msg=f"{n} step {rec['step']}")
                         self.assertAlmostEqual(rec["weight_decay"], hps[gi][1], delta=1e-9,
                                                msg=f"{n} step {rec['step']}")
+                self.assertEqual(opt.state[model.frozen], {})
                 # The state of a parameter without gradient stayed zero.
-                st = opt.state[model.frozen]
+                st = opt.state[model.unused]
                 for k, t in st.items():
                     if torch.is_tensor(t) and k != "step":
                         self.assertEqual(float(t.abs().sum()), 0.0, f"frozen state {k}")

@@ -52,7 +52,12 @@ class StateTest(unittest.TestCase):
             opt = RemoteAdafactor(model.named_parameters(), weight_decay=0.01,
                                   shards=shards.addrs)
             stack.callback(opt.close)
-            self.assertEqual(dict(opt.state), {})  # like torch before the first step
+            # Before the first step: zeros at step 0, the sizes of what the
+            # step creates (torch.distributed.checkpoint loads into them).
+            self.assertEqual(len(opt.state), 4)
+            for st in opt.state.values():
+                self.assertEqual(float(st["step"]), 0.0)
+                self.assertTrue(all(float(t.abs().sum()) == 0 for t in st.values()))
             refs = {n: ReferenceAdafactor(p.shape, "torch", weight_decay=0.01)
                     for n, p in init.items()}
             want = dict(init)

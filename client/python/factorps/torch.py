@@ -20,8 +20,19 @@ as the local optimizer and what is not:
   a tensor of that name (another job, an earlier run), `on_existing` decides:
   "error" (the default, unless a state dict was loaded), "adopt" (continue
   from the shards' weights and state), "overwrite" (replace them by this
-  process's weights and a fresh state, or by the loaded state dict's).
+  process's weights and a fresh state, or by the loaded state dict's). Only
+  a loaded state that has been stepped counts: loading a state dict whose
+  every step is 0 (what accelerate.prepare() and the Trainer do with the
+  optimizer's own state_dict()) keeps the "error" default.
   `namespace` is prefixed to every tensor name so that jobs can share shards.
+- Names: (name, parameter) pairs name the tensors, or `names_from=model`
+  for bare tensors, else group/position ("g0.p1"). torch.compile's
+  "_orig_mod." and DDP's leading "module." (and FSDP's and checkpoint
+  wrappers') are dropped, so a job resumed with or without them finds the
+  same tensors.
+- Parameters with requires_grad=False never travel: they are not created on
+  the shards, pushed or pulled (a parameter unfrozen later is created at the
+  next step, from its local value).
 - A parameter changed locally between steps (a reloaded layer, a
   re-initialisation: seen by its version counter, storage and checksum) is
   written to the shards before the next push, with the shard's optimizer
@@ -35,15 +46,25 @@ as the local optimizer and what is not:
   is a ValueError that says which.
 - A parameter whose .grad is None is not updated and not decayed (as torch);
   in a sync job the workers must agree on which parameters have gradients.
+- Non-finite gradients skip the step (AMP's rule): under a GradScaler
+  (`scaler.step(opt)` always reaches step(), which unscales and reads the
+  scaler's found_inf) or, without one, when any gradient holds a NaN or an
+  Inf (a warning names the tensor). Nothing is applied, the versions stay;
+  `last_step_skipped` and `skipped_steps` say so.
 - `optimizer.state[p]` is the shard's state under the upstream names and
   shapes (torch: step, row_var [..., R, 1] and col_var [..., 1, C], or
   variance; hf: step, RMS, exp_avg_sq_row / exp_avg_sq_col or exp_avg_sq,
   exp_avg with beta1), read from the shards when first accessed after a
-  step: a read-only snapshot. Every tensor on the shards has an entry (zeros
-  before its first update), so the sizes add up to the shards' Stats.
+  step (`state[p]` reads p's tensor only): a read-only snapshot. Every
+  travelling parameter has an entry (zeros at step 0 before its first
+  update, also before the first step: torch.distributed.checkpoint loads
+  into them), so the sizes add up to the shards' Stats.
 - state_dict() / load_state_dict() carry that state (and, under "factorps",
   names, shapes and versions); resuming against new, empty shards creates the
-  tensors with the loaded state and step, and continues exactly.
+  tensors with the loaded state and step, and continues exactly. So does
+  torch.distributed.checkpoint's get_state_dict() / set_state_dict(), which
+  never steps this optimizer on fake gradients (its state is never empty).
+  load_state_dict() hooks run as in torch (pre hooks before the checks).
 - Recovery: when a shard restarts from its checkpoint, or a push fails in the
   middle (UNAVAILABLE, a stale or ahead step), step() pulls what the shards
   hold, redoes the push of what was not applied, and logs once (logger
@@ -66,11 +87,12 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .client import Client, TensorSpec
+from .client import Client, TensorSpec, state_sizes
 from .errors import (AbortedError, AlreadyExistsError, DeadlineExceededError, Error,
                      FailedPreconditionError, UnavailableError)
 
@@ -98,6 +120,45 @@ def _split_named(params: List[Any]) -> Tuple[List[Any], Optional[List[str]]]:
                       for p in params):
         return [p for _, p in params], [n for n, _ in params]
     return params, None
+
+
+# Module wrappers that put a component into parameter names without being
+# part of the model: torch.compile's OptimizedModule, FSDP's and activation
+# checkpointing's wrappers (anywhere in a name), DDP's "module." (leading).
+_WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def _normalize_name(name: str) -> str:
+    """`name` without the components wrappers add, so that a job resumed with
+    or without torch.compile or DDP finds the same tensors on the shards
+    ("module._orig_mod.fc.weight" -> "fc.weight")."""
+    parts = [c for c in name.split(".") if c not in _WRAPPER_PARTS]
+    while len(parts) > 1 and parts[0] == "module":
+        parts.pop(0)
+    return ".".join(parts)
+
+
+def _name_map(names_from: Any) -> Dict[int, str]:
+    """id(param) -> name from `names_from`: a torch.nn.Module (its
+    named_parameters()), a {name: param} mapping or (name, param) pairs.
+    Gives parameters passed as bare tensors (e.g. the Trainer's weight-decay
+    groups) their model names instead of group/position names."""
+    if names_from is None:
+        return {}
+    if isinstance(names_from, torch.nn.Module):
+        pairs = list(names_from.named_parameters())
+    elif isinstance(names_from, Mapping):
+        pairs = list(names_from.items())
+    else:
+        pairs = list(names_from)
+    out: Dict[int, str] = {}
+    for n, p in pairs:
+        if not (isinstance(n, str) and isinstance(p, Tensor)):
+            raise TypeError("names_from must be a Module, a {name: parameter} mapping or "
+                            f"(name, parameter) pairs, got an item ({type(n).__name__}, "
+                            f"{type(p).__name__})")
+        out.setdefault(id(p), n)
+    return out
 
 
 def _env_int(name: str, default: int) -> int:
@@ -145,8 +206,11 @@ def _same_fingerprint(a: Tuple[int, int, float], b: Tuple[int, int, float]) -> b
 
 class _ShardState(Mapping):
     """`optimizer.state`: param -> the shard's state under upstream names,
-    fetched (GetState) on first access after each step. A snapshot: writing
-    into it changes nothing on the shards."""
+    fetched (GetState) on first access after each step: `state[p]` reads
+    p's tensor only (transformers' AdafactorSchedule reads one parameter
+    per group every step), iteration reads them all. A snapshot: writing
+    into it changes nothing on the shards. Every parameter that travels
+    (requires_grad) has an entry, zeros before its first update."""
 
     def __init__(self, opt: "_RemoteAdafactorBase") -> None:
         self._opt = opt
@@ -155,11 +219,11 @@ class _ShardState(Mapping):
         return self._opt._fetch_state()
 
     def __getitem__(self, p: Tensor) -> Dict[str, Any]:
-        got = self._all()
-        if p in got:
-            return got[p]
         if isinstance(p, Tensor) and id(p) in self._opt._names:
-            return {}  # like torch's defaultdict before the first step
+            got = self._opt._fetch_state(p)
+            if p in got:
+                return got[p]
+            return {}  # frozen: like torch's defaultdict for a parameter never stepped
         raise KeyError(p)
 
     def __iter__(self) -> Iterator[Tensor]:
@@ -170,6 +234,12 @@ class _ShardState(Mapping):
 
     def __contains__(self, p: object) -> bool:
         return p in self._all()
+
+    def __bool__(self) -> bool:
+        # torch.distributed.checkpoint's _init_optim_state() steps an
+        # optimizer whose state is empty with zero gradients to create it:
+        # this state exists (on the shards, or at setup) for every tensor.
+        return any(p.requires_grad for p in self._opt._params())
 
     def __repr__(self) -> str:
         return f"<factorps shard state of {len(self._opt._names)} tensors>"
@@ -201,6 +271,16 @@ class _RemoteAdafactorBase(Optimizer):
         default, never splits; factorps.SPLIT_MIN_BYTES_DEFAULT is the
         recommended 32 MiB). The update stays exactly the unsplit one; the
         shards need --peers and --mode sync. Not used with client=.
+    names_from: a torch.nn.Module (or {name: parameter}, or (name,
+        parameter) pairs) naming the parameters passed as bare tensors:
+        `RemoteAdafactor(groups, names_from=model)` names the tensors after
+        model.named_parameters() whatever the grouping (the Trainer's
+        weight-decay groups), so names stay stable across runs.
+
+    Names drop the components module wrappers add (torch.compile's
+    "_orig_mod.", FSDP's and activation checkpointing's wrapper modules
+    anywhere, DDP's leading "module."), so a job resumed with or without
+    torch.compile or DDP finds the same tensors.
     """
 
     flavor = ""
@@ -211,7 +291,8 @@ class _RemoteAdafactorBase(Optimizer):
                      num_workers: Optional[int], mode: Optional[str], namespace: str,
                      on_existing: Optional[str], client: Optional[Client], deadline: float,
                      max_retries: int, recovery_timeout: Optional[float],
-                     client_options: Optional[Dict[str, Any]], split_min_bytes: int = 0) -> None:
+                     client_options: Optional[Dict[str, Any]], split_min_bytes: int = 0,
+                     names_from: Any = None) -> None:
         if mode not in (None, "sync", "async", "ssp"):
             raise ValueError(f"mode must be 'sync', 'async', 'ssp' or None, not {mode!r}")
         if on_existing not in (None,) + ON_EXISTING:
@@ -233,6 +314,10 @@ class _RemoteAdafactorBase(Optimizer):
         self.recovery_timeout = float(self.deadline if recovery_timeout is None
                                       else recovery_timeout)
         self._names: Dict[int, str] = {}      # id(param) -> tensor name on the shards
+        self._names_from = _name_map(names_from)  # id(param) -> model name, for bare tensors
+        self._travel: set = set()             # id(param) of the tensors setup() created
+        self.skipped_steps = 0                # steps skipped for a non-finite gradient
+        self.last_step_skipped = False
         self._created = False
         self._fixed: List[Dict[str, Any]] = []  # per group: the values fixed at creation
         self._versions: Dict[str, int] = {}   # tensor name -> its version (last seen)
@@ -243,6 +328,7 @@ class _RemoteAdafactorBase(Optimizer):
         self._prints: Dict[int, Tuple[int, int, float]] = {}
         self._loaded: Optional[Dict[Tensor, Dict[str, Any]]] = None
         self._state_cache: Optional[Dict[Tensor, Dict[str, Any]]] = None
+        self._state_one: Dict[Tensor, Dict[str, Any]] = {}  # state[p] reads since the step
         self._shard_mode: Optional[str] = None
         self._own_client = False
         self.client: Optional[Client] = None
@@ -273,11 +359,21 @@ class _RemoteAdafactorBase(Optimizer):
                                  "load_state_dict() to set it")
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        # Optimizer.load_state_dict() ends here with the loaded, re-keyed state.
+        # Optimizer.load_state_dict() ends here with the loaded, re-keyed
+        # state (before its post hooks). Only a state that has been stepped
+        # may replace the shards' tensors: accelerate.prepare() and the
+        # Trainer load an optimizer's own state_dict() before its first
+        # step (every step 0), which must leave the overwrite guard alone.
         state = dict(state)
         loaded = state.pop("state", None)
         super().__setstate__(state)
-        self._loaded = {k: v for k, v in (loaded or {}).items() if isinstance(k, Tensor)}
+        kept = {k: v for k, v in (loaded or {}).items()
+                if isinstance(k, Tensor) and v and _loaded_step(v) > 0}
+        self._loaded = kept or None
+        for g in self.param_groups:
+            g["eps"] = tuple(g["eps"])
+        self._created = False
+        self._forget_state()
 
     def __getstate__(self) -> Dict[str, Any]:
         raise TypeError(f"{type(self).__name__} holds a connection to the shards and cannot be "
@@ -312,7 +408,13 @@ class _RemoteAdafactorBase(Optimizer):
             taken = set(self._names.values())
             new = {}
             for pi, p in enumerate(g["params"]):
-                name = self.namespace + (names[pi] if names is not None else f"g{gi}.p{pi}")
+                if names is not None:
+                    local = names[pi]
+                elif id(p) in self._names_from:
+                    local = self._names_from[id(p)]
+                else:
+                    local = f"g{gi}.p{pi}"
+                name = self.namespace + _normalize_name(local)
                 if name in taken:
                     raise ValueError(f"two parameters are both named '{name}'")
                 taken.add(name)
@@ -355,6 +457,11 @@ class _RemoteAdafactorBase(Optimizer):
     def _params(self) -> List[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    def _live(self) -> List[Tensor]:
+        """The parameters that travel: requires_grad=False ones (frozen
+        layers, LoRA's base weights) are never created, pushed or pulled."""
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
     @property
     def remote_step(self) -> int:
         """Sync: the version most tensors are at (the next push's step);
@@ -394,7 +501,7 @@ class _RemoteAdafactorBase(Optimizer):
         yourself to start every worker from the same weights before the first
         forward pass."""
         self._check_shards()
-        params = self._params()
+        params = self._live()
         names = [self._names[id(p)] for p in params]
         loaded = self._loaded
         policy = self.on_existing or ("overwrite" if loaded is not None else "error")
@@ -416,6 +523,8 @@ class _RemoteAdafactorBase(Optimizer):
         for g in self.param_groups:
             cfg = self._wire_config(g)
             for p in g["params"]:
+                if not p.requires_grad:
+                    continue
                 name = self._names[id(p)]
                 spec = TensorSpec(name, tuple(p.shape), None, self._tensor_config(cfg, p))
                 st = loaded.get(p) if loaded is not None else None
@@ -444,9 +553,10 @@ class _RemoteAdafactorBase(Optimizer):
             log.info("factorps: adopted %d tensors the shards already held", len(existing))
         self._pushes = 0
         self._loaded = None
-        self._state_cache = None
+        self._forget_state()
         self._fixed = [{k: g[k] for k in self._FIXED} for g in self.param_groups]
         self._prints = {id(p): _fingerprint(p) for p in params}
+        self._travel = {id(p) for p in params}
         self._created = True
         if gone:
             raise FailedPreconditionError(
@@ -457,14 +567,46 @@ class _RemoteAdafactorBase(Optimizer):
 
     # -- state ------------------------------------------------------------------
 
-    def _fetch_state(self) -> Dict[Tensor, Dict[str, Any]]:
+    def _forget_state(self) -> None:
+        self._state_cache = None
+        self._state_one = {}
+
+    def _initial_state(self) -> Dict[Tensor, Dict[str, Any]]:
+        """Before setup(): what the next step creates the tensors with (the
+        loaded state, else zeros at step 0)."""
+        loaded = self._loaded or {}
+        out: Dict[Tensor, Dict[str, Any]] = {}
+        for g in self.param_groups:
+            has_mom = self.flavor == "hf" and g.get("beta1") is not None
+            for p in g["params"]:
+                if not p.requires_grad:
+                    continue
+                if p in loaded:
+                    out[p] = loaded[p]
+                    continue
+                zeros = {k: np.zeros(n, np.float32) for k, n in
+                         state_sizes(tuple(p.shape), has_mom).items()}
+                out[p] = self._state_view(p, dict(step=0, rms=0.0, row=zeros.get("row"),
+                                                  col=zeros.get("col"), var=zeros.get("var"),
+                                                  mom=zeros.get("mom")))
+        return out
+
+    def _fetch_state(self, one: Optional[Tensor] = None) -> Dict[Tensor, Dict[str, Any]]:
+        """param -> state view of every travelling parameter, or with `one`
+        at least of that one (a GetState of its tensor only)."""
         if not self._created or self.client is None:
-            return dict(self._loaded or {})  # what the next step creates the tensors with
-        if self._state_cache is None:
-            params = self._params()
-            names = [self._names[id(p)] for p in params]
-            got = self.client.get_state(names)
-            self._state_cache = {p: self._state_view(p, got[n]) for p, n in zip(params, names)}
+            return self._initial_state()
+        if self._state_cache is not None:
+            return self._state_cache
+        if one is not None:
+            if one not in self._state_one and id(one) in self._travel:
+                name = self._names[id(one)]
+                self._state_one[one] = self._state_view(one, self.client.get_state([name])[name])
+            return self._state_one
+        params = [p for p in self._params() if id(p) in self._travel]
+        names = [self._names[id(p)] for p in params]
+        got = self.client.get_state(names)
+        self._state_cache = {p: self._state_view(p, got[n]) for p, n in zip(params, names)}
         return self._state_cache
 
     def state_dict(self) -> Dict[str, Any]:
@@ -489,7 +631,17 @@ class _RemoteAdafactorBase(Optimizer):
         """Loads a state dict of this class (or of the upstream optimizer with
         the same names): the next step() creates the tensors with its state
         and step (on_existing default: overwrite what the shards hold).
-        A dict that does not match these parameters is a ValueError."""
+        A dict that does not match these parameters is a ValueError.
+        A state whose every step is 0 (an optimizer's state_dict() before its
+        first step) loads the param groups only: it never replaces what the
+        shards hold. register_load_state_dict_pre_hook() hooks run first
+        (they may rewrite the dict), post hooks last, as in torch."""
+        state_dict = dict(state_dict)
+        pre_hooks = getattr(self, "_optimizer_load_state_dict_pre_hooks", None)
+        for hook in list((pre_hooks or {}).values()):
+            out = hook(self, state_dict)
+            if out is not None:
+                state_dict = out
         meta = state_dict.get("factorps")
         params = self._params()
         names = [self._names[id(p)] for p in params]
@@ -519,8 +671,9 @@ class _RemoteAdafactorBase(Optimizer):
                              f"{[len(g['params']) for g in self.param_groups]}")
         # Check everything before anything changes (as torch maps it: by order).
         for s, g in zip(saved, self.param_groups):
-            if "param_names" in s and "param_names" in g and s["param_names"] != g[
-                    "param_names"]:
+            if "param_names" in s and "param_names" in g and [
+                    _normalize_name(n) for n in s["param_names"]] != [
+                    _normalize_name(n) for n in g["param_names"]]:
                 raise ValueError(f"the state dict's group names {s['param_names'][:3]}... "
                                  f"differ from {g['param_names'][:3]}...")
             merged = dict(g, **{k: v for k, v in s.items() if k != "params"})
@@ -530,11 +683,15 @@ class _RemoteAdafactorBase(Optimizer):
                 st = state_dict["state"].get(idx)
                 if st:
                     self._state_arrays(p, self._names[id(p)], st, merged)
-        super().load_state_dict(state_dict)  # ends in __setstate__ (self._loaded)
-        for g in self.param_groups:
-            g["eps"] = tuple(g["eps"])
-        self._created = False
-        self._state_cache = None
+        # torch's load_state_dict() without the pre hooks, which ran above;
+        # it ends in __setstate__ (self._loaded), then the post hooks.
+        if pre_hooks:
+            self._optimizer_load_state_dict_pre_hooks = type(pre_hooks)()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            if pre_hooks:
+                self._optimizer_load_state_dict_pre_hooks = pre_hooks
 
     # -- step -------------------------------------------------------------------
 
@@ -551,7 +708,7 @@ class _RemoteAdafactorBase(Optimizer):
                         "optimizer with on_existing='overwrite' to change it")
 
     def _write_local_changes(self) -> None:
-        changed = [p for p in self._params()
+        changed = [p for p in self._live()
                    if not _same_fingerprint(self._prints[id(p)], _fingerprint(p))]
         if not changed:
             return
@@ -572,6 +729,8 @@ class _RemoteAdafactorBase(Optimizer):
         for g in self.param_groups:
             cfg = self._wire_config(g)
             for p in g["params"]:
+                if id(p) not in self._travel:
+                    continue
                 name = self._names[id(p)]
                 spec = TensorSpec(name, tuple(p.shape), None, self._tensor_config(cfg, p))
                 if name in by_name:
@@ -589,24 +748,64 @@ class _RemoteAdafactorBase(Optimizer):
                  len(names), some)
         for p in changed:
             self._prints[id(p)] = _fingerprint(p)
-        self._state_cache = None
+        self._forget_state()
+
+    # GradScaler.step() hands this optimizer the step (with found_inf and
+    # grad_scale, or on torch < 2.1 itself as grad_scaler=) instead of
+    # skipping it on a worker that found an inf: the push then tells the
+    # shards, and every worker skips the same step (see step()).
+    _step_supports_amp_scaling = True
+
+    def _amp(self, grad_scaler: Any) -> Tuple[Optional[bool], Optional[Tensor]]:
+        """(found_inf, grad_scale) of a GradScaler driving this step: None,
+        None without one; grad_scale None when the gradients are unscaled."""
+        if grad_scaler is not None:  # torch < 2.1: the scaler itself
+            st = grad_scaler._per_optimizer_states[id(self)]
+            if getattr(st["stage"], "name", "") == "READY":
+                grad_scaler.unscale_(self)
+            return any(float(v) != 0 for v in st["found_inf_per_device"].values()), None
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step()
+        if found_inf is None:
+            return None, None
+        return float(found_inf) != 0, getattr(self, "grad_scale", None)
+
+    @staticmethod
+    def _nonfinite(grads: Dict[str, Optional[Tensor]]) -> Optional[str]:
+        """The first tensor whose gradient holds a NaN or an Inf (a float32
+        sum of finite gradients cannot overflow below the shards' 2^63
+        limit on an element)."""
+        for name, g in grads.items():
+            if g is not None and not math.isfinite(float(g.sum(dtype=torch.float32))):
+                return name
+        return None
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+    def step(self, closure: Optional[Callable[[], float]] = None,
+             **kwargs: Any) -> Optional[float]:
         """Performs a single optimization step on the shards: pushes every
         parameter's gradient with its group's current lr and weight decay and
         writes the updated values into the parameters in place.
+
+        A non-finite gradient skips the step: a GradScaler's found_inf (the
+        gradients are unscaled here; the scaler backs off as usual), or
+        without one any NaN or Inf (logged as a warning naming the tensor).
+        The step is skipped on every worker: this one pushes no gradient and
+        (sync) the shards apply nothing for that step; `last_step_skipped`
+        and `skipped_steps` count it.
 
         Args:
             closure (Callable, optional): A closure that reevaluates the model
                 and returns the loss.
         """
+        grad_scaler = kwargs.pop("grad_scaler", None)
+        if kwargs:
+            raise TypeError(f"step() got unexpected keyword arguments {sorted(kwargs)}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._created:
-            self.setup()
+        if not self._created or any(id(p) not in self._travel for p in self._live()):
+            self.setup()  # first step, or a parameter was unfrozen since
         else:
             self._check_fixed()
             if self._dirty:
@@ -618,6 +817,8 @@ class _RemoteAdafactorBase(Optimizer):
         for gi, g in enumerate(self.param_groups):
             hp = self._push_hparams(gi, g)
             for p in g["params"]:
+                if not p.requires_grad:
+                    continue
                 name = self._names[id(p)]
                 s = dict(hp)
                 if p.grad is None:
@@ -630,6 +831,26 @@ class _RemoteAdafactorBase(Optimizer):
                     grads[name] = p.grad
                 settings[name] = s
                 out[name] = p
+        found_inf, scale = self._amp(grad_scaler)
+        if found_inf is None:
+            bad = self._nonfinite(grads)
+            if bad is not None:
+                log.warning("factorps: worker %d: the gradient of '%s' holds a NaN or an Inf; "
+                            "this step is skipped", self.worker_id, bad)
+            found_inf = bad is not None
+        elif scale is not None and not found_inf:
+            inv = scale.double().reciprocal().float()  # as GradScaler.unscale_()
+            for gr in grads.values():
+                if gr is not None:
+                    gr.mul_(inv.to(gr.device))
+        with_grad = [n for n, gr in grads.items() if gr is not None]
+        if found_inf:
+            # Nothing to apply; the push still tells the shards and brings
+            # the current values (async/ssp: it keeps this worker's clock).
+            for n in grads:
+                grads[n] = None
+                settings[n] = dict(settings[n], no_grad=True)
+        before = {n: self._versions.get(n, 0) for n in with_grad}
         try:
             self._push(grads, settings, out)
         except BaseException:
@@ -638,13 +859,19 @@ class _RemoteAdafactorBase(Optimizer):
             self._dirty = True
             raise
         finally:
-            self._state_cache = None
-            self._prints = {id(p): _fingerprint(p) for p in self._params()}
+            self._forget_state()
+            self._prints = {id(p): _fingerprint(p) for p in self._live()}
+        # sync: a round another worker skipped leaves the versions where
+        # they were.
+        self.last_step_skipped = bool(found_inf) or bool(
+            self._shard_mode == "sync" and with_grad
+            and all(self._versions.get(n, 0) == v for n, v in before.items()))
+        self.skipped_steps += self.last_step_skipped
         return loss
 
     def _refresh(self) -> None:
         """Re-reads every parameter's value and version from the shards."""
-        params = self._params()
+        params = self._live()
         names = [self._names[id(p)] for p in params]
         _, versions = self.client.pull(names, out=dict(zip(names, params)))
         self._versions.update(versions)
@@ -809,7 +1036,7 @@ class RemoteAdafactor(_RemoteAdafactorBase):
 
     The factorps options (shards, worker_id, num_workers, mode, namespace,
     on_existing, client, deadline, max_retries, recovery_timeout,
-    client_options, split_min_bytes) are described in the module and in
+    client_options, split_min_bytes, names_from) are described in the module and in
     ``_RemoteAdafactorBase``.
     """
 
@@ -839,6 +1066,7 @@ class RemoteAdafactor(_RemoteAdafactorBase):
         recovery_timeout: Optional[float] = None,
         client_options: Optional[Dict[str, Any]] = None,
         split_min_bytes: int = 0,
+        names_from: Any = None,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -849,7 +1077,8 @@ class RemoteAdafactor(_RemoteAdafactorBase):
                           num_workers=num_workers, mode=mode, namespace=namespace,
                           on_existing=on_existing, client=client, deadline=deadline,
                           max_retries=max_retries, recovery_timeout=recovery_timeout,
-                          client_options=client_options, split_min_bytes=split_min_bytes)
+                          client_options=client_options, split_min_bytes=split_min_bytes,
+                          names_from=names_from)
 
     def _validate_group(self, g: Dict[str, Any]) -> None:
         """torch.optim.Adafactor's checks, for every group."""
@@ -974,6 +1203,7 @@ class RemoteHFAdafactor(_RemoteAdafactorBase):
         recovery_timeout: Optional[float] = None,
         client_options: Optional[Dict[str, Any]] = None,
         split_min_bytes: int = 0,
+        names_from: Any = None,
     ) -> None:
         if lr is not None and relative_step:
             raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
@@ -988,7 +1218,8 @@ class RemoteHFAdafactor(_RemoteAdafactorBase):
                           num_workers=num_workers, mode=mode, namespace=namespace,
                           on_existing=on_existing, client=client, deadline=deadline,
                           max_retries=max_retries, recovery_timeout=recovery_timeout,
-                          client_options=client_options, split_min_bytes=split_min_bytes)
+                          client_options=client_options, split_min_bytes=split_min_bytes,
+                          names_from=names_from)
 
     @staticmethod
     def _get_lr(param_group: Dict[str, Any], param_state: Dict[str, Any]) -> float:
@@ -1060,6 +1291,15 @@ class RemoteHFAdafactor(_RemoteAdafactorBase):
         return _check_state(name, st, want, ("step", "RMS"),
                             {"exp_avg_sq_row": "row", "exp_avg_sq_col": "col",
                              "exp_avg_sq": "var", "exp_avg": "mom"}, "RMS")
+
+
+def _loaded_step(st: Mapping) -> float:
+    """The step of one parameter's loaded state (0 when it has none)."""
+    step = st.get("step", 0)
+    try:
+        return float(step.item() if isinstance(step, Tensor) else step)
+    except (TypeError, ValueError, RuntimeError):
+        return 1.0  # not a number: let _check_state() name the problem
 
 
 def _check_state(name: str, st: Dict[str, Any], want: Dict[str, List[int]],
