@@ -8,7 +8,7 @@
  * index. This is the LPT greedy for makespan: the heaviest shard exceeds the
  * lightest by at most the largest tensor, and within 4/3 of the optimum.
  *
- * Row splitting (issue 12, fps__placement_split): the same LPT for tensors
+ * Row splitting (fps__placement_split): the same LPT for tensors
  * below split_min_bytes, then each larger tensor is water-filled onto the
  * lightest shards in row blocks, so one huge tensor (an embedding) no longer
  * decides the heaviest shard. */

@@ -5,7 +5,7 @@
  * been covered exactly and every tensor have its TensorState, or the call
  * fails with DATA_LOSS. Read-only, so retried on UNAVAILABLE.
  *
- * A split tensor (issue 12) is read from every block's shard and assembled
+ * A split tensor is read from every block's shard and assembled
  * into the whole tensor's state: row statistics, variance and momentum at
  * the block's rows; the column statistics of a matrix that several blocks
  * touch are held by each of them, so every copy is checked to be

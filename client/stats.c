@@ -2,7 +2,7 @@
  * Stats calls to the shards in parallel, decoded with protobuf-c (small
  * messages; no tensor data). Read-only, so retried on UNAVAILABLE.
  *
- * A row block of a split tensor (issue 12) is reported by its shard with
+ * A row block of a split tensor is reported by its shard with
  * its map (TensorStats.split); discover rebuilds the tensor's blocks from
  * every shard's reports and checks they form one consistent map. */
 #include <stdio.h>

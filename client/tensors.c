@@ -10,7 +10,7 @@
  * come from another worker are then polled with value-less Creates, with
  * backoff, until ready or the deadline.
  *
- * Split tensors (issue 12): with split_min_bytes > 0 the placement may cut
+ * Split tensors: with split_min_bytes > 0 the placement may cut
  * a tensor into row blocks (fps__placement_split). Each block is its own
  * item here: a Create to its shard carrying the whole map (SplitBlock), the
  * whole shape, and the block's slice of init and of the resume state at

@@ -67,7 +67,7 @@
  *   w = numpy.frombuffer(data[b:e], "<f4").reshape(h["w"]["shape"])
  * tests/unit/common/checkpoint_read.py does exactly this and checks both hashes.
  *
- * ROW BLOCKS (format_version "2"; issue 12, server/shard/split_tensor.h).
+ * ROW BLOCKS (format_version "2"; server/shard/split_tensor.h).
  * A shard holding a row block of a split tensor stores the block, under the
  * tensor's name. Its "tensor:<name>" object has five more keys (all
  * required together; lists are decimals joined by ","):

@@ -1,4 +1,4 @@
-/* Resharding checkpoints (issue 12, `factorps checkpoint reshard`): the
+/* Resharding checkpoints (`factorps checkpoint reshard`): the
  * checkpoints S shards wrote for one job are verified as a whole and
  * gathered into whole tensors, which are then cut by a new placement and
  * written as S' complete checkpoints. Standalone (fps_checkpoint): the

@@ -1,4 +1,4 @@
-/* The calling side of shard-to-shard Exchange (issue 12): the sender the
+/* The calling side of shard-to-shard Exchange: the sender the
  * shard core uses to carry a split tensor's partial sums to the other
  * shards holding its blocks (split_tensor.h, fps_xsend_fn).
  *

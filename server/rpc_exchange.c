@@ -1,4 +1,4 @@
-/* Exchange (issue 12): a peer shard's partial sums of one step of a split
+/* Exchange: a peer shard's partial sums of one step of a split
  * tensor. The request's own checks come first, in the proto's order (the
  * most basic problem of a request is the one reported); then the core
  * checks it against this shard's block and keeps the partials

@@ -1,4 +1,4 @@
-/* Create of one row block of a split tensor (issue 12, proto SplitBlock):
+/* Create of one row block of a split tensor (proto SplitBlock):
  * the checks of the block map a shard can make on its own, whether this
  * shard may hold blocks at all, create-or-match of two maps, and a
  * block's state sizes. create.c applies them; split_tensor.h says how a

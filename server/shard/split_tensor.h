@@ -1,6 +1,6 @@
 /* A row block of a split tensor held by this shard, and the contract
  * between the shard core and whatever carries partial sums to the other
- * shards (issue 12; proto SplitBlock and Exchange). gRPC-free (shard core).
+ * shards (proto SplitBlock and Exchange). gRPC-free (shard core).
  *
  * A block is an ordinary fps_tensor_t with t->split set:
  *   t->shape  the WHOLE tensor's shape (names, create-or-match, the shape a

@@ -279,7 +279,7 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
    * exchange, so every sum is divided here. */
   for (fps_tensor_t *t = set; t && W > 1; t = t->round.cnext)
     if (!t->round.none) fps__sum_divide(sh, t->round.sum, t->numel, (float)W);
-  /* issue 12: blocks of split tensors step with the other shards first. */
+  /* Blocks of split tensors step with the other shards first. */
   if (fps__xstep_needed(set)) {
     fps_xgroup_t *g = NULL;
     err = fps__xstep_start(sh, set, k, &g, why, sizeof why);

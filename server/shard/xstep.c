@@ -1,4 +1,4 @@
-/* The cross-shard step of split tensors (issue 12; split_tensor.h): a
+/* The cross-shard step of split tensors (split_tensor.h): a
  * sync set holding row blocks applies only once every block's partial
  * sums are here and every peer has acknowledged ours.
  *

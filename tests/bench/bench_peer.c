@@ -1,4 +1,4 @@
-/* The shard-to-shard transport's cost (issue 12): Exchange round trips
+/* The shard-to-shard transport's cost: Exchange round trips
  * through server/peer.c (the sender a shard installs) to a real shard on
  * loopback, for the partials of a 1-D block (64 bytes) and of blocks
  * touching M matrices of C columns (64 + M (16 + 20 C) bytes), one send at

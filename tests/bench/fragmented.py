@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Fragmented requests against an unrelated push (issue 11 item 5).
+"""Fragmented requests against an unrelated push.
 
 One factorps-server (async). A separate process (its own GIL) pushes a
 small tensor "u" in a loop and records each push's latency. The main

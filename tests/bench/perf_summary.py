@@ -10,7 +10,7 @@ PERF_DATA is run through `perf report --stdio --no-children --sort sym`;
 machine).
 
 The groups (percent of all the shard's samples, user and kernel):
-  user-space copies     memmove/memcpy in the shard (the criterion of issue 10:
+  user-space copies     memmove/memcpy in the shard (the target:
                         at most one user pass per received gradient byte,
                         none per sent parameter byte)
   decode / sum kernels  the gradient check + convert + sync sum

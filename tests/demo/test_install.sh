@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a user of the installed tools meets (issue 13 item 5):
+# What a user of the installed tools meets:
 # - `cmake --install` into a temporary prefix; factorps-server, factorps and
 #   a program built with `pkg-config --cflags --libs factorps` run with no
 #   LD_LIBRARY_PATH (and ldd resolves libfactorps into the prefix);

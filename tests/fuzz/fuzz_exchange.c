@@ -1,4 +1,4 @@
-/* libFuzzer target: Exchange requests (issue 12) through the shard's real
+/* libFuzzer target: Exchange requests through the shard's real
  * handler (server/rpc_exchange.c: decode, the request's own checks, then
  * fps_shard_exchange_receive in xstep.c: the block, the map, versions,
  * early mail, duplicates, the partials' decode and combine, the apply) on

@@ -233,7 +233,7 @@ static void seeds_create(void) {
   }
 }
 
-/* Create with SplitBlock maps (issue 12): fuzz_create also sends every
+/* Create with SplitBlock maps: fuzz_create also sends every
  * input to shard 0 of 2 in sync mode with peers, where a good map makes a
  * block; the bad ones must be refused naming the field. */
 static void seeds_create_split(void) {

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""Issue 14 items 3 and 4 against the real factorps-server on loopback: the
-checkpoint series after real checkpoints, a real failure (the directory
+"""The checkpoint metrics and alerts against the real factorps-server on
+loopback: the checkpoint series after real checkpoints, a real failure (the directory
 taken away; a full file system in a private mount namespace), and the
 restore outcome and sequence of a restarted shard; promtool accepts it all.
 Then a real Prometheus with deploy/prometheus/ (alerts.yml unchanged)

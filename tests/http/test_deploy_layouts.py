@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Issue 14 item 5: shards started exactly as deploy/ configures them, killed
+"""Shards started exactly as deploy/ configures them, killed
 and restarted the way the orchestrator would, come back with their state
 from the configured volume. No Docker engine or cluster: the shard
 definitions come from the shipped files themselves (deploy/layouts.py:
@@ -389,8 +389,9 @@ class SyncOverlay(unittest.TestCase):
 
 
 class LayoutsCheckCatches(unittest.TestCase):
-    """deploy/check.sh's assertions (layouts.check) fail on the mistakes
-    issue 14 is about, in a copy of deploy/ with one thing broken."""
+    """deploy/check.sh's assertions (layouts.check) fail on the mistakes that
+    lose a shard's state (no volume, a checkpoint directory off the volume,
+    ...), in a copy of deploy/ with one thing broken."""
 
     def broken(self, path, old, new, renderer="mini"):
         tmp = tempfile.mkdtemp(prefix="fps-deploy-copy-")

@@ -313,8 +313,9 @@ class HttpTest(unittest.TestCase):
             self.assertLess(time.time() - t0, TIMEOUT_MS / 1000 + 10)
 
     def test_probes_with_idle_connections_open(self):
-        """Issue 23, finding 6: 128 idle connections made /healthz and /readyz
-        answer 503 (and Kubernetes restart a healthy pod). 200 idle ones
+        """Probes are answered while idle connections fill the endpoint: 128
+        idle connections once made /healthz and /readyz answer 503 (and
+        Kubernetes restart a healthy pod). 200 idle ones
         open, every probe must still be answered 200 at once."""
         self.shard.p.send_signal(signal.SIGUSR1)  # ready
         deadline = time.time() + 5

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Issue 5 against the real factorps-server on loopback:
+"""The shard's metrics against the real factorps-server on loopback:
 
 - promtool accepts /metrics after real gRPC traffic, and the figures match
   the traffic and the tensors created;

@@ -1,4 +1,4 @@
-/* The allocation-failure sweep (issue 11 item 8; SQLite's faultsim habit):
+/* The allocation-failure sweep (SQLite's faultsim habit):
  * a real shard (the server's code, all but main()) serves a real gRPC
  * server on 127.0.0.1 in this process, and libfactorps calls it. For one
  * method per test case, call i of the sweep makes the shard's allocation

@@ -1,5 +1,5 @@
 /* libfactorps retries a started PushPull on UNAVAILABLE, and the shard
- * applies it exactly once (issue 11 item 2). A TCP proxy in this process
+ * applies it exactly once. A TCP proxy in this process
  * stands between the client and a real shard and resets every connection
  * once a chosen number of bytes has passed in one direction:
  *   lost_reply     shard -> client, well into the reply's parameters: the

@@ -78,7 +78,7 @@ class BadInput(BadInputBase):
 
     def test_pull_repeated_name(self):
         # A Pull naming a tensor many times would be answered with as many
-        # copies (finding 7 of issue 23): refused as GetState refuses it.
+        # copies: refused as GetState refuses it.
         req = self.pb.PullRequest(names=["w"] * 1000)
         self.assertStatus(lambda: list(self.srv.stub.Pull(req, timeout=10)),
                           self.grpc.StatusCode.INVALID_ARGUMENT, "Pull", "'w'", "named twice")

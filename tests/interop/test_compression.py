@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Compressed requests (issue 11): the shard inflates a gzip/deflate message
+"""Compressed requests: the shard inflates a gzip/deflate message
 itself, only after the token and the call limit admitted the call, and never
 past --max-message-bytes, so a gzip bomb costs at most that much memory.
 Each case checks the status, the shard's peak RSS, its state and counters."""

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""A failed call changes nothing (issue 11, items 1-3): a PushPull whose
+"""A failed call changes nothing: a PushPull whose
 gradient was sent whole but whose stream never half-closed (cancelled, past
 the client's or the shard's deadline, worker process killed) applies
 nothing, in every mode; a sync round never completes with a dead worker's

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Shards that know each other (issue 12): --peers and the peer TLS/token
+"""Shards that know each other: --peers and the peer TLS/token
 flags at start-up, and fpsharness.Job, which starts a multi-shard job on
 loopback ports it picks (the harness h12cli's end-to-end tests build on).
 

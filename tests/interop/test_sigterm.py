@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""SIGTERM under load exits in bounded time (issue 10 item 8; issue 12 with
-split tensors, SigtermSplit): two shards,
+"""SIGTERM under load exits in bounded time (also with split tensors,
+SigtermSplit): two shards,
 one worker (`factorps load`) pushing a 10M-parameter model through both;
 SIGTERM both shards 20 times, restarting them in between. Every exit must
 be code 0 within BOUND_S of the signal (the shard promises 1 s plus the
@@ -86,7 +86,7 @@ class Sigterm(unittest.TestCase):
 
 
 class SigtermSplit(unittest.TestCase):
-    """The same with split tensors (issue 12): two sync shards that know
+    """The same with split tensors: two sync shards that know
     each other (--peers), the load's tensors of 4 MiB and more cut into
     row blocks, so cross-shard steps and their Exchange calls are in
     flight when SIGTERM comes. Every exit 0 within BOUND_S."""

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Split tensors on the wire (issue 12, in progress): a Create carrying a
+"""Split tensors on the wire: a Create carrying a
 SplitBlock gets its block map checked exactly as the proto says (another
 shard count or another shard's block: FAILED_PRECONDITION naming both;
 inconsistent geometry: INVALID_ARGUMENT naming the field); a consistent

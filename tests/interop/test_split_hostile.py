@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Hostile Exchange requests to a real shard (issue 12). Any client with
+"""Hostile Exchange requests to a real shard. Any client with
 the token can call Exchange, so shard 0 of a two-shard sync job holding
 block 0 (rows [0, 2)) of a [6, 5] tensor gets requests that imitate shard
 1's partials of block 1 with one thing wrong each: every one must be

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""Cross-shard steps of a split tensor over the shards' own secured calls
-(issue 12): shards call each other with the workers' transport and
+"""Cross-shard steps of a split tensor over the shards' own secured calls:
+shards call each other with the workers' transport and
 credentials, the calling shard presenting its client certificate where
 the peer demands mutual TLS and sending a bearer token from the peer's
 --auth-token-file. A step through every security kind equals the unsplit

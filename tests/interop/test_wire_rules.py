@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Wire rules every method shares (issue 11): names with NUL or control
+"""Wire rules every method shares: names with NUL or control
 characters, status messages that stay UTF-8 when cut, protobuf messages that
 repeat an embedded field (the parts merge), torch's d >= 1. Each case checks
 the exact status, that the shard's state is unchanged, and the counters."""

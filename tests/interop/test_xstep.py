@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""The cross-shard step of a split tensor between real shards (issue 12):
+"""The cross-shard step of a split tensor between real shards:
 two shards of one sync job (--peers, plaintext on loopback) each hold one
 row block of a [6, 5] tensor (rows 0-1 and 2-5); one worker pushes each
 block's gradient rows to its shard, the shards exchange partial sums over

@@ -1,4 +1,4 @@
-"""The 100M load models split over 2, 3 and 4 shards (issue 12): balanced.
+"""The 100M load models split over 2, 3 and 4 shards: balanced.
 
 `factorps load --model peer|gpt --params 100M --split-min-bytes 32Mi` (the
 recommended threshold, FPS_SPLIT_MIN_BYTES_DEFAULT) runs 2 steps against

@@ -1,4 +1,4 @@
-"""libfactorps' routing of split tensors (issue 12), through real shards.
+"""libfactorps' routing of split tensors, through real shards.
 
 With split_min_bytes=1 every tensor of >= 2 rows is cut into the plan's row
 blocks. Created with a resume state (step > 0: params, row and column

@@ -1,5 +1,5 @@
 """The golden vectors through the service with every tensor split into row
-blocks over 2, 3 and 4 shards (issue 12).
+blocks over 2, 3 and 4 shards.
 
 Every golden case with >= 2 rows (rows of the [..., R, C] view; elements
 for 1-D) runs its 5 steps through real shards (sync, 1 worker, --peers)

@@ -176,7 +176,7 @@ class RemoteTest(unittest.TestCase):
                 opt.close()
 
     def test_none_gradients_are_not_stepped(self):
-        # Issue 9: a parameter without a gradient gets no update (no_grad on
+        # A parameter without a gradient gets no update (no_grad on
         # the wire), as in torch: its shard version stays 0.
         ps = _params()
         before = [p.detach().clone() for p in ps]

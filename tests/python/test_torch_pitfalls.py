@@ -1,5 +1,5 @@
-"""The usual ways of running a PyTorch job that used to go wrong (issue 21,
-item 6), each against real shards: the overwrite guard after an empty
+"""The usual ways of running a PyTorch job that used to go wrong, each
+against real shards: the overwrite guard after an empty
 load_state_dict(), GradScaler and non-finite gradients, torch.distributed
 .checkpoint, load_state_dict hooks, frozen parameters, torch.compile / DDP
 name prefixes and transformers' AdafactorSchedule. Cases that need an API

@@ -1,4 +1,4 @@
-"""RemoteAdafactor with a split embedding (issue 12).
+"""RemoteAdafactor with a split embedding.
 
 A small language-model-like net (a 64 x 12 embedding, a projection and a
 bias) trains through RemoteAdafactor on shards started with --peers, with

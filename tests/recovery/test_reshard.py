@@ -1,4 +1,4 @@
-"""Resharding in the middle of a training run (issue 12): a job trains on 2
+"""Resharding in the middle of a training run: a job trains on 2
 shards with split tensors, checkpoints, is resharded to 3 shards with
 `factorps checkpoint reshard`, trains on, is resharded back to 2 and trains
 on. After each reshard the restored parameters equal the checkpointed ones

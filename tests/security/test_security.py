@@ -179,7 +179,7 @@ class Grpcio(unittest.TestCase):
 
 
 class Roles(unittest.TestCase):
-    """Issue 23, finding 3: one credential granted everything. Worker, admin
+    """Roles: one credential must not grant everything. Worker, admin
     and peer tokens: each role may do its own calls only, refused calls
     change nothing, a peer token speaks for its own shard only; one token
     alone keeps every role (the one-machine setup)."""

@@ -387,7 +387,7 @@ typedef struct fps_shard_stats_s {
   uint32_t workers;             /* sync/ssp */
   uint32_t staleness;           /* ssp */
   char version[32];             /* factorps version of the shard */
-  /* Split tensors (issue 12; appended): */
+  /* Split tensors (appended, so earlier fields keep their offsets): */
   uint64_t split_blocks;        /* row blocks of split tensors held (counted in
                                    `tensors`) */
   uint64_t split_param_bytes;   /* their parameter bytes (in param_bytes) */
@@ -423,8 +423,8 @@ typedef struct fps_tensor_stats_s {
   uint64_t param_elements, param_bytes;
   uint64_t state_row, state_col, state_var, state_mom, state_elements, state_bytes;
   uint64_t adamw_elements, adamw_bytes;
-  /* Split tensors (issue 12; appended): which rows the reporting shard
-   * holds. A whole tensor: block 0 of 1, all its rows; a row block: its
+  /* Split tensors (appended, so earlier fields keep their offsets): which
+   * rows the reporting shard holds. A whole tensor: block 0 of 1, all its rows; a row block: its
    * index, the tensor's block count and its rows (the sizes above are the
    * block's, the shape the whole tensor's). */
   uint32_t block_index, n_blocks;

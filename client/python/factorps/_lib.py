@@ -51,7 +51,7 @@ class ClientOptions(ctypes.Structure):
         ("auth_token", ctypes.c_char_p),
         ("tls_server_name", ctypes.c_char_p),
         ("wire_dtype", ctypes.c_int),  # 1 f32, 2 bf16 (FPS_WIRE_*)
-        # Row splitting (issue 12), 0 = never: connect(split_min_bytes=...).
+        # Row splitting, 0 = never: connect(split_min_bytes=...).
         # Placement is computed by libfactorps, not here.
         ("split_min_bytes", ctypes.c_uint64),
     ]

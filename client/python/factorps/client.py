@@ -533,7 +533,7 @@ class Client:
         advance, and outputs may be partly written (some shards may have
         applied the step: pull() tells where each tensor stands).
 
-        Issue 9 (fps_client_push_pull_ex): `num_workers` (the job's worker
+        As fps_client_push_pull_ex: `num_workers` (the job's worker
         count; the shards refuse a mismatch at once), `expect_mode` ("sync",
         "async", "ssp": refused if the shards run another), and `settings`
         {name: {"lr": float, "weight_decay": float, "no_grad": bool, "step":

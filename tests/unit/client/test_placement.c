@@ -217,7 +217,7 @@ static double ratio(const uint64_t *load, size_t S) {
   return (double)mx / (double)mn;
 }
 
-/* Issue 12: max/min shard parameter bytes <= 1.05 over 2, 3 and 4 shards
+/* Balance: max/min shard parameter bytes <= 1.05 over 2, 3 and 4 shards
  * for the 100M load model at the default threshold (32 MiB), which splits
  * only the embedding; the whole-tensor placement is far off. */
 static void load_model_balanced_at_default(void **u) {

@@ -536,7 +536,7 @@ static void step_blocks(const fps_golden_case_t *c, const fps_kernels_t *k, fps_
   }
 }
 
-/* Issue 12's resharding, in the math: every golden case with >= 3 rows
+/* Resharding, in the math: every golden case with >= 3 rows
  * runs steps 1-2 whole, then its state is cut into 2 blocks (step 3), 3
  * blocks (step 4) and 2 blocks again (step 5), each time gathered into a
  * whole state and cut anew (fps_split_state_to_whole / _from_whole); the

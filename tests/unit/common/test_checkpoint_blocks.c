@@ -1,4 +1,4 @@
-/* Checkpoints of row blocks (issue 12): the block layout round trips bit
+/* Checkpoints of row blocks: the block layout round trips bit
  * for bit beside whole tensors, files without blocks stay format_version 1,
  * the writer refuses maps that do not fit the shape or the shard, and the
  * reader refuses re-sealed headers whose block metadata is inconsistent,

@@ -1,4 +1,4 @@
-/* Resharding checkpoints (issue 12) without a server: a synthetic job
+/* Resharding checkpoints without a server: a synthetic job
  * written for 2 shards is resharded to 3 and back to 2 by the real
  * `factorps checkpoint reshard` (argv[1]); every output tensor and block
  * equals, bit for bit, the direct split of the job's whole tensors by the

@@ -1,5 +1,5 @@
 #!/bin/sh
-# CTest `cli_plan_balance` (issue 12): `factorps plan` for both load models
+# CTest `cli_plan_balance`: `factorps plan` for both load models
 # at 100M parameters over 2, 3 and 4 shards must give max/min shard bytes
 # <= 1.05 at the default split threshold, split exactly one tensor (the
 # embedding), and refuse bad arguments with exit status 2.

@@ -1,4 +1,4 @@
-/* Row blocks of split tensors in the shard's store (issue 12), driven
+/* Row blocks of split tensors in the shard's store, driven
  * directly (no gRPC): Create of a block (map checks, "no --peers" and the
  * mode rule, create-or-match of maps, whole vs block), block-local init
  * coverage, resume with the block's state sizes, replace, limits counting

@@ -1,4 +1,4 @@
-/* A shard's checkpoint of row blocks, restored (issue 12; no gRPC): a
+/* A shard's checkpoint of row blocks, restored (no gRPC): a
  * restarted shard comes back with its blocks at their versions, with the
  * block's params, row, column and momentum state, step, RMS and map bit for
  * bit; a Create with the same map then matches the restored block and a

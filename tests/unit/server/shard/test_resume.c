@@ -1,4 +1,4 @@
-/* The shard core's resume and replace rules (issue 9), driven directly (no
+/* The shard core's resume and replace rules, driven directly (no
  * gRPC): Create at a step with the optimizer state, readiness only once
  * params and state are covered, state snapshots (GetState) at one version,
  * replace (all in one call, refused while a sync round is open, swapped at

@@ -1,4 +1,4 @@
-/* A call's tensors are applied together or not at all (issue 11 item 3),
+/* A call's tensors are applied together or not at all,
  * driven on the shard core directly with the fake clock. Sync: a push
  * naming several tensors links their rounds into a set that completes only
  * when every round of it is full, all at once; a deadline, a disagreement
