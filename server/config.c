@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "alloc.h"
+#include "memlimit.h"
 #include "server.h"
 
 /* CFG_FLAG: a boolean switch whose value is optional (`--x` means true,
@@ -46,11 +47,13 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
     {"port-file", CFG_STR, OFF(port_file), "", 0, 0, "write the bound port to this file"},
     {"max-tensors", CFG_U64, OFF(max_tensors), "1048576", 1, 1e15, "most tensors this shard holds"},
     {"max-bytes", CFG_U64, OFF(max_bytes), "0", 0, 1.8e19,
-     "most parameter bytes this shard holds (0: half the physical memory)"},
+     "most parameter bytes this shard holds (0: half the memory cgroup's limit, or of the physical memory)"},
     {"max-staging-bytes", CFG_U64, OFF(max_staging_bytes), "0", 0, 1.8e19,
      "most bytes of gradient staging and reply snapshots over all calls (0: same as --max-bytes)"},
     {"max-concurrent-calls", CFG_U32, OFF(max_concurrent_calls), "4096", 1, 1e6,
      "calls in progress at once, parked sync/ssp pushes included (more: RESOURCE_EXHAUSTED)"},
+    {"max-streams-per-connection", CFG_U32, OFF(max_streams_per_connection), "1024", 1, 1e6,
+     "HTTP/2 streams one connection may have open (SETTINGS_MAX_CONCURRENT_STREAMS; more wait in the client)"},
     {"tls-cert", CFG_STR, OFF(tls_cert), "", 0, 0, "PEM certificate chain: serve TLS (with --tls-key)"},
     {"tls-key", CFG_STR, OFF(tls_key), "", 0, 0, "PEM private key of --tls-cert (unencrypted)"},
     {"tls-client-ca", CFG_STR, OFF(tls_client_ca), "", 0, 0,
@@ -290,8 +293,12 @@ static int fps__cfg_check(fps_config_t *cfg) {
     cfg->threads = n < 2 ? 2 : (uint32_t)(n > 64 ? 64 : n);
   }
   if (cfg->max_bytes == 0) {
-    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-    cfg->max_bytes = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz / 2 : (UINT64_C(1) << 34);
+    /* Half of what the process may use: the container's memory cgroup
+     * limit where there is one, else the physical memory. */
+    char src[256];
+    uint64_t lim = fps_memlimit("", src, sizeof src);
+    cfg->max_bytes = lim ? lim / 2 : (UINT64_C(1) << 34);
+    FPS_SLOG(FPS_LOG_INFO, "--max-bytes %" PRIu64 ": half of %" PRIu64 " bytes (%s)", cfg->max_bytes, lim, src);
   }
   if (cfg->max_staging_bytes == 0) cfg->max_staging_bytes = cfg->max_bytes;
   if (!*cfg->checkpoint_dir && (cfg->checkpoint_interval > 0 || cfg->require_checkpoint)) {

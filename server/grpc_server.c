@@ -120,6 +120,82 @@ static bool fps__call_admit(fps_server_t *srv, grpc_call *call, gpr_timespec dea
 
 static void fps__call_admitted(void) { atomic_fetch_sub(&fps__arriving, 1); }
 
+/* ------------------------------------------- the request, once admitted */
+
+/* A unary call's request is read only after admission: gRPC would
+ * otherwise read the whole message (up to --max-message-bytes, the
+ * receive window opened for it) before the token is looked at, and
+ * unauthenticated streams that stall inside their message held that much
+ * each (6 x 16 MiB took a shard from 19 to 116 MiB, kept after they left).
+ * Until it is read, a refused or unread stream holds at most gRPC's 64 KiB
+ * lookahead. While reading, the call counts as arriving against
+ * --max-concurrent-calls, so stalled senders cannot pile up either. */
+typedef struct fps_pending_s {
+  fps_tag_t tag;
+  fps_server_t *srv;
+  grpc_call *call;
+  gpr_timespec deadline;
+  grpc_metadata_array md;
+  grpc_byte_buffer *payload;        /* RECV_MESSAGE's; NULL: none came */
+  int method;
+} fps_pending_t;
+
+static void fps__dispatch(fps_server_t *srv, grpc_call *call, gpr_timespec deadline, grpc_metadata_array *md,
+                          grpc_byte_buffer *payload, int method);
+
+static void fps__pending_done(fps_tag_t *tag, bool ok) {
+  fps_pending_t *p = (fps_pending_t *)tag;
+  if (!ok || atomic_load(&p->srv->shutting_down)) {
+    /* The call died (client gone, deadline, shutdown) before its message. */
+    if (p->payload) grpc_byte_buffer_destroy(p->payload);
+    grpc_call_cancel(p->call, NULL);
+    grpc_call_unref(p->call);
+    grpc_metadata_array_destroy(&p->md);
+  } else {
+    fps__dispatch(p->srv, p->call, p->deadline, &p->md, p->payload, p->method);
+  }
+  fps_free(p);
+  fps__call_admitted();
+}
+
+/* Reads an admitted unary call's request, then starts its handler
+ * (fps__pending_done). False if that could not begin: the call is
+ * answered and released here. */
+static bool fps__pending_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline, grpc_metadata_array *md,
+                               int method) {
+  fps_pending_t *p = fps_calloc(1, sizeof *p);
+  if (!p) {
+    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
+    grpc_call_unref(call);
+    grpc_metadata_array_destroy(md);
+    return false;
+  }
+  p->tag.fn = fps__pending_done;
+  p->srv = srv;
+  p->call = call;
+  p->deadline = deadline;
+  p->md = *md;
+  memset(md, 0, sizeof *md);
+  p->method = method;
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_MESSAGE;
+  op.data.recv_message.recv_message = &p->payload;
+  grpc_call_error e = GRPC_CALL_ERROR_ALREADY_FINISHED;
+  pthread_rwlock_rdlock(&srv->batch_gate);
+  if (!srv->batches_closed) {
+    FPS_TSAN_RELEASE(&p->tag);
+    e = grpc_call_start_batch(call, &op, 1, &p->tag, NULL);
+  }
+  pthread_rwlock_unlock(&srv->batch_gate);
+  if (e == GRPC_CALL_OK) return true;
+  grpc_call_cancel(call, NULL);
+  grpc_call_unref(call);
+  grpc_metadata_array_destroy(&p->md);
+  fps_free(p);
+  return false;
+}
+
 /* -------------------------------------------------------------- slots */
 
 static int fps__slot_post(fps_slot_t *s);
@@ -153,30 +229,43 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
     fps_free(s);
   }
   if (!fps__call_admit(srv, call, deadline, &md, payload, method)) return;
+  /* PushPull reads its own stream, and an unknown method is answered at
+   * once; the unary methods read their request first (fps__pending_*),
+   * and stay counted as arriving until their handler has started. */
+  if (method != M_PUSHPULL && method != M_GENERIC) {
+    if (!fps__pending_start(srv, call, deadline, &md, method)) fps__call_admitted();
+    return;
+  }
+  fps__dispatch(srv, call, deadline, &md, payload, method);
+  fps__call_admitted();
+}
+
+/* Starts the handler of an admitted call (it takes call, md and payload). */
+static void fps__dispatch(fps_server_t *srv, grpc_call *call, gpr_timespec deadline, grpc_metadata_array *md,
+                          grpc_byte_buffer *payload, int method) {
   switch (method) {
-    case M_CREATE: fps_rpc_create_start(srv, call, deadline, &md, payload); break;
-    case M_PUSHPULL: fps_rpc_pushpull_start(srv, call, deadline, &md); break;
-    case M_PULL: fps_rpc_pull_start(srv, call, deadline, &md, payload); break;
-    case M_STATS: fps_rpc_stats_start(srv, call, deadline, &md, payload); break;
-    case M_CHECKPOINT: fps_rpc_checkpoint_start(srv, call, deadline, &md, payload); break;
-    case M_GETSTATE: fps_rpc_getstate_start(srv, call, deadline, &md, payload); break;
-    case M_EXCHANGE: fps_rpc_exchange_start(srv, call, deadline, &md, payload); break;
+    case M_CREATE: fps_rpc_create_start(srv, call, deadline, md, payload); break;
+    case M_PUSHPULL: fps_rpc_pushpull_start(srv, call, deadline, md); break;
+    case M_PULL: fps_rpc_pull_start(srv, call, deadline, md, payload); break;
+    case M_STATS: fps_rpc_stats_start(srv, call, deadline, md, payload); break;
+    case M_CHECKPOINT: fps_rpc_checkpoint_start(srv, call, deadline, md, payload); break;
+    case M_GETSTATE: fps_rpc_getstate_start(srv, call, deadline, md, payload); break;
+    case M_EXCHANGE: fps_rpc_exchange_start(srv, call, deadline, md, payload); break;
     default: {
       /* Unknown method: answer UNIMPLEMENTED through a throwaway base. */
       fps_call_t *c = fps_calloc(1, sizeof *c);
       if (!c) {
         grpc_call_cancel(call, NULL);
         grpc_call_unref(call);
-        grpc_metadata_array_destroy(&md);
+        grpc_metadata_array_destroy(md);
         break;
       }
       c->destroy = (void (*)(fps_call_t *))fps_free;
-      if (fps_call_begin(c, srv, call, deadline, &md, "unknown method") == 0)
+      if (fps_call_begin(c, srv, call, deadline, md, "unknown method") == 0)
         fps_call_fail(c, GRPC_STATUS_UNIMPLEMENTED, "factorps serves factorps.v1.ParameterServer only");
       break;
     }
   }
-  fps__call_admitted();
 }
 
 static int fps__slot_post(fps_slot_t *s) {
@@ -191,10 +280,10 @@ static int fps__slot_post(fps_slot_t *s) {
     FPS_TSAN_RELEASE(&s->tag);
     e = grpc_server_request_call(srv->server, &s->call, &s->details, &s->md, srv->cq, srv->cq, &s->tag);
   } else {
-    grpc_byte_buffer **payload = method == M_PUSHPULL ? NULL : &s->payload;
+    /* No payload: a request is read only once its call is admitted. */
     FPS_TSAN_RELEASE(&s->tag);
     e = grpc_server_request_registered_call(srv->server, srv->method[method], &s->call, &s->deadline,
-                                            &s->md, payload, srv->cq, srv->cq, &s->tag);
+                                            &s->md, NULL, srv->cq, srv->cq, &s->tag);
   }
   pthread_rwlock_unlock(&srv->batch_gate);
   return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
@@ -250,7 +339,7 @@ int fps_grpc_start(fps_server_t *srv) {
     FPS_SLOG(FPS_LOG_WARN, "--max-concurrent-calls %u is below --workers %u: a round needs every "
              "worker's push parked at once and can never complete", srv->cfg.max_concurrent_calls,
              srv->cfg.workers);
-  grpc_arg args[6];
+  grpc_arg args[7];
   args[0].type = GRPC_ARG_INTEGER;
   args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
   args[0].value.integer = (int)srv->cfg.max_message_bytes;
@@ -292,7 +381,13 @@ int fps_grpc_start(fps_server_t *srv) {
   args[5].type = GRPC_ARG_INTEGER;
   args[5].key = GRPC_ARG_HTTP2_BDP_PROBE;
   args[5].value.integer = srv->cfg.http2_bdp_probe ? 1 : 0;
-  grpc_channel_args ca = {6, args};
+  /* Streams per connection: gRPC's default is unlimited, so one client
+   * could open any number of streams on one connection (each holding
+   * receive buffers). A client past the cap waits for a stream to end. */
+  args[6].type = GRPC_ARG_INTEGER;
+  args[6].key = GRPC_ARG_MAX_CONCURRENT_STREAMS;
+  args[6].value.integer = (int)srv->cfg.max_streams_per_connection;
+  grpc_channel_args ca = {7, args};
   srv->server = grpc_server_create(&ca, NULL);
   srv->cq = grpc_completion_queue_create_for_next(NULL);
   if (!srv->server || !srv->cq) return FPS_ENOMEM;
@@ -313,9 +408,7 @@ int fps_grpc_start(fps_server_t *srv) {
     }
   }
   for (int m = 0; m < M_GENERIC; m++) {
-    srv->method[m] = grpc_server_register_method(
-        srv->server, fps__method_path[m], NULL,
-        m == M_PUSHPULL ? GRPC_SRM_PAYLOAD_NONE : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+    srv->method[m] = grpc_server_register_method(srv->server, fps__method_path[m], NULL, GRPC_SRM_PAYLOAD_NONE, 0);
     if (!srv->method[m]) return FPS_EPROTO;
   }
   grpc_server_credentials *creds = fps_auth_server_credentials(srv->auth);

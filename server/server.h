@@ -81,6 +81,7 @@ typedef struct fps_config_s {
   uint64_t max_bytes;         /* parameter bytes beyond this: RESOURCE_EXHAUSTED */
   uint64_t max_staging_bytes; /* gradient staging + reply snapshots, all calls */
   uint32_t max_concurrent_calls; /* calls in progress; more: RESOURCE_EXHAUSTED */
+  uint32_t max_streams_per_connection; /* HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS */
   char *tls_cert;             /* PEM chain, "" = plaintext (auth.c) */
   char *tls_key;              /* PEM key of tls_cert */
   char *tls_client_ca;        /* PEM CA: client certificates required, "" = none */

@@ -145,5 +145,50 @@ class Flags(unittest.TestCase):
             srv.stop()
 
 
+class MemoryLimit(unittest.TestCase):
+    """--max-bytes used to default to half the host's RAM,
+    ignoring the container's memory limit, so the kernel OOM-killed the
+    shard instead of it answering RESOURCE_EXHAUSTED. A shard in a mount
+    namespace of its own whose memory cgroup file says 64 MiB (the limit
+    file at the cgroup mount point, as inside a container's cgroup
+    namespace) holds at most 32 MiB of parameters."""
+
+    def test_max_bytes_from_the_cgroup_limit(self):
+        import shutil
+        if os.geteuid() != 0 or not shutil.which("unshare"):
+            self.skipTest("needs root and unshare(1) for a private mount namespace")
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+        v2 = any(l.startswith("0::") for l in lines) and os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+        limit = 64 << 20
+        # Only this shard's private mount namespace sees the fake tree
+        # (unshare -m makes its mounts private): the real cgroups are untouched.
+        if v2:
+            fake = 'mount -t tmpfs none /sys/fs/cgroup && echo %d > /sys/fs/cgroup/memory.max' % limit
+        else:
+            fake = ('mount -t tmpfs none /sys/fs/cgroup && mkdir /sys/fs/cgroup/memory /sys/fs/cgroup/unified && '
+                    'echo %d > /sys/fs/cgroup/memory/memory.limit_in_bytes' % limit)
+        prefix = ["unshare", "-m", "--propagation", "private", "sh", "-c", fake + ' && exec "$0" "$@"']
+        import fpsproc
+        srv = fpsproc.ShardProcess(("--mode", "async"), prefix=prefix)
+        try:
+            _, pbg, grpc = H.stubs()
+            ch = grpc.insecure_channel(srv.addr)
+            stub = pbg.ParameterServerStub(ch)
+            # 40 MiB of parameters: over half the limit, refused as the
+            # documented RESOURCE_EXHAUSTED naming --max-bytes.
+            with self.assertRaises(grpc.RpcError) as cm:
+                H.create(stub, "big", [10 << 20], timeout=30)
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED, cm.exception.details())
+            self.assertIn("--max-bytes", cm.exception.details())
+            self.assertIn(str(limit // 2), cm.exception.details())
+            H.create(stub, "small", [1 << 20], timeout=30)  # 4 MiB fits
+            ch.close()
+            self.assertIn("--max-bytes %d: half of %d bytes (cgroup " % (limit // 2, limit), srv.stderr())
+        finally:
+            self.assertEqual(srv.terminate(), 0, srv.stderr()[-3000:])
+            srv.remove()
+
+
 if __name__ == "__main__":
     unittest.main()

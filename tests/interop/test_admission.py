@@ -1,0 +1,123 @@
+#!/usr/bin/python3
+"""Admission before memory: a call's request is read
+only after its token was checked.
+
+gRPC 1.51 read a unary call's whole first message (the receive window
+opened for all of it, up to --max-message-bytes) before the handler saw
+the call: 6 unauthenticated streams stalled inside 16 MiB messages took a
+shard from 19 to 116 MiB. This test speaks raw HTTP/2 over loopback (so no
+client library hides a frame): on 6 connections it opens a Create stream
+without a token and streams a 16 MiB message into it within the windows
+the shard grants, stalling one byte short of the end. The documented
+bound: an unread stream holds at most gRPC's 64 KiB lookahead, so the
+shard's peak RSS may grow by less than 8 MiB (gRPC's and our per-call
+structures included), and every stream is answered UNAUTHENTICATED."""
+import os
+import shutil
+import struct
+import tempfile
+import time
+import unittest
+
+import fpsharness as H
+from test_receive_window import DATA, END_HEADERS, FRAME, HEADERS, SETTINGS, Conn, frame, literal
+
+MESSAGE = 16 << 20
+STREAMS = 6
+BOUND = 8 << 20
+
+
+def peak_rss(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+class Unauthenticated(unittest.TestCase):
+    def test_stalled_streams_without_token_hold_no_memory(self):
+        d = tempfile.mkdtemp(prefix="fps-admission-")
+        tokens = os.path.join(d, "tokens")
+        with open(tokens, "w") as f:
+            f.write(os.urandom(24).hex() + "\n")
+        os.chmod(tokens, 0o600)
+        srv = H.Server("--mode", "async", "--auth-token-file", tokens)
+        conns = []
+        try:
+            rss0 = peak_rss(srv.proc.pid)
+            body = b"\x00" + struct.pack(">I", MESSAGE) + bytes(MESSAGE - 1)  # one byte short
+            hdrs = (literal(b":method", b"POST") + literal(b":scheme", b"http") +
+                    literal(b":path", b"/factorps.v1.ParameterServer/Create") +
+                    literal(b":authority", srv.addr.encode()) +
+                    literal(b"content-type", b"application/grpc") + literal(b"te", b"trailers"))
+            sent = []
+            for _ in range(STREAMS):
+                c = Conn(srv.addr)
+                conns.append(c)
+                c.send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, 1, hdrs))
+                n_sent, idle_since = 0, time.monotonic()
+                # Send whatever the shard lets in; stop once it grants
+                # nothing more for a second (or the stream has ended).
+                while n_sent < len(body) and not c.closed and time.monotonic() - idle_since < 1.0:
+                    n = min(FRAME, len(body) - n_sent, c.conn_window, c.stream_window)
+                    if n <= 0:
+                        c.pump(0.1)
+                        continue
+                    c.send(frame(DATA, 0, 1, body[n_sent:n_sent + n]))
+                    n_sent += n
+                    c.conn_window -= n
+                    c.stream_window -= n
+                    idle_since = time.monotonic()
+                    c.pump(0)
+                sent.append(n_sent)
+            end = time.monotonic() + 5
+            for c in conns:
+                while not c.closed and time.monotonic() < end:
+                    c.pump(0.1)
+            grown = peak_rss(srv.proc.pid) - rss0
+            print("%d stalled unauthenticated 16 MiB Creates: sent %s bytes, shard peak RSS +%.1f MiB "
+                  "(bound %d MiB)" % (STREAMS, sent, grown / 2 ** 20, BOUND >> 20))
+            self.assertEqual([c.closed for c in conns], ["trailers"] * STREAMS,
+                             "every stream must be answered (UNAUTHENTICATED) without its message")
+            self.assertLess(grown, BOUND, "peak RSS grew %.1f MiB" % (grown / 2 ** 20))
+            # The shard serves on for a caller with the token.
+            _, tensors = H.stats(H.WithMetadata(srv.stub, [("authorization", "Bearer " + open(tokens).read().strip())]))
+            self.assertEqual(tensors, {})
+        finally:
+            for c in conns:
+                c.sock.close()
+            srv.stop()
+            shutil.rmtree(d, True)
+
+
+class Settings(Conn):
+    """Records the shard's SETTINGS."""
+
+    def handle(self, kind, flags, stream, payload):
+        if kind == SETTINGS and not flags & 0x1:
+            self.settings = dict(struct.unpack(">HI", payload[i:i + 6]) for i in range(0, len(payload), 6))
+        super().handle(kind, flags, stream, payload)
+
+
+class Streams(unittest.TestCase):
+    def test_streams_per_connection_capped(self):
+        """gRPC's default lets one connection open any number of streams:
+        the shard announces --max-streams-per-connection (1024 by default)."""
+        for args, cap in [((), 1024), (("--max-streams-per-connection", 7), 7)]:
+            srv = H.Server("--mode", "async", *args)
+            try:
+                c = Settings(srv.addr)
+                c.settings = None
+                c.send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(SETTINGS, 0, 0))
+                end = time.monotonic() + 10
+                while c.settings is None and time.monotonic() < end:
+                    c.pump(0.1)
+                c.sock.close()
+                self.assertEqual((c.settings or {}).get(3), cap, c.settings)  # SETTINGS_MAX_CONCURRENT_STREAMS
+            finally:
+                srv.stop()
+
+
+if __name__ == "__main__":
+    unittest.main()
