@@ -24,8 +24,9 @@ The link is checked with iperf3 before and after the runs: one stream each
 way and both ways at once. TCP over MTU 1500 carries at most 1448/1514 of
 what tbf counts; the run is VOID (exit 3, the table is still printed) if a
 one-stream direction measured before the runs is more than 5% below that
-goodput (with a delay: only reported, since the delay tool's jitter costs
-BBR 10-30%; the bound below uses the measured rate either way).
+goodput in its best of 3 tries (a busy machine can slow one iperf3 run;
+the check is of the shaping). With a delay it is only reported: the delay
+tool's jitter costs BBR 10-30%. The bound below uses the measured rate.
 
 Contenders, interleaved (A B C A B C ...) on the same tensors, each on fresh
 processes: factorps fp32 and bf16 on the wire (`factorps load --model peer`,
@@ -380,7 +381,7 @@ class Link:
             sh("ip", "netns", "delete", ns, check=False)
         self.rules, self.qdiscs, self.made_ns, self.delayers = [], [], [], []
 
-    def iperf(self, seconds, reverse=False, bidir=False):
+    def iperf(self, seconds, reverse=False, bidir=False, streams=1):
         """One TCP stream across the link in GB/s (payload): workers -> shards,
         shards -> workers with reverse, and each direction's rate at once
         with bidir. iperf3 listens on a port of our own namespace."""
@@ -391,7 +392,7 @@ class Link:
             time.sleep(0.3)
             args = ["-R"] if reverse else ["--bidir"] if bidir else []
             r = subprocess.run(ns_exec(self.ns_w, "iperf3", "-c", ADDR_S, "-p", port, "-t",
-                                       str(seconds), "-J", *args),
+                                       str(seconds), "-P", str(streams), "-J", *args),
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                timeout=seconds + 30)
             PROCS.stop([srv], wait=5)
@@ -403,11 +404,23 @@ class Link:
                 return end["sum_received"]["bits_per_second"] / 8e9
         return (nan, nan) if bidir else nan
 
-    def measure(self, seconds):
-        up = self.iperf(seconds)
-        down = self.iperf(seconds, reverse=True)
+    def measure(self, seconds, want=0.0, tries=3, streams=1):
+        """One stream each way, then both at once. A direction below `want`
+        GB/s is measured again, up to `tries` times, keeping the best: the
+        check is of the link's shaping, and a busy machine (other tenants'
+        CPU, steal) can slow one iperf3 run without the link being short."""
+        best = {}
+        for key, rev in (("up", False), ("down", True)):
+            v = [self.iperf(seconds, reverse=rev)]
+            while len(v) < tries and not max(v) >= want:
+                v.append(self.iperf(seconds, reverse=rev))
+            best[key], best[key + "_tries"] = max(v), len(v)
         both = self.iperf(seconds, bidir=True)
-        return {"up": up, "down": down, "bidir_up": both[0], "bidir_down": both[1]}
+        best.update(bidir_up=both[0], bidir_down=both[1])
+        if streams > 1:  # as many streams as the job has connections, each way
+            best["up_P"] = self.iperf(seconds, streams=streams)
+            best["down_P"] = self.iperf(seconds, reverse=True, streams=streams)
+        return best
 
 
 # --------------------------------------------------------------------- contenders
@@ -430,7 +443,46 @@ def parse_contender(spec, base_server, base_load):
     return Contender(parts[0], "fps", parts[1], base_server + srv, base_load + load)
 
 
-def run_fps(link, build, tmp, c, n, w, mode, steps, warmup, processes):
+def perf_start(out):
+    """perf record of the whole machine (user and kernel). Recording one
+    process (-p) yields no samples on this kernel (a guest without hardware
+    counters), so every CPU is recorded and the report is cut per process."""
+    return PROCS.start(["perf", "record", "-a", "-F", "999", "-o", out], subprocess.DEVNULL)
+
+
+def perf_finish(rec, data, who, title, dest):
+    """Stops the recording and appends to dest: each process's share of the
+    machine's samples, then perf_summary.py's report of each process in who
+    ({pid: name})."""
+    if rec.poll() is None:
+        rec.send_signal(signal.SIGINT)
+    try:
+        rec.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    PROCS.stop([rec], wait=10)
+    with open(dest, "a") as f:
+        f.write(f"## {title}\n\nShare of all samples of the machine (2 CPUs, other tenants "
+                f"included), by command:\n```\n")
+        r = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", "comm",
+                            "--percent-limit", "1"], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+        f.write("\n".join(l for l in r.stdout.splitlines() if l and not l.startswith("#")) + "\n```\n")
+        for pid, name in who.items():
+            r = subprocess.run(["perf", "report", "-i", data, "--pid", str(pid), "--stdio",
+                                "--no-children", "--sort", "sym", "--percent-limit", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            rep = data + f".{pid}.txt"
+            with open(rep, "w") as t:
+                t.write(r.stdout)
+            summ = subprocess.run([PY, os.path.join(REPO, "tests", "bench", "perf_summary.py"),
+                                   "--report", rep, "--top", "20"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+            f.write(f"\n### {name} (pid {pid})\n```\n{summ.stdout}```\n")
+        f.write("\n")
+
+
+def run_fps(link, build, tmp, c, n, w, mode, steps, warmup, processes, profile=None):
     procs, ports = [], []
     for i in range(SHARDS):
         pf = os.path.join(tmp, f"port{i}")
@@ -468,6 +520,7 @@ def run_fps(link, build, tmp, c, n, w, mode, steps, warmup, processes):
         roles[load.pid] = "workers"
         sampler = CpuSampler(roles)
         load_hwm = nan
+        rec = perf_start(os.path.join(tmp, "perf.data")) if profile else None
         try:
             deadline = time.monotonic() + 1800
             while load.poll() is None and time.monotonic() < deadline:
@@ -477,6 +530,10 @@ def run_fps(link, build, tmp, c, n, w, mode, steps, warmup, processes):
         finally:
             PROCS.stop([load], wait=10)
             sampler.close()
+            if rec:  # (directory, title)
+                perf_finish(rec, os.path.join(tmp, "perf.data"),
+                            {procs[0].pid: "shard 0", load.pid: "workers (factorps load)"},
+                            profile[1], os.path.join(profile[0], "profiles.md"))
         hwm = [vmhwm_mib(p.pid) for p in procs]  # before the shards exit
     finally:
         if sampler and sampler.th.is_alive():
@@ -597,6 +654,13 @@ def parse_args(argv):
     ap.add_argument("--steps-100m", type=int, default=3, help="timed steps above 10M params")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iperf-seconds", type=int, default=5)
+    ap.add_argument("--iperf-streams", type=int, default=1,
+                    help="also measure N parallel streams each way (e.g. W x S, the job's connections)")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="after each configuration's timed runs, one more run of each factorps "
+                         "contender under perf record; each process's share of the machine and "
+                         "perf_summary.py's report of shard 0 and of the workers go to "
+                         "DIR/profiles.md")
     ap.add_argument("--quick", action="store_true", help="10M W2 sync+async, 1 rep, 3 s iperf3")
     ap.add_argument("--smoke", action="store_true",
                     help="seconds: 1M W2 sync, 2 steps, 1 s iperf3, never void (the ctest)")
@@ -648,6 +712,10 @@ def main(a):
     configs = [(count(n), n, int(w), m) for n in a.params.split(",") for m in a.modes.split(",")
                for w in a.workers.split(",")]
 
+    if a.profile:
+        os.makedirs(a.profile, exist_ok=True)
+        if not shutil.which("perf"):
+            raise SystemExit("link_bench: --profile needs perf (Debian: linux-perf)")
     tmp = tempfile.mkdtemp(prefix="fps-link-")
     Link.delete_stale()
     link = Link(a.tag, a.rate, a.delay_us, a.peers, tmp)
@@ -661,14 +729,18 @@ def main(a):
               f"{la0[0]:.1f}; {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}; main "
               f"{git_head()}", flush=True)
         st0 = proc_stat()
-        before = link.measure(a.iperf_seconds)
-        st1 = proc_stat()
         goodput = a.rate / 8 * GOODPUT
+        before = link.measure(a.iperf_seconds, 0.95 * goodput, streams=a.iperf_streams)
+        st1 = proc_stat()
         void = [k for k in ("up", "down") if not before[k] >= 0.95 * goodput]
         print(f"# iperf3 before ({a.iperf_seconds} s each, steal {stat_delta(st0, st1)['steal']:.0%}): "
-              f"one stream up {before['up']:.3f} GB/s, down {before['down']:.3f}, both at once "
+              f"one stream up {before['up']:.3f} GB/s, down {before['down']:.3f} (best of "
+              f"{before['up_tries']} and {before['down_tries']}), both at once "
               f"{before['bidir_up']:.3f} + {before['bidir_down']:.3f}; TCP goodput of R "
               f"{goodput:.3f} GB/s (one stream up / goodput {before['up'] / goodput:.3f})", flush=True)
+        if a.iperf_streams > 1:
+            print(f"# iperf3 -P {a.iperf_streams}: up {before['up_P']:.3f} GB/s, down "
+                  f"{before['down_P']:.3f}", flush=True)
         if void and not a.delay_us:
             print(f"# VOID: one stream {', '.join(void)} below 0.95 of R's TCP goodput", flush=True)
         rate_up = before["up"] if before["up"] == before["up"] else goodput
@@ -700,11 +772,20 @@ def main(a):
                         f"({r['steps_per_s'] / r['bound']:.2f} of bound), CPU s/step shards "
                         f"{r.get('cpu_shards', nan):.3f} workers {r.get('cpu_workers', nan):.3f}, "
                         f"steal {r['steal']:.0%}, VmHWM {r['hwm']:.0f} MiB")
+            if a.profile:  # one more run of each factorps contender, recorded, not timed
+                for c in contenders:
+                    if c.kind != "fps":
+                        continue
+                    try:
+                        run_fps(link, build, tmp, c, n, w, mode, steps, a.warmup, a.processes,
+                                (a.profile, f"{label} W{w} {mode} {c.name}"))
+                    except Exception as e:
+                        log(f"link_bench: profile {label} W{w} {mode} {c.name}: {e}")
             ps = [r.get("params") for c in contenders for r in results.get((label, w, mode, c.name), [])]
             if len({x for x in ps if x}) > 1:
                 log(f"link_bench: {label}: contenders ran different parameter counts {set(ps)}")
         st2 = proc_stat()
-        after = link.measure(a.iperf_seconds)
+        after = link.measure(a.iperf_seconds, tries=1)
         print(f"# iperf3 after: one stream up {after['up']:.3f} GB/s, down {after['down']:.3f}, "
               f"both at once {after['bidir_up']:.3f} + {after['bidir_down']:.3f}; load average "
               f"{os.getloadavg()[0]:.1f}; steal over the whole run {stat_delta(st1, st2)['steal']:.1%}")
@@ -757,7 +838,7 @@ def report(a, contenders, configs, results):
     if peer:
         hdr += [f"{c.name} CPU / peer" for c in fps]
     hdr += [f"{c.name} shard VmHWM MiB" for c in contenders]
-    hdr += ["steal", "softirq"]
+    hdr += ["steal", "softirq", "load avg"]
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for n, label, w, mode in configs:
@@ -784,7 +865,9 @@ def report(a, contenders, configs, results):
         allr = [r for v in rs.values() for r in v]
         st = [r["steal"] for r in allr]
         si = [r["softirq"] for r in allr]
-        row += [f"{min(st):.0%}-{max(st):.0%}" if st else "-", f"{med(si):.0%}"]
+        la = [r["load"] for r in allr]
+        row += [f"{min(st):.0%}-{max(st):.0%}" if st else "-", f"{med(si):.0%}",
+                f"{min(la):.1f}-{max(la):.1f}" if la else "-"]
         print("| " + " | ".join(row) + " |", flush=True)
 
 
