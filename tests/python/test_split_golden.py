@@ -43,7 +43,7 @@ import _support
 from _support import Shards, need_server
 import factorps
 
-sys.path.insert(0, os.path.join(_support.REPO, "tests", "unit"))
+sys.path.insert(0, os.path.join(_support.REPO, "tests", "unit", "common"))
 import checkpoint_read  # noqa: E402  (the numpy-only checkpoint reader)
 
 VECTORS = os.path.join(_support.REPO, "tests", "vectors")
