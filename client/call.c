@@ -12,6 +12,12 @@
  *          at most two packed messages exist per stream; one receive is in
  *          flight at a time, and each reply is handed to the consumer as it
  *          arrives, so replies are decoded while other shards still send.
+ * A stream with `after` set (a push cut into several calls to one shard)
+ * is held before its gate until that stream has handed its last message
+ * to gRPC (or ended): the calls to a shard then upload one after the
+ * other, with at most one message of overlap, so the first call's request
+ * is whole (and can be applied and answered) while the next ones still
+ * upload. Holding waits for a send, never for a reply.
  * Every call carries the one deadline of the whole operation (retries
  * included), so the engine ends within it; the queue wait has a slack on
  * top after which every call is cancelled, which gRPC answers promptly. */
@@ -48,6 +54,10 @@ struct fps__stream_engine_s {
   int pending[TAG_COUNT];            /* batches/watches in flight */
   int status_done;
   int finished;                      /* outcome recorded, resources freed */
+  int counted;                       /* its finish was counted by the attempt */
+  int held;                          /* not started: waits for s->after to send */
+  int started;                       /* its gate has begun */
+  engine_t *succ;                    /* the engine held until this one sent all */
   int retryable;                     /* this attempt may be repeated */
   int local_code;                    /* local failure, beats the status */
   int sending_done;                  /* close sent, or sending abandoned */
@@ -437,6 +447,24 @@ static void sleep_seconds(double s) {
   }
 }
 
+/* Records finished engines in `*active` and starts the engines held
+ * behind `e` once it has sent everything (or ended). */
+static void engine_settle(engine_t *e, fps__retry_t retry, size_t *active) {
+  while (e) {
+    engine_finish(e, retry);
+    if (e->finished && !e->counted) {
+      e->counted = 1;
+      (*active)--;
+    }
+    engine_t *next = e->succ;
+    if (!next || !next->held || !(e->sending_done || e->finished)) return;
+    next->held = 0;
+    next->started = 1;
+    gate_begin(next);
+    e = next;
+  }
+}
+
 /* Attempts whose calls gRPC never completed, even cancelled (seen under
  * ASan with 2-9 ms deadlines: a cancelled call's receive and status ops
  * still pending 10 s later). Their queue and engines must outlive the
@@ -467,12 +495,25 @@ static void abandon(grpc_completion_queue *cq, engine_t *engines) {
 static int run_attempt(fps_client_t *c, const char *method, fps__stream_t **run, size_t n,
                         gpr_timespec deadline, fps__retry_t retry, engine_t *engines) {
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
-  size_t active = 0;
+  size_t active = n;
+  for (size_t i = 0; i < n; i++) engine_init(&engines[i], c, run[i], method, deadline, cq);
+  /* A stream whose `after` runs in this attempt waits for it (its engine
+   * is known by now: engine_init set s->e); one that already succeeded in
+   * an earlier attempt holds nothing back. */
   for (size_t i = 0; i < n; i++) {
-    engine_init(&engines[i], c, run[i], method, deadline, cq);
+    fps__stream_t *a = run[i]->after;
+    if (a && a->e && a->e >= engines && a->e < engines + n) {
+      a->e->succ = &engines[i];
+      engines[i].held = 1;
+    }
+  }
+  /* engine_settle() may start held engines further down the array: each
+   * engine starts exactly once. */
+  for (size_t i = 0; i < n; i++) {
+    if (engines[i].held || engines[i].started) continue;
+    engines[i].started = 1;
     gate_begin(&engines[i]);
-    engine_finish(&engines[i], retry);
-    if (!engines[i].finished) active++;
+    engine_settle(&engines[i], retry, &active);
   }
   /* The calls carry the deadline; the queue wait adds a slack beyond it so
    * a misbehaving transport cannot hold the caller forever. */
@@ -489,6 +530,12 @@ static int run_attempt(fps_client_t *c, const char *method, fps__stream_t **run,
           fps__stream_fail(run[i], FPS_CODE_DEADLINE_EXCEEDED, "no answer within the deadline");
         engine_cancel(&engines[i], GRPC_STATUS_DEADLINE_EXCEEDED, "deadline");
       }
+      /* Held engines have no call to cancel: they end here. */
+      for (size_t i = 0; i < n; i++)
+        if (engines[i].held) {
+          engines[i].held = 0;
+          engine_settle(&engines[i], retry, &active);
+        }
       cancelled = 1;
       wait_until = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
                                 gpr_time_from_millis(10000, GPR_TIMESPAN));
@@ -506,8 +553,7 @@ static int run_attempt(fps_client_t *c, const char *method, fps__stream_t **run,
         e->status_done = 1;
         break;
     }
-    engine_finish(e, retry);
-    if (e->finished) active--;
+    engine_settle(e, retry, &active);
   }
   if (active > 0) {
     /* Never hang the caller: the streams already carry DEADLINE_EXCEEDED. */

@@ -68,6 +68,7 @@ void fps_client_options_init(fps_client_options_t *o) {
   o->max_retries = 5;
   o->backoff_initial_seconds = 0.1;
   o->max_message_bytes = 4u * 1024u * 1024u;
+  o->push_chunk_bytes = FPS_PUSH_CHUNK_BYTES_DEFAULT;
 }
 
 static char *dup_str(const char *s) {

@@ -170,6 +170,14 @@ struct fps__stream_s {
   int shard;                          /* index into the client's channels */
   const fps__stream_ops_t *ops;
   void *ctx;                          /* the owner's state */
+  /* Another stream to the same shard whose request this one follows: the
+   * engine sends nothing of this one (opens no call) until `after` has
+   * handed its last message to gRPC or ended, so that the shard gets the
+   * calls' requests one after the other, each whole as early as possible,
+   * instead of all of them interleaved and all late. Never waits for a
+   * reply, so sync rounds spread over several calls cannot deadlock. NULL:
+   * start at once (also when `after` is not part of the run). */
+  struct fps__stream_s *after;
   /* Outcome, valid after fps__streams_run(). */
   int code;                           /* fps_code_t */
   char msg[FPS_STATUS_MESSAGE_MAX];

@@ -78,18 +78,22 @@ typedef struct pp_run_s {
   uint64_t off, count;
 } pp_run_t;
 
-typedef struct pp_shard_s {
+/* One call: a Pull's or an unchunked push's whole shard, or one chunk of
+ * a push to a shard (see plan_chunks()). */
+typedef struct pp_call_s {
   fps__stream_t s;
   pp_job_t *job;
-  pp_item_t *items;                     /* this shard's tensors, caller order */
+  pp_item_t *items;                     /* its tensors, in sending order */
   pp_item_t **by_name;                  /* the same, sorted by name */
   size_t n;
+  uint64_t push_id;                     /* its idempotency key, 0: none */
+  size_t chunk;                         /* its index among its shard's calls */
   size_t pos;                           /* request cursor: item */
   uint64_t off;                         /* request cursor: element */
-  int skip_params;                      /* no params wanted from this shard */
+  int skip_params;                      /* no params wanted from this call */
   pp_run_t *plan;                       /* scratch, n entries */
   grpc_slice *slices;                   /* scratch, 2n + 1 entries */
-} pp_shard_t;
+} pp_call_t;
 
 /* Zero-copy: a data slice points at the caller's gradient. Its destroy
  * callback counts it released, and the call does not return before every
@@ -105,39 +109,39 @@ static void data_slice_released(void *user) {
 }
 
 static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
-  pp_shard_t *sh = s->ctx;
-  pp_job_t *job = sh->job;
+  pp_call_t *pc = s->ctx;
+  pp_job_t *job = pc->job;
   uint64_t budget = job->c->opts.max_message_bytes, used = FPS__MESSAGE_OVERHEAD;
   size_t k = 0, hdr_cap = 56;
 
   /* Plan this message: which runs of which tensors it carries. A tensor's
    * TensorPush travels with its first run (a count-0 run for no_grad). */
-  while (sh->pos < sh->n) {
-    const pp_item_t *it = &sh->items[sh->pos];
+  while (pc->pos < pc->n) {
+    const pp_item_t *it = &pc->items[pc->pos];
     size_t name_len = strlen(it->t->name);
     const fps_tensor_push_t *tp = job->per ? &job->per[it->idx] : NULL;
     if (tp && !(tp->has_lr || tp->has_weight_decay || tp->no_grad || tp->has_step)) tp = NULL;
-    uint64_t tp_over = tp && sh->off == 0 ? FPS__WIRE_TENSOR_PUSH_MAX(name_len) : 0;
+    uint64_t tp_over = tp && pc->off == 0 ? FPS__WIRE_TENSOR_PUSH_MAX(name_len) : 0;
     if (tp && tp->no_grad) {
       if (k > 0 && used + tp_over > budget) break; /* the message is full */
-      sh->plan[k++] = (pp_run_t){it, 0, 0};
+      pc->plan[k++] = (pp_run_t){it, 0, 0};
       hdr_cap += tp_over;
       used += tp_over;
-      sh->pos++;
+      pc->pos++;
       continue;
     }
     uint64_t over = FPS_WIRE_SLICE_HEADER_MAX(name_len, it->t->ndim) + tp_over;
     uint64_t room = budget > used + over ? (budget - used - over) / job->esz : 0;
-    uint64_t left = it->numel - sh->off;
+    uint64_t left = it->numel - pc->off;
     uint64_t count = left < room ? left : room;
     if (count == 0) break; /* the message is full (k > 0: budget >= 64 KiB) */
-    sh->plan[k++] = (pp_run_t){it, sh->off, count};
+    pc->plan[k++] = (pp_run_t){it, pc->off, count};
     hdr_cap += over;
     used += over + count * job->esz;
-    sh->off += count;
-    if (sh->off == it->numel) {
-      sh->pos++;
-      sh->off = 0;
+    pc->off += count;
+    if (pc->off == it->numel) {
+      pc->pos++;
+      pc->off = 0;
     }
   }
   /* Encode: the request's scalar fields, then per run a header slice and a
@@ -145,16 +149,16 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   grpc_slice hdr = grpc_slice_malloc(hdr_cap);
   uint8_t *h = GRPC_SLICE_START_PTR(hdr);
   size_t hn = 0, n_sl = 0;
-  grpc_slice *sl = sh->slices;
+  grpc_slice *sl = pc->slices;
   if (job->worker_id) hn += fps_wire_put_varint_field(h + hn, 1, job->worker_id);
   if (job->step) hn += fps_wire_put_varint_field(h + hn, 2, job->step);
-  if (sh->skip_params) hn += fps_wire_put_varint_field(h + hn, 4, 1);
+  if (pc->skip_params) hn += fps_wire_put_varint_field(h + hn, 4, 1);
   if (job->num_workers) hn += fps_wire_put_varint_field(h + hn, 6, job->num_workers);
   if (job->expect_mode) hn += fps_wire_put_varint_field(h + hn, 7, (uint64_t)job->expect_mode);
-  if (job->push_id) hn += fps_wire_put_varint_field(h + hn, 8, job->push_id);
+  if (pc->push_id) hn += fps_wire_put_varint_field(h + hn, 8, pc->push_id);
   size_t mark = 0;
   for (size_t i = 0; i < k; i++) {
-    const pp_run_t *r = &sh->plan[i];
+    const pp_run_t *r = &pc->plan[i];
     const fps__tensor_t *t = r->it->t;
     const fps_tensor_push_t *tp = job->per ? &job->per[r->it->idx] : NULL;
     if (tp && r->off == 0 && (tp->has_lr || tp->has_weight_decay || tp->no_grad || tp->has_step))
@@ -184,17 +188,17 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   *out = grpc_raw_byte_buffer_create(sl, n_sl);
   for (size_t i = 0; i < n_sl; i++) grpc_slice_unref(sl[i]);
   grpc_slice_unref(hdr);
-  *last = sh->pos == sh->n;
+  *last = pc->pos == pc->n;
   return 0;
 }
 
 static int pull_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
-  pp_shard_t *sh = s->ctx;
-  char **names = malloc(sh->n * sizeof *names);
+  pp_call_t *pc = s->ctx;
+  char **names = malloc(pc->n * sizeof *names);
   if (!names) return fps__stream_fail(s, FPS_CODE_RESOURCE_EXHAUSTED, "out of memory");
-  for (size_t i = 0; i < sh->n; i++) names[i] = sh->items[i].t->name;
+  for (size_t i = 0; i < pc->n; i++) names[i] = pc->items[i].t->name;
   Factorps__V1__PullRequest req = FACTORPS__V1__PULL_REQUEST__INIT;
-  req.n_names = sh->n;
+  req.n_names = pc->n;
   req.names = names;
   req.dtype = FACTORPS__V1__DTYPE__DTYPE_F32;
   *out = fps__pack(&req);
@@ -204,14 +208,14 @@ static int pull_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
 }
 
 /* Finds the item of a reply's tensor name (not NUL-terminated). */
-static pp_item_t *find_item(const pp_shard_t *sh, const char *name, size_t len) {
-  size_t lo = 0, hi = sh->n;
+static pp_item_t *find_item(const pp_call_t *pc, const char *name, size_t len) {
+  size_t lo = 0, hi = pc->n;
   while (lo < hi) {
     size_t mid = lo + (hi - lo) / 2;
-    const char *m = sh->by_name[mid]->t->name;
+    const char *m = pc->by_name[mid]->t->name;
     int cmp = strncmp(name, m, len);
     if (cmp == 0 && m[len] != '\0') cmp = -1;
-    if (cmp == 0) return sh->by_name[mid];
+    if (cmp == 0) return pc->by_name[mid];
     if (cmp < 0)
       hi = mid;
     else
@@ -221,30 +225,30 @@ static pp_item_t *find_item(const pp_shard_t *sh, const char *name, size_t len) 
 }
 
 static int on_slice(void *ctx, const fps_wire_tslice_t *sl) {
-  pp_shard_t *sh = ctx;
-  pp_job_t *job = sh->job;
+  pp_call_t *pc = ctx;
+  pp_job_t *job = pc->job;
   char name_buf[FPS__WIRE_NAME_MAX];
   size_t name_len = sl->name_len < sizeof name_buf ? (size_t)sl->name_len : sizeof name_buf;
   fps_wreader_t nr = sl->name;
   const char *name = (const char *)fps_wr_bytes(&nr, name_len, (uint8_t *)name_buf);
-  pp_item_t *it = find_item(sh, name, name_len);
+  pp_item_t *it = find_item(pc, name, name_len);
   if (!it)
-    return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "reply carries tensor '%.*s', not asked for",
+    return fps__stream_fail(&pc->s, FPS_CODE_INTERNAL, "reply carries tensor '%.*s', not asked for",
                             (int)(name_len > 256 ? 256 : name_len), name);
   const fps__tensor_t *t = it->t;
   /* The shard answers in the dtype of a tensor's first pushed slice (bf16
    * with wire_dtype bf16, f32 otherwise and for tensors sent no data). */
   if (sl->dtype != FACTORPS__V1__DTYPE__DTYPE_F32 && sl->dtype != FACTORPS__V1__DTYPE__DTYPE_BF16)
-    return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "tensor '%s': reply dtype %d, not f32 or bf16",
+    return fps__stream_fail(&pc->s, FPS_CODE_INTERNAL, "tensor '%s': reply dtype %d, not f32 or bf16",
                             t->name, (int)sl->dtype);
   const size_t esz = fps_dtype_size(sl->dtype);
   if (sl->data_len % esz || sl->offset > it->numel || sl->data_len / esz > it->numel - sl->offset)
-    return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL,
+    return fps__stream_fail(&pc->s, FPS_CODE_INTERNAL,
                             "tensor '%s'%s: reply slice [%llu, +%llu bytes) outside %llu elements",
                             t->name, t->blocks ? " (a row block)" : "", (unsigned long long)sl->offset,
                             (unsigned long long)sl->data_len, (unsigned long long)it->numel);
   if (sl->n_shape != t->ndim || memcmp(sl->shape, t->shape, t->ndim * sizeof *t->shape) != 0)
-    return fps__stream_fail(&sh->s, FPS_CODE_FAILED_PRECONDITION,
+    return fps__stream_fail(&pc->s, FPS_CODE_FAILED_PRECONDITION,
                             "tensor '%s': the shard's shape differs from the client's", t->name);
   /* Straight from gRPC's buffers into the caller's array: one pass (bf16
    * with non-temporal stores: the array is not read again this call). */
@@ -264,10 +268,10 @@ static int on_slice(void *ctx, const fps_wire_tslice_t *sl) {
 }
 
 static int on_version(void *ctx, const char *name, size_t len, uint64_t version) {
-  pp_shard_t *sh = ctx;
-  pp_item_t *it = find_item(sh, name, len);
+  pp_call_t *pc = ctx;
+  pp_item_t *it = find_item(pc, name, len);
   if (!it)
-    return fps__stream_fail(&sh->s, FPS_CODE_INTERNAL, "reply versions tensor '%.*s', not asked for",
+    return fps__stream_fail(&pc->s, FPS_CODE_INTERNAL, "reply versions tensor '%.*s', not asked for",
                             (int)(len > 256 ? 256 : len), name);
   it->got_version = 1;
   it->version = version;
@@ -275,19 +279,19 @@ static int on_version(void *ctx, const char *name, size_t len, uint64_t version)
 }
 
 static int pp_reply(fps__stream_t *s, const fps_wspan_t *spans, size_t n) {
-  pp_shard_t *sh = s->ctx;
+  pp_call_t *pc = s->ctx;
   char err[128];
-  fps__wire_sink_t sink = {on_slice, on_version, sh};
+  fps__wire_sink_t sink = {on_slice, on_version, pc};
   int rc = fps__wire_parse_params(spans, n, &sink, err, sizeof err);
   if (rc < 0) return fps__stream_fail(s, FPS_CODE_INTERNAL, "%s", err);
   return rc;
 }
 
 static void pull_reset(fps__stream_t *s) {
-  pp_shard_t *sh = s->ctx;
-  for (size_t i = 0; i < sh->n; i++) {
-    sh->items[i].received = 0;
-    sh->items[i].got_version = 0;
+  pp_call_t *pc = s->ctx;
+  for (size_t i = 0; i < pc->n; i++) {
+    pc->items[i].received = 0;
+    pc->items[i].got_version = 0;
   }
 }
 
@@ -295,9 +299,9 @@ static void pull_reset(fps__stream_t *s) {
  * with the same push_id: the shard applies it at most once (a retry of an
  * applied push is answered with the current params and versions). */
 static void push_reset(fps__stream_t *s) {
-  pp_shard_t *sh = s->ctx;
-  sh->pos = 0;
-  sh->off = 0;
+  pp_call_t *pc = s->ctx;
+  pc->pos = 0;
+  pc->off = 0;
   pull_reset(s);
 }
 static const fps__stream_ops_t push_ops = {push_next, NULL, push_reset, pp_reply};
@@ -350,17 +354,17 @@ static int by_item_name(const void *a, const void *b) {
  * can meet a step that one block's shard applied and another's has not yet
  * (each applies once it holds every block's partials): *torn is then set
  * so that the caller reads again. */
-static int check_versions(fps_client_t *c, pp_job_t *job, pp_shard_t *sh, size_t n, int is_push,
-                          int *torn, fps_status_t *status) {
+static int check_versions(fps_client_t *c, pp_job_t *job, pp_call_t *pc, size_t n_calls, size_t n,
+                          int is_push, int *torn, fps_status_t *status) {
   const pp_item_t **first = calloc(n ? n : 1, sizeof *first);
   int rc = 0;
   *torn = 0;
   if (!first) return fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
-  for (size_t s = 0; s < c->n_shards && !rc; s++)
-    for (size_t i = 0; i < sh[s].n && !rc; i++) {
-      const pp_item_t *it = &sh[s].items[i];
+  for (size_t s = 0; s < n_calls && !rc; s++)
+    for (size_t i = 0; i < pc[s].n && !rc; i++) {
+      const pp_item_t *it = &pc[s].items[i];
       const fps__tensor_t *t = it->t;
-      if (!it->got_version || (!sh[s].skip_params && it->received != it->numel)) {
+      if (!it->got_version || (!pc[s].skip_params && it->received != it->numel)) {
         char blk[64] = "";
         if (t->blocks)
           snprintf(blk, sizeof blk, " block %u (rows [%llu, %llu))", it->block,
@@ -415,23 +419,99 @@ static void pause_s(double s) {
   }
 }
 
+/* Most calls one push makes to one shard: a larger shard gets larger
+ * chunks. Bounds the calls (and the shard's push_id window, 65,536 keys,
+ * that each of them takes) whatever the chunk size. */
+#define PUSH_MAX_CALLS 32
+
+static int by_tensor(const void *a, const void *b) {
+  const fps__tensor_t *x = *(const fps__tensor_t *const *)a, *y = *(const fps__tensor_t *const *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Sending order of a push's items to one shard: largest first (ties by
+ * name, then block), independent of the caller's order, so every worker
+ * of a sync job cuts the same chunks and their rounds stay independent. */
+static int by_size_desc(const void *a, const void *b) {
+  const pp_item_t *x = a, *y = b;
+  if (x->numel != y->numel) return x->numel > y->numel ? -1 : 1;
+  int k = strcmp(x->t->name, y->t->name);
+  if (k) return k;
+  return x->block < y->block ? -1 : x->block > y->block;
+}
+
+/* Cuts one shard's items (n of them, reordered in place) into chunks of
+ * at least `target` wire bytes (one item may exceed it alone), and writes
+ * the number of items of each chunk, in sending order, to len[] (room for
+ * n), returning the chunk count. Items go largest first so the large
+ * replies come back while the rest still uploads; the first chunk sent is
+ * the largest one of at most 2 x target bytes, so that the first reply
+ * starts early too (a huge tensor first would leave the way down idle
+ * while it uploads); the smallest go last, so the tail after the upload is
+ * short. `tmp` has room for n items. */
+static size_t plan_chunks(pp_item_t *items, size_t n, uint64_t esz, uint64_t target, pp_item_t *tmp,
+                          size_t *len) {
+  size_t k = 0;
+  uint64_t bytes = 0, total = 0;
+  for (size_t i = 0; i < n; i++) total += items[i].numel * esz;
+  if (target < total / PUSH_MAX_CALLS + 1) target = total / PUSH_MAX_CALLS + 1;
+  qsort(items, n, sizeof *items, by_size_desc);
+  for (size_t i = 0, start = 0; i < n; i++) {
+    bytes += items[i].numel * esz;
+    if (bytes >= target || i + 1 == n) {
+      len[k++] = i + 1 - start;
+      start = i + 1;
+      bytes = 0;
+    }
+  }
+  /* The first chunk to send: the first (largest) of at most 2 x target. */
+  size_t at = 0, f = 0;
+  for (; f < k; at += len[f], f++) {
+    uint64_t b = 0;
+    for (size_t i = at; i < at + len[f]; i++) b += items[i].numel * esz;
+    if (b <= 2 * target) break;
+  }
+  if (f > 0 && f < k) {
+    size_t lf = len[f];
+    memcpy(tmp, items + at, lf * sizeof *items);
+    memcpy(tmp + lf, items, at * sizeof *items);
+    memcpy(items, tmp, (at + lf) * sizeof *items);
+    memmove(len + 1, len, f * sizeof *len);
+    len[0] = lf;
+  }
+  return k;
+}
+
+/* The key of chunk `j` of a push whose key is `id`: chunk 0 keeps it (an
+ * unchunked push sends what it always sent), the others get a 64-bit mix
+ * of (id, j), so a caller that retries with the same push_id retries every
+ * chunk under its own key again and the shard applies each at most once.
+ * A mixed key meeting another push's key of the same worker is as likely
+ * as two random 64-bit keys meeting. */
+static uint64_t chunk_push_id(uint64_t id, size_t j) {
+  if (!id || j == 0) return id;
+  uint64_t z = id + (uint64_t)j * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return z ? z : 1;
+}
+
 static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t n, int is_push,
                fps_status_t *status) {
-  pp_shard_t *sh = NULL;
+  pp_call_t *pc = NULL;
   pp_item_t *items = NULL, *sorted = NULL;
   pp_item_t **by_name = NULL;
   fps__stream_t **streams = NULL;
-  size_t *count = NULL, total = 0;
+  size_t *count = NULL, *len = NULL, total = 0, n_calls = 0;
   int rc, locked = 0;
 
   if (!c || (n && (!names || (is_push && !job->grads) || !job->params)))
     return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "NULL argument");
   job->dtype = is_push && c->opts.wire_dtype == FPS_WIRE_BF16 ? FPS_DTYPE_BF16 : FPS_DTYPE_F32;
   job->esz = fps_dtype_size(job->dtype);
-  sh = calloc(c->n_shards, sizeof *sh);
-  streams = calloc(c->n_shards, sizeof *streams);
   count = calloc(c->n_shards, sizeof *count);
-  if (!sh || !streams || !count) {
+  if (!count) {
     rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
     goto done;
   }
@@ -458,10 +538,15 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
     }
     total += fps__block_count(t);
   }
+  /* At most one call per item (chunks), or one per shard. */
+  size_t max_calls = total + c->n_shards;
   items = calloc(total ? total : 1, sizeof *items);
   sorted = calloc(total ? total : 1, sizeof *sorted);
   by_name = calloc(total ? total : 1, sizeof *by_name);
-  if (!items || !sorted || !by_name) {
+  len = calloc(total ? total : 1, sizeof *len);
+  pc = calloc(max_calls, sizeof *pc);
+  streams = calloc(max_calls, sizeof *streams);
+  if (!items || !sorted || !by_name || !len || !pc || !streams) {
     rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
     goto done;
   }
@@ -476,32 +561,61 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
       count[blk.shard]++;
     }
   }
-  /* Group by shard, keeping the caller's order within a shard. */
+  /* A tensor named twice: found before chunking could part the two. */
   {
-    size_t start = 0;
-    for (size_t s = 0; s < c->n_shards; s++) {
-      sh[s].items = items + start;
-      sh[s].by_name = by_name + start;
-      start += count[s];
+    const fps__tensor_t **ts = calloc(n ? n : 1, sizeof *ts);
+    if (!ts) {
+      rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+      goto done;
     }
-    for (size_t i = 0; i < total; i++) {
-      pp_shard_t *x = &sh[sorted[i].shard];
-      x->items[x->n++] = sorted[i];
-    }
-  }
-  size_t n_streams = 0;
-  for (size_t s = 0; s < c->n_shards; s++) {
-    pp_shard_t *x = &sh[s];
-    if (!x->n) continue;
-    for (size_t i = 0; i < x->n; i++) x->by_name[i] = &x->items[i];
-    qsort(x->by_name, x->n, sizeof *x->by_name, by_item_name);
-    for (size_t i = 1; i < x->n; i++)
-      if (x->by_name[i - 1]->t == x->by_name[i]->t) {
+    for (size_t i = 0; i < n; i++) ts[i] = fps__tensor_list_find(&c->tensors, names[i]);
+    qsort(ts, n, sizeof *ts, by_tensor);
+    for (size_t i = 1; i < n; i++)
+      if (ts[i - 1] == ts[i]) {
         rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s' is named twice",
-                             x->by_name[i]->t->name);
+                             ts[i]->name);
+        free(ts);
         goto done;
       }
-    x->s.shard = (int)s;
+    free(ts);
+  }
+  /* Group by shard, keeping the caller's order within a shard. */
+  {
+    size_t *start = calloc(c->n_shards + 1, sizeof *start);
+    if (!start) {
+      rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+      goto done;
+    }
+    for (size_t s = 0; s < c->n_shards; s++) start[s + 1] = start[s] + count[s];
+    for (size_t i = 0; i < total; i++) items[start[sorted[i].shard]++] = sorted[i];
+    free(start);
+  }
+  /* Cut each shard's items into calls: one per shard (Pull, or a push with
+   * push_chunk_bytes 0 or that fits one chunk), or chunks of a push, each
+   * following the previous one's upload (fps__stream_t.after). */
+  for (size_t s = 0, at = 0; s < c->n_shards; at += count[s], s++) {
+    if (!count[s]) continue;
+    pp_item_t *base = items + at;
+    size_t k = 1;
+    len[0] = count[s];
+    uint64_t chunk = is_push ? c->opts.push_chunk_bytes : 0;
+    if (chunk && count[s] > 1) k = plan_chunks(base, count[s], job->esz, chunk, sorted, len);
+    for (size_t j = 0, off = 0; j < k; off += len[j], j++) {
+      pp_call_t *x = &pc[n_calls];
+      x->items = base + off;
+      x->by_name = by_name + at + off;
+      x->n = len[j];
+      x->s.shard = (int)s;
+      x->s.after = j > 0 ? &pc[n_calls - 1].s : NULL;
+      x->chunk = j;
+      streams[n_calls++] = &x->s;
+    }
+  }
+  if (is_push && !job->push_id) job->push_id = fps__push_id_next();
+  for (size_t k = 0; k < n_calls; k++) {
+    pp_call_t *x = &pc[k];
+    for (size_t i = 0; i < x->n; i++) x->by_name[i] = &x->items[i];
+    qsort(x->by_name, x->n, sizeof *x->by_name, by_item_name);
     x->s.ops = is_push ? &push_ops : &pull_ops;
     x->s.ctx = x;
     x->job = job;
@@ -509,6 +623,7 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
     for (size_t i = 0; i < x->n; i++)
       if (job->params[x->items[i].idx]) x->skip_params = 0;
     if (is_push) {
+      x->push_id = chunk_push_id(job->push_id, x->chunk);
       x->plan = calloc(x->n, sizeof *x->plan);
       x->slices = calloc(2 * x->n + 1, sizeof *x->slices);
       if (!x->plan || !x->slices) {
@@ -516,37 +631,36 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
         goto done;
       }
     }
-    streams[n_streams++] = &x->s;
   }
 
-  if (is_push && !job->push_id) job->push_id = fps__push_id_next();
   double pause = PULL_TORN_PAUSE;
   for (int attempt = 1;; attempt++) {
     int torn = 0;
-    rc = fps__streams_run(c, is_push ? FPS__METHOD_PUSHPULL : FPS__METHOD_PULL, streams, n_streams,
+    rc = fps__streams_run(c, is_push ? FPS__METHOD_PUSHPULL : FPS__METHOD_PULL, streams, n_calls,
                           FPS__RETRY_IDEMPOTENT, status);
     if (is_push) wait_slices_released(job);
     if (rc) goto done;
-    rc = check_versions(c, job, sh, n, is_push, &torn, status);
+    rc = check_versions(c, job, pc, n_calls, n, is_push, &torn, status);
     if (!torn || attempt == PULL_TORN_ATTEMPTS) break;
     /* A Pull met a split tensor's step half applied: read again. */
     pause_s(pause);
     pause *= 2;
-    for (size_t s = 0; s < n_streams; s++) pull_reset(streams[s]);
+    for (size_t s = 0; s < n_calls; s++) pull_reset(streams[s]);
   }
   if (rc) goto done;
   fps__status_ok(status);
 
 done:
   if (locked) pthread_rwlock_unlock(&c->lock);
-  if (sh)
-    for (size_t s = 0; s < c->n_shards; s++) {
-      free(sh[s].plan);
-      free(sh[s].slices);
+  if (pc)
+    for (size_t k = 0; k < n_calls; k++) {
+      free(pc[k].plan);
+      free(pc[k].slices);
     }
-  free(sh);
+  free(pc);
   free(streams);
   free(count);
+  free(len);
   free(items);
   free(sorted);
   free(by_name);

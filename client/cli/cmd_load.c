@@ -45,6 +45,7 @@ typedef struct load_cfg_s {
   int model_peer;                      /* --model peer */
   unsigned long long peer_tensors;     /* --tensors K (peer model) */
   unsigned long long split_min_bytes;  /* --split-min-bytes (0: never split) */
+  unsigned long long push_chunk_bytes; /* --push-chunk-bytes (0: one call per shard) */
   fps_cli_sec_t sec;                   /* TLS and token options */
   int processes;
   long worker_id;                      /* -1: run all W workers; else only this one */
@@ -82,7 +83,7 @@ static void usage(FILE *out) {
           "                     [--warmup K] [--mode-hint sync|async|ssp] [--threads|--processes]\n"
           "                     [--deadline SECONDS] [--max-message BYTES] [--worker-id I]\n"
           "                     [--wire-dtype f32|bf16] [--model gpt|peer] [--tensors K]\n"
-          "                     [--split-min-bytes N]\n"
+          "                     [--split-min-bytes N] [--push-chunk-bytes N]\n"
           "Synthetic load: W workers (default 2, threads unless --processes) each push S steps\n"
           "(default 20) of gradients for a transformer-like model of about N parameters\n"
           "(default 10M; k/M/G suffixes) and report steps/s, GB/s (gradients pushed + params\n"
@@ -98,6 +99,9 @@ static void usage(FILE *out) {
           "for 10^3.., Ki/Mi/Gi for 2^10..; default 0: never) into row blocks over the\n"
           "shards, which must then run --mode sync with --peers; 32Mi (libfactorps'\n"
           "FPS_SPLIT_MIN_BYTES_DEFAULT) balances the 100M models' shard bytes to 5%%.\n"
+          "--push-chunk-bytes N pushes each shard's tensors as concurrent calls over chunks\n"
+          "of about N wire bytes (default 8Mi, FPS_PUSH_CHUNK_BYTES_DEFAULT; 0: one call\n"
+          "per shard).\n"
           "--shards defaults to $FACTORPS_SHARDS.\n"
           FPS_CLI_SEC_USAGE);
 }
@@ -159,6 +163,7 @@ static void worker_run(worker_t *w) {
   o.max_message_bytes = cfg->max_message;
   o.wire_dtype = cfg->wire_dtype;
   o.split_min_bytes = cfg->split_min_bytes;
+  o.push_chunk_bytes = cfg->push_chunk_bytes;
   if (!(c = fps_client_create((const char *const *)cfg->addrs, cfg->n_shards, &o, &st))) goto fail;
   if (fps_client_create_tensors(c, defs, n, &st)) goto fail;
   for (unsigned long long s = 0; s < cfg->steps; s++) {
@@ -325,12 +330,13 @@ int fps_cli_load(int argc, char **argv) {
                                            {"model", required_argument, NULL, 'o'},
                                            {"tensors", required_argument, NULL, 'K'},
                                            {"split-min-bytes", required_argument, NULL, 'B'},
+                                           {"push-chunk-bytes", required_argument, NULL, 'C'},
                                            {"help", no_argument, NULL, 'h'},
                                            FPS_CLI_SEC_LONGOPTS,
                                            {NULL, 0, NULL, 0}};
   load_cfg_t cfg = {.workers = 2, .params = 10000000, .steps = 20, .warmup = 1, .deadline = 120,
                     .max_message = 4u << 20, .worker_id = -1, .wire_dtype = FPS_WIRE_F32,
-                    .peer_tensors = 64};
+                    .peer_tensors = 64, .push_chunk_bytes = FPS_PUSH_CHUNK_BYTES_DEFAULT};
   const char *shards = fps_cli_env_shards();
   unsigned long long v;
   int opt, rc = 1;
@@ -338,7 +344,7 @@ int fps_cli_load(int argc, char **argv) {
   double *all = NULL;
 
   optind = 1;
-  while ((opt = getopt_long(argc, argv, "hs:w:n:S:k:m:tpd:M:i:D:o:K:B:", longopts, NULL)) != -1) {
+  while ((opt = getopt_long(argc, argv, "hs:w:n:S:k:m:tpd:M:i:D:o:K:B:C:", longopts, NULL)) != -1) {
     switch (opt) {
       case 's': shards = optarg; break;
       case 'w':
@@ -395,6 +401,9 @@ int fps_cli_load(int argc, char **argv) {
         break;
       case 'B':
         if (fps_cli_bytes(optarg, "--split-min-bytes", &cfg.split_min_bytes)) return 2;
+        break;
+      case 'C':
+        if (fps_cli_bytes(optarg, "--push-chunk-bytes", &cfg.push_chunk_bytes)) return 2;
         break;
       case 'h': usage(stdout); return 0;
       default:

@@ -6,6 +6,7 @@
  *          division by (float)W), then one step per round.
  *   async  bit for bit against a replay in the shard's applied order, read
  *   ssp    from Stats.apply_log (worker_id, step) per tensor.
+ * The same with pushes cut into chunk calls (push_chunk_bytes; issue 25).
  * Also: placement is deterministic and balanced and matches where the
  * shards hold the tensors; an unreachable shard gives UNAVAILABLE within the
  * deadline; a tensor created on the wrong shard is refused.
@@ -198,6 +199,9 @@ typedef struct worker_s {
 
 /* The clients' wire_dtype (0: the default, fp32). */
 static int g_wire_dtype;
+/* The clients' push_chunk_bytes; 0: the library default (these models are
+ * far below it: one call per shard). */
+static uint64_t g_push_chunk;
 
 static fps_client_t *client_new(fps_test_server_t *srv, int n, double deadline,
                                 fps_status_t *st) {
@@ -208,6 +212,7 @@ static fps_client_t *client_new(fps_test_server_t *srv, int n, double deadline,
   o.max_message_bytes = MSG_BYTES;
   o.deadline_seconds = deadline;
   o.wire_dtype = g_wire_dtype;
+  if (g_push_chunk) o.push_chunk_bytes = g_push_chunk;
   return fps_client_create(addrs, (size_t)n, &o, st);
 }
 
@@ -278,6 +283,27 @@ static int teardown(void **state) {
   return 0;
 }
 
+/* With g_push_chunk set, each push really went to each shard as several
+ * calls (the shard counts one push per call), so the chunked tests cannot
+ * pass on the one-call path. */
+static void assert_chunked(fps_test_server_t *srv) {
+  fps_status_t st;
+  fps_shard_stats_t ss[SHARDS];
+  int many = 0;
+  fps_client_t *c = client_new(srv, SHARDS, 30, &st);
+  assert_non_null(c);
+  assert_code(fps_client_stats(c, ss, SHARDS, &st), 0, st);
+  for (int i = 0; i < SHARDS; i++) {
+    print_message("shard %d: %llu tensors, %llu pushes in %d steps of %d workers\n", i,
+                  (unsigned long long)ss[i].tensors, (unsigned long long)ss[i].pushes, STEPS, WORKERS);
+    /* A shard of one tensor gets one call per push either way. */
+    if (ss[i].tensors >= 2) assert_true(ss[i].pushes >= 2 * WORKERS * STEPS);
+    many += ss[i].tensors >= 2;
+  }
+  assert_true(many > 0);
+  fps_client_destroy(c);
+}
+
 static void sync_run(int shared) {
   model_t m;
   fps_test_server_t srv[SHARDS];
@@ -336,6 +362,7 @@ static void sync_run(int shared) {
     free(g);
   }
   free_workers(ws, &m);
+  if (g_push_chunk) assert_chunked(srv);
   for (int i = 0; i < SHARDS; i++) assert_int_equal(fps_test_server_stop(&srv[i]), 0);
 }
 
@@ -377,6 +404,21 @@ static void test_sync_bf16_matches_replay(void **state) {
   sync_run(0);
   sync_run(1);
   g_wire_dtype = 0;
+}
+
+/* Pushes cut into chunks (a call per tensor, or per few small ones; the
+ * 64 KiB messages cut the larger ones further) give the same parameters,
+ * bit for bit, as the replay the one-call path matches above; one client
+ * per worker and one shared by all, fp32 and bf16. */
+static void test_sync_chunked_matches_replay(void **state) {
+  (void)state;
+  g_push_chunk = 1;
+  sync_run(0);
+  sync_run(1);
+  g_wire_dtype = FPS_WIRE_BF16;
+  sync_run(0);
+  g_wire_dtype = 0;
+  g_push_chunk = 0;
 }
 
 /* async/ssp: replay every tensor in the order its shard applied pushes. */
@@ -434,7 +476,16 @@ static void test_async_matches_applied_order(void **state) {
   run_workers(&job, ws);
   free_workers(ws, &m);
   check_applied_order(&m, srv, "async");
+  if (g_push_chunk) assert_chunked(srv);
   for (int i = 0; i < SHARDS; i++) assert_int_equal(fps_test_server_stop(&srv[i]), 0);
+}
+
+/* Chunked pushes in async and ssp: every chunk applied exactly once, in
+ * an order the apply log replays bit for bit. */
+static void test_async_chunked_matches_applied_order(void **state) {
+  g_push_chunk = 1;
+  test_async_matches_applied_order(state);
+  g_push_chunk = 0;
 }
 
 static void test_ssp_matches_applied_order(void **state) {
@@ -449,7 +500,14 @@ static void test_ssp_matches_applied_order(void **state) {
   run_workers(&job, ws);
   free_workers(ws, &m);
   check_applied_order(&m, srv, "ssp");
+  if (g_push_chunk) assert_chunked(srv);
   for (int i = 0; i < SHARDS; i++) assert_int_equal(fps_test_server_stop(&srv[i]), 0);
+}
+
+static void test_ssp_chunked_matches_applied_order(void **state) {
+  g_push_chunk = 1;
+  test_ssp_matches_applied_order(state);
+  g_push_chunk = 0;
 }
 
 static void test_placement_deterministic_balanced(void **state) {
@@ -640,6 +698,9 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_sync_shared_client, teardown),
       cmocka_unit_test_teardown(test_async_matches_applied_order, teardown),
       cmocka_unit_test_teardown(test_ssp_matches_applied_order, teardown),
+      cmocka_unit_test_teardown(test_sync_chunked_matches_replay, teardown),
+      cmocka_unit_test_teardown(test_async_chunked_matches_applied_order, teardown),
+      cmocka_unit_test_teardown(test_ssp_chunked_matches_applied_order, teardown),
       cmocka_unit_test_teardown(test_placement_deterministic_balanced, teardown),
       cmocka_unit_test_teardown(test_unreachable_is_unavailable, teardown),
       cmocka_unit_test_teardown(test_wrong_shard_is_refused, teardown),

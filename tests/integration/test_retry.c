@@ -9,7 +9,12 @@
  *                  was applied; the retry is applied.
  * Either way the tensor ends at version 1, Stats counts one update, and the
  * parameters the client got equal, bit for bit, those of a second shard
- * that saw the push once without a proxy. */
+ * that saw the push once without a proxy.
+ * The same for a push cut into chunk calls (issue 25), each with its own
+ * push_id: the cut finds some chunks applied and answered, some applied
+ * with their reply lost, some not sent; the retry applies each exactly
+ * once. And a shard killed mid-push: the other shard's chunks are applied
+ * once, the call fails naming the dead shard within its deadline. */
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -22,7 +27,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -45,6 +52,7 @@ typedef struct proxy_s {
   int cut_dir;                   /* CUT_*: armed, one shot */
   uint64_t cut_after, counted;   /* bytes in cut_dir since armed */
   int cuts, accepted;
+  pid_t kill_pid;                /* SIGKILLed at the cut, if > 0 */
   int fd[MAX_CONNS][2];          /* [client side, shard side], -1: free */
 } proxy_t;
 
@@ -125,7 +133,9 @@ static void *proxy_main(void *arg) {
       if (r <= 0 || write_all(p->fd[i][1 - k], buf, (size_t)r) < 0) {
         proxy_reset_locked(p, i);
       } else if (p->cut_dir == dir && (p->counted += (uint64_t)r) >= p->cut_after) {
-        /* The cut: every connection, as a network failure would. */
+        /* The cut: every connection, as a network failure would (with
+         * kill_pid, the shard dies first, as a crash would). */
+        if (p->kill_pid > 0) kill(p->kill_pid, SIGKILL);
         for (int x = 0; x < MAX_CONNS; x++)
           if (p->fd[x][0] >= 0) proxy_reset_locked(p, x);
         p->cut_dir = CUT_NONE;
@@ -179,17 +189,23 @@ static void proxy_stop(proxy_t *p) {
       fail_msg("got %s, want %s: %s", fps_code_name(rc_), fps_code_name(want), (st).message); \
   } while (0)
 
-static fps_client_t *client_at(const char *addr) {
+static fps_client_t *client_of(const char *const *addrs, size_t n, uint64_t chunk, double deadline) {
   fps_client_options_t o;
   fps_client_options_init(&o);
-  o.deadline_seconds = 60;
+  o.deadline_seconds = deadline;
   o.max_retries = 5;
+  o.backoff_initial_seconds = 0.05;
   o.max_message_bytes = 256u * 1024u;
+  o.push_chunk_bytes = chunk;
   fps_status_t st;
-  const char *addrs[1] = {addr};
-  fps_client_t *c = fps_client_create(addrs, 1, &o, &st);
+  fps_client_t *c = fps_client_create(addrs, n, &o, &st);
   if (!c) fail_msg("client: %s", st.message);
   return c;
+}
+
+static fps_client_t *client_at(const char *addr) {
+  const char *addrs[1] = {addr};
+  return client_of(addrs, 1, 0, 60);
 }
 
 static float *init_v, *grad_v;
@@ -296,6 +312,209 @@ static void test_lost_request(void **state) {
   retried_push_applies_once(CUT_TO_SHARD, 1024u * 1024u);
 }
 
+/* ------------------------------------------------- chunked pushes */
+
+#define CT 8                     /* tensors */
+#define CT_ROWS 256u
+#define CT_COLS 256u             /* 256 KiB of fp32 each, 2 MiB in all */
+#define CT_NUMEL (CT_ROWS * CT_COLS)
+
+typedef struct chunk_job_s {
+  fps_tensor_def_t defs[CT];
+  char names[CT][8];
+  const char *np[CT];
+  float *init[CT], *grad[CT], *got[CT], *want[CT];
+} chunk_job_t;
+
+static void chunk_job_init(chunk_job_t *j) {
+  memset(j, 0, sizeof *j);
+  for (uint32_t t = 0; t < CT; t++) {
+    snprintf(j->names[t], sizeof j->names[t], "c%u", t);
+    j->np[t] = j->names[t];
+    j->init[t] = malloc(CT_NUMEL * sizeof(float));
+    j->grad[t] = malloc(CT_NUMEL * sizeof(float));
+    j->got[t] = malloc(CT_NUMEL * sizeof(float));
+    j->want[t] = malloc(CT_NUMEL * sizeof(float));
+    assert_true(j->init[t] && j->grad[t] && j->got[t] && j->want[t]);
+    for (uint32_t i = 0; i < CT_NUMEL; i++) {
+      j->init[t][i] = (float)(((i + t * 7919u) * 2654435761u) % 2001u) / 1000.0f - 1.0f;
+      j->grad[t][i] = (float)(((i + t * 104729u) * 40503u) % 1999u) / 999.5f - 1.0f;
+    }
+    fps_tensor_def_t *d = &j->defs[t];
+    d->name = j->names[t];
+    d->ndim = 2;
+    d->shape[0] = CT_ROWS;
+    d->shape[1] = CT_COLS;
+    d->init = j->init[t];
+    d->optim.flavor = FPS_OPTIM_TORCH;
+  }
+}
+
+static void chunk_job_free(chunk_job_t *j) {
+  for (int t = 0; t < CT; t++) {
+    free(j->init[t]);
+    free(j->grad[t]);
+    free(j->got[t]);
+    free(j->want[t]);
+  }
+}
+
+static int chunk_push(fps_client_t *c, chunk_job_t *j, float **out, uint64_t *versions,
+                      fps_status_t *st) {
+  return fps_client_push_pull(c, 0, 0, j->np, (const float *const *)j->grad, out, versions, CT, st);
+}
+
+/* The reference: the same push once, unchunked, on shards without a proxy. */
+static void chunk_reference(chunk_job_t *j, fps_test_server_t *ref, int n) {
+  const char *addrs[2] = {ref[0].addr, n > 1 ? ref[1].addr : NULL};
+  fps_client_t *c = client_of(addrs, (size_t)n, 0, 60);
+  fps_status_t st;
+  uint64_t v[CT];
+  assert_code(fps_client_create_tensors(c, j->defs, CT, &st), 0, st);
+  assert_code(chunk_push(c, j, j->want, v, &st), 0, st);
+  for (int t = 0; t < CT; t++) assert_int_equal(v[t], 1);
+  fps_client_destroy(c);
+}
+
+static void chunked_push_applies_once(int dir, uint64_t after) {
+  fps_test_server_t srv, ref;
+  chunk_job_t j;
+  fps_status_t st;
+  uint64_t v[CT];
+  chunk_job_init(&j);
+  assert_int_equal(fps_test_server_start(&srv, 0, 1, "async", 1, NULL), 0);
+  assert_int_equal(fps_test_server_start(&ref, 0, 1, "async", 1, NULL), 0);
+  chunk_reference(&j, &ref, 1);
+
+  proxy_t p;
+  proxy_start(&p, srv.port);
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", p.port);
+  const char *addrs[1] = {addr};
+  /* A chunk of 1 byte: the library's floor (2 MiB / 32 calls) decides, a
+   * call per 256 KiB tensor. */
+  fps_client_t *c = client_of(addrs, 1, 1, 60);
+  assert_code(fps_client_create_tensors(c, j.defs, CT, &st), 0, st);
+  proxy_arm(&p, dir, after);
+  assert_code(chunk_push(c, &j, j.got, v, &st), 0, st);
+  pthread_mutex_lock(&p.mu);
+  int cuts = p.cuts, accepted = p.accepted;
+  pthread_mutex_unlock(&p.mu);
+  assert_int_equal(cuts, 1);
+  assert_true(accepted >= 2);
+  for (int t = 0; t < CT; t++) {
+    assert_int_equal(v[t], 1);
+    assert_memory_equal(j.got[t], j.want[t], CT_NUMEL * sizeof(float));
+  }
+
+  /* Applied once each (a Pull and the apply log), as many calls as
+   * tensors answered OK at the end. */
+  fps_client_t *direct = client_at(srv.addr);
+  fps_shard_stats_t ss;
+  assert_code(fps_client_stats(direct, &ss, 1, &st), 0, st);
+  assert_code(fps_client_discover(direct, NULL, &st), 0, st);
+  for (int t = 0; t < CT; t++) {
+    fps_tensor_stats_t ts;
+    fps_apply_record_t log[4];
+    size_t len = 0;
+    assert_code(fps_client_tensor_stats(direct, j.np[t], &ts, log, 4, &len, &st), 0, st);
+    assert_int_equal(ts.version, 1);
+    assert_int_equal(len, 1);
+  }
+  assert_code(fps_client_pull(c, j.np, j.got, v, CT, &st), 0, st);
+  for (int t = 0; t < CT; t++) {
+    assert_int_equal(v[t], 1);
+    assert_memory_equal(j.got[t], j.want[t], CT_NUMEL * sizeof(float));
+  }
+  assert_true(ss.pushes >= CT); /* one call per tensor: really chunked */
+  print_message("chunked, %s cut after %llu bytes: %d connection(s), updates %llu, pushes %llu, "
+                "push_errors %llu\n",
+                dir == CUT_TO_CLIENT ? "reply" : "request", (unsigned long long)after, accepted,
+                (unsigned long long)ss.updates, (unsigned long long)ss.pushes,
+                (unsigned long long)ss.push_errors);
+  fps_client_destroy(direct);
+  fps_client_destroy(c);
+  proxy_stop(&p);
+  chunk_job_free(&j);
+  assert_int_equal(fps_test_server_stop(&srv), 0);
+  assert_int_equal(fps_test_server_stop(&ref), 0);
+}
+
+/* The replies are cut after about three chunks' worth of parameters:
+ * earlier chunks answered, one mid-reply (applied, reply lost), later
+ * ones applied or still uploading. */
+static void test_chunked_lost_reply(void **state) {
+  (void)state;
+  chunked_push_applies_once(CUT_TO_CLIENT, 700u * 1024u);
+}
+
+/* The request is cut after about four and a half chunks' worth of
+ * gradients: the first chunks arrived whole (applied), one half, the rest
+ * never started. */
+static void test_chunked_lost_request(void **state) {
+  (void)state;
+  chunked_push_applies_once(CUT_TO_SHARD, 1100u * 1024u);
+}
+
+/* Shard 1 is SIGKILLed a quarter into its part of a chunked push (async,
+ * 2 shards). The push fails UNAVAILABLE naming shard 1, within its
+ * deadline; shard 0 applied each of its tensors once, with the values an
+ * undisturbed pair of shards computes. */
+static void test_chunked_shard_killed(void **state) {
+  (void)state;
+  fps_test_server_t srv[2], ref[2];
+  chunk_job_t j;
+  fps_status_t st;
+  uint64_t v[CT];
+  chunk_job_init(&j);
+  assert_int_equal(fps_test_servers_start(srv, 2, "async", 1, NULL), 0);
+  assert_int_equal(fps_test_servers_start(ref, 2, "async", 1, NULL), 0);
+  chunk_reference(&j, ref, 2);
+
+  proxy_t p;
+  proxy_start(&p, srv[1].port);
+  char addr1[64];
+  snprintf(addr1, sizeof addr1, "127.0.0.1:%d", p.port);
+  const char *addrs[2] = {srv[0].addr, addr1};
+  fps_client_t *c = client_of(addrs, 2, 1, 10);
+  assert_code(fps_client_create_tensors(c, j.defs, CT, &st), 0, st);
+  pthread_mutex_lock(&p.mu);
+  p.kill_pid = srv[1].pid;
+  pthread_mutex_unlock(&p.mu);
+  proxy_arm(&p, CUT_TO_SHARD, 256u * 1024u);
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int rc = chunk_push(c, &j, j.got, v, &st);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double took = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+  print_message("push with shard 1 killed: %s after %.2f s: %s\n", fps_code_name(rc), took,
+                st.message);
+  assert_int_equal(rc, FPS_CODE_UNAVAILABLE);
+  assert_int_equal(st.shard, 1);
+  assert_true(took < 10 + 15 + 1); /* the deadline, plus the documented slack */
+
+  /* Shard 0's tensors: applied once, as the reference. */
+  int on0 = 0;
+  for (int t = 0; t < CT; t++) {
+    if (fps_client_shard_of(c, j.np[t]) != 0) continue;
+    on0++;
+    const char *names[1] = {j.np[t]};
+    float *out[1] = {j.got[t]};
+    uint64_t ver = 0;
+    assert_code(fps_client_pull(c, names, out, &ver, 1, &st), 0, st);
+    assert_int_equal(ver, 1);
+    assert_memory_equal(j.got[t], j.want[t], CT_NUMEL * sizeof(float));
+  }
+  assert_true(on0 >= 2); /* several chunks on the surviving shard */
+  fps_client_destroy(c);
+  proxy_stop(&p);
+  chunk_job_free(&j);
+  fps_test_server_stop(&srv[1]); /* killed: its status is SIGKILL's */
+  assert_int_equal(fps_test_server_stop(&srv[0]), 0);
+  assert_int_equal(fps_test_server_stop(&ref[0]), 0);
+  assert_int_equal(fps_test_server_stop(&ref[1]), 0);
+}
+
 static void teardown(void) { fps_test_servers_stop_all(); }
 
 int main(int argc, char **argv) {
@@ -303,6 +522,9 @@ int main(int argc, char **argv) {
   const struct CMUnitTest all[] = {
       cmocka_unit_test(test_lost_reply),
       cmocka_unit_test(test_lost_request),
+      cmocka_unit_test(test_chunked_lost_reply),
+      cmocka_unit_test(test_chunked_lost_request),
+      cmocka_unit_test(test_chunked_shard_killed),
   };
   if (argc > 1) cmocka_set_test_filter(argv[1]);
   return cmocka_run_group_tests(all, NULL, NULL);

@@ -29,6 +29,7 @@ int main(void) {
   FIELD(fps_client_options_t, tls_server_name);
   FIELD(fps_client_options_t, wire_dtype);
   FIELD(fps_client_options_t, split_min_bytes);
+  FIELD(fps_client_options_t, push_chunk_bytes);
 
   SIZE(fps_optim_config_t);
   FIELD(fps_optim_config_t, flavor);

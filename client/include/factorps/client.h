@@ -131,7 +131,21 @@ typedef struct fps_client_options_s {
                                     must run with --peers (one without
                                     refuses a block's Create with
                                     FAILED_PRECONDITION) in sync mode. */
+  uint64_t push_chunk_bytes;     /* push_pull cuts a shard's tensors into
+                                    chunks of at least this many wire bytes
+                                    (whole tensors or row blocks; at most
+                                    32 chunks per shard), each its own call
+                                    with its own push_id, so the shard
+                                    applies and answers the first chunks
+                                    while later ones still upload; see
+                                    fps_client_push_pull(). 0: one call per
+                                    shard (every tensor of a shard applied
+                                    together or none). Default
+                                    FPS_PUSH_CHUNK_BYTES_DEFAULT. */
 } fps_client_options_t;
+
+/* The default chunk of a push (fps_client_options_t.push_chunk_bytes). */
+#define FPS_PUSH_CHUNK_BYTES_DEFAULT (UINT64_C(8) << 20)
 
 /* The split threshold factorps recommends (32 MiB): it splits a
  * 100M-parameter model's embedding (67 MB in `factorps load --model peer`)
