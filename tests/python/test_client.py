@@ -43,6 +43,32 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(set(where.values()), {0, 1}, where)
         self.assertEqual(self.client.shard_of("no-such-tensor"), -1)
 
+    def test_chunked_push_equals_one_call(self):
+        # push_chunk_bytes=1: a call per tensor (or per few small ones) to
+        # each shard, against one call per shard on a second pair of shards:
+        # the same parameters and versions, bit for bit, and more calls.
+        other = Shards(2, mode="sync", workers=1)
+        self.addCleanup(other.close)
+        one = factorps.connect(other.addrs, deadline=20, push_chunk_bytes=0)
+        self.addCleanup(one.close)
+        one.create([factorps.TensorSpec(n, SHAPES[n], self.init[n]) for n in SHAPES])
+        chunked = factorps.connect(self.shards.addrs, deadline=20, push_chunk_bytes=1)
+        self.addCleanup(chunked.close)
+        chunked.create([factorps.TensorSpec(n, SHAPES[n], None) for n in SHAPES])
+        rng = np.random.default_rng(3)
+        for _ in range(3):
+            grads = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+            got, gv = chunked.push_pull(grads)
+            want, wv = one.push_pull(grads)
+            self.assertEqual(gv, wv)
+            for n in SHAPES:
+                np.testing.assert_array_equal(got[n], want[n], err_msg=n)
+        calls = sum(s["pushes"] for s in chunked.stats())
+        self.assertEqual(sum(s["pushes"] for s in one.stats()), 3 * 2)
+        self.assertGreater(calls, 3 * 2)
+        with self.assertRaises(factorps.InvalidArgumentError):
+            factorps.connect(self.shards.addrs, push_chunk_bytes=-1)
+
     def test_push_pull_matches_reference(self):
         refs = {n: ReferenceAdafactor(s, "torch") for n, s in SHAPES.items()}
         want = dict(self.init)

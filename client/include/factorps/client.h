@@ -12,8 +12,8 @@
  *   never keeps a pointer to caller memory after a call returns.
  * - Thread-safety: an fps_client_t may be used from several threads at once
  *   (calls are independent); create/destroy must not race with other calls.
- * - Deadlines: every exchange with the shards (one call per shard, all in
- *   parallel) finishes within `deadline_seconds`, retries and backoff
+ * - Deadlines: every exchange with the shards (one call per shard, or per
+ *   chunk of a push, all in parallel) finishes within `deadline_seconds`, retries and backoff
  *   included, plus a small slack (at most 15 s more if gRPC does not end a
  *   call it was told to cancel: the call is then given up as
  *   DEADLINE_EXCEEDED); no call waits forever. PushPull, Pull and
@@ -314,18 +314,23 @@ FPS_EXTERN int fps_client_placement_plan(const fps_tensor_def_t *defs, size_t n,
  * fps_client_create_tensors()/fps_client_discover(). */
 FPS_EXTERN int fps_client_shard_of(const fps_client_t *c, const char *name);
 
-/* Pushes this worker's gradients for `n` tensors (all shards in parallel,
- * one streaming call per shard, slices of at most max_message_bytes,
- * pipelined) and writes the fresh parameters straight into `params[i]`
+/* Pushes this worker's gradients for `n` tensors (all shards in parallel;
+ * per shard one streaming call per chunk of its tensors, see
+ * push_chunk_bytes, or one call with push_chunk_bytes 0; slices of at most
+ * max_message_bytes, pipelined) and writes the fresh parameters straight into `params[i]`
  * (numel floats each, may alias grads[i]; NULL skips that tensor's data; if
  * all of a shard's are NULL the shard sends versions only) and the new
  * versions into `versions` (may be NULL). `step` is the number of pushes
  * this worker has completed before this one. Every name must be in the
  * tensor list (NOT_FOUND otherwise) and appear once (INVALID_ARGUMENT).
- * Each shard applies its tensors of the push all together or none of them;
- * on error no output is guaranteed to be written (other shards may have
- * succeeded), and the status names the shard and tensor. Retried on
- * UNAVAILABLE with the same push_id (see Retries above).
+ * Each shard applies the tensors of one chunk (with push_chunk_bytes 0:
+ * all of its tensors of the push) all together or none of them; on error
+ * no output is guaranteed to be written (other chunks and shards may have
+ * succeeded), and the status names the shard and tensor. Each chunk's
+ * call is retried on UNAVAILABLE with its own push_id, derived from the
+ * push's (see Retries above), so a retry applies only what was not
+ * applied; the same holds for a caller's retry with the same
+ * fps_push_args_t.push_id and the same tensors and options.
  * Thread-safe (several workers may share one client). */
 FPS_EXTERN int fps_client_push_pull(fps_client_t *c, uint32_t worker_id, uint64_t step,
                                     const char *const *names, const float *const *grads,

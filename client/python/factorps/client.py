@@ -238,7 +238,7 @@ class Client:
     def __init__(self, shards, *, worker_id=0, deadline=60.0, max_retries=5, backoff=0.1,
                  max_message_bytes=4 << 20, tls_ca_file=None, tls_cert_file=None,
                  tls_key_file=None, auth_token=None, tls_server_name=None, wire_dtype="f32",
-                 split_min_bytes=0):
+                 split_min_bytes=0, push_chunk_bytes=None):
         if isinstance(shards, str):
             shards = [s for s in shards.split(",") if s.strip()]
         shards = [str(s).strip() for s in shards]
@@ -255,6 +255,12 @@ class Client:
             raise InvalidArgumentError(
                 f"connect: split_min_bytes must be an int in 0..2^64-1 (0: never split), "
                 f"got {split_min_bytes!r}")
+        if push_chunk_bytes is not None and (
+                isinstance(push_chunk_bytes, bool) or not isinstance(push_chunk_bytes, int) or
+                not 0 <= push_chunk_bytes < 1 << 64):
+            raise InvalidArgumentError(
+                f"connect: push_chunk_bytes must be an int in 0..2^64-1 (0: one call per "
+                f"shard), got {push_chunk_bytes!r}")
         self._lib = _lib.load()
         self.shards = list(shards)
         self.worker_id = int(worker_id)
@@ -274,6 +280,8 @@ class Client:
         opts.max_message_bytes = int(max_message_bytes)
         opts.wire_dtype = wire
         opts.split_min_bytes = split_min_bytes
+        if push_chunk_bytes is not None:  # None: libfactorps' default
+            opts.push_chunk_bytes = push_chunk_bytes
         self.split_min_bytes = split_min_bytes
         # Keep the encoded strings alive as long as the options struct.
         self._opt_strings = [None if v is None else str(v).encode()
@@ -837,7 +845,11 @@ def connect(shards, **options):
     least that many bytes is cut into row blocks over several shards, which
     then exchange partial sums each step so the update stays the unsplit
     one; needs every shard started with --peers, in --mode sync; see
-    SPLIT_MIN_BYTES_DEFAULT and the README's "Split tensors").
+    SPLIT_MIN_BYTES_DEFAULT and the README's "Split tensors"),
+    push_chunk_bytes (None: libfactorps' default, 8 MiB; each push goes to
+    each shard as concurrent calls over chunks of its tensors of at least
+    this many bytes, so parameters flow back while gradients still flow up;
+    0: one call per shard; docs/client.md).
     Connection is lazy: an unreachable shard fails the first call; a failed
     TLS handshake raises UnavailableError, a missing or wrong token
     UnauthenticatedError."""
