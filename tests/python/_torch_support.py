@@ -30,3 +30,37 @@ def loss_step(model, opt, worker, step):
     loss.backward()
     opt.step()
     return float(loss)
+
+
+def overlap_loop(model, opt, steps, before_step=None, accumulate=1, handle=None):
+    """`steps` steps of `accumulate` micro-batches each (the earlier ones
+    inside handle.no_sync() when given); before_step(step) after backward."""
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x, y = batch(micro, step)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if handle is not None and micro < accumulate - 1:
+                with handle.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        if before_step is not None:
+            before_step(step)
+        opt.step()
+
+
+def overlap_pair(test, shards, steps, **kw):
+    """Trains one Net with attach() and one without, side by side on
+    `shards`; returns (attached model, plain model, attached opt, handle)."""
+    from factorps.torch import RemoteAdafactor, attach
+    a, b = Net(), Net()
+    oa = RemoteAdafactor(a.named_parameters(), shards=shards.addrs, namespace="a/")
+    ob = RemoteAdafactor(b.named_parameters(), shards=shards.addrs, namespace="b/")
+    test.addCleanup(oa.close)
+    test.addCleanup(ob.close)
+    h = attach(a, oa, bucket_cap_mb=1e-4)   # about one parameter per bucket
+    overlap_loop(a, oa, steps, handle=h, **kw)
+    overlap_loop(b, ob, steps, **{k: v for k, v in kw.items() if k != "before_step"})
+    return a, b, oa, h
+

@@ -76,8 +76,16 @@ as the local optimizer and what is not:
   whose round partner then never comes drops that one update after the round
   deadline.
 - `foreach` is accepted and ignored (the shards run their own kernels).
+- Overlap and DDP: `attach(model, opt)` (before the first forward) makes
+  backward push the gradients in buckets as they are ready, so step() only
+  waits for the replies; under DistributedDataParallel it is the comm hook
+  that replaces DDP's all-reduce. Without it, a DDP-wrapped model fails at
+  the first step() (DDP's all-reduce plus the push would move every
+  gradient twice, or apply the average once per worker). See
+  factorps.overlap.
 """
 
+import inspect
 import logging
 import math
 import os
@@ -93,16 +101,21 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .client import Client, TensorSpec, state_sizes
+from .overlap import Overlap, _WeakIdSet, check_ddp
 from .errors import (AbortedError, AlreadyExistsError, DeadlineExceededError, Error,
                      FailedPreconditionError, UnavailableError)
 
-__all__ = ["RemoteAdafactor", "RemoteHFAdafactor"]
+__all__ = ["RemoteAdafactor", "RemoteHFAdafactor", "attach"]
 
 ParamsT = Union[Iterable[Tensor], Iterable[Tuple[str, Tensor]], Iterable[Dict[str, Any]]]
 
 log = logging.getLogger("factorps.torch")
 
 ON_EXISTING = ("error", "adopt", "overwrite")
+
+# torch 1.13's zero_grad() zeroes in place by default, 2.x sets to None.
+_ZERO_GRAD_SET_TO_NONE = inspect.signature(Optimizer.zero_grad).parameters[
+    "set_to_none"].default
 
 # Group keys that are not hyperparameters (ours, and what schedulers add).
 _TORCH_FIXED = ("beta2_decay", "eps", "d", "maximize")
@@ -331,6 +344,9 @@ class _RemoteAdafactorBase(Optimizer):
         self._state_one: Dict[Tensor, Dict[str, Any]] = {}  # state[p] reads since the step
         self._shard_mode: Optional[str] = None
         self._own_client = False
+        self._overlap: Optional[Overlap] = None   # attach(): pushes during backward
+        self._ddp_attached = _WeakIdSet()         # DDP modules with our comm hook
+        self._ddp_checked = False                 # check_ddp() ran since creation
         self.client: Optional[Client] = None
         super().__init__(params, defaults)
         if client is not None:
@@ -384,6 +400,9 @@ class _RemoteAdafactorBase(Optimizer):
         kept under "param_names", as PyTorch >= 2.6 does). A group added
         after the first step is created at the next one (its tensors start
         at version 0 and step with the others)."""
+        if getattr(self, "_overlap", None) is not None:
+            raise RuntimeError("add_param_group() after factorps.torch.attach(): the hooks "
+                               "would miss the new parameters; add the group before attach()")
         param_group = dict(param_group)
         ps = param_group["params"]
         if not isinstance(ps, Tensor):
@@ -424,6 +443,7 @@ class _RemoteAdafactorBase(Optimizer):
             raise
         self._names.update(new)
         self._created = False  # the job's tensor list changed: create again
+        self._ddp_checked = False
 
     def _validate_group(self, g: Dict[str, Any]) -> None:
         raise NotImplementedError
@@ -804,7 +824,23 @@ class _RemoteAdafactorBase(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._created or any(id(p) not in self._travel for p in self._live()):
+        ov = self._overlap
+        if ov is not None and ov._started:
+            # attach(): backward pushed the buckets; send the rest and wait.
+            if grad_scaler is not None or getattr(self, "found_inf", None) is not None:
+                ov.finish()
+                raise RuntimeError(
+                    "GradScaler cannot drive a factorps optimizer with attach(): backward "
+                    "already pushed the scaled gradients. Use bf16 autocast (no scaler), or "
+                    "drop attach() so that step() unscales and skips as AMP expects")
+            ov.finish()
+            return loss
+        if ov is not None:
+            ov.wait_all()  # wait="forward": the last step's replies
+        if not self._ddp_checked:
+            check_ddp(self)
+            self._ddp_checked = True
+        if self._needs_setup():
             self.setup()  # first step, or a parameter was unfrozen since
         else:
             self._check_fixed()
@@ -868,6 +904,38 @@ class _RemoteAdafactorBase(Optimizer):
             and all(self._versions.get(n, 0) == v for n, v in before.items()))
         self.skipped_steps += self.last_step_skipped
         return loss
+
+    def _needs_setup(self) -> bool:
+        """The tensors are not created yet, or a parameter was unfrozen since."""
+        return not self._created or any(id(p) not in self._travel for p in self._live())
+
+    def _prepare(self) -> None:
+        """What must happen before a step's pushes and may rewrite the
+        parameters: creating the tensors (setup) or, after a failed push,
+        re-reading them. attach() runs it before forward."""
+        if self._needs_setup():
+            self.setup()
+        elif self._dirty:
+            self._refresh()
+
+    def _push_settings(self) -> Dict[int, Dict[str, float]]:
+        """id(param) -> this step's push settings (its group's lr, weight decay)."""
+        out = {}
+        for gi, g in enumerate(self.param_groups):
+            hp = self._push_hparams(gi, g)
+            for p in g["params"]:
+                out[id(p)] = hp
+        return out
+
+    def _fingerprint_of(self, pid: int) -> Tuple[int, int, float]:
+        return _fingerprint(self._overlap._by_id[pid])
+
+    def zero_grad(self, set_to_none: bool = _ZERO_GRAD_SET_TO_NONE) -> None:
+        """As torch's. With attach(wait="forward"), zeroing in place first
+        waits for the pushes that may still read the gradients."""
+        if self._overlap is not None and not set_to_none:
+            self._overlap.wait_all()
+        super().zero_grad(set_to_none)
 
     def _refresh(self) -> None:
         """Re-reads every parameter's value and version from the shards."""
@@ -1008,6 +1076,8 @@ class _RemoteAdafactorBase(Optimizer):
 
     def close(self) -> None:
         """Closes the connection if this optimizer opened it."""
+        if self._overlap is not None:
+            self._overlap.remove()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
@@ -1291,6 +1361,26 @@ class RemoteHFAdafactor(_RemoteAdafactorBase):
         return _check_state(name, st, want, ("step", "RMS"),
                             {"exp_avg_sq_row": "row", "exp_avg_sq_col": "col",
                              "exp_avg_sq": "var", "exp_avg": "mom"}, "RMS")
+
+
+def attach(model: torch.nn.Module, optimizer: _RemoteAdafactorBase, *,
+           bucket_cap_mb: float = 25.0, wait: str = "step") -> Overlap:
+    """Makes backward push the gradients of `optimizer`'s parameters while it
+    runs (see factorps.overlap): through a DDP communication hook when `model`
+    is a DistributedDataParallel (instead of its all-reduce; DDP's own
+    bucket_cap_mb decides the buckets), else through per-parameter
+    post-accumulate-grad hooks in buckets of `bucket_cap_mb` MiB (PyTorch >=
+    2.1; an older torch pushes in step() as without attach). Call it once,
+    after wrapping and before the first forward. step() then waits for the
+    replies; with wait="forward" it returns at once and each module's
+    forward waits for its own parameters. Returns the handle (`no_sync()`
+    for gradient accumulation, `remove()`)."""
+    if not isinstance(optimizer, _RemoteAdafactorBase):
+        raise TypeError(f"attach() needs a factorps optimizer, not {type(optimizer).__name__}")
+    if optimizer._overlap is not None:
+        raise RuntimeError("this optimizer is already attached to a model")
+    optimizer._overlap = Overlap(optimizer, model, bucket_cap_mb, wait)
+    return optimizer._overlap
 
 
 def _loaded_step(st: Mapping) -> float:

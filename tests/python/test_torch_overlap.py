@@ -1,0 +1,198 @@
+"""factorps.torch.attach without DDP (post-accumulate-grad hooks, PyTorch
+>= 2.1), against real shards: buckets leave during backward (the parameters
+have their new values before step()), results equal a step()-only run bit
+for bit, gradient accumulation with no_sync(), a changed gradient or a
+second backward refused; wait="forward": step() returns with replies
+outstanding and the next forward still reads only fresh weights. Skipped
+as a whole on a torch without those hooks (Debian's 1.13).
+"""
+
+import threading
+import time
+import unittest
+
+import torch
+
+import _support  # noqa: F401  (puts client/python on sys.path)
+from _support import Shards, need_server
+from _torch_support import Net, batch, overlap_loop as _loop, overlap_pair
+import factorps
+from factorps import overlap
+from factorps.torch import RemoteAdafactor, attach
+
+needs_grad_hooks = unittest.skipUnless(overlap.has_grad_hooks(),
+                                       "torch without register_post_accumulate_grad_hook")
+
+
+@need_server
+@needs_grad_hooks
+class GradHookTest(unittest.TestCase):
+    def test_buckets_leave_during_backward(self):
+        seen = []
+        with Shards(2) as shards:
+            holder = {}
+
+            def before_step(step):
+                # One sync worker: each bucket's round completes as it is
+                # pushed, so the parameters already hold the new values.
+                oa = holder["opt"]
+                oa._overlap.wait_all()
+                seen.append(dict(oa._versions))
+
+            a, b = Net(), Net()
+            oa = RemoteAdafactor(a.named_parameters(), shards=shards.addrs, namespace="a/")
+            ob = RemoteAdafactor(b.named_parameters(), shards=shards.addrs, namespace="b/")
+            holder["opt"] = oa
+            self.addCleanup(oa.close)
+            self.addCleanup(ob.close)
+            h = attach(a, oa, bucket_cap_mb=1e-4)
+            self.assertTrue(h.active)
+            pushes0 = sum(s["pushes"] for s in oa.client.stats())
+            _loop(a, oa, 3, before_step=before_step)
+            _loop(b, ob, 3)
+            pushes = sum(s["pushes"] for s in oa.client.stats()) - pushes0
+        self.assertEqual(seen, [{f"a/{n}": s + 1 for n in ("w1", "b1", "t3", "s")}
+                                for s in range(3)])
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
+        # Buckets of about one tensor, plus the plain run's one call per
+        # shard and step: more calls than step()-only pushes would make.
+        self.assertGreaterEqual(pushes, 3 * 4)
+
+    def test_accumulation_with_no_sync(self):
+        with Shards(1) as shards:
+            a, b, oa, h = overlap_pair(self, shards, 3, accumulate=3)
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
+
+    def test_second_backward_without_no_sync_raises(self):
+        with Shards(1) as shards:
+            model = Net()
+            opt = RemoteAdafactor(model.named_parameters(), shards=shards.addrs)
+            self.addCleanup(opt.close)
+            attach(model, opt)
+            x, y = batch(0, 0)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            with self.assertRaisesRegex(RuntimeError, r"second gradient before step\(\).*"
+                                        r"no_sync"):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+
+    def test_gradient_changed_after_backward_raises(self):
+        with Shards(1) as shards:
+            model = Net()
+            opt = RemoteAdafactor(model.named_parameters(), shards=shards.addrs)
+            self.addCleanup(opt.close)
+            attach(model, opt)
+            x, y = batch(0, 0)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            with self.assertRaisesRegex(RuntimeError, r"changed after backward had pushed"):
+                opt.step()
+
+
+@need_server
+@needs_grad_hooks
+class NonFiniteTest(unittest.TestCase):
+    """Backward sent the gradients before step() could look at them, so a
+    step cannot be skipped: both ways to ask for it fail loudly."""
+
+    def make(self, shards):
+        model = Net()
+        opt = RemoteAdafactor(model.named_parameters(), shards=shards.addrs)
+        self.addCleanup(opt.close)
+        attach(model, opt)
+        return model, opt
+
+    def test_nan_gradient_is_refused_by_the_shards(self):
+        with Shards(1) as shards:
+            model, opt = self.make(shards)
+            x, y = batch(0, 0)
+            torch.nn.functional.mse_loss(model(x) * float("nan"), y).backward()
+            with self.assertRaisesRegex(factorps.InvalidArgumentError, "NaN"):
+                opt.step()
+
+    def test_grad_scaler_raises(self):
+        with Shards(1) as shards:
+            model, opt = self.make(shards)
+            scaler = torch.amp.GradScaler("cpu")
+            x, y = batch(0, 0)
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            with self.assertRaisesRegex(RuntimeError, "GradScaler cannot drive"):
+                scaler.step(opt)
+
+
+class _Two(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.l1 = torch.nn.Linear(10, 16)
+        self.l2 = torch.nn.Linear(16, 3)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+@need_server
+@needs_grad_hooks
+class ForwardWaitTest(unittest.TestCase):
+    def test_forward_reads_only_fresh_weights(self):
+        """Worker 1 pushes each step 0.4 s late, so worker 0's step()
+        returns with its replies outstanding; its next forward must still
+        see exactly the weights worker 1 got back from the same round."""
+        steps = 3
+        with Shards(1, workers=2, deadline=20) as shards:
+            m0, m1 = _Two(), _Two()
+            o0 = RemoteAdafactor(m0.named_parameters(), shards=shards.addrs, worker_id=0,
+                                 num_workers=2, mode="sync", deadline=20)
+            o1 = RemoteAdafactor(m1.named_parameters(), shards=shards.addrs, worker_id=1,
+                                 num_workers=2, mode="sync", deadline=20)
+            self.addCleanup(o0.close)
+            self.addCleanup(o1.close)
+            h = attach(m0, o0, bucket_cap_mb=1e-4, wait="forward")
+            seen, fresh, pending = [], [], []
+
+            def record(module, args):
+                # Registered after attach()'s own pre-hooks: sees what the
+                # module's forward reads.
+                if module is m0.l1:
+                    seen.append([])
+                seen[-1] += [p.detach().clone() for p in module.parameters()]
+            m0.l1.register_forward_pre_hook(record)
+            m0.l2.register_forward_pre_hook(record)
+
+            def worker1():
+                o1.setup()
+                for step in range(steps):
+                    x, y = batch(1, step)
+                    o1.zero_grad()
+                    torch.nn.functional.mse_loss(m1(x), y).backward()
+                    time.sleep(0.4)
+                    o1.step()
+                    fresh.append([p.detach().clone() for p in m1.parameters()])
+
+            t = threading.Thread(target=worker1)
+            t.start()
+            try:
+                for step in range(steps):
+                    x, y = batch(0, step)
+                    o0.zero_grad()
+                    torch.nn.functional.mse_loss(m0(x), y).backward()
+                    o0.step()
+                    pending.append(h.pending())
+                with torch.no_grad():
+                    m0(x)  # the forward after the last step
+            finally:
+                t.join(60)
+            self.assertFalse(t.is_alive())
+        self.assertTrue(all(n > 0 for n in pending), pending)
+        self.assertEqual(len(seen), steps + 1)
+        for step in range(steps):
+            for got, want in zip(seen[step + 1], fresh[step]):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+if __name__ == "__main__":
+    unittest.main()
