@@ -48,21 +48,21 @@ static char *read_token(const char *name) {
 }
 
 /* Runs f with stderr captured into err (the messages a refusal prints). */
-#define CAPTURE(err, expr)                                  \
-  ({                                                        \
-    fflush(stderr);                                         \
-    FILE *tmp_ = tmpfile();                                 \
-    int saved_ = dup(2);                                    \
-    dup2(fileno(tmp_), 2);                                  \
-    __typeof__(expr) r_ = (expr);                           \
-    fflush(stderr);                                         \
-    dup2(saved_, 2);                                        \
-    close(saved_);                                          \
-    rewind(tmp_);                                           \
-    size_t n_ = fread((err), 1, sizeof(err) - 1, tmp_);     \
-    (err)[n_] = '\0';                                       \
-    fclose(tmp_);                                           \
-    r_;                                                     \
+#define CAPTURE(err, expr)                              \
+  ({                                                    \
+    fflush(stderr);                                     \
+    FILE *tmp_ = tmpfile();                             \
+    int saved_ = dup(2);                                \
+    dup2(fileno(tmp_), 2);                              \
+    __typeof__(expr) r_ = (expr);                       \
+    fflush(stderr);                                     \
+    dup2(saved_, 2);                                    \
+    close(saved_);                                      \
+    rewind(tmp_);                                       \
+    size_t n_ = fread((err), 1, sizeof(err) - 1, tmp_); \
+    (err)[n_] = '\0';                                   \
+    fclose(tmp_);                                       \
+    r_;                                                 \
   })
 
 static int setup(void **state) {

@@ -410,7 +410,8 @@ static void bb_spans_cover_every_slice(void **state) {
   grpc_init();
   /* 70 slices of 64 bytes (refcounted, so gRPC keeps them apart), more
    * than the spans array's first size. */
-  enum { N = 70, L = 64 };
+  enum { N = 70,
+         L = 64 };
   static char text[N * L];
   grpc_slice s[N];
   for (int i = 0; i < N; i++) {
