@@ -19,7 +19,7 @@
  * from the caller's buffer were on the wire before the reply overwrites
  * them.
  *
- * A split tensor (issue 12) is one item per row block: block b's part of
+ * A split tensor is one item per row block: block b's part of
  * the caller's arrays (elements [lo*C, hi*C)) goes to and comes from its
  * shard at block-local offsets. All of a tensor's blocks must report the
  * same version; see check_versions(). */
