@@ -67,7 +67,7 @@
  *   w = numpy.frombuffer(data[b:e], "<f4").reshape(h["w"]["shape"])
  * tests/unit/common/checkpoint_read.py does exactly this and checks both hashes.
  *
- * ROW BLOCKS (format_version "2"; server/shard/split_tensor.h).
+ * ROW BLOCKS (format_version "2"; server/shard/internal.h).
  * A shard holding a row block of a split tensor stores the block, under the
  * tensor's name. Its "tensor:<name>" object has five more keys (all
  * required together; lists are decimals joined by ","):
@@ -169,7 +169,7 @@ typedef struct fps_ckpt_info_s {
   uint64_t file_bytes;                  /* size of the file */
 } fps_ckpt_info_t;
 
-/* The block map of a row block (split_tensor.h's fields). */
+/* The block map of a row block (fps_tensor_split_t's fields, server/shard/internal.h). */
 typedef struct fps_ckpt_block_s {
   uint32_t block_index;                 /* this block: rows bounds[i] .. bounds[i + 1] */
   uint32_t n_blocks;                    /* 0: not a block (a whole tensor) */

@@ -91,7 +91,7 @@ fail:
 void fps_auth_warn_mode(const char *flag, const char *path) {
   struct stat st;
   if (stat(path, &st) == 0 && (st.st_mode & 0077))
-    FPS_SLOG(FPS_LOG_WARN, "--%s '%s' is readable by group or others (mode %03o); chmod 600 it",
+    FPS_LOG(FPS_LOG_WARN, "--%s '%s' is readable by group or others (mode %03o); chmod 600 it",
              flag, path, (unsigned)(st.st_mode & 0777));
 }
 
@@ -248,7 +248,7 @@ static int fps__auth_tokens_load(fps_auth_t *a, const char *flag, const char *pa
       line = colon + 1;
     }
     if (n < 16)
-      FPS_SLOG(FPS_LOG_WARN, "--%s '%s' line %d: token shorter than 16 characters is easy to guess", flag, path,
+      FPS_LOG(FPS_LOG_WARN, "--%s '%s' line %d: token shorter than 16 characters is easy to guess", flag, path,
                lineno);
     if (nfile == max) {
       fprintf(stderr, "factorps-server: --%s '%s': more than %zu tokens\n", flag, path, max);
@@ -314,7 +314,7 @@ int fps_auth_create(const fps_config_t *cfg, fps_auth_t **out) {
                                            true, cfg->shard_count)) < 0)
     goto fail;
   if (a->ntokens && !cert)
-    FPS_SLOG(FPS_LOG_WARN, "--auth-token-file without --tls-cert: tokens travel in plaintext and "
+    FPS_LOG(FPS_LOG_WARN, "--auth-token-file without --tls-cert: tokens travel in plaintext and "
              "anyone on the path can read and replay them");
   snprintf(a->describe, sizeof a->describe, "%s%s%s",
            !cert ? "plaintext" : ca ? "mutual TLS" : "TLS", a->ntokens ? ", bearer tokens" : "",
@@ -453,7 +453,7 @@ void fps__auth_log_refusal(grpc_call *call, const char *method, const char *why)
   int64_t last = atomic_load(&fps__auth_last_log_s);
   if (now == last || !atomic_compare_exchange_strong(&fps__auth_last_log_s, &last, now)) return;
   char *peer = grpc_call_get_peer(call);
-  FPS_SLOG(FPS_LOG_WARN, "%s from %s refused: %s (further refusals this second not logged)", method,
+  FPS_LOG(FPS_LOG_WARN, "%s from %s refused: %s (further refusals this second not logged)", method,
            peer ? peer : "?", why);
   gpr_free(peer);
 }

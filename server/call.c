@@ -139,7 +139,7 @@ int fps_call_begin(fps_call_t *c, fps_server_t *srv, grpc_call *call, gpr_timesp
   grpc_call_error e = fps__start_batch(srv, call, &op, 1, &c->close_tag);
   pthread_mutex_unlock(&c->mu);
   if (e != GRPC_CALL_OK) {
-    FPS_SLOG(FPS_LOG_ERROR, "%s: RECV_CLOSE_ON_SERVER failed: %d", method, (int)e);
+    FPS_LOG(FPS_LOG_ERROR, "%s: RECV_CLOSE_ON_SERVER failed: %d", method, (int)e);
     atomic_store(&c->refs, 1);
     grpc_call_cancel(call, NULL);
     fps__call_unref(c);
@@ -250,7 +250,7 @@ int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
   if (e != GRPC_CALL_OK && final) fps__call_unref(c);
   /* The send op holds its own reference to the message's slices. */
   grpc_byte_buffer_destroy(msg);
-  if (e != GRPC_CALL_OK) FPS_SLOG(FPS_LOG_ERROR, "%s: start_batch(send) failed: %d", c->method, (int)e);
+  if (e != GRPC_CALL_OK) FPS_LOG(FPS_LOG_ERROR, "%s: start_batch(send) failed: %d", c->method, (int)e);
   fps__call_unref(c);
   return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
 }
@@ -269,7 +269,7 @@ void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_li
     pthread_mutex_unlock(&c->mu);
     return;
   }
-  FPS_SLOG(FPS_LOG_DEBUG, "%s: status %d: %s", c->method, (int)code, msg);
+  FPS_LOG(FPS_LOG_DEBUG, "%s: status %d: %s", c->method, (int)code, msg);
   if (!c->initial_md_sent) {
     ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
     c->initial_md_sent = true;
@@ -288,7 +288,7 @@ void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_li
   pthread_mutex_unlock(&c->mu);
   if (e != GRPC_CALL_OK) {
     /* No completion will come: release the logic reference here. */
-    FPS_SLOG(FPS_LOG_ERROR, "%s: start_batch(status) failed: %d", c->method, (int)e);
+    FPS_LOG(FPS_LOG_ERROR, "%s: start_batch(status) failed: %d", c->method, (int)e);
     fps__call_unref(c);
   }
   fps__call_unref(c);

@@ -298,7 +298,7 @@ static int fps__cfg_check(fps_config_t *cfg) {
     char src[256];
     uint64_t lim = fps_memlimit("", src, sizeof src);
     cfg->max_bytes = lim ? lim / 2 : (UINT64_C(1) << 34);
-    FPS_SLOG(FPS_LOG_INFO, "--max-bytes %" PRIu64 ": half of %" PRIu64 " bytes (%s)", cfg->max_bytes, lim, src);
+    FPS_LOG(FPS_LOG_INFO, "--max-bytes %" PRIu64 ": half of %" PRIu64 " bytes (%s)", cfg->max_bytes, lim, src);
   }
   if (cfg->max_staging_bytes == 0) cfg->max_staging_bytes = cfg->max_bytes;
   if (!*cfg->checkpoint_dir && (cfg->checkpoint_interval > 0 || cfg->require_checkpoint)) {

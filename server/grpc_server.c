@@ -334,9 +334,9 @@ int fps_grpc_start(fps_server_t *srv) {
   /* Bad TLS files or tokens stop the start before anything listens. */
   int rc = fps_auth_create(&srv->cfg, &srv->auth);
   if (rc < 0) return rc;
-  FPS_SLOG(FPS_LOG_INFO, "gRPC security: %s", fps_auth_describe(srv->auth));
+  FPS_LOG(FPS_LOG_INFO, "gRPC security: %s", fps_auth_describe(srv->auth));
   if (srv->cfg.mode == FPS_MODE_SYNC && srv->cfg.max_concurrent_calls < srv->cfg.workers)
-    FPS_SLOG(FPS_LOG_WARN, "--max-concurrent-calls %u is below --workers %u: a round needs every "
+    FPS_LOG(FPS_LOG_WARN, "--max-concurrent-calls %u is below --workers %u: a round needs every "
              "worker's push parked at once and can never complete", srv->cfg.max_concurrent_calls,
              srv->cfg.workers);
   grpc_arg args[7];
@@ -442,7 +442,7 @@ void fps_grpc_stop(fps_server_t *srv, double grace_s) {
   grpc_server_shutdown_and_notify(srv->server, srv->cq, &t->tag);
   /* Calls parked in sync rounds or ssp waits would only end at their
    * deadline: fail them now. */
-  fps_shard_fail_waiting(&srv->shard, FPS_EUNAVAILABLE, "shard is shutting down");
+  fps_shard_fail_waiting(srv->shard, FPS_EUNAVAILABLE, "shard is shutting down");
 
   struct timespec until;
   clock_gettime(CLOCK_REALTIME, &until);
@@ -460,7 +460,7 @@ void fps_grpc_stop(fps_server_t *srv, double grace_s) {
   bool done = t->done;
   pthread_mutex_unlock(&t->mu);
   if (!done) {
-    FPS_SLOG(FPS_LOG_WARN, "shutdown: calls still running after %.1f s, cancelling them", grace_s);
+    FPS_LOG(FPS_LOG_WARN, "shutdown: calls still running after %.1f s, cancelling them", grace_s);
     grpc_server_cancel_all_calls(srv->server);
     pthread_mutex_lock(&t->mu);
     while (!t->done && fps__npollers > 0) pthread_cond_wait(&t->cv, &t->mu);

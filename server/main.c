@@ -92,7 +92,7 @@ static bool fps__grpc_teardown(double wait_s) {
   return done;
 }
 
-static void fps__dump_line(const char *line) { FPS_SLOG(FPS_LOG_DEBUG, "config %s", line); }
+static void fps__dump_line(const char *line) { FPS_LOG(FPS_LOG_DEBUG, "config %s", line); }
 
 static int fps__write_port_file(const char *path, int port) {
   /* Write then rename, so a test polling the file never reads half of it. */
@@ -124,7 +124,7 @@ int main(int argc, char **argv) {
      * ignored), so mmap is switched off with M_MMAP_MAX = 0 instead. */
     if (!mallopt(M_ARENA_MAX, 1) || !mallopt(M_MMAP_MAX, 0) || !mallopt(M_TRIM_THRESHOLD, -1) ||
         !mallopt(M_TOP_PAD, 64 << 20))
-      FPS_SLOG(FPS_LOG_DEBUG, "mallopt tuning was refused (normal under ASan); continuing untuned");
+      FPS_LOG(FPS_LOG_DEBUG, "mallopt tuning was refused (normal under ASan); continuing untuned");
   }
 
   sigset_t sigs;
@@ -148,7 +148,7 @@ int main(int argc, char **argv) {
   fps_config_dump(&srv.cfg, fps__dump_line);
   if (srv.cfg.kernel_threads != 1 && fps_pool_create(&pool, srv.cfg.kernel_threads) < 0) {
     /* Not fatal: updates run on the calling thread, just slower. */
-    FPS_SLOG(FPS_LOG_WARN, "cannot start %u kernel threads; large updates run single-threaded",
+    FPS_LOG(FPS_LOG_WARN, "cannot start %u kernel threads; large updates run single-threaded",
              srv.cfg.kernel_threads);
     pool = NULL;
   }
@@ -164,13 +164,12 @@ int main(int argc, char **argv) {
   pthread_rwlock_init(&srv.batch_gate, NULL);
   fps_shard_opts_t opts;
   fps_config_shard_opts(&srv.cfg, &opts);
-  if (fps_shard_init(&srv.shard, &opts, kernels, pool) < 0) {
+  if (fps_shard_new(&opts, kernels, pool, &srv.shard) < 0) {
     fprintf(stderr, "factorps-server: out of memory\n");
     return 1;
   }
 
   grpc_init();
-  srv.shard.started_ns = fps_now_ns();
   int exit_code = 0;
   bool ckpt_on_exit = false;
   /* The calling side of Exchange: bad peer files stop the start (exit 2,
@@ -181,10 +180,10 @@ int main(int argc, char **argv) {
       exit_code = 2;
       goto out;
     }
-    fps_shard_set_exchange(&srv.shard, fps_peers_send, peers, srv.cfg.exchange_deadline);
+    fps_shard_set_exchange(srv.shard, fps_peers_send, peers, srv.cfg.exchange_deadline);
   }
   /* The deadline thread runs the hooks of rounds, ssp waits and calls. */
-  if (fps_timer_create(&srv.timer, 0) < 0 || fps_timer_add(srv.timer, fps_shard_expire, &srv.shard) < 0 ||
+  if (fps_timer_create(&srv.timer, 0) < 0 || fps_timer_add(srv.timer, fps_shard_expire, srv.shard) < 0 ||
       fps_timer_add(srv.timer, fps_calls_expire, &srv) < 0 || fps_timer_start(srv.timer) < 0) {
     fprintf(stderr, "factorps-server: cannot start the timer thread\n");
     exit_code = 1;
@@ -204,7 +203,7 @@ int main(int argc, char **argv) {
    * not look like a dead process to a liveness probe) and before gRPC, so
    * no call can see the empty shard that a restarted one briefly is;
    * /readyz says 503 until the end of start-up. */
-  rc = fps_checkpoint_open(&srv.shard);
+  rc = fps_checkpoint_open(srv.shard);
   if (rc < 0) {
     fprintf(stderr, "factorps-server: %s\n",
             rc == FPS_ENOTFOUND ? "no valid checkpoint to load and --require-checkpoint is set; not starting"
@@ -233,7 +232,7 @@ int main(int argc, char **argv) {
     fflush(stdout);
   }
 
-  if (fps_checkpoint_start(&srv.shard) < 0) {
+  if (fps_checkpoint_start(srv.shard) < 0) {
     fprintf(stderr, "factorps-server: cannot start the checkpoint thread\n");
     exit_code = 1;
     goto out;
@@ -243,7 +242,7 @@ int main(int argc, char **argv) {
   for (;;) {
     int sig = 0;
     if (sigwait(&sigs, &sig) == 0 && (sig == SIGTERM || sig == SIGINT)) {
-      FPS_SLOG(FPS_LOG_INFO, "%s: shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+      FPS_LOG(FPS_LOG_INFO, "%s: shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
       break;
     }
   }
@@ -257,39 +256,40 @@ out:
   fps_grpc_stop(&srv, FPS_SHUTDOWN_GRACE_S);
   fps_peers_destroy(peers); /* its channels before grpc_shutdown */
   peers = NULL;
-  FPS_SLOG(FPS_LOG_DEBUG, "shutdown: gRPC server stopped in %.3f s", (double)(fps_now_ns() - stop0) / 1e9);
+  FPS_LOG(FPS_LOG_DEBUG, "shutdown: gRPC server stopped in %.3f s", (double)(fps_now_ns() - stop0) / 1e9);
   fps_metrics_http_stop(http);
   fps_timer_destroy(srv.timer);
   srv.timer = NULL;
-  fps_checkpoint_stop(&srv.shard); /* no periodic write after the final one */
-  FPS_SLOG(FPS_LOG_DEBUG, "shutdown: threads stopped at %.3f s", (double)(fps_now_ns() - stop0) / 1e9);
+  fps_checkpoint_stop(srv.shard); /* no periodic write after the final one */
+  FPS_LOG(FPS_LOG_DEBUG, "shutdown: threads stopped at %.3f s", (double)(fps_now_ns() - stop0) / 1e9);
   if (ckpt_on_exit) {
     /* After gRPC stopped: no update can follow, so this checkpoint holds
      * the shard's final state. A failure makes the exit status non-zero. */
-    if (fps_checkpoint_unchanged(&srv.shard)) {
+    const char *last = NULL;
+    if (fps_checkpoint_unchanged(srv.shard, &last)) {
       /* The newest checkpoint already holds it: rewriting would only cost
        * the write time (seconds per GiB) out of the grace period. */
-      FPS_SLOG(FPS_LOG_INFO, "no final checkpoint written: nothing changed since %s",
-               srv.shard.ckpt_last_path);
+      FPS_LOG(FPS_LOG_INFO, "no final checkpoint written: nothing changed since %s",
+               last);
     } else {
-      rc = fps_checkpoint_write(&srv.shard, NULL, why, sizeof why);
+      rc = fps_checkpoint_write(srv.shard, NULL, why, sizeof why);
       if (rc < 0 && rc != FPS_ENOTFOUND) exit_code = 1;
     }
   }
-  fps_checkpoint_close(&srv.shard);
-  fps_shard_destroy(&srv.shard);
+  fps_checkpoint_close(srv.shard);
+  fps_shard_free(srv.shard);
   fps_pool_destroy(pool);
   bool torn_down = fps__grpc_teardown(FPS_TEARDOWN_WAIT_S);
-  FPS_SLOG(FPS_LOG_DEBUG, "shutdown: gRPC teardown %s at %.3f s", torn_down ? "done" : "abandoned",
+  FPS_LOG(FPS_LOG_DEBUG, "shutdown: gRPC teardown %s at %.3f s", torn_down ? "done" : "abandoned",
            (double)(fps_now_ns() - stop0) / 1e9);
   pthread_mutex_destroy(&srv.calls_mu);
   pthread_rwlock_destroy(&srv.batch_gate);
   fps_config_free(&srv.cfg);
-  if (exit_code == 0) FPS_SLOG(FPS_LOG_INFO, "stopped cleanly");
+  if (exit_code == 0) FPS_LOG(FPS_LOG_INFO, "stopped cleanly");
   if (!torn_down) {
     /* gRPC is still waiting for its backup poller (see above): leave
      * without it. Under ASan, the leak check that exit() would run, now. */
-    FPS_SLOG(FPS_LOG_DEBUG, "gRPC's teardown still waits for its poller; exiting without it");
+    FPS_LOG(FPS_LOG_DEBUG, "gRPC's teardown still waits for its poller; exiting without it");
     fflush(stdout);
     fflush(stderr);
     if (__lsan_do_leak_check) __lsan_do_leak_check();

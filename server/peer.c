@@ -235,7 +235,7 @@ int fps_peers_create(const fps_config_t *cfg, fps_peers_t **out) {
     p->auth_md.key = grpc_slice_from_static_string("authorization");
     p->auth_md.value = grpc_slice_from_static_string(p->auth_header);
     if (!*cfg->peer_tls_ca)
-      FPS_SLOG(FPS_LOG_WARN, "--peer-token-file without --peer-tls-ca: the token travels to the peers in "
+      FPS_LOG(FPS_LOG_WARN, "--peer-token-file without --peer-tls-ca: the token travels to the peers in "
                "plaintext");
   }
   if ((rc = fps__peer_creds(p, cfg)) < 0) goto fail;
@@ -272,7 +272,7 @@ int fps_peers_create(const fps_config_t *cfg, fps_peers_t **out) {
   if (!(p->cq = grpc_completion_queue_create_for_next(NULL))) goto fail;
   if (pthread_create(&p->th, NULL, fps__peer_main, p) != 0) goto fail;
   p->th_on = true;
-  FPS_SLOG(FPS_LOG_INFO, "peers: %u shards, %s%s, exchange deadline %g s", p->n,
+  FPS_LOG(FPS_LOG_INFO, "peers: %u shards, %s%s, exchange deadline %g s", p->n,
            !p->tls ? "plaintext" : *cfg->peer_tls_cert ? "TLS with a client certificate" : "TLS",
            p->auth_header ? ", bearer token" : "", p->deadline_s);
   *out = p;
@@ -622,7 +622,7 @@ void fps_peers_stop(fps_peers_t *p, double wait_s) {
   if (!p->abandoned) grpc_completion_queue_shutdown(p->cq);
   if (p->th_on) pthread_join(p->th, NULL);
   p->th_on = false;
-  if (p->abandoned) FPS_SLOG(FPS_LOG_WARN, "peers: gRPC kept cancelled Exchange calls past the stop; left to it");
+  if (p->abandoned) FPS_LOG(FPS_LOG_WARN, "peers: gRPC kept cancelled Exchange calls past the stop; left to it");
 }
 
 void fps_peers_destroy(fps_peers_t *p) {

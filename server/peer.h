@@ -1,6 +1,6 @@
 /* The calling side of shard-to-shard Exchange: the sender the
  * shard core uses to carry a split tensor's partial sums to the other
- * shards holding its blocks (split_tensor.h, fps_xsend_fn).
+ * shards holding its blocks (shard/shard.h, fps_xsend_fn).
  *
  * One gRPC channel per peer (--peers), secured like a worker's
  * (--peer-tls-ca, a client certificate with --peer-tls-cert/--peer-tls-key,
@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 #include "server.h"
-#include "shard/split_tensor.h"
+#include "shard/shard.h"
 
 typedef struct fps_peers_s fps_peers_t;
 

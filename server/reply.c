@@ -81,24 +81,24 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
   uint64_t off = r->off;
   while (cur < r->n && ns < MAX_RUNS) {
     fps_reply_item_t *it = &r->items[cur];
-    if (!it->snap || it->snap->numel == 0 || off >= it->snap->numel) {
+    if (!it->snap || fps_snap_numel(it->snap) == 0 || off >= fps_snap_numel(it->snap)) {
       cur++;
       off = 0;
       continue;
     }
     size_t esz = fps_dtype_size(it->dtype);
-    size_t name_len = strlen(it->t->name);
+    size_t name_len = strlen(fps_tensor_name(it->t));
     size_t overhead = name_len + 16 + 11 * FPS_MAX_DIMS + 32;
     if (budget < overhead + esz) break;
     uint64_t can = (budget - overhead) / esz;
-    uint64_t left = it->snap->numel - off;
+    uint64_t left = fps_snap_numel(it->snap) - off;
     uint64_t cnt = left < can ? left : can;
     runs[ns++] = (fps_reply_run_t){it, off, cnt, NULL};
-    hdr_cap += FPS_WIRE_SLICE_HEADER_MAX(name_len, it->t->shape.ndim);
+    hdr_cap += FPS_WIRE_SLICE_HEADER_MAX(name_len, fps_tensor_shape(it->t)->ndim);
     payload += cnt * esz;
     budget -= overhead + cnt * esz;
     off += cnt;
-    if (off >= it->snap->numel) {
+    if (off >= fps_snap_numel(it->snap)) {
       cur++;
       off = 0;
     }
@@ -109,11 +109,11 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
      * message (they cannot be split: the contract puts them all in the
      * last one). */
     size_t vbytes = 16;
-    for (size_t i = 0; i < r->n; i++) vbytes += strlen(r->items[i].t->name) + 16;
+    for (size_t i = 0; i < r->n; i++) vbytes += strlen(fps_tensor_name(r->items[i].t)) + 16;
     if (vbytes > budget) *last = false;
   }
   if (*last)
-    for (size_t i = 0; i < r->n; i++) hdr_cap += FPS_WIRE_VERSION_MAX(strlen(r->items[i].t->name));
+    for (size_t i = 0; i < r->n; i++) hdr_cap += FPS_WIRE_VERSION_MAX(strlen(fps_tensor_name(r->items[i].t)));
 
   /* Encode: per run its framing, then its payload; the versions last. */
   sl = fps_malloc((2 * ns + 1) * sizeof *sl);
@@ -128,14 +128,14 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
     fps_reply_run_t *run = &runs[i];
     if (run->it->dtype == FPS_DTYPE_F32) continue;
     if (run->it->dtype == FPS_DTYPE_BF16 && !run->it->bf16)
-      run->it->bf16 = fps_snap_bf16_get(&srv->shard, run->it->snap);
+      run->it->bf16 = fps_snap_bf16_get(srv->shard, run->it->snap);
     if (run->it->bf16) continue;
     if (!(run->own = fps_malloc((size_t)run->cnt * fps_dtype_size(run->it->dtype)))) {
       for (size_t j = 0; j < i; j++) fps_free(runs[j].own);
       fps_free(h);
       goto fail;
     }
-    fps_dtype_encode(run->it->dtype, run->it->snap->data + run->off, run->cnt, run->own);
+    fps_dtype_encode(run->it->dtype, fps_snap_data(run->it->snap) + run->off, run->cnt, run->own);
   }
   grpc_slice hdr = grpc_slice_new_with_len(h, hdr_cap, fps__reply_buf_free);
   size_t hn = 0, mark = 0;
@@ -144,15 +144,17 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
     const fps_tensor_t *t = run->it->t;
     fps_snap_t *snap = run->it->snap;
     size_t bytes = (size_t)run->cnt * fps_dtype_size(run->it->dtype);
-    hn += fps_wire_slice_header(h + hn, 1, t->name, strlen(t->name), run->it->dtype, t->shape.ndim, t->shape.dim,
-                                run->off, bytes);
+    const char *name = fps_tensor_name(t);
+    const fps_shape_t *shape = fps_tensor_shape(t);
+    hn += fps_wire_slice_header(h + hn, 1, name, strlen(name), run->it->dtype, shape->ndim, shape->dim, run->off,
+                                bytes);
     sl[n_sl++] = grpc_slice_sub(hdr, mark, hn);
     mark = hn;
     if (run->it->dtype == FPS_DTYPE_F32) {
       /* fp32 goes to the socket from the snapshot itself. */
       fps_snap_ref(snap);
       FPS_TSAN_RELEASE(snap);
-      sl[n_sl++] = grpc_slice_new_with_user_data(snap->data + run->off, bytes, fps__reply_slice_released, snap);
+      sl[n_sl++] = grpc_slice_new_with_user_data((void *)(fps_snap_data(snap) + run->off), bytes, fps__reply_slice_released, snap);
     } else if (run->it->bf16) {
       /* bf16 from the snapshot's shared encoding. */
       fps_snap_bf16_t *enc = run->it->bf16;
@@ -167,7 +169,7 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
   }
   if (*last)
     for (size_t i = 0; i < r->n; i++)
-      hn += fps_wire_version(h + hn, 2, r->items[i].t->name, strlen(r->items[i].t->name), r->items[i].version);
+      hn += fps_wire_version(h + hn, 2, fps_tensor_name(r->items[i].t), strlen(fps_tensor_name(r->items[i].t)), r->items[i].version);
   if (mark < hn || n_sl == 0) sl[n_sl++] = grpc_slice_sub(hdr, mark, hn);
   /* After the last write into h (the versions above): gRPC may free it
    * on another thread from here on. */
@@ -177,7 +179,7 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
   grpc_slice_unref(hdr);
   r->cur = cur;
   r->off = off;
-  atomic_fetch_add(&srv->shard.counters.bytes_sent, payload);
+  fps_counters_sent(srv->shard, payload);
   fps_metrics_rpc_bytes(r->pull ? FPS_METRICS_PULL : FPS_METRICS_PUSHPULL, 0, payload);
   if (*last) r->done = true;
 fail:

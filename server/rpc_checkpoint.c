@@ -42,7 +42,7 @@ static void fps__ckpt_call_run(fps_ckpt_call_t *cc) {
   }
   fps_ckpt_done_t done;
   char why[FPS_CKPT_WHY_MAX] = "";
-  int rc = fps_checkpoint_write(&srv->shard, &done, why, sizeof why);
+  int rc = fps_checkpoint_write(srv->shard, &done, why, sizeof why);
   if (rc < 0) {
     fps_free(reply_buf);
     grpc_status_code code = rc == FPS_ENOMEM      ? GRPC_STATUS_RESOURCE_EXHAUSTED

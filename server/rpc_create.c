@@ -125,12 +125,12 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
     goto done;
   }
   uint64_t received = 0;
-  rc = fps_shard_create(&srv->shard, req->shard_id, req->shard_count, items, n, out, &received, why, sizeof why);
+  rc = fps_shard_create(srv->shard, req->shard_id, req->shard_count, items, n, out, &received, why, sizeof why);
   if (rc < 0) goto done;
   fps_metrics_rpc_bytes(FPS_METRICS_CREATE, received, 0);
   for (size_t i = 0; i < n; i++) {
     factorps__v1__tensor_info__init(&info[i]);
-    info[i].name = out[i].t->name;
+    info[i].name = (char *)fps_tensor_name(out[i].t);
     info[i].version = out[i].version;
     info[i].ready = out[i].ready;
     info[i].initialised_elements = out[i].initialised;

@@ -84,7 +84,7 @@ void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
                     .shard_count = req->shard_count, .block_index = req->block_index,
                     .phase = (int)req->phase, .attempt = req->attempt, .partials = req->partials.data, .len = req->partials.len};
     /* May complete this shard's step of the tensor, on this thread. */
-    int rc = fps_shard_exchange_receive(&srv->shard, &m, why, sizeof why);
+    int rc = fps_shard_exchange_receive(srv->shard, &m, why, sizeof why);
     code = fps_status_from_err(rc);
   }
   protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);

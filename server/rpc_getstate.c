@@ -31,7 +31,7 @@ static const Factorps__V1__StateKind fps__kind_wire[FPS_STATE_KINDS] = {
 
 static void fps__getstate_destroy(fps_call_t *c) {
   fps_getstate_call_t *gc = (fps_getstate_call_t *)c;
-  for (size_t i = 0; i < gc->n; i++) fps_state_snap_release(&c->srv->shard, &gc->snap[i]);
+  for (size_t i = 0; i < gc->n; i++) fps_state_snap_release(c->srv->shard, &gc->snap[i]);
   fps_free(gc->snap);
   fps_free(gc);
 }
@@ -60,12 +60,12 @@ static grpc_byte_buffer *fps__getstate_next(fps_getstate_call_t *gc, bool *last)
       gc->off = 0;
       continue;
     }
-    size_t overhead = strlen(s->t->name) + 40;
+    size_t overhead = strlen(fps_tensor_name(s->t)) + 40;
     if (budget < overhead + 4) break;
     uint64_t can = (budget - overhead) / 4, left = s->n[gc->kind] - gc->off;
     uint64_t cnt = left < can ? left : can;
     factorps__v1__state_slice__init(&sl[ns]);
-    sl[ns].name = s->t->name;
+    sl[ns].name = (char *)fps_tensor_name(s->t);
     sl[ns].kind = fps__kind_wire[gc->kind];
     sl[ns].offset = gc->off;
     sl[ns].data.data = (uint8_t *)(fps_state_snap_array(s, gc->kind) + gc->off); /* LE host */
@@ -79,7 +79,7 @@ static grpc_byte_buffer *fps__getstate_next(fps_getstate_call_t *gc, bool *last)
   *last = gc->cur >= gc->n;
   if (*last) {
     size_t need = 16;
-    for (size_t i = 0; i < gc->n; i++) need += strlen(gc->snap[i].t->name) + 120;
+    for (size_t i = 0; i < gc->n; i++) need += strlen(fps_tensor_name(gc->snap[i].t)) + 120;
     if (ns > 0 && need > budget) *last = false; /* the TensorStates go alone, next */
   }
   if (*last) {
@@ -89,7 +89,7 @@ static grpc_byte_buffer *fps__getstate_next(fps_getstate_call_t *gc, bool *last)
     for (size_t i = 0; i < gc->n; i++) {
       const fps_state_snap_t *s = &gc->snap[i];
       factorps__v1__tensor_state__init(&ts[i]);
-      ts[i].name = s->t->name;
+      ts[i].name = (char *)fps_tensor_name(s->t);
       ts[i].version = s->version;
       ts[i].step = s->step;
       ts[i].rms = s->rms;
@@ -108,7 +108,7 @@ static grpc_byte_buffer *fps__getstate_next(fps_getstate_call_t *gc, bool *last)
   m.n_tensors = *last ? gc->n : 0;
   m.tensors = tsp;
   bb = fps_pack_message(&m);
-  if (bb) atomic_fetch_add(&gc->base.srv->shard.counters.bytes_sent, payload);
+  if (bb) fps_counters_sent(gc->base.srv->shard, payload);
   if (bb) fps_metrics_rpc_bytes(FPS_METRICS_GETSTATE, 0, payload);
 out:
   fps_free(sl);
@@ -149,7 +149,7 @@ static void fps__getstate_run(fps_getstate_call_t *gc, const Factorps__V1__GetSt
   }
   int rc = fps_wire_names_check("GetState", req->names, n, why, sizeof why);
   for (size_t i = 0; i < n && rc == 0; i++) {
-    rc = fps_shard_state_snap(&srv->shard, req->names[i], &gc->snap[i], why, sizeof why);
+    rc = fps_shard_state_snap(srv->shard, req->names[i], &gc->snap[i], why, sizeof why);
     if (rc == 0) gc->n = i + 1;
   }
   grpc_status_code code = fps_status_from_err(rc);

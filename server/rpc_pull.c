@@ -71,8 +71,8 @@ static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *
   for (size_t i = 0; i < req->n_names && rc == 0; i++) {
     const char *name = req->names[i] ? req->names[i] : "";
     fps_reply_item_t *it = &pc->reply.items[pc->reply.n];
-    if ((rc = fps_shard_snapshot(&srv->shard, name, &it->t, &it->snap, why, sizeof why)) < 0) break;
-    it->version = it->snap->version;
+    if ((rc = fps_shard_snapshot(srv->shard, name, &it->t, &it->snap, why, sizeof why)) < 0) break;
+    it->version = fps_snap_version(it->snap);
     it->dtype = dtype;
     pc->reply.n++;
   }

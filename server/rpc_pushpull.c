@@ -84,7 +84,7 @@ static void fps__pp_fail(fps_pp_call_t *pp, grpc_status_code code, const char *f
   pp->phase = PP_DONE;
   pthread_mutex_unlock(&pp->base.mu);
   if (!first) return;
-  fps_counters_push_done(&pp->base.srv->shard, false, 0);
+  fps_counters_push_done(pp->base.srv->shard, false, 0);
   va_list ap;
   va_start(ap, fmt);
   fps_call_failv(&pp->base, code, fmt, ap);
@@ -102,7 +102,7 @@ static void fps__pp_send_next(fps_pp_call_t *pp) {
     pthread_mutex_lock(&pp->base.mu);
     pp->phase = PP_DONE;
     pthread_mutex_unlock(&pp->base.mu);
-    fps_counters_push_done(&pp->base.srv->shard, true, (double)(fps_now_ns() - pp->base.start_ns) / 1e9);
+    fps_counters_push_done(pp->base.srv->shard, true, (double)(fps_now_ns() - pp->base.start_ns) / 1e9);
   }
   /* A failed final send has released the call already: touch it only
    * after a failed intermediate one. */
@@ -393,7 +393,7 @@ static void fps__pp_on_resume(fps_push_t *p, void *arg) {
 void fps_rpc_pushpull_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                             grpc_metadata_array *md) {
   fps_pp_call_t *pp = fps_calloc(1, sizeof *pp);
-  if (!pp || fps_push_create(&srv->shard, INT64_MAX, fps__pp_on_done, pp, &pp->push) < 0) {
+  if (!pp || fps_push_create(srv->shard, INT64_MAX, fps__pp_on_done, pp, &pp->push) < 0) {
     fps_free(pp);
     grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
     grpc_call_unref(call);

@@ -28,7 +28,7 @@ static void fps__state_fill(Factorps__V1__StateSize *o, const fps_state_size_t *
 
 static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsRequest *req) {
   fps_server_t *srv = sc->base.srv;
-  fps_shard_t *shard = &srv->shard;
+  fps_shard_t *shard = srv->shard;
   Factorps__V1__StatsResponse resp = FACTORPS__V1__STATS_RESPONSE__INIT;
   Factorps__V1__ShardStats sh = FACTORPS__V1__SHARD_STATS__INIT;
   Factorps__V1__StateSize sh_state;
@@ -60,30 +60,27 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   }
   for (; nt < v.n; nt++) {
     const fps_tensor_view_t *tv = &v.t[nt];
-    const fps_tensor_t *t = tv->t;
     Factorps__V1__TensorStats *o = &ts[nt];
     factorps__v1__tensor_stats__init(o);
-    o->name = t->name;
-    o->n_shape = t->shape.ndim;
+    o->name = (char *)tv->name;
+    o->n_shape = tv->shape->ndim;
     o->shape = shapes + nt * FPS_MAX_DIMS;
-    memcpy(o->shape, t->shape.dim, t->shape.ndim * sizeof(uint64_t));
-    o->factored = t->split ? t->split->g.factored : t->st.factored;
-    if (t->split) {
-      /* The map is fixed at Create: read through t, like the shape. */
-      const fps_tensor_split_t *sp = t->split;
+    memcpy(o->shape, tv->shape->dim, tv->shape->ndim * sizeof(uint64_t));
+    o->factored = tv->factored;
+    if (tv->split) {
       factorps__v1__split_block__init(&tsplit[nt]);
-      tsplit[nt].block_index = sp->block_index;
-      tsplit[nt].n_bounds = (size_t)sp->n_blocks + 1;
-      tsplit[nt].bounds = sp->bounds;
-      tsplit[nt].n_block_shards = sp->n_blocks;
-      tsplit[nt].block_shards = sp->block_shards;
-      tsplit[nt].shard_count = sp->shard_count;
+      tsplit[nt].block_index = tv->map.block_index;
+      tsplit[nt].n_bounds = tv->map.n_bounds;
+      tsplit[nt].bounds = (uint64_t *)tv->map.bounds;
+      tsplit[nt].n_block_shards = tv->map.n_block_shards;
+      tsplit[nt].block_shards = (uint32_t *)tv->map.block_shards;
+      tsplit[nt].shard_count = tv->map.shard_count;
       o->split = &tsplit[nt];
     }
-    o->flavor = t->hp.flavor == FPS_FLAVOR_TORCH ? FACTORPS__V1__FLAVOR__FLAVOR_TORCH : FACTORPS__V1__FLAVOR__FLAVOR_HF;
-    o->param_elements = t->numel;
-    o->param_bytes = t->numel * 4;
-    fps__state_fill(&tstate[nt], &t->size);
+    o->flavor = tv->flavor == FPS_FLAVOR_TORCH ? FACTORPS__V1__FLAVOR__FLAVOR_TORCH : FACTORPS__V1__FLAVOR__FLAVOR_HF;
+    o->param_elements = tv->numel;
+    o->param_bytes = tv->numel * 4;
+    fps__state_fill(&tstate[nt], &tv->size);
     o->state = &tstate[nt];
     o->version = tv->version;
     o->ready = tv->ready;
@@ -113,7 +110,7 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   sh.mode = (Factorps__V1__Mode)srv->cfg.mode;
   sh.workers = srv->cfg.workers;
   sh.staleness = srv->cfg.mode == FPS_MODE_SSP ? srv->cfg.staleness : 0;
-  sh.simd = (char *)fps_kernels_name(shard->kernels);
+  sh.simd = (char *)v.simd;
   sh.version = (char *)FPS_VERSION;
   sh.tensors = count;
   sh.param_elements = param_elements;

@@ -20,7 +20,8 @@
  *                 shards (--peers), the core's sender (fps_xsend_fn)
  *     call.c      (below them) the call object every handler uses:
  *                 begin/recv/send/fail, unpack/pack, the live-call list
- *   shard core    shard/shard.h (its own map): tensors, store rules, the one
+ *   shard core    shard/shard.h (its face; shard/internal.h its inside, with
+ *                 a map of its files): tensors, store rules, the one
  *                 apply-and-snapshot path, sync rounds, ssp waits,
  *                 checkpoints; no gRPC, no protobuf-c (library fps_shard)
  *   below them    clock.c (fps_now_ns), timer.c (the deadline thread and its
@@ -56,6 +57,8 @@
 #include <grpc/grpc.h>
 #include <protobuf-c/protobuf-c.h>
 
+#include "clock.h"
+#include "log.h"
 #include "shard/shard.h"
 #include "status.h"
 #include "timer.h"
@@ -218,7 +221,7 @@ const char *fps_bb_flatten_why(int rc);
 
 struct fps_server_s {
   fps_config_t cfg;
-  fps_shard_t shard;                /* the core: every rule and all state */
+  fps_shard_t *shard;               /* the core: every rule and all state */
   struct fps_auth_s *auth;          /* TLS and tokens with their roles (auth.c) */
   fps_timer_t *timer;               /* deadline thread (timer.c) */
   grpc_server *server;

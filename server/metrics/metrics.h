@@ -20,7 +20,7 @@
  *                              fps_metrics_checkpoint_mark + _written or _failed
  *   fps_metrics_ready_set(false); fps_metrics_http_stop(http);
  *
- * server/main.c, grpc_server.c, sync.c, tensor_store.c, rpc_create.c,
+ * server/main.c, grpc_server.c, sync.c, shard/store.c, rpc_create.c,
  * rpc_pushpull.c, reply.c and checkpoint.c make exactly these calls (grep fps_metrics_).
  *
  * Hot-path calls (the *_observe, *_add and *_set functions) are lock-free:

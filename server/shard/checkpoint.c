@@ -26,9 +26,7 @@
 #include "checkpoint.h"
 #include "alloc.h"
 #include "metrics.h"
-#include "shard.h"
-#include "split_block.h"
-#include "split_tensor.h"
+#include "internal.h"
 
 /* The checkpoint's "created" (RFC 3339 UTC, "2026-01-02T03:04:05.123456789Z")
  * as unix seconds; 0 if it does not parse. */
@@ -64,7 +62,7 @@ static fps_metrics_ckpt_reason_t fps__ckpt_reason(int rc, const char *why) {
 
 static void fps__ckpt_rejected(void *ctx, const char *path, int err, const char *why) {
   (void)ctx;
-  FPS_SLOG(FPS_LOG_WARN, "checkpoint %s skipped (%s): %s; trying the previous one", path, fps_err_name(err),
+  FPS_LOG(FPS_LOG_WARN, "checkpoint %s skipped (%s): %s; trying the previous one", path, fps_err_name(err),
            why);
 }
 
@@ -84,7 +82,7 @@ static int fps__ckpt_block_tensor(fps_shard_t *sh, const fps_ckpt_t *ck, fps_ckp
                                  NULL, NULL, why, sizeof why);
   if (rc == 0) rc = fps_shard_split_allowed(sh, ct->name, why, sizeof why);
   if (rc < 0) {
-    FPS_SLOG(FPS_LOG_ERROR, "checkpoint %s holds a row block this shard cannot serve: %s", ck->path, why);
+    FPS_LOG(FPS_LOG_ERROR, "checkpoint %s holds a row block this shard cannot serve: %s", ck->path, why);
     return rc;
   }
   fps_tensor_t *t = fps_tensor_create_split(ct->name, strlen(ct->name), &ct->bstate.g, &map, &ct->hparams,
@@ -144,17 +142,17 @@ static int fps__ckpt_restore(fps_shard_t *sh) {
   if (rc == FPS_ENOTFOUND || rc == FPS_EFORMAT) {
     const char *what = rc == FPS_ENOTFOUND ? "holds no checkpoint" : "holds no valid checkpoint";
     if (sh->cfg.require_checkpoint) {
-      FPS_SLOG(FPS_LOG_ERROR, "--checkpoint-dir %s %s and --require-checkpoint is set: refusing to start",
+      FPS_LOG(FPS_LOG_ERROR, "--checkpoint-dir %s %s and --require-checkpoint is set: refusing to start",
                sh->cfg.checkpoint_dir, what);
       fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
       return FPS_ENOTFOUND;
     }
-    FPS_SLOG(FPS_LOG_INFO, "--checkpoint-dir %s %s: starting empty", sh->cfg.checkpoint_dir, what);
+    FPS_LOG(FPS_LOG_INFO, "--checkpoint-dir %s %s: starting empty", sh->cfg.checkpoint_dir, what);
     fps_metrics_restore_set(FPS_METRICS_RESTORE_EMPTY, 0, 0, (double)(fps_now_ns() - t0) / 1e9);
     return 0;
   }
   if (rc < 0) {
-    FPS_SLOG(FPS_LOG_ERROR, "cannot read --checkpoint-dir %s: %s", sh->cfg.checkpoint_dir, fps_strerror(rc));
+    FPS_LOG(FPS_LOG_ERROR, "cannot read --checkpoint-dir %s: %s", sh->cfg.checkpoint_dir, fps_strerror(rc));
     fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
     return rc;
   }
@@ -162,7 +160,7 @@ static int fps__ckpt_restore(fps_shard_t *sh) {
   for (size_t i = 0; i < ck->n_tensors; i++)
     bytes += (ck->tensors[i].block.n_blocks ? ck->tensors[i].bstate.g.block_numel : ck->tensors[i].state.numel) * 4;
   if (ck->n_tensors > sh->cfg.max_tensors || bytes > sh->cfg.max_bytes) {
-    FPS_SLOG(FPS_LOG_ERROR,
+    FPS_LOG(FPS_LOG_ERROR,
              "checkpoint %s holds %zu tensors and %" PRIu64 " parameter bytes, more than --max-tensors %" PRIu64
              " / --max-bytes %" PRIu64 " allow: refusing to start",
              ck->path, ck->n_tensors, bytes, sh->cfg.max_tensors, sh->cfg.max_bytes);
@@ -175,7 +173,7 @@ static int fps__ckpt_restore(fps_shard_t *sh) {
   for (size_t i = 0; rc == 0 && i < ck->n_tensors; i++) rc = fps__ckpt_adopt_locked(sh, ck, &ck->tensors[i]);
   pthread_rwlock_unlock(&sh->store.mu);
   if (rc < 0) {
-    FPS_SLOG(FPS_LOG_ERROR, "restoring %s: %s", ck->path, fps_strerror(rc));
+    FPS_LOG(FPS_LOG_ERROR, "restoring %s: %s", ck->path, fps_strerror(rc));
     fps_ckpt_destroy(ck);
     fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
     return rc;
@@ -188,7 +186,7 @@ static int fps__ckpt_restore(fps_shard_t *sh) {
   pthread_mutex_unlock(&sh->ckpt_mu);
   fps_metrics_restore_set(FPS_METRICS_RESTORE_RESTORED, ck->info.seq, fps__ckpt_created_unix(ck->info.created),
                           (double)(fps_now_ns() - t0) / 1e9);
-  FPS_SLOG(FPS_LOG_INFO, "restored %zu tensors (%" PRIu64 " bytes of data) from %s (sequence %" PRIu64
+  FPS_LOG(FPS_LOG_INFO, "restored %zu tensors (%" PRIu64 " bytes of data) from %s (sequence %" PRIu64
            ", written %s) in %.3f s",
            ck->n_tensors, ck->info.data_bytes, ck->path, ck->info.seq, ck->info.created,
            (double)(fps_now_ns() - t0) / 1e9);
@@ -202,7 +200,7 @@ int fps_checkpoint_open(fps_shard_t *sh) {
   char why[FPS_CKPT_WHY_MAX] = "";
   int fd = fps_ckpt_dir_lock(sh->cfg.checkpoint_dir, true, why, sizeof why);
   if (fd < 0) {
-    FPS_SLOG(FPS_LOG_ERROR, "--checkpoint-dir %s: %s (%s)", sh->cfg.checkpoint_dir, why, fps_strerror(fd));
+    FPS_LOG(FPS_LOG_ERROR, "--checkpoint-dir %s: %s (%s)", sh->cfg.checkpoint_dir, why, fps_strerror(fd));
     fps_metrics_restore_set(FPS_METRICS_RESTORE_REFUSED, 0, 0, 0);
     return fd;
   }
@@ -240,7 +238,7 @@ int fps_checkpoint_write(fps_shard_t *sh, fps_ckpt_done_t *out, char *why, size_
       continue;
     }
     size_t idx = 0;
-    /* A row block's map is fixed at Create (split_tensor.h): no lock. */
+    /* A row block's map is fixed at Create (internal.h): no lock. */
     const fps_tensor_split_t *sp = t->split;
     if (sp) {
       fps_ckpt_block_t map = {.block_index = sp->block_index, .n_blocks = sp->n_blocks,
@@ -275,14 +273,14 @@ int fps_checkpoint_write(fps_shard_t *sh, fps_ckpt_done_t *out, char *why, size_
     snprintf(why, why_len, "the shard holds no %stensors to write", done.skipped ? "initialised " : "");
     fps_ckpt_snapshot_destroy(snap);
     pthread_mutex_unlock(&sh->ckpt_mu);
-    FPS_SLOG(FPS_LOG_INFO, "no checkpoint written: %s", why);
+    FPS_LOG(FPS_LOG_INFO, "no checkpoint written: %s", why);
     return FPS_ENOTFOUND;
   }
   done.copy_seconds = (double)(fps_now_ns() - t0) / 1e9;
   fps_ckpt_written_t w;
   rc = fps_ckpt_write(sh->cfg.checkpoint_dir, snap, sh->cfg.checkpoint_keep, &w, why, why_len);
   if (rc < 0) goto fail;
-  if (w.prune_err) FPS_SLOG(FPS_LOG_WARN, "checkpoint %s written, but pruning old ones stopped: %s", w.path, why);
+  if (w.prune_err) FPS_LOG(FPS_LOG_WARN, "checkpoint %s written, but pruning old ones stopped: %s", w.path, why);
   snprintf(done.path, sizeof done.path, "%s", w.path);
   done.seq = w.seq;
   done.bytes = w.file_bytes;
@@ -299,7 +297,7 @@ int fps_checkpoint_write(fps_shard_t *sh, fps_ckpt_done_t *out, char *why, size_
   sh->ckpt_last_changes = changes;
   snprintf(sh->ckpt_last_path, sizeof sh->ckpt_last_path, "%s", done.path);
   pthread_mutex_unlock(&sh->ckpt_mu);
-  FPS_SLOG(FPS_LOG_INFO,
+  FPS_LOG(FPS_LOG_INFO,
            "checkpoint %s: %" PRIu64 " tensors, %" PRIu64 " bytes in %.3f s (%.0f MB/s; copying %.3f s, "
            "longest tensor lock %.6f s)%s",
            done.path, done.tensors, done.bytes, done.seconds,
@@ -311,18 +309,19 @@ fail:
   fps_metrics_checkpoint_failed(fps__ckpt_reason(rc, why));
   fps_ckpt_snapshot_destroy(snap);
   pthread_mutex_unlock(&sh->ckpt_mu);
-  FPS_SLOG(FPS_LOG_ERROR, "checkpoint into %s failed: %s (%s)", sh->cfg.checkpoint_dir, why, fps_strerror(rc));
+  FPS_LOG(FPS_LOG_ERROR, "checkpoint into %s failed: %s (%s)", sh->cfg.checkpoint_dir, why, fps_strerror(rc));
   /* FPS_ENOTFOUND means "nothing to write" to callers (SIGTERM exits 0
    * then): a directory that vanished is an I/O failure. */
   return rc == FPS_ENOTFOUND ? FPS_EIO : rc;
 }
 
-bool fps_checkpoint_unchanged(fps_shard_t *sh) {
+bool fps_checkpoint_unchanged(fps_shard_t *sh, const char **path) {
   pthread_mutex_lock(&sh->ckpt_mu);
   struct stat stb;
   bool same = sh->ckpt_have_last && sh->ckpt_last_changes == atomic_load(&sh->changes) &&
               stat(sh->ckpt_last_path, &stb) == 0;
   pthread_mutex_unlock(&sh->ckpt_mu);
+  if (path) *path = sh->ckpt_last_path;
   return same;
 }
 
@@ -347,7 +346,7 @@ static void *fps__ckpt_thread(void *arg) {
     /* An idle shard does not rewrite the same state every interval. A
      * failure is logged by fps_checkpoint_write; the next interval tries
      * again (a full disk may clear). */
-    if (!fps_checkpoint_unchanged(sh)) {
+    if (!fps_checkpoint_unchanged(sh, NULL)) {
       char why[FPS_CKPT_WHY_MAX] = "";
       fps_checkpoint_write(sh, NULL, why, sizeof why);
     }
@@ -394,14 +393,4 @@ void fps_checkpoint_close(fps_shard_t *sh) {
     close(sh->ckpt_dir_fd);
     sh->ckpt_dir_fd = -1;
   }
-}
-
-void fps_checkpoint_ahead_hint(const fps_tensor_t *t, char *buf, size_t len) {
-  size_t n = strlen(buf);
-  if (!t->restored_seq || n + 1 >= len) return;
-  snprintf(buf + n, len - n,
-           "; this shard restarted and restored the tensor from checkpoint %" PRIu64 " at version %" PRIu64
-           ": pull this shard's tensors, take their versions as the step and push again"
-           " (see Checkpoints and recovery in the README)",
-           t->restored_seq, t->restored_version);
 }

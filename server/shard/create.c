@@ -17,7 +17,7 @@
  *   4. with only those tensors' locks held, write their values.
  * A concurrent Create of the same tensors sends step 3 back to step 1.
  *
- * A row block of a split tensor (item.split, split_tensor.h) goes the same
+ * A row block of a split tensor (item.split, internal.h) goes the same
  * way with its own elements and state sizes (split_block.c: the map's
  * checks, whether this shard holds blocks, matching maps). */
 #include <inttypes.h>
@@ -28,7 +28,7 @@
 
 #include "alloc.h"
 #include "metrics.h"
-#include "shard.h"
+#include "internal.h"
 
 /* Per request item. Items naming the same tensor form a group led by the
  * first of them, which owns the group's plan. */
@@ -360,7 +360,7 @@ static void fps__create_publish(fps_plan_t *lead) {
     t->pbuf->version = t->version; /* published from now on: read only */
     fps_ranges_free(&t->init);
     for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
-    FPS_SLOG(FPS_LOG_DEBUG, "tensor '%s' is ready", t->name);
+    FPS_LOG(FPS_LOG_DEBUG, "tensor '%s' is ready", t->name);
   }
   t->init_gen++;
 }

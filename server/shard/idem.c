@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "alloc.h"
-#include "shard.h"
+#include "internal.h"
 
 #define FPS_IDEM_NIL UINT32_MAX
 

@@ -30,8 +30,7 @@
 
 #include "alloc.h"
 #include "metrics.h"
-#include "reduce.h"
-#include "shard.h"
+#include "internal.h"
 
 enum { PUSH_RECV, PUSH_WAIT, PUSH_DONE };
 
@@ -120,8 +119,6 @@ void fps_push_destroy(fps_push_t *p) {
   pthread_mutex_destroy(&p->mu);
   fps_free(p);
 }
-
-uint32_t fps_push_worker(const fps_push_t *p) { return p->worker_id; }
 
 size_t fps__push_entries(fps_push_t *p, uint64_t walk, fps_push_entry_t ***out) {
   if (p->walk == walk) return 0; /* this walk has seen its entries */

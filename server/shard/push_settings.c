@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "shard.h"
+#include "internal.h"
 
 int fps_push_header_check(const fps_shard_opts_t *cfg, uint32_t worker_id, uint32_t num_workers,
                           int expect_mode, char *why, size_t why_len) {

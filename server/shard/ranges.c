@@ -11,7 +11,7 @@
 #include <sys/random.h>
 
 #include "alloc.h"
-#include "shard.h"
+#include "internal.h"
 
 #define NIL 0u
 

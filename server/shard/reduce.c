@@ -1,4 +1,4 @@
-/* The running sum of a sync round: see reduce.h for the rule (worker w sums
+/* The running sum of a sync round: see internal.h (reduce.c) for the rule (worker w sums
  * [lo, hi) once done[w-1] covers it) and why it gives the bits of a sum in
  * worker-id order.
  *
@@ -15,7 +15,7 @@
  * Staged pieces of one push are a treap by lo, so finding the ones a new
  * range of done[w-1] made ready costs O(log n + k) whatever the order and
  * size of the slices. */
-#include "reduce.h"
+#include "internal.h"
 
 #include <inttypes.h>
 #include <math.h>

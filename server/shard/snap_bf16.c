@@ -31,7 +31,7 @@
  * reply's reference frees it); if it cannot be allocated the update runs
  * without it and the replies convert as before. */
 #include "alloc.h"
-#include "shard.h"
+#include "internal.h"
 
 struct fps_snap_bf16_s {
   int refs;                   /* guarded by fps__bf16_mu */

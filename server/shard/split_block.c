@@ -1,11 +1,10 @@
-/* Checks of a split tensor's block map at Create (split_block.h). */
-#include "split_block.h"
+/* Checks of a split tensor's block map at Create (internal.h). */
+#include "internal.h"
 
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
 
-#include "shard.h"
 
 int fps_shard_split_check(const char *name, const fps_shape_t *shape, const fps_split_map_t *map,
                           uint32_t shard_id, uint32_t shard_count, uint64_t *row_lo,

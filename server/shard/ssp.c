@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "metrics.h"
-#include "shard.h"
+#include "internal.h"
 
 static uint64_t fps__ssp_min_locked(fps_shard_t *sh) {
   uint64_t m = UINT64_MAX;

@@ -43,9 +43,7 @@
 #include "alloc.h"
 #include "metrics.h"
 #include "pool.h"
-#include "reduce.h"
-#include "shard.h"
-#include "xstep.h"
+#include "internal.h"
 
 /* How long before a member's own deadline its round gives up (shard.h). */
 static int64_t fps__round_margin(int64_t call_deadline_ns, int64_t now) {
@@ -322,7 +320,7 @@ static void fps__set_timeline(fps_shard_t *sh, fps_tensor_t *set, size_t k, int6
   if (at < sizeof line)
     snprintf(line + at, sizeof line - at, "; complete +%.1f apply +%.1f ms", (double)(set->round.complete_ns - t0) / 1e6,
              (double)(apply_ns - t0) / 1e6);
-  FPS_SLOG(FPS_LOG_DEBUG, "%s", line);
+  FPS_LOG(FPS_LOG_DEBUG, "%s", line);
 }
 
 void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char *why, size_t why_len) {
@@ -391,7 +389,7 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
       }
     }
     if (FPS_LOG_DEBUG <= fps__log_level)
-      FPS_SLOG(FPS_LOG_DEBUG, "sync step %" PRIu64 " timeline: applied %zu tensors in %.1f ms", set->round.step, k,
+      FPS_LOG(FPS_LOG_DEBUG, "sync step %" PRIu64 " timeline: applied %zu tensors in %.1f ms", set->round.step, k,
                (double)(fps_now_ns() - apply_ns) / 1e6);
     pthread_mutex_lock(&sh->rounds_mu);
     for (fps_tensor_t *t = set, *next; t; t = next) {

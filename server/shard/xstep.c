@@ -1,4 +1,5 @@
-/* The cross-shard step of split tensors (split_tensor.h): a
+/* The cross-shard step of split tensors (internal.h; the exchange
+ * contract is shard.h): a
  * sync set holding row blocks applies only once every block's partial
  * sums are here and every peer has acknowledged ours.
  *
@@ -52,8 +53,7 @@
 
 #include "alloc.h"
 #include "metrics.h"
-#include "shard.h"
-#include "xstep.h"
+#include "internal.h"
 
 #define NPHASE 2 /* FPS_SPLIT_PHASE_STATS, FPS_SPLIT_PHASE_U2 */
 

@@ -217,7 +217,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   /* The peer's deadline: what is still unacknowledged fails, and with it
    * any step still waiting (nothing applied). */
   fx_resolve_all(FPS_EUNAVAILABLE);
-  fps_shard_expire(&srv->shard, INT64_MAX);
+  fps_shard_expire(srv->shard, INT64_MAX);
   fz_drain();
   if (push) {
     if (!fz_call_ended(push)) {
@@ -229,7 +229,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   /* Whatever a peer sends, a step either applies finite weights or
    * nothing: one NaN from a hostile peer must not poison the tensor. */
   for (int i = 0; i < NT; i++) {
-    const fps_tensor_t *t = fps_store_find(&srv->shard.store, fx[i].name);
+    const fps_tensor_t *t = fps_store_find(&srv->shard->store, fx[i].name);
     for (uint64_t j = 0; t && j < t->numel; j++)
       if (!isfinite(t->param[j])) {
         fprintf(stderr, "fuzz_exchange: tensor '%s' has a non-finite weight at version %llu\n", t->name,

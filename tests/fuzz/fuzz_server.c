@@ -424,8 +424,8 @@ static fps_server_t *fz__server_new(int mode, uint32_t workers, uint32_t stalene
    * every input replays the same way. */
   fps_shard_opts_t opts;
   fps_config_shard_opts(cfg, &opts);
-  if (fps_shard_init(&srv->shard, &opts, kernels, NULL) < 0) abort();
-  if (send) fps_shard_set_exchange(&srv->shard, send, ctx, cfg->deadline);
+  if (fps_shard_new(&opts, kernels, NULL, &srv->shard) < 0) abort();
+  if (send) fps_shard_set_exchange(srv->shard, send, ctx, cfg->deadline);
   fz__fixture_tensors(srv);
   return srv;
 }
@@ -445,14 +445,14 @@ void fz_server_free(fps_server_t *srv) {
     fprintf(stderr, "fuzz: %llu calls still linked at teardown\n", (unsigned long long)srv->ncalls);
     abort();
   }
-  if (srv->shard.ssp_waits || srv->shard.rounds) {
+  if (srv->shard->ssp_waits || srv->shard->rounds) {
     fprintf(stderr, "fuzz: a parked call or an open round outlived its call\n");
     abort();
   }
   /* Finite gradients must never make the weights NaN or Inf: one such
    * push would silently poison every later step of every worker. */
   if (getenv("FPS_FUZZ_CHECK_FINITE"))
-    for (fps_tensor_t *t = srv->shard.store.first; t; t = t->next) {
+    for (fps_tensor_t *t = srv->shard->store.first; t; t = t->next) {
       uint64_t bad = 0;
       for (uint64_t i = 0; t->ready && i < t->numel; i++) bad += !isfinite(t->param[i]);
       if (bad) {
@@ -461,7 +461,7 @@ void fz_server_free(fps_server_t *srv) {
         abort();
       }
     }
-  fps_shard_destroy(&srv->shard);
+  fps_shard_free(srv->shard);
   fps_config_free(&srv->cfg);
   pthread_mutex_destroy(&srv->calls_mu);
   pthread_rwlock_destroy(&srv->batch_gate);

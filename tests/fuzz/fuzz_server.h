@@ -26,6 +26,7 @@
 #include <stdint.h>
 
 #include "server.h"
+#include "shard/internal.h"
 
 typedef enum fz_method_e { FZ_CREATE, FZ_PUSHPULL, FZ_PULL, FZ_STATS, FZ_CHECKPOINT, FZ_GETSTATE, FZ_EXCHANGE } fz_method_t;
 

@@ -43,6 +43,7 @@
 #include "factorps/client.h"
 #include "metrics.h"
 #include "server.h"
+#include "shard/internal.h"
 #include "simd/kernels.h"
 
 /* A sweep longer than this is a runaway (a call that allocates without
@@ -93,14 +94,13 @@ static void shard_start(const char *mode, bool checkpoints) {
   pthread_rwlock_init(&g_srv.batch_gate, NULL);
   fps_shard_opts_t opts;
   fps_config_shard_opts(&g_srv.cfg, &opts);
-  assert_int_equal(fps_shard_init(&g_srv.shard, &opts, kernels, g_pool), 0);
+  assert_int_equal(fps_shard_new(&opts, kernels, g_pool, &g_srv.shard), 0);
   grpc_init();
-  g_srv.shard.started_ns = fps_now_ns();
   assert_int_equal(fps_timer_create(&g_srv.timer, 0), 0);
-  assert_int_equal(fps_timer_add(g_srv.timer, fps_shard_expire, &g_srv.shard), 0);
+  assert_int_equal(fps_timer_add(g_srv.timer, fps_shard_expire, g_srv.shard), 0);
   assert_int_equal(fps_timer_add(g_srv.timer, fps_calls_expire, &g_srv), 0);
   assert_int_equal(fps_timer_start(g_srv.timer), 0);
-  assert_int_equal(fps_checkpoint_open(&g_srv.shard), 0);
+  assert_int_equal(fps_checkpoint_open(g_srv.shard), 0);
   assert_int_equal(fps_grpc_start(&g_srv), 0);
   snprintf(g_addr, sizeof g_addr, "127.0.0.1:%d", g_srv.port);
 }
@@ -109,9 +109,9 @@ static void shard_stop(void) {
   fps_grpc_stop(&g_srv, 0.5);
   fps_timer_destroy(g_srv.timer);
   g_srv.timer = NULL;
-  fps_checkpoint_stop(&g_srv.shard);
-  fps_checkpoint_close(&g_srv.shard);
-  fps_shard_destroy(&g_srv.shard);
+  fps_checkpoint_stop(g_srv.shard);
+  fps_checkpoint_close(g_srv.shard);
+  fps_shard_free(g_srv.shard);
   pthread_mutex_destroy(&g_srv.calls_mu);
   pthread_rwlock_destroy(&g_srv.batch_gate);
   fps_config_free(&g_srv.cfg);
@@ -142,12 +142,12 @@ static void shard_settle(void) {
     pthread_mutex_lock(&g_srv.calls_mu);
     uint64_t n = g_srv.ncalls;
     pthread_mutex_unlock(&g_srv.calls_mu);
-    if (n == 0 && fps_shard_in_flight_bytes(&g_srv.shard) == tbuf) return;
+    if (n == 0 && fps_shard_in_flight_bytes(g_srv.shard) == tbuf) return;
     struct timespec ts = {0, 5 * 1000 * 1000};
     nanosleep(&ts, NULL);
   }
   fail_msg("the shard still has calls or staging bytes (%" PRIu64 ", want %" PRIu64 ") after 10 s",
-           fps_shard_in_flight_bytes(&g_srv.shard), tbuf);
+           fps_shard_in_flight_bytes(g_srv.shard), tbuf);
 }
 
 /* ------------------------------------------------------ the shard's state */
@@ -175,7 +175,7 @@ static float *dup_floats(const float *p, uint64_t n) {
 /* The tensor as the core holds it, copied under its lock. */
 static void tstate_take(const char *name, tstate_t *s) {
   memset(s, 0, sizeof *s);
-  fps_tensor_t *t = fps_store_find(&g_srv.shard.store, name);
+  fps_tensor_t *t = fps_store_find(&g_srv.shard->store, name);
   if (!t) return;
   s->exists = true;
   pthread_mutex_lock(&t->mu);
@@ -249,13 +249,13 @@ typedef struct shard_state_s {
 } shard_state_t;
 
 static void shard_state_take(shard_state_t *s) {
-  pthread_rwlock_rdlock(&g_srv.shard.store.mu);
-  s->count = g_srv.shard.store.count;
-  s->param_bytes = g_srv.shard.store.param_bytes;
-  pthread_rwlock_unlock(&g_srv.shard.store.mu);
-  s->updates = atomic_load(&g_srv.shard.counters.updates);
-  s->update_bytes = atomic_load(&g_srv.shard.counters.update_bytes);
-  s->tbuf = fps_shard_in_flight_bytes(&g_srv.shard); /* spares are a cache */
+  pthread_rwlock_rdlock(&g_srv.shard->store.mu);
+  s->count = g_srv.shard->store.count;
+  s->param_bytes = g_srv.shard->store.param_bytes;
+  pthread_rwlock_unlock(&g_srv.shard->store.mu);
+  s->updates = atomic_load(&g_srv.shard->counters.updates);
+  s->update_bytes = atomic_load(&g_srv.shard->counters.update_bytes);
+  s->tbuf = fps_shard_in_flight_bytes(g_srv.shard); /* spares are a cache */
 }
 
 static void shard_state_assert_equal(const shard_state_t *a, const shard_state_t *b, const char *what) {

@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 #include "clock_fake.h"
-#include "shard/shard.h"
+#include "shard/internal.h"
 
 #define FX_DEADLINE_S 10.0 /* the shard's round deadline in the fixture */
 

@@ -186,7 +186,7 @@ static void view_shows_totals_log_and_counters(void **unused) {
   /* With tensors: creation order, the newest two records oldest first. */
   assert_int_equal(fps_shard_view(&sh, true, 2, &view), 0);
   assert_int_equal(view.n, 2);
-  assert_string_equal(view.t[0].t->name, "w");
+  assert_string_equal(view.t[0].name, "w");
   assert_int_equal(view.t[0].version, 3);
   assert_true(view.t[0].ready);
   assert_int_equal(view.t[0].nlog, 2);

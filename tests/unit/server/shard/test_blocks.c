@@ -222,9 +222,12 @@ static void create_pull_getstate_view(void **unused) {
   assert_int_equal(view.state.col, 3);
   assert_int_equal(view.state.var, 6);
   assert_int_equal(view.n, 2);
-  assert_ptr_equal(view.t[0].t, t);
+  assert_string_equal(view.t[0].name, t->name);
+  assert_true(view.t[0].split);
+  assert_int_equal(view.t[0].map.block_index, t->split->block_index);
+  assert_int_equal(view.t[0].numel, 18);
   assert_true(view.t[0].ready);
-  assert_null(view.t[1].t->split);
+  assert_false(view.t[1].split);
   fps_shard_view_free(&view);
   fx_shard_free(&sh);
 }

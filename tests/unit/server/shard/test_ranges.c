@@ -12,7 +12,7 @@
 
 #include <cmocka.h>
 
-#include "shard/shard.h"
+#include "shard/internal.h"
 
 static void test_in_order_merges(void **state) {
   (void)state;

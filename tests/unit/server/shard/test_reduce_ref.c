@@ -23,7 +23,7 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "shard/reduce.h"
+#include "shard/internal.h"
 #include "shard_fixture.h"
 #include "simd/kernels.h"
 

@@ -1,9 +1,9 @@
-/* The shard's log line: UTC time, program, level, message, on stderr. */
+/* The log line (log.h): UTC time, program, level, message, on stderr. */
+#include "log.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <time.h>
-
-#include "shard.h"
 
 int fps__log_level = FPS_LOG_INFO;
 
