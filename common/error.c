@@ -2,6 +2,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 const char *fps_strerror(int err) {
   switch (err) {
@@ -37,4 +38,10 @@ int fps_errorf(int rc, char *why, size_t why_len, const char *fmt, ...) {
     va_end(ap);
   }
   return rc;
+}
+
+void fps__assert_fail(const char *expr, const char *file, int line) {
+  /* One write, like the log line: a crash report that stays whole. */
+  fprintf(stderr, "factorps: assertion failed: %s (%s:%d)\n", expr, file, line);
+  abort();
 }

@@ -55,4 +55,15 @@ const char *fps_u64_text(uint64_t v, char buf[FPS_U64_TEXT]);
 /* Symbolic name for an FPS_E* code ("FPS_EINVAL"); never NULL. */
 const char *fps_err_name(int err);
 
+/* Programmer errors are not error codes (redis serverAssert, SQLite
+ * ALWAYS): FPS_ASSERT(cond) checks an invariant in every build and, when
+ * it does not hold, writes the expression and where it stands to stderr
+ * and aborts. Never for input a peer or a user controls: that is an
+ * FPS_E* with a message. */
+#define FPS_ASSERT(cond)                                             \
+  do {                                                               \
+    if (__builtin_expect(!(cond), 0)) fps__assert_fail(#cond, __FILE__, __LINE__); \
+  } while (0)
+void fps__assert_fail(const char *expr, const char *file, int line) __attribute__((noreturn, cold));
+
 #endif

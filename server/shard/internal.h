@@ -18,6 +18,8 @@
  *   idem.c        push idempotency: the window of applied push ids
  *   push_settings.c  per-push lr / weight decay / no_grad, the job checks
  *                 of the stream header, a round's agreement
+ *   push_state.c  a push as the files below push.c see it: wake, streaming,
+ *                 staged bytes, entries, resolution (done callback)
  *   ssp.c         ssp waits: admit, park, advance, expire
  *   reduce.c      a sync round's running sum: slices summed in worker-id
  *                 order as they arrive, early ones staged
@@ -525,17 +527,153 @@ void fps_push_settings_resolve(fps_push_entry_t *e);
 int fps_round_agree(const fps_tensor_t *t, fps_push_entry_t *const *m, uint32_t W, bool *all_no_grad, char *why,
                     size_t why_len);
 
-/* ------------------------------------------------------- ssp.c */
+/* -------------------------------------------------- push_state.c */
 
-/* An ssp push waiting for the slowest worker (embedded in the push). */
+/* An ssp push waiting for the slowest worker (embedded in the push,
+ * parked by ssp.c). resume: push.c's, run by ssp.c when the worker may go
+ * (applies the push and releases the wait). */
 typedef struct fps_ssp_wait_s {
   fps_push_t *p;
   uint32_t worker_id;
   uint64_t step;
   int64_t deadline_ns;
   bool parked;                      /* linked (sh->ssp_mu) */
+  void (*resume)(struct fps_ssp_wait_s *w);
   struct fps_ssp_wait_s *prev, *next;
 } fps_ssp_wait_t;
+
+/* A push (push.c creates, commits and frees it; the files below push.c
+ * reach it only through the calls of push_state.c). */
+enum { PUSH_RECV, PUSH_WAIT, PUSH_DONE }; /* fps_push_s.state */
+
+struct fps_push_s {
+  fps_shard_t *sh;
+  pthread_mutex_t mu;         /* state, cancelled, pending */
+  int state;                  /* PUSH_* */
+  bool cancelled;             /* fps_push_cancel() was called */
+  bool have_header;           /* worker_id/step taken from the first message */
+  uint32_t worker_id;
+  uint64_t step;
+  uint32_t num_workers;       /* the worker's W, 0: unchecked */
+  int expect_mode;            /* the worker's expected mode, 0: any */
+  bool skip_params;
+  int64_t deadline_ns;
+  fps_push_entry_t **e;       /* entries in first-seen order */
+  size_t n, cap;
+  fps_push_entry_t **htab;    /* tensor pointer -> entry, open addressing */
+  size_t hcap;
+  size_t pending;             /* unresolved entries / wait + 1 hold */
+  fps_ssp_wait_t wait;
+  uint64_t push_id;           /* idempotency key, 0: none */
+  bool have_id;               /* push_id taken from the first message */
+  bool idem_claimed;          /* holds sh->idem slot idem_slot */
+  uint32_t idem_slot;
+  bool replayed;              /* answered from the window, nothing applied */
+  uint64_t walk;              /* the last set walk that visited it (sh->rounds_mu) */
+  int err;                    /* push-level failure (ssp), 0: none */
+  char *msg;                  /* its message */
+  fps_push_done_fn done;
+  void *arg;
+  /* Backpressure (fps_push_hold; the flags under sh->held_mu). */
+  fps_push_resume_fn resume;
+  void *resume_arg;
+  atomic_int_fast64_t staged; /* bytes of its slices staged (reduce.c) */
+  /* The first entry whose staged gradient held a bad value (reduce.c;
+   * its red_err and red_msg are set before and never change), NULL:
+   * none. The push cannot be applied: its later slices of any tensor are
+   * refused with that entry's error. */
+  fps_push_entry_t *_Atomic bad_staged;
+  bool held;                  /* the caller waits for resume */
+  uint64_t wakes;             /* fps__push_wake() calls so far */
+  int64_t held_until;         /* the expiry hook resumes it then */
+  fps_push_t *hprev, *hnext;  /* sh->held */
+  /* The step timeline (fps_push_times_t; held_* under sh->held_mu). */
+  int64_t created_ns, recv_end_ns, held_since_ns, held_ns;
+  uint32_t holds;
+};
+
+/* One tensor's gradient within one push. */
+struct fps_push_entry_s {
+  fps_push_t *owner;
+  fps_tensor_t *t;
+  uint32_t worker_id;         /* the pushing worker */
+  bool skip_params;           /* no snapshot wanted */
+  float *grad;                /* numel floats: staging, becomes the params */
+  fps_ranges_t got;           /* slices received */
+  int dtype;                  /* dtype of the first slice: reply dtype */
+  uint64_t step;              /* this tensor's step (TensorPush.step or the push's) */
+  bool has_slices;            /* a gradient slice arrived */
+  bool has_push;              /* a TensorPush named it */
+  bool no_grad;               /* TensorPush.no_grad: nothing to apply */
+  bool has_lr, has_weight_decay;
+  double lr, weight_decay;    /* TensorPush values when has_* */
+  fps_update_hp_t uh;         /* effective values (set at commit) */
+  bool in_round;              /* member of t->round (t->mu) */
+  int err;                    /* result when resolved: 0 or FPS_E* */
+  char *msg;                  /* error text when err != 0 */
+  fps_snap_t *snap;           /* result params (ok, unless skip_params) */
+  fps_snap_bf16_t *bf16;      /* snap's encoding made by the update, for a
+                               * bf16 reply (one reference), or NULL */
+  uint64_t version;           /* version after the update */
+  fps_apply_prep_t prep;      /* async/ssp: allocated before any tensor is applied */
+  fps_push_entry_t *resolve_next; /* sync: members of a finished set, to resolve */
+  /* Sync: how this gradient gets into its round's sum (reduce.c; all under
+   * t->mu). */
+  struct fps_piece_s *staged; /* pieces received but not summed yet */
+  uint64_t staged_n;          /* their elements */
+  bool attached;              /* t->red->owner[worker_id] is this entry */
+  bool replay_only;           /* a retry of an applied push: checked, not kept */
+  bool withdrawn;             /* withdrawn from its round (sh->rounds_mu) */
+  int red_err;                /* the sum it was in was discarded, or its
+                               * staged gradient held a bad value: FPS_E*,
+                               * 0: none */
+  char *red_msg;              /* why */
+  fps_push_entry_t *red_fail_next; /* t->red->failed (reduce.c) */
+};
+
+/* For sync.c, reduce.c, ssp.c and xstep.c. wake: whatever held p back may
+ * have changed (resumes it if held). streaming: p still receives (its
+ * call alive, not half-closed). REQUIRES nothing; may run under t->mu. */
+void fps__push_wake(fps_push_t *p);
+bool fps__push_streaming(fps_push_t *p);
+/* Counts bytes of p's slices staged (+) or summed/freed (-). */
+void fps__push_staged_add(fps_push_t *p, int64_t bytes);
+/* Entry e of p (red_err, red_msg set) held a bad value in a staged slice:
+ * p's later slices are refused with e's error (the first such entry's). */
+void fps__push_staged_failed(fps_push_t *p, fps_push_entry_t *e);
+/* The expiry hook's part: resumes held pushes past their hold (every one
+ * with force). */
+void fps__push_expire_holds(fps_shard_t *sh, int64_t now, bool force);
+/* Unlinks a held push. REQUIRES sh->held_mu. */
+void fps__push_unhold_locked(fps_shard_t *sh, fps_push_t *p);
+/* The push's entries (*out), fixed once it is committed; returns their
+ * count, or 0 if set walk `walk` (sh->rounds_walk) already visited them, so
+ * a walk costs O(rounds x W + entries). REQUIRES sh->rounds_mu. */
+size_t fps__push_entries(fps_push_t *p, uint64_t walk, fps_push_entry_t ***out);
+/* Where a push's time went, for the sync step timeline (sync.c, debug
+ * log): created (its call's first message), its stream's end (0: still
+ * streaming), and how long and how often it was held (fps_push_hold). */
+typedef struct fps_push_times_s {
+  int64_t created_ns, recv_end_ns, held_ns;
+  uint32_t holds;
+} fps_push_times_t;
+void fps__push_times(fps_push_t *p, fps_push_times_t *out);
+/* The push's idempotency key (0: none); fixed once it is committed. */
+uint64_t fps__push_key(const fps_push_t *p);
+/* Which tensors, in which order (a retry must name the same). */
+uint64_t fps__push_tensors_hash(const fps_push_t *p);
+/* Resolution. release drops k pending counts and returns true when that
+ * resolved the push (then it is settled: its key remembered if every
+ * tensor was applied, forgotten otherwise). entry_resolved releases one
+ * entry's count and runs done if it was the last; ssp_fail fails the
+ * push with err and msg and releases its wait the same way. */
+bool fps__push_release(fps_push_t *p, size_t k);
+void fps__push_settle(fps_push_t *p);
+void fps__push_entry_resolved(fps_push_entry_t *e);
+void fps__push_ssp_fail(fps_push_t *p, int err, const char *msg);
+
+/* ------------------------------------------------------- ssp.c */
+
 /* ssp.c, for push.c. admit_or_park: true if the worker may go now,
  * otherwise parks w. advance: records a finished push and resumes parked
  * pushes that may go now. unpark: true if w was parked (and no longer is). */
@@ -593,6 +731,11 @@ typedef struct fps_reduce_s {
                                * for the entry point to fail (red_fail_next) */
 } fps_reduce_t;
 
+/* How reduce.c fails the round of an entry whose staged gradient held a
+ * bad value (sync.c's fps__sync_member_failed_locked, passed down by the
+ * callers, so that reduce.c never calls up into sync.c). */
+typedef void (*fps__member_failed_fn)(fps_shard_t *sh, fps_push_entry_t *e, fps_push_entry_t **list);
+
 /* Worker e->worker_id's slice s of count elements (already checked against
  * the tensor's shape): summed now if it can be, otherwise staged. Returns
  * 0, FPS_EINVAL (a value that is not a valid gradient), FPS_ELIMIT
@@ -603,16 +746,16 @@ typedef struct fps_reduce_s {
  * a converted, checked copy. A bad value in a staged reference is found
  * when it is summed: its push gets red_err FPS_EINVAL (why naming the
  * element), loses its other staged pieces and is woken; if it waits in
- * its round, the round's set fails (fps__sync_member_failed_locked), its
+ * its round, the round's set fails (`failed`), its
  * members chained onto *resolve for the caller to resolve after
  * unlocking. */
 int fps__reduce_slice_locked(fps_shard_t *sh, fps_push_entry_t *e, const fps_slice_t *s, uint64_t count,
-                             char *why, size_t why_len, fps_push_entry_t **resolve);
+                             fps__member_failed_fn failed, char *why, size_t why_len, fps_push_entry_t **resolve);
 /* At the join: e takes its worker's place in the sum if it does not hold
  * it yet and the place is free (e->attached tells), and sums what it can.
  * 0, e->red_err, FPS_ELIMIT, FPS_ENOMEM, with why; *resolve as above. */
-int fps__reduce_join_locked(fps_shard_t *sh, fps_push_entry_t *e, char *why, size_t why_len,
-                            fps_push_entry_t **resolve);
+int fps__reduce_join_locked(fps_shard_t *sh, fps_push_entry_t *e, fps__member_failed_fn failed, char *why,
+                            size_t why_len, fps_push_entry_t **resolve);
 /* The round is full: the finished sum (numel floats from fps_tbuf_alloc)
  * moves to the caller and t->red is gone. NULL if there is no sum (no
  * member had a gradient) or, defensively, if it does not cover the tensor
@@ -646,6 +789,12 @@ void fps__reduce_bad_value_why(char *why, size_t why_len, const char *name, uint
 
 typedef struct fps_xgroup_s fps_xgroup_t;
 
+/* How a finished exchange settles its set (sync.c's fps__set_settle,
+ * passed to fps__xstep_start, so that xstep.c never calls up into
+ * sync.c). */
+typedef void (*fps__set_settle_fn)(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char *why,
+                                   size_t why_len);
+
 /* xstep.c, for sync.c. True if the set holds a block tensor with a
  * gradient to step (its update needs the other blocks' partials). */
 bool fps__xstep_needed(const fps_tensor_t *set);
@@ -656,10 +805,11 @@ bool fps__xstep_needed(const fps_tensor_t *set);
  * mail, the deadline set (the exchange deadline, cut by the members'
  * call deadlines less their margins). On
  * success the set waits (*out: send its partials with fps__xstep_kick()
- * once the locks are released); on failure (FPS_E* and why) nothing
+ * once the locks are released; `settle` applies or fails the set once the
+ * exchange is over); on failure (FPS_E* and why) nothing
  * changed and the caller fails the set. */
-int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_xgroup_t **out, char *why,
-                     size_t why_len);
+int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps__set_settle_fn settle, fps_xgroup_t **out,
+                     char *why, size_t why_len);
 
 /* Sends the partials of the started exchange g (no core lock held). The
  * set is settled later by whichever thread completes or fails it. */
@@ -669,9 +819,10 @@ void fps__xstep_kick(fps_xgroup_t *g);
  * with force, with `reason`) with FPS_EUNAVAILABLE. No lock held. */
 void fps__xstep_expire(fps_shard_t *sh, int64_t now, bool force, const char *reason);
 
-/* Frees a block's t->split (its map, state and kept partials). No step
- * may be in flight. NULL-safe. */
-void fps__split_destroy(fps_tensor_split_t *s);
+/* Frees what the exchange keeps of block t (a step, early partials) at
+ * the shard's teardown: no step may be in flight. No-op for a whole
+ * tensor. */
+void fps__xstep_forget(fps_tensor_t *t);
 
 /* ------------------------------------------------------ sync.c */
 
@@ -714,73 +865,7 @@ void fps__sync_expire(fps_shard_t *sh, int64_t now, bool force, int err, const c
 
 /* ------------------------------------------------------ push.c */
 
-/* push.c, for sync.c, reduce.c and ssp.c. wake: whatever held p back may
- * have changed (resumes it if held). streaming: p still receives (its
- * call alive, not half-closed). REQUIRES nothing; may run under t->mu. */
-void fps__push_wake(fps_push_t *p);
-bool fps__push_streaming(fps_push_t *p);
-/* Counts bytes of p's slices staged (+) or summed/freed (-). */
-void fps__push_staged_add(fps_push_t *p, int64_t bytes);
-/* Entry e of p (red_err, red_msg set) held a bad value in a staged slice:
- * p's later slices are refused with e's error (the first such entry's). */
-void fps__push_staged_failed(fps_push_t *p, fps_push_entry_t *e);
-void fps__push_expire_holds(fps_shard_t *sh, int64_t now, bool force);
-void fps__push_entry_resolved(fps_push_entry_t *e);
-/* The push's entries (*out), fixed once it is committed; returns their
- * count, or 0 if set walk `walk` (sh->rounds_walk) already visited them, so
- * a walk costs O(rounds x W + entries). REQUIRES sh->rounds_mu. */
-size_t fps__push_entries(fps_push_t *p, uint64_t walk, fps_push_entry_t ***out);
-void fps__push_ssp_resume(fps_push_t *p);
-void fps__push_ssp_fail(fps_push_t *p, int err, const char *msg);
-/* Where a push's time went, for the sync step timeline (sync.c, debug
- * log): created (its call's first message), its stream's end (0: still
- * streaming), and how long and how often it was held (fps_push_hold). */
-typedef struct fps_push_times_s {
-  int64_t created_ns, recv_end_ns, held_ns;
-  uint32_t holds;
-} fps_push_times_t;
-void fps__push_times(fps_push_t *p, fps_push_times_t *out);
-/* The push's idempotency key (0: none); fixed once it is committed. */
-uint64_t fps__push_key(const fps_push_t *p);
-
-/* One tensor's gradient within one push. */
-struct fps_push_entry_s {
-  fps_push_t *owner;
-  fps_tensor_t *t;
-  uint32_t worker_id;         /* the pushing worker */
-  bool skip_params;           /* no snapshot wanted */
-  float *grad;                /* numel floats: staging, becomes the params */
-  fps_ranges_t got;           /* slices received */
-  int dtype;                  /* dtype of the first slice: reply dtype */
-  uint64_t step;              /* this tensor's step (TensorPush.step or the push's) */
-  bool has_slices;            /* a gradient slice arrived */
-  bool has_push;              /* a TensorPush named it */
-  bool no_grad;               /* TensorPush.no_grad: nothing to apply */
-  bool has_lr, has_weight_decay;
-  double lr, weight_decay;    /* TensorPush values when has_* */
-  fps_update_hp_t uh;         /* effective values (set at commit) */
-  bool in_round;              /* member of t->round (t->mu) */
-  int err;                    /* result when resolved: 0 or FPS_E* */
-  char *msg;                  /* error text when err != 0 */
-  fps_snap_t *snap;           /* result params (ok, unless skip_params) */
-  fps_snap_bf16_t *bf16;      /* snap's encoding made by the update, for a
-                               * bf16 reply (one reference), or NULL */
-  uint64_t version;           /* version after the update */
-  fps_apply_prep_t prep;      /* async/ssp: allocated before any tensor is applied */
-  fps_push_entry_t *resolve_next; /* sync: members of a finished set, to resolve */
-  /* Sync: how this gradient gets into its round's sum (reduce.h; all under
-   * t->mu). */
-  struct fps_piece_s *staged; /* pieces received but not summed yet */
-  uint64_t staged_n;          /* their elements */
-  bool attached;              /* t->red->owner[worker_id] is this entry */
-  bool replay_only;           /* a retry of an applied push: checked, not kept */
-  bool withdrawn;             /* withdrawn from its round (sh->rounds_mu) */
-  int red_err;                /* the sum it was in was discarded, or its
-                               * staged gradient held a bad value: FPS_E*,
-                               * 0: none */
-  char *red_msg;              /* why */
-  fps_push_entry_t *red_fail_next; /* t->red->failed (reduce.c) */
-};
+/* Everything push.c defines for the others is in push_state.c and shard.h. */
 
 /* ----------------------------------------------------- shard.c */
 

@@ -32,56 +32,6 @@
 #include "metrics.h"
 #include "internal.h"
 
-enum { PUSH_RECV, PUSH_WAIT, PUSH_DONE };
-
-struct fps_push_s {
-  fps_shard_t *sh;
-  pthread_mutex_t mu;         /* state, cancelled, pending */
-  int state;                  /* PUSH_* */
-  bool cancelled;             /* fps_push_cancel() was called */
-  bool have_header;           /* worker_id/step taken from the first message */
-  uint32_t worker_id;
-  uint64_t step;
-  uint32_t num_workers;       /* the worker's W, 0: unchecked */
-  int expect_mode;            /* the worker's expected mode, 0: any */
-  bool skip_params;
-  int64_t deadline_ns;
-  fps_push_entry_t **e;       /* entries in first-seen order */
-  size_t n, cap;
-  fps_push_entry_t **htab;    /* tensor pointer -> entry, open addressing */
-  size_t hcap;
-  size_t pending;             /* unresolved entries / wait + 1 hold */
-  fps_ssp_wait_t wait;
-  uint64_t push_id;           /* idempotency key, 0: none */
-  bool have_id;               /* push_id taken from the first message */
-  bool idem_claimed;          /* holds sh->idem slot idem_slot */
-  uint32_t idem_slot;
-  bool replayed;              /* answered from the window, nothing applied */
-  uint64_t walk;              /* the last set walk that visited it (sh->rounds_mu) */
-  int err;                    /* push-level failure (ssp), 0: none */
-  char *msg;                  /* its message */
-  fps_push_done_fn done;
-  void *arg;
-  /* Backpressure (fps_push_hold; the flags under sh->held_mu). */
-  fps_push_resume_fn resume;
-  void *resume_arg;
-  atomic_int_fast64_t staged; /* bytes of its slices staged (reduce.c) */
-  /* The first entry whose staged gradient held a bad value (reduce.c;
-   * its red_err and red_msg are set before and never change), NULL:
-   * none. The push cannot be applied: its later slices of any tensor are
-   * refused with that entry's error. */
-  fps_push_entry_t *_Atomic bad_staged;
-  bool held;                  /* the caller waits for resume */
-  uint64_t wakes;             /* fps__push_wake() calls so far */
-  int64_t held_until;         /* the expiry hook resumes it then */
-  fps_push_t *hprev, *hnext;  /* sh->held */
-  /* The step timeline (fps_push_times_t; held_* under sh->held_mu). */
-  int64_t created_ns, recv_end_ns, held_since_ns, held_ns;
-  uint32_t holds;
-};
-
-static void fps__push_unhold_locked(fps_shard_t *sh, fps_push_t *p);
-
 int fps_push_create(fps_shard_t *sh, int64_t deadline_ns, fps_push_done_fn done, void *arg, fps_push_t **out) {
   *out = NULL;
   fps_push_t *p = fps_calloc(1, sizeof *p);
@@ -120,47 +70,7 @@ void fps_push_destroy(fps_push_t *p) {
   fps_free(p);
 }
 
-size_t fps__push_entries(fps_push_t *p, uint64_t walk, fps_push_entry_t ***out) {
-  if (p->walk == walk) return 0; /* this walk has seen its entries */
-  p->walk = walk;
-  *out = p->e;
-  return p->n;
-}
-
 void fps_push_set_deadline(fps_push_t *p, int64_t deadline_ns) { p->deadline_ns = deadline_ns; }
-
-/* Which tensors, in which order: a retry must name the same. */
-static uint64_t fps__push_tensors_hash(const fps_push_t *p) {
-  uint64_t h = UINT64_C(1469598103934665603);
-  for (size_t i = 0; i < p->n; i++) h = (h ^ (uint64_t)(uintptr_t)p->e[i]->t) * UINT64_C(1099511628211);
-  return h;
-}
-
-/* The push is resolved: remember its key if every tensor was applied
- * (a retry is then answered, not applied), forget it otherwise. */
-static void fps__push_settle(fps_push_t *p) {
-  if (!p->idem_claimed) return;
-  bool applied = p->err == 0;
-  for (size_t i = 0; applied && i < p->n; i++) applied = p->e[i]->err == 0;
-  p->idem_claimed = false;
-  uint64_t inl[FPS_IDEM_INLINE];
-  uint64_t *v = !applied ? NULL : p->n <= FPS_IDEM_INLINE ? inl : fps_malloc(p->n * sizeof *v);
-  for (size_t i = 0; v && i < p->n; i++) v[i] = p->e[i]->version;
-  fps__idem_settle(&p->sh->idem, p->idem_slot, p->worker_id, p->push_id, fps__push_tensors_hash(p), v,
-                   (uint32_t)p->n);
-  if (v != inl) fps_free(v);
-}
-
-/* Drops k pending counts; true when that resolved the push. */
-static bool fps__push_release(fps_push_t *p, size_t k) {
-  pthread_mutex_lock(&p->mu);
-  p->pending -= k;
-  bool last = p->pending == 0;
-  if (last) p->state = PUSH_DONE;
-  pthread_mutex_unlock(&p->mu);
-  if (last) fps__push_settle(p);
-  return last;
-}
 
 int fps_push_set_id(fps_push_t *p, uint64_t push_id, char *why, size_t wl) {
   if (!p->have_id) {
@@ -178,71 +88,9 @@ int fps_push_set_id(fps_push_t *p, uint64_t push_id, char *why, size_t wl) {
 
 bool fps_push_replayed(const fps_push_t *p) { return p->replayed; }
 
-uint64_t fps__push_key(const fps_push_t *p) { return p->push_id; }
-
 void fps_push_set_resume(fps_push_t *p, fps_push_resume_fn fn, void *arg) {
   p->resume = fn;
   p->resume_arg = arg;
-}
-
-void fps__push_staged_add(fps_push_t *p, int64_t bytes) { atomic_fetch_add(&p->staged, bytes); }
-
-void fps__push_staged_failed(fps_push_t *p, fps_push_entry_t *e) {
-  fps_push_entry_t *none = NULL;
-  atomic_compare_exchange_strong_explicit(&p->bad_staged, &none, e, memory_order_release, memory_order_relaxed);
-}
-
-bool fps__push_streaming(fps_push_t *p) {
-  pthread_mutex_lock(&p->mu);
-  bool on = p->state == PUSH_RECV && !p->cancelled;
-  pthread_mutex_unlock(&p->mu);
-  return on;
-}
-
-/* Unlinks a held push. REQUIRES sh->held_mu. */
-static void fps__push_unhold_locked(fps_shard_t *sh, fps_push_t *p) {
-  p->held = false;
-  p->held_ns += fps_now_ns() - p->held_since_ns;
-  if (p->hprev) p->hprev->hnext = p->hnext;
-  else sh->held = p->hnext;
-  if (p->hnext) p->hnext->hprev = p->hprev;
-  p->hprev = p->hnext = NULL;
-}
-
-void fps__push_wake(fps_push_t *p) {
-  fps_shard_t *sh = p->sh;
-  pthread_mutex_lock(&sh->held_mu);
-  p->wakes++;
-  bool was = p->held;
-  if (was) fps__push_unhold_locked(sh, p);
-  pthread_mutex_unlock(&sh->held_mu);
-  /* Whoever unlinks a held push resumes it; until then the caller has no
-   * receive pending and the push cannot be freed. */
-  if (was) p->resume(p, p->resume_arg);
-}
-
-void fps__push_expire_holds(fps_shard_t *sh, int64_t now, bool force) {
-  for (;;) {
-    fps_push_t *hit = NULL;
-    pthread_mutex_lock(&sh->held_mu);
-    for (fps_push_t *p = sh->held; p && !hit; p = p->hnext)
-      if (force || now >= p->held_until) hit = p;
-    if (hit) fps__push_unhold_locked(sh, hit);
-    pthread_mutex_unlock(&sh->held_mu);
-    if (!hit) return;
-    hit->resume(hit, hit->resume_arg);
-  }
-}
-
-void fps__push_times(fps_push_t *p, fps_push_times_t *out) {
-  out->created_ns = p->created_ns;
-  pthread_mutex_lock(&p->mu);
-  out->recv_end_ns = p->recv_end_ns;
-  pthread_mutex_unlock(&p->mu);
-  pthread_mutex_lock(&p->sh->held_mu);
-  out->held_ns = p->held_ns + (p->held ? fps_now_ns() - p->held_since_ns : 0);
-  out->holds = p->holds;
-  pthread_mutex_unlock(&p->sh->held_mu);
 }
 
 bool fps_push_hold(fps_push_t *p) {
@@ -280,11 +128,6 @@ bool fps_push_hold(fps_push_t *p) {
   }
   pthread_mutex_unlock(&sh->held_mu);
   return hold;
-}
-
-void fps__push_entry_resolved(fps_push_entry_t *e) {
-  fps_push_t *p = e->owner;
-  if (fps__push_release(p, 1)) p->done(p, p->arg);
 }
 
 /* async/ssp: applies every entry now (each under its tensor's lock); its
@@ -342,14 +185,11 @@ static bool fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
 
 static void fps__push_apply_all(fps_push_t *p) { (void)fps__push_apply(p, false, NULL); }
 
-void fps__push_ssp_resume(fps_push_t *p) {
+/* The ssp wait's resume (ssp.c calls it when the slowest worker caught
+ * up): applies the push, then releases the wait's pending count. */
+static void fps__push_ssp_resume(fps_ssp_wait_t *w) {
+  fps_push_t *p = w->p;
   fps__push_apply_all(p);
-  if (fps__push_release(p, 1)) p->done(p, p->arg);
-}
-
-void fps__push_ssp_fail(fps_push_t *p, int err, const char *msg) {
-  p->err = err;
-  p->msg = fps_strdup(msg);
   if (fps__push_release(p, 1)) p->done(p, p->arg);
 }
 
@@ -517,6 +357,7 @@ int fps_push_commit(fps_push_t *p, char *why, size_t wl) {
   }
   if (sh->cfg.mode == FPS_MODE_SSP && p->n > 0) {
     p->wait.p = p;
+    p->wait.resume = fps__push_ssp_resume;
     p->wait.worker_id = p->worker_id;
     p->wait.step = p->step;
     p->wait.deadline_ns = p->deadline_ns;
@@ -736,7 +577,7 @@ int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *
     fps_push_entry_t *failed = NULL; /* pushes a bad staged value failed */
     pthread_mutex_lock(&t->mu);
     if (!s->src) {
-      rc = fps__reduce_slice_locked(sh, e, s, count, why, wl, &failed);
+      rc = fps__reduce_slice_locked(sh, e, s, count, fps__sync_member_failed_locked, why, wl, &failed);
     } else {
       const uint8_t *piece;
       uint64_t k, done = 0;
@@ -751,7 +592,7 @@ int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *
         part.src = NULL;
         /* An element cut between buffers was copied out: not held. */
         if (piece == s->src->bounce) part.owner = NULL;
-        rc = fps__reduce_slice_locked(sh, e, &part, k, why, wl, &failed);
+        rc = fps__reduce_slice_locked(sh, e, &part, k, fps__sync_member_failed_locked, why, wl, &failed);
         done += k;
       }
       if (rc == 0 && done < count) {

@@ -222,7 +222,8 @@ static void fps__reduce_fail(fps_shard_t *sh, fps_push_entry_t *e, int err, cons
 
 /* Fails the rounds of the pushes queued by fps__reduce_fail (may discard
  * t's sum). */
-static void fps__reduce_settle_failed(fps_shard_t *sh, fps_tensor_t *t, fps_push_entry_t **resolve) {
+static void fps__reduce_settle_failed(fps_shard_t *sh, fps_tensor_t *t, fps__member_failed_fn failed,
+                                      fps_push_entry_t **resolve) {
   if (!t->red) return;
   fps_push_entry_t *f = t->red->failed;
   t->red->failed = NULL;
@@ -230,7 +231,7 @@ static void fps__reduce_settle_failed(fps_shard_t *sh, fps_tensor_t *t, fps_push
     fps_push_entry_t *x = f;
     f = x->red_fail_next;
     x->red_fail_next = NULL;
-    fps__sync_member_failed_locked(sh, x, resolve);
+    failed(sh, x, resolve);
   }
 }
 
@@ -464,7 +465,7 @@ static int fps__reduce_own_err(const fps_push_entry_t *e, char *why, size_t wl) 
 }
 
 int fps__reduce_slice_locked(fps_shard_t *sh, fps_push_entry_t *e, const fps_slice_t *s, uint64_t count,
-                             char *why, size_t wl, fps_push_entry_t **resolve) {
+                             fps__member_failed_fn failed, char *why, size_t wl, fps_push_entry_t **resolve) {
   int rc = fps__reduce_own_err(e, why, wl);
   if (rc < 0) return rc;
   if (e->replay_only) return fps__reduce_check_only(e->t, s, count, why, wl);
@@ -476,17 +477,17 @@ int fps__reduce_slice_locked(fps_shard_t *sh, fps_push_entry_t *e, const fps_sli
     else
       rc = fps__reduce_stage(sh, e, s, count, why, wl);
   }
-  fps__reduce_settle_failed(sh, e->t, resolve);
+  fps__reduce_settle_failed(sh, e->t, failed, resolve);
   return rc;
 }
 
-int fps__reduce_join_locked(fps_shard_t *sh, fps_push_entry_t *e, char *why, size_t wl,
-                            fps_push_entry_t **resolve) {
+int fps__reduce_join_locked(fps_shard_t *sh, fps_push_entry_t *e, fps__member_failed_fn failed, char *why,
+                            size_t wl, fps_push_entry_t **resolve) {
   int rc = fps__reduce_own_err(e, why, wl);
   if (rc < 0) return rc;
   if (e->attached) fps__reduce_drain(sh, e); /* pieces an allocation failure left behind */
   else rc = fps__reduce_attach(sh, e, why, wl);
-  fps__reduce_settle_failed(sh, e->t, resolve);
+  fps__reduce_settle_failed(sh, e->t, failed, resolve);
   if (rc == 0) rc = fps__reduce_own_err(e, why, wl);
   /* Another member's failure discarded the sum e had only staged pieces
    * for: e takes its place in the next one. */
@@ -494,7 +495,7 @@ int fps__reduce_join_locked(fps_shard_t *sh, fps_push_entry_t *e, char *why, siz
     rc = fps__reduce_attach(sh, e, why, wl);
     /* That attach sums e's ready pieces too: a bad value among them is
      * queued like any other and must be settled before the locks go. */
-    fps__reduce_settle_failed(sh, e->t, resolve);
+    fps__reduce_settle_failed(sh, e->t, failed, resolve);
     if (rc == 0) rc = fps__reduce_own_err(e, why, wl);
   }
   return rc;

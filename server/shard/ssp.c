@@ -78,7 +78,7 @@ void fps__ssp_advance(fps_shard_t *sh, uint32_t worker_id, uint64_t step) {
   while (go) {
     fps_ssp_wait_t *nx = go->next;
     go->next = NULL;
-    fps__push_ssp_resume(go->p);
+    go->resume(go);
     go = nx;
   }
 }

@@ -188,7 +188,16 @@ void fps_tensor_state_arrays(const fps_tensor_t *t, float *out[FPS_STATE_KINDS])
 void fps_tensor_destroy(fps_tensor_t *t) {
   if (!t) return;
   fps_adafactor_state_destroy(&t->st);
-  fps__split_destroy(t->split);
+  if (t->split) {
+    /* The exchange's own (a step, early partials) went first: shard.c's
+     * teardown calls fps__xstep_forget(), and a tensor freed at Create
+     * never had any. */
+    FPS_ASSERT(!t->split->xs && !t->split->mail);
+    fps_split_state_destroy(&t->split->st);
+    fps_free(t->split->bounds);
+    fps_free(t->split->block_shards);
+    fps_free(t->split);
+  }
   fps_ranges_free(&t->init);
   for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
   fps_free(t->round.member);

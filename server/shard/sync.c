@@ -280,7 +280,7 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
   /* Blocks of split tensors step with the other shards first. */
   if (fps__xstep_needed(set)) {
     fps_xgroup_t *g = NULL;
-    err = fps__xstep_start(sh, set, k, &g, why, sizeof why);
+    err = fps__xstep_start(sh, set, k, fps__set_settle, &g, why, sizeof why);
     if (err) {
       fps__set_settle(sh, set, k, err, why, sizeof why);
       return;
@@ -453,7 +453,7 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
       fps_checkpoint_ahead_hint(t, why, why_len);
     } else if (!sorted[i]->no_grad) {
       /* Takes the worker's place in the round's sum if it is free. */
-      code = fps__reduce_join_locked(sh, sorted[i], why, why_len, &failed);
+      code = fps__reduce_join_locked(sh, sorted[i], fps__sync_member_failed_locked, why, why_len, &failed);
     }
   }
   pthread_mutex_lock(&sh->rounds_mu);

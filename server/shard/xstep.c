@@ -126,6 +126,7 @@ struct fps_xgroup_s {
                                * sends in flight */
   fps_tensor_t *set;          /* the set's rounds, address order (round.cnext) */
   size_t k;
+  fps__set_settle_fn settle;  /* sync.c's: applies or fails the set */
   struct fps_xstep_s **x;     /* its blocks with a gradient */
   size_t n;
   fps_xsendrec_t *rec;        /* [NPHASE * sends per phase] */
@@ -298,20 +299,19 @@ static void fps__attempt_mark(fps_tensor_split_t *sp, uint64_t v, uint64_t a, bo
 
 /* ------------------------------------------------------------ set-up */
 
-void fps__split_destroy(fps_tensor_split_t *s) {
+void fps__xstep_forget(fps_tensor_t *t) {
+  fps_tensor_split_t *s = t->split;
   if (!s) return;
-  fps__xstep_free(s->xs); /* not reached: no step is in flight at destroy */
+  fps__xstep_free(s->xs); /* not reached: no step is in flight at teardown */
+  s->xs = NULL;
   if (s->mail) {
     for (fps_xkept_t *k = s->mail->head, *n; k; k = n) {
       n = k->next;
       fps__xkept_free(k);
     }
     fps_free(s->mail);
+    s->mail = NULL;
   }
-  fps_split_state_destroy(&s->st);
-  fps_free(s->bounds);
-  fps_free(s->block_shards);
-  fps_free(s);
 }
 
 bool fps__xstep_needed(const fps_tensor_t *set) {
@@ -338,7 +338,8 @@ static void fps__mail_prune(fps_tensor_split_t *sp, uint64_t v) {
 
 /* ------------------------------------------------------------- start */
 
-int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_xgroup_t **out, char *why, size_t wl) {
+int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps__set_settle_fn settle, fps_xgroup_t **out,
+                     char *why, size_t wl) {
   *out = NULL;
   if (!sh->xsend) {
     snprintf(why, wl, "tensor '%s': this shard has no --peers, so it cannot step a split tensor", set->name);
@@ -351,6 +352,7 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps_xgroup_t 
   g->sh = sh;
   g->set = set;
   g->k = k;
+  g->settle = settle;
   g->refs = 2; /* the kicker's, and its life until it settles */
   g->busy = true; /* until the kick has sent everything */
   g->phase = FPS_SPLIT_PHASE_STATS;
@@ -666,7 +668,7 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
     pthread_mutex_unlock(&sh->counters.mu);
     fps_metrics_exchange_observe(true, (double)(now - g->started_ns) / 1e9);
   }
-  fps__set_settle(sh, g->set, g->k, err, why, sizeof why);
+  g->settle(sh, g->set, g->k, err, why, sizeof why);
   fps__xg_unref(g); /* settled: no tensor points to it any more */
 }
 

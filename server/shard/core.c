@@ -241,7 +241,10 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
 void fps_shard_destroy(fps_shard_t *sh) {
   if (!sh->ssp_clock) return;
   /* A sum no push holds any more is freed with its tensor. */
-  for (fps_tensor_t *t = sh->store.first; t; t = t->next) fps__reduce_free(sh, t);
+  for (fps_tensor_t *t = sh->store.first; t; t = t->next) {
+    fps__reduce_free(sh, t);
+    fps__xstep_forget(t);
+  }
   fps_store_destroy(&sh->store);
   fps__idem_destroy(&sh->idem);
   fps_free(sh->ssp_clock);
