@@ -31,6 +31,12 @@ case $variant in
   neon) dir=build-neon; args+=(-DCMAKE_TOOLCHAIN_FILE=tests/cmake/aarch64-linux-gnu.cmake
                               -DFPS_COMMON_ONLY=ON -DFPS_BUILD_BENCH=OFF) ;;
 esac
+if [[ $variant == normal ]]; then
+  # The Python suite runs twice: under Debian's torch 1.13 and under the
+  # venv's torch 2.13 (scripts/venv.sh creates it, or reuses a complete
+  # one; tests labelled torch2). The sanitizer variants keep Debian's only.
+  args+=(-DFPS_TORCH2_PYTHON="$PWD/$(scripts/venv.sh "$dir/venv-torch2")")
+fi
 cmake -S . -B "$dir" "${args[@]}" >/dev/null
 cmake --build "$dir" -j "$jobs"
 if [[ $variant == tsan ]]; then

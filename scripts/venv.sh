@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the test command's second PyTorch world: a virtual
+# environment with the exact versions of scripts/venv-torch2.txt (PyTorch
+# 2.13 CPU, transformers, accelerate, ...), beside Debian's torch 1.13.
+#   scripts/venv.sh [DIR]      DIR defaults to build/venv-torch2
+# Prints DIR/bin/python on success, nothing else on stdout.
+#
+# The interpreter is Debian's /usr/bin/python3 (3.11, the ABI of the
+# cp311 torch wheel), never the first python3 on PATH: its venv module
+# comes with python3-venv (scripts/deps.sh test). The venv does not see
+# Debian's site-packages, so nothing of torch 1.13 leaks in.
+#
+# A complete venv holds a stamp (the interpreter's version and the pin
+# list); while the stamp matches, a rerun reuses the venv in well under a
+# second. Anything else (no stamp: an interrupted creation; other pins)
+# rebuilds it from scratch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=${1:-build/venv-torch2}
+req=scripts/venv-torch2.txt
+py=/usr/bin/python3
+stamp=$dir/factorps-venv.stamp
+
+want=$({ "$py" -c 'import sys; print(sys.version.split()[0])'; grep -v '^#' "$req"; })
+if [[ -x $dir/bin/python && -f $stamp ]] && [[ $(cat "$stamp") == "$want" ]]; then
+  echo "$dir/bin/python"
+  exit 0
+fi
+
+echo "venv: creating $dir (pins: $req)" >&2
+start=$SECONDS
+rm -rf "$dir"
+mkdir -p "$(dirname "$dir")"
+log=$(dirname "$dir")/venv-torch2.log
+if ! { "$py" -m venv "$dir" &&
+       "$dir/bin/python" -m pip install --no-input --disable-pip-version-check -r "$req" &&
+       "$dir/bin/python" -m pip check; } >"$log" 2>&1; then
+  tail -n 30 "$log" >&2
+  echo "venv: creating $dir failed (whole log: $log)" >&2
+  exit 1
+fi
+# The pins name what must be there: check the imports, and that torch is
+# the CPU build (a CUDA wheel would be several GB and useless here).
+"$dir/bin/python" - "$req" <<'EOF' >&2
+import importlib.metadata as md, sys
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if line:
+        name, version = line.split("==")
+        have = md.version(name)
+        assert have.split("+")[0] == version, f"{name}: {have} installed, {version} pinned"
+import torch, transformers, accelerate  # noqa: E401,F401
+assert torch.version.cuda is None, f"torch {torch.__version__} is a CUDA build"
+print(f"venv: torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"accelerate {accelerate.__version__}")
+EOF
+echo "$want" >"$stamp"
+echo "venv: ready in $((SECONDS - start)) s" >&2
+echo "$dir/bin/python"
