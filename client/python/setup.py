@@ -1,62 +1,86 @@
-"""Installs the factorps Python package: pip install ./client/python
+"""Builds the factorps wheel with libfactorps inside (pyproject.toml holds
+the metadata; this file only adds the library).
 
-A plain setup.py (no pyproject.toml build-system table) on purpose: pip then
-builds with the setuptools already installed (Debian's python3-setuptools)
-instead of fetching one into an isolated build environment, so installing
-works offline.
+Which libfactorps goes in, the first that applies:
+1. $FACTORPS_LIB, a built libfactorps.so (an error if it is not a file);
+2. unless FACTORPS_BUILD_LIB=1: the newest <repo>/build*/client/libfactorps.so
+   of the source tree this directory sits in (plain build/ first: a
+   sanitizer build needs its runtime preloaded);
+3. one built here with cmake from that source tree (or $FACTORPS_SOURCE_DIR)
+   into a temporary directory: the Debian packages of scripts/deps.sh build
+   are enough.
+No library is an error: an installed factorps must find its own.
 
-libfactorps: if FACTORPS_LIB points at the library, or a build tree next to
-this directory has one (<repo>/build*/client/libfactorps.so), it is copied
-into the package, where factorps looks first. Otherwise the package finds
-the library at run time ($FACTORPS_LIB, the build tree, the system path).
+The wheel holds a native library, so it is tagged for this platform and
+Python, not as pure Python.
 """
 
 import glob
 import os
 import shutil
+import subprocess
+import tempfile
 
-from setuptools import setup
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _find_lib():
+def _source_dir():
+    src = os.environ.get("FACTORPS_SOURCE_DIR") or os.path.dirname(os.path.dirname(HERE))
+    if not os.path.isfile(os.path.join(src, "client", "include", "factorps", "client.h")):
+        return None
+    return src
+
+
+def _built_lib():
     env = os.environ.get("FACTORPS_LIB")
     if env:
         if not os.path.isfile(env):
             raise SystemExit(f"FACTORPS_LIB={env} is not a file")
         return env
-    repo = os.path.dirname(os.path.dirname(HERE))
-    built = glob.glob(os.path.join(repo, "build*", "client", "libfactorps.so"))
-    # The plain build first: a sanitizer build needs its runtime preloaded.
+    src = _source_dir()
+    if os.environ.get("FACTORPS_BUILD_LIB") == "1" or src is None:
+        return None
+    built = glob.glob(os.path.join(src, "build*", "client", "libfactorps.so"))
     built.sort(key=lambda p: (os.path.basename(os.path.dirname(os.path.dirname(p))) != "build",
                               -os.path.getmtime(p)))
     return built[0] if built else None
 
 
+def _cmake_lib(tmp):
+    src = _source_dir()
+    if src is None:
+        raise SystemExit("factorps: no libfactorps to bundle: set FACTORPS_LIB to a built "
+                         "libfactorps.so, or FACTORPS_SOURCE_DIR to the factorps source tree "
+                         "to build one with cmake")
+    build = os.path.join(tmp, "build")
+    print(f"factorps: building libfactorps with cmake from {src}")
+    subprocess.run(["cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
+                    "-DFPS_BUILD_TESTS=OFF", "-DFPS_BUILD_BENCH=OFF"], check=True,
+                   stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", build, "--target", "factorps", "-j",
+                    str(os.cpu_count() or 1)], check=True, stdout=subprocess.DEVNULL)
+    return os.path.join(build, "client", "libfactorps.so")
+
+
 class BuildPyWithLib(build_py):
     def run(self):
         super().run()
-        lib = _find_lib()
-        dest = os.path.join(self.build_lib, "factorps")
-        if lib:
-            os.makedirs(dest, exist_ok=True)
+        dest = os.path.join(self.build_lib, "factorps", "libfactorps.so")
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="factorps-lib-") as tmp:
+            lib = _built_lib() or _cmake_lib(tmp)
             # Resolve symlinks: copy the real file under the plain name.
-            shutil.copyfile(os.path.realpath(lib), os.path.join(dest, "libfactorps.so"))
-            print(f"factorps: bundled {lib}")
-        else:
-            print("factorps: no libfactorps.so bundled; it will be looked up at run time")
+            shutil.copyfile(os.path.realpath(lib), dest)
+        print(f"factorps: bundled {lib}")
 
 
-setup(
-    name="factorps",
-    version="0.1.0",
-    description="Python workers for the factorps parameter server (ctypes over libfactorps)",
-    packages=["factorps"],
-    python_requires=">=3.9",
-    install_requires=["numpy"],
-    extras_require={"torch": ["torch"]},
-    cmdclass={"build_py": BuildPyWithLib},
-    zip_safe=False,
-)
+class BinaryDistribution(Distribution):
+    def has_ext_modules(self):
+        return True
+
+
+setup(packages=["factorps"], zip_safe=False, cmdclass={"build_py": BuildPyWithLib},
+      distclass=BinaryDistribution)
