@@ -222,7 +222,7 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
   atomic_init(&sh->tbuf_bytes, 0);
   atomic_init(&sh->spare_bytes, 0);
   sh->ssp_clock = fps_calloc(sh->cfg.workers, sizeof *sh->ssp_clock);
-  if (!sh->ssp_clock || fps_store_init(&sh->store) < 0 || fps__idem_init(&sh->idem, FPS_IDEM_WINDOW) < 0) {
+  if (!sh->ssp_clock || fps_store_init(&sh->store) < 0 || fps__idem_init(&sh->idem, FPS_IDEM_WINDOW, FPS_IDEM_PER_WORKER) < 0) {
     fps_free(sh->ssp_clock);
     sh->ssp_clock = NULL;
     return FPS_ENOMEM;

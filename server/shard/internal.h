@@ -455,24 +455,35 @@ fps_adafactor_hparams_t fps__update_hparams(const fps_tensor_t *t, const fps_upd
 
 /* ------------------------------------------------------ idem.c */
 
-/* Push idempotency (idem.c): the (worker, push_id) keys of the last
- * FPS_IDEM_WINDOW pushes that carried one, shard-wide, in arrival order. A
- * push whose key is APPLIED applies nothing and is answered with the
- * versions the first attempt made and the tensors' current parameters; one still CLAIMED (in
- * flight) is refused FPS_EUNAVAILABLE (retry later). Keys older than the
- * window are forgotten: such a retry is applied again (async) or refused
- * as stale (sync, ssp: the tensor's version moved on). The ring is
- * allocated and touched at start-up (64 bytes a key, 4 MiB), so memory
- * does not grow with pushes; a push of more than FPS_IDEM_INLINE tensors
- * keeps its versions in a small allocation of its own. */
+/* Push idempotency (idem.c): the (worker, push_id) keys of pushes that
+ * carried one, at most FPS_IDEM_WINDOW shard-wide and FPS_IDEM_PER_WORKER
+ * per worker. A push whose key is APPLIED applies nothing and is answered
+ * with the versions the first attempt made and the tensors' current
+ * parameters; one still CLAIMED (in flight) is refused FPS_EUNAVAILABLE
+ * (retry later). Keys in flight are never forgotten. A worker past its own
+ * bound forgets its own oldest settled key. When the shard-wide window is
+ * full, the worker holding the most keys forgets its oldest, but never its
+ * newest FPS_IDEM_KEEP: if every worker is down to those, a new key is
+ * refused (FPS_ELIMIT; the push fails UNAVAILABLE, applying nothing). So
+ * another worker's pushes, under any number of worker ids, can never take
+ * a worker's keys in flight or its newest FPS_IDEM_KEEP settled ones. A
+ * forgotten key's retry is applied again (async) or refused as stale
+ * (sync, ssp: the version moved on). All is allocated and touched at
+ * start-up (about 6 MiB), so memory does not grow with pushes; a push of
+ * more than FPS_IDEM_INLINE tensors keeps its versions in a small
+ * allocation of its own. */
 #define FPS_IDEM_WINDOW 65536
+#define FPS_IDEM_PER_WORKER 4096
+#define FPS_IDEM_KEEP 256
 enum { FPS_IDEM_FREE = 0, FPS_IDEM_CLAIMED, FPS_IDEM_APPLIED };
 #define FPS_IDEM_INLINE 4            /* versions kept in the entry itself */
 typedef struct fps_idem_entry_s {
   uint64_t id;                      /* push_id */
   uint64_t tensors;                 /* hash of the push's tensors, in order */
   uint32_t worker;
-  uint32_t next;                    /* hash chain (slot index) */
+  uint32_t next;                    /* hash chain, or free list (slot index) */
+  uint32_t wprev, wnext;            /* its worker's keys, oldest first */
+  uint32_t wrec;                    /* its worker's record */
   uint16_t state;                   /* FPS_IDEM_* */
   uint16_t n;                       /* APPLIED: tensors of the push */
   union {
@@ -480,17 +491,34 @@ typedef struct fps_idem_entry_s {
     uint64_t *out;                  /* otherwise (owned) */
   } v;
 } fps_idem_entry_t;
+/* A worker holding keys: its count and its keys in arrival order; in the
+ * list of the workers holding as many (newest first). */
+typedef struct fps_idem_worker_s {
+  uint32_t worker;
+  uint32_t count;                   /* keys held, 1..per_worker */
+  uint32_t oldest, newest;          /* entry slots */
+  uint32_t hnext;                   /* hash chain, or free list (record index) */
+  uint32_t cprev, cnext;            /* workers holding `count` keys */
+} fps_idem_worker_t;
 typedef struct fps_idem_s {
   pthread_mutex_t mu;
-  fps_idem_entry_t *ent;            /* ring of cap slots */
-  uint32_t cap, head;               /* head: the next slot to take */
-  uint32_t *bucket;                 /* nbucket chain heads */
+  fps_idem_entry_t *ent;            /* cap slots */
+  uint32_t cap, per_worker;
+  uint32_t free;                    /* free entry slots (chained by next) */
+  uint32_t *bucket;                 /* nbucket chain heads over ent */
   uint32_t nbucket;                 /* power of two */
+  fps_idem_worker_t *wk;            /* cap + 1 records */
+  uint32_t wfree;                   /* free records (chained by hnext) */
+  uint32_t *wbucket;                /* nbucket chain heads over wk */
+  uint32_t *by_count;               /* per_worker + 1 list heads */
+  uint32_t max_count;               /* highest count some worker holds */
 } fps_idem_t;
-int fps__idem_init(fps_idem_t *ix, uint32_t window);
+int fps__idem_init(fps_idem_t *ix, uint32_t window, uint32_t per_worker);
 void fps__idem_destroy(fps_idem_t *ix);
 /* Claims (worker, id) for a push about to commit: 0 (claimed, *slot set),
- * FPS_EEXISTS (already applied), FPS_EAGAIN (claimed by a push in flight). */
+ * FPS_EEXISTS (already applied), FPS_EAGAIN (claimed by a push in flight),
+ * FPS_ELIMIT (no room: every key that could make way is in flight or a
+ * worker's newest FPS_IDEM_KEEP). */
 int fps__idem_claim(fps_idem_t *ix, uint32_t worker, uint64_t id, uint32_t *slot);
 /* True if (worker, id) is remembered as applied. */
 bool fps__idem_applied(fps_idem_t *ix, uint32_t worker, uint64_t id);

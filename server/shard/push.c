@@ -315,15 +315,21 @@ int fps_push_commit(fps_push_t *p, char *why, size_t wl) {
         snprintf(why, wl, "PushPull: out of memory answering a retry");
       return rc == FPS_ENOTFOUND ? FPS_EUNAVAILABLE : rc;
     }
-    if (rc == FPS_EAGAIN) {
+    if (rc == FPS_EAGAIN || rc == FPS_ELIMIT) {
       pthread_mutex_lock(&p->mu);
       p->pending = 0;
       p->state = PUSH_DONE;
       pthread_mutex_unlock(&p->mu);
-      snprintf(why, wl,
-               "PushPull: push_id %" PRIu64 " of worker %u is still being applied by an earlier call; retry "
-               "for its result",
-               p->push_id, p->worker_id);
+      if (rc == FPS_ELIMIT)
+        snprintf(why, wl,
+                 "PushPull: push_id %" PRIu64 " of worker %u: the shard's idempotency window is full of "
+                 "pushes in flight; retry",
+                 p->push_id, p->worker_id);
+      else
+        snprintf(why, wl,
+                 "PushPull: push_id %" PRIu64 " of worker %u is still being applied by an earlier call; retry "
+                 "for its result",
+                 p->push_id, p->worker_id);
       return FPS_EUNAVAILABLE;
     }
     p->idem_claimed = true;

@@ -27,7 +27,7 @@
  *   the shard applies a retried push at most once; a retry of a push the
  *   shard already applied (its reply was lost) gets the versions that push
  *   made and the current params (proto: PushPullRequest.push_id; the shard
- *   remembers its last 65,536 keys). Other errors are reported, never
+ *   remembers each worker's last 4,096 keys). Other errors are reported, never
  *   repeated; fps_push_args_t.push_id lets a caller retry those itself.
  * - Placement: see fps_client_create_tensors().
  * - Wire: tensors travel as fp32 little-endian; the library refuses to build
