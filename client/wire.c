@@ -103,6 +103,7 @@ size_t fps__wire_tensor_push(uint8_t *buf, unsigned field, const char *name, siz
     body[b++] = 5 << 3;
     b += fps_wire_put_varint(body + b, tp->step);
   }
+  if (tp->skip_step) b += fps_wire_put_varint_field(body + b, 6, 1);
   size_t n = fps_wire_put_len_field(buf, field, b);
   memmove(buf + n, body, b);
   return n + b;

@@ -538,6 +538,8 @@ bool fps_wire_tensor_push_parse(fps_wreader_t r, fps_push_tensor_t *t, fps_wread
       }
     } else if (field == 4) {
       if (!fps__wire_bool(&r, wt, &t->no_grad)) return false;
+    } else if (field == 6) {
+      if (!fps__wire_bool(&r, wt, &t->skip_step)) return false;
     } else if (field == 5 && wt == FPS_WT_VARINT) {
       if (!fps_wr_varint(&r, 10, &v)) return false;
       t->has_step = true;

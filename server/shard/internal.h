@@ -633,6 +633,7 @@ struct fps_push_entry_s {
   bool has_slices;            /* a gradient slice arrived */
   bool has_push;              /* a TensorPush named it */
   bool no_grad;               /* TensorPush.no_grad: nothing to apply */
+  bool skip_step;             /* TensorPush.skip_step: the round applies nothing */
   bool has_lr, has_weight_decay;
   double lr, weight_decay;    /* TensorPush values when has_* */
   fps_update_hp_t uh;         /* effective values (set at commit) */

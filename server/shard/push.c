@@ -529,6 +529,10 @@ int fps_push_tensor(fps_push_t *p, const fps_push_tensor_t *tp, char *why, size_
              name);
     return FPS_EINVAL;
   }
+  if (tp->skip_step && !tp->no_grad) {
+    snprintf(why, wl, "tensor '%s': skip_step needs no_grad (a skipped step sends no gradient)", name);
+    return FPS_EINVAL;
+  }
   rc = fps_push_settings_check(t, tp->has_lr, tp->lr, tp->has_weight_decay, tp->weight_decay, why, wl);
   if (rc < 0) return rc;
   e = fps__push_new_entry(p, t, version, FPS_DTYPE_F32, tp->has_step ? tp->step : p->step, &rc, why, wl);
@@ -539,6 +543,7 @@ int fps_push_tensor(fps_push_t *p, const fps_push_tensor_t *tp, char *why, size_
   e->has_weight_decay = tp->has_weight_decay;
   e->weight_decay = tp->weight_decay;
   e->no_grad = tp->no_grad;
+  e->skip_step = tp->skip_step;
   return 0;
 }
 

@@ -89,8 +89,16 @@ static size_t fps__list_workers(char *buf, size_t len, fps_push_entry_t *const *
 int fps_round_agree(const fps_tensor_t *t, fps_push_entry_t *const *m, uint32_t W, bool *all_no_grad,
                     char *why, size_t why_len) {
   uint32_t with = 0;
-  for (uint32_t w = 0; w < W; w++) with += !m[w]->no_grad;
-  *all_no_grad = with == 0;
+  bool skip = false;
+  for (uint32_t w = 0; w < W; w++) {
+    with += !m[w]->no_grad;
+    skip |= m[w]->skip_step;
+  }
+  /* A worker skipping the step (AMP found an Inf) makes the round apply
+   * nothing for everyone: the others' gradients are dropped, and the
+   * unchanged versions in their replies tell them. */
+  *all_no_grad = with == 0 || skip;
+  if (skip) return 0;
   if (with != 0 && with != W) {
     char had[384] = "", lacked[384] = "";
     fps__list_workers(had, sizeof had, m, W, false);

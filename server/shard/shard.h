@@ -369,6 +369,7 @@ typedef struct fps_push_tensor_s {
   bool has_weight_decay;
   double weight_decay;        /* this update's weight decay (absent: Create's) */
   bool no_grad;               /* no gradient this step: nothing applied */
+  bool skip_step;             /* sync: the whole round applies nothing (needs no_grad) */
   bool has_step;
   uint64_t step;              /* this tensor's step, if not the push's */
 } fps_push_tensor_t;

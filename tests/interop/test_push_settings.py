@@ -220,6 +220,24 @@ class Refusals(Base):
             np.testing.assert_array_equal(got["w"].reshape(-1), self.p0)
         self.assertUnchanged()
 
+    def test_sync_skip_step_wins_over_a_gradient(self):
+        # Worker 1 found an Inf (AMP): no_grad + skip_step. The round
+        # completes with nothing applied for both, worker 0's gradient
+        # dropped; both replies carry the unchanged version.
+        r = self.round([self.msg([self.grad()], worker=0)],
+                       [self.msg([], [self.tp(no_grad=True, skip_step=True)], worker=1)])
+        for res in r:
+            self.assertNotIsInstance(res, self.grpc.RpcError, getattr(res, "details", lambda: "")())
+            got, ver = res
+            self.assertEqual(ver, {"w": 0})
+            np.testing.assert_array_equal(got["w"].reshape(-1), self.p0)
+        self.assertUnchanged()
+
+    def test_skip_step_needs_no_grad(self):
+        self.assertStatus(lambda: self.call(self.msg([], [self.tp(skip_step=True)])),
+                          self.grpc.StatusCode.INVALID_ARGUMENT, "'w'", "skip_step needs no_grad")
+        self.assertUnchanged()
+
     def test_create_lr_or_weight_decay_differs(self):
         # lr and weight_decay change per push: a Create that differs only
         # in them matches; the first Create's values stay the defaults.

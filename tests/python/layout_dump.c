@@ -123,6 +123,7 @@ int main(void) {
   FIELD(fps_tensor_push_t, no_grad);
   FIELD(fps_tensor_push_t, has_step);
   FIELD(fps_tensor_push_t, step);
+  FIELD(fps_tensor_push_t, skip_step);
 
   SIZE(fps_tensor_state_t);
   FIELD(fps_tensor_state_t, version);

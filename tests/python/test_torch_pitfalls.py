@@ -9,6 +9,7 @@ hooks, torch.distributed.checkpoint.state_dict) or transformers skip there
 
 import logging
 import tempfile
+import time
 import unittest
 from contextlib import ExitStack
 
@@ -16,7 +17,7 @@ import torch
 
 import _support  # noqa: F401  (puts client/python on sys.path)
 from _torch_support import Net, batch, loss_step
-from _support import Shards, need_server
+from _support import Shards, need_server, run_threads
 from factorps.errors import AlreadyExistsError
 from factorps.torch import RemoteAdafactor, RemoteHFAdafactor
 
@@ -36,6 +37,16 @@ except ImportError:
 
 def _values(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class _Values:
+    """A name -> tensor dict with a module's named_parameters()."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def named_parameters(self):
+        return iter(self.values.items())
 
 
 def _assert_same(test, model, want, exact=True):
@@ -220,8 +231,56 @@ def _scaled_step(model, opt, scaler, worker, step, poison=False):
     scaler.update()
 
 
+def _sync_worker(addrs, worker, scaled, poison_step, steps=3):
+    """One of two sync workers; worker 1's gradient holds an Inf at
+    `poison_step`. Returns (skipped flags, versions, values, seconds)."""
+    model = Net()
+    opt = RemoteAdafactor(model.named_parameters(), shards=addrs, worker_id=worker,
+                          num_workers=2, deadline=20)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaled else None
+    skipped = []
+    t0 = time.monotonic()
+    try:
+        for step in range(steps):
+            x, y = batch(worker, step)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            (scaler.scale(loss) if scaled else loss).backward()
+            if worker == 1 and step == poison_step:
+                model.w1.grad[0, 0] = float("inf")
+            if scaled:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            skipped.append(getattr(opt, "last_step_skipped", None))
+    finally:
+        opt.close()
+    return skipped, dict(opt._versions), _values(model), time.monotonic() - t0
+
+
 @need_server
 class NonFiniteTest(unittest.TestCase):
+    def check_sync_workers_skip_together(self, scaled):
+        with Shards(2, workers=2, deadline=20) as shards:
+            logging.getLogger("factorps.torch").setLevel(logging.ERROR)
+            try:
+                res = run_threads(_sync_worker, [(shards.addrs, w, scaled, 1) for w in range(2)])
+            finally:
+                logging.getLogger("factorps.torch").setLevel(logging.NOTSET)
+        for skipped, versions, _, seconds in res:
+            self.assertEqual(skipped, [False, True, False])
+            self.assertEqual(set(versions.values()), {2})
+            self.assertLess(seconds, 10.0)  # nobody waited for a round deadline
+        _assert_same(self, _Values(res[0][2]), res[1][2])
+
+    def test_sync_workers_skip_a_nan_step_together(self):
+        self.check_sync_workers_skip_together(scaled=False)
+
+    @unittest.skipUnless(HAS_CPU_SCALER, "this torch has no CPU GradScaler (torch.amp)")
+    def test_sync_workers_skip_a_scaler_step_together(self):
+        self.check_sync_workers_skip_together(scaled=True)
+
     @unittest.skipUnless(HAS_CPU_SCALER, "this torch has no CPU GradScaler (torch.amp)")
     def test_grad_scaler_step_reaches_the_optimizer(self):
         with Shards(1) as s_ref, Shards(1) as shards, ExitStack() as stack:

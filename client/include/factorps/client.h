@@ -350,6 +350,9 @@ typedef struct fps_tensor_push_s {
                            and is not sent */
   int has_step;         uint64_t step;       /* this tensor's step, if it differs
                                                 from args->step */
+  int skip_step;        /* this worker skips this step (AMP found an Inf);
+                           needs no_grad. sync: the round applies nothing for
+                           any worker, whose versions[i] then stay */
 } fps_tensor_push_t;
 
 /* The call-wide arguments of fps_client_push_pull_ex(). */

@@ -141,6 +141,7 @@ class TensorPush(ctypes.Structure):
         ("has_weight_decay", ctypes.c_int), ("weight_decay", ctypes.c_double),
         ("no_grad", ctypes.c_int),
         ("has_step", ctypes.c_int), ("step", ctypes.c_uint64),
+        ("skip_step", ctypes.c_int),
     ]
 
 

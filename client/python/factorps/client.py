@@ -545,9 +545,10 @@ class Client:
         count; the shards refuse a mismatch at once), `expect_mode` ("sync",
         "async", "ssp": refused if the shards run another), and `settings`
         {name: {"lr": float, "weight_decay": float, "no_grad": bool, "step":
-        int}}: this update's lr / weight decay, no gradient this step (the
-        grad may then be None: no update, no decay), this tensor's step if it
-        differs from `step`.
+        int, "skip_step": bool}}: this update's lr / weight decay, no
+        gradient this step (the grad may then be None: no update, no decay),
+        this tensor's step if it differs from `step`, this worker skips the
+        step (with no_grad; sync: the round applies nothing for anyone).
         """
         items = self._items(grads, "push_pull grads")
         if not items:
@@ -618,7 +619,7 @@ class Client:
 
     @staticmethod
     def _fill_push(p, name, s):
-        bad = set(s) - {"lr", "weight_decay", "no_grad", "step"}
+        bad = set(s) - {"lr", "weight_decay", "no_grad", "step", "skip_step"}
         if bad:
             raise InvalidArgumentError(f"tensor '{name}': unknown push setting(s) {sorted(bad)}")
         for key in ("lr", "weight_decay"):
@@ -632,6 +633,7 @@ class Client:
             setattr(p, "has_" + key, 1)
             setattr(p, key, v)
         p.no_grad = int(bool(s.get("no_grad")))
+        p.skip_step = int(bool(s.get("skip_step")))
         if s.get("step") is not None:
             p.has_step = 1
             p.step = int(s["step"])

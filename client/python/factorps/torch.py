@@ -49,8 +49,10 @@ as the local optimizer and what is not:
 - Non-finite gradients skip the step (AMP's rule): under a GradScaler
   (`scaler.step(opt)` always reaches step(), which unscales and reads the
   scaler's found_inf) or, without one, when any gradient holds a NaN or an
-  Inf (a warning names the tensor). Nothing is applied, the versions stay;
-  `last_step_skipped` and `skipped_steps` say so.
+  Inf (a warning names the tensor). The push says skip_step: in a sync job
+  the round then applies nothing for any worker, so all of them skip that
+  step together. Nothing is applied, the versions stay; `last_step_skipped`
+  and `skipped_steps` say so on every worker.
 - `optimizer.state[p]` is the shard's state under the upstream names and
   shapes (torch: step, row_var [..., R, 1] and col_var [..., 1, C], or
   variance; hf: step, RMS, exp_avg_sq_row / exp_avg_sq_col or exp_avg_sq,
@@ -885,7 +887,7 @@ class _RemoteAdafactorBase(Optimizer):
             # the current values (async/ssp: it keeps this worker's clock).
             for n in grads:
                 grads[n] = None
-                settings[n] = dict(settings[n], no_grad=True)
+                settings[n] = dict(settings[n], no_grad=True, skip_step=True)
         before = {n: self._versions.get(n, 0) for n in with_grad}
         try:
             self._push(grads, settings, out)

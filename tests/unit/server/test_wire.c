@@ -277,6 +277,7 @@ static void check_and_header_of_a_push(void **state) {
   tp.has_lr_case = FACTORPS__V1__PUSH_PULL_REQUEST__TENSOR_PUSH__HAS_LR_LR;
   tp.lr = 0.01;
   tp.no_grad = true;
+  tp.skip_step = true;
   Factorps__V1__PushPullRequest__TensorPush *tpp = &tp;
   Factorps__V1__PushPullRequest req = FACTORPS__V1__PUSH_PULL_REQUEST__INIT;
   req.worker_id = 3;
@@ -338,6 +339,7 @@ static void check_and_header_of_a_push(void **state) {
       assert_true(t.has_lr && t.lr == 0.01);
       assert_false(t.has_weight_decay);
       assert_true(t.no_grad);
+      assert_true(t.skip_step);
       found = true;
     } else {
       assert_true(fps_wr_skip_value(&w, wt));

@@ -540,6 +540,34 @@ static void no_grad_and_retries(void **unused) {
   assert_null(t->red);
   assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
 
+  /* Mixed, but the no_grad worker skips the step (AMP found an Inf):
+   * every member is answered OK at the unchanged version, nothing
+   * applied, the other's gradient dropped. skip_step needs no_grad. */
+  fps_push_tensor_t bad = {.name = "w", .skip_step = true};
+  p[1] = fx_push_new(&sh, 1, 0, INT64_MAX, &d[1]);
+  assert_int_equal(fps_push_tensor(p[1], &bad, why, sizeof why), FPS_EINVAL);
+  assert_non_null(strstr(why, "skip_step needs no_grad"));
+  fps_push_destroy(p[1]);
+  fps_push_tensor_t skip = {.name = "w", .no_grad = true, .skip_step = true};
+  p[0] = fx_push_new(&sh, 0, 0, INT64_MAX, &d[0]);
+  send_ok(p[0], &sh, g[0], 0, N);
+  assert_int_equal(fx_commit(p[0], NULL), FPS_EAGAIN);
+  p[1] = fx_push_new(&sh, 1, 0, INT64_MAX, &d[1]);
+  assert_int_equal(fps_push_tensor(p[1], &skip, why, sizeof why), 0);
+  assert_int_equal(fx_commit(p[1], NULL), 0);
+  assert_int_equal(d[0].err, 0);
+  for (uint32_t w = 0; w < 2; w++) {
+    assert_int_equal(fps_push_result(p[w], why, sizeof why), 0);
+    fps_push_out_t o;
+    fps_push_take(p[w], 0, &o);
+    assert_int_equal(o.version, 0);
+    assert_memory_equal(o.snap->data, init, sizeof init);
+    fps_snap_unref(o.snap);
+    fps_push_destroy(p[w]);
+  }
+  assert_null(t->red);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
+
   /* Step 0 with push ids; then worker 0 retries its applied push while
    * step 1 is being summed: answered, step 1 untouched. */
   for (uint32_t w = 0; w < 2; w++) {
