@@ -1,5 +1,5 @@
-"""The Hugging Face Trainer with its Adafactor on real shards (issue 21,
-item 4): a tiny GPT-2 built from a config (random weights, no download)
+"""The Hugging Face Trainer with its Adafactor on real shards:
+a tiny GPT-2 built from a config (random weights, no download)
 learns bytes of Python's own standard library sources. Training, evaluation,
 save_steps checkpoints, resume_from_checkpoint on the same shards and on
 new empty ones, optimizer.state beside AdamW's sizes, names stable whatever
