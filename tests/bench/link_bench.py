@@ -200,6 +200,7 @@ class CpuSampler:
         self.roots = dict(roots)  # pid -> role ("shard", "workers", ...)
         self.role = dict(roots)
         self.series = {}          # pid -> [(monotonic, ticks)]
+        self.tids = {}            # pid -> every thread id seen (for perf report --tid)
         self.stop_ev = threading.Event()
         self.th = threading.Thread(target=self.loop, args=(interval,), daemon=True)
         self.th.start()
@@ -211,6 +212,11 @@ class CpuSampler:
                 for root, role in self.roots.items():
                     for k in descendants(root):
                         self.role.setdefault(k, role)
+                for pid in list(self.role):
+                    try:
+                        self.tids.setdefault(pid, set()).update(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+                    except OSError:
+                        pass
             n += 1
             for pid in list(self.role):
                 t, v = time.monotonic(), proc_ticks(pid)
@@ -450,10 +456,11 @@ def perf_start(out):
     return PROCS.start(["perf", "record", "-a", "-F", "999", "-o", out], subprocess.DEVNULL)
 
 
-def perf_finish(rec, data, who, title, dest):
-    """Stops the recording and appends to dest: each process's share of the
-    machine's samples, then perf_summary.py's report of each process in who
-    ({pid: name})."""
+def perf_finish(rec, data, groups, who, title, dest):
+    """Stops the recording and appends to dest: the machine's samples split
+    into this run's groups of threads ({name: thread ids}) and the rest (other
+    tenants), then perf_summary.py's report of each process in who ({name:
+    its thread ids}; perf report's --pid keeps only the main thread)."""
     if rec.poll() is None:
         rec.send_signal(signal.SIGINT)
     try:
@@ -461,24 +468,38 @@ def perf_finish(rec, data, who, title, dest):
     except subprocess.TimeoutExpired:
         pass
     PROCS.stop([rec], wait=10)
+    r = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", "pid"],
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    share, rest = {k: 0.0 for k in groups}, {}
+    for line in r.stdout.splitlines():
+        m = re.match(r"\s*([0-9.]+)%\s+(\d+):(\S+)", line)
+        if not m:
+            continue
+        pct, tid, comm = float(m.group(1)), int(m.group(2)), m.group(3)
+        g = next((k for k, t in groups.items() if tid in t), None)
+        if g:
+            share[g] += pct
+        else:
+            rest[comm] = rest.get(comm, 0.0) + pct
     with open(dest, "a") as f:
-        f.write(f"## {title}\n\nShare of all samples of the machine (2 CPUs, other tenants "
-                f"included), by command:\n```\n")
-        r = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", "comm",
-                            "--percent-limit", "1"], stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, text=True)
-        f.write("\n".join(l for l in r.stdout.splitlines() if l and not l.startswith("#")) + "\n```\n")
-        for pid, name in who.items():
-            r = subprocess.run(["perf", "report", "-i", data, "--pid", str(pid), "--stdio",
-                                "--no-children", "--sort", "sym", "--percent-limit", "0"],
+        f.write(f"## {title}\n\nThe machine's samples (all CPUs): "
+                + ", ".join(f"{k} {v:.1f}%" for k, v in share.items())
+                + f"; everything else {sum(rest.values()):.1f}% ("
+                + ", ".join(f"{c} {v:.1f}%" for c, v in sorted(rest.items(), key=lambda x: -x[1])[:6])
+                + ")\n")
+        for name, tids in who.items():
+            if not tids:
+                continue
+            r = subprocess.run(["perf", "report", "-i", data, "--tid", ",".join(map(str, sorted(tids))),
+                                "--stdio", "--no-children", "--sort", "sym", "--percent-limit", "0"],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            rep = data + f".{pid}.txt"
+            rep = os.path.join(os.path.dirname(dest), re.sub(r"\W+", "_", f"{title} {name}") + ".txt")
             with open(rep, "w") as t:
                 t.write(r.stdout)
             summ = subprocess.run([PY, os.path.join(REPO, "tests", "bench", "perf_summary.py"),
                                    "--report", rep, "--top", "20"], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
-            f.write(f"\n### {name} (pid {pid})\n```\n{summ.stdout}```\n")
+            f.write(f"\n### {name}\n```\n{summ.stdout}```\n")
         f.write("\n")
 
 
@@ -515,12 +536,15 @@ def run_fps(link, build, tmp, c, n, w, mode, steps, warmup, processes, profile=N
                       "--wire-dtype", c.wire, "--deadline", "900",
                       *(["--processes"] if processes else []), *c.load_args)
         out = open(os.path.join(tmp, "load.log"), "w+")
+        rec = None
+        if profile:  # perf takes a second or two to start recording on a busy machine
+            rec = perf_start(os.path.join(tmp, "perf.data"))
+            time.sleep(2)
         load = PROCS.start(cmd, out)
         roles = {p.pid: "shards" for p in procs}
         roles[load.pid] = "workers"
         sampler = CpuSampler(roles)
         load_hwm = nan
-        rec = perf_start(os.path.join(tmp, "perf.data")) if profile else None
         try:
             deadline = time.monotonic() + 1800
             while load.poll() is None and time.monotonic() < deadline:
@@ -531,8 +555,13 @@ def run_fps(link, build, tmp, c, n, w, mode, steps, warmup, processes, profile=N
             PROCS.stop([load], wait=10)
             sampler.close()
             if rec:  # (directory, title)
+                def tids(role):
+                    return set().union(*(t for p, t in sampler.tids.items() if sampler.role.get(p) == role))
                 perf_finish(rec, os.path.join(tmp, "perf.data"),
-                            {procs[0].pid: "shard 0", load.pid: "workers (factorps load)"},
+                            {"shards": tids("shards"), "workers": tids("workers"),
+                             "perf": {rec.pid}},
+                            {"shard 0": sampler.tids.get(procs[0].pid, set()),
+                             "workers (factorps load)": tids("workers")},
                             profile[1], os.path.join(profile[0], "profiles.md"))
         hwm = [vmhwm_mib(p.pid) for p in procs]  # before the shards exit
     finally:
@@ -658,7 +687,8 @@ def parse_args(argv):
                     help="also measure N parallel streams each way (e.g. W x S, the job's connections)")
     ap.add_argument("--profile", metavar="DIR",
                     help="after each configuration's timed runs, one more run of each factorps "
-                         "contender under perf record; each process's share of the machine and "
+                         "contender under perf record (the whole load, set-up included); each "
+                         "command's share of the machine and "
                          "perf_summary.py's report of shard 0 and of the workers go to "
                          "DIR/profiles.md")
     ap.add_argument("--quick", action="store_true", help="10M W2 sync+async, 1 rep, 3 s iperf3")
@@ -726,8 +756,8 @@ def main(a):
         print(f"# link bench: {SHARDS} shards in {link.ns_s}, workers in {link.ns_w}, veth + tbf "
               f"{a.rate:g} Gbit/s each way, added one-way delay {a.delay_us} us, TCP RTT "
               f"{link.rtt_ms:.3f} ms; {cpu_model()}, {os.cpu_count()} CPUs; load average "
-              f"{la0[0]:.1f}; {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}; main "
-              f"{git_head()}", flush=True)
+              f"{la0[0]:.1f}; {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}; binaries of "
+              f"{git_head(build)}", flush=True)
         st0 = proc_stat()
         goodput = a.rate / 8 * GOODPUT
         before = link.measure(a.iperf_seconds, 0.95 * goodput, streams=a.iperf_streams)
@@ -814,10 +844,22 @@ def main(a):
     return 0
 
 
-def git_head():
-    r = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE,
+def git_head(build):
+    """The commit the binaries in build were configured from (its source
+    tree's HEAD, "+changes" when that tree has uncommitted edits)."""
+    src = REPO
+    try:
+        with open(os.path.join(build, "CMakeCache.txt")) as f:
+            for line in f:
+                if line.startswith("CMAKE_HOME_DIRECTORY:"):
+                    src = line.split("=", 1)[1].strip()
+    except OSError:
+        pass
+    r = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE,
                        stderr=subprocess.DEVNULL, text=True)
-    return r.stdout.strip() or "?"
+    d = subprocess.run(["git", "-C", src, "status", "--porcelain", "--untracked-files=no"],
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return (r.stdout.strip() or "?") + ("+changes" if d.stdout.strip() else "")
 
 
 def report(a, contenders, configs, results):
