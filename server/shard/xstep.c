@@ -801,25 +801,19 @@ static fps_xkept_t *fps__mail_find(fps_tensor_split_t *sp, uint64_t v, uint32_t 
   return NULL;
 }
 
-/* Before keeping early partials of (v, b, phase): drops the oldest kept
- * ones of that (v, b, phase) while KEPT_ATTEMPTS attempts are kept (the
- * newest attempt is the likeliest to be stepped). REQUIRES t->mu. */
-static void fps__mail_bound(fps_tensor_split_t *sp, uint64_t v, uint32_t b, int phase) {
-  for (;;) {
-    fps_xkept_t **oldest = NULL;
-    unsigned n = 0;
-    for (fps_xkept_t **pp = &sp->mail->head; *pp; pp = &(*pp)->next) {
-      const fps_xkept_t *k = *pp;
-      if (!k->done && k->version == v && k->block == b && k->phase == phase) {
-        n++;
-        oldest = pp; /* the list is newest first */
-      }
-    }
-    if (n < KEPT_ATTEMPTS) return;
-    fps_xkept_t *k = *oldest;
-    *oldest = k->next;
-    fps__xkept_free(k);
-  }
+/* How many early attempts of (v, b, phase) are kept. Kept partials are
+ * never evicted for newer ones: anyone who can call Exchange could then
+ * push a peer's real partials out with made-up attempts. A further
+ * attempt waits (UNAVAILABLE, which the sender's transport retries) until
+ * this shard's own step of it starts and takes it directly, or the version
+ * moves on and frees the room. Each block's shard has at most one step in
+ * flight, so a peer needs more than KEPT_ATTEMPTS only after repeated
+ * failures. REQUIRES t->mu. */
+static unsigned fps__mail_count(const fps_tensor_split_t *sp, uint64_t v, uint32_t b, int phase) {
+  unsigned n = 0;
+  for (const fps_xkept_t *k = sp->mail ? sp->mail->head : NULL; k; k = k->next)
+    if (!k->done && k->version == v && k->block == b && k->phase == phase) n++;
+  return n;
 }
 
 static bool fps__same(const uint8_t *a, size_t alen, const void *b, size_t blen) {
@@ -979,6 +973,16 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
              name, m->from_shard, v);
     goto out;
   }
+  if (!x && fps__mail_count(sp, m->version, m->block_index, m->phase) >= KEPT_ATTEMPTS) {
+    fps_split_partials_free(&dec);
+    rc = FPS_EUNAVAILABLE;
+    snprintf(why, wl,
+             "Exchange of tensor '%s' from shard %u: %d other attempts of block %u's %s partials for the step "
+             "from version %" PRIu64 " already wait here; %s is taken once this shard's own step of it starts "
+             "(retry)",
+             name, m->from_shard, KEPT_ATTEMPTS, m->block_index, ph, m->version, att);
+    goto out;
+  }
   uint8_t *wire = fps_malloc(m->len ? m->len : 1);
   fps_xkept_t *kp = NULL;
   if (wire && !x) {
@@ -998,7 +1002,6 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
   if (!x) {
     /* Before our own step of that version and attempt: kept until it
      * starts. */
-    fps__mail_bound(sp, m->version, m->block_index, m->phase);
     *kp = (fps_xkept_t){m->version, m->attempt, m->block_index, m->phase, false, wire, m->len, dec, sp->mail->head};
     sp->mail->head = kp;
     rc = 0;

@@ -1252,6 +1252,49 @@ static void push_all_id(scen_t *s, wpush_t *wp, uint64_t step, uint64_t id, cons
   }
 }
 
+/* One worker's push of "e" with push_id id, on core b alone. */
+static void push_one_id(scen_t *s, wpush_t *w, uint32_t b, uint64_t step, uint64_t id, const float *g) {
+  char why[FPS_WHY_MAX];
+  w->p = fx_push_new(&core[b], 0, step, INT64_MAX, &w->d);
+  assert_int_equal(fps_push_set_id(w->p, id, why, sizeof why), 0);
+  assert_int_equal(fx_push_grad(w->p, "e", g + s->r.g[b].row_lo * SC, s->r.g[b].block_numel, 1, NULL), 0);
+  w->rc = fps_push_commit(w->p, w->why, sizeof w->why);
+}
+
+/* A peer's real early partials cannot be pushed out by a third party:
+ * shard 1 steps first and its partials wait in shard 0's mail; two
+ * Exchange calls claiming block 1 with made-up attempts are refused
+ * (UNAVAILABLE, nothing kept) instead of evicting them; shard 0's own
+ * step then finds the real ones and both blocks apply the same step. */
+static void forged_partials_evict_nothing(void **u) {
+  (void)u;
+  scen_t s;
+  scen_up(&s, 2, false);
+  ref_step(&s.r, &s.hp, 2, s.g);
+  wpush_t wp[MAXS];
+  push_one_id(&s, &wp[1], 1, 0, 4242, s.g);
+  net_idle();
+  assert_int_equal(wp[1].d.calls, 0); /* waits for shard 0's partials */
+  uint8_t buf[4096];
+  size_t len = craft(&s, 1, s.g, FPS_SPLIT_PHASE_STATS, buf, sizeof buf);
+  char why[FPS_WHY_MAX];
+  unsigned refused = 0;
+  for (uint64_t a = 0xf00d0001; a <= 0xf00d0002; a++) {
+    fps_xmsg_t m = {.name = "e", .version = 0, .from_shard = 1, .shard_count = 2, .block_index = 1,
+                    .phase = FPS_SPLIT_PHASE_STATS, .attempt = a, .partials = buf, .len = len};
+    int rc = fps_shard_exchange_receive(&core[0], &m, why, sizeof why);
+    if (rc == FPS_EUNAVAILABLE) refused++;
+  }
+  /* The real attempt's partials plus one made-up attempt fill the room;
+   * the second made-up one waits. */
+  assert_int_equal(refused, 1);
+  expect_in(why, "already wait here");
+  push_one_id(&s, &wp[0], 0, 0, 4242, s.g);
+  net_idle();
+  expect_all_ok(&s, wp, 1);
+  scen_down(&s);
+}
+
 /* Holds (or frees) every link to and from core c: c is frozen. */
 static void freeze(uint32_t c, int mode) {
   for (uint32_t o = 0; o < ncores; o++)
@@ -1309,12 +1352,14 @@ static void dead_attempt_partials_refused(void **u) {
   assert_int_equal(fps_shard_exchange_receive(&core[0], &m, why, sizeof why), FPS_ESTATE);
   expect_in(why, "failed on this shard");
   /* Partials of some other attempt of step 0 are kept (acknowledged) for a
-   * step of that attempt; at most 2 attempts are kept. */
+   * step of that attempt; 2 attempts are kept, a third waits (UNAVAILABLE)
+   * and evicts nothing. */
   for (uint64_t a = 1; a <= 3; a++) {
     fps_xmsg_t o = m;
     o.attempt = a;
-    assert_int_equal(fps_shard_exchange_receive(&core[0], &o, why, sizeof why), 0);
+    assert_int_equal(fps_shard_exchange_receive(&core[0], &o, why, sizeof why), a <= 2 ? 0 : FPS_EUNAVAILABLE);
   }
+  expect_in(why, "2 other attempts of block 2's STATS partials for the step from version 0 already wait here");
   fps_tensor_t *t0 = find(&core[0], "e");
   pthread_mutex_lock(&t0->mu);
   assert_null(t0->split->xs);
@@ -1412,6 +1457,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(oom_sweep_stays_consistent),
       cmocka_unit_test(dead_attempt_partials_refused),
       cmocka_unit_test(failed_attempt_retried),
+      cmocka_unit_test(forged_partials_evict_nothing),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
