@@ -460,7 +460,8 @@ def perf_finish(rec, data, groups, who, title, dest):
     """Stops the recording and appends to dest: the machine's samples split
     into this run's groups of threads ({name: thread ids}) and the rest (other
     tenants), then perf_summary.py's report of each process in who ({name:
-    its thread ids}; perf report's --pid keeps only the main thread)."""
+    its thread ids}). One `perf report --sort pid,sym` is cut by thread id
+    here: perf report's --pid keeps only a process's main thread."""
     if rec.poll() is None:
         rec.send_signal(signal.SIGINT)
     try:
@@ -468,38 +469,45 @@ def perf_finish(rec, data, groups, who, title, dest):
     except subprocess.TimeoutExpired:
         pass
     PROCS.stop([rec], wait=10)
-    r = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", "pid"],
-                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    r = subprocess.run(["perf", "report", "-i", data, "--stdio", "--no-children", "-n", "--sort",
+                        "pid,sym", "--percent-limit", "0"], stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL, text=True)
+    head = next((l for l in r.stdout.splitlines() if l.startswith("# Samples:")), "# Samples: ?")
     share, rest = {k: 0.0 for k in groups}, {}
+    syms = {k: {} for k in who}  # name -> {(space, sym): percent of the machine}
+    rows = []  # sample counts, not the rounded percentages: thousands of rows add up
     for line in r.stdout.splitlines():
-        m = re.match(r"\s*([0-9.]+)%\s+(\d+):(\S+)", line)
-        if not m:
-            continue
-        pct, tid, comm = float(m.group(1)), int(m.group(2)), m.group(3)
+        m = re.match(r"\s*[0-9.]+%\s+(\d+)\s+(\d+):(\S+)\s+\[([k.])\]\s+(.*\S)\s*$", line)
+        if m:
+            rows.append((int(m.group(1)), int(m.group(2)), m.group(3), m.group(4), m.group(5)))
+    total = sum(x[0] for x in rows) or 1
+    for n, tid, comm, space, sym in rows:
+        pct = 100.0 * n / total
         g = next((k for k, t in groups.items() if tid in t), None)
         if g:
             share[g] += pct
         else:
             rest[comm] = rest.get(comm, 0.0) + pct
+        for name, tids in who.items():
+            if tid in tids:
+                syms[name][(space, sym)] = syms[name].get((space, sym), 0.0) + pct
     with open(dest, "a") as f:
         f.write(f"## {title}\n\nThe machine's samples (all CPUs): "
                 + ", ".join(f"{k} {v:.1f}%" for k, v in share.items())
                 + f"; everything else {sum(rest.values()):.1f}% ("
                 + ", ".join(f"{c} {v:.1f}%" for c, v in sorted(rest.items(), key=lambda x: -x[1])[:6])
                 + ")\n")
-        for name, tids in who.items():
-            if not tids:
-                continue
-            r = subprocess.run(["perf", "report", "-i", data, "--tid", ",".join(map(str, sorted(tids))),
-                                "--stdio", "--no-children", "--sort", "sym", "--percent-limit", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for name, got in syms.items():
             rep = os.path.join(os.path.dirname(dest), re.sub(r"\W+", "_", f"{title} {name}") + ".txt")
-            with open(rep, "w") as t:
-                t.write(r.stdout)
+            with open(rep, "w") as t:  # the shape perf_summary.py reads
+                t.write(head + "\n")
+                for (space, sym), pct in sorted(got.items(), key=lambda x: -x[1]):
+                    t.write(f"  {pct:8.4f}%  [{space}] {sym}\n")
             summ = subprocess.run([PY, os.path.join(REPO, "tests", "bench", "perf_summary.py"),
                                    "--report", rep, "--top", "20"], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
-            f.write(f"\n### {name}\n```\n{summ.stdout}```\n")
+            f.write(f"\n### {name} ({sum(got.values()):.1f}% of the machine's samples)\n"
+                    f"```\n{summ.stdout}```\n")
         f.write("\n")
 
 
