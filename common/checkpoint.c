@@ -35,6 +35,8 @@ void fps__ckpt_why(char *why, size_t why_len, const char *fmt, ...) {
   va_end(ap);
 }
 
+const char *const fps_ckpt_state_suffixes[] = {"/row", "/col", "/var", "/mom", NULL};
+
 const char *fps__ckpt_suffix(int kind) {
   static const char *const suffix[FPS__CKPT_KINDS] = {"", "/row", "/col", "/var", "/mom"};
   return kind >= 0 && kind < FPS__CKPT_KINDS ? suffix[kind] : "?";

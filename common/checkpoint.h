@@ -99,7 +99,8 @@
  *
  * A tensor name is 1..FPS_CKPT_NAME_MAX bytes of UTF-8 without control
  * characters, not "__metadata__"; the writer refuses a set of names whose
- * array keys would collide (tensors "a" and "a/row").
+ * array keys would collide (tensors "a" and "a/row"). The shard refuses
+ * such names at Create already, with fps_ckpt_state_suffixes.
  *
  * DURABILITY: the writer writes DIR/.ckpt-<seq>.safetensors.tmp, fsyncs it,
  * renames it to its final name and fsyncs DIR; only then does it delete the
@@ -144,6 +145,9 @@
 #define FPS_CKPT_FORMAT_VERSION 2          /* the newest this build reads and writes */
 #define FPS_CKPT_FORMAT_VERSION_WHOLE 1    /* written when a file holds no row block */
 #define FPS_CKPT_NAME_MAX 256              /* bytes of a tensor name */
+/* The suffixes of a tensor's state-array keys, "/row", "/col", "/var" and
+ * "/mom", then NULL: "<name><suffix>" must not be another tensor's name. */
+extern const char *const fps_ckpt_state_suffixes[];
 #define FPS_CKPT_MODE_MAX 31               /* bytes of a mode string */
 #define FPS_CKPT_HEADER_MAX (UINT64_C(100) << 20) /* safetensors' own limit */
 #define FPS_CKPT_PATH_MAX 4096             /* bytes of a checkpoint path, NUL included */

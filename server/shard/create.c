@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "alloc.h"
+#include "checkpoint.h"
 #include "metrics.h"
 #include "internal.h"
 
@@ -143,6 +144,62 @@ static int fps__cmp_item(const void *a, const void *b, void *arg) {
   int c = strcmp(items[i].name ? items[i].name : "", items[j].name ? items[j].name : "");
   if (c) return c;
   return i < j ? -1 : i > j;
+}
+
+/* Whether `name` (len bytes) is a tensor of the store or of this call
+ * (items sorted by name in order[0..n)). REQUIRES: the store's lock. */
+static bool fps__name_taken_locked(fps_shard_t *sh, const fps_create_item_t *items, const size_t *order, size_t n,
+                                   const char *name, size_t len) {
+  if (fps__store_find_locked(&sh->store, name, len)) return true;
+  size_t lo = 0, hi = n;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    const char *m = items[order[mid]].name ? items[order[mid]].name : "";
+    int c = strncmp(m, name, len);
+    if (c == 0 && m[len] != '\0') c = 1; /* m is longer: after name */
+    if (c == 0) return true;
+    if (c < 0) lo = mid + 1;
+    else hi = mid;
+  }
+  return false;
+}
+
+/* A new tensor's name must leave the checkpoint's keys distinct: not
+ * safetensors' "__metadata__", and not "x/row" beside "x" (the keys of x's
+ * state arrays are "x/row", "x/col", "x/var", "x/mom"), either way round,
+ * among the tensors held and those of this call. Otherwise every
+ * checkpoint after this Create would fail, SIGTERM's included.
+ * REQUIRES: the store's lock. */
+static int fps__name_collision_locked(fps_shard_t *sh, const fps_create_item_t *items, const size_t *order,
+                                      size_t n, const char *name, char *why, size_t wl) {
+  if (!strcmp(name, "__metadata__")) {
+    snprintf(why, wl, "tensor '__metadata__': the name is reserved by the checkpoint format (safetensors)");
+    return FPS_EINVAL;
+  }
+  size_t len = strlen(name);
+  char key[FPS_TENSOR_NAME_MAX + 8];
+  for (const char *const *s = fps_ckpt_state_suffixes; *s; s++) {
+    const char *sfx = *s;
+    size_t sl = strlen(sfx);
+    if (len > sl && !memcmp(name + len - sl, sfx, sl) && fps__name_taken_locked(sh, items, order, n, name, len - sl)) {
+      snprintf(why, wl,
+               "tensor '%s' collides with tensor '%.*s' in checkpoints (whose state is stored as '%s'): "
+               "rename one",
+               name, (int)(len - sl), name, name);
+      return FPS_EINVAL;
+    }
+    if (len + sl <= FPS_TENSOR_NAME_MAX) {
+      snprintf(key, sizeof key, "%s%s", name, sfx);
+      if (fps__name_taken_locked(sh, items, order, n, key, len + sl)) {
+        snprintf(why, wl,
+                 "tensor '%s' collides with tensor '%s' in checkpoints (where the state of '%s' is stored as "
+                 "'%s'): rename one",
+                 name, key, name, key);
+        return FPS_EINVAL;
+      }
+    }
+  }
+  return 0;
 }
 
 /* Phase 1 for item i. Returns 0 or FPS_E* and fills why. */
@@ -541,7 +598,9 @@ again:
   for (size_t i = 0; i < n && !stale; i++)
     if (p[i].lead == i && p[i].is_new && fps__store_find_locked(&sh->store, items[i].name, strlen(items[i].name)))
       stale = true; /* another Create made it meanwhile */
-  if (!stale) rc = fps__create_limits_locked(sh, new_count, new_bytes, largest, why, wl);
+  for (size_t i = 0; i < n && !stale && rc == 0; i++)
+    if (p[i].lead == i && p[i].is_new) rc = fps__name_collision_locked(sh, items, order, n, items[i].name, why, wl);
+  if (!stale && rc == 0) rc = fps__create_limits_locked(sh, new_count, new_bytes, largest, why, wl);
   if (!stale && rc == 0 && fps__store_reserve_locked(&sh->store, sh->store.count + new_count) < 0) {
     rc = FPS_ENOMEM;
     snprintf(why, wl, "Create: out of memory growing the tensor map");

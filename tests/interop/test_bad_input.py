@@ -444,6 +444,46 @@ class Limits(BadInputBase):
         self.assertUnchanged()
 
 
+class CheckpointNames(BadInputBase):
+    """Names whose keys would collide in the checkpoint format were
+    accepted, and from then on every checkpoint failed (SIGTERM exited 1
+    without saving): refused at Create, naming both."""
+
+    @classmethod
+    def setUpClass(cls):
+        import tempfile
+        cls.ckpt = tempfile.mkdtemp(prefix="fps-ckpt-names-")
+        cls.ARGS = ("--mode", "async", "--checkpoint-dir", cls.ckpt)
+        super().setUpClass()
+
+    @classmethod
+    def tearDownClass(cls):
+        import shutil
+        super().tearDownClass()
+        shutil.rmtree(cls.ckpt, True)
+
+    def test_colliding_names_refused(self):
+        C = self.grpc.StatusCode
+        one = np.ones(2, np.float32)
+        self.assertStatus(lambda: H.create(self.srv.stub, "__metadata__", [2], one),
+                          C.INVALID_ARGUMENT, "'__metadata__'", "reserved")
+        self.assertStatus(lambda: H.create(self.srv.stub, "w/row", [2], one),
+                          C.INVALID_ARGUMENT, "'w/row'", "'w'")
+        H.create(self.srv.stub, "v/col", [2], one)  # fine alone ...
+        self.assertStatus(lambda: H.create(self.srv.stub, "v", [2], one),  # ... but not then "v"
+                          C.INVALID_ARGUMENT, "'v'", "'v/col'")
+        # Both in one call.
+        pb = self.pb
+        req = pb.CreateRequest(shard_id=0, shard_count=1, tensors=[
+            pb.TensorCreate(name=n, shape=[2], optimizer=H.optimizer()) for n in ("q", "q/mom")])
+        self.assertStatus(lambda: self.srv.stub.Create(req, timeout=10), C.INVALID_ARGUMENT, "'q/mom'", "'q'")
+        _, ts = H.stats(self.srv.stub)
+        self.assertEqual(sorted(ts), ["v/col", "w"])
+        # Checkpoints still work.
+        r = self.srv.stub.Checkpoint(pb.CheckpointRequest(), timeout=30)
+        self.assertEqual(r.tensors, 2)
+
+
 class StagingLimit(BadInputBase):
     ARGS = ("--mode", "async", "--max-staging-bytes", 6000)
 
