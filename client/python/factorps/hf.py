@@ -17,6 +17,12 @@ scale_parameter=False, relative_step=False; the Trainer's lr schedule and
 weight-decay groups apply) as `RemoteHFAdafactor`, with the tensors named
 after `model.named_parameters()` whatever the grouping.
 
+Several workers (torchrun): the Trainer wraps the model in
+DistributedDataParallel, whose all-reduce must give way to factorps' DDP hook:
+`attach(trainer)` attaches it when training begins (factorps.torch.attach on
+the wrapped model). The hook sends the gradients as backward makes them, so
+the Trainer's gradient clipping must be off (`max_grad_norm=0`).
+
 Checkpoints (`save_steps`) hold `optimizer.state_dict()`, that is the
 shards' state; `resume_from_checkpoint` loads it, onto the same shards (it
 replaces what they hold) or onto new, empty ones (it creates the tensors
@@ -27,7 +33,7 @@ from typing import Any, Dict, Tuple
 
 from .torch import RemoteHFAdafactor
 
-__all__ = ["trainer_optimizer"]
+__all__ = ["trainer_optimizer", "attach"]
 
 
 def trainer_optimizer(args: Any, model: Any, **options: Any) -> Tuple[type, Dict[str, Any]]:
@@ -51,3 +57,31 @@ def trainer_optimizer(args: Any, model: Any, **options: Any) -> Tuple[type, Dict
     kwargs = dict(kwargs, names_from=model)
     kwargs.update(options)
     return RemoteHFAdafactor, kwargs
+
+
+def attach(trainer: Any, **options: Any) -> None:
+    """Makes `trainer` push its gradients during backward: when training
+    begins (after the Trainer wrapped the model in DDP under torchrun),
+    factorps.torch.attach(trainer.model_wrapped, the optimizer, **options)
+    registers DDP's communication hook, or without DDP per-parameter hooks.
+    Needs TrainingArguments(max_grad_norm=0): a gradient clipped after
+    backward would not be the one already sent (ValueError otherwise)."""
+    from transformers import TrainerCallback
+
+    from .torch import _RemoteAdafactorBase, attach as attach_model
+
+    if trainer.args.max_grad_norm:
+        raise ValueError(f"TrainingArguments(max_grad_norm={trainer.args.max_grad_norm}): "
+                         "gradients leave for the shards during backward, so the Trainer "
+                         "cannot clip them afterwards; pass max_grad_norm=0")
+
+    class _Attach(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+            if not isinstance(opt, _RemoteAdafactorBase):
+                raise TypeError("factorps.hf.attach(): the Trainer's optimizer is "
+                                f"{type(opt).__name__}, not a factorps one (trainer_optimizer)")
+            if opt._overlap is None:
+                attach_model(trainer.model_wrapped, opt, **options)
+
+    trainer.add_callback(_Attach())
