@@ -1,10 +1,10 @@
 """One torchrun worker of test_torch_overlap's DDP jobs (not a test itself).
 
     python -m torch.distributed.run --nproc_per_node 2 ... ddp_worker.py \
-        --shards A,B --variant hook|nohook --steps N --out DIR
+        --shards A,B --variant hook|nohook --steps N --out DIR [--mode async]
 
 Trains _torch_support.Net wrapped in DistributedDataParallel (gloo, CPU) with
-RemoteAdafactor in sync mode, each rank on its own batches, and writes
+RemoteAdafactor in sync (or async) mode, each rank on its own batches, and writes
 DIR/rank<R>.pt: the final parameters, whether every step's .grad after
 backward was exactly this rank's local gradient (an all-reduce would have
 averaged it with the other rank's), DDP's own record of the comm hook, and,
@@ -34,6 +34,7 @@ def main():
     ap.add_argument("--shards", required=True)
     ap.add_argument("--variant", choices=("hook", "nohook"), required=True)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--mode", choices=("sync", "async"), default="sync")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dist.init_process_group("gloo")
@@ -41,7 +42,7 @@ def main():
     result = {"rank": rank}
     try:
         model = Net()
-        opt = RemoteAdafactor(model.named_parameters(), shards=a.shards, mode="sync",
+        opt = RemoteAdafactor(model.named_parameters(), shards=a.shards, mode=a.mode,
                               deadline=20)
         # A tiny bucket cap: several buckets, so several pushes per step.
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1e-4)
@@ -51,6 +52,7 @@ def main():
             # before counting the bytes the steps move.
             opt.setup()
         before = bytes_received(opt) if rank == 0 else None
+        dist.barrier()  # no push before rank 0 has counted
         local_ok = []
         for step in range(a.steps):
             x, y = batch(rank, step)

@@ -35,7 +35,7 @@ TOL = 1e-6  # per step, relative to the largest value (as test_parity)
 _TORCHRUN_WORKS = int(torch.__version__.split(".")[0]) >= 2
 
 
-def _torchrun(shards, variant, steps, timeout=120):
+def _torchrun(shards, variant, steps, timeout=120, mode="sync"):
     """Runs ddp_worker.py as a 2-worker torchrun job (gloo, loopback) and
     returns both ranks' results. (About 15 s on an idle machine, mostly
     three torch imports; the timeout is for a machine shared by many.)"""
@@ -43,7 +43,7 @@ def _torchrun(shards, variant, steps, timeout=120):
     port = free_ports(1)[0]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=HERE)
     script = [os.path.join(HERE, "ddp_worker.py"), "--shards", ",".join(shards.addrs),
-              "--variant", variant, "--steps", str(steps), "--out", out]
+              "--variant", variant, "--steps", str(steps), "--out", out, "--mode", mode]
     if _TORCHRUN_WORKS:
         runs = [([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                   "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
@@ -118,6 +118,23 @@ class DDPTest(unittest.TestCase):
             self.assertLessEqual(err, steps * TOL * scale, n)
         # Every gradient reached the shards once per worker and step: the
         # shards received exactly 2 workers x steps x the parameters' bytes.
+        numel = sum(p.numel() for p in res[0]["params"].values())
+        self.assertEqual(res[0]["bytes_after"] - res[0]["bytes_before"], 2 * steps * 4 * numel)
+
+    def test_hook_async_applies_each_workers_own_gradient_once(self):
+        # Without the hook each worker would push the all-reduced mean, so
+        # the shards would apply the average twice per step.
+        steps = 3
+        with Shards(2, mode="async", workers=2, deadline=20) as shards:
+            res = _torchrun(shards, "hook", steps, mode="async")
+            with factorps.connect(shards.addrs) as c:
+                c.discover()
+                versions = {n: c.tensor_stats(n)["version"] for n in res[0]["params"]}
+        for r in res:
+            self.assertNotIn("error", r, r.get("trace"))
+            self.assertEqual(r["local_ok"], [True] * steps)
+        # One update per worker and step, each with that worker's gradient.
+        self.assertEqual(set(versions.values()), {2 * steps})
         numel = sum(p.numel() for p in res[0]["params"].values())
         self.assertEqual(res[0]["bytes_after"] - res[0]["bytes_before"], 2 * steps * 4 * numel)
 
