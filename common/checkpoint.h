@@ -364,9 +364,11 @@ int fps_ckpt_verify_file(const char *path, const fps_ckpt_expect_t *expect,
                          fps_ckpt_info_t *info, char *why, size_t why_len);
 
 /* Like fps_ckpt_verify_file(), and on success returns the contents in *out
- * (free with fps_ckpt_destroy()). Memory: the weights and state of every
- * tensor, allocated once; nothing is returned unless the whole file
- * verified. */
+ * (free with fps_ckpt_destroy()). The values are checked too: weights and
+ * momentum finite, second moments (row, col, var) finite and >= 0, else
+ * FPS_EFORMAT naming the tensor, the array and the element. Memory: the
+ * weights and state of every tensor, allocated once; nothing is returned
+ * unless the whole file verified. */
 int fps_ckpt_load_file(const char *path, const fps_ckpt_expect_t *expect, fps_ckpt_t **out,
                        char *why, size_t why_len);
 

@@ -652,11 +652,61 @@ int fps_ckpt_verify_file(const char *path, const fps_ckpt_expect_t *expect,
   return read_file(path, expect, NULL, info, why, why_len);
 }
 
+/* One loaded array: every value finite, and >= 0 where it is a second
+ * moment (a file written by a shard never holds anything else, since the
+ * shard refuses non-finite gradients; a file that does was damaged or made
+ * elsewhere, with its digests recomputed). 0 or FPS_EFORMAT naming the
+ * tensor, the array and the element. */
+static int check_values(const char *name, const char *what, const float *a, uint64_t n, bool moment,
+                        char *why, size_t why_len) {
+  for (uint64_t i = 0; a && i < n; i++) {
+    if (isfinite(a[i]) && !(moment && a[i] < 0)) continue;
+    fps__ckpt_why(why, why_len, "tensor \"%s\": %s element %" PRIu64 " is %g (%s)", name, what, i, (double)a[i],
+                  isfinite(a[i]) ? "a second moment cannot be negative" : "not finite");
+    return FPS_EFORMAT;
+  }
+  return 0;
+}
+
+static int check_tensor(const fps_ckpt_tensor_t *t, char *why, size_t why_len) {
+  int rc;
+  if (t->block.n_blocks) {
+    const fps_split_state_t *s = &t->bstate;
+    const fps_split_geom_t *g = &s->g;
+    if ((rc = check_values(t->name, "the weights'", t->param, g->block_numel, false, why, why_len)) < 0 ||
+        (rc = check_values(t->name, "row state's", s->row, g->factored ? g->row_hi - g->row_lo : 0, true, why,
+                           why_len)) < 0 ||
+        (rc = check_values(t->name, "col state's", s->col, g->factored ? g->nmat * g->cols : 0, true, why,
+                           why_len)) < 0 ||
+        (rc = check_values(t->name, "var state's", s->var, g->factored ? 0 : g->block_numel, true, why,
+                           why_len)) < 0 ||
+        (rc = check_values(t->name, "momentum's", s->mom, g->block_numel, false, why, why_len)) < 0)
+      return rc;
+    return 0;
+  }
+  const fps_adafactor_state_t *s = &t->state;
+  if ((rc = check_values(t->name, "the weights'", t->param, s->numel, false, why, why_len)) < 0 ||
+      (rc = check_values(t->name, "row state's", s->row, s->factored ? s->batch * s->rows : 0, true, why,
+                         why_len)) < 0 ||
+      (rc = check_values(t->name, "col state's", s->col, s->factored ? s->batch * s->cols : 0, true, why,
+                         why_len)) < 0 ||
+      (rc = check_values(t->name, "var state's", s->var, s->factored ? 0 : s->numel, true, why, why_len)) < 0 ||
+      (rc = check_values(t->name, "momentum's", s->mom, s->numel, false, why, why_len)) < 0)
+    return rc;
+  return 0;
+}
+
 int fps_ckpt_load_file(const char *path, const fps_ckpt_expect_t *expect, fps_ckpt_t **out,
                        char *why, size_t why_len) {
   if (!out) return FPS_EINVAL;
   *out = NULL;
-  return read_file(path, expect, out, NULL, why, why_len);
+  int rc = read_file(path, expect, out, NULL, why, why_len);
+  for (size_t i = 0; rc == 0 && i < (*out)->n_tensors; i++) rc = check_tensor(&(*out)->tensors[i], why, why_len);
+  if (rc < 0 && *out) {
+    fps_ckpt_destroy(*out);
+    *out = NULL;
+  }
+  return rc;
 }
 
 /* ---------------------------------------------------------- directory */

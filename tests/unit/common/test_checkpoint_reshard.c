@@ -10,6 +10,7 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <math.h>
 #include <stdint.h>
 
 #include <cmocka.h>
@@ -58,6 +59,12 @@ static void fill(float *p, uint64_t n) {
   for (uint64_t i = 0; i < n; i++) p[i] = rnd();
 }
 
+/* Second moments are never negative (a loader refuses a file that says
+ * otherwise). */
+static void fill_moment(float *p, uint64_t n) {
+  for (uint64_t i = 0; i < n; i++) p[i] = fabsf(rnd());
+}
+
 /* The job's truth: whole tensors, as a job (sorted by name, like a
  * gathered one). */
 static fps_ckpt_job_t *truth_make(void) {
@@ -95,9 +102,9 @@ static fps_ckpt_job_t *truth_make(void) {
     fill(t->param, t->state.numel);
     fps_state_size_t sz;
     assert_int_equal(fps_adafactor_state_size(&sp->shape, &t->hparams, &sz), 0);
-    if (t->state.row) fill(t->state.row, sz.row);
-    if (t->state.col) fill(t->state.col, sz.col);
-    if (t->state.var) fill(t->state.var, sz.var);
+    if (t->state.row) fill_moment(t->state.row, sz.row);
+    if (t->state.col) fill_moment(t->state.col, sz.col);
+    if (t->state.var) fill_moment(t->state.var, sz.var);
     if (t->state.mom) fill(t->state.mom, sz.mom);
     t->state.step = 20 + i;
     t->state.rms = 0.125f * (float)(i + 1);
