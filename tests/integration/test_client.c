@@ -6,7 +6,7 @@
  *          division by (float)W), then one step per round.
  *   async  bit for bit against a replay in the shard's applied order, read
  *   ssp    from Stats.apply_log (worker_id, step) per tensor.
- * The same with pushes cut into chunk calls (push_chunk_bytes; issue 25).
+ * The same with pushes cut into chunk calls (push_chunk_bytes).
  * Also: placement is deterministic and balanced and matches where the
  * shards hold the tensors; an unreachable shard gives UNAVAILABLE within the
  * deadline; a tensor created on the wrong shard is refused.

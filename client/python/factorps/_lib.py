@@ -54,7 +54,7 @@ class ClientOptions(ctypes.Structure):
         # Row splitting, 0 = never: connect(split_min_bytes=...).
         # Placement is computed by libfactorps, not here.
         ("split_min_bytes", ctypes.c_uint64),
-        # Pushes as chunks of this many wire bytes per call (issue 25), 0 =
+        # Pushes as chunks of this many wire bytes per call, 0 =
         # one call per shard; fps_client_options_init() sets the default.
         ("push_chunk_bytes", ctypes.c_uint64),
     ]
