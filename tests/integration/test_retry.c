@@ -10,7 +10,7 @@
  * Either way the tensor ends at version 1, Stats counts one update, and the
  * parameters the client got equal, bit for bit, those of a second shard
  * that saw the push once without a proxy.
- * The same for a push cut into chunk calls, each with its own
+ * The same for a push cut into chunk calls (push_chunk_bytes), each with its own
  * push_id: the cut finds some chunks applied and answered, some applied
  * with their reply lost, some not sent; the retry applies each exactly
  * once. And a shard killed mid-push: the other shard's chunks are applied
