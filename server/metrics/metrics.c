@@ -101,6 +101,8 @@ enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP, DIM_CKPT_REASON, DIM
     "HTTP connections open now.")                                                    \
   X(ckpt_written_bytes, counter, "factorps_checkpoint_written_bytes_total", NONE,    \
     "Bytes of checkpoint files written successfully.")                               \
+  X(ckpt_set_aside, counter, "factorps_checkpoint_set_aside_files_total", NONE,      \
+    "Checkpoint files this shard could not load, moved to unloaded/ at start-up.")    \
   X(ckpt_failures, counter, "factorps_checkpoint_failures_total", CKPT_REASON,       \
     "Checkpoint writes that failed, by reason.")                                     \
   X(restore_outcome, gauge, "factorps_checkpoint_restore_outcome", RESTORE,          \
@@ -338,6 +340,8 @@ void fps_metrics_checkpoint_written(uint64_t seq, double unix_time, double secon
   atomic_store_explicit(&g.ckpt_mark, mark, RELAXED);
   atomic_store_explicit(&g.ckpt_last_unix_bits, dbits(unix_time > 0 ? unix_time : 0), RELAXED);
 }
+
+void fps_metrics_checkpoint_set_aside(void) { atomic_fetch_add_explicit(&g.ckpt_set_aside[0], 1, RELAXED); }
 
 void fps_metrics_checkpoint_failed(fps_metrics_ckpt_reason_t reason) {
   if ((unsigned)reason >= FPS_METRICS_CKPT_REASON_COUNT) reason = FPS_METRICS_CKPT_OTHER;

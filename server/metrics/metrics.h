@@ -194,6 +194,8 @@ uint64_t fps_metrics_checkpoint_mark(void);
 void fps_metrics_checkpoint_written(uint64_t seq, double unix_time, double seconds, uint64_t bytes,
                                     uint64_t mark);
 void fps_metrics_checkpoint_failed(fps_metrics_ckpt_reason_t reason);
+/* A checkpoint file the shard could not load was moved aside at start-up. */
+void fps_metrics_checkpoint_set_aside(void);
 
 /* Readiness (/readyz): true once the state is loaded and the gRPC port is
  * bound; false again while shutting down. Default false. */

@@ -60,10 +60,27 @@ static fps_metrics_ckpt_reason_t fps__ckpt_reason(int rc, const char *why) {
   }
 }
 
+/* A file the shard cannot load (another mode, shard id or count, another
+ * job; damaged) is moved into <dir>/unloaded/ rather than left where
+ * pruning would delete it after --checkpoint-keep writes: one restart
+ * with a wrong flag must not destroy the trained state. It can be moved
+ * back by hand. I/O errors (EIO) say nothing about the file: it stays. */
 static void fps__ckpt_rejected(void *ctx, const char *path, int err, const char *why) {
-  (void)ctx;
+  fps_shard_t *sh = ctx;
   FPS_LOG(FPS_LOG_WARN, "checkpoint %s skipped (%s): %s; trying the previous one", path, fps_err_name(err),
            why);
+  if (err != FPS_EFORMAT && err != FPS_ESTATE) return;
+  const char *base = strrchr(path, '/');
+  base = base ? base + 1 : path;
+  char aside[FPS_CKPT_PATH_MAX + 16], to[FPS_CKPT_PATH_MAX + 300];
+  snprintf(aside, sizeof aside, "%s/unloaded", sh->cfg.checkpoint_dir);
+  snprintf(to, sizeof to, "%s/%s", aside, base);
+  if ((mkdir(aside, 0700) < 0 && errno != EEXIST) || rename(path, to) < 0) {
+    FPS_LOG(FPS_LOG_WARN, "cannot move %s to %s/ (%s): pruning may delete it", path, aside, strerror(errno));
+    return;
+  }
+  fps_metrics_checkpoint_set_aside();
+  FPS_LOG(FPS_LOG_WARN, "moved %s to %s (this shard cannot load it; it is never pruned there)", path, to);
 }
 
 /* A borrowed parameter buffer (fps_ckpt_snapshot_borrow_params) goes. */

@@ -173,6 +173,35 @@ class Checkpoints(unittest.TestCase):
                 ck.start(0)
             self.assertRegex(ck.log(0), r"skipped \(FPS_ESTATE\)")
 
+    def test_unloadable_files_are_moved_aside_not_pruned(self):
+        # A restart with a wrong flag (here the mode) skipped the job's
+        # checkpoints and then pruned them after --checkpoint-keep writes:
+        # the trained state was gone. Now they are moved into unloaded/.
+        with CkptShards(1) as ck:
+            c = connect(ck.addrs)
+            push(c, 0)
+            c.checkpoint()
+            c.close()
+            ck.kill(0)
+            (f1,) = ck.files(0)
+            with open(f1, "rb") as f:
+                before = f.read()
+            ck.mode = "async" if ck.mode != "async" else "sync"
+            ck.ckpt = ["--checkpoint-keep", "1"]
+            ck.start(0)
+            c = connect(ck.addrs)
+            for k in range(3):
+                push(c, k)
+                c.checkpoint()
+            c.close()
+            aside = os.path.join(ck.ckdir(0), "unloaded", os.path.basename(f1))
+            self.assertTrue(os.path.exists(aside), os.listdir(ck.ckdir(0)))
+            with open(aside, "rb") as f:
+                self.assertEqual(f.read(), before)
+            self.assertRegex(ck.log(0), r"moved \S*ckpt-0+1\.safetensors to \S*unloaded/ckpt-0+1\.safetensors")
+            rc, out = verify(os.path.join(ck.ckdir(0), "unloaded"))
+            self.assertEqual(rc, 0, out)
+
     def test_require_checkpoint_refuses_to_start(self):
         with CkptShards(1) as ck:
             c = connect(ck.addrs)
