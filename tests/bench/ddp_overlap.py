@@ -3,7 +3,7 @@
 
     FACTORPS_LIB=build/client/libfactorps.so /work/venv2/bin/python \\
         tests/bench/ddp_overlap.py [--build build] [--layers 20] [--width 1000] \\
-        [--batch 64] [--steps 4] [--reps 5] [--no-ddp]
+        [--batch 64] [--steps 4] [--reps 5] [--no-ddp] [--link-gbit R]
 
 Two sync shards and a 2-worker torchrun job (gloo on loopback, one thread
 per worker) train an MLP of `layers` Linear(width, width) layers (20 x 1000
@@ -23,6 +23,12 @@ and prints the medians over reps of rank 0's mean step time per kind, with
 overlap / max(compute, comm) (the target is <= 1.2) and overlap / serial.
 The first step of each kind in each rep is a warm-up and not counted. Not a
 test: no assertion. The load average is printed before and after.
+
+--link-gbit R (root): the shards run in one network namespace and the
+workers in another, joined by a veth pair shaped to R Gbit/s each way
+(tests/bench/link_bench.py's Link: addresses it assigns inside the two
+namespaces it creates and deletes), so that communication waits for a
+link instead of competing for the CPU with compute.
 """
 
 import argparse
@@ -113,6 +119,7 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-ddp", dest="ddp", action="store_false")
+    ap.add_argument("--link-gbit", type=float, default=0.0)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shards", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -121,13 +128,35 @@ def main():
         return worker(a)
 
     import fpsproc
+    link = None
+    if a.link_gbit:
+        sys.path.insert(0, HERE)
+        import link_bench
+        link = link_bench.Link(os.getpid(), a.link_gbit, 0, None, tempfile.mkdtemp())
+        link_bench.Link.delete_stale()
+        try:
+            link.open()
+        except BaseException:
+            link.close()
+            raise
     os.environ.setdefault("FACTORPS_LIB", os.path.join(a.build, "client", "libfactorps.so"))
     server = os.path.join(a.build, "server", "factorps-server")
     load0 = os.getloadavg()
-    shards = [fpsproc.ShardProcess(["--shard-id", str(i), "--shard-count", "2", "--mode", "sync",
-                                    "--workers", "2", "--deadline", "120"],
-                                   server=server, name=f"shard{i}", die_with_parent=True)
-              for i in range(2)]
+    where = {} if link is None else dict(prefix=link_bench.ns_exec(link.ns_s),
+                                         listen=link_bench.ADDR_S + ":0")
+    shards = []
+    try:
+        for i in range(2):
+            shards.append(fpsproc.ShardProcess(
+                ["--shard-id", str(i), "--shard-count", "2", "--mode", "sync", "--workers", "2",
+                 "--deadline", "120"], server=server, name=f"shard{i}", die_with_parent=True,
+                **where))
+    except BaseException:
+        for s in shards:
+            s.kill()
+        if link is not None:
+            link.close()
+        raise
     tmp = tempfile.mkdtemp(prefix="fps-overlap-")
     out = os.path.join(tmp, "rank0.json")
     port = fpsproc.free_ports(1)[0]
@@ -136,15 +165,16 @@ def main():
               "--width", str(a.width), "--batch", str(a.batch), "--steps", str(a.steps),
               "--reps", str(a.reps)] + ([] if a.ddp else ["--no-ddp"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    inside = [] if link is None else link_bench.ns_exec(link.ns_w)
     shard_cpu_start = [_cpu_seconds(s.proc.pid) for s in shards]
     try:
         if a.ddp:
-            procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
+            procs = [subprocess.Popen(inside + [sys.executable, "-m", "torch.distributed.run",
                                        "--nnodes", "1", "--nproc_per_node", "2",
                                        "--master_addr", "127.0.0.1", "--master_port", str(port)]
                                       + script, env=env)]
         else:
-            procs = [subprocess.Popen([sys.executable] + script,
+            procs = [subprocess.Popen(inside + [sys.executable] + script,
                                       env=dict(env, RANK=str(r), WORLD_SIZE="2"))
                      for r in range(2)]
         for p in procs:
@@ -157,6 +187,8 @@ def main():
         for s in shards:
             s.kill()
             s.remove()
+        if link is not None:
+            link.close()
         shutil.rmtree(tmp, ignore_errors=True)
     load1 = os.getloadavg()
     shard_cpu = sum(shard_cpu_end) - sum(shard_cpu_start)
@@ -165,7 +197,8 @@ def main():
     params = a.layers * (a.width * a.width + a.width)
     print(f"{'DDP comm hook' if a.ddp else 'gradient hooks'}: {params / 1e6:.1f}M parameters, "
           f"batch {a.batch}, 2 workers, 2 sync shards, {a.reps} reps x {a.steps} steps")
-    print(f"load average before {load0[0]:.1f}, after {load1[0]:.1f} (1 min)")
+    print(f"load average before {load0[0]:.1f}, after {load1[0]:.1f} (1 min)"
+          + ("" if link is None else f"; shards across a {a.link_gbit:g} Gbit/s veth link"))
     print("| rep | compute s | comm s | serial s | overlap s | overlap / max |")
     print("| --- | --- | --- | --- | --- | --- |")
     for i, r in enumerate(rows):
