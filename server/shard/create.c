@@ -695,8 +695,11 @@ again:
   }
   for (size_t a = nr; a-- > 0;) pthread_mutex_unlock(&rt[a]->mu);
   tlocked = false;
-  /* After the writes (checkpoint.c reads the count before it copies). */
-  atomic_fetch_add(&sh->changes, 1);
+  /* After the writes (checkpoint.c reads the count before it copies). A
+   * Create that only matched ready tensors (every worker's on start)
+   * changed nothing: counted, SIGTERM after a restore would rewrite an
+   * unchanged shard's checkpoint. */
+  if (new_count > 0 || nr > 0) atomic_fetch_add(&sh->changes, 1);
   atomic_fetch_add(&sh->counters.bytes_received, received);
   *received_out = received;
   for (size_t i = 0; i < n; i++) {

@@ -93,6 +93,14 @@ class UnchangedCheckpoint(unittest.TestCase):
         err = self.sigterm()
         self.assertIn("nothing changed since", err)
         self.assertEqual(len(self.files()), 1)
+        # Restored, and the workers' matching re-Create (as every worker
+        # sends on start, the values ignored): still nothing to write.
+        srv = self.start()
+        r = H.create(srv.stub, "w", [4], np.full(4, 9, np.float32))
+        self.assertEqual((r.tensors[0].created, r.tensors[0].version), (False, 1))
+        err = self.sigterm()
+        self.assertIn("nothing changed since", err)
+        self.assertEqual(len(self.files()), 1)
         # One update after the restore: the final checkpoint holds it.
         srv = self.start()
         H.push(srv.stub, 0, 1, {"w": ([4], np.ones(4, np.float32))})
