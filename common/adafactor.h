@@ -18,14 +18,10 @@
 #include <stdint.h>
 
 #include "error.h"
+#include "fps_limits.h" /* FPS_MAX_DIMS, FPS_MAX_NUMEL */
 #include "pool.h"
 #include "simd/kernels.h"
 
-#define FPS_MAX_DIMS 8
-
-/* Largest element count a tensor may have: keeps every byte count in
- * uint64_t and every index in int64_t free of overflow. */
-#define FPS_MAX_NUMEL (UINT64_C(1) << 40)
 
 typedef enum fps_flavor_e {
   FPS_FLAVOR_TORCH = 1,
@@ -161,14 +157,10 @@ int fps_adafactor_step_check(const fps_adafactor_hparams_t *hp, const fps_adafac
  * a tensor: a caller that must not fail half-way through several tensors'
  * steps allocates them all first. */
 size_t fps_adafactor_scratch_len(const fps_adafactor_state_t *st);
-/* fps_adafactor_step() with the caller's scratch (fps_adafactor_scratch_len
- * doubles, or NULL: allocated here). With scratch, a state that passed
- * fps_adafactor_step_check() with hp cannot fail. */
-int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
-                               fps_adafactor_state_t *st, float *param, const float *grad,
-                               fps_pool_t *pool, double *scratch, fps_adafactor_trace_t *trace);
-
-/* fps_adafactor_step_scratch() out of place: reads param and grad, writes
+/* fps_adafactor_step() out of place, with the caller's scratch
+ * (fps_adafactor_scratch_len doubles, or NULL: allocated here; with
+ * scratch, a state that passed fps_adafactor_step_check() with hp cannot
+ * fail): reads param and grad, writes
  * the new params to out (numel floats). out may be param (in place, what
  * the calls above do) or grad (the gradient buffer is consumed and becomes
  * the new params); any other overlap of out with param or grad is not

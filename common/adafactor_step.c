@@ -175,12 +175,6 @@ int fps_adafactor_step(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp
   return fps_adafactor_step_to(k, hp, st, param, grad, param, pool, NULL, trace);
 }
 
-int fps_adafactor_step_scratch(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
-                               fps_adafactor_state_t *st, float *param, const float *grad,
-                               fps_pool_t *pool, double *scratch, fps_adafactor_trace_t *trace) {
-  return fps_adafactor_step_to(k, hp, st, param, grad, param, pool, scratch, trace);
-}
-
 int fps_adafactor_step_to(const fps_kernels_t *k, const fps_adafactor_hparams_t *hp,
                           fps_adafactor_state_t *st, const float *param, const float *grad,
                           float *out, fps_pool_t *pool, double *scratch,

@@ -458,6 +458,4 @@ void fps__auth_log_refusal(grpc_call *call, const char *method, const char *why)
   gpr_free(peer);
 }
 
-int fps_auth_tls(const fps_auth_t *a) { return a && a->cert_pem; }
-
 const char *fps_auth_describe(const fps_auth_t *a) { return a ? a->describe : "plaintext"; }

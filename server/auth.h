@@ -113,8 +113,6 @@ const char *fps_auth_role_name(unsigned role);
  * client retrying in a loop cannot flood the log. Thread-safe. */
 void fps__auth_log_refusal(grpc_call *call, const char *method, const char *why);
 
-/* True when TLS is on; for the start-up line. */
-int fps_auth_tls(const fps_auth_t *a);
 /* "plaintext", "TLS" or "mutual TLS", plus ", bearer tokens" if set. */
 const char *fps_auth_describe(const fps_auth_t *a);
 
