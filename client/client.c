@@ -12,7 +12,7 @@
 #include "internal.h"
 #include "name.h"
 
-#define FPS__MIN_MESSAGE_BYTES (64u * 1024u)
+#define FPS__MIN_MESSAGE_BYTES FPS_MESSAGE_BYTES_MIN /* common/fps_limits.h */
 /* The largest reply message a shard sends (server.h FPS_REPLY_BUDGET plus
  * framing): shards cut replies at this size whatever the client sends. */
 #define FPS__SHARD_REPLY_BYTES (4u * 1024u * 1024u)
@@ -67,7 +67,7 @@ void fps_client_options_init(fps_client_options_t *o) {
   o->deadline_seconds = 60.0;
   o->max_retries = 5;
   o->backoff_initial_seconds = 0.1;
-  o->max_message_bytes = 4u * 1024u * 1024u;
+  o->max_message_bytes = FPS_MESSAGE_BYTES_DEFAULT;
   o->push_chunk_bytes = FPS_PUSH_CHUNK_BYTES_DEFAULT;
 }
 

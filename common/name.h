@@ -11,7 +11,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#define FPS_TENSOR_NAME_MAX 256 /* bytes of UTF-8 in a tensor name */
+#include "fps_limits.h" /* FPS_TENSOR_NAME_MAX */
 
 /* Length of the well-formed UTF-8 sequence at s (at most `left` bytes,
  * left >= 1), or 0 if it is not one. */

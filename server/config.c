@@ -41,7 +41,7 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
     {"workers", CFG_U32, OFF(workers), "1", 1, 65536, "sync/ssp: number of workers W"},
     {"deadline", CFG_DOUBLE, OFF(deadline), "60", 0.001, 86400,
      "seconds: the longest any call may take (a longer client deadline is capped), and a sync round"},
-    {"max-message-bytes", CFG_U64, OFF(max_message_bytes), "67108864", 65536, 2147483647.0,
+    {"max-message-bytes", CFG_U64, OFF(max_message_bytes), "67108864", FPS_MESSAGE_BYTES_MIN, 2147483647.0,
      "largest gRPC message accepted (bigger: RESOURCE_EXHAUSTED)"},
     {"threads", CFG_U32, OFF(threads), "0", 0, 256, "completion-queue threads (0: number of CPUs, at least 2)"},
     {"port-file", CFG_STR, OFF(port_file), "", 0, 0, "write the bound port to this file"},

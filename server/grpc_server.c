@@ -23,15 +23,19 @@
 #define FPS_SLOTS_PER_METHOD 8
 #define FPS_MAX_METADATA_BYTES 8192
 
-enum { M_CREATE, M_PUSHPULL, M_PULL, M_STATS, M_CHECKPOINT, M_GETSTATE, M_EXCHANGE, M_GENERIC };
+/* The method table, from the one list (common/methods.h); M_GENERIC
+ * takes every other path (answered UNIMPLEMENTED). */
+enum { M_GENERIC = FPS_METHOD_COUNT };
 static const char *const fps__method_path[] = {
-    "/factorps.v1.ParameterServer/Create",
-    "/factorps.v1.ParameterServer/PushPull",
-    "/factorps.v1.ParameterServer/Pull",
-    "/factorps.v1.ParameterServer/Stats",
-    "/factorps.v1.ParameterServer/Checkpoint",
-    "/factorps.v1.ParameterServer/GetState",
-    "/factorps.v1.ParameterServer/Exchange",
+#define FPS__PATH(id, name, handler, role, streaming) [FPS_METHOD_##id] = FPS_METHOD_PREFIX name,
+    FPS_METHOD_MAP(FPS__PATH)
+#undef FPS__PATH
+};
+/* 1: the handler reads the request stream itself (no initial message). */
+static const bool fps__method_streaming[] = {
+#define FPS__STREAMING(id, name, handler, role, streaming) [FPS_METHOD_##id] = streaming,
+    FPS_METHOD_MAP(FPS__STREAMING)
+#undef FPS__STREAMING
 };
 
 typedef struct fps_slot_s {
@@ -67,9 +71,10 @@ static fps_shutdown_tag_t fps__shutdown_tag;
 /* The role each method needs (auth.h); Create's replace needs admin
  * too, checked by its handler once the request is read. */
 static const unsigned fps__method_role[] = {
-    [M_CREATE] = FPS_ROLE_WORKER, [M_PUSHPULL] = FPS_ROLE_WORKER, [M_PULL] = FPS_ROLE_WORKER,
-    [M_STATS] = FPS_ROLE_WORKER,  [M_CHECKPOINT] = FPS_ROLE_ADMIN, [M_GETSTATE] = FPS_ROLE_WORKER,
-    [M_EXCHANGE] = FPS_ROLE_PEER, [M_GENERIC] = 0,
+#define FPS__ROLE(id, name, handler, role, streaming) [FPS_METHOD_##id] = FPS_ROLE_##role,
+    FPS_METHOD_MAP(FPS__ROLE)
+#undef FPS__ROLE
+    [M_GENERIC] = 0,
 };
 /* Calls admitted but maybe not yet linked into srv->calls: counted with
  * srv->ncalls so that pollers admitting at the same moment cannot together
@@ -232,7 +237,7 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
   /* PushPull reads its own stream, and an unknown method is answered at
    * once; the unary methods read their request first (fps__pending_*),
    * and stay counted as arriving until their handler has started. */
-  if (method != M_PUSHPULL && method != M_GENERIC) {
+  if (method != M_GENERIC && !fps__method_streaming[method]) {
     if (!fps__pending_start(srv, call, deadline, &md, method)) fps__call_admitted();
     return;
   }
@@ -244,13 +249,14 @@ static void fps__slot_done(fps_tag_t *tag, bool ok) {
 static void fps__dispatch(fps_server_t *srv, grpc_call *call, gpr_timespec deadline, grpc_metadata_array *md,
                           grpc_byte_buffer *payload, int method) {
   switch (method) {
-    case M_CREATE: fps_rpc_create_start(srv, call, deadline, md, payload); break;
-    case M_PUSHPULL: fps_rpc_pushpull_start(srv, call, deadline, md); break;
-    case M_PULL: fps_rpc_pull_start(srv, call, deadline, md, payload); break;
-    case M_STATS: fps_rpc_stats_start(srv, call, deadline, md, payload); break;
-    case M_CHECKPOINT: fps_rpc_checkpoint_start(srv, call, deadline, md, payload); break;
-    case M_GETSTATE: fps_rpc_getstate_start(srv, call, deadline, md, payload); break;
-    case M_EXCHANGE: fps_rpc_exchange_start(srv, call, deadline, md, payload); break;
+#define FPS__START_0(handler) fps_rpc_##handler##_start(srv, call, deadline, md, payload)
+#define FPS__START_1(handler) fps_rpc_##handler##_start(srv, call, deadline, md)
+#define FPS__CASE(id, name, handler, role, streaming) \
+  case FPS_METHOD_##id: FPS__START_##streaming(handler); break;
+    FPS_METHOD_MAP(FPS__CASE)
+#undef FPS__CASE
+#undef FPS__START_0
+#undef FPS__START_1
     default: {
       /* Unknown method: answer UNIMPLEMENTED through a throwaway base. */
       fps_call_t *c = fps_calloc(1, sizeof *c);

@@ -179,7 +179,6 @@ grpc_byte_buffer *fps_reply_next(fps_reply_t *r, fps_server_t *srv, bool *last) 
   grpc_slice_unref(hdr);
   r->cur = cur;
   r->off = off;
-  fps_counters_sent(srv->shard, payload);
   fps_metrics_rpc_bytes(r->pull ? FPS_METRICS_PULL : FPS_METRICS_PUSHPULL, 0, payload);
   if (*last) r->done = true;
 fail:

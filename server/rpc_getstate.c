@@ -108,7 +108,6 @@ static grpc_byte_buffer *fps__getstate_next(fps_getstate_call_t *gc, bool *last)
   m.n_tensors = *last ? gc->n : 0;
   m.tensors = tsp;
   bb = fps_pack_message(&m);
-  if (bb) fps_counters_sent(gc->base.srv->shard, payload);
   if (bb) fps_metrics_rpc_bytes(FPS_METRICS_GETSTATE, 0, payload);
 out:
   fps_free(sl);

@@ -84,7 +84,7 @@ static void fps__pp_fail(fps_pp_call_t *pp, grpc_status_code code, const char *f
   pp->phase = PP_DONE;
   pthread_mutex_unlock(&pp->base.mu);
   if (!first) return;
-  fps_counters_push_done(pp->base.srv->shard, false, 0);
+  fps_metrics_push_observe(false, 0);
   va_list ap;
   va_start(ap, fmt);
   fps_call_failv(&pp->base, code, fmt, ap);
@@ -102,7 +102,7 @@ static void fps__pp_send_next(fps_pp_call_t *pp) {
     pthread_mutex_lock(&pp->base.mu);
     pp->phase = PP_DONE;
     pthread_mutex_unlock(&pp->base.mu);
-    fps_counters_push_done(pp->base.srv->shard, true, (double)(fps_now_ns() - pp->base.start_ns) / 1e9);
+    fps_metrics_push_observe(true, (double)(fps_now_ns() - pp->base.start_ns) / 1e9);
   }
   /* A failed final send has released the call already: touch it only
    * after a failed intermediate one. */

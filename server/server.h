@@ -59,13 +59,14 @@
 
 #include "clock.h"
 #include "log.h"
+#include "methods.h"
 #include "shard/shard.h"
 #include "status.h"
 #include "timer.h"
 
 /* Payload budget of one reply message: a little under gRPC's default 4 MiB
  * receive limit, so a client that never raised its limit still works. */
-#define FPS_REPLY_BUDGET ((size_t)4 * 1024 * 1024 - 4096)
+#define FPS_REPLY_BUDGET ((size_t)FPS_MESSAGE_BYTES_DEFAULT - 4096)
 
 /* ------------------------------------------------------------- config */
 
@@ -226,7 +227,7 @@ struct fps_server_s {
   fps_timer_t *timer;               /* deadline thread (timer.c) */
   grpc_server *server;
   grpc_completion_queue *cq;
-  void *method[7];                  /* registered method handles */
+  void *method[FPS_METHOD_COUNT];   /* registered method handles */
   int port;
   atomic_bool shutting_down;
   /* Every batch is started under the read side; fps_grpc_stop takes the
@@ -250,21 +251,21 @@ void fps_calls_unlink(fps_server_t *srv, fps_call_t *c);
 /* Timer hook (arg: the server): cancels calls past their deadline. */
 void fps_calls_expire(void *srv, int64_t now_ns);
 
-/* Method entry points: each takes ownership of call, md and payload. */
-void fps_rpc_create_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
-                          grpc_metadata_array *md, grpc_byte_buffer *payload);
-void fps_rpc_stats_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
-                         grpc_metadata_array *md, grpc_byte_buffer *payload);
-void fps_rpc_pull_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
-                        grpc_metadata_array *md, grpc_byte_buffer *payload);
-void fps_rpc_pushpull_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
-                            grpc_metadata_array *md);
-void fps_rpc_checkpoint_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
-                              grpc_metadata_array *md, grpc_byte_buffer *payload);
-void fps_rpc_getstate_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
-                            grpc_metadata_array *md, grpc_byte_buffer *payload);
-void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
-                            grpc_metadata_array *md, grpc_byte_buffer *payload);
+/* Method entry points, one per method of common/methods.h and generated
+ * from it: fps_rpc_<handler>_start(srv, call, deadline, md[, payload]),
+ * each taking ownership of call, md and payload; a method that reads its
+ * own request stream gets no initial payload. */
+#define FPS__RPC_START_0(handler)                                                            \
+  void fps_rpc_##handler##_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline, \
+                                 grpc_metadata_array *md, grpc_byte_buffer *payload);
+#define FPS__RPC_START_1(handler)                                                            \
+  void fps_rpc_##handler##_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline, \
+                                 grpc_metadata_array *md);
+#define FPS__RPC_START(id, name, handler, role, streaming) FPS__RPC_START_##streaming(handler)
+FPS_METHOD_MAP(FPS__RPC_START)
+#undef FPS__RPC_START
+#undef FPS__RPC_START_0
+#undef FPS__RPC_START_1
 
 /* ------------------------------------------------------------- replies */
 

@@ -10,6 +10,7 @@
  * because _count and +Inf are computed from the buckets being rendered. */
 #include "metrics.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -39,8 +40,8 @@ static const char *const grpc_code_names[] = {
 enum { NCODES = sizeof grpc_code_names / sizeof grpc_code_names[0], CODE_UNKNOWN = 2 };
 
 static const char *const method_names[] = {
-#define FPS__STR(id, label) label,
-    FPS_METRICS_METHOD_MAP(FPS__STR)
+#define FPS__STR(id, name, handler, role, streaming) name,
+    FPS_METHOD_MAP(FPS__STR)
 #undef FPS__STR
 };
 
@@ -89,6 +90,9 @@ enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP, DIM_CKPT_REASON, DIM
     "Split tensors: bytes of partial sums sent to peer shards and acknowledged.")     \
   X(xreceived_bytes, counter, "factorps_exchange_received_bytes_total", NONE,        \
     "Split tensors: bytes of partial sums accepted from peer shards.")                \
+  X(push_errors, counter, "factorps_push_errors_total", NONE,                        \
+    "PushPull calls whose push the shard refused or failed (see "                    \
+    "factorps_push_duration_seconds for those answered in full).")                   \
   X(xfailures, counter, "factorps_exchange_failures_total", NONE,                    \
     "Split tensors: steps failed in the exchange (nothing applied on this shard).")   \
   X(waiting, gauge, "factorps_waiting_pushes", NONE,                                 \
@@ -112,6 +116,9 @@ enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP, DIM_CKPT_REASON, DIM
 #define FPS__HIST_MAP(X)                                                             \
   X(rpc_duration, "factorps_rpc_duration_seconds", METHOD, latency,                  \
     "RPC wall time from first message to status, by method.")                        \
+  X(push_duration, "factorps_push_duration_seconds", NONE, latency,                  \
+    "PushPull calls answered in full (a push applied, or a retry answered from the "  \
+    "idempotency window): first message to the last reply message.")                 \
   X(update_duration, "factorps_update_duration_seconds", NONE, latency,              \
     "Time inside the Adafactor update kernel, per tensor update.")                   \
   X(step_wait, "factorps_sync_wait_duration_seconds", NONE, latency,                 \
@@ -172,6 +179,11 @@ static struct {
   _Atomic uint64_t ckpt_last_unix_bits /* a double's bits */, ckpt_last_seq, ckpt_last_bytes, ckpt_mark;
   _Atomic uint64_t restored_seq, restore_ns;
   atomic_bool ready;
+  /* The latencies of the most recent pushes, for Stats' p50 and p99 (a
+   * window, not a counter: the one thing here under a lock). */
+  pthread_mutex_t recent_mu;
+  double recent[FPS_METRICS_RECENT_PUSHES];
+  uint32_t recent_n, recent_head;
   /* Written once by fps_metrics_init, before threads start. */
   uint32_t shard_id, shard_count, workers, staleness_bound;
   double checkpoint_interval;
@@ -180,9 +192,15 @@ static struct {
 
 #define RELAXED memory_order_relaxed
 
+static pthread_once_t fps__recent_once = PTHREAD_ONCE_INIT;
+static void fps__recent_init(void) { pthread_mutex_init(&g.recent_mu, NULL); }
+
 int fps_metrics_init(const fps_metrics_config_t *cfg) {
   if (cfg == NULL) return FPS_EINVAL;
+  pthread_once(&fps__recent_once, fps__recent_init);
+  pthread_mutex_t mu = g.recent_mu;
   memset(&g, 0, sizeof g);
+  g.recent_mu = mu; /* initialised once: the registry is process-wide */
   g.shard_id = cfg->shard_id;
   g.shard_count = cfg->shard_count;
   g.workers = cfg->workers;
@@ -238,6 +256,65 @@ void fps_metrics_update_observe(double seconds, uint64_t bytes) {
   hist_observe(&g.update_duration[0], &set_latency, seconds);
 }
 
+void fps_metrics_push_observe(bool ok, double seconds) {
+  if (!ok) {
+    atomic_fetch_add_explicit(&g.push_errors[0], 1, RELAXED);
+    return;
+  }
+  hist_observe(&g.push_duration[0], &set_latency, seconds);
+  pthread_once(&fps__recent_once, fps__recent_init);
+  pthread_mutex_lock(&g.recent_mu);
+  g.recent[(g.recent_head + g.recent_n) % FPS_METRICS_RECENT_PUSHES] = seconds;
+  if (g.recent_n < FPS_METRICS_RECENT_PUSHES) g.recent_n++;
+  else g.recent_head = (g.recent_head + 1) % FPS_METRICS_RECENT_PUSHES;
+  pthread_mutex_unlock(&g.recent_mu);
+}
+
+static uint64_t hist_count(const hist_t *h) {
+  uint64_t n = 0;
+  for (int i = 0; i <= FPS__HIST_MAX_BUCKETS; i++) n += atomic_load_explicit(&h->bucket[i], RELAXED);
+  return n;
+}
+
+static double hist_seconds(const hist_t *h, const bucket_set_t *set) {
+  return (double)atomic_load_explicit(&h->sum, RELAXED) / set->scale;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+void fps_metrics_totals(fps_metrics_totals_t *t) {
+  memset(t, 0, sizeof *t);
+  t->pushes = hist_count(&g.push_duration[0]);
+  t->push_seconds_sum = hist_seconds(&g.push_duration[0], &set_latency);
+  t->push_errors = atomic_load_explicit(&g.push_errors[0], RELAXED);
+  t->updates = hist_count(&g.update_duration[0]);
+  t->update_seconds_sum = hist_seconds(&g.update_duration[0], &set_latency);
+  t->update_bytes = atomic_load_explicit(&g.update_bytes[0], RELAXED);
+  for (int m = 0; m < FPS_METRICS_METHOD_COUNT; m++) {
+    t->bytes_received += atomic_load_explicit(&g.rpc_received_bytes[m], RELAXED);
+    t->bytes_sent += atomic_load_explicit(&g.rpc_sent_bytes[m], RELAXED);
+  }
+  t->xbytes_sent = atomic_load_explicit(&g.xsent_bytes[0], RELAXED);
+  t->xbytes_received = atomic_load_explicit(&g.xreceived_bytes[0], RELAXED);
+  t->xsteps = hist_count(&g.exchange[0]);
+  t->xseconds_sum = hist_seconds(&g.exchange[0], &set_latency);
+  t->xfailures = atomic_load_explicit(&g.xfailures[0], RELAXED);
+  double lat[FPS_METRICS_RECENT_PUSHES];
+  pthread_once(&fps__recent_once, fps__recent_init);
+  pthread_mutex_lock(&g.recent_mu);
+  uint32_t n = g.recent_n;
+  memcpy(lat, g.recent, sizeof lat);
+  pthread_mutex_unlock(&g.recent_mu);
+  if (n) {
+    qsort(lat, n, sizeof lat[0], cmp_double);
+    t->push_seconds_p50 = lat[(n - 1) / 2];
+    t->push_seconds_p99 = lat[(size_t)((n - 1) * 0.99)];
+  }
+}
+
 void fps_metrics_step_observe(uint32_t waited_for, double wait_seconds) {
   atomic_fetch_add_explicit(&g.steps[0], 1, RELAXED);
   atomic_fetch_add_explicit(&g.workers_waited[0], waited_for, RELAXED);
@@ -258,10 +335,6 @@ void fps_metrics_staleness_observe(uint64_t staleness) {
   hist_observe(&g.staleness[0], &set_staleness, (double)staleness);
 }
 
-void fps_metrics_waiting_set(uint32_t workers) {
-  atomic_store_explicit(&g.waiting[0], workers, RELAXED);
-}
-
 void fps_metrics_waiting_add(int delta) {
   atomic_fetch_add_explicit(&g.waiting[0], (uint64_t)(int64_t)delta, RELAXED);
 }
@@ -272,13 +345,6 @@ void fps_metrics_state_add_tensor(uint64_t numel, const fps_state_size_t *size) 
                            .col = size->col, .var = size->var, .mom = size->mom,
                            .adamw_elements = size->adamw_elements};
   fps_metrics_state_add(&d);
-}
-
-void fps_metrics_state_set(const fps_metrics_state_t *s) {
-  if (s == NULL) return;
-#define FPS__FIELD(f) atomic_store_explicit(&g.state_##f, s->f, RELAXED);
-  FPS__STATE_FIELDS(FPS__FIELD)
-#undef FPS__FIELD
 }
 
 void fps_metrics_state_add(const fps_metrics_state_t *d) {

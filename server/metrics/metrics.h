@@ -14,6 +14,8 @@
  *   ... after every RPC:       fps_metrics_rpc_observe(FPS_METRICS_PUSHPULL, code, secs, 0, 0);
  *   ... payload in/out:        fps_metrics_rpc_bytes(FPS_METRICS_PUSHPULL, rx, tx);
  *   ... after every update:    fps_metrics_update_observe(secs, bytes_moved);
+ *   ... a PushPull answered:   fps_metrics_push_observe(ok, secs)
+ *   ... Stats:                 fps_metrics_totals(&t)
  *   ... a tensor registered:   fps_metrics_state_add_tensor(numel, &size)
  *   ... sync/ssp:              fps_metrics_step_observe / _staleness_observe / _waiting_add
  *   ... checkpoints:           fps_metrics_restore_set (start-up), then per write
@@ -38,23 +40,15 @@
 #include <stdint.h>
 
 #include "adafactor.h"
+#include "methods.h"
 
-/* RPC methods with their own series (label method="<name>"). The second
- * column is the label value, the gRPC method name. */
-#define FPS_METRICS_METHOD_MAP(X)                                          \
-  X(CREATE, "Create")                                                      \
-  X(PUSHPULL, "PushPull")                                                  \
-  X(PULL, "Pull")                                                          \
-  X(STATS, "Stats")                                                        \
-  X(CHECKPOINT, "Checkpoint")                                              \
-  X(GETSTATE, "GetState")                                                  \
-  X(EXCHANGE, "Exchange")
-
+/* RPC methods with their own series (label method="<name>"): the one
+ * method list (common/methods.h), the gRPC method name as the label. */
 typedef enum fps_metrics_method_e {
-#define FPS_METRICS_METHOD_ENUM(id, label) FPS_METRICS_##id,
-  FPS_METRICS_METHOD_MAP(FPS_METRICS_METHOD_ENUM)
+#define FPS_METRICS_METHOD_ENUM(id, name, handler, role, streaming) FPS_METRICS_##id = FPS_METHOD_##id,
+  FPS_METHOD_MAP(FPS_METRICS_METHOD_ENUM)
 #undef FPS_METRICS_METHOD_ENUM
-  FPS_METRICS_METHOD_COUNT
+  FPS_METRICS_METHOD_COUNT = FPS_METHOD_COUNT
 } fps_metrics_method_t;
 
 /* Optimizer-state kinds (label kind="<name>"). */
@@ -152,6 +146,26 @@ int fps_metrics_method_from_name(const char *name);
  * Lock-free, any thread. */
 void fps_metrics_update_observe(double seconds, uint64_t bytes);
 
+/* A PushPull's push: answered in full (ok: its seconds from the first
+ * message to the last reply message) or refused/failed by the shard. Any
+ * thread; ok takes a short lock for the window of recent latencies. */
+void fps_metrics_push_observe(bool ok, double seconds);
+
+/* The counters Stats shows, read from the registry (the one store of
+ * counters: nothing else keeps a copy). Any thread. */
+#define FPS_METRICS_RECENT_PUSHES 1024 /* pushes behind Stats' p50 and p99 */
+typedef struct fps_metrics_totals_s {
+  uint64_t pushes, push_errors;       /* push_duration's count; push_errors */
+  double push_seconds_sum;
+  double push_seconds_p50, push_seconds_p99; /* of the recent pushes, 0: none */
+  uint64_t updates, update_bytes;     /* update_duration's count; update_bytes */
+  double update_seconds_sum;
+  uint64_t bytes_received, bytes_sent; /* tensor payload, every method */
+  uint64_t xbytes_sent, xbytes_received, xsteps, xfailures; /* the exchange */
+  double xseconds_sum;
+} fps_metrics_totals_t;
+void fps_metrics_totals(fps_metrics_totals_t *out);
+
 /* sync: one round completed (one tensor's step: the gradients of all
  * `waited_for` workers averaged and applied); `wait_seconds` is how long its
  * first member waited for the last. Lock-free, any thread. */
@@ -166,14 +180,11 @@ void fps_metrics_exchange_observe(bool ok, double seconds);
 void fps_metrics_staleness_observe(uint64_t staleness);
 /* Gauge of what waits for other workers now: in sync, tensor gradients
  * sitting in open rounds (a call pushing 3 tensors counts 3); in ssp,
- * parked PushPull calls. _add moves it by delta (+1 park, -1 leave). */
-void fps_metrics_waiting_set(uint32_t pushes);
+ * parked PushPull calls. Moves it by delta (+1 park, -1 leave). */
 void fps_metrics_waiting_add(int delta);
 
-/* The shard's state totals: _set replaces them (e.g. after a restore or
- * from the collect callback), _add adds one new tensor's figures (e.g. when
- * Create registers it; tensors are never deleted, so totals only grow). */
-void fps_metrics_state_set(const fps_metrics_state_t *s);
+/* Adds to the shard's state totals (a new tensor's or block's figures:
+ * tensors are never deleted, so totals only grow). NULL is ignored. */
 void fps_metrics_state_add(const fps_metrics_state_t *delta);
 /* Adds one new tensor: numel elements with optimizer state `size` (from
  * fps_adafactor_state_size()). NULL size is ignored. */
@@ -215,9 +226,8 @@ typedef struct fps_metrics_http_opts_s {
   /* "host:port", "[v6]:port" or ":port" (all IPv4 interfaces). Port 0 picks
    * a free port (see fps_metrics_http_port). Required. */
   const char *listen;
-  /* Optional: called on the HTTP thread before each /metrics render, e.g.
-   * to refresh the state gauges from the shard's own totals with
-   * fps_metrics_state_set(). Must not block for long. */
+  /* Optional: called on the HTTP thread before each /metrics render.
+   * Must not block for long. */
   void (*collect)(void *arg);
   /* Optional: /readyz asks this instead of the fps_metrics_ready_set() flag. */
   bool (*ready)(void *arg);

@@ -2,7 +2,8 @@
  * counters, and the views the read-only methods take of it (Pull's
  * parameters, GetState's optimizer state, Stats' figures). It stands
  * above every other file of the core: it is the one that starts and ends
- * them all. */
+ * them all. Its counters are the metrics registry's (server/metrics),
+ * the one store of them. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,21 +11,7 @@
 
 #include "alloc.h"
 #include "internal.h"
-
-void fps_counters_push_done(fps_shard_t *sh, bool ok, double seconds) {
-  fps_counters_t *c = &sh->counters;
-  if (!ok) {
-    atomic_fetch_add(&c->push_errors, 1);
-    return;
-  }
-  atomic_fetch_add(&c->pushes, 1);
-  pthread_mutex_lock(&c->mu);
-  c->push_seconds_sum += seconds;
-  c->latency[(c->latency_head + c->latency_n) % FPS_LATENCY_RING] = seconds;
-  if (c->latency_n < FPS_LATENCY_RING) c->latency_n++;
-  else c->latency_head = (c->latency_head + 1) % FPS_LATENCY_RING;
-  pthread_mutex_unlock(&c->mu);
-}
+#include "metrics.h"
 
 int fps_shard_snapshot(fps_shard_t *sh, const char *name, fps_tensor_t **tp, fps_snap_t **snap, char *why,
                        size_t wl) {
@@ -119,11 +106,6 @@ void fps_state_snap_release(fps_shard_t *sh, fps_state_snap_t *s) {
   s->data = NULL;
 }
 
-static int fps__cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
 int fps_shard_view(fps_shard_t *sh, bool with_tensors, uint32_t log_limit, fps_shard_view_t *v) {
   memset(v, 0, sizeof *v);
   v->simd = fps_kernels_name(sh->kernels);
@@ -177,30 +159,23 @@ int fps_shard_view(fps_shard_t *sh, bool with_tensors, uint32_t log_limit, fps_s
     pthread_mutex_unlock(&t->mu);
   }
   pthread_rwlock_unlock(&sh->store.mu);
-  fps_counters_t *c = &sh->counters;
-  v->pushes = atomic_load(&c->pushes);
-  v->push_errors = atomic_load(&c->push_errors);
-  v->updates = atomic_load(&c->updates);
-  v->bytes_received = atomic_load(&c->bytes_received);
-  v->bytes_sent = atomic_load(&c->bytes_sent);
-  v->update_bytes = atomic_load(&c->update_bytes);
-  v->xbytes_sent = atomic_load(&c->xbytes_sent);
-  v->xbytes_received = atomic_load(&c->xbytes_received);
-  v->xsteps = atomic_load(&c->xsteps);
-  v->xfailures = atomic_load(&c->xfailures);
-  double lat[FPS_LATENCY_RING];
-  pthread_mutex_lock(&c->mu);
-  v->push_seconds_sum = c->push_seconds_sum;
-  v->update_seconds_sum = c->update_seconds_sum;
-  v->xseconds_sum = c->xseconds_sum;
-  uint32_t nl = c->latency_n;
-  memcpy(lat, c->latency, sizeof lat);
-  pthread_mutex_unlock(&c->mu);
-  if (nl) {
-    qsort(lat, nl, sizeof lat[0], fps__cmp_double);
-    v->push_seconds_p50 = lat[(nl - 1) / 2];
-    v->push_seconds_p99 = lat[(size_t)((nl - 1) * 0.99)];
-  }
+  fps_metrics_totals_t c; /* the registry is the one store of counters */
+  fps_metrics_totals(&c);
+  v->pushes = c.pushes;
+  v->push_errors = c.push_errors;
+  v->updates = c.updates;
+  v->bytes_received = c.bytes_received;
+  v->bytes_sent = c.bytes_sent;
+  v->update_bytes = c.update_bytes;
+  v->xbytes_sent = c.xbytes_sent;
+  v->xbytes_received = c.xbytes_received;
+  v->xsteps = c.xsteps;
+  v->xfailures = c.xfailures;
+  v->push_seconds_sum = c.push_seconds_sum;
+  v->update_seconds_sum = c.update_seconds_sum;
+  v->xseconds_sum = c.xseconds_sum;
+  v->push_seconds_p50 = c.push_seconds_p50;
+  v->push_seconds_p99 = c.push_seconds_p99;
   v->uptime_seconds = (double)(fps_now_ns() - sh->started_ns) / 1e9;
   return 0;
 }
@@ -230,7 +205,6 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
   pthread_mutex_init(&sh->ssp_mu, NULL);
   pthread_mutex_init(&sh->rounds_mu, NULL);
   pthread_mutex_init(&sh->held_mu, NULL);
-  pthread_mutex_init(&sh->counters.mu, NULL);
   pthread_mutex_init(&sh->ckpt_mu, NULL);
   pthread_mutex_init(&sh->xs_mu, NULL);
   pthread_mutex_init(&sh->spare_mu, NULL);
@@ -252,7 +226,6 @@ void fps_shard_destroy(fps_shard_t *sh) {
   pthread_mutex_destroy(&sh->ssp_mu);
   pthread_mutex_destroy(&sh->rounds_mu);
   pthread_mutex_destroy(&sh->held_mu);
-  pthread_mutex_destroy(&sh->counters.mu);
   pthread_mutex_destroy(&sh->ckpt_mu);
   pthread_mutex_destroy(&sh->xs_mu);
   pthread_mutex_destroy(&sh->spare_mu);
@@ -299,5 +272,3 @@ void fps_shard_free(fps_shard_t *sh) {
   fps_shard_destroy(sh);
   fps_free(sh);
 }
-
-void fps_counters_sent(fps_shard_t *sh, uint64_t bytes) { atomic_fetch_add(&sh->counters.bytes_sent, bytes); }

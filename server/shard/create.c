@@ -700,7 +700,6 @@ again:
    * changed nothing: counted, SIGTERM after a restore would rewrite an
    * unchanged shard's checkpoint. */
   if (new_count > 0 || nr > 0) atomic_fetch_add(&sh->changes, 1);
-  atomic_fetch_add(&sh->counters.bytes_received, received);
   *received_out = received;
   for (size_t i = 0; i < n; i++) {
     fps_plan_t *lead = &p[p[i].lead];

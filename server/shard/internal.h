@@ -31,7 +31,7 @@
  *                 apply, a sync round or an ssp wait
  *   create.c      Create's rules: create-or-match, init coverage, limits
  *   checkpoint.c  durable checkpoints: restore, snapshots, the interval
- *   shard.c       the shard: set-up, teardown, expiry, the counters and
+ *   core.c        the shard: set-up, teardown, expiry, the counters and
  *                 the views Stats, Pull and GetState read
  *
  * Locks, in acquisition order (never the reverse): store->mu (rwlock) ->
@@ -61,7 +61,6 @@
 typedef struct fps_push_entry_s fps_push_entry_t;
 struct fps_tensor_split_s;
 
-#define FPS_LATENCY_RING 1024            /* recent pushes kept for p50/p99 */
 /* Tensors at least this big are updated on the kernel pool; smaller ones on
  * the calling thread (the pool runs one job at a time, and many small
  * tensors already spread over the pollers). */
@@ -898,27 +897,6 @@ void fps__sync_expire(fps_shard_t *sh, int64_t now, bool force, int err, const c
 
 /* ----------------------------------------------------- shard.c */
 
-/* The counters Stats reads. */
-typedef struct fps_counters_s {
-  atomic_uint_fast64_t pushes;
-  atomic_uint_fast64_t push_errors;
-  atomic_uint_fast64_t updates;
-  atomic_uint_fast64_t bytes_received;
-  atomic_uint_fast64_t bytes_sent;
-  atomic_uint_fast64_t update_bytes;
-  pthread_mutex_t mu;               /* the doubles and the latency ring */
-  double push_seconds_sum;
-  double update_seconds_sum;
-  /* The exchange of split tensors' partials (xstep.c): bytes of partials
-   * acknowledged by peers / accepted from peers, steps exchanged, steps
-   * failed (every cause), and their seconds from sending ours to having
-   * every block's (sum, under mu). */
-  atomic_uint_fast64_t xbytes_sent, xbytes_received, xsteps, xfailures;
-  double xseconds_sum;
-  double latency[FPS_LATENCY_RING];
-  uint32_t latency_n, latency_head;
-} fps_counters_t;
-
 struct fps_shard_s {
   fps_shard_opts_t cfg;
   fps_idem_t idem;                  /* push idempotency (idem.c) */
@@ -932,7 +910,6 @@ struct fps_shard_s {
                                      * recently kept first (given up in
                                      * that order) */
   fps_store_t store;
-  fps_counters_t counters;
   int64_t started_ns;
   /* ssp: per-worker completed pushes and the parked pushes. */
   pthread_mutex_t ssp_mu;

@@ -647,6 +647,5 @@ int fps_push_slice(fps_push_t *p, const char *name, const fps_slice_t *s, char *
       return FPS_EINVAL;
     }
   }
-  atomic_fetch_add(&sh->counters.bytes_received, s->len);
   return 0;
 }

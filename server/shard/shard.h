@@ -329,10 +329,6 @@ typedef struct fps_shard_view_s {
 int fps_shard_view(fps_shard_t *sh, bool with_tensors, uint32_t log_limit, fps_shard_view_t *out);
 void fps_shard_view_free(fps_shard_view_t *v);
 
-/* Counts a finished push (ok: its latency too) and reply bytes sent. */
-void fps_counters_push_done(fps_shard_t *sh, bool ok, double seconds);
-void fps_counters_sent(fps_shard_t *sh, uint64_t bytes);
-
 /* ---------------------------------------------------------------- push */
 
 /* Called once when a push that fps_push_commit() left waiting is resolved

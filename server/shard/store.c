@@ -348,12 +348,7 @@ int fps__tensor_apply_locked(fps_shard_t *sh, fps_tensor_t *t, float **grad, boo
       else t->log_len++;
       t->log[slot] = (fps_apply_rec_t){worker_id, step, t->version, t->last_lr, t->last_weight_decay};
     }
-    atomic_fetch_add(&sh->counters.updates, 1);
-    atomic_fetch_add(&sh->counters.update_bytes, tr.bytes);
     fps_metrics_update_observe((double)(t1 - t0) / 1e9, tr.bytes);
-    pthread_mutex_lock(&sh->counters.mu);
-    sh->counters.update_seconds_sum += (double)(t1 - t0) / 1e9;
-    pthread_mutex_unlock(&sh->counters.mu);
   }
   if (want_snap && refs > 0) {
     /* The replies read the published buffer itself: no copy. */

@@ -489,7 +489,6 @@ static void fps__xg_advance(fps_xgroup_t *g);
 static void fps__xsend_done(void *arg, int err, const char *msg) {
   fps_xsendrec_t *rec = arg;
   fps_xgroup_t *g = rec->g;
-  fps_shard_t *sh = g->sh;
   pthread_mutex_lock(&g->mu);
   rec->state = err ? 3 : 2;
   if (!g->over) {
@@ -506,7 +505,6 @@ static void fps__xsend_done(void *arg, int err, const char *msg) {
   bool ready = fps__xg_ready_locked(g);
   pthread_mutex_unlock(&g->mu);
   if (!err) {
-    atomic_fetch_add(&sh->counters.xbytes_sent, rec->x->own_len[rec->phase - 1]);
     fps_metrics_exchange_bytes(rec->x->own_len[rec->phase - 1], 0);
   }
   if (ready) fps__xg_advance(g);
@@ -658,16 +656,7 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
   }
   snprintf(why, sizeof why, "%s", g->msg);
   pthread_mutex_unlock(&g->mu);
-  if (err) {
-    atomic_fetch_add(&sh->counters.xfailures, 1);
-    fps_metrics_exchange_observe(false, 0);
-  } else {
-    atomic_fetch_add(&sh->counters.xsteps, 1);
-    pthread_mutex_lock(&sh->counters.mu);
-    sh->counters.xseconds_sum += (double)(now - g->started_ns) / 1e9;
-    pthread_mutex_unlock(&sh->counters.mu);
-    fps_metrics_exchange_observe(true, (double)(now - g->started_ns) / 1e9);
-  }
+  fps_metrics_exchange_observe(err == 0, err ? 0 : (double)(now - g->started_ns) / 1e9);
   g->settle(sh, g->set, g->k, err, why, sizeof why);
   fps__xg_unref(g); /* settled: no tensor points to it any more */
 }
@@ -997,7 +986,6 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
     goto out;
   }
   memcpy(wire, m->partials, m->len);
-  atomic_fetch_add(&sh->counters.xbytes_received, m->len);
   fps_metrics_exchange_bytes(0, m->len);
   if (!x) {
     /* Before our own step of that version and attempt: kept until it

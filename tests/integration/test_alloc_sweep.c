@@ -253,8 +253,10 @@ static void shard_state_take(shard_state_t *s) {
   s->count = g_srv.shard->store.count;
   s->param_bytes = g_srv.shard->store.param_bytes;
   pthread_rwlock_unlock(&g_srv.shard->store.mu);
-  s->updates = atomic_load(&g_srv.shard->counters.updates);
-  s->update_bytes = atomic_load(&g_srv.shard->counters.update_bytes);
+  fps_metrics_totals_t tot; /* the counters are the metrics registry's */
+  fps_metrics_totals(&tot);
+  s->updates = tot.updates;
+  s->update_bytes = tot.update_bytes;
   s->tbuf = fps_shard_in_flight_bytes(g_srv.shard); /* spares are a cache */
 }
 

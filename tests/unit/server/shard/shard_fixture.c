@@ -1,4 +1,5 @@
 /* Helpers of the shard core's unit tests (see shard_fixture.h). */
+#include "metrics.h"
 #include "shard_fixture.h"
 
 #include <stdio.h>
@@ -7,6 +8,15 @@
 
 #include "dtype.h"
 #include "simd/kernels.h"
+
+/* The registry's update count when the last fixture shard was made. */
+static uint64_t fx_updates0;
+
+static uint64_t fx_updates_now(void) {
+  fps_metrics_totals_t t;
+  fps_metrics_totals(&t);
+  return t.updates;
+}
 
 void fx_shard(fps_shard_t *sh, int mode, uint32_t workers, uint32_t staleness) {
   static const fps_kernels_t *k;
@@ -21,6 +31,7 @@ void fx_shard(fps_shard_t *sh, int mode, uint32_t workers, uint32_t staleness) {
                         .max_bytes = 64u << 20, .max_staging_bytes = 64u << 20, .apply_log = 8,
                         .checkpoint_dir = ""};
   if (fps_shard_init(sh, &o, k, NULL) < 0) abort();
+  fx_updates0 = fx_updates_now();
 }
 
 void fx_shard_free(fps_shard_t *sh) { fps_shard_destroy(sh); }
@@ -106,6 +117,7 @@ void fx_shard_with(fps_shard_t *sh, int mode, uint32_t workers, const fps_kernel
                         .deadline = FX_DEADLINE_S, .max_tensors = 8, .max_bytes = 64u << 20,
                         .max_staging_bytes = staging, .apply_log = 8, .checkpoint_dir = ""};
   if (fps_shard_init(sh, &o, k, NULL) < 0) abort();
+  fx_updates0 = fx_updates_now();
 }
 
 uint32_t fx_rnd(uint32_t *s) {
@@ -183,3 +195,5 @@ void fx_replay(const fps_kernels_t *k, const uint64_t *dims, size_t ndim, const 
   fx_shard_free(&ref);
   free(sum);
 }
+
+uint64_t fx_updates(void) { return fx_updates_now() - fx_updates0; }

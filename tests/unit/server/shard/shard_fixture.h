@@ -76,4 +76,8 @@ void fx_events_free(fx_ev_t *ev, size_t n);
 void fx_replay(const fps_kernels_t *k, const uint64_t *dims, size_t ndim, const float *init, const float *g,
                uint32_t nw, float *out);
 
+/* Tensor updates applied since the last fx_shard()/fx_shard_with() (the
+ * counters are the process's metrics registry). */
+uint64_t fx_updates(void);
+
 #endif

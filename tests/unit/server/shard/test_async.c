@@ -8,6 +8,7 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include "metrics.h"
 #include "shard_fixture.h"
 
 static const uint64_t DIMS[] = {16, 8};
@@ -161,6 +162,10 @@ static void no_grad_and_skip_params(void **unused) {
 
 static void view_shows_totals_log_and_counters(void **unused) {
   (void)unused;
+  /* The counters are the process's metrics registry: start it afresh, as
+   * a shard process does. */
+  fps_metrics_config_t mc = {.shard_id = 0};
+  assert_int_equal(fps_metrics_init(&mc), 0);
   fps_shard_t sh;
   fx_shard(&sh, FPS_MODE_ASYNC, 1, 0);
   float v[N], g[N];
