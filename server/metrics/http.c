@@ -34,6 +34,7 @@
 #include "alloc.h"
 #include "error.h"
 #include "internal.h"
+#include "log.h"
 #include "metrics.h"
 
 #define FPS__URL_MAX 1024
@@ -410,8 +411,7 @@ int fps_metrics_http_start(const fps_metrics_http_opts_t *opts, fps_metrics_http
   struct sockaddr_storage ss;
   memset(&ss, 0, sizeof ss);
   if (parse_listen(opts->listen, &ss) < 0) {
-    fprintf(stderr, "factorps: metrics: bad listen address '%s' (want host:port)\n",
-            opts->listen);
+    FPS_LOG(FPS_LOG_ERROR, "metrics: bad listen address '%s' (want host:port)", opts->listen);
     return FPS_EINVAL;
   }
   fps_metrics_http_t *h = fps_calloc(1, sizeof *h);
@@ -456,8 +456,7 @@ int fps_metrics_http_start(const fps_metrics_http_opts_t *opts, fps_metrics_http
   if (rc == 0 && opts->port_file && *opts->port_file) rc = write_port_file(opts->port_file, h->port);
   if (rc == 0) rc = uv_thread_create(&h->thread, loop_thread, h);
   if (rc < 0) {
-    fprintf(stderr, "factorps: metrics: cannot serve on '%s': %s\n", opts->listen,
-            uv_strerror(rc));
+    FPS_LOG(FPS_LOG_ERROR, "metrics: cannot serve on '%s': %s", opts->listen, uv_strerror(rc));
     uv_close((uv_handle_t *)&h->listener, NULL);
     uv_close((uv_handle_t *)&h->stop, NULL);
     uv_run(&h->loop, UV_RUN_DEFAULT);

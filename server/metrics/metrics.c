@@ -429,34 +429,6 @@ void fps__metrics_http_connections_add(int delta) {
 
 /* ------------------------------------------------------------ rendering */
 
-void fps__mbuf_printf(fps__mbuf_t *b, const char *fmt, ...) {
-  if (b->oom) return;
-  for (;;) {
-    size_t room = b->cap - b->len;
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(b->p ? b->p + b->len : NULL, room, fmt, ap);
-    va_end(ap);
-    if (n < 0) {
-      b->oom = true;
-      return;
-    }
-    if ((size_t)n < room) {
-      b->len += (size_t)n;
-      return;
-    }
-    size_t cap = b->cap ? b->cap * 2 : 8192;
-    while (cap - b->len <= (size_t)n) cap *= 2;
-    char *p = fps_realloc(b->p, cap);
-    if (p == NULL) {
-      b->oom = true;
-      return;
-    }
-    b->p = p;
-    b->cap = cap;
-  }
-}
-
 /* Label values must escape backslash, double quote and newline. */
 static void escape_label(char *out, size_t cap, const char *in) {
   size_t o = 0;
