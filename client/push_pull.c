@@ -120,7 +120,7 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
     const pp_item_t *it = &pc->items[pc->pos];
     size_t name_len = strlen(it->t->name);
     const fps_tensor_push_t *tp = job->per ? &job->per[it->idx] : NULL;
-    if (tp && !(tp->has_lr || tp->has_weight_decay || tp->no_grad || tp->has_step)) tp = NULL;
+    if (tp && !(tp->has_lr || tp->has_weight_decay || tp->no_grad || tp->has_step || tp->skip_step)) tp = NULL;
     uint64_t tp_over = tp && pc->off == 0 ? FPS__WIRE_TENSOR_PUSH_MAX(name_len) : 0;
     if (tp && tp->no_grad) {
       if (k > 0 && used + tp_over > budget) break; /* the message is full */
@@ -161,7 +161,8 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
     const pp_run_t *r = &pc->plan[i];
     const fps__tensor_t *t = r->it->t;
     const fps_tensor_push_t *tp = job->per ? &job->per[r->it->idx] : NULL;
-    if (tp && r->off == 0 && (tp->has_lr || tp->has_weight_decay || tp->no_grad || tp->has_step))
+    if (tp && r->off == 0 &&
+        (tp->has_lr || tp->has_weight_decay || tp->no_grad || tp->has_step || tp->skip_step))
       hn += fps__wire_tensor_push(h + hn, 5, t->name, strlen(t->name), tp);
     if (r->count == 0 && tp && tp->no_grad) continue; /* settings only */
     hn += fps_wire_slice_header(h + hn, 3, t->name, strlen(t->name), job->dtype, t->ndim, t->shape, r->off,

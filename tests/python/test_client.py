@@ -115,6 +115,20 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(params, {})
         self.assertEqual(set(versions.values()), {0})
 
+    def test_skip_step_reaches_the_shard(self):
+        # skip_step alone must travel (the shard refuses it without no_grad)
+        # rather than be dropped, which pushed and applied the gradient.
+        grads = {n: np.ones(s, np.float32) for n, s in SHAPES.items()}
+        with self.assertRaisesRegex(factorps.InvalidArgumentError, "skip_step needs no_grad"):
+            self.client.push_pull(grads, settings={"w1": {"skip_step": True}})
+        _, versions = self.client.pull(want_params=False)
+        self.assertEqual(versions["w1"], 0)
+        # With no_grad (what an AMP step with an Inf sends): nothing applied.
+        params, versions = self.client.push_pull(
+            {"w1": None}, settings={"w1": {"no_grad": True, "skip_step": True}})
+        self.assertEqual(versions["w1"], 0)
+        np.testing.assert_array_equal(params["w1"], self.init["w1"])
+
     def test_stats_per_shard(self):
         self.client.push_pull({n: np.ones(s, np.float32) for n, s in SHAPES.items()})
         stats = self.client.stats()
