@@ -455,6 +455,13 @@ static size_t plan_chunks(pp_item_t *items, size_t n, uint64_t esz, uint64_t tar
   size_t k = 0;
   uint64_t bytes = 0, total = 0;
   for (size_t i = 0; i < n; i++) total += items[i].numel * esz;
+  /* A push that fits one chunk keeps the caller's order: it is the same
+   * call an unchunked push makes, so a retry of its push_id matches the
+   * first attempt whichever client (or chunk size) made that one. */
+  if (total <= target) {
+    len[0] = n;
+    return 1;
+  }
   if (target < total / PUSH_MAX_CALLS + 1) target = total / PUSH_MAX_CALLS + 1;
   qsort(items, n, sizeof *items, by_size_desc);
   for (size_t i = 0, start = 0; i < n; i++) {
