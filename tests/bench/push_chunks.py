@@ -29,7 +29,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TICK = os.sysconf("SC_CLK_TCK")
-children = []
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The shards start and stop as side_by_side's do; its children list is the
+# one the exit path below cleans up.
+from side_by_side import children, start_shards, stop  # noqa: E402
 
 
 def log(*a):
@@ -58,46 +61,6 @@ def steal():
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     return v[7], sum(v)
-
-
-def stop(procs):
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        if p in children:
-            children.remove(p)
-
-
-def start_shards(build, tmp, mode, workers, flags):
-    procs, addrs = [], []
-    for i in range(2):
-        pf = os.path.join(tmp, f"port{i}")
-        if os.path.exists(pf):
-            os.unlink(pf)
-        lf = open(os.path.join(tmp, f"shard{i}.log"), "w")
-        p = subprocess.Popen([os.path.join(build, "server", "factorps-server"), "--listen",
-                              "127.0.0.1:0", "--shard-id", str(i), "--shard-count", "2", "--mode",
-                              mode, "--workers", str(workers), "--deadline", "600", "--port-file",
-                              pf] + flags, stdout=lf, stderr=subprocess.STDOUT)
-        children.append(p)
-        procs.append(p)
-    for i, p in enumerate(procs):
-        pf = os.path.join(tmp, f"port{i}")
-        for _ in range(1000):
-            if os.path.exists(pf) and os.path.getsize(pf) > 0:
-                break
-            if p.poll() is not None:
-                stop(procs)
-                raise RuntimeError(f"shard {i} died")
-            time.sleep(0.02)
-        addrs.append("127.0.0.1:" + open(pf).read().strip())
-    return procs, addrs
 
 
 def run_once(a, tmp, n, w, mode, wire, chunk, steps):

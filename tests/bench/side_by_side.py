@@ -89,7 +89,8 @@ def stop(procs):
             children.remove(p)
 
 
-def start_shards(build, tmp, mode, workers):
+def start_shards(build, tmp, mode, workers, flags=()):
+    """Two shards on 127.0.0.1 (port 0), `flags` added to each: (procs, addrs)."""
     procs, addrs = [], []
     for i in range(2):
         pf = os.path.join(tmp, f"port{i}")
@@ -99,7 +100,7 @@ def start_shards(build, tmp, mode, workers):
         p = subprocess.Popen([os.path.join(build, "server", "factorps-server"), "--listen",
                               "127.0.0.1:0", "--shard-id", str(i), "--shard-count", "2", "--mode",
                               mode, "--workers", str(workers), "--deadline", "600", "--port-file",
-                              pf], stdout=lf, stderr=subprocess.STDOUT)
+                              pf, *flags], stdout=lf, stderr=subprocess.STDOUT)
         children.append(p)
         procs.append(p)
     for i, p in enumerate(procs):
