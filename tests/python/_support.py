@@ -46,14 +46,17 @@ class Shards:
     """N real shards of one job: `with Shards(2, workers=2) as s: s.addrs`."""
 
     def __init__(self, n=1, mode="sync", workers=1, deadline=None, extra=(), checkpoint=None,
-                 peers=False):
+                 peers=False, metrics=False):
         """`checkpoint`: seconds between checkpoints; each shard then gets its
         own --checkpoint-dir (kept across restart()), so a restarted shard
         comes back from its newest checkpoint. `peers`: every shard gets
         --peers (all shards' addresses, for split tensors), so the ports are
         chosen before the shards start (free loopback ports; a start that
-        finds one taken is retried on fresh ports)."""
+        finds one taken is retried on fresh ports). `metrics`: each shard
+        serves /metrics on a loopback port of its own (see rpc_count())."""
         self.n, self.mode, self.workers = n, mode, workers
+        self.metrics = metrics
+        self.metrics_ports = [None] * n
         self.deadline, self.extra = deadline, list(extra)
         self.checkpoint = checkpoint
         self.peers = peers
@@ -95,10 +98,31 @@ class Shards:
         args += self.extra
         sp = fpsproc.ShardProcess(args, server=SERVER, listen=f"127.0.0.1:{port}", dir=self.dir,
                                   name=f"shard{i}",
+                                  metrics_listen="127.0.0.1:0" if self.metrics else None,
                                   timeout=START_TIMEOUT)
         sp.log.close()  # the process holds its own descriptor; log() reads the file
         self.procs[i] = sp.proc
         self.ports[i] = sp.port
+        self.metrics_ports[i] = sp.metrics_port
+
+    def rpc_count(self, method):
+        """Calls of `method` ("GetState", "PushPull", ...) all shards
+        answered so far, whatever their code: the sum of their
+        factorps_rpc_requests_total{method=...} (needs metrics=True)."""
+        import http.client
+        import re
+        total = 0
+        for port in self.metrics_ports:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            try:
+                c.request("GET", "/metrics")
+                text = c.getresponse().read().decode()
+            finally:
+                c.close()
+            for m in re.finditer(r'^factorps_rpc_requests_total\{([^}]*)\} (\S+)$', text, re.M):
+                if f'method="{method}"' in m.group(1):
+                    total += float(m.group(2))
+        return int(total)
 
     def log(self, i):
         try:

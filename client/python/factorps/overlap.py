@@ -215,6 +215,7 @@ class Overlap:
             opt._prepare()
         opt._check_fixed()
         opt._write_local_changes()
+        opt._scalars_before_push()
         self._settings = opt._push_settings()
         self._before = dict(opt._versions)
         self._started = True

@@ -222,8 +222,9 @@ def _same_fingerprint(a: Tuple[int, int, float], b: Tuple[int, int, float]) -> b
 class _ShardState(Mapping):
     """`optimizer.state`: param -> the shard's state under upstream names,
     fetched (GetState) on first access after each step: `state[p]` reads
-    p's tensor only (transformers' AdafactorSchedule reads one parameter
-    per group every step), iteration reads them all. A snapshot: writing
+    p's tensor only (hf: "step" and "RMS", which transformers'
+    AdafactorSchedule reads every step, without a read: _HFParamState),
+    iteration reads them all. A snapshot: writing
     into it changes nothing on the shards. Every parameter that travels
     (requires_grad) has an entry, zeros before its first update."""
 
@@ -233,8 +234,10 @@ class _ShardState(Mapping):
     def _all(self) -> Dict[Tensor, Dict[str, Any]]:
         return self._opt._fetch_state()
 
-    def __getitem__(self, p: Tensor) -> Dict[str, Any]:
+    def __getitem__(self, p: Tensor) -> Mapping:
         if isinstance(p, Tensor) and id(p) in self._opt._names:
+            if self._opt.flavor == "hf" and p.requires_grad:
+                return _HFParamState(self._opt, p)
             got = self._opt._fetch_state(p)
             if p in got:
                 return got[p]
@@ -258,6 +261,33 @@ class _ShardState(Mapping):
 
     def __repr__(self) -> str:
         return f"<factorps shard state of {len(self._opt._names)} tensors>"
+
+
+class _HFParamState(Mapping):
+    """`optimizer.state[p]` of a RemoteHFAdafactor parameter: "step" and
+    "RMS" (all that transformers' AdafactorSchedule reads, through
+    `_get_lr`, every step) come from what this worker tracks (see
+    `_RemoteAdafactorBase._scalars_of`), without a GetState per step; any
+    other key reads p's state from its shard."""
+
+    def __init__(self, opt: "_RemoteAdafactorBase", p: Tensor) -> None:
+        self._opt, self._p = opt, p
+
+    def _full(self) -> Dict[str, Any]:
+        return self._opt._fetch_state(self._p).get(self._p, {})
+
+    def __getitem__(self, key: str) -> Any:
+        if key in ("step", "RMS"):
+            sc = self._opt._scalars_of(self._p)
+            if sc is not None:
+                return sc[0] if key == "step" else torch.tensor(sc[1], dtype=torch.float32)
+        return self._full()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._full())
+
+    def __len__(self) -> int:
+        return len(self._full())
 
 
 class _RemoteAdafactorBase(Optimizer):
@@ -344,6 +374,12 @@ class _RemoteAdafactorBase(Optimizer):
         self._loaded: Optional[Dict[Tensor, Dict[str, Any]]] = None
         self._state_cache: Optional[Dict[Tensor, Dict[str, Any]]] = None
         self._state_one: Dict[Tensor, Dict[str, Any]] = {}  # state[p] reads since the step
+        # hf: id(param) -> (step, RMS, version) of its last update, for the
+        # parameters whose state[p] was read (AdafactorSchedule's first
+        # parameter of each group), and their (version, RMS) before the
+        # step's push: see _scalars_of().
+        self._scalars: Dict[int, Tuple[int, float, int]] = {}
+        self._scalars_pre: Dict[int, Tuple[int, float]] = {}
         self._shard_mode: Optional[str] = None
         self._own_client = False
         self._overlap: Optional[Overlap] = None   # attach(): pushes during backward
@@ -576,6 +612,7 @@ class _RemoteAdafactorBase(Optimizer):
         self._pushes = 0
         self._loaded = None
         self._forget_state()
+        self._scalars, self._scalars_pre = {}, {}
         self._fixed = [{k: g[k] for k in self._FIXED} for g in self.param_groups]
         self._prints = {id(p): _fingerprint(p) for p in params}
         self._travel = {id(p) for p in params}
@@ -630,6 +667,64 @@ class _RemoteAdafactorBase(Optimizer):
         got = self.client.get_state(names)
         self._state_cache = {p: self._state_view(p, got[n]) for p, n in zip(params, names)}
         return self._state_cache
+
+    def _scalars_of(self, p: Tensor) -> Optional[Tuple[int, float, int]]:
+        """(step, RMS, version) of `p`'s last update on its shard, without a
+        GetState once `p` is watched: the first call reads them (and marks
+        `p`), then every step() tracks them. An update adds one to the
+        tensor's version and to its step, and reports as RMS the
+        parameter's RMS before it (transformers' Adafactor), which is this
+        worker's copy when it holds the master's exact values (fp32) at the
+        version the update started from. Whenever that chain breaks (a
+        version that moved by more than this worker's own update, as with
+        other async workers; a restore; another dtype) the next call reads
+        the shard again. None before the tensors exist."""
+        if not self._created or self.client is None or id(p) not in self._travel:
+            return None
+        if self._overlap is not None:
+            self._overlap.wait_all()
+        self._track_scalars()
+        sc = self._scalars.get(id(p))
+        if sc is not None:
+            return sc
+        view = self._state_one.get(p)  # read since the last step
+        if view is None:
+            name = self._names[id(p)]
+            st = self.client.get_state([name])[name]
+            view = self._state_one[p] = self._state_view(p, st)
+            if p.dtype == torch.float32 and st["version"] == self._versions.get(name):
+                # The update that made this version started from the
+                # values this worker holds now: track from here.
+                self._scalars[id(p)] = (int(st["step"]), float(st["rms"]), int(st["version"]))
+        return int(view["step"]), float(view["RMS"]), -1
+
+    def _scalars_before_push(self) -> None:
+        """Before a step's first push: the version and RMS of every watched
+        parameter, which its update is about to start from."""
+        self._track_scalars()
+        if not self._scalars:
+            return
+        by_id = {id(q): q for q in self._live()}
+        for pid, (_, _, ver) in self._scalars.items():
+            p = by_id.get(pid)
+            if p is not None and self._versions.get(self._names[pid]) == ver:
+                # As transformers' Adafactor._rms (float32).
+                rms = float(p.detach().norm(2) / (p.numel() ** 0.5))
+                self._scalars_pre[pid] = (ver, rms)
+
+    def _track_scalars(self) -> None:
+        """Moves the watched parameters' (step, RMS, version) to their
+        current version (after the replies of the pushes noted)."""
+        pre, self._scalars_pre = self._scalars_pre, {}
+        for pid, (step, rms, ver) in list(self._scalars.items()):
+            v = self._versions.get(self._names[pid], ver)
+            if v == ver:
+                continue
+            got = pre.get(pid)
+            if got is not None and got[0] == ver and v == ver + 1:
+                self._scalars[pid] = (step + 1, got[1], v)
+            else:
+                del self._scalars[pid]
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's state dict (the shards' state under upstream names, the
@@ -770,6 +865,7 @@ class _RemoteAdafactorBase(Optimizer):
                  len(names), some)
         for p in changed:
             self._prints[id(p)] = _fingerprint(p)
+            self._scalars.pop(id(p), None)
         self._forget_state()
 
     # GradScaler.step() hands this optimizer the step (with found_inf and
@@ -889,6 +985,7 @@ class _RemoteAdafactorBase(Optimizer):
                 grads[n] = None
                 settings[n] = dict(settings[n], no_grad=True, skip_step=True)
         before = {n: self._versions.get(n, 0) for n in with_grad}
+        self._scalars_before_push()
         try:
             self._push(grads, settings, out)
         except BaseException:
