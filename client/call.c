@@ -20,7 +20,12 @@
  * upload. Holding waits for a send, never for a reply.
  * Every call carries the one deadline of the whole operation (retries
  * included), so the engine ends within it; the queue wait has a slack on
- * top after which every call is cancelled, which gRPC answers promptly. */
+ * top after which every call is cancelled, which gRPC answers promptly.
+ * A shard with standby replicas ("a:p|b:p"): each attempt goes to one
+ * replica, the one that answered the shard's last call first; an attempt
+ * that failed UNAVAILABLE (a standby's refusal, a dead process) is retried
+ * on the next replica at once, and only a full round over the replicas
+ * waits for the backoff (fps__streams_run). */
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
@@ -172,11 +177,16 @@ static void recv_next(engine_t *e, int first) {
   e->pending[TAG_RECV] = 1;
 }
 
+/* The replica this attempt of the stream goes to. */
+static fps__replica_t *replica_of(const engine_t *e) {
+  return &e->c->shards[e->s->shard].r[e->s->replica];
+}
+
 static void call_start(engine_t *e) {
   fps_client_t *c = e->c;
   grpc_slice method = grpc_slice_from_static_string(e->method);
   pthread_mutex_lock(&c->chan_mu);
-  e->call = grpc_channel_create_call(c->channels[e->s->shard], NULL, GRPC_PROPAGATE_DEFAULTS,
+  e->call = grpc_channel_create_call(replica_of(e)->channel, NULL, GRPC_PROPAGATE_DEFAULTS,
                                      e->cq, method, NULL, e->deadline, NULL);
   pthread_mutex_unlock(&c->chan_mu);
   if (!e->call) {
@@ -207,7 +217,7 @@ static void call_start(engine_t *e) {
 
 static void gate_watch(engine_t *e, grpc_connectivity_state st) {
   pthread_mutex_lock(&e->c->chan_mu);
-  grpc_channel_watch_connectivity_state(e->c->channels[e->s->shard], st, e->deadline, e->cq,
+  grpc_channel_watch_connectivity_state(replica_of(e)->channel, st, e->deadline, e->cq,
                                         &e->tags[TAG_GATE]);
   pthread_mutex_unlock(&e->c->chan_mu);
   e->pending[TAG_GATE] = 1;
@@ -215,7 +225,7 @@ static void gate_watch(engine_t *e, grpc_connectivity_state st) {
 
 static grpc_connectivity_state gate_state(engine_t *e) {
   pthread_mutex_lock(&e->c->chan_mu);
-  grpc_connectivity_state st = fps__channel_state_locked(e->c, e->s->shard);
+  grpc_connectivity_state st = fps__channel_state_locked(e->c, e->s->shard, e->s->replica);
   pthread_mutex_unlock(&e->c->chan_mu);
   return st;
 }
@@ -223,7 +233,7 @@ static grpc_connectivity_state gate_state(engine_t *e) {
 static void gate_fail_unavailable(engine_t *e) {
   /* gRPC does not say why a channel failed; a TLS mismatch looks like a
    * dead shard from here, so the message names the likely suspects. */
-  fps__stream_fail(e->s, FPS_CODE_UNAVAILABLE, "cannot connect to %s%s", e->c->addrs[e->s->shard],
+  fps__stream_fail(e->s, FPS_CODE_UNAVAILABLE, "cannot connect to %s%s", replica_of(e)->addr,
                    e->c->tls ? " (shard down, or the TLS handshake failed: check tls_ca_file, the "
                                "client certificate and the name the shard's certificate carries)"
                              : " (shard down, or it serves TLS and needs tls_ca_file)");
@@ -243,7 +253,7 @@ static void gate_begin(engine_t *e) {
     gate_fail_unavailable(e);
   } else if (st == GRPC_CHANNEL_SHUTDOWN) {
     fps__stream_fail(e->s, FPS_CODE_UNAVAILABLE, "channel to %s is shut down",
-                     e->c->addrs[e->s->shard]);
+                     replica_of(e)->addr);
   } else {
     gate_watch(e, st);
   }
@@ -253,7 +263,7 @@ static void gate_event(engine_t *e, int success) {
   e->pending[TAG_GATE] = 0;
   if (!success) {
     fps__stream_fail(e->s, FPS_CODE_DEADLINE_EXCEEDED, "not connected to %s within the deadline",
-                     e->c->addrs[e->s->shard]);
+                     replica_of(e)->addr);
     return;
   }
   grpc_connectivity_state st = gate_state(e);
@@ -266,7 +276,7 @@ static void gate_event(engine_t *e, int success) {
       break;
     case GRPC_CHANNEL_SHUTDOWN:
       fps__stream_fail(e->s, FPS_CODE_UNAVAILABLE, "channel to %s is shut down",
-                       e->c->addrs[e->s->shard]);
+                       replica_of(e)->addr);
       break;
     default:
       gate_watch(e, st);
@@ -416,6 +426,10 @@ static void engine_finish(engine_t *e, fps__retry_t retry) {
       }
       if (e->status == GRPC_STATUS_UNAVAILABLE && retry == FPS__RETRY_IDEMPOTENT)
         e->retryable = 1;
+      /* The replica that answered is where the shard's next calls start.
+       * Not from Stats, which standbys answer too. */
+      if (e->status == GRPC_STATUS_OK && strcmp(e->method, FPS__METHOD_STATS) != 0)
+        atomic_store(&e->c->shards[s->shard].current, s->replica);
     }
     grpc_call_unref(e->call);
     e->call = NULL;
@@ -575,6 +589,19 @@ static int run_attempt(fps_client_t *c, const char *method, fps__stream_t **run,
   return 0;
 }
 
+/* Moves a stream that failed UNAVAILABLE on to its shard's next replica.
+ * Returns 1 if it may be tried again (max_retries rounds over all the
+ * shard's replicas), with *round_done set when the next attempt begins a
+ * new round (the backoff comes first). */
+static int stream_next_replica(const fps_client_t *c, fps__stream_t *s, int *round_done) {
+  const int nr = (int)c->shards[s->shard].n;
+  s->attempts++;
+  if (s->attempts >= (c->opts.max_retries + 1) * nr) return 0;
+  if (s->attempts % nr == 0) *round_done = 1;
+  s->replica = (s->replica + 1) % nr;
+  return 1;
+}
+
 int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *streams, size_t n,
                      fps__retry_t retry, fps_status_t *st) {
   double start = fps__now();
@@ -591,21 +618,32 @@ int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *
     return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory starting calls");
   }
   memcpy(run, streams, n * sizeof *run);
-  for (int attempt = 0;; attempt++) {
+  for (size_t i = 0; i < n; i++) {
+    streams[i]->replica = atomic_load(&c->shards[streams[i]->shard].current);
+    streams[i]->attempts = 0;
+  }
+  for (;;) {
     if (run_attempt(c, method, run, n_run, deadline, retry, engines)) {
       engines = NULL; /* gRPC's now */
       break;
     }
+    /* A stream that failed UNAVAILABLE goes to its shard's next replica at
+     * once: with a standby that is where the primary went. Only a full
+     * round over the replicas (the only one, without standbys) waits for
+     * the backoff first. */
     size_t again = 0;
+    int round_done = 0;
     for (size_t i = 0; i < n_run; i++)
-      if (engines[i].retryable && run[i]->code == FPS_CODE_UNAVAILABLE) {
+      if (engines[i].retryable && run[i]->code == FPS_CODE_UNAVAILABLE &&
+          stream_next_replica(c, run[i], &round_done))
         run[again++] = run[i];
-      }
-    if (!again || attempt >= c->opts.max_retries) break;
+    if (!again) break;
     double left = end - fps__now();
     if (left <= 0.01) break;
-    sleep_seconds(backoff < left ? backoff : left * 0.5);
-    backoff = backoff * 2 > 5.0 ? 5.0 : backoff * 2;
+    if (round_done) {
+      sleep_seconds(backoff < left ? backoff : left * 0.5);
+      backoff = backoff * 2 > 5.0 ? 5.0 : backoff * 2;
+    }
     for (size_t i = 0; i < again; i++)
       if (run[i]->ops->reset) run[i]->ops->reset(run[i]);
     n_run = again;
@@ -624,6 +662,11 @@ int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *
     fps__status_ok(st);
     return 0;
   }
+  const fps__shard_conn_t *sc = &c->shards[worst->shard];
+  if (sc->n > 1)
+    return fps__status_set(st, worst->code, worst->shard, "shard %d (%s, last tried %s): %s: %s",
+                           worst->shard, c->addrs[worst->shard], sc->r[worst->replica].addr,
+                           fps_code_name(worst->code), worst->msg);
   return fps__status_set(st, worst->code, worst->shard, "shard %d (%s): %s: %s", worst->shard,
                          c->addrs[worst->shard], fps_code_name(worst->code), worst->msg);
 }

@@ -188,6 +188,55 @@ done:
   return rc;
 }
 
+int fps__shard_conn_parse(fps__shard_conn_t *sc, size_t shard, const char *entry,
+                          fps_status_t *st) {
+  memset(sc, 0, sizeof *sc);
+  size_t parts = 1;
+  for (const char *p = entry; *p; p++) parts += *p == '|';
+  if (parts > FPS_CLIENT_MAX_REPLICAS)
+    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, (int)shard,
+                           "shard %zu: address '%s' lists %zu replicas; at most %d", shard, entry,
+                           parts, FPS_CLIENT_MAX_REPLICAS);
+  const char *p = entry;
+  for (size_t k = 0; k < parts; k++) {
+    const char *bar = strchr(p, '|');
+    size_t len = bar ? (size_t)(bar - p) : strlen(p);
+    int rc = 0;
+    if (len == 0) {
+      rc = fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, (int)shard,
+                           "shard %zu: address '%s' has an empty replica address (replica %zu)",
+                           shard, entry, k);
+    } else if (!(sc->r[k].addr = strndup(p, len))) {
+      rc = fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, (int)shard, "out of memory");
+    } else {
+      /* The same process twice would make a failover go nowhere. */
+      for (size_t j = 0; j < k && !rc; j++)
+        if (!strcmp(sc->r[j].addr, sc->r[k].addr))
+          rc = fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, (int)shard,
+                               "shard %zu: address '%s' lists replica '%s' twice", shard, entry,
+                               sc->r[k].addr);
+    }
+    if (rc) {
+      for (size_t j = 0; j <= k && j < FPS_CLIENT_MAX_REPLICAS; j++) free(sc->r[j].addr);
+      memset(sc, 0, sizeof *sc);
+      return rc;
+    }
+    sc->n = k + 1;
+    p += len + 1;
+  }
+  atomic_init(&sc->current, 0);
+  return 0;
+}
+
+/* Frees a shard's replica addresses and channels. */
+static void shard_conn_free(fps__shard_conn_t *sc) {
+  for (size_t k = 0; k < sc->n; k++) {
+    if (sc->r[k].channel) grpc_channel_destroy(sc->r[k].channel);
+    free(sc->r[k].addr);
+  }
+  sc->n = 0;
+}
+
 fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
                                 const fps_client_options_t *opts, fps_status_t *status) {
   fps_client_options_t o;
@@ -230,11 +279,12 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
     snprintf(c->auth_header, n, "Bearer %s", o.auth_token);
   }
   c->addrs = calloc(n_shards, sizeof *c->addrs);
-  c->channels = calloc(n_shards, sizeof *c->channels);
-  c->failing_since = calloc(n_shards, sizeof *c->failing_since);
-  if (!c->addrs || !c->channels || !c->failing_since) goto nomem;
-  for (size_t i = 0; i < n_shards; i++)
+  c->shards = calloc(n_shards, sizeof *c->shards);
+  if (!c->addrs || !c->shards) goto nomem;
+  for (size_t i = 0; i < n_shards; i++) {
     if (!(c->addrs[i] = dup_str(addrs[i]))) goto nomem;
+    if (fps__shard_conn_parse(&c->shards[i], i, addrs[i], status)) goto fail;
+  }
 
   grpc_init();
   grpc_up = 1;
@@ -281,14 +331,15 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
     args[6].value.string = c->server_name;
     c->chan_ca = (grpc_channel_args){.num_args = o.tls_server_name ? 7 : 6, .args = args};
     if (make_credentials(&o, &c->creds, status)) goto fail;
-    for (size_t i = 0; i < n_shards; i++) {
-      c->channels[i] = grpc_channel_create(c->addrs[i], c->creds, &c->chan_ca);
-      if (!c->channels[i]) {
-        fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, (int)i,
-                        "shard %zu: cannot create a channel to '%s'", i, c->addrs[i]);
-        goto fail;
+    for (size_t i = 0; i < n_shards; i++)
+      for (size_t k = 0; k < c->shards[i].n; k++) {
+        fps__replica_t *r = &c->shards[i].r[k];
+        if (!(r->channel = grpc_channel_create(r->addr, c->creds, &c->chan_ca))) {
+          fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, (int)i,
+                          "shard %zu: cannot create a channel to '%s'", i, r->addr);
+          goto fail;
+        }
       }
-    }
   }
   fps__status_ok(status);
   return c;
@@ -300,14 +351,12 @@ nomem:
   fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory creating the client");
 fail:
   if (c) {
-    if (c->channels)
-      for (size_t i = 0; i < n_shards; i++)
-        if (c->channels[i]) grpc_channel_destroy(c->channels[i]);
+    if (c->shards)
+      for (size_t i = 0; i < n_shards; i++) shard_conn_free(&c->shards[i]);
     if (c->addrs)
       for (size_t i = 0; i < n_shards; i++) free(c->addrs[i]);
     free(c->addrs);
-    free(c->channels);
-    free(c->failing_since);
+    free(c->shards);
     free(c->server_name);
     if (c->creds) grpc_channel_credentials_release(c->creds);
     free(c->auth_header);
@@ -324,36 +373,36 @@ fail:
  * against the seconds gRPC keeps a failed channel failing. */
 #define FPS__CHANNEL_RENEW_SECONDS 0.25
 
-grpc_connectivity_state fps__channel_state_locked(fps_client_t *c, int shard) {
-  grpc_connectivity_state st = grpc_channel_check_connectivity_state(c->channels[shard], 1);
+grpc_connectivity_state fps__channel_state_locked(fps_client_t *c, int shard, int replica) {
+  fps__replica_t *r = &c->shards[shard].r[replica];
+  grpc_connectivity_state st = grpc_channel_check_connectivity_state(r->channel, 1);
   if (st != GRPC_CHANNEL_TRANSIENT_FAILURE) {
-    c->failing_since[shard] = 0;
+    r->failing_since = 0;
     return st;
   }
   double now = fps__now();
-  if (c->failing_since[shard] == 0) {
-    c->failing_since[shard] = now;
+  if (r->failing_since == 0) {
+    r->failing_since = now;
     return st;
   }
-  if (now - c->failing_since[shard] < FPS__CHANNEL_RENEW_SECONDS) return st;
+  if (now - r->failing_since < FPS__CHANNEL_RENEW_SECONDS) return st;
   /* Calls and connectivity watches on the old channel hold their own
    * references to it, so destroying it here is safe for them. */
-  grpc_channel *fresh = grpc_channel_create(c->addrs[shard], c->creds, &c->chan_ca);
+  grpc_channel *fresh = grpc_channel_create(r->addr, c->creds, &c->chan_ca);
   if (!fresh) return st;
-  grpc_channel_destroy(c->channels[shard]);
-  c->channels[shard] = fresh;
-  c->failing_since[shard] = 0;
+  grpc_channel_destroy(r->channel);
+  r->channel = fresh;
+  r->failing_since = 0;
   return grpc_channel_check_connectivity_state(fresh, 1);
 }
 
 void fps_client_destroy(fps_client_t *c) {
   if (!c) return;
   for (size_t i = 0; i < c->n_shards; i++) {
-    if (c->channels[i]) grpc_channel_destroy(c->channels[i]);
+    shard_conn_free(&c->shards[i]);
     free(c->addrs[i]);
   }
-  free(c->channels);
-  free(c->failing_since);
+  free(c->shards);
   free(c->server_name);
   if (c->creds) grpc_channel_credentials_release(c->creds);
   free(c->addrs);

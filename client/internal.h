@@ -6,6 +6,7 @@
 
 #include <grpc/grpc.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -70,12 +71,25 @@ typedef struct fps__tensor_list_s {
   size_t n;
 } fps__tensor_list_t;
 
+/* One process serving a shard: the shard's primary or a standby. */
+typedef struct fps__replica_s {
+  char *addr;                          /* owned "host:port" */
+  grpc_channel *channel;               /* chan_mu */
+  double failing_since;                /* first seen in TRANSIENT_FAILURE, 0 (chan_mu) */
+} fps__replica_t;
+
+/* A shard's replicas, in the order its address entry lists them. */
+typedef struct fps__shard_conn_s {
+  size_t n;                            /* 1..FPS_CLIENT_MAX_REPLICAS */
+  fps__replica_t r[FPS_CLIENT_MAX_REPLICAS];
+  atomic_int current;                  /* the replica that answered last: calls start there */
+} fps__shard_conn_t;
+
 struct fps_client_s {
   size_t n_shards;
-  char **addrs;                        /* owned copies, n_shards */
-  grpc_channel **channels;             /* one per shard (chan_mu) */
-  pthread_mutex_t chan_mu;             /* guards channels and failing_since */
-  double *failing_since;               /* per shard: first seen in TRANSIENT_FAILURE, 0 */
+  char **addrs;                        /* owned copies of the entries, n_shards */
+  fps__shard_conn_t *shards;           /* n_shards */
+  pthread_mutex_t chan_mu;             /* guards the replicas' channel and failing_since */
   grpc_channel_credentials *creds;     /* kept to renew a channel */
   grpc_arg chan_args[7];               /* kept to renew a channel */
   grpc_channel_args chan_ca;
@@ -89,12 +103,20 @@ struct fps_client_s {
 
 /* ---- channels (client.c) ---- */
 
-/* The connectivity state of shard `shard`'s channel (try_to_connect set).
- * A channel that has been in TRANSIENT_FAILURE for a while is replaced by a
- * new one first: gRPC 1.51 keeps a channel whose shard went away failing for
- * seconds after the shard is back (measured here: 5 s to 127.0.0.1, 10 s to
- * localhost) while a new channel connects at once. REQUIRES c->chan_mu. */
-grpc_connectivity_state fps__channel_state_locked(fps_client_t *c, int shard);
+/* The connectivity state of the channel to replica `replica` of shard
+ * `shard` (try_to_connect set). A channel that has been in
+ * TRANSIENT_FAILURE for a while is replaced by a new one first: gRPC 1.51
+ * keeps a channel whose shard went away failing for seconds after the
+ * shard is back (measured here: 5 s to 127.0.0.1, 10 s to localhost) while
+ * a new channel connects at once. REQUIRES c->chan_mu. */
+grpc_connectivity_state fps__channel_state_locked(fps_client_t *c, int shard, int replica);
+
+/* Splits a shard's address entry at '|' into its replicas' addresses
+ * (copies into r[].addr, n set). Returns 0, or INVALID_ARGUMENT via `st`
+ * naming the entry (an empty part, more than FPS_CLIENT_MAX_REPLICAS, a replica
+ * listed twice), or RESOURCE_EXHAUSTED. On failure nothing is left
+ * allocated. */
+int fps__shard_conn_parse(fps__shard_conn_t *sc, size_t shard, const char *entry, fps_status_t *st);
 
 /* ---- status helpers (client.c) ---- */
 
@@ -167,7 +189,11 @@ typedef enum fps__retry_e {
 } fps__retry_t;
 
 struct fps__stream_s {
-  int shard;                          /* index into the client's channels */
+  int shard;                          /* index into the client's shards */
+  /* The replica of the shard the last attempt went to (set by the engine:
+   * the shard's current one first, the next one after an UNAVAILABLE). */
+  int replica;
+  int attempts;                       /* failed attempts so far (engine state) */
   const fps__stream_ops_t *ops;
   void *ctx;                          /* the owner's state */
   /* Another stream to the same shard whose request this one follows: the
@@ -187,8 +213,9 @@ struct fps__stream_s {
 
 /* Runs the streams (each against its own shard, all in parallel) to
  * completion: the gRPC status, or a local failure, lands in each stream's
- * code/msg. Retries with backoff per `retry` and the client's options,
- * all within one deadline of opts.deadline_seconds. Fills `st` with the
+ * code/msg. Retries per `retry` and the client's options, all within one
+ * deadline of opts.deadline_seconds: on the shard's next replica at once,
+ * with backoff after each round over all of them (max_retries rounds). Fills `st` with the
  * first failing stream (by shard index) and returns its code, or 0. */
 int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *streams, size_t n,
                      fps__retry_t retry, fps_status_t *st);

@@ -27,7 +27,8 @@ static void usage(FILE *out) {
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     fprintf(out, "  %-10s %s\n", commands[i].name, commands[i].summary);
   fprintf(out, "\n'factorps <command> --help' describes one command. Every command that talks\n"
-               "to shards takes --shards HOST:PORT[,...], by default $FACTORPS_SHARDS.\n");
+               "to shards takes --shards HOST:PORT[,...], by default $FACTORPS_SHARDS; a shard\n"
+               "with a standby is one entry listing both: PRIMARY:PORT|STANDBY:PORT.\n");
 }
 
 int main(int argc, char **argv) {

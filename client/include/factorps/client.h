@@ -29,6 +29,14 @@
  *   made and the current params (proto: PushPullRequest.push_id; the shard
  *   remembers each worker's last 4,096 keys). Other errors are reported, never
  *   repeated; fps_push_args_t.push_id lets a caller retry those itself.
+ * - Standby replicas: a shard's address may list its replicas, "a:p|b:p"
+ *   (see fps_client_create()). A call that fails UNAVAILABLE on one (a
+ *   standby refuses worker calls so; a dead or unreachable process) is
+ *   sent at once to the next, with the same push_id, so a push is applied
+ *   at most once whichever replica applied it; after each round over all
+ *   of a shard's replicas comes the backoff, and max_retries counts such
+ *   rounds. The client remembers the replica that answered last and starts
+ *   there. All within the call's one deadline.
  * - Placement: see fps_client_create_tensors().
  * - Wire: tensors travel as fp32 little-endian; the library refuses to build
  *   on a big-endian host.
@@ -56,6 +64,7 @@ extern "C" {
 #define FPS_CLIENT_MAX_DIMS 8
 #define FPS_STATUS_MESSAGE_MAX 1024
 #define FPS_CLIENT_NAME_MAX 256   /* longest tensor name, in bytes */
+#define FPS_CLIENT_MAX_REPLICAS 4 /* most replicas one shard address lists */
 
 /* Status codes: the gRPC status code values, so an error from a shard keeps
  * its meaning end to end. */
@@ -222,9 +231,16 @@ typedef struct fps_tensor_def_s {
 FPS_EXTERN void fps_client_options_init(fps_client_options_t *o);
 
 /* Connects to `n_shards` shards (addresses "host:port", shard i at index i).
+ * A shard with standby replicas (factorps-server --replica-peer) is one
+ * entry listing its processes separated by '|', in any order, at most
+ * FPS_CLIENT_MAX_REPLICAS: "10.0.0.5:50051|10.0.0.6:50051"; calls go to the
+ * one that acknowledges (the primary) and follow a failover by themselves
+ * (see Standby replicas above).
  * `opts` may be NULL (defaults). Returns NULL and fills `status` on bad
- * arguments (INVALID_ARGUMENT: no shards, empty address, out-of-range
- * options, half a TLS configuration, an unreadable or non-PEM TLS file);
+ * arguments (INVALID_ARGUMENT: no shards, empty address, an entry with an
+ * empty replica, more than FPS_CLIENT_MAX_REPLICAS or one replica twice,
+ * out-of-range options, half a TLS configuration, an unreadable or non-PEM
+ * TLS file);
  * connection happens lazily, so an unreachable shard is reported by the
  * first call. A failed TLS handshake (a shard's certificate not signed by
  * tls_ca_file or not naming the shard, a client certificate the shard does

@@ -1,0 +1,90 @@
+"""Shard entries that list replicas ("a:p|b:p", issue 22) go through the
+Python package, factorps.torch ($FACTORPS_SHARDS) and the CLI untouched:
+libfactorps reads them. Each entry here lists a port nothing listens on
+first and a real shard next, so a call only succeeds if the whole entry
+reached libfactorps and it went on to the second replica. The failover
+between real primary and standby processes is tests/replica/."""
+
+import json
+import os
+import subprocess
+import unittest
+from unittest import mock
+
+import numpy as np
+import torch
+
+import _support  # noqa: F401  (puts client/python on sys.path)
+from _support import Shards, free_ports, need_server
+import factorps
+from factorps.errors import InvalidArgumentError
+from factorps.torch import RemoteAdafactor
+
+CLI = os.environ.get("FACTORPS_CLI", "")  # ctest sets it
+
+
+def _entries(addrs):
+    """Each shard's entry: a dead replica, then the real one."""
+    dead = free_ports(len(addrs))
+    return ["127.0.0.1:%d|%s" % (p, a) for p, a in zip(dead, addrs)]
+
+
+@need_server
+class ReplicaEntryTest(unittest.TestCase):
+    def setUp(self):
+        self.shards = Shards(2, mode="async")
+        self.addCleanup(self.shards.close)
+        self.entries = _entries(self.shards.addrs)
+
+    def check_client(self, shards_arg):
+        c = factorps.connect(shards_arg, deadline=20, max_retries=0)
+        self.addCleanup(c.close)
+        self.assertEqual(c.shard_count, 2)
+        self.assertEqual(c.shards, self.entries)
+        specs = [factorps.TensorSpec("a", (8, 4), np.ones((8, 4), np.float32)),
+                 factorps.TensorSpec("b", (16,), np.ones(16, np.float32))]
+        c.create(specs)
+        self.assertEqual({c.shard_of("a"), c.shard_of("b")}, {0, 1})
+        _, versions = c.push_pull({"a": np.ones((8, 4), np.float32), "b": np.ones(16, np.float32)})
+        self.assertEqual(versions, {"a": 1, "b": 1})
+        stats = c.stats()
+        self.assertEqual([s["updates"] for s in stats], [1, 1])
+
+    def test_list_of_entries(self):
+        self.check_client(self.entries)
+
+    def test_comma_separated_string(self):
+        self.check_client(",".join(self.entries))
+
+    def test_bad_entry_names_it(self):
+        with self.assertRaisesRegex(InvalidArgumentError, r"shard 1: address 'x:1\|x:1' lists "
+                                                          r"replica 'x:1' twice"):
+            factorps.connect([self.shards.addrs[0], "x:1|x:1"])
+
+    def test_torch_from_the_environment(self):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+        env["FACTORPS_SHARDS"] = ",".join(self.entries)
+        with mock.patch.dict(os.environ, env, clear=True):
+            p = torch.nn.Parameter(torch.ones(3, 2))
+            opt = RemoteAdafactor([("p", p)], deadline=20, mode="async")
+            try:
+                self.assertEqual(opt.client.shards, self.entries)
+                for _ in range(2):
+                    p.grad = torch.ones(3, 2)
+                    opt.step()
+                self.assertEqual(opt.remote_step, 2)
+            finally:
+                opt.close()
+
+    @unittest.skipUnless(CLI, "FACTORPS_CLI not set (run through ctest)")
+    def test_cli_stats(self):
+        out = subprocess.run([CLI, "stats", "--json", "--deadline", "20", "--shards",
+                              ",".join(self.entries)], capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        doc = json.loads(out.stdout)
+        self.assertEqual([s["address"] for s in doc["shards"]], self.entries)
+        self.assertEqual([s["shard_id"] for s in doc["shards"]], [0, 1])
+
+
+if __name__ == "__main__":
+    unittest.main()
