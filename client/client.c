@@ -125,6 +125,18 @@ static int options_check(const fps_client_options_t *o, fps_status_t *st) {
                                "is not)",
                                i);
   }
+  if (o->job_id) {
+    size_t n = strlen(o->job_id);
+    if (n == 0 || n > 64)
+      return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "job_id must be 1..64 bytes, not %zu", n);
+    for (size_t i = 0; i < n; i++) {
+      char ch = o->job_id[i];
+      if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '.' ||
+            ch == '_' || ch == ':' || ch == '-'))
+        return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+                               "job_id may contain only [A-Za-z0-9._:-] (byte %zu is not)", i);
+    }
+  }
   return 0;
 }
 
@@ -265,7 +277,8 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
   c->n_shards = n_shards;
   c->opts = o;
   c->opts.tls_ca_file = c->opts.tls_cert_file = c->opts.tls_key_file = NULL;
-  c->opts.auth_token = c->opts.tls_server_name = NULL;
+  c->opts.auth_token = c->opts.tls_server_name = c->opts.job_id = NULL;
+  if (o.job_id) snprintf(c->job_id, sizeof c->job_id, "%s", o.job_id);
   c->tls = o.tls_ca_file != NULL;
   if (pthread_rwlock_init(&c->lock, NULL)) goto nomem_lock;
   if (pthread_mutex_init(&c->chan_mu, NULL)) {

@@ -96,6 +96,7 @@ struct fps_client_s {
   char *server_name;                   /* owned copy of tls_server_name, or NULL */
   fps_client_options_t opts;           /* string members point to copies below */
   char *auth_header;                   /* "Bearer <token>" or NULL */
+  char job_id[72];                     /* opts.job_id's copy, "" = none */
   int tls;                             /* channels use TLS (for error hints) */
   pthread_rwlock_t lock;               /* guards `tensors` */
   fps__tensor_list_t tensors;

@@ -182,6 +182,7 @@ static int create_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   req.tensors = sh->tcp;
   req.shard_id = (uint32_t)s->shard;
   req.shard_count = (uint32_t)job->c->n_shards;
+  req.job_id = job->c->job_id;
   *out = fps__pack(&req);
   *last = 1;
   return 0;

@@ -249,6 +249,19 @@ int fps__ckpt_mode_check(const char *mode) {
   return 0;
 }
 
+int fps_ckpt_job_check(const char *job) {
+  if (!job) return FPS_EINVAL;
+  size_t n = strlen(job);
+  if (n == 0 || n > FPS_CKPT_JOB_MAX) return FPS_EINVAL;
+  for (size_t i = 0; i < n; i++) {
+    char c = job[i];
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+          c == '_' || c == ':' || c == '-'))
+      return FPS_EINVAL;
+  }
+  return 0;
+}
+
 int fps__ckpt_parse_u64(const char *s, uint64_t *out) {
   if (!s || !*s) return FPS_EFORMAT;
   if (s[0] == '0' && s[1] != '\0') return FPS_EFORMAT;

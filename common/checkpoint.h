@@ -35,6 +35,15 @@
  *   "format_version" "1"
  *   "shard_id", "shard_count"   the writing shard's placement
  *   "mode"           the shard's consistency mode ("sync", "async", "ssp")
+ *   "job_id"         optional: the job the shard serves (1..64 bytes of
+ *                    [A-Za-z0-9._:-]; the shard's --job-id, or the job_id of
+ *                    the first Create that carried one). Absent when the
+ *                    shard was never told its job, so such a file is byte
+ *                    for byte what earlier writers wrote; builds that
+ *                    predate it refuse a file that has it ("unknown
+ *                    metadata key"), which cannot check it. A reader told a
+ *                    job (fps_ckpt_expect_t.job_id) refuses a file of
+ *                    another job as mismatched; a file without one loads.
  *   "sequence"       <seq>, the same number as in the file name
  *   "created"        UTC wall-clock time, RFC 3339 with nanoseconds
  *   "tensor_count"   how many tensors the file holds
@@ -149,6 +158,7 @@
  * "/mom", then NULL: "<name><suffix>" must not be another tensor's name. */
 extern const char *const fps_ckpt_state_suffixes[];
 #define FPS_CKPT_MODE_MAX 31               /* bytes of a mode string */
+#define FPS_CKPT_JOB_MAX 64                /* bytes of a job id */
 #define FPS_CKPT_HEADER_MAX (UINT64_C(100) << 20) /* safetensors' own limit */
 #define FPS_CKPT_PATH_MAX 4096             /* bytes of a checkpoint path, NUL included */
 #define FPS_CKPT_WHY_MAX 512               /* a useful size for `why` buffers */
@@ -158,7 +168,12 @@ typedef struct fps_ckpt_shard_s {
   uint32_t shard_id;                    /* < shard_count */
   uint32_t shard_count;                 /* >= 1 */
   char mode[FPS_CKPT_MODE_MAX + 1];     /* [a-z0-9_]{1,31}, e.g. "sync" */
+  char job_id[FPS_CKPT_JOB_MAX + 1];    /* the job's identity, "" = none */
 } fps_ckpt_shard_t;
+
+/* 0 if `job` is a valid job id (1..FPS_CKPT_JOB_MAX bytes of
+ * [A-Za-z0-9._:-]), else FPS_EINVAL. */
+int fps_ckpt_job_check(const char *job);
 
 /* What the file-level checks found out about a checkpoint. */
 typedef struct fps_ckpt_info_s {
@@ -201,6 +216,10 @@ typedef struct fps_ckpt_snapshot_s fps_ckpt_snapshot_t;
  * thread at a time. */
 int fps_ckpt_snapshot_create(fps_ckpt_snapshot_t **out, uint32_t shard_id, uint32_t shard_count,
                              const char *mode);
+
+/* Records the job the snapshot belongs to (stored as "job_id"); NULL or
+ * "" stores none. Returns 0 or FPS_EINVAL (not a valid job id). */
+int fps_ckpt_snapshot_set_job(fps_ckpt_snapshot_t *s, const char *job);
 
 /* Adds a tensor and allocates (and touches) its copy buffers, so that
  * fps_ckpt_snapshot_copy() is a plain memcpy. Call it WITHOUT the tensor's
@@ -318,12 +337,16 @@ int fps_ckpt_dir_lock(const char *dir, bool create, char *why, size_t why_len);
  * a concurrent writer in the same DIR: files appear only by rename, and a
  * file deleted by pruning while being read is reported, not trusted. */
 
-/* Placement a reader requires. A file written for another shard is
- * rejected as "mismatched" (FPS_ESTATE). */
+/* Placement a reader requires. A file written for another shard, mode or
+ * job is rejected as "mismatched" (FPS_ESTATE), the reason naming both
+ * sides. */
 typedef struct fps_ckpt_expect_s {
   uint32_t shard_id;
   uint32_t shard_count;
   const char *mode;                     /* NULL: any mode */
+  const char *job_id;                   /* NULL or "": any job; else a file
+                                         * with another job_id is refused
+                                         * (one without any loads) */
 } fps_ckpt_expect_t;
 
 /* One restored tensor. The caller may take ownership of `param` (free it

@@ -120,6 +120,9 @@ void fps__ckpt_why(char *why, size_t why_len, const char *fmt, ...)
   X(data_sha256)               \
   X(header_sha256)
 
+/* Metadata keys a file may lack (older writers). */
+#define FPS__CKPT_META_KEY_JOB "job_id"
+
 #define FPS__CKPT_TENSOR_PREFIX "tensor:"
 
 #endif

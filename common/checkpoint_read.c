@@ -309,6 +309,13 @@ static int parse_structure(reader_t *r) {
       r->nt++;
       continue;
     }
+    if (strcmp(it->string, FPS__CKPT_META_KEY_JOB) == 0) {
+      if (r->info.shard.job_id[0]) REJECT(r, FPS_EFORMAT, "duplicate metadata key \"%s\"", it->string);
+      if (fps_ckpt_job_check(it->valuestring) < 0)
+        REJECT(r, FPS_EFORMAT, "bad job_id \"%.80s\"", it->valuestring);
+      snprintf(r->info.shard.job_id, sizeof r->info.shard.job_id, "%s", it->valuestring);
+      continue;
+    }
     int k = 0;
     while (k < MK_COUNT && strcmp(it->string, mk_names[k]) != 0) k++;
     if (k == MK_COUNT) REJECT(r, FPS_EFORMAT, "unknown metadata key \"%.300s\"", it->string);
@@ -622,6 +629,13 @@ static int read_file(const char *path, const fps_ckpt_expect_t *expect, fps_ckpt
       rc = FPS_ESTATE;
       fps__ckpt_why(why, why_len, "mismatched: written in mode %s, this shard runs %s", s->mode,
                     expect->mode);
+      goto fail;
+    }
+    /* Another job's volume, reused: its state is not this job's. */
+    if (expect->job_id && *expect->job_id && s->job_id[0] && strcmp(expect->job_id, s->job_id) != 0) {
+      rc = FPS_ESTATE;
+      fps__ckpt_why(why, why_len, "mismatched: written for job '%s', this shard serves job '%s'", s->job_id,
+                    expect->job_id);
       goto fail;
     }
   }

@@ -160,6 +160,9 @@ int fps_ckpt_job_gather(fps_ckpt_t *const *in, size_t n_in, fps_ckpt_job_t **out
     if (strcmp(s->mode, in[0]->info.shard.mode) != 0)
       FAIL(FPS_ESTATE, "%s was written in mode %s, %s in mode %s: not one job", in[0]->path,
            in[0]->info.shard.mode, in[i]->path, s->mode);
+    if (strcmp(s->job_id, in[0]->info.shard.job_id) != 0)
+      FAIL(FPS_ESTATE, "%s was written for job '%s', %s for job '%s': not one job", in[0]->path,
+           in[0]->info.shard.job_id, in[i]->path, s->job_id);
     n_occ += in[i]->n_tensors;
   }
   occ = fps_malloc((n_occ ? n_occ : 1) * sizeof *occ);
@@ -191,6 +194,7 @@ int fps_ckpt_job_gather(fps_ckpt_t *const *in, size_t n_in, fps_ckpt_job_t **out
   if (!job || !(job->t = fps_calloc(n_groups ? n_groups : 1, sizeof *job->t)))
     FAIL(FPS_ENOMEM, "out of memory");
   snprintf(job->mode, sizeof job->mode, "%s", in[0]->info.shard.mode);
+  snprintf(job->job_id, sizeof job->job_id, "%s", in[0]->info.shard.job_id);
   job->shard_count = (uint32_t)n_in;
   for (size_t gi = 0; gi < n_groups; gi++) {
     const occ_t *g = occ + start[gi];
@@ -376,6 +380,7 @@ int fps_ckpt_job_write(const fps_ckpt_job_t *job, const fps_ckpt_place_t *plan, 
   for (uint32_t k = 0; k < shard_count; k++) {
     if ((rc = fps_ckpt_snapshot_create(&s, k, shard_count, job->mode)) < 0)
       FAIL(rc, "cannot create a snapshot for shard %u: %s", k, fps_strerror(rc));
+    if ((rc = fps_ckpt_snapshot_set_job(s, job->job_id)) < 0) FAIL(rc, "bad job id '%s'", job->job_id);
     for (size_t i = 0; i < job->n; i++) {
       size_t nb = first[i + 1] - first[i];
       for (size_t b = 0; b < nb; b++) {

@@ -20,6 +20,7 @@
 typedef struct fps_ckpt_job_s {
   char mode[FPS_CKPT_MODE_MAX + 1];     /* the inputs' consistency mode */
   uint32_t shard_count;                 /* how many shards wrote the inputs */
+  char job_id[FPS_CKPT_JOB_MAX + 1];    /* the inputs' job, "" = none */
   size_t n;
   fps_ckpt_tensor_t *t;                 /* whole (block.n_blocks 0), sorted by name (strcmp) */
 } fps_ckpt_job_t;

@@ -65,6 +65,13 @@ int fps_ckpt_snapshot_create(fps_ckpt_snapshot_t **out, uint32_t shard_id, uint3
   return 0;
 }
 
+int fps_ckpt_snapshot_set_job(fps_ckpt_snapshot_t *s, const char *job) {
+  if (!s) return FPS_EINVAL;
+  if (job && *job && fps_ckpt_job_check(job) < 0) return FPS_EINVAL;
+  snprintf(s->shard.job_id, sizeof s->shard.job_id, "%s", job ? job : "");
+  return 0;
+}
+
 void fps_ckpt_snapshot_destroy(fps_ckpt_snapshot_t *s) {
   if (!s) return;
   for (size_t i = 0; i < s->n; i++) {
@@ -348,6 +355,9 @@ static char *build_header(const fps_ckpt_snapshot_t *s, uint64_t seq, size_t *le
   rc |= meta_u64(meta, "shard_id", s->shard.shard_id);
   rc |= meta_u64(meta, "shard_count", s->shard.shard_count);
   rc |= cJSON_AddStringToObject(meta, "mode", s->shard.mode) ? 0 : FPS_ENOMEM;
+  /* Only when known: a file without a job is what earlier writers wrote. */
+  if (s->shard.job_id[0])
+    rc |= cJSON_AddStringToObject(meta, FPS__CKPT_META_KEY_JOB, s->shard.job_id) ? 0 : FPS_ENOMEM;
   rc |= meta_u64(meta, "sequence", seq);
   rc |= cJSON_AddStringToObject(meta, "created", created) ? 0 : FPS_ENOMEM;
   rc |= meta_u64(meta, "tensor_count", s->n);

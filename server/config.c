@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "alloc.h"
+#include "checkpoint.h"
 #include "memlimit.h"
 #include "server.h"
 
@@ -86,6 +87,9 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
     {"checkpoint-keep", CFG_U32, OFF(checkpoint_keep), "3", 1, 1e6, "newest checkpoints kept on disk"},
     {"require-checkpoint", CFG_FLAG, OFF(require_checkpoint), "false", 0, 0,
      "refuse to start (exit 3) unless a valid checkpoint is loaded from --checkpoint-dir"},
+    {"job-id", CFG_STR, OFF(job_id), "", 0, 0,
+     "the job this shard serves (kept in its checkpoints; another job's are not restored; "
+     "empty: the restored checkpoint's, else the first Create's)"},
     {"peers", CFG_STR, OFF(peers), "", 0, 0,
      "every shard's host:port by --shard-id, comma-separated (split tensors; our own entry unused)"},
     {"peer-tls-ca", CFG_STR, OFF(peer_tls_ca), "", 0, 0, "PEM CA bundle: call peers over TLS, verified by it"},
@@ -118,6 +122,7 @@ void fps_config_shard_opts(const fps_config_t *cfg, fps_shard_opts_t *o) {
   o->checkpoint_interval = cfg->checkpoint_interval;
   o->checkpoint_keep = cfg->checkpoint_keep;
   o->require_checkpoint = cfg->require_checkpoint;
+  o->job_id = cfg->job_id ? cfg->job_id : "";
 }
 
 static void fps__env_name(const fps_cfg_entry_t *e, char *buf, size_t len) {
@@ -304,6 +309,11 @@ static int fps__cfg_check(fps_config_t *cfg) {
   if (!*cfg->checkpoint_dir && (cfg->checkpoint_interval > 0 || cfg->require_checkpoint)) {
     fprintf(stderr, "factorps-server: --%s needs --checkpoint-dir\n",
             cfg->require_checkpoint ? "require-checkpoint" : "checkpoint-interval");
+    return FPS_EINVAL;
+  }
+  if (*cfg->job_id && fps_ckpt_job_check(cfg->job_id) < 0) {
+    fprintf(stderr, "factorps-server: --job-id '%s' is not 1..%d bytes of [A-Za-z0-9._:-]\n", cfg->job_id,
+            FPS_CKPT_JOB_MAX);
     return FPS_EINVAL;
   }
   if (fps__cfg_check_peers(cfg) < 0) return FPS_EINVAL;

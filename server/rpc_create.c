@@ -10,6 +10,7 @@
 
 #include "alloc.h"
 #include "auth.h"
+#include "checkpoint.h"
 #include "metrics.h"
 #include "wire.h"
 
@@ -43,6 +44,7 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
     }
     break;
   }
+  char job[FPS_CKPT_JOB_MAX + 1] = "";
   uint8_t *reply_buf = NULL;
   size_t reply_cap = 0;
   fps_create_item_t *items = fps_calloc(n ? n : 1, sizeof *items);
@@ -117,13 +119,16 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
   if (rc < 0) goto done;
   /* The reply's bytes, reserved before the shard changes: a TensorInfo is
    * its name plus at most 40 bytes of tags, lengths and varints. */
-  reply_cap = 16;
+  reply_cap = 16 + FPS_CKPT_JOB_MAX + 4;
   for (size_t i = 0; i < n; i++) reply_cap += strlen(items[i].name) + 48;
   if (!(reply_buf = fps_malloc(reply_cap))) {
     rc = FPS_ENOMEM;
     snprintf(why, sizeof why, "Create: out of memory for the reply");
     goto done;
   }
+  /* The job before any tensor: another job's Create creates nothing. */
+  if ((rc = fps_shard_job_claim(srv->shard, req->job_id, why, sizeof why)) < 0) goto done;
+  fps_shard_job_get(srv->shard, job, sizeof job);
   uint64_t received = 0;
   rc = fps_shard_create(srv->shard, req->shard_id, req->shard_count, items, n, out, &received, why, sizeof why);
   if (rc < 0) goto done;
@@ -143,6 +148,7 @@ done:
     Factorps__V1__CreateResponse resp = FACTORPS__V1__CREATE_RESPONSE__INIT;
     resp.n_tensors = n;
     resp.tensors = infop;
+    resp.job_id = job;
     /* Names point into tensors, which are never freed while serving. */
     grpc_byte_buffer *bb = fps_pack_message_into(&resp, reply_buf, reply_cap);
     if (!bb) {

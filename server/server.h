@@ -104,6 +104,7 @@ typedef struct fps_config_s {
   double checkpoint_interval; /* seconds between periodic checkpoints, 0 = off */
   uint32_t checkpoint_keep;   /* newest checkpoints kept */
   int require_checkpoint;     /* refuse to start without a loaded checkpoint */
+  char *job_id;               /* the job served, "" = learnt (shard.h, job.c) */
   /* Shard to shard (peer.c): every shard's address by index ("" = none),
    * and the calling side's TLS and token for Exchange calls. */
   char *peers;

@@ -84,11 +84,11 @@ static int verify(int argc, char **argv) {
     }
     if (st == 0) {
       printf("ok   %s  sequence %llu  shard %u/%u  mode %s  %llu tensors (%llu row blocks)  %llu bytes  "
-             "created %s\n",
+             "created %s%s%s\n",
              e[i].path, (unsigned long long)e[i].info.seq, e[i].info.shard.shard_id,
              e[i].info.shard.shard_count, e[i].info.shard.mode, (unsigned long long)e[i].info.tensors,
              (unsigned long long)e[i].info.blocks, (unsigned long long)e[i].info.file_bytes,
-             e[i].info.created);
+             e[i].info.created, e[i].info.shard.job_id[0] ? "  job " : "", e[i].info.shard.job_id);
     } else {
       bad++;
       printf("BAD  %s  %s: %s\n", e[i].path, fps_err_name(st), e[i].why);

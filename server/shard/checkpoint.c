@@ -11,8 +11,8 @@
  *
  * Restoring: at start-up, before the gRPC port is bound, the newest
  * checkpoint that verifies completely (both SHA-256s, every bound) and was
- * written for this shard's id, count and mode is loaded; the library logs
- * and skips every other one. */
+ * written for this shard's id, count, mode and job (--job-id, when given;
+ * job.c) is loaded; the library logs and skips every other one. */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -152,7 +152,7 @@ static int fps__ckpt_adopt_locked(fps_shard_t *sh, const fps_ckpt_t *ck, fps_ckp
 
 static int fps__ckpt_restore(fps_shard_t *sh) {
   fps_ckpt_expect_t ex = {.shard_id = sh->cfg.shard_id, .shard_count = sh->cfg.shard_count,
-                          .mode = fps_mode_name(sh->cfg.mode)};
+                          .mode = fps_mode_name(sh->cfg.mode), .job_id = sh->cfg.job_id};
   fps_ckpt_t *ck = NULL;
   int64_t t0 = fps_now_ns();
   int rc = fps_ckpt_load_newest(sh->cfg.checkpoint_dir, &ex, fps__ckpt_rejected, sh, &ck);
@@ -196,6 +196,13 @@ static int fps__ckpt_restore(fps_shard_t *sh) {
     return rc;
   }
   sh->ckpt_restored_seq = ck->info.seq;
+  /* The file's job is this shard's from now on (unless --job-id set it). */
+  pthread_mutex_lock(&sh->job_mu);
+  if (!sh->job_id[0] && ck->info.shard.job_id[0]) {
+    snprintf(sh->job_id, sizeof sh->job_id, "%s", ck->info.shard.job_id);
+    snprintf(sh->job_from, sizeof sh->job_from, "checkpoint %s", ck->path);
+  }
+  pthread_mutex_unlock(&sh->job_mu);
   pthread_mutex_lock(&sh->ckpt_mu);
   sh->ckpt_have_last = true;
   sh->ckpt_last_changes = atomic_load(&sh->changes);
@@ -243,6 +250,9 @@ int fps_checkpoint_write(fps_shard_t *sh, fps_ckpt_done_t *out, char *why, size_
     goto fail;
   }
   fps_ckpt_snapshot_borrow_params(snap, fps__ckpt_params_release);
+  char job[FPS_CKPT_JOB_MAX + 1];
+  fps_shard_job_get(sh, job, sizeof job);
+  fps_ckpt_snapshot_set_job(snap, job); /* checked when it was set */
   /* The store's read lock only keeps the tensor list still (tensors are
    * never removed); pushes take it for reading too, so they are not held up. */
   pthread_rwlock_rdlock(&sh->store.mu);

@@ -206,6 +206,11 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
   pthread_mutex_init(&sh->rounds_mu, NULL);
   pthread_mutex_init(&sh->held_mu, NULL);
   pthread_mutex_init(&sh->ckpt_mu, NULL);
+  pthread_mutex_init(&sh->job_mu, NULL);
+  if (sh->cfg.job_id && *sh->cfg.job_id) {
+    snprintf(sh->job_id, sizeof sh->job_id, "%s", sh->cfg.job_id);
+    snprintf(sh->job_from, sizeof sh->job_from, "--job-id");
+  }
   pthread_mutex_init(&sh->xs_mu, NULL);
   pthread_mutex_init(&sh->spare_mu, NULL);
   sh->started_ns = fps_now_ns();
@@ -227,6 +232,7 @@ void fps_shard_destroy(fps_shard_t *sh) {
   pthread_mutex_destroy(&sh->rounds_mu);
   pthread_mutex_destroy(&sh->held_mu);
   pthread_mutex_destroy(&sh->ckpt_mu);
+  pthread_mutex_destroy(&sh->job_mu);
   pthread_mutex_destroy(&sh->xs_mu);
   pthread_mutex_destroy(&sh->spare_mu);
 }

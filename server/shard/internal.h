@@ -930,6 +930,10 @@ struct fps_shard_s {
    * a write), so checkpoint.c can tell that nothing changed since the last
    * checkpoint it wrote or loaded. */
   atomic_uint_fast64_t changes;
+  /* The job served (job.c). A leaf lock. */
+  pthread_mutex_t job_mu;
+  char job_id[72];                  /* "" = none yet; at most FPS_CKPT_JOB_MAX bytes */
+  char job_from[4160];              /* where it came from, for errors */
   /* Checkpoints (checkpoint.c). */
   pthread_mutex_t ckpt_mu;          /* one checkpoint at a time */
   bool ckpt_have_last;              /* a checkpoint was written or loaded (ckpt_mu) */

@@ -61,6 +61,8 @@ typedef struct fps_shard_opts_s {
   double checkpoint_interval; /* seconds between periodic checkpoints, 0 = off */
   uint32_t checkpoint_keep;   /* newest checkpoints kept */
   int require_checkpoint;     /* refuse to start without a loaded checkpoint */
+  const char *job_id;         /* --job-id: the job served, "" or NULL = learnt
+                                 from a checkpoint or the first Create (borrowed) */
 } fps_shard_opts_t;
 
 /* A new, empty shard (shard.c): copies opts (checkpoint_dir stays
@@ -441,6 +443,21 @@ fps_snap_bf16_t *fps_push_take_bf16(fps_push_t *p, size_t i);
 typedef void (*fps_push_resume_fn)(fps_push_t *p, void *arg);
 void fps_push_set_resume(fps_push_t *p, fps_push_resume_fn fn, void *arg);
 bool fps_push_hold(fps_push_t *p);
+
+/* ------------------------------------------------------------ job identity */
+
+/* The job a shard serves (job.c), kept in every checkpoint it writes so
+ * that a volume reused by another job is not restored into it. Fixed by
+ * --job-id, else by the checkpoint restored at start-up, else by the
+ * first Create that names one; never changed afterwards. */
+
+/* A Create names `job` (NULL or "": names none, as older clients): the
+ * shard adopts it if it has none yet. Returns 0, FPS_EINVAL (not a job id:
+ * fps_ckpt_job_check) or FPS_ESTATE (the shard serves another job; `why`
+ * names both and where the shard's came from). Thread-safe. */
+int fps_shard_job_claim(fps_shard_t *sh, const char *job, char *why, size_t wl);
+/* Copies the shard's job id ("" = none yet) into out[len]. Thread-safe. */
+void fps_shard_job_get(fps_shard_t *sh, char *out, size_t len);
 
 /* ----------------------------------------------------------- checkpoints */
 

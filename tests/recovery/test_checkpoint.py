@@ -3,6 +3,7 @@ damaged files, --require-checkpoint, and SIGKILL in the middle of a large
 write. Every test runs real shards (see _recovery.py) and checks what is on
 disk with `factorps checkpoint verify`."""
 
+import json
 import os
 import re
 import signal
@@ -287,6 +288,80 @@ class Checkpoints(unittest.TestCase):
                                timeout=30, stdin=subprocess.DEVNULL)
             self.assertEqual(p.returncode, 2, (args, p.stderr))
             self.assertIn(msg, p.stderr)
+
+
+def file_job(path):
+    """The "job_id" in a checkpoint file's metadata (None without one)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n))["__metadata__"].get("job_id")
+
+
+@need_server
+class JobIdentity(unittest.TestCase):
+    """A checkpoint volume reused by another job: the shard must not resume
+    that job's weights silently (the Creates of the new job match by name
+    and shape, so nothing else would notice)."""
+
+    def test_another_jobs_checkpoint_is_refused(self):
+        with CkptShards(1) as ck:
+            c = connect(ck.addrs, job_id="job-a")
+            push(c, 0)
+            info = c.checkpoint()
+            c.close()
+            self.assertEqual(file_job(info[0]["path"]), "job-a")
+            ck.restart(0)
+            self.assertIn("restored 3 tensors", ck.log(0))
+            # Without --job-id the restored file's job is the shard's: the
+            # new job's Create is refused, naming the file and both jobs.
+            with self.assertRaises(factorps.FailedPreconditionError) as cm:
+                connect(ck.addrs, job_id="job-b")
+            msg = str(cm.exception)
+            for want in ("'job-a'", "'job-b'", os.path.basename(info[0]["path"])):
+                self.assertIn(want, msg)
+            # Its own job and an older client (no job id) still resume.
+            c = connect(ck.addrs, job_id="job-a")
+            _, versions = c.pull()
+            self.assertEqual(set(dict(versions).values()), {1})
+            c.close()
+            connect(ck.addrs).close()
+            ck.kill(0)
+            # With --job-id the file is refused at restore, named with both
+            # jobs, and moved aside (never pruned): the shard starts empty.
+            ck.extra = ["--job-id", "job-b"]
+            ck.start(0)
+            log = ck.log(0)
+            self.assertRegex(log, r"checkpoint \S*ckpt-0+1\.safetensors skipped \(FPS_ESTATE\): "
+                                  r"mismatched: written for job 'job-a', this shard serves job 'job-b'")
+            self.assertIn("starting empty", log)
+            aside = os.path.join(ck.ckdir(0), "unloaded", os.path.basename(info[0]["path"]))
+            self.assertEqual(file_job(aside), "job-a")
+            with self.assertRaises(factorps.FailedPreconditionError):
+                connect(ck.addrs, job_id="job-a")
+            c = connect(ck.addrs, job_id="job-b")
+            _, versions = c.pull()
+            self.assertEqual(set(dict(versions).values()), {0})
+            push(c, 0)
+            info = c.checkpoint()
+            c.close()
+            self.assertEqual(file_job(info[0]["path"]), "job-b")
+
+    def test_first_create_fixes_the_job(self):
+        with CkptShards(1) as ck:
+            connect(ck.addrs).close()  # names no job: none fixed yet
+            c = connect(ck.addrs, job_id="run-1")
+            with self.assertRaisesRegex(factorps.FailedPreconditionError,
+                                        r"serves job 'run-1' \(from the first Create\).*'run-2'"):
+                connect(ck.addrs, job_id="run-2")
+            with self.assertRaises(factorps.InvalidArgumentError):
+                connect(ck.addrs, job_id="bad id")
+            push(c, 0)
+            info = c.checkpoint()
+            c.close()
+            self.assertEqual(file_job(info[0]["path"]), "run-1")
+            rc, out = verify(ck.ckdir(0))
+            self.assertEqual(rc, 0, out)
+            self.assertIn("job run-1", out)
 
 
 @need_server

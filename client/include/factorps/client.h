@@ -151,6 +151,16 @@ typedef struct fps_client_options_s {
                                     shard (every tensor of a shard applied
                                     together or none). Default
                                     FPS_PUSH_CHUNK_BYTES_DEFAULT. */
+  const char *job_id;            /* the job's identity, sent with every
+                                    Create (1..64 bytes of [A-Za-z0-9._:-];
+                                    copied), or NULL: none. A shard that
+                                    serves another job (its --job-id, the
+                                    checkpoint it restored, or an earlier
+                                    Create's) refuses the Create with
+                                    FAILED_PRECONDITION naming both, so a
+                                    new job does not resume another's
+                                    checkpoint. Give every worker of a job
+                                    the same id. */
 } fps_client_options_t;
 
 /* The default chunk of a push (fps_client_options_t.push_chunk_bytes). */

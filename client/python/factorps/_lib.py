@@ -57,6 +57,8 @@ class ClientOptions(ctypes.Structure):
         # Pushes as chunks of this many wire bytes per call, 0 =
         # one call per shard; fps_client_options_init() sets the default.
         ("push_chunk_bytes", ctypes.c_uint64),
+        # The job's identity, sent with every Create: connect(job_id=...).
+        ("job_id", ctypes.c_char_p),
     ]
 
 

@@ -238,7 +238,7 @@ class Client:
     def __init__(self, shards, *, worker_id=0, deadline=60.0, max_retries=5, backoff=0.1,
                  max_message_bytes=4 << 20, tls_ca_file=None, tls_cert_file=None,
                  tls_key_file=None, auth_token=None, tls_server_name=None, wire_dtype="f32",
-                 split_min_bytes=0, push_chunk_bytes=None):
+                 split_min_bytes=0, push_chunk_bytes=None, job_id=None):
         if isinstance(shards, str):
             shards = [s for s in shards.split(",") if s.strip()]
         shards = [str(s).strip() for s in shards]
@@ -286,9 +286,9 @@ class Client:
         # Keep the encoded strings alive as long as the options struct.
         self._opt_strings = [None if v is None else str(v).encode()
                              for v in (tls_ca_file, tls_cert_file, tls_key_file, auth_token,
-                                       tls_server_name)]
+                                       tls_server_name, job_id)]
         (opts.tls_ca_file, opts.tls_cert_file, opts.tls_key_file,
-         opts.auth_token, opts.tls_server_name) = self._opt_strings
+         opts.auth_token, opts.tls_server_name, opts.job_id) = self._opt_strings
         addrs = (ctypes.c_char_p * len(shards))(*[s.encode() for s in shards])
         st = _lib.Status()
         handle = self._lib.fps_client_create(addrs, len(shards), ctypes.byref(opts),
@@ -851,7 +851,11 @@ def connect(shards, **options):
     push_chunk_bytes (None: libfactorps' default, 8 MiB; each push goes to
     each shard as concurrent calls over chunks of its tensors of at least
     this many bytes, so parameters flow back while gradients still flow up;
-    0: one call per shard; docs/client.md).
+    0: one call per shard; docs/client.md), job_id (None; the job's
+    identity, 1..64 bytes of [A-Za-z0-9._:-], the same for every worker of
+    a job: a shard serving another job, e.g. one that restored another
+    job's checkpoint, refuses create() with FailedPreconditionError naming
+    both).
     Connection is lazy: an unreachable shard fails the first call; a failed
     TLS handshake raises UnavailableError, a missing or wrong token
     UnauthenticatedError."""

@@ -944,6 +944,9 @@ static void m_many_tensor_meta(cJSON *r, cJSON *m) {
   }
   cJSON_ReplaceItemInObjectCaseSensitive(m, "tensor_count", cJSON_CreateString("45"));
 }
+static void m_job(cJSON *r, cJSON *m) { (void)r, cJSON_AddStringToObject(m, "job_id", "job-7"); }
+static void m_job_bad(cJSON *r, cJSON *m) { (void)r, cJSON_AddStringToObject(m, "job_id", "job 7"); }
+static void m_job_empty(cJSON *r, cJSON *m) { (void)r, cJSON_AddStringToObject(m, "job_id", ""); }
 static void m_no_meta(cJSON *r, cJSON *m) { (void)m, cJSON_DeleteItemFromObjectCaseSensitive(r, "__metadata__"); }
 static void m_no_header_digest(cJSON *r, cJSON *m) {
   (void)r;
@@ -999,6 +1002,9 @@ static const mutation_t MUTATIONS[] = {
     {"tensor metadata not JSON", m_t_not_json, "not a JSON object"},
     {"empty tensor name", m_bad_name, "tensor name"},
     {"more tensors than arrays", m_many_tensor_meta, "no weights entry for tensor \"ghost0\""},
+    {"a job_id", m_job, NULL},
+    {"job_id with a blank", m_job_bad, "bad job_id"},
+    {"empty job_id", m_job_empty, "bad job_id"},
     {"no __metadata__", m_no_meta, "header_sha256"},
     {"no header digest", m_no_header_digest, "header_sha256"},
 };
@@ -1291,6 +1297,58 @@ static void directory_lease(void **unused) {
   remove_dir(dir);
 }
 
+/* The job identity: stored when set, checked against a reader's expected
+ * job (both named), absent in a file of a shard that never knew its job
+ * (that file loads anywhere, byte for byte what earlier writers wrote). */
+static void job_identity_checked(void **unused) {
+  (void)unused;
+  char *dir = make_dir();
+  char why[FPS_CKPT_WHY_MAX] = "";
+  live_t lv[NSPECS];
+  fps_ckpt_snapshot_t *s = snapshot_of(lv, 1, 0, 2);
+  assert_int_equal(fps_ckpt_snapshot_set_job(s, "bad id"), FPS_EINVAL);
+  char longid[FPS_CKPT_JOB_MAX + 2];
+  memset(longid, 'a', sizeof longid - 1);
+  longid[sizeof longid - 1] = 0;
+  assert_int_equal(fps_ckpt_snapshot_set_job(s, longid), FPS_EINVAL);
+  longid[FPS_CKPT_JOB_MAX] = 0;
+  assert_int_equal(fps_ckpt_snapshot_set_job(s, longid), 0);
+  assert_int_equal(fps_ckpt_snapshot_set_job(s, "job-a.1:x_y"), 0);
+  fps_ckpt_written_t w;
+  int rc = fps_ckpt_write(dir, s, 3, &w, why, sizeof why);
+  if (rc) fail_msg("write: %s", why);
+  fps_ckpt_snapshot_destroy(s);
+  for (size_t i = 0; i < NSPECS; i++) live_free(&lv[i]);
+
+  fps_ckpt_info_t info;
+  fps_ckpt_expect_t ex = EXPECT;
+  ex.job_id = "job-a.1:x_y";
+  assert_int_equal(fps_ckpt_verify_file(w.path, &ex, &info, why, sizeof why), 0);
+  assert_string_equal(info.shard.job_id, "job-a.1:x_y");
+  ex.job_id = "job-b";
+  assert_int_equal(fps_ckpt_verify_file(w.path, &ex, &info, why, sizeof why), FPS_ESTATE);
+  assert_non_null(strstr(why, "written for job 'job-a.1:x_y', this shard serves job 'job-b'"));
+  fps_ckpt_t *c = NULL;
+  assert_int_equal(fps_ckpt_load_file(w.path, &ex, &c, why, sizeof why), FPS_ESTATE);
+  assert_null(c);
+  /* The loader skips it (reporting it) like any mismatched file. */
+  rejects_t rj = {0};
+  assert_int_equal(fps_ckpt_load_newest(dir, &ex, on_reject, &rj, &c), FPS_EFORMAT);
+  assert_int_equal(rj.n, 1);
+  assert_int_equal(rj.err, FPS_ESTATE);
+  assert_string_equal(rj.path, w.path);
+  /* A file without a job loads whatever job the reader expects, and has
+   * no "job_id" key at all. */
+  write_gen(dir, 2, 3, &w);
+  assert_int_equal(fps_ckpt_verify_file(w.path, &ex, &info, why, sizeof why), 0);
+  assert_string_equal(info.shard.job_id, "");
+  size_t len = 0;
+  unsigned char *b = read_all(w.path, &len);
+  assert_null(memmem(b, len, "job_id", 6));
+  free(b);
+  remove_dir(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(round_trip),
@@ -1309,6 +1367,7 @@ int main(void) {
       cmocka_unit_test(failed_write_leaves_nothing),
       cmocka_unit_test(readers_beside_a_writer),
       cmocka_unit_test(directory_lease),
+      cmocka_unit_test(job_identity_checked),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
