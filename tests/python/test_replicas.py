@@ -56,6 +56,23 @@ class ReplicaEntryTest(unittest.TestCase):
     def test_comma_separated_string(self):
         self.check_client(",".join(self.entries))
 
+    def test_push_id_retry_is_applied_once(self):
+        # What a worker does after a push raised with its outcome unknown
+        # (tests/replica's partitions): the same key again is not applied
+        # twice, whichever replica answers.
+        c = factorps.connect(self.entries, deadline=20, max_retries=0)
+        self.addCleanup(c.close)
+        c.create([factorps.TensorSpec("a", (8, 4), np.ones((8, 4), np.float32))])
+        g = {"a": np.full((8, 4), 0.5, np.float32)}
+        p1, v1 = c.push_pull(g, push_id=12345)
+        p2, v2 = c.push_pull(g, push_id=12345)
+        self.assertEqual((v1, v2), ({"a": 1}, {"a": 1}))
+        np.testing.assert_array_equal(p1["a"], p2["a"])
+        _, v3 = c.push_pull(g)
+        self.assertEqual(v3, {"a": 2})
+        with self.assertRaisesRegex(InvalidArgumentError, "push_id"):
+            c.push_pull(g, push_id=0)
+
     def test_bad_entry_names_it(self):
         with self.assertRaisesRegex(InvalidArgumentError, r"shard 1: address 'x:1\|x:1' lists "
                                                           r"replica 'x:1' twice"):

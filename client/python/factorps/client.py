@@ -528,7 +528,7 @@ class Client:
         return d
 
     def push_pull(self, grads, *, step=None, out=None, worker_id=None, want_params=True,
-                  num_workers=None, expect_mode=None, settings=None):
+                  num_workers=None, expect_mode=None, settings=None, push_id=None):
         """Pushes gradients and returns (params, versions).
 
         `grads`: {name: array} (or (name, array) pairs) with each tensor's
@@ -549,6 +549,10 @@ class Client:
         gradient this step (the grad may then be None: no update, no decay),
         this tensor's step if it differs from `step`, this worker skips the
         step (with no_grad; sync: the round applies nothing for anyone).
+        `push_id`: the push's idempotency key (1..2^64-1; default: a fresh
+        one). Pass the key of a push that raised (DEADLINE_EXCEEDED,
+        CANCELLED: its outcome unknown) with the same grads to retry it: the
+        shards apply it at most once.
         """
         items = self._items(grads, "push_pull grads")
         if not items:
@@ -559,7 +563,12 @@ class Client:
             raise InvalidArgumentError(f"push_pull: expect_mode must be one of "
                                        f"{sorted(m for m in MODES if m)} or None, not "
                                        f"{expect_mode!r}")
-        extended = bool(settings) or num_workers is not None or expect_mode is not None
+        if push_id is not None and (isinstance(push_id, bool) or not isinstance(push_id, int) or
+                                    not 0 < push_id < 1 << 64):
+            raise InvalidArgumentError(f"push_pull: push_id must be an int in 1..2^64-1, not "
+                                       f"{push_id!r}")
+        extended = (bool(settings) or num_workers is not None or expect_mode is not None or
+                    push_id is not None)
         fn_ex = self._lib.fps_client_push_pull_ex if extended else None
         n = len(items)
         names = (ctypes.c_char_p * n)()
@@ -601,6 +610,7 @@ class Client:
                 args.num_workers = int(num_workers or 0)
                 args.step = int(step)
                 args.expect_mode = MODES[expect_mode]
+                args.push_id = int(push_id or 0)
                 rc = fn_ex(h, ctypes.byref(args), names, gptr, per, pptr, versions, n,
                            ctypes.byref(st))
             else:
