@@ -591,8 +591,11 @@ int fps__lease_etcd_open(const char *rest, double ttl_s, const char *holder, fps
     fprintf(stderr, "factorps-server: --lease etcd:%s must be etcd:HOST:PORT/KEY\n", rest);
     return FPS_EINVAL;
   }
-  if (!(ttl_s >= 1 && ttl_s <= 3600)) {
-    fprintf(stderr, "factorps-server: --lease-ttl %g: the etcd lease needs 1 to 3600 seconds\n", ttl_s);
+  if (!(ttl_s > 0 && ttl_s <= 3600)) {
+    fprintf(stderr,
+            "factorps-server: --lease-ttl %g: the etcd lease needs more than 0 and at most 3600 "
+            "seconds\n",
+            ttl_s);
     return FPS_EINVAL;
   }
   grpc_init(); /* counted: fps__lease_etcd_close calls grpc_shutdown */
@@ -610,9 +613,14 @@ int fps__lease_etcd_open(const char *rest, double ttl_s, const char *holder, fps
   pthread_condattr_destroy(&ca);
   atomic_init(&l->held, false);
   atomic_init(&l->valid_until, 0);
-  /* etcd's TTL is whole seconds: round up (never shorter than asked). */
+  /* etcd's TTL is whole seconds: round up (never shorter than asked).
+   * etcd itself raises a TTL below its minimum (1.5 election timeouts: 2 s
+   * with its defaults); the TTL it grants is the one used, and logged. */
   l->ttl_s = (int64_t)ttl_s;
   if ((double)l->ttl_s < ttl_s) l->ttl_s++;
+  if ((double)l->ttl_s != ttl_s)
+    FPS_LOG(FPS_LOG_INFO, "lease etcd:%s: --lease-ttl %g rounded up to %lld s (etcd counts whole seconds)", rest,
+            ttl_s, (long long)l->ttl_s);
   size_t tlen = (size_t)(slash - rest);
   l->target = fps_malloc(tlen + 1);
   l->key = fps_strdup(slash + 1);
