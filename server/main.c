@@ -211,6 +211,11 @@ int main(int argc, char **argv) {
     exit_code = rc == FPS_ENOTFOUND ? 3 : 1;
     goto out;
   }
+  if (fps_rpc_checkpoint_init(&srv) < 0) {
+    fprintf(stderr, "factorps-server: cannot start the Checkpoint writer thread\n");
+    exit_code = 1;
+    goto out;
+  }
   if (fps_grpc_start(&srv) < 0) {
     exit_code = 1;
     goto out;
@@ -260,6 +265,7 @@ out:
   fps_metrics_http_stop(http);
   fps_timer_destroy(srv.timer);
   srv.timer = NULL;
+  fps_rpc_checkpoint_stop(&srv);  /* after gRPC: no call can queue any more */
   fps_checkpoint_stop(srv.shard); /* no periodic write after the final one */
   FPS_LOG(FPS_LOG_DEBUG, "shutdown: threads stopped at %.3f s", (double)(fps_now_ns() - stop0) / 1e9);
   if (ckpt_on_exit) {

@@ -1,8 +1,15 @@
-/* Checkpoint: writes a durable checkpoint now (unary). The write runs on
- * the poller thread that received the call: it holds no tensor lock while
- * hashing and writing (see checkpoint.c), so other pollers keep serving
- * pushes; a concurrent periodic checkpoint is waited for, not duplicated in
- * parallel (srv->ckpt_mu). */
+/* Checkpoint: writes a durable checkpoint now (unary), on a thread of its
+ * own. Writing takes from milliseconds to a minute (hashing and fsync of
+ * the whole shard); on the poller that received the call it held that
+ * poller, and a dozen concurrent calls held every poller, so Stats and
+ * pushes waited behind them (issue 23). The handler only queues the call;
+ * the writer thread takes every call queued so far and serves them with
+ * ONE write that starts after all of them arrived, so each caller gets a
+ * checkpoint holding every update acknowledged before its call, and N
+ * concurrent calls cost one write, not N. The write itself is
+ * fps_checkpoint_write (serialised with the periodic one by the shard's
+ * checkpoint lock). */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -12,39 +19,33 @@
 
 typedef struct fps_ckpt_call_s {
   fps_call_t base;
+  uint8_t *reply_buf;             /* reserved before anything is written */
+  size_t reply_cap;
+  struct fps_ckpt_call_s *next;   /* the queue (fps_ckpt_queue_t.mu) */
 } fps_ckpt_call_t;
+
+/* The calls waiting for the next write, and the thread that writes. */
+struct fps_ckpt_queue_s {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  fps_ckpt_call_t *head, **tail;  /* in arrival order (mu) */
+  bool stop;                      /* (mu) */
+  pthread_t th;
+};
 
 /* CheckpointResponse beyond its path's directory: the file name (at most
  * 64 bytes), tags, lengths and four varints / doubles. */
 #define FPS_CKPT_REPLY_EXTRA 128
 
-static void fps__ckpt_call_destroy(fps_call_t *c) { fps_free(c); }
+static void fps__ckpt_call_destroy(fps_call_t *c) {
+  fps_free(((fps_ckpt_call_t *)c)->reply_buf);
+  fps_free(c);
+}
 
-static void fps__ckpt_call_run(fps_ckpt_call_t *cc) {
+/* Answers one call with the write's outcome. */
+static void fps__ckpt_answer(fps_ckpt_call_t *cc, int rc, const fps_ckpt_done_t *done, const char *why) {
   fps_server_t *srv = cc->base.srv;
-  if (!*srv->cfg.checkpoint_dir) {
-    fps_call_fail(&cc->base, GRPC_STATUS_FAILED_PRECONDITION,
-                  "Checkpoint: shard %u was started without --checkpoint-dir", srv->cfg.shard_id);
-    return;
-  }
-  if (atomic_load(&srv->shutting_down)) {
-    fps_call_fail(&cc->base, GRPC_STATUS_UNAVAILABLE,
-                  "Checkpoint: shard is shutting down (it writes a checkpoint on its way out)");
-    return;
-  }
-  /* The reply's bytes, reserved before the checkpoint is written: its path
-   * (the directory plus a file name) and four numbers. */
-  size_t reply_cap = strlen(srv->cfg.checkpoint_dir) + FPS_CKPT_REPLY_EXTRA;
-  uint8_t *reply_buf = fps_malloc(reply_cap);
-  if (!reply_buf) {
-    fps_call_fail(&cc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Checkpoint: out of memory for the reply");
-    return;
-  }
-  fps_ckpt_done_t done;
-  char why[FPS_CKPT_WHY_MAX] = "";
-  int rc = fps_checkpoint_write(srv->shard, &done, why, sizeof why);
   if (rc < 0) {
-    fps_free(reply_buf);
     grpc_status_code code = rc == FPS_ENOMEM      ? GRPC_STATUS_RESOURCE_EXHAUSTED
                             : rc == FPS_EAGAIN    ? GRPC_STATUS_UNAVAILABLE
                             : rc == FPS_ENOTFOUND ? GRPC_STATUS_FAILED_PRECONDITION
@@ -54,19 +55,84 @@ static void fps__ckpt_call_run(fps_ckpt_call_t *cc) {
     return;
   }
   Factorps__V1__CheckpointResponse resp = FACTORPS__V1__CHECKPOINT_RESPONSE__INIT;
-  resp.path = done.path;
-  resp.sequence = done.seq;
-  resp.bytes = done.bytes;
-  resp.tensors = done.tensors;
-  resp.seconds = done.seconds;
-  grpc_byte_buffer *bb = fps_pack_message_into(&resp, reply_buf, reply_cap);
+  resp.path = (char *)done->path;
+  resp.sequence = done->seq;
+  resp.bytes = done->bytes;
+  resp.tensors = done->tensors;
+  resp.seconds = done->seconds;
+  grpc_byte_buffer *bb = fps_pack_message_into(&resp, cc->reply_buf, cc->reply_cap);
   if (!bb) {
-    fps_free(reply_buf);
     fps_call_fail(&cc->base, GRPC_STATUS_INTERNAL, "Checkpoint: the reply outgrew its %zu reserved bytes (%s written)",
-                  reply_cap, done.path);
-  } else {
-    fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
+                  cc->reply_cap, done->path);
+    return;
   }
+  cc->reply_buf = NULL; /* the byte buffer's now */
+  fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
+}
+
+static void *fps__ckpt_writer(void *arg) {
+  fps_server_t *srv = arg;
+  fps_ckpt_queue_t *q = srv->ckpt_q;
+  pthread_mutex_lock(&q->mu);
+  for (;;) {
+    while (!q->stop && !q->head) pthread_cond_wait(&q->cv, &q->mu);
+    if (!q->head) break; /* stopping, nothing left */
+    fps_ckpt_call_t *batch = q->head;
+    q->head = NULL;
+    q->tail = &q->head;
+    bool stopping = q->stop;
+    pthread_mutex_unlock(&q->mu);
+    fps_ckpt_done_t done;
+    memset(&done, 0, sizeof done);
+    char why[FPS_CKPT_WHY_MAX] = "";
+    /* Shutting down: the final checkpoint (main.c) comes after gRPC. */
+    bool refused = stopping || atomic_load(&srv->shutting_down);
+    int rc = refused ? 0 : fps_checkpoint_write(srv->shard, &done, why, sizeof why);
+    while (batch) {
+      fps_ckpt_call_t *next = batch->next;
+      if (refused)
+        fps_call_fail(&batch->base, GRPC_STATUS_UNAVAILABLE,
+                      "Checkpoint: shard is shutting down (it writes a checkpoint on its way out)");
+      else
+        fps__ckpt_answer(batch, rc, &done, why);
+      batch = next;
+    }
+    pthread_mutex_lock(&q->mu);
+  }
+  pthread_mutex_unlock(&q->mu);
+  return NULL;
+}
+
+int fps_rpc_checkpoint_init(fps_server_t *srv) {
+  if (!*srv->cfg.checkpoint_dir) return 0; /* every call is refused, no thread needed */
+  fps_ckpt_queue_t *q = fps_calloc(1, sizeof *q);
+  if (!q) return FPS_ENOMEM;
+  pthread_mutex_init(&q->mu, NULL);
+  pthread_cond_init(&q->cv, NULL);
+  q->tail = &q->head;
+  srv->ckpt_q = q;
+  if (pthread_create(&q->th, NULL, fps__ckpt_writer, srv) != 0) {
+    pthread_cond_destroy(&q->cv);
+    pthread_mutex_destroy(&q->mu);
+    fps_free(q);
+    srv->ckpt_q = NULL;
+    return FPS_ENOMEM;
+  }
+  return 0;
+}
+
+void fps_rpc_checkpoint_stop(fps_server_t *srv) {
+  fps_ckpt_queue_t *q = srv->ckpt_q;
+  if (!q) return;
+  pthread_mutex_lock(&q->mu);
+  q->stop = true;
+  pthread_cond_signal(&q->cv);
+  pthread_mutex_unlock(&q->mu);
+  pthread_join(q->th, NULL); /* it fails whatever is still queued */
+  pthread_cond_destroy(&q->cv);
+  pthread_mutex_destroy(&q->mu);
+  fps_free(q);
+  srv->ckpt_q = NULL;
 }
 
 void fps_rpc_checkpoint_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
@@ -75,6 +141,30 @@ void fps_rpc_checkpoint_start(fps_server_t *srv, grpc_call *call, gpr_timespec d
   Factorps__V1__CheckpointRequest *req = fps_call_start_unary(srv, call, deadline, md, payload, sizeof(fps_ckpt_call_t),
       fps__ckpt_call_destroy, NULL, "Checkpoint", &factorps__v1__checkpoint_request__descriptor, &c);
   if (!req) return;
-  fps__ckpt_call_run((fps_ckpt_call_t *)c);
   protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
+  fps_ckpt_call_t *cc = (fps_ckpt_call_t *)c;
+  if (!*srv->cfg.checkpoint_dir) {
+    fps_call_fail(c, GRPC_STATUS_FAILED_PRECONDITION, "Checkpoint: shard %u was started without --checkpoint-dir",
+                  srv->cfg.shard_id);
+    return;
+  }
+  if (atomic_load(&srv->shutting_down) || !srv->ckpt_q) {
+    fps_call_fail(c, GRPC_STATUS_UNAVAILABLE,
+                  "Checkpoint: shard is shutting down (it writes a checkpoint on its way out)");
+    return;
+  }
+  /* The reply's bytes, reserved before the checkpoint is written: its path
+   * (the directory plus a file name) and four numbers. */
+  cc->reply_cap = strlen(srv->cfg.checkpoint_dir) + FPS_CKPT_REPLY_EXTRA;
+  if (!(cc->reply_buf = fps_malloc(cc->reply_cap))) {
+    fps_call_fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "Checkpoint: out of memory for the reply");
+    return;
+  }
+  fps_ckpt_queue_t *q = srv->ckpt_q;
+  pthread_mutex_lock(&q->mu);
+  cc->next = NULL;
+  *q->tail = cc;
+  q->tail = &cc->next;
+  pthread_cond_signal(&q->cv);
+  pthread_mutex_unlock(&q->mu);
 }

@@ -241,6 +241,7 @@ struct fps_server_s {
   pthread_mutex_t calls_mu;
   fps_call_t *calls;
   uint64_t ncalls;
+  struct fps_ckpt_queue_s *ckpt_q;  /* Checkpoint calls and their writer (rpc_checkpoint.c) */
 };
 
 /* grpc_server.c (fps_calls_* are call.c's) */
@@ -251,6 +252,15 @@ void fps_calls_link(fps_server_t *srv, fps_call_t *c);
 void fps_calls_unlink(fps_server_t *srv, fps_call_t *c);
 /* Timer hook (arg: the server): cancels calls past their deadline. */
 void fps_calls_expire(void *srv, int64_t now_ns);
+
+/* rpc_checkpoint.c: the thread that writes the checkpoints Checkpoint
+ * calls ask for, off the pollers, one write for the calls queued while the
+ * previous one ran. _init before fps_grpc_start (0 or FPS_ENOMEM); _stop
+ * after fps_grpc_stop: finishes the write in progress, fails what is still
+ * queued, joins. */
+typedef struct fps_ckpt_queue_s fps_ckpt_queue_t;
+int fps_rpc_checkpoint_init(fps_server_t *srv);
+void fps_rpc_checkpoint_stop(fps_server_t *srv);
 
 /* Method entry points, one per method of common/methods.h and generated
  * from it: fps_rpc_<handler>_start(srv, call, deadline, md[, payload]),

@@ -101,12 +101,14 @@ static void shard_start(const char *mode, bool checkpoints) {
   assert_int_equal(fps_timer_add(g_srv.timer, fps_calls_expire, &g_srv), 0);
   assert_int_equal(fps_timer_start(g_srv.timer), 0);
   assert_int_equal(fps_checkpoint_open(g_srv.shard), 0);
+  assert_int_equal(fps_rpc_checkpoint_init(&g_srv), 0);
   assert_int_equal(fps_grpc_start(&g_srv), 0);
   snprintf(g_addr, sizeof g_addr, "127.0.0.1:%d", g_srv.port);
 }
 
 static void shard_stop(void) {
   fps_grpc_stop(&g_srv, 0.5);
+  fps_rpc_checkpoint_stop(&g_srv);
   fps_timer_destroy(g_srv.timer);
   g_srv.timer = NULL;
   fps_checkpoint_stop(g_srv.shard);

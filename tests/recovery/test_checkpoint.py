@@ -365,6 +365,86 @@ class JobIdentity(unittest.TestCase):
 
 
 @need_server
+class CheckpointRpc(unittest.TestCase):
+    """Checkpoint calls are written by a thread of their own, not by the
+    threads that serve calls, and the calls that arrive while a write runs
+    share the next write. Before, each call wrote on the poller that took
+    it: a dozen of them held every poller (--threads 2 here), and Stats
+    waited behind all of their writes."""
+
+    N = 12
+
+    def big_shard(self, ck):
+        c = factorps.connect(ck.addrs, deadline=120)
+        # 64 MiB of weights: a write (SHA-256, write, fsync) takes a good
+        # part of a second, far longer than a Stats round trip.
+        w = np.ones((4096, 4096), np.float32)
+        c.create([TensorSpec("big", w.shape, init=w, optimizer=optimizer_config("torch", lr=0.01))])
+        c.push_pull({"big": w * 0.001}, step=0)
+        return c
+
+    def concurrent_checkpoints(self, ck, during=None):
+        """N Checkpoint calls released together (one client each); returns
+        their replies with the monotonic time each came back, and what
+        `during` returned (called once they were all sent)."""
+        clients = [factorps.connect(ck.addrs, deadline=120) for _ in range(self.N)]
+        go = threading.Barrier(self.N + 1)
+        out = [None] * self.N
+
+        def one(k):
+            go.wait(30)
+            info = clients[k].checkpoint()[0]
+            out[k] = (time.monotonic(), info)
+
+        ts = [threading.Thread(target=one, args=(k,)) for k in range(self.N)]
+        for t in ts:
+            t.start()
+        go.wait(30)
+        got = during() if during else None
+        for t in ts:
+            t.join(180)
+        for c in clients:
+            c.close()
+        self.assertTrue(all(out), "a Checkpoint call did not return")
+        return out, got
+
+    def test_stats_answers_while_checkpoints_are_written(self):
+        with CkptShards(1, extra=["--threads", "2"], ckpt=["--checkpoint-keep", "100"]) as ck:
+            c = self.big_shard(ck)
+            c.stats()  # connected
+
+            def stats_now():
+                time.sleep(0.05)  # the Checkpoint calls are in
+                t0 = time.monotonic()
+                c.stats()
+                return t0, time.monotonic()
+
+            out, (t0, t1) = self.concurrent_checkpoints(ck, stats_now)
+            c.close()
+            first = min(t for t, _ in out)
+            # The order is the point: Stats came back while the first
+            # write still ran. Before, it came after ~N writes.
+            self.assertLess(t1, first, f"Stats answered {t1 - first:.3f} s after the first Checkpoint")
+            self.assertLess(t1 - t0, 1.0)
+
+    def test_concurrent_calls_share_one_write(self):
+        with CkptShards(1, extra=["--threads", "2"], ckpt=["--checkpoint-keep", "100"]) as ck:
+            self.big_shard(ck).close()
+            out, _ = self.concurrent_checkpoints(ck)
+            seqs = sorted(info["sequence"] for _, info in out)
+            # The first call may start a write alone; every call that came
+            # while it ran is served by the one next write. Before: N writes.
+            self.assertLessEqual(len(set(seqs)), 2, seqs)
+            self.assertGreaterEqual(seqs.count(seqs[-1]), self.N // 2, seqs)
+            self.assertEqual(len(ck.files(0)), len(set(seqs)))
+            paths = {info["sequence"]: info["path"] for _, info in out}
+            for _, info in out:
+                self.assertEqual(info["path"], paths[info["sequence"]])
+            rc, text = verify(ck.ckdir(0))
+            self.assertEqual(rc, 0, text)
+
+
+@need_server
 class KillDuringWrite(unittest.TestCase):
     # A 1-D tensor keeps a full second moment: 2 x 4 bytes per element on
     # disk, so 40M elements make a 320 MB checkpoint (several seconds of
