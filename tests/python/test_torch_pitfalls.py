@@ -373,6 +373,10 @@ class AdafactorScheduleTest(unittest.TestCase):
             self.assertLessEqual(reads[0], 2, reads)
             self.assertEqual(reads[1:], [reads[0]] * (self.STEPS - 1),
                              f"GetState calls after each sched.step(): {reads}")
+            # state_dict() holds plain dicts (torch's load_state_dict
+            # rebuilds each value by its type).
+            for st in opt.state_dict()["state"].values():
+                self.assertIs(type(st), dict)
             # What was served is what the shards hold.
             full = opt.client.get_state(["w1", "t3"])
             for p, n in ((model.w1, "w1"), (model.t3, "t3")):

@@ -247,6 +247,14 @@ class _ShardState(Mapping):
     def __iter__(self) -> Iterator[Tensor]:
         return iter(self._all())
 
+    # Whole reads (state_dict(), state.values()) get plain dicts, one
+    # GetState of every tensor; state[p] of a hf parameter is lazy.
+    def items(self) -> Any:
+        return self._all().items()
+
+    def values(self) -> Any:
+        return self._all().values()
+
     def __len__(self) -> int:
         return len(self._all())
 
