@@ -39,11 +39,18 @@ def _torchrun(shards, variant, steps, timeout=120, mode="sync"):
     """Runs ddp_worker.py as a 2-worker torchrun job (gloo, loopback) and
     returns both ranks' results. (About 15 s on an idle machine, mostly
     three torch imports; the timeout is for a machine shared by many.)"""
+    return torchrun_job("ddp_worker.py", ["--shards", ",".join(shards.addrs), "--variant",
+                                          variant, "--steps", str(steps), "--mode", mode],
+                        timeout)
+
+
+def torchrun_job(worker, args, timeout=120):
+    """Runs tests/python/`worker` with `args` + ["--out", DIR] as a 2-worker
+    torchrun job (gloo, loopback) and returns both ranks' DIR/rank<R>.pt."""
     out = tempfile.mkdtemp(prefix="fps-ddp-")
     port = free_ports(1)[0]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=HERE)
-    script = [os.path.join(HERE, "ddp_worker.py"), "--shards", ",".join(shards.addrs),
-              "--variant", variant, "--steps", str(steps), "--out", out, "--mode", mode]
+    script = [os.path.join(HERE, worker)] + list(args) + ["--out", out]
     if _TORCHRUN_WORKS:
         runs = [([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                   "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",

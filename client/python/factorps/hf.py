@@ -82,6 +82,10 @@ def attach(trainer: Any, **options: Any) -> None:
                 raise TypeError("factorps.hf.attach(): the Trainer's optimizer is "
                                 f"{type(opt).__name__}, not a factorps one (trainer_optimizer)")
             if opt._overlap is None:
-                attach_model(trainer.model_wrapped, opt, **options)
+                # fp16: the Trainer's GradScaler drives step() (see
+                # factorps.torch.attach's grad_scaler).
+                kw = dict(options)
+                kw.setdefault("grad_scaler", getattr(trainer.accelerator, "scaler", None))
+                attach_model(trainer.model_wrapped, opt, **kw)
 
     trainer.add_callback(_Attach())

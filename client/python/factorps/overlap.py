@@ -30,8 +30,10 @@ runs, instead of all at once inside step():
   A module that reads another module's parameters in its forward (not a
   registered child's own use of them) must not be used with this mode.
 - A gradient travels as backward produced it: changing `.grad` between
-  backward and step() (clip_grad_norm_, GradScaler.unscale_) cannot change
-  what was sent, so step() raises instead of ignoring it. A second backward
+  backward and step() (clip_grad_norm_) cannot change what was sent, so
+  step() raises instead of ignoring it. A GradScaler must be given to
+  attach (`grad_scaler=`): then step() pushes (see `attach`). Without one,
+  each bucket is checked for NaN/Inf before it leaves (see `_judge`). A second backward
   before step() (gradient accumulation) raises too, unless the earlier
   micro-batches run inside `handle.no_sync()` (or DDP's `model.no_sync()`).
 
@@ -43,6 +45,7 @@ averaged gradient once per worker (async/ssp).
 
 import contextlib
 import gc
+import logging
 import sys
 import threading
 import weakref
@@ -62,6 +65,8 @@ _MAX_INFLIGHT = 64
 
 WAIT_MODES = ("step", "forward")
 
+log = logging.getLogger("factorps.torch")
+
 
 def has_grad_hooks() -> bool:
     """Whether this torch has per-parameter post-accumulate-grad hooks."""
@@ -78,7 +83,7 @@ class Overlap:
     `factorps.torch.attach`; `remove()` takes its hooks away again."""
 
     def __init__(self, opt: Any, model: torch.nn.Module, bucket_cap_mb: float,
-                 wait: str) -> None:
+                 wait: str, grad_scaler: Any = None) -> None:
         if wait not in WAIT_MODES:
             raise ValueError(f"wait must be one of {WAIT_MODES}, not {wait!r}")
         if not bucket_cap_mb > 0:
@@ -88,6 +93,13 @@ class Overlap:
         self.bucket_bytes = int(bucket_cap_mb * (1 << 20))
         self.ddp = False
         self.grad_hooks = False
+        # With a GradScaler every gradient must be seen before any leaves
+        # (a skipped step is skipped everywhere or nowhere): the hooks hold
+        # nothing back from step(), which pushes as without attach.
+        self.hold = grad_scaler not in (None, False) and _scaler_enabled(grad_scaler)
+        self._scalers_checked = grad_scaler is not None
+        self._bad: Optional[str] = None   # a non-finite gradient of this step
+        self._sent_finite = False         # a gradient of this step left before it
         self._handles: List[Any] = []
         self._lock = threading.RLock()  # hooks, step() and waits may nest
         self._pool = ThreadPoolExecutor(max_workers=_MAX_INFLIGHT,
@@ -114,7 +126,7 @@ class Overlap:
             self.ddp = True
             self.opt._ddp_attached.add(model)
             inner = model.module
-        elif has_grad_hooks():
+        elif has_grad_hooks() and not self.hold:
             for p in self._by_id.values():
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
@@ -144,8 +156,9 @@ class Overlap:
     @property
     def active(self) -> bool:
         """Whether hooks push during backward (False on a torch without
-        post-accumulate-grad hooks and without DDP: step() pushes)."""
-        return self.ddp or self.grad_hooks
+        post-accumulate-grad hooks and without DDP, or with a GradScaler:
+        step() pushes)."""
+        return (self.ddp or self.grad_hooks) and not self.hold
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -196,6 +209,8 @@ class Overlap:
         if not self._handles:
             raise RuntimeError("the factorps optimizer of this DDP model was closed (or its "
                                "attach() removed); DDP cannot unregister a comm hook")
+        if self.hold:
+            return  # step() pushes; .grad keeps this rank's own gradient
         with self._lock:
             self._start()
             self._send(params, grads)
@@ -206,6 +221,9 @@ class Overlap:
         """The first push of a step (lock held)."""
         if self._started:
             return
+        if not self._scalers_checked:
+            _refuse_unseen_scaler(opt_name=type(self.opt).__name__)
+            self._scalers_checked = True
         opt = self.opt
         self.wait_all()
         if opt._needs_setup() or opt._dirty:
@@ -218,6 +236,7 @@ class Overlap:
         opt._scalars_before_push()
         self._settings = opt._push_settings()
         self._before = dict(opt._versions)
+        self._bad, self._sent_finite = None, False
         self._started = True
         if in_backward:
             # Runs once the whole backward is done (after DDP's own
@@ -263,6 +282,7 @@ class Overlap:
         gd: Dict[str, Optional[Tensor]] = {}
         out: Dict[str, Tensor] = {}
         settings: Dict[str, Dict[str, Any]] = {}
+        mine = []
         for p, g in zip(params, grads):
             pid = id(p)
             name = opt._names.get(pid)
@@ -270,12 +290,29 @@ class Overlap:
                 continue  # not this optimizer's (DDP buckets hold every parameter)
             if pid in self._sent:
                 self._twice(name)
-            names.append(name)
-            s = dict(self._settings[pid])
-            if g is None:
-                s["no_grad"] = True
-            elif g.is_sparse:
+            if g is not None and g.is_sparse:
                 raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients")
+            mine.append((p, g, name))
+        # A non-finite gradient: this bucket and every later one of the step
+        # leave without gradients, saying skip_step, so that in sync mode
+        # no worker's round of those tensors applies anything (and nobody
+        # waits for a gradient that never comes). What left before stays
+        # applied: finish() tells.
+        if self._bad is None:
+            self._bad = opt._nonfinite({n: g for _, g, n in mine})
+            if self._bad is not None:
+                log.warning("factorps: worker %d: the gradient of '%s' holds a NaN or an Inf; "
+                            "the rest of this step is skipped", opt.worker_id, self._bad)
+        for p, g, name in mine:
+            names.append(name)
+            s = dict(self._settings[id(p)])
+            if g is None or self._bad is not None:
+                s["no_grad"] = True
+                if self._bad is not None:
+                    s["skip_step"] = True
+                g = None
+            else:
+                self._sent_finite = True
             gd[name], out[name], settings[name] = g, p, s
             by_shard.setdefault(opt.client.shard_of(name), []).append(name)
         # One call per shard, as step() does: a shard that fails and recovers
@@ -321,19 +358,40 @@ class Overlap:
                     "factorps.torch.attach() gradients travel during backward, as produced. "
                     "This step's pushes were applied without the change; drop attach() to "
                     "change gradients before step()")
-            opt.last_step_skipped = False
+            opt.last_step_skipped = self._bad is not None and not self._sent_finite
             if self.wait == "step":
                 self._settle(futures)
-                # sync: a round another worker skipped (a non-finite
-                # gradient there) leaves the versions where they were.
-                opt.last_step_skipped = bool(
-                    opt._shard_mode == "sync" and with_grad
-                    and all(opt._versions.get(n, 0) == self._before.get(n, 0)
-                            for n in with_grad))
+                self._judge(with_grad)
+            else:
                 opt.skipped_steps += opt.last_step_skipped
         finally:
             opt._pushes += 1
             opt._forget_state()
+
+    def _judge(self, with_grad: List[str]) -> None:
+        """After the replies: whether the step was skipped (a non-finite
+        gradient here, or in sync mode another worker's skipped the rounds:
+        the versions did not move), and FloatingPointError when only part
+        of it was applied."""
+        opt = self.opt
+        moved = [n for n in with_grad if opt._versions.get(n, 0) != self._before.get(n, 0)]
+        sync = opt._shard_mode == "sync"
+        if sync and with_grad and not moved:
+            opt.last_step_skipped = True
+        opt.skipped_steps += opt.last_step_skipped
+        partial = (self._bad is not None and self._sent_finite) or (
+            sync and 0 < len(moved) < len(with_grad))
+        if partial:
+            missed = sorted(set(with_grad) - set(moved))
+            raise FloatingPointError(
+                f"a non-finite gradient ({'here: ' + repr(self._bad) if self._bad else 'on another worker'}) "
+                f"was found after earlier buckets of this step had left for the shards: "
+                f"{len(with_grad) - len(missed)} of {len(with_grad)} tensors were updated, "
+                f"the rest ({', '.join(repr(n) for n in missed[:3])}"
+                f"{', ...' if len(missed) > 3 else ''}) skipped this step on every worker. "
+                "The workers and shards agree on every tensor; training may go on. For a step "
+                "that is skipped whole, pass grad_scaler= to factorps.torch.attach() (step() "
+                "then sees every gradient before any leaves)")
 
     def _settle(self, futures: List[Future]) -> None:
         """Waits for `futures`; records the new parameters' fingerprints;
@@ -372,6 +430,33 @@ def _ddp_comm_hook(state, bucket):  # DDP refuses annotations other than its own
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
+
+
+def _scaler_enabled(scaler: Any) -> bool:
+    enabled = getattr(scaler, "is_enabled", None)
+    return bool(enabled()) if callable(enabled) else True
+
+
+def _refuse_unseen_scaler(opt_name: str) -> None:
+    """Raises, before a step's first push, if an enabled GradScaler exists
+    that attach() was not given: backward would push the scaled gradients
+    before the scaler could unscale them or skip the step. Looks at the
+    live objects once per attach()."""
+    classes = tuple(c for c in (
+        getattr(getattr(torch, "amp", None), "GradScaler", None),
+        getattr(getattr(getattr(torch, "cuda", None), "amp", None), "GradScaler", None))
+        if isinstance(c, type))
+    if not classes:
+        return
+    for obj in gc.get_objects():
+        if issubclass(type(obj), classes) and _scaler_enabled(obj):
+            raise RuntimeError(
+                f"a GradScaler exists, but factorps.torch.attach() was not given it: backward "
+                f"would push the scaled gradients before the scaler could unscale them or skip "
+                f"a step with an Inf. Pass it: attach(model, optimizer, grad_scaler=scaler) "
+                f"(then every gradient is checked before any leaves, and a skipped step is "
+                f"skipped on every worker); or attach(..., grad_scaler=False) if it does not "
+                f"drive this {opt_name}")
 
 
 def check_ddp(opt: Any) -> None:

@@ -936,9 +936,10 @@ class _RemoteAdafactorBase(Optimizer):
             if grad_scaler is not None or getattr(self, "found_inf", None) is not None:
                 ov.finish()
                 raise RuntimeError(
-                    "GradScaler cannot drive a factorps optimizer with attach(): backward "
-                    "already pushed the scaled gradients. Use bf16 autocast (no scaler), or "
-                    "drop attach() so that step() unscales and skips as AMP expects")
+                    "this GradScaler was not given to factorps.torch.attach(): backward "
+                    "already pushed the scaled gradients (this step was applied with them). "
+                    "Pass it: attach(model, optimizer, grad_scaler=scaler), so that step() "
+                    "unscales and skips as AMP expects, on every worker")
             ov.finish()
             return loss
         if ov is not None:
@@ -1471,7 +1472,8 @@ class RemoteHFAdafactor(_RemoteAdafactorBase):
 
 
 def attach(model: torch.nn.Module, optimizer: _RemoteAdafactorBase, *,
-           bucket_cap_mb: float = 25.0, wait: str = "step") -> Overlap:
+           bucket_cap_mb: float = 25.0, wait: str = "step",
+           grad_scaler: Any = None) -> Overlap:
     """Makes backward push the gradients of `optimizer`'s parameters while it
     runs (see factorps.overlap): through a DDP communication hook when `model`
     is a DistributedDataParallel (instead of its all-reduce; DDP's own
@@ -1481,12 +1483,27 @@ def attach(model: torch.nn.Module, optimizer: _RemoteAdafactorBase, *,
     after wrapping and before the first forward. step() then waits for the
     replies; with wait="forward" it returns at once and each module's
     forward waits for its own parameters. Returns the handle (`no_sync()`
-    for gradient accumulation, `remove()`)."""
+    for gradient accumulation, `remove()`).
+
+    Mixed precision: with a GradScaler (`scaler.step(optimizer)`), pass it
+    as `grad_scaler=scaler`. A step must then be skipped whole, on every
+    worker and shard, when any gradient is non-finite, which only step()
+    can know (after the last gradient): the hooks send nothing and step()
+    unscales, checks and pushes as without attach (under DDP the hook
+    still replaces the all-reduce, so gradients travel once, but nothing
+    overlaps backward). An enabled GradScaler that attach() was not given
+    makes the first backward raise before anything leaves
+    (`grad_scaler=False`: it drives another optimizer). Without a scaler
+    every bucket is checked before it leaves: a NaN or Inf in the step's
+    first bucket skips the step on every worker (as step() without attach
+    does); one found after finite buckets left makes step() raise
+    FloatingPointError on every worker (those tensors were updated, the rest
+    skipped: workers and shards still agree)."""
     if not isinstance(optimizer, _RemoteAdafactorBase):
         raise TypeError(f"attach() needs a factorps optimizer, not {type(optimizer).__name__}")
     if optimizer._overlap is not None:
         raise RuntimeError("this optimizer is already attached to a model")
-    optimizer._overlap = Overlap(optimizer, model, bucket_cap_mb, wait)
+    optimizer._overlap = Overlap(optimizer, model, bucket_cap_mb, wait, grad_scaler)
     return optimizer._overlap
 
 
