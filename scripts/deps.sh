@@ -13,7 +13,7 @@ test_pkgs=(libcmocka-dev python3-numpy python3-grpcio python3-protobuf protobuf-
   libclang-rt-14-dev iperf3 prometheus yamllint docker-compose python3-torch python3-sklearn
   openssl iproute2 procps clang-format-14 libcmocka-dev:arm64 libcjson-dev:arm64 libssl-dev:arm64
   python3-pip python3-venv python3-setuptools python3-wheel python3-tqdm python3-matplotlib
-  libopenblas0-serial etcd-server)
+  libopenblas0-serial etcd-server nghttp2-proxy)
 demo_pkgs=(python3-numpy python3-torch python3-sklearn python3-tqdm python3-matplotlib
   libopenblas0-serial)
 
