@@ -30,7 +30,10 @@
   X(STALE, "stale step")                                                   \
   X(AHEAD, "step ahead of the shard")                                      \
   X(DUP, "duplicate")                                                      \
-  X(CANCELLED, "cancelled")
+  X(CANCELLED, "cancelled")                                                \
+  X(AUTH, "not authenticated")                                             \
+  X(PERM, "permission denied")                                             \
+  X(INTERNAL, "internal error")
 
 typedef enum fps_errno_e {
   FPS_OK = 0,

@@ -25,7 +25,10 @@
   X(STALE, GRPC_STATUS_FAILED_PRECONDITION)                 \
   X(AHEAD, GRPC_STATUS_FAILED_PRECONDITION)                 \
   X(DUP, GRPC_STATUS_ALREADY_EXISTS)                        \
-  X(CANCELLED, GRPC_STATUS_CANCELLED)
+  X(CANCELLED, GRPC_STATUS_CANCELLED)                       \
+  X(AUTH, GRPC_STATUS_UNAUTHENTICATED)                      \
+  X(PERM, GRPC_STATUS_PERMISSION_DENIED)                    \
+  X(INTERNAL, GRPC_STATUS_INTERNAL)
 
 /* A code added to FPS_ERRNO_MAP but not here fails the build. */
 #pragma GCC diagnostic error "-Wswitch-enum"
