@@ -89,7 +89,7 @@ static void fps__call_on_close(fps_tag_t *tag, bool ok) {
   bool cancelled = c->cancelled != 0;
   /* A call cancelled before its status (client gone, deadline) counts too. */
   if (cancelled && !c->status_sent)
-    fps__call_meter_locked(c, c->cancel_requested ? GRPC_STATUS_DEADLINE_EXCEEDED : GRPC_STATUS_CANCELLED);
+    fps__call_meter_locked(c, fps_status_from_err(c->cancel_requested ? FPS_ETIMEOUT : FPS_ECANCELLED));
   pthread_mutex_unlock(&c->mu);
   if (cancelled && c->on_cancel) c->on_cancel(c);
   fps__call_unref(c);
@@ -156,7 +156,7 @@ void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec dead
   *out = NULL;
   fps_call_t *c = fps_calloc(1, size);
   if (!c) {
-    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
+    grpc_call_cancel_with_status(call, fps_status_from_err(FPS_ENOMEM), "out of memory", NULL);
     grpc_call_unref(call);
     grpc_metadata_array_destroy(md);
     if (payload) grpc_byte_buffer_destroy(payload);
@@ -173,14 +173,14 @@ void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec dead
   int rc;
   ProtobufCMessage *req = NULL;
   if (!payload) {
-    fps_call_fail(c, GRPC_STATUS_INVALID_ARGUMENT, "%s: the request message is missing", method);
+    fps_call_error(c, FPS_EINVAL, "%s: the request message is missing", method);
   } else if ((rc = fps_bb_flatten(payload, srv->cfg.max_message_bytes, &buf, &len)) < 0) {
-    fps_call_fail(c, fps_status_from_err(rc), "%s: cannot take a %zu-byte request: %s", method, grpc_byte_buffer_length(payload),
-                  fps_bb_flatten_why(rc));
+    fps_call_error(c, rc, "%s: cannot take a %zu-byte request: %s", method, grpc_byte_buffer_length(payload),
+                   fps_bb_flatten_why(rc));
   } else {
     char why[FPS_WHY_MAX];
     rc = fps_wire_unpack(desc, buf, len, &req, why, sizeof why);
-    if (rc < 0) fps_call_fail(c, fps_status_from_err(rc), "%s: %s", method, why);
+    if (rc < 0) fps_call_error(c, rc, "%s: %s", method, why);
   }
   /* protobuf-c copies bytes fields: the flat buffer is not needed after. */
   fps_free(buf);
@@ -237,9 +237,9 @@ int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
   ops[n++].data.send_message.send_message = msg;
   if (final) {
     ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-    ops[n++].data.send_status_from_server.status = GRPC_STATUS_OK;
+    ops[n++].data.send_status_from_server.status = fps_status_from_err(FPS_OK);
     c->status_sent = true;
-    fps__call_meter_locked(c, GRPC_STATUS_OK);
+    fps__call_meter_locked(c, fps_status_from_err(FPS_OK));
   }
   /* A final send's status completion may drop the last reference on
    * another poller before we unlock: hold one of our own until we are done
@@ -298,6 +298,18 @@ void fps_call_fail(fps_call_t *c, grpc_status_code code, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   fps_call_failv(c, code, fmt, ap);
+  va_end(ap);
+}
+
+void fps_call_errorv(fps_call_t *c, int err, const char *fmt, va_list ap) {
+  FPS_ASSERT(err < 0);
+  fps_call_failv(c, fps_status_from_err(err), fmt, ap);
+}
+
+void fps_call_error(fps_call_t *c, int err, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fps_call_errorv(c, err, fmt, ap);
   va_end(ap);
 }
 
@@ -479,7 +491,7 @@ void fps_calls_expire(void *arg, int64_t now_ns) {
     snprintf(msg, sizeof msg, "%s: call exceeded its deadline (%.3f s after it started)", c->method,
              (double)(now_ns - c->start_ns) / 1e9);
     /* Thread-safe in gRPC and harmless if the call already ended. */
-    grpc_call_cancel_with_status(c->call, GRPC_STATUS_DEADLINE_EXCEEDED, msg, NULL);
+    grpc_call_cancel_with_status(c->call, fps_status_from_err(FPS_ETIMEOUT), msg, NULL);
   }
   pthread_mutex_unlock(&srv->calls_mu);
 }

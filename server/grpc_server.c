@@ -170,7 +170,7 @@ static bool fps__pending_start(fps_server_t *srv, grpc_call *call, gpr_timespec 
                                int method) {
   fps_pending_t *p = fps_calloc(1, sizeof *p);
   if (!p) {
-    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
+    grpc_call_cancel_with_status(call, fps_status_from_err(FPS_ENOMEM), "out of memory", NULL);
     grpc_call_unref(call);
     grpc_metadata_array_destroy(md);
     return false;
@@ -268,7 +268,7 @@ static void fps__dispatch(fps_server_t *srv, grpc_call *call, gpr_timespec deadl
       }
       c->destroy = (void (*)(fps_call_t *))fps_free;
       if (fps_call_begin(c, srv, call, deadline, md, "unknown method") == 0)
-        fps_call_fail(c, GRPC_STATUS_UNIMPLEMENTED, "factorps serves factorps.v1.ParameterServer only");
+        fps_call_error(c, FPS_EUNSUPPORTED, "factorps serves factorps.v1.ParameterServer only");
       break;
     }
   }

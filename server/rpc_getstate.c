@@ -121,17 +121,17 @@ static void fps__getstate_send_next(fps_getstate_call_t *gc) {
   bool last = false;
   grpc_byte_buffer *bb = fps__getstate_next(gc, &last);
   if (!bb) {
-    fps_call_fail(&gc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "GetState: out of memory packing the reply");
+    fps_call_error(&gc->base, FPS_ENOMEM, "GetState: out of memory packing the reply");
     return;
   }
   /* A failed final send has released the call already. */
   if (fps_call_send(&gc->base, bb, last) < 0 && !last)
-    fps_call_fail(&gc->base, GRPC_STATUS_INTERNAL, "GetState: cannot send the reply");
+    fps_call_error(&gc->base, FPS_EIO, "GetState: cannot send the reply");
 }
 
 static void fps__getstate_on_batch(fps_call_t *c, bool ok) {
   if (!ok) {
-    fps_call_fail(c, GRPC_STATUS_CANCELLED, "GetState: the call ended while sending");
+    fps_call_error(c, FPS_ECANCELLED, "GetState: the call ended while sending");
     return;
   }
   fps__getstate_send_next((fps_getstate_call_t *)c);
@@ -143,7 +143,7 @@ static void fps__getstate_run(fps_getstate_call_t *gc, const Factorps__V1__GetSt
   size_t n = req->n_names;
   gc->snap = fps_calloc(n ? n : 1, sizeof *gc->snap);
   if (!gc->snap) {
-    fps_call_fail(&gc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "GetState: out of memory for %zu tensors", n);
+    fps_call_error(&gc->base, FPS_ENOMEM, "GetState: out of memory for %zu tensors", n);
     return;
   }
   int rc = fps_wire_names_check("GetState", req->names, n, why, sizeof why);
@@ -151,9 +151,8 @@ static void fps__getstate_run(fps_getstate_call_t *gc, const Factorps__V1__GetSt
     rc = fps_shard_state_snap(srv->shard, req->names[i], &gc->snap[i], why, sizeof why);
     if (rc == 0) gc->n = i + 1;
   }
-  grpc_status_code code = fps_status_from_err(rc);
-  if (code != GRPC_STATUS_OK) {
-    fps_call_fail(&gc->base, code, "%s", why); /* the snapshots go with the call */
+  if (rc < 0) {
+    fps_call_error(&gc->base, rc, "%s", why); /* the snapshots go with the call */
     return;
   }
   fps__getstate_send_next(gc);

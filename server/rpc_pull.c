@@ -28,19 +28,19 @@ static void fps__pull_send_next(fps_pull_call_t *pc) {
   bool last = false;
   grpc_byte_buffer *bb = fps_reply_next(&pc->reply, pc->base.srv, &last);
   if (!bb) {
-    fps_call_fail(&pc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Pull: out of memory packing the reply");
+    fps_call_error(&pc->base, FPS_ENOMEM, "Pull: out of memory packing the reply");
     return;
   }
   /* A failed final send has released the call already: touch it only
    * after a failed intermediate one. */
   if (fps_call_send(&pc->base, bb, last) < 0 && !last)
-    fps_call_fail(&pc->base, GRPC_STATUS_INTERNAL, "Pull: cannot send the reply");
+    fps_call_error(&pc->base, FPS_EIO, "Pull: cannot send the reply");
 }
 
 static void fps__pull_on_batch(fps_call_t *c, bool ok) {
   fps_pull_call_t *pc = (fps_pull_call_t *)c;
   if (!ok) {
-    fps_call_fail(c, GRPC_STATUS_CANCELLED, "Pull: the call ended while sending");
+    fps_call_error(c, FPS_ECANCELLED, "Pull: the call ended while sending");
     return;
   }
   fps__pull_send_next(pc);
@@ -52,20 +52,20 @@ static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *
   int rc = 0;
   int dtype = req->dtype == 0 ? FPS_DTYPE_F32 : (int)req->dtype;
   if (fps_dtype_size(dtype) == 0) {
-    fps_call_fail(&pc->base, GRPC_STATUS_INVALID_ARGUMENT,
-                  "Pull: unsupported dtype %d (supported: DTYPE_F32 = 1, DTYPE_BF16 = 2)", (int)req->dtype);
+    fps_call_error(&pc->base, FPS_EINVAL,
+                   "Pull: unsupported dtype %d (supported: DTYPE_F32 = 1, DTYPE_BF16 = 2)", (int)req->dtype);
     return;
   }
   /* Each name at most once, as GetState: otherwise a request of a few KiB
    * naming one big tensor many times is answered with many copies. */
   if ((rc = fps_wire_names_check("Pull", req->names, req->n_names, why, sizeof why)) < 0) {
-    fps_call_fail(&pc->base, fps_status_from_err(rc), "%s", why);
+    fps_call_error(&pc->base, rc, "%s", why);
     return;
   }
   pc->reply.pull = true;
   pc->reply.items = fps_calloc(req->n_names ? req->n_names : 1, sizeof *pc->reply.items);
   if (!pc->reply.items) {
-    fps_call_fail(&pc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Pull: out of memory");
+    fps_call_error(&pc->base, FPS_ENOMEM, "Pull: out of memory");
     return;
   }
   for (size_t i = 0; i < req->n_names && rc == 0; i++) {
@@ -78,7 +78,7 @@ static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *
   }
   if (rc < 0) {
     fps_reply_free(&pc->reply);
-    fps_call_fail(&pc->base, fps_status_from_err(rc), "%s", why);
+    fps_call_error(&pc->base, rc, "%s", why);
     return;
   }
   fps__pull_send_next(pc);

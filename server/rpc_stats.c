@@ -40,7 +40,7 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   size_t nt = 0, nrec = 0;
   fps_shard_view_t v;
   if (fps_shard_view(shard, req->include_tensors, req->apply_log_limit, &v) < 0) {
-    fps_call_fail(&sc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Stats: out of memory for the shard's tensors");
+    fps_call_error(&sc->base, FPS_ENOMEM, "Stats: out of memory for the shard's tensors");
     return;
   }
   size_t logs = 0;
@@ -54,7 +54,7 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
     recs = fps_calloc(logs ? logs : 1, sizeof *recs);
     recp = fps_calloc(logs ? logs : 1, sizeof *recp);
     if (!ts || !tsp || !tstate || !tsplit || !shapes || !recs || !recp) {
-      fps_call_fail(&sc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Stats: out of memory for %zu tensors", v.n);
+      fps_call_error(&sc->base, FPS_ENOMEM, "Stats: out of memory for %zu tensors", v.n);
       goto out;
     }
   }
@@ -139,7 +139,7 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   resp.n_tensors = nt;
   resp.tensors = tsp;
   grpc_byte_buffer *bb = fps_pack_message(&resp);
-  if (!bb) fps_call_fail(&sc->base, GRPC_STATUS_RESOURCE_EXHAUSTED, "Stats: out of memory packing the reply");
+  if (!bb) fps_call_error(&sc->base, FPS_ENOMEM, "Stats: out of memory packing the reply");
   else
     fps_call_send(&sc->base, bb, true); /* final: on failure the call is already released */
 out:
