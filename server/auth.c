@@ -362,13 +362,13 @@ static bool fps__slice_eq_ci(grpc_slice s, const char *lit) {
   return true;
 }
 
-grpc_status_code fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, fps_ident_t *id,
-                                char *why, size_t why_len) {
+int fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, fps_ident_t *id, char *why,
+                   size_t why_len) {
   id->roles = 0;
   id->peer_shard = -1;
   if (!a || a->ntokens == 0) {
     id->roles = FPS_ROLE_ALL;
-    return GRPC_STATUS_OK;
+    return 0;
   }
   const grpc_metadata *found = NULL;
   size_t count = 0;
@@ -381,11 +381,11 @@ grpc_status_code fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *
   if (count == 0) {
     snprintf(why, why_len, "this shard requires a bearer token: send metadata 'authorization: "
                            "Bearer <token>'");
-    return GRPC_STATUS_UNAUTHENTICATED;
+    return FPS_EAUTH;
   }
   if (count > 1) {
     snprintf(why, why_len, "more than one 'authorization' metadata entry");
-    return GRPC_STATUS_UNAUTHENTICATED;
+    return FPS_EAUTH;
   }
   const char *v = (const char *)GRPC_SLICE_START_PTR(found->value);
   size_t n = GRPC_SLICE_LENGTH(found->value);
@@ -399,14 +399,14 @@ grpc_status_code fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *
   }
   if (!bearer) {
     snprintf(why, why_len, "the 'authorization' metadata must be 'Bearer <token>'");
-    return GRPC_STATUS_UNAUTHENTICATED;
+    return FPS_EAUTH;
   }
   /* Both sides hashed to 32 bytes: the comparison takes the same time
    * whatever the guess's length or how many leading bytes match. */
   unsigned char d[FPS_AUTH_DIGEST];
   if (fps__auth_digest(v + sl, n - sl, d) < 0) {
     snprintf(why, why_len, "cannot hash the bearer token");
-    return GRPC_STATUS_UNAUTHENTICATED;
+    return FPS_EAUTH;
   }
   /* Every token compared (no early exit); the roles of all that match. */
   unsigned roles = 0;
@@ -420,15 +420,15 @@ grpc_status_code fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *
   if (roles) {
     id->roles = roles;
     id->peer_shard = peer;
-    return GRPC_STATUS_OK;
+    return 0;
   }
   snprintf(why, why_len, "the bearer token is not valid for this shard");
-  return GRPC_STATUS_UNAUTHENTICATED;
+  return FPS_EAUTH;
 }
 
 void fps_auth_call_ident(const fps_call_t *c, fps_ident_t *id) {
   char why[256];
-  if (fps_auth_check(c->srv->auth, &c->md, id, why, sizeof why) != GRPC_STATUS_OK) id->roles = 0;
+  if (fps_auth_check(c->srv->auth, &c->md, id, why, sizeof why) < 0) id->roles = 0;
 }
 
 const char *fps_auth_role_name(unsigned role) {
@@ -440,12 +440,11 @@ const char *fps_auth_role_name(unsigned role) {
   }
 }
 
-grpc_status_code fps_auth_allow(const fps_ident_t *id, unsigned need, const char *what, char *why,
-                                size_t why_len) {
-  if ((id->roles & need) == need) return GRPC_STATUS_OK;
+int fps_auth_allow(const fps_ident_t *id, unsigned need, const char *what, char *why, size_t why_len) {
+  if ((id->roles & need) == need) return 0;
   snprintf(why, why_len, "%s needs the %s role: this call's token does not grant it", what,
            fps_auth_role_name(need & ~id->roles));
-  return GRPC_STATUS_PERMISSION_DENIED;
+  return FPS_EPERM;
 }
 
 void fps__auth_log_refusal(grpc_call *call, const char *method, const char *why) {

@@ -88,18 +88,17 @@ grpc_server_credentials *fps_auth_server_credentials(const fps_auth_t *a);
 
 /* Checks a call's request metadata for "authorization: Bearer <token>"
  * when tokens are configured, and says in *id what it may do (everything,
- * with no tokens configured). Returns GRPC_STATUS_OK, or
- * GRPC_STATUS_UNAUTHENTICATED with the reason in why (never the token).
+ * with no tokens configured). Returns 0, or FPS_EAUTH (UNAUTHENTICATED
+ * on the wire) with the reason in why (never the token).
  * Each token is compared as a SHA-256 digest with CRYPTO_memcmp, against
  * every configured token, so neither the time taken nor an early exit tells
  * how much of a guess was right or how long the token is. Thread-safe. */
-grpc_status_code fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, fps_ident_t *id,
-                                char *why, size_t why_len);
+int fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, fps_ident_t *id, char *why,
+                   size_t why_len);
 
-/* Whether id holds every role of `need` (FPS_ROLE_* bits): GRPC_STATUS_OK,
- * or PERMISSION_DENIED with why saying which role `what` needs. */
-grpc_status_code fps_auth_allow(const fps_ident_t *id, unsigned need, const char *what, char *why,
-                                size_t why_len);
+/* Whether id holds every role of `need` (FPS_ROLE_* bits): 0, or
+ * FPS_EPERM (PERMISSION_DENIED) with why saying which role `what` needs. */
+int fps_auth_allow(const fps_ident_t *id, unsigned need, const char *what, char *why, size_t why_len);
 
 /* The identity of an admitted call, from its metadata again: for the
  * handlers whose rule depends on the request (Create's replace, Exchange's

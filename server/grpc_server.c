@@ -93,16 +93,16 @@ static bool fps__call_admit(fps_server_t *srv, grpc_call *call, gpr_timespec dea
   const char *name = method < M_GENERIC ? fps__method_path[method] + sizeof prefix - 1 : "unknown method";
   char why[512];
   fps_ident_t id;
-  grpc_status_code code = fps_auth_check(srv->auth, md, &id, why, sizeof why);
-  if (code == GRPC_STATUS_OK) code = fps_auth_allow(&id, fps__method_role[method], name, why, sizeof why);
-  if (code == GRPC_STATUS_OK) {
+  int rc = fps_auth_check(srv->auth, md, &id, why, sizeof why);
+  if (rc == 0) rc = fps_auth_allow(&id, fps__method_role[method], name, why, sizeof why);
+  if (rc == 0) {
     uint64_t arriving = atomic_fetch_add(&fps__arriving, 1) + 1;
     pthread_mutex_lock(&srv->calls_mu);
     uint64_t running = srv->ncalls;
     pthread_mutex_unlock(&srv->calls_mu);
     if (running + arriving <= srv->cfg.max_concurrent_calls) return true;
     atomic_fetch_sub(&fps__arriving, 1);
-    code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+    rc = FPS_ELIMIT;
     snprintf(why, sizeof why,
              "shard %u is at its limit of %u concurrent calls (--max-concurrent-calls); retry later",
              srv->cfg.shard_id, srv->cfg.max_concurrent_calls);
@@ -113,13 +113,13 @@ static bool fps__call_admit(fps_server_t *srv, grpc_call *call, gpr_timespec dea
    * other status of that method. */
   fps_call_t *c = fps_calloc(1, sizeof *c);
   if (!c) {
-    grpc_call_cancel_with_status(call, code, why, NULL);
+    grpc_call_cancel_with_status(call, fps_status_from_err(rc), why, NULL);
     grpc_call_unref(call);
     grpc_metadata_array_destroy(md);
     return false;
   }
   c->destroy = (void (*)(fps_call_t *))fps_free;
-  if (fps_call_begin(c, srv, call, deadline, md, name) == 0) fps_call_fail(c, code, "%s", why);
+  if (fps_call_begin(c, srv, call, deadline, md, name) == 0) fps_call_error(c, rc, "%s", why);
   return false;
 }
 

@@ -37,9 +37,8 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
     fps_auth_call_ident(&cc->base, &id);
     char what[FPS_TENSOR_NAME_MAX + 64];
     snprintf(what, sizeof what, "Create of tensor '%s' with replace", req->tensors[i]->name ? req->tensors[i]->name : "");
-    grpc_status_code code = fps_auth_allow(&id, FPS_ROLE_ADMIN, what, why, sizeof why);
-    if (code != GRPC_STATUS_OK) {
-      fps_call_fail(&cc->base, code, "%s", why);
+    if ((rc = fps_auth_allow(&id, FPS_ROLE_ADMIN, what, why, sizeof why)) < 0) {
+      fps_call_error(&cc->base, rc, "%s", why);
       return;
     }
     break;
@@ -152,13 +151,13 @@ done:
     /* Names point into tensors, which are never freed while serving. */
     grpc_byte_buffer *bb = fps_pack_message_into(&resp, reply_buf, reply_cap);
     if (!bb) {
-      fps_call_fail(&cc->base, GRPC_STATUS_INTERNAL, "Create: the reply outgrew its %zu reserved bytes", reply_cap);
+      fps_call_error(&cc->base, FPS_EINTERNAL, "Create: the reply outgrew its %zu reserved bytes", reply_cap);
     } else {
       reply_buf = NULL; /* the slice's now */
       fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
     }
   } else {
-    fps_call_fail(&cc->base, fps_status_from_err(rc), "%s", why);
+    fps_call_error(&cc->base, rc, "%s", why);
   }
   fps_free(reply_buf);
   fps_free(items);

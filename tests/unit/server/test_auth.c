@@ -245,8 +245,7 @@ static void create_describes_and_refuses(void **state) {
 
 /* fps_auth_check with the given authorization values (key per value). */
 static fps_ident_t last_id;
-static grpc_status_code check(const fps_auth_t *a, char *why, size_t why_len, int n, const char *keys[],
-                              const char *values[]) {
+static int check(const fps_auth_t *a, char *why, size_t why_len, int n, const char *keys[], const char *values[]) {
   grpc_metadata md[4];
   grpc_metadata_array arr = {.count = (size_t)n, .capacity = 4, .metadata = md};
   for (int i = 0; i < n; i++) {
@@ -255,7 +254,7 @@ static grpc_status_code check(const fps_auth_t *a, char *why, size_t why_len, in
     md[i].value = grpc_slice_from_copied_string(values[i]);
   }
   memset(&last_id, 0xa5, sizeof last_id);
-  grpc_status_code st = fps_auth_check(a, &arr, &last_id, why, why_len);
+  int st = fps_auth_check(a, &arr, &last_id, why, why_len);
   for (int i = 0; i < n; i++) {
     grpc_slice_unref(md[i].key);
     grpc_slice_unref(md[i].value);
@@ -279,35 +278,35 @@ static void check_tokens_on_calls(void **state) {
   snprintf(lower, sizeof lower, "bEaReR %s", read_token("token"));
   const char *auth[] = {"authorization", "Authorization"};
 
-  assert_int_equal(check(a, why, sizeof why, 1, auth, (const char *[]){good}), GRPC_STATUS_OK);
+  assert_int_equal(check(a, why, sizeof why, 1, auth, (const char *[]){good}), 0);
   /* Without admin or exchange token files a worker token holds every role. */
   assert_int_equal(last_id.roles, FPS_ROLE_ALL);
-  assert_int_equal(check(a, why, sizeof why, 1, auth, (const char *[]){good2}), GRPC_STATUS_OK);
-  assert_int_equal(check(a, why, sizeof why, 1, auth + 1, (const char *[]){lower}), GRPC_STATUS_OK);
+  assert_int_equal(check(a, why, sizeof why, 1, auth, (const char *[]){good2}), 0);
+  assert_int_equal(check(a, why, sizeof why, 1, auth + 1, (const char *[]){lower}), 0);
   const char *refused[] = {wrong, prefix, longer, "Bearer ", "Basic dXNlcjpwYXNz", read_token("token"), ""};
   for (size_t k = 0; k < sizeof refused / sizeof refused[0]; k++) {
     why[0] = '\0';
-    assert_int_equal(check(a, why, sizeof why, 1, auth, &refused[k]), GRPC_STATUS_UNAUTHENTICATED);
+    assert_int_equal(check(a, why, sizeof why, 1, auth, &refused[k]), FPS_EAUTH);
     assert_true(strlen(why) > 0);
     /* The reason never echoes what the client sent. */
     if (strlen(refused[k]) > 8) assert_null(strstr(why, refused[k] + 7));
   }
-  assert_int_equal(check(a, why, sizeof why, 0, NULL, NULL), GRPC_STATUS_UNAUTHENTICATED);
+  assert_int_equal(check(a, why, sizeof why, 0, NULL, NULL), FPS_EAUTH);
   assert_non_null(strstr(why, "requires a bearer token"));
   assert_int_equal(check(a, why, sizeof why, 2, (const char *[]){"authorization", "AUTHORIZATION"},
                          (const char *[]){good, good}),
-                   GRPC_STATUS_UNAUTHENTICATED);
+                   FPS_EAUTH);
   assert_non_null(strstr(why, "more than one"));
   /* Other metadata does not count as a token. */
   assert_int_equal(check(a, why, sizeof why, 1, (const char *[]){"x-authorization"}, (const char *[]){good}),
-                   GRPC_STATUS_UNAUTHENTICATED);
+                   FPS_EAUTH);
   fps_auth_destroy(a);
   /* Without tokens every call passes, and so does a NULL auth. */
   c = config(NULL, NULL, NULL, NULL);
   assert_int_equal(fps_auth_create(&c, &a), 0);
-  assert_int_equal(check(a, why, sizeof why, 0, NULL, NULL), GRPC_STATUS_OK);
+  assert_int_equal(check(a, why, sizeof why, 0, NULL, NULL), 0);
   assert_int_equal(last_id.roles, FPS_ROLE_ALL);
-  assert_int_equal(check(NULL, why, sizeof why, 0, NULL, NULL), GRPC_STATUS_OK);
+  assert_int_equal(check(NULL, why, sizeof why, 0, NULL, NULL), 0);
   assert_int_equal(last_id.roles, FPS_ROLE_ALL);
   fps_auth_destroy(a);
 }
@@ -333,17 +332,17 @@ static void roles_of_tokens(void **state) {
   snprintf(admin, sizeof admin, "Bearer %s", admin_tok);
   snprintf(peer, sizeof peer, "Bearer %s", peer_tok);
   const char *auth[] = {"authorization"};
-  assert_int_equal(check(a, why, sizeof why, 1, auth, (const char *[]){worker}), GRPC_STATUS_OK);
+  assert_int_equal(check(a, why, sizeof why, 1, auth, (const char *[]){worker}), 0);
   fps_ident_t w = last_id;
   assert_int_equal(w.roles, FPS_ROLE_WORKER);
-  assert_int_equal(fps_auth_allow(&w, FPS_ROLE_WORKER, "PushPull", why, sizeof why), GRPC_STATUS_OK);
+  assert_int_equal(fps_auth_allow(&w, FPS_ROLE_WORKER, "PushPull", why, sizeof why), 0);
   assert_int_equal(fps_auth_allow(&w, FPS_ROLE_ADMIN, "Checkpoint", why, sizeof why),
-                   GRPC_STATUS_PERMISSION_DENIED);
+                   FPS_EPERM);
   assert_string_equal(why, "Checkpoint needs the admin role: this call's token does not grant it");
-  assert_int_equal(fps_auth_allow(&w, FPS_ROLE_PEER, "Exchange", why, sizeof why), GRPC_STATUS_PERMISSION_DENIED);
-  assert_int_equal(check(a, why, sizeof why, 1, auth, (const char *[]){admin}), GRPC_STATUS_OK);
+  assert_int_equal(fps_auth_allow(&w, FPS_ROLE_PEER, "Exchange", why, sizeof why), FPS_EPERM);
+  assert_int_equal(check(a, why, sizeof why, 1, auth, (const char *[]){admin}), 0);
   assert_int_equal(last_id.roles, FPS_ROLE_WORKER | FPS_ROLE_ADMIN);
-  assert_int_equal(check(a, why, sizeof why, 1, auth, (const char *[]){peer}), GRPC_STATUS_OK);
+  assert_int_equal(check(a, why, sizeof why, 1, auth, (const char *[]){peer}), 0);
   assert_int_equal(last_id.roles, FPS_ROLE_PEER);
   assert_int_equal(last_id.peer_shard, 1);
   fps_auth_destroy(a);
