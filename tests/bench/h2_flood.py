@@ -216,8 +216,8 @@ def measure(phase_s=5.0, proxy=False, phases=PHASES, server_args=("--mode", "asy
         ch.close()
         if px:
             px.close()
-        srv.proc.kill()
-        srv.proc.wait(30)
+        srv.kill()
+        srv.remove()
     return res
 
 
