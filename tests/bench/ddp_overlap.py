@@ -64,7 +64,8 @@ def worker(a):
     model = torch.nn.Sequential(*[torch.nn.Linear(a.width, a.width) for _ in range(a.layers)])
     opt = RemoteAdafactor(model.named_parameters(), shards=a.shards, mode="sync",
                           worker_id=rank, num_workers=2, deadline=120)
-    net = torch.nn.parallel.DistributedDataParallel(model) if a.ddp else model
+    net = torch.nn.parallel.DistributedDataParallel(
+        model, gradient_as_bucket_view=a.bucket_view) if a.ddp else model
     handle = attach(net, opt)
     opt.setup()
     no_sync = net.no_sync if a.ddp else handle.no_sync
@@ -96,7 +97,14 @@ def worker(a):
             one(kind)  # warm-up
             if a.ddp:
                 dist.barrier()
-            times = [one(kind) for _ in range(a.steps)]
+            if a.profile and rank == 0 and rep == a.reps - 1:
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    times = [one(kind) for _ in range(a.steps)]
+                print(f"== rank 0, {kind}, {a.steps} steps: torch.profiler, by self CPU time")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+            else:
+                times = [one(kind) for _ in range(a.steps)]
             row[kind] = statistics.mean(t for t, _, _ in times)
             row[kind + "_cpu"] = statistics.mean(c for _, _, c in times)
             if kind == "serial":
@@ -120,6 +128,10 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-ddp", dest="ddp", action="store_false")
     ap.add_argument("--link-gbit", type=float, default=0.0)
+    ap.add_argument("--bucket-view", action="store_true",
+                    help="DDP(gradient_as_bucket_view=True): .grad is a view of DDP's buckets")
+    ap.add_argument("--profile", action="store_true",
+                    help="rank 0's last rep of each kind under torch.profiler (printed)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shards", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -163,7 +175,9 @@ def main():
     script = [os.path.abspath(__file__), "--worker", "--shards",
               ",".join(s.addr for s in shards), "--out", out, "--layers", str(a.layers),
               "--width", str(a.width), "--batch", str(a.batch), "--steps", str(a.steps),
-              "--reps", str(a.reps)] + ([] if a.ddp else ["--no-ddp"])
+              "--reps", str(a.reps)] + ([] if a.ddp else ["--no-ddp"]) + (
+                  ["--bucket-view"] if a.bucket_view else []) + (
+                  ["--profile"] if a.profile else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     inside = [] if link is None else link_bench.ns_exec(link.ns_w)
     shard_cpu_start = [_cpu_seconds(s.proc.pid) for s in shards]
@@ -217,7 +231,8 @@ def main():
     shard_per_step = shard_cpu / pushed_steps
     need = 2 * cpu["serial"] + shard_per_step
     print(f"CPU per step (medians): worker compute {cpu['compute']:.3f} s, worker compute + "
-          f"push {cpu['serial']:.3f} s, both shards {shard_per_step:.3f} s; 2 workers + "
+          f"push {cpu['serial']:.3f} s (overlap: {cpu['overlap']:.3f} s), both shards "
+          f"{shard_per_step:.3f} s; 2 workers + "
           f"shards need {need:.3f} CPU-s per step: {need / os.cpu_count():.3f} s on "
           f"{os.cpu_count()} idle cores")
 
