@@ -50,7 +50,7 @@ int fps_auth_read_file(const char *flag, const char *path, char **out, size_t *l
   size_t n = 0;
   int rc = FPS_EIO;
   if (!f) {
-    fprintf(stderr, "factorps-server: --%s '%s': %s\n", flag, path, strerror(errno));
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s': %s", flag, path, strerror(errno));
     return FPS_EIO;
   }
   if (!(buf = fps_malloc(FPS_AUTH_FILE_MAX + 1))) {
@@ -59,18 +59,18 @@ int fps_auth_read_file(const char *flag, const char *path, char **out, size_t *l
   }
   n = fread(buf, 1, FPS_AUTH_FILE_MAX + 1, f);
   if (ferror(f)) {
-    fprintf(stderr, "factorps-server: --%s '%s': read error\n", flag, path);
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s': read error", flag, path);
     goto fail;
   }
   if (n > FPS_AUTH_FILE_MAX) {
-    fprintf(stderr, "factorps-server: --%s '%s': larger than %u bytes\n", flag, path,
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s': larger than %u bytes", flag, path,
             FPS_AUTH_FILE_MAX);
     rc = FPS_EINVAL;
     goto fail;
   }
   buf[n] = 0;
   if (strlen(buf) != n) {
-    fprintf(stderr, "factorps-server: --%s '%s': contains a NUL byte (not a PEM/text file)\n", flag,
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s': contains a NUL byte (not a PEM/text file)", flag,
             path);
     rc = FPS_EINVAL;
     goto fail;
@@ -115,11 +115,11 @@ static int fps__auth_certs(const char *pem, X509 **first) {
 
 static int fps__auth_check_dates(const char *flag, const char *path, X509 *x) {
   if (X509_cmp_current_time(X509_get0_notAfter(x)) < 0) {
-    fprintf(stderr, "factorps-server: --%s '%s': the certificate has expired\n", flag, path);
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s': the certificate has expired", flag, path);
     return FPS_EINVAL;
   }
   if (X509_cmp_current_time(X509_get0_notBefore(x)) > 0) {
-    fprintf(stderr, "factorps-server: --%s '%s': the certificate is not valid yet\n", flag, path);
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s': the certificate is not valid yet", flag, path);
     return FPS_EINVAL;
   }
   return 0;
@@ -132,17 +132,17 @@ int fps_auth_check_pair(const char *cert_flag, const char *cert_path, const char
   BIO *b = NULL;
   int rc = FPS_EINVAL;
   if (fps__auth_certs(cert_pem, &cert) == 0) {
-    fprintf(stderr, "factorps-server: --%s '%s': no PEM certificate in it\n", cert_flag, cert_path);
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s': no PEM certificate in it", cert_flag, cert_path);
     goto fail;
   }
   if ((rc = fps__auth_check_dates(cert_flag, cert_path, cert)) < 0) goto fail;
   rc = FPS_EINVAL;
   if (!(b = BIO_new_mem_buf(key_pem, -1)) || !(key = PEM_read_bio_PrivateKey(b, NULL, NULL, NULL))) {
-    fprintf(stderr, "factorps-server: --%s '%s': no unencrypted PEM private key in it\n", key_flag, key_path);
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s': no unencrypted PEM private key in it", key_flag, key_path);
     goto fail;
   }
   if (X509_check_private_key(cert, key) != 1) {
-    fprintf(stderr, "factorps-server: --%s '%s' does not belong to --%s '%s'\n", key_flag, key_path, cert_flag,
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s' does not belong to --%s '%s'", key_flag, key_path, cert_flag,
             cert_path);
     goto fail;
   }
@@ -156,7 +156,7 @@ fail:
 
 int fps_auth_check_ca(const char *flag, const char *path, const char *pem) {
   if (fps__auth_certs(pem, NULL) > 0) return 0;
-  fprintf(stderr, "factorps-server: --%s '%s': no PEM certificate in it\n", flag, path);
+  FPS_LOG(FPS_LOG_ERROR, "--%s '%s': no PEM certificate in it", flag, path);
   return FPS_EINVAL;
 }
 
@@ -193,9 +193,9 @@ int fps_auth_token_next(char **cursor, int *lineno, const char *flag, const char
     if (n == 0 || *line == '#') continue;
     for (size_t i = 0; i < n; i++) {
       if (line[i] < 0x21 || line[i] > 0x7e) {
-        fprintf(stderr,
-                "factorps-server: --%s '%s' line %d: a token may contain only visible ASCII "
-                "characters (no spaces)\n",
+        FPS_LOG(FPS_LOG_ERROR,
+                "--%s '%s' line %d: a token may contain only visible ASCII "
+                "characters (no spaces)",
                 flag, path, *lineno);
         return FPS_EINVAL;
       }
@@ -236,9 +236,9 @@ static int fps__auth_tokens_load(fps_auth_t *a, const char *flag, const char *pa
       char *end = NULL;
       unsigned long id = colon && colon > line && line[0] >= '0' && line[0] <= '9' ? strtoul(line, &end, 10) : 0;
       if (!colon || end != colon || id >= shard_count || colon + 1 == line + n) {
-        fprintf(stderr,
-                "factorps-server: --%s '%s' line %d: expected '<shard-id>:<token>' with a shard id "
-                "below --shard-count %u\n",
+        FPS_LOG(FPS_LOG_ERROR,
+                "--%s '%s' line %d: expected '<shard-id>:<token>' with a shard id "
+                "below --shard-count %u",
                 flag, path, lineno, shard_count);
         rc = FPS_EINVAL;
         goto fail;
@@ -251,7 +251,7 @@ static int fps__auth_tokens_load(fps_auth_t *a, const char *flag, const char *pa
       FPS_LOG(FPS_LOG_WARN, "--%s '%s' line %d: token shorter than 16 characters is easy to guess", flag, path,
                lineno);
     if (nfile == max) {
-      fprintf(stderr, "factorps-server: --%s '%s': more than %zu tokens\n", flag, path, max);
+      FPS_LOG(FPS_LOG_ERROR, "--%s '%s': more than %zu tokens", flag, path, max);
       rc = FPS_EINVAL;
       goto fail;
     }
@@ -265,7 +265,7 @@ static int fps__auth_tokens_load(fps_auth_t *a, const char *flag, const char *pa
   if (rc < 0) goto fail;
   rc = FPS_EINVAL;
   if (nfile == 0) {
-    fprintf(stderr, "factorps-server: --%s '%s' holds no token\n", flag, path);
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s' holds no token", flag, path);
     goto fail;
   }
   rc = 0;
@@ -285,12 +285,12 @@ int fps_auth_create(const fps_config_t *cfg, fps_auth_t **out) {
   if (!a) return FPS_ENOMEM;
   bool cert = *cfg->tls_cert, key = *cfg->tls_key, ca = *cfg->tls_client_ca;
   if (cert != key) {
-    fprintf(stderr, "factorps-server: --tls-cert and --tls-key must be given together\n");
+    FPS_LOG(FPS_LOG_ERROR, "--tls-cert and --tls-key must be given together");
     goto fail;
   }
   if (ca && !cert) {
-    fprintf(stderr, "factorps-server: --tls-client-ca needs --tls-cert and --tls-key (mutual TLS "
-                    "is TLS first)\n");
+    FPS_LOG(FPS_LOG_ERROR, "--tls-client-ca needs --tls-cert and --tls-key (mutual TLS "
+                           "is TLS first)");
     goto fail;
   }
   if (cert && (rc = fps__auth_tls_load(a, cfg)) < 0) goto fail;
@@ -298,8 +298,8 @@ int fps_auth_create(const fps_config_t *cfg, fps_auth_t **out) {
   bool admins = *cfg->admin_token_file, peers = *cfg->exchange_token_file;
   unsigned worker_roles = FPS_ROLE_WORKER | (admins ? 0 : FPS_ROLE_ADMIN) | (peers ? 0 : FPS_ROLE_PEER);
   if ((admins || peers) && !*cfg->auth_token_file) {
-    fprintf(stderr, "factorps-server: --%s needs --auth-token-file (the workers' tokens): without it "
-                    "every call is let in and roles mean nothing\n",
+    FPS_LOG(FPS_LOG_ERROR, "--%s needs --auth-token-file (the workers' tokens): without it "
+                           "every call is let in and roles mean nothing",
             admins ? "admin-token-file" : "exchange-token-file");
     rc = FPS_EINVAL;
     goto fail;

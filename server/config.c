@@ -178,9 +178,9 @@ static int fps__cfg_set(fps_config_t *cfg, const fps_cfg_entry_t *e, const char 
     }
   }
 bad:
-  if (e->type == CFG_MODE) fprintf(stderr, "factorps-server: %s: --%s must be sync, async or ssp, not '%s'\n", src, e->name, val);
-  else if (e->type == CFG_BOOL || e->type == CFG_FLAG) fprintf(stderr, "factorps-server: %s: --%s must be true or false, not '%s'\n", src, e->name, val);
-  else fprintf(stderr, "factorps-server: %s: --%s must be a number in [%g, %g], not '%s'\n", src, e->name, e->min, e->max, val);
+  if (e->type == CFG_MODE) FPS_LOG(FPS_LOG_ERROR, "%s: --%s must be sync, async or ssp, not '%s'", src, e->name, val);
+  else if (e->type == CFG_BOOL || e->type == CFG_FLAG) FPS_LOG(FPS_LOG_ERROR, "%s: --%s must be true or false, not '%s'", src, e->name, val);
+  else FPS_LOG(FPS_LOG_ERROR, "%s: --%s must be a number in [%g, %g], not '%s'", src, e->name, e->min, e->max, val);
   return FPS_EINVAL;
 }
 
@@ -212,11 +212,11 @@ static int fps__cfg_check_port(const char *flag, const char *addr, bool need_por
   size_t nd = strspn(d, "0123456789");
   if (!colon || !*d || d[nd]) {
     if (!need_port) return 0;
-    fprintf(stderr, "factorps-server: --%s '%s' must be host:port (a port 0..65535)\n", flag, addr);
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s' must be host:port (a port 0..65535)", flag, addr);
     return FPS_EINVAL;
   }
   if (nd > 5 || strtoul(d, NULL, 10) > 65535) {
-    fprintf(stderr, "factorps-server: --%s '%s': port %s is out of range (0..65535)\n", flag, addr, d);
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s': port %s is out of range (0..65535)", flag, addr, d);
     return FPS_EINVAL;
   }
   return 0;
@@ -232,7 +232,7 @@ static int fps__cfg_check_peers(const fps_config_t *cfg) {
   if (!*cfg->peers) {
     for (int i = 0; i < 5; i++)
       if (*dep[i]) {
-        fprintf(stderr, "factorps-server: --%s needs --peers\n", dep_name[i]);
+        FPS_LOG(FPS_LOG_ERROR, "--%s needs --peers", dep_name[i]);
         return FPS_EINVAL;
       }
     return 0;
@@ -242,7 +242,7 @@ static int fps__cfg_check_peers(const fps_config_t *cfg) {
     const char *e = strchr(p, ',');
     size_t len = e ? (size_t)(e - p) : strlen(p);
     if (len == 0 || len > 1024) {
-      fprintf(stderr, "factorps-server: --peers entry %u is %s (every shard's host:port, by --shard-id)\n",
+      FPS_LOG(FPS_LOG_ERROR, "--peers entry %u is %s (every shard's host:port, by --shard-id)",
               n, len ? "longer than 1024 bytes" : "empty");
       return FPS_EINVAL;
     }
@@ -255,16 +255,16 @@ static int fps__cfg_check_peers(const fps_config_t *cfg) {
     p = e;
   }
   if (n != cfg->shard_count) {
-    fprintf(stderr, "factorps-server: --peers lists %u address%s; it must list all %u shards of --shard-count, "
-            "by --shard-id\n", n, n == 1 ? "" : "es", cfg->shard_count);
+    FPS_LOG(FPS_LOG_ERROR, "--peers lists %u address%s; it must list all %u shards of --shard-count, "
+                           "by --shard-id", n, n == 1 ? "" : "es", cfg->shard_count);
     return FPS_EINVAL;
   }
   if (!*cfg->peer_tls_cert != !*cfg->peer_tls_key) {
-    fprintf(stderr, "factorps-server: --peer-tls-cert and --peer-tls-key must be given together\n");
+    FPS_LOG(FPS_LOG_ERROR, "--peer-tls-cert and --peer-tls-key must be given together");
     return FPS_EINVAL;
   }
   if ((*cfg->peer_tls_cert || *cfg->peer_tls_server_name) && !*cfg->peer_tls_ca) {
-    fprintf(stderr, "factorps-server: --%s needs --peer-tls-ca (the CA that signed the peers' certificates)\n",
+    FPS_LOG(FPS_LOG_ERROR, "--%s needs --peer-tls-ca (the CA that signed the peers' certificates)",
             *cfg->peer_tls_cert ? "peer-tls-cert" : "peer-tls-server-name");
     return FPS_EINVAL;
   }
@@ -273,12 +273,12 @@ static int fps__cfg_check_peers(const fps_config_t *cfg) {
 
 static int fps__cfg_check(fps_config_t *cfg) {
   if (cfg->shard_id >= cfg->shard_count) {
-    fprintf(stderr, "factorps-server: --shard-id %u must be below --shard-count %u\n", cfg->shard_id,
+    FPS_LOG(FPS_LOG_ERROR, "--shard-id %u must be below --shard-count %u", cfg->shard_id,
             cfg->shard_count);
     return FPS_EINVAL;
   }
   if (!*cfg->listen) {
-    fprintf(stderr, "factorps-server: --listen must not be empty\n");
+    FPS_LOG(FPS_LOG_ERROR, "--listen must not be empty");
     return FPS_EINVAL;
   }
   if (fps__cfg_check_port("listen", cfg->listen, false) < 0) return FPS_EINVAL;
@@ -289,7 +289,7 @@ static int fps__cfg_check(fps_config_t *cfg) {
   for (int i = 0; i < 4; i++)
     if (!strcmp(cfg->log_level, lv[i])) level = i;
   if (level < 0) {
-    fprintf(stderr, "factorps-server: --log-level must be error, warn, info or debug, not '%s'\n", cfg->log_level);
+    FPS_LOG(FPS_LOG_ERROR, "--log-level must be error, warn, info or debug, not '%s'", cfg->log_level);
     return FPS_EINVAL;
   }
   fps__log_level = level;
@@ -307,12 +307,12 @@ static int fps__cfg_check(fps_config_t *cfg) {
   }
   if (cfg->max_staging_bytes == 0) cfg->max_staging_bytes = cfg->max_bytes;
   if (!*cfg->checkpoint_dir && (cfg->checkpoint_interval > 0 || cfg->require_checkpoint)) {
-    fprintf(stderr, "factorps-server: --%s needs --checkpoint-dir\n",
+    FPS_LOG(FPS_LOG_ERROR, "--%s needs --checkpoint-dir",
             cfg->require_checkpoint ? "require-checkpoint" : "checkpoint-interval");
     return FPS_EINVAL;
   }
   if (*cfg->job_id && fps_ckpt_job_check(cfg->job_id) < 0) {
-    fprintf(stderr, "factorps-server: --job-id '%s' is not 1..%d bytes of [A-Za-z0-9._:-]\n", cfg->job_id,
+    FPS_LOG(FPS_LOG_ERROR, "--job-id '%s' is not 1..%d bytes of [A-Za-z0-9._:-]", cfg->job_id,
             FPS_CKPT_JOB_MAX);
     return FPS_EINVAL;
   }
@@ -320,15 +320,15 @@ static int fps__cfg_check(fps_config_t *cfg) {
   /* The combinations here, so that they exit 2 like every bad value (the
    * files themselves are read by auth.c at start-up). */
   if (!*cfg->tls_cert != !*cfg->tls_key) {
-    fprintf(stderr, "factorps-server: --tls-cert and --tls-key must be given together\n");
+    FPS_LOG(FPS_LOG_ERROR, "--tls-cert and --tls-key must be given together");
     return FPS_EINVAL;
   }
   if (*cfg->tls_client_ca && !*cfg->tls_cert) {
-    fprintf(stderr, "factorps-server: --tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)\n");
+    FPS_LOG(FPS_LOG_ERROR, "--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)");
     return FPS_EINVAL;
   }
   if (cfg->checkpoint_interval > 0 && cfg->checkpoint_interval < 0.01) {
-    fprintf(stderr, "factorps-server: --checkpoint-interval must be 0 (off) or at least 0.01 s, not %g\n",
+    FPS_LOG(FPS_LOG_ERROR, "--checkpoint-interval must be 0 (off) or at least 0.01 s, not %g",
             cfg->checkpoint_interval);
     return FPS_EINVAL;
   }
@@ -373,7 +373,7 @@ int fps_config_load(fps_config_t *cfg, int argc, char **argv) {
       return 1;
     }
     if (c == '?' || c == ':') {
-      fprintf(stderr, "factorps-server: unknown option or missing value: '%s' (see --help)\n",
+      FPS_LOG(FPS_LOG_ERROR, "unknown option or missing value: '%s' (see --help)",
               idx < argc ? argv[idx] : "?");
       rc = FPS_EINVAL;
       goto fail;
@@ -381,7 +381,7 @@ int fps_config_load(fps_config_t *cfg, int argc, char **argv) {
     if ((rc = fps__cfg_set(cfg, &fps__cfg_table[c - 1000], optarg, "command line")) < 0) goto fail;
   }
   if (optind < argc) {
-    fprintf(stderr, "factorps-server: unexpected argument '%s' (see --help)\n", argv[optind]);
+    FPS_LOG(FPS_LOG_ERROR, "unexpected argument '%s' (see --help)", argv[optind]);
     rc = FPS_EINVAL;
     goto fail;
   }

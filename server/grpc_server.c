@@ -422,7 +422,7 @@ int fps_grpc_start(fps_server_t *srv) {
   srv->port = grpc_server_add_http2_port(srv->server, srv->cfg.listen, creds);
   grpc_server_credentials_release(creds);
   if (srv->port <= 0) {
-    fprintf(stderr, "factorps-server: cannot listen on '%s' (address in use or invalid)\n", srv->cfg.listen);
+    FPS_LOG(FPS_LOG_ERROR, "cannot listen on '%s' (address in use or invalid)", srv->cfg.listen);
     return FPS_EIO;
   }
   grpc_server_start(srv->server);

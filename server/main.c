@@ -141,7 +141,7 @@ int main(int argc, char **argv) {
    * reading the environment again here would let it beat the flag. */
   rc = fps_kernels_by_name(*srv.cfg.simd ? srv.cfg.simd : "auto", &kernels, why, sizeof why);
   if (rc < 0) {
-    fprintf(stderr, "factorps-server: --simd %s: %s\n", srv.cfg.simd, why);
+    FPS_LOG(FPS_LOG_ERROR, "--simd %s: %s", srv.cfg.simd, why);
     fps_config_free(&srv.cfg);
     return 2;
   }
@@ -165,7 +165,7 @@ int main(int argc, char **argv) {
   fps_shard_opts_t opts;
   fps_config_shard_opts(&srv.cfg, &opts);
   if (fps_shard_new(&opts, kernels, pool, &srv.shard) < 0) {
-    fprintf(stderr, "factorps-server: out of memory\n");
+    FPS_LOG(FPS_LOG_ERROR, "out of memory");
     return 1;
   }
 
@@ -185,7 +185,7 @@ int main(int argc, char **argv) {
   /* The deadline thread runs the hooks of rounds, ssp waits and calls. */
   if (fps_timer_create(&srv.timer, 0) < 0 || fps_timer_add(srv.timer, fps_shard_expire, srv.shard) < 0 ||
       fps_timer_add(srv.timer, fps_calls_expire, &srv) < 0 || fps_timer_start(srv.timer) < 0) {
-    fprintf(stderr, "factorps-server: cannot start the timer thread\n");
+    FPS_LOG(FPS_LOG_ERROR, "cannot start the timer thread");
     exit_code = 1;
     goto out;
   }
@@ -194,7 +194,7 @@ int main(int argc, char **argv) {
     fps_metrics_http_opts_t ho = {.listen = srv.cfg.metrics_listen,
                                   .port_file = srv.cfg.metrics_port_file};
     if (fps_metrics_http_start(&ho, &http) < 0) {
-      fprintf(stderr, "factorps-server: cannot serve --metrics-listen '%s'\n", srv.cfg.metrics_listen);
+      FPS_LOG(FPS_LOG_ERROR, "cannot serve --metrics-listen '%s'", srv.cfg.metrics_listen);
       exit_code = 1;
       goto out;
     }
@@ -205,14 +205,14 @@ int main(int argc, char **argv) {
    * /readyz says 503 until the end of start-up. */
   rc = fps_checkpoint_open(srv.shard);
   if (rc < 0) {
-    fprintf(stderr, "factorps-server: %s\n",
+    FPS_LOG(FPS_LOG_ERROR, "%s",
             rc == FPS_ENOTFOUND ? "no valid checkpoint to load and --require-checkpoint is set; not starting"
                                 : "cannot restore from --checkpoint-dir (see the log above); not starting");
     exit_code = rc == FPS_ENOTFOUND ? 3 : 1;
     goto out;
   }
   if (fps_rpc_checkpoint_init(&srv) < 0) {
-    fprintf(stderr, "factorps-server: cannot start the Checkpoint writer thread\n");
+    FPS_LOG(FPS_LOG_ERROR, "cannot start the Checkpoint writer thread");
     exit_code = 1;
     goto out;
   }
@@ -221,7 +221,7 @@ int main(int argc, char **argv) {
     goto out;
   }
   if (srv.cfg.port_file && *srv.cfg.port_file && fps__write_port_file(srv.cfg.port_file, srv.port) < 0) {
-    fprintf(stderr, "factorps-server: cannot write --port-file '%s'\n", srv.cfg.port_file);
+    FPS_LOG(FPS_LOG_ERROR, "cannot write --port-file '%s'", srv.cfg.port_file);
     exit_code = 1;
     goto out;
   }
@@ -238,7 +238,7 @@ int main(int argc, char **argv) {
   }
 
   if (fps_checkpoint_start(srv.shard) < 0) {
-    fprintf(stderr, "factorps-server: cannot start the checkpoint thread\n");
+    FPS_LOG(FPS_LOG_ERROR, "cannot start the checkpoint thread");
     exit_code = 1;
     goto out;
   }
