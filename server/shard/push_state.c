@@ -20,10 +20,16 @@ size_t fps__push_entries(fps_push_t *p, uint64_t walk, fps_push_entry_t ***out) 
   return p->n;
 }
 
-/* Which tensors, in which order: a retry must name the same. */
+/* Which tensors, in which order: a retry must name the same. Hashed by
+ * name, not by address, so that a standby replica that took the key from
+ * its primary (replica.c) recognises the retry too. */
 uint64_t fps__push_tensors_hash(const fps_push_t *p) {
   uint64_t h = UINT64_C(1469598103934665603);
-  for (size_t i = 0; i < p->n; i++) h = (h ^ (uint64_t)(uintptr_t)p->e[i]->t) * UINT64_C(1099511628211);
+  for (size_t i = 0; i < p->n; i++) {
+    for (const unsigned char *c = (const unsigned char *)p->e[i]->t->name; *c; c++)
+      h = (h ^ *c) * UINT64_C(1099511628211);
+    h = (h ^ 0x100) * UINT64_C(1099511628211); /* the end of a name */
+  }
   return h;
 }
 

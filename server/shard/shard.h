@@ -546,4 +546,76 @@ void fps_shard_set_exchange(fps_shard_t *sh, fps_xsend_fn send, void *ctx, doubl
  * shard's step on the calling thread (its pushes resolved before return). */
 int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, size_t why_len);
 
+/* ------------------------------------------------------------ replicas */
+
+/* What standby replicas need of the core (replica.c; server/replica.h).
+ * The tensors in creation order: up to cap into out; returns how many
+ * there are. */
+size_t fps_shard_tensors(fps_shard_t *sh, fps_tensor_t **out, size_t cap);
+
+/* A tensor's whole state at one version, taken under its lock: its
+ * parameters (a reference: no copy) and a copy of its optimizer state
+ * (row, col, var, mom back to back, n[k] floats each). name, shape and
+ * hp point into or copy the tensor (constant). */
+typedef struct fps_image_s {
+  fps_tensor_t *t;
+  const char *name;
+  const fps_shape_t *shape;
+  fps_adafactor_hparams_t hp;
+  uint64_t numel;
+  uint64_t n[FPS_STATE_KINDS];
+  uint64_t total_state;
+  uint64_t version, step;
+  double rms, last_lr, last_weight_decay;
+  fps_snap_t *params;         /* numel floats */
+  float *state;               /* total_state floats (staging), or NULL */
+} fps_image_t;
+/* 0, FPS_ESTATE (still initialising), FPS_EUNSUPPORTED (a split block),
+ * FPS_ELIMIT / FPS_ENOMEM (the state copy), with why. Release with
+ * fps_image_release (also after a failure). */
+int fps_shard_image(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *out, char *why, size_t why_len);
+void fps_image_release(fps_shard_t *sh, fps_image_t *img);
+
+/* An image as it arrives on a standby: installed as it is (parameters,
+ * state, version, step, RMS, last lr and weight decay), creating the
+ * tensor first (Create's rules and limits) if it is missing. The bits
+ * are copied: nothing is computed. */
+typedef struct fps_image_in_s {
+  const char *name;
+  const uint64_t *dims;
+  size_t ndim;
+  fps_adafactor_hparams_t hp;
+  uint64_t n[FPS_STATE_KINDS];
+  uint64_t version, step;
+  double rms, last_lr, last_weight_decay;
+  const float *params;        /* numel floats (aligned) */
+  const float *state;         /* sum of n[k] floats */
+} fps_image_in_t;
+/* 0, or FPS_EEXISTS (held here with another shape, settings or state
+ * size), FPS_EUNSUPPORTED (a split block), Create's refusals, FPS_ELIMIT,
+ * FPS_ENOMEM, with why; nothing changed on failure. */
+int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size_t why_len);
+
+/* A 64-bit hash (xxHash64's rounds) of n bytes with a seed. */
+uint64_t fps_hash64(const void *data, size_t n, uint64_t seed);
+/* Tensor t's checksum at its current version (*version): the hash of its
+ * parameter bytes combined with that of its optimizer-state bytes, the
+ * state hashed under the tensor's lock (a pass over the state: the
+ * factored state is small), the parameters after, from their immutable
+ * buffer. 0, or FPS_ESTATE (initialising; *sum 0). Never 0 otherwise. */
+int fps_shard_checksum(fps_shard_t *sh, fps_tensor_t *t, uint64_t *version, uint64_t *sum);
+
+/* A resolved, applied push's idempotency key (false: it had none, or it
+ * was a replay): its worker, push_id and the hash of its tensors. */
+bool fps_push_key_info(const fps_push_t *p, uint32_t *worker, uint64_t *id, uint64_t *tensors);
+/* Remembers (worker, id) as applied with versions v[0..n) (a standby
+ * taking the primary's keys). 0 (also if known already), FPS_ELIMIT. */
+int fps_shard_idem_put(fps_shard_t *sh, uint32_t worker, uint64_t id, uint64_t tensors, const uint64_t *v,
+                       uint32_t n);
+/* Calls fn for every applied key, under the window's lock (fn must not
+ * call into the core). */
+typedef void (*fps_idem_each_fn)(void *arg, uint32_t worker, uint64_t id, uint64_t tensors, const uint64_t *v,
+                                 uint32_t n);
+void fps_shard_idem_each(fps_shard_t *sh, fps_idem_each_fn fn, void *arg);
+
 #endif

@@ -1,0 +1,255 @@
+/* What the standby replicas need of the core (shard.h "replicas"): a
+ * tensor's whole state at one version (the primary ships it), the same
+ * installed as it is (the standby copies bits: no kernel runs twice, and
+ * both hold the same bytes by construction), the idempotency keys both
+ * ways, and a checksum that shows the two are equal.
+ *
+ * A tensor's image is taken under its lock: a reference to its published
+ * parameters (immutable, no copy) and a copy of its optimizer state, with
+ * version, step and RMS of that one moment. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "alloc.h"
+#include "internal.h"
+
+size_t fps_shard_tensors(fps_shard_t *sh, fps_tensor_t **out, size_t cap) {
+  size_t n = 0;
+  pthread_rwlock_rdlock(&sh->store.mu);
+  for (fps_tensor_t *t = sh->store.first; t; t = t->next) {
+    if (n < cap) out[n] = t;
+    n++;
+  }
+  pthread_rwlock_unlock(&sh->store.mu);
+  return n;
+}
+
+int fps_shard_image(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *out, char *why, size_t wl) {
+  memset(out, 0, sizeof *out);
+  out->t = t;
+  out->name = t->name;
+  out->shape = &t->shape;
+  out->hp = t->hp;
+  out->numel = t->numel;
+  out->n[FPS_STATE_ROW] = t->size.row;
+  out->n[FPS_STATE_COL] = t->size.col;
+  out->n[FPS_STATE_VAR] = t->size.var;
+  out->n[FPS_STATE_MOM] = t->size.mom;
+  out->total_state = t->size.elements;
+  if (t->split) {
+    snprintf(why, wl, "tensor '%s' is a block of a split tensor: blocks are not replicated", t->name);
+    return FPS_EUNSUPPORTED;
+  }
+  if (out->total_state) {
+    bool over = false;
+    if (!(out->state = fps_tbuf_alloc(sh, out->total_state, &over))) {
+      snprintf(why, wl, "tensor '%s': copying its state for the standby: %s", t->name,
+               over ? "past --max-staging-bytes" : "out of memory");
+      return over ? FPS_ELIMIT : FPS_ENOMEM;
+    }
+  }
+  pthread_mutex_lock(&t->mu);
+  bool ready = t->ready;
+  if (ready) {
+    float *src[FPS_STATE_KINDS];
+    fps_tensor_state_arrays(t, src);
+    float *dst = out->state;
+    for (int k = 0; k < FPS_STATE_KINDS; k++) {
+      if (out->n[k]) memcpy(dst, src[k], out->n[k] * sizeof(float));
+      dst += out->n[k];
+    }
+    fps_snap_ref(t->pbuf);
+    out->params = t->pbuf;
+    out->version = t->version;
+    out->step = t->st.step;
+    out->rms = t->st.rms;
+    out->last_lr = t->last_lr;
+    out->last_weight_decay = t->last_weight_decay;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (!ready) {
+    fps_image_release(sh, out);
+    snprintf(why, wl, "tensor '%s' is still initialising", t->name);
+    return FPS_ESTATE;
+  }
+  return 0;
+}
+
+void fps_image_release(fps_shard_t *sh, fps_image_t *img) {
+  if (img->state) fps_tbuf_free(sh, img->state, img->total_state);
+  img->state = NULL;
+  fps_snap_unref(img->params);
+  img->params = NULL;
+}
+
+int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size_t wl) {
+  fps_tensor_t *t = fps_store_find(&sh->store, in->name);
+  if (!t) {
+    /* Created as any Create would (every rule and limit), then filled. */
+    fps_create_item_t item = {.name = in->name, .dims = in->dims, .ndim = in->ndim, .hp = in->hp};
+    fps_create_info_t info;
+    uint64_t received = 0;
+    int rc = fps_shard_create(sh, sh->cfg.shard_id, sh->cfg.shard_count, &item, 1, &info, &received, why, wl);
+    if (rc < 0) return rc;
+    t = info.t;
+  }
+  if (t->split) {
+    snprintf(why, wl, "tensor '%s' is a split block here: blocks are not replicated", in->name);
+    return FPS_EUNSUPPORTED;
+  }
+  /* Create-or-match's rules decide whether the image fits the tensor held. */
+  fps_shape_t shape;
+  uint64_t numel;
+  int rc = fps_shard_shape_check(in->name, in->dims, in->ndim, &shape, &numel, why, wl);
+  if (rc < 0) return rc;
+  if (!fps_shape_equal(&shape, &t->shape) || memcmp(&in->hp, &t->hp, sizeof in->hp) != 0 ||
+      in->n[FPS_STATE_ROW] != t->size.row || in->n[FPS_STATE_COL] != t->size.col ||
+      in->n[FPS_STATE_VAR] != t->size.var || in->n[FPS_STATE_MOM] != t->size.mom) {
+    snprintf(why, wl, "tensor '%s' is held here with another shape, settings or state size than the primary's",
+             in->name);
+    return FPS_EEXISTS;
+  }
+  bool over = false;
+  fps_snap_t *nb = fps__pbuf_new_staged(sh, t, &over);
+  if (!nb) {
+    snprintf(why, wl, "tensor '%s': %s", in->name, over ? "past --max-staging-bytes" : "out of memory");
+    return over ? FPS_ELIMIT : FPS_ENOMEM;
+  }
+  memcpy(nb->data, in->params, t->numel * sizeof(float)); /* nobody sees nb yet: no lock */
+  pthread_mutex_lock(&t->mu);
+  fps_snap_t *old = t->pbuf;
+  t->pbuf = nb;
+  t->param = nb->data;
+  fps__pbuf_publish(sh, nb);
+  float *dst[FPS_STATE_KINDS];
+  fps_tensor_state_arrays(t, dst);
+  const float *src = in->state;
+  for (int k = 0; k < FPS_STATE_KINDS; k++) {
+    if (in->n[k]) memcpy(dst[k], src, in->n[k] * sizeof(float));
+    src += in->n[k];
+  }
+  t->st.step = in->step;
+  t->st.rms = (float)in->rms;
+  t->version = in->version;
+  nb->version = in->version;
+  t->last_lr = in->last_lr;
+  t->last_weight_decay = in->last_weight_decay;
+  if (!t->ready) {
+    t->ready = true;
+    fps_ranges_free(&t->init);
+    for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
+  }
+  t->init_gen++;
+  pthread_mutex_unlock(&t->mu);
+  fps__pbuf_retire(sh, t, old); /* readers may still hold it */
+  atomic_fetch_add(&sh->changes, 1);
+  return 0;
+}
+
+/* ------------------------------------------------------------ checksum */
+
+/* A 64-bit hash of n bytes in 32-byte stripes of four lanes (xxHash64's
+ * round and avalanche), about memory speed; the tail is folded in 8-byte
+ * words and single bytes. */
+#define FPS_P1 UINT64_C(0x9E3779B185EBCA87)
+#define FPS_P2 UINT64_C(0xC2B2AE3D27D4EB4F)
+#define FPS_P3 UINT64_C(0x165667B19E3779F9)
+static inline uint64_t fps__rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+static inline uint64_t fps__round(uint64_t acc, uint64_t in) {
+  return fps__rotl(acc + in * FPS_P2, 31) * FPS_P1;
+}
+static inline uint64_t fps__rd64(const uint8_t *p) {
+  uint64_t v;
+  memcpy(&v, p, 8);
+  return v;
+}
+
+uint64_t fps_hash64(const void *data, size_t n, uint64_t seed) {
+  const uint8_t *p = data, *end = p + n;
+  uint64_t h;
+  if (n >= 32) {
+    uint64_t a = seed + FPS_P1 + FPS_P2, b = seed + FPS_P2, c = seed, d = seed - FPS_P1;
+    for (; p + 32 <= end; p += 32) {
+      a = fps__round(a, fps__rd64(p));
+      b = fps__round(b, fps__rd64(p + 8));
+      c = fps__round(c, fps__rd64(p + 16));
+      d = fps__round(d, fps__rd64(p + 24));
+    }
+    h = fps__rotl(a, 1) + fps__rotl(b, 7) + fps__rotl(c, 12) + fps__rotl(d, 18);
+    h = (h ^ fps__round(0, a)) * FPS_P1;
+    h = (h ^ fps__round(0, b)) * FPS_P1;
+    h = (h ^ fps__round(0, c)) * FPS_P1;
+    h = (h ^ fps__round(0, d)) * FPS_P1;
+  } else {
+    h = seed + FPS_P3;
+  }
+  h += (uint64_t)n;
+  for (; p + 8 <= end; p += 8) h = fps__rotl(h ^ fps__round(0, fps__rd64(p)), 27) * FPS_P1 + FPS_P2;
+  for (; p < end; p++) h = fps__rotl(h ^ (*p * FPS_P3), 11) * FPS_P1;
+  h ^= h >> 33;
+  h *= FPS_P2;
+  h ^= h >> 29;
+  h *= FPS_P3;
+  h ^= h >> 32;
+  return h;
+}
+
+int fps_shard_checksum(fps_shard_t *sh, fps_tensor_t *t, uint64_t *version, uint64_t *sum) {
+  (void)sh;
+  *sum = 0;
+  pthread_mutex_lock(&t->mu);
+  if (!t->ready) {
+    *version = t->version;
+    pthread_mutex_unlock(&t->mu);
+    return FPS_ESTATE;
+  }
+  /* The state is updated in place: hashed under the lock. The parameters
+   * are an immutable buffer: hashed after, from a reference. */
+  float *arr[FPS_STATE_KINDS];
+  fps_tensor_state_arrays(t, arr);
+  uint64_t n[FPS_STATE_KINDS] = {t->size.row, t->size.col, t->size.var, t->size.mom};
+  uint64_t hs = 0;
+  for (int k = 0; k < FPS_STATE_KINDS; k++)
+    if (n[k] && arr[k]) hs = fps_hash64(arr[k], n[k] * sizeof(float), hs ^ (uint64_t)(k + 1));
+  fps_snap_t *p = t->pbuf;
+  fps_snap_ref(p);
+  *version = t->version;
+  pthread_mutex_unlock(&t->mu);
+  uint64_t hp = fps_hash64(p->data, p->numel * sizeof(float), 0);
+  fps_snap_unref(p);
+  *sum = fps_hash64(&(uint64_t[2]){hp, hs}, 16, *version);
+  if (*sum == 0) *sum = 1; /* 0 means "no checksum" */
+  return 0;
+}
+
+/* ------------------------------------------------------ idempotency */
+
+bool fps_push_key_info(const fps_push_t *p, uint32_t *worker, uint64_t *id, uint64_t *tensors) {
+  if (!p->push_id || fps_push_replayed(p)) return false;
+  *worker = p->worker_id;
+  *id = p->push_id;
+  *tensors = fps__push_tensors_hash(p);
+  return true;
+}
+
+int fps_shard_idem_put(fps_shard_t *sh, uint32_t worker, uint64_t id, uint64_t tensors, const uint64_t *v,
+                       uint32_t n) {
+  uint32_t slot;
+  int rc = fps__idem_claim(&sh->idem, worker, id, &slot);
+  if (rc == FPS_EEXISTS) return 0; /* already known */
+  if (rc < 0) return rc;
+  fps__idem_settle(&sh->idem, slot, worker, id, tensors, v, n);
+  return 0;
+}
+
+void fps_shard_idem_each(fps_shard_t *sh, fps_idem_each_fn fn, void *arg) {
+  fps_idem_t *ix = &sh->idem;
+  pthread_mutex_lock(&ix->mu);
+  for (uint32_t i = 0; i < ix->cap; i++) {
+    const fps_idem_entry_t *e = &ix->ent[i];
+    if (e->state != FPS_IDEM_APPLIED) continue;
+    fn(arg, e->worker, e->id, e->tensors, e->n <= FPS_IDEM_INLINE ? e->v.in : e->v.out, e->n);
+  }
+  pthread_mutex_unlock(&ix->mu);
+}
