@@ -22,7 +22,8 @@
   X(STATS, "Stats", stats, WORKER, 0)                  \
   X(CHECKPOINT, "Checkpoint", checkpoint, ADMIN, 0)    \
   X(GETSTATE, "GetState", getstate, WORKER, 0)         \
-  X(EXCHANGE, "Exchange", exchange, PEER, 0)
+  X(EXCHANGE, "Exchange", exchange, PEER, 0)         \
+  X(REPLICATE, "Replicate", replicate, PEER, 1)
 
 /* The service's path prefix: "/factorps.v1.ParameterServer/" "PushPull". */
 #define FPS_METHOD_PREFIX "/factorps.v1.ParameterServer/"

@@ -14,6 +14,7 @@
 
 #include "alloc.h"
 #include "checkpoint.h"
+#include "lease.h"
 #include "memlimit.h"
 #include "server.h"
 
@@ -102,6 +103,14 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
      "file whose first token line is sent to peers as 'authorization: Bearer <token>'"},
     {"exchange-deadline", CFG_DOUBLE, OFF(exchange_deadline), "10", 0.01, 86400,
      "seconds a split tensor's exchange with its peers may take, retries included"},
+    {"replica-peer", CFG_STR, OFF(replica_peer), "", 0, 0,
+     "host:port of this shard's other replica (standby replicas; needs --lease; empty: solo)"},
+    {"lease", CFG_STR, OFF(lease), "", 0, 0,
+     "who may be primary: file:PATH (flock, one host) or etcd:HOST:PORT/KEY (needs --replica-peer)"},
+    {"lease-ttl", CFG_DOUBLE, OFF(lease_ttl), "2", 0.1, 3600,
+     "seconds an etcd lease lives without renewal (failover time after a primary dies)"},
+    {"replica-advertise", CFG_STR, OFF(replica_advertise), "", 0, 0,
+     "host:port clients are told to use for this replica (default: --listen)"},
 };
 #undef OFF
 #define FPS_CFG_N (sizeof fps__cfg_table / sizeof fps__cfg_table[0])
@@ -231,8 +240,8 @@ static int fps__cfg_check_peers(const fps_config_t *cfg) {
                             "peer-token-file"};
   if (!*cfg->peers) {
     for (int i = 0; i < 5; i++)
-      if (*dep[i]) {
-        FPS_LOG(FPS_LOG_ERROR, "--%s needs --peers", dep_name[i]);
+      if (*dep[i] && !*cfg->replica_peer) {
+        FPS_LOG(FPS_LOG_ERROR, "--%s needs --peers or --replica-peer", dep_name[i]);
         return FPS_EINVAL;
       }
     return 0;
@@ -266,6 +275,39 @@ static int fps__cfg_check_peers(const fps_config_t *cfg) {
   if ((*cfg->peer_tls_cert || *cfg->peer_tls_server_name) && !*cfg->peer_tls_ca) {
     FPS_LOG(FPS_LOG_ERROR, "--%s needs --peer-tls-ca (the CA that signed the peers' certificates)",
             *cfg->peer_tls_cert ? "peer-tls-cert" : "peer-tls-server-name");
+    return FPS_EINVAL;
+  }
+  return 0;
+}
+
+/* --replica-peer, --lease, --lease-ttl, --replica-advertise: both or
+ * neither of the first two, shapes of the values; split tensors (--peers)
+ * are not replicated yet, so the two cannot be combined. */
+static int fps__cfg_check_replica(const fps_config_t *cfg) {
+  if (!*cfg->replica_peer) {
+    const char *need = *cfg->lease ? "lease" : *cfg->replica_advertise ? "replica-advertise" : NULL;
+    if (need) {
+      FPS_LOG(FPS_LOG_ERROR, "--%s needs --replica-peer (the other replica of this shard)", need);
+      return FPS_EINVAL;
+    }
+    return 0;
+  }
+  if (!*cfg->lease) {
+    FPS_LOG(FPS_LOG_ERROR, "--replica-peer needs --lease (file:PATH or etcd:HOST:PORT/KEY): "
+            "the lease decides which replica is primary");
+    return FPS_EINVAL;
+  }
+  char why[512];
+  if (fps_lease_spec_check(cfg->lease, why, sizeof why) < 0) {
+    FPS_LOG(FPS_LOG_ERROR, "--lease %s", why);
+    return FPS_EINVAL;
+  }
+  if (fps__cfg_check_port("replica-peer", cfg->replica_peer, true) < 0) return FPS_EINVAL;
+  if (*cfg->replica_advertise && fps__cfg_check_port("replica-advertise", cfg->replica_advertise, true) < 0)
+    return FPS_EINVAL;
+  if (*cfg->peers) {
+    FPS_LOG(FPS_LOG_ERROR, "--replica-peer cannot be combined with --peers: split tensors are not "
+            "replicated to a standby yet (docs/shards.md \"Standby replicas\")");
     return FPS_EINVAL;
   }
   return 0;
@@ -317,6 +359,7 @@ static int fps__cfg_check(fps_config_t *cfg) {
     return FPS_EINVAL;
   }
   if (fps__cfg_check_peers(cfg) < 0) return FPS_EINVAL;
+  if (fps__cfg_check_replica(cfg) < 0) return FPS_EINVAL;
   /* The combinations here, so that they exit 2 like every bad value (the
    * files themselves are read by auth.c at start-up). */
   if (!*cfg->tls_cert != !*cfg->tls_key) {

@@ -17,6 +17,7 @@
 #include "alloc.h"
 #include "auth.h"
 #include "metrics.h"
+#include "replica.h"
 #include "server.h"
 #include "tsan.h"
 
@@ -95,6 +96,10 @@ static bool fps__call_admit(fps_server_t *srv, grpc_call *call, gpr_timespec dea
   fps_ident_t id;
   int rc = fps_auth_check(srv->auth, md, &id, why, sizeof why);
   if (rc == 0) rc = fps_auth_allow(&id, fps__method_role[method], name, why, sizeof why);
+  /* A standby (or a primary stepping down) serves no worker call: the
+   * client fails over to the other replica (replica.h). */
+  if (rc == 0 && method != FPS_METHOD_STATS && method != FPS_METHOD_REPLICATE && method != M_GENERIC)
+    rc = fps_replica_refusal(srv->replica, why, sizeof why);
   if (rc == 0) {
     uint64_t arriving = atomic_fetch_add(&fps__arriving, 1) + 1;
     pthread_mutex_lock(&srv->calls_mu);

@@ -21,8 +21,10 @@
 
 #include <grpc/grpc.h>
 
+#include "alloc.h"
 #include "metrics.h"
 #include "peer.h"
+#include "replica.h"
 #include "server.h"
 
 /* SIGTERM to exit: in-flight calls get this long to finish (then they are
@@ -91,6 +93,27 @@ static bool fps__grpc_teardown(double wait_s) {
   else pthread_detach(th);
   return done;
 }
+
+/* /metrics' collect hook: factorps_state_checksum, a hash over every
+ * tensor's checksum in creation order (a pass over each tensor's
+ * parameters and state per scrape: about a tenth of a second per GB). */
+static void fps__collect_checksum(void *arg) {
+  fps_shard_t *sh = ((fps_server_t *)arg)->shard;
+  size_t n = fps_shard_tensors(sh, NULL, 0);
+  fps_tensor_t **ts = fps_malloc((n ? n : 1) * sizeof *ts);
+  if (!ts) return;
+  n = fps_shard_tensors(sh, ts, n);
+  uint64_t h = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t v, sum;
+    if (fps_shard_checksum(sh, ts[i], &v, &sum) == 0) h = fps_hash64(&(uint64_t[2]){h, sum}, 16, i);
+  }
+  fps_free(ts);
+  fps_metrics_state_checksum_set(h);
+}
+
+/* /readyz: serving, and for a replica, primary or joined standby. */
+static bool fps__ready(void *arg) { return fps_replica_ready(((fps_server_t *)arg)->replica); }
 
 static void fps__dump_line(const char *line) { FPS_LOG(FPS_LOG_DEBUG, "config %s", line); }
 
@@ -182,6 +205,12 @@ int main(int argc, char **argv) {
     }
     fps_shard_set_exchange(srv.shard, fps_peers_send, peers, srv.cfg.exchange_deadline);
   }
+  /* Standby replicas: the lease is opened now (a bad --lease stops the
+   * start), taken once gRPC serves. */
+  if (fps_replica_create(&srv, &srv.replica) < 0) {
+    exit_code = 2;
+    goto out;
+  }
   /* The deadline thread runs the hooks of rounds, ssp waits and calls. */
   if (fps_timer_create(&srv.timer, 0) < 0 || fps_timer_add(srv.timer, fps_shard_expire, srv.shard) < 0 ||
       fps_timer_add(srv.timer, fps_calls_expire, &srv) < 0 || fps_timer_start(srv.timer) < 0) {
@@ -192,7 +221,8 @@ int main(int argc, char **argv) {
   /* Health first: /healthz answers (and /readyz says 503) while gRPC starts. */
   if (*srv.cfg.metrics_listen) {
     fps_metrics_http_opts_t ho = {.listen = srv.cfg.metrics_listen,
-                                  .port_file = srv.cfg.metrics_port_file};
+                                  .port_file = srv.cfg.metrics_port_file,
+                                  .collect = fps__collect_checksum, .ready = fps__ready, .arg = &srv};
     if (fps_metrics_http_start(&ho, &http) < 0) {
       FPS_LOG(FPS_LOG_ERROR, "cannot serve --metrics-listen '%s'", srv.cfg.metrics_listen);
       exit_code = 1;
@@ -244,6 +274,11 @@ int main(int argc, char **argv) {
   }
   ckpt_on_exit = *srv.cfg.checkpoint_dir != 0;
   fps_metrics_ready_set(true); /* gRPC bound, state (empty or restored) in place */
+  if (fps_replica_start(srv.replica) < 0) {
+    FPS_LOG(FPS_LOG_ERROR, "cannot start the replica's lease thread");
+    exit_code = 1;
+    goto out;
+  }
   for (;;) {
     int sig = 0;
     if (sigwait(&sigs, &sig) == 0 && (sig == SIGTERM || sig == SIGINT)) {
@@ -258,7 +293,13 @@ out:
   /* Exchanges in flight fail UNAVAILABLE first, so the steps waiting for
    * them fail and answer their calls within the grace period below. */
   fps_peers_stop(peers, FPS_PEERS_STOP_WAIT_S);
+  /* A primary lets go of its lease first: its standby takes over while
+   * this one drains (calls waiting for the standby's ack fail
+   * UNAVAILABLE and their clients go to the new primary). */
+  fps_replica_stop(srv.replica);
   fps_grpc_stop(&srv, FPS_SHUTDOWN_GRACE_S);
+  fps_replica_destroy(srv.replica); /* its channel before grpc_shutdown */
+  srv.replica = NULL;
   fps_peers_destroy(peers); /* its channels before grpc_shutdown */
   peers = NULL;
   FPS_LOG(FPS_LOG_DEBUG, "shutdown: gRPC server stopped in %.3f s", (double)(fps_now_ns() - stop0) / 1e9);

@@ -660,3 +660,41 @@ void fps_peers_destroy(fps_peers_t *p) {
   pthread_cond_destroy(&p->cv);
   fps_free(p);
 }
+
+/* ----------------------------------------- one channel for a replica */
+
+int fps_peer_channel(const fps_config_t *cfg, const char *addr, grpc_channel **out, char **auth_header) {
+  *out = NULL;
+  *auth_header = NULL;
+  fps_peers_t tmp; /* only its credential fields are used */
+  memset(&tmp, 0, sizeof tmp);
+  int rc;
+  if (*cfg->peer_token_file && (rc = fps__peer_token(cfg->peer_token_file, auth_header)) < 0) return rc;
+  if ((rc = fps__peer_creds(&tmp, cfg)) < 0) goto fail;
+  grpc_arg argv[6];
+  size_t nargs = 0;
+  argv[nargs++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+                             .value.integer = 100};
+  argv[nargs++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+                             .value.integer = 1000};
+  argv[nargs++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
+                             .value.integer = -1};
+  /* A standby that stops answering is dropped within a few seconds. */
+  argv[nargs++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_KEEPALIVE_TIME_MS, .value.integer = 1000};
+  argv[nargs++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_KEEPALIVE_TIMEOUT_MS, .value.integer = 2000};
+  if (*cfg->peer_tls_server_name)
+    argv[nargs++] = (grpc_arg){.type = GRPC_ARG_STRING, .key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG,
+                               .value.string = cfg->peer_tls_server_name};
+  grpc_channel_args args = {.num_args = nargs, .args = argv};
+  *out = grpc_channel_create(addr, tmp.creds, &args);
+  grpc_channel_credentials_release(tmp.creds);
+  if (!*out) {
+    rc = FPS_EINVAL;
+    goto fail;
+  }
+  return 0;
+fail:
+  fps_free(*auth_header);
+  *auth_header = NULL;
+  return rc;
+}

@@ -46,4 +46,11 @@ void fps_peers_stop(fps_peers_t *p, double wait_s);
  * grpc_shutdown). NULL is a no-op. */
 void fps_peers_destroy(fps_peers_t *p);
 
+/* A channel to `addr` with the peer credentials (--peer-tls-ca,
+ * --peer-tls-cert/--peer-tls-key, --peer-tls-server-name) and the
+ * "Bearer <token>" of --peer-token-file in *auth_header (NULL: none;
+ * free with fps_free): the standby replica's stream (replica_send.c).
+ * 0, or FPS_EINVAL / FPS_EIO (bad files, printed), FPS_ENOMEM. */
+int fps_peer_channel(const fps_config_t *cfg, const char *addr, grpc_channel **out, char **auth_header);
+
 #endif

@@ -12,13 +12,33 @@
 #include "auth.h"
 #include "checkpoint.h"
 #include "metrics.h"
+#include "replica.h"
+#include "replica_send.h"
 #include "wire.h"
 
 typedef struct fps_create_call_s {
   fps_call_t base;
+  grpc_byte_buffer *reply;    /* packed, waiting for the standby's ack */
 } fps_create_call_t;
 
-static void fps__create_destroy(fps_call_t *c) { fps_free(c); }
+static void fps__create_destroy(fps_call_t *c) {
+  fps_create_call_t *cc = (fps_create_call_t *)c;
+  if (cc->reply) grpc_byte_buffer_destroy(cc->reply);
+  fps_free(c);
+}
+
+/* The standby has the Create's tensors (replica.h): answer now. */
+static void fps__create_acked(void *arg, int err, const char *why) {
+  fps_create_call_t *cc = arg;
+  grpc_byte_buffer *bb = cc->reply;
+  cc->reply = NULL;
+  if (err < 0) {
+    grpc_byte_buffer_destroy(bb);
+    fps_call_fail(&cc->base, fps_status_from_err(err), "Create: %s", why ? why : "the standby was lost");
+    return;
+  }
+  fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
+}
 
 /* An init slice with nothing in it at all is no init (proto3 default). */
 static bool fps__init_empty(const Factorps__V1__TensorSlice *s) {
@@ -154,7 +174,23 @@ done:
       fps_call_error(&cc->base, FPS_EINTERNAL, "Create: the reply outgrew its %zu reserved bytes", reply_cap);
     } else {
       reply_buf = NULL; /* the slice's now */
-      fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
+      /* With a joined standby, the answer waits until it has the
+       * tensors this Create made or changed (replica.h). */
+      fps_tensor_t **ts = fps_malloc((n ? n : 1) * sizeof *ts);
+      for (size_t i = 0; ts && i < n; i++) ts[i] = out[i].t;
+      cc->reply = bb;
+      int wr = ts ? fps_replica_ack_wait(srv->replica, ts, n, NULL, fps__create_acked, cc, why, sizeof why)
+                  : FPS_ENOMEM;
+      fps_free(ts);
+      if (wr == 0) {
+        cc->reply = NULL;
+        fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
+      } else if (wr != FPS_EAGAIN) {
+        cc->reply = NULL;
+        grpc_byte_buffer_destroy(bb);
+        fps_call_fail(&cc->base, fps_status_from_err(wr), "Create: %s",
+                      wr == FPS_ENOMEM ? "out of memory waiting for the standby" : why);
+      }
     }
   } else {
     fps_call_error(&cc->base, rc, "%s", why);

@@ -27,6 +27,8 @@
 
 #include "alloc.h"
 #include "metrics.h"
+#include "replica.h"
+#include "replica_send.h"
 #include "wire.h"
 
 enum { PP_RECV, PP_CLOSING, PP_WAIT, PP_SEND, PP_DONE };
@@ -110,6 +112,19 @@ static void fps__pp_send_next(fps_pp_call_t *pp) {
     fps_call_fail(&pp->base, GRPC_STATUS_INTERNAL, "PushPull: cannot send the reply");
 }
 
+/* The standby has what this push's answer depends on (replica.h). */
+static void fps__pp_acked(void *arg, int err, const char *why) {
+  fps_pp_call_t *pp = arg;
+  if (err < 0) {
+    fps__pp_fail(pp, fps_status_from_err(err), "PushPull: %s", why ? why : "the standby was lost");
+    return;
+  }
+  pthread_mutex_lock(&pp->base.mu);
+  pp->phase = PP_SEND;
+  pthread_mutex_unlock(&pp->base.mu);
+  fps__pp_send_next(pp);
+}
+
 /* The push is resolved: answer. */
 static void fps__pp_finish(fps_pp_call_t *pp) {
   char why[FPS_WHY_MAX];
@@ -135,10 +150,31 @@ static void fps__pp_finish(fps_pp_call_t *pp) {
     it->dtype = o.dtype;
   }
   pp->reply.n = n;
-  pthread_mutex_lock(&pp->base.mu);
-  pp->phase = PP_SEND;
-  pthread_mutex_unlock(&pp->base.mu);
-  fps__pp_send_next(pp);
+  /* With a joined standby, the answer waits until the standby holds the
+   * tensors' new states and the push's key (replica.h); no thread
+   * blocks: fps__pp_acked answers. */
+  fps_tensor_t *small[8], **ts = n <= 8 ? small : fps_malloc(n * sizeof *ts);
+  uint64_t vsmall[8], *vs = n <= 8 ? vsmall : fps_malloc(n * sizeof *vs);
+  int wr = FPS_ENOMEM;
+  if (ts && vs) {
+    for (size_t i = 0; i < n; i++) {
+      ts[i] = pp->reply.items[i].t;
+      vs[i] = pp->reply.items[i].version;
+    }
+    fps_rkey_t key = {.v = vs, .n = (uint32_t)n};
+    bool has_key = fps_push_key_info(pp->push, &key.worker, &key.id, &key.tensors);
+    wr = fps_replica_ack_wait(pp->base.srv->replica, ts, n, has_key ? &key : NULL, fps__pp_acked, pp, why,
+                              sizeof why);
+  }
+  if (ts != small) fps_free(ts);
+  if (vs != vsmall) fps_free(vs);
+  if (wr == FPS_EAGAIN) return;
+  if (wr < 0) {
+    fps__pp_fail(pp, fps_status_from_err(wr), "PushPull: %s",
+                 wr == FPS_ENOMEM ? "out of memory waiting for the standby" : why);
+    return;
+  }
+  fps__pp_acked(pp, 0, NULL);
 }
 
 /* The push's done callback: a round completed or failed, an ssp wait

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "alloc.h"
+#include "replica.h"
 #include "wire.h"
 
 typedef struct fps_stats_call_s {
@@ -84,6 +85,15 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
     o->state = &tstate[nt];
     o->version = tv->version;
     o->ready = tv->ready;
+    /* At the tensor's version now (maybe newer than the view's). */
+    fps_tensor_t *tt = NULL;
+    fps_snap_t *snap = NULL;
+    char cwhy[FPS_WHY_MAX];
+    if (tv->ready && fps_shard_snapshot(shard, tv->name, &tt, &snap, cwhy, sizeof cwhy) == 0) {
+      fps_snap_unref(snap);
+      uint64_t cv;
+      if (fps_shard_checksum(shard, tt, &cv, &o->checksum) == 0) o->version = cv;
+    }
     if (tv->nlog) {
       o->apply_log = recp + nrec;
       for (uint32_t k = 0; k < tv->nlog; k++) {
@@ -135,6 +145,12 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   sh.exchange_steps = v.xsteps;
   sh.exchange_failures = v.xfailures;
   sh.exchange_seconds_sum = v.xseconds_sum;
+  fps_role_view_t rv;
+  fps_role_get(fps_replica_role(srv->replica), &rv);
+  sh.replica_role = (char *)fps_replica_role_name(rv.role);
+  sh.term = rv.term;
+  sh.replica_peer = srv->cfg.replica_peer;
+  sh.standby_joined = rv.role == FPS_REPLICA_PRIMARY ? rv.joined : rv.joined && rv.streaming;
   resp.shard = &sh;
   resp.n_tensors = nt;
   resp.tensors = tsp;

@@ -114,6 +114,13 @@ typedef struct fps_config_s {
   char *peer_tls_server_name; /* name the peers' certificates carry, "" = the host */
   char *peer_token_file;      /* bearer token sent to peers, "" = none */
   double exchange_deadline;   /* seconds a step's exchange may take */
+  /* Standby replicas (replica.h): the other replica of this shard ("" =
+   * solo), the lease that makes one of them primary, its TTL (etcd), the
+   * address clients are told for this process ("" = --listen). */
+  char *replica_peer;
+  char *lease;
+  double lease_ttl;
+  char *replica_advertise;
 } fps_config_t;
 
 /* Fills defaults, then FACTORPS_* environment variables, then argv.
@@ -230,6 +237,7 @@ const char *fps_bb_flatten_why(int rc);
 struct fps_server_s {
   fps_config_t cfg;
   fps_shard_t *shard;               /* the core: every rule and all state */
+  struct fps_replica_s *replica;    /* standby replicas (replica.h); solo too */
   struct fps_auth_s *auth;          /* TLS and tokens with their roles (auth.c) */
   fps_timer_t *timer;               /* deadline thread (timer.c) */
   grpc_server *server;

@@ -179,6 +179,10 @@ static struct {
   _Atomic uint64_t ckpt_last_unix_bits /* a double's bits */, ckpt_last_seq, ckpt_last_bytes, ckpt_mark;
   _Atomic uint64_t restored_seq, restore_ns;
   atomic_bool ready;
+  /* Standby replicas (server/replica.h). */
+  _Atomic uint64_t replica_role, replica_term, replica_joined, replica_failovers;
+  _Atomic uint64_t repl_sent_bytes, repl_ops, repl_lag;
+  _Atomic uint64_t state_checksum;
   /* The latencies of the most recent pushes, for Stats' p50 and p99 (a
    * window, not a counter: the one thing here under a lock). */
   pthread_mutex_t recent_mu;
@@ -416,6 +420,23 @@ void fps_metrics_checkpoint_failed(fps_metrics_ckpt_reason_t reason) {
 
 void fps_metrics_ready_set(bool ready) { atomic_store(&g.ready, ready); }
 bool fps__metrics_ready_get(void) { return atomic_load(&g.ready); }
+bool fps_metrics_ready_get(void) { return atomic_load(&g.ready); }
+
+void fps_metrics_replica_set(int role, uint64_t term, bool joined, uint64_t failovers) {
+  atomic_store_explicit(&g.replica_role, (uint64_t)role, RELAXED);
+  atomic_store_explicit(&g.replica_term, term, RELAXED);
+  atomic_store_explicit(&g.replica_joined, joined ? 1 : 0, RELAXED);
+  atomic_store_explicit(&g.replica_failovers, failovers, RELAXED);
+}
+
+void fps_metrics_replication_sent(uint64_t bytes, uint64_t ops) {
+  atomic_fetch_add_explicit(&g.repl_sent_bytes, bytes, RELAXED);
+  atomic_fetch_add_explicit(&g.repl_ops, ops, RELAXED);
+}
+
+void fps_metrics_replication_lag_set(uint64_t ops) { atomic_store_explicit(&g.repl_lag, ops, RELAXED); }
+
+void fps_metrics_state_checksum_set(uint64_t sum) { atomic_store_explicit(&g.state_checksum, sum, RELAXED); }
 
 void fps__metrics_http_response(int status) {
   int i = 0;
@@ -584,6 +605,41 @@ static void render_checkpoint(fps__mbuf_t *b, const char *shard) {
                (double)atomic_load_explicit(&g.restore_ns, RELAXED) / 1e9);
 }
 
+static void render_replica(fps__mbuf_t *b, const char *shard) {
+  static const char *const roles[] = {"solo", "primary", "standby"};
+  uint64_t role = atomic_load_explicit(&g.replica_role, RELAXED);
+  fps__mbuf_printf(b, "# HELP factorps_replica_role This process's replica role (1 for the current one).\n"
+                      "# TYPE factorps_replica_role gauge\n");
+  for (uint64_t i = 0; i < 3; i++)
+    fps__mbuf_printf(b, "factorps_replica_role{%s,role=\"%s\"} %d\n", shard, roles[i], i == role ? 1 : 0);
+  render_gauge(b, "factorps_replica_term",
+               "Term of the lease this process holds (primary) or the highest it has seen (standby).", shard,
+               (double)atomic_load_explicit(&g.replica_term, RELAXED));
+  render_gauge(b, "factorps_replica_standby_joined",
+               "1 when a standby holds everything this shard acknowledges (primary: a standby joined; "
+               "standby: it joined its primary's stream); always 0 on a solo shard.",
+               shard, (double)atomic_load_explicit(&g.replica_joined, RELAXED));
+  fps__mbuf_printf(b, "# HELP factorps_replication_sent_bytes_total Bytes of Replicate messages sent to the standby.\n"
+                      "# TYPE factorps_replication_sent_bytes_total counter\n"
+                      "factorps_replication_sent_bytes_total{%s} %llu\n",
+                   shard, (unsigned long long)atomic_load_explicit(&g.repl_sent_bytes, RELAXED));
+  fps__mbuf_printf(b, "# HELP factorps_replication_ops_total Tensor states and keys sent to the standby.\n"
+                      "# TYPE factorps_replication_ops_total counter\n"
+                      "factorps_replication_ops_total{%s} %llu\n",
+                   shard, (unsigned long long)atomic_load_explicit(&g.repl_ops, RELAXED));
+  render_gauge(b, "factorps_replication_lag_ops", "Replicate messages sent but not yet acknowledged.", shard,
+               (double)atomic_load_explicit(&g.repl_lag, RELAXED));
+  fps__mbuf_printf(b, "# HELP factorps_replica_failovers_total Times this process was promoted to primary.\n"
+                      "# TYPE factorps_replica_failovers_total counter\n"
+                      "factorps_replica_failovers_total{%s} %llu\n",
+                   shard, (unsigned long long)atomic_load_explicit(&g.replica_failovers, RELAXED));
+  /* An integer gauge: a double would round the 64-bit hash. */
+  fps__mbuf_printf(b, "# HELP factorps_state_checksum Hash over every tensor's checksum (Stats), "
+                      "computed on scrape: equal on a primary and its standby at the same versions.\n"
+                      "# TYPE factorps_state_checksum gauge\nfactorps_state_checksum{%s} %llu\n",
+                   shard, (unsigned long long)atomic_load_explicit(&g.state_checksum, RELAXED));
+}
+
 int fps_metrics_render(char **out, size_t *len) {
   if (out == NULL || len == NULL) return FPS_EINVAL;
   fps__mbuf_t b = {0};
@@ -625,6 +681,7 @@ int fps_metrics_render(char **out, size_t *len) {
                us > 0 ? (double)ub / us : 0);
 
   render_checkpoint(&b, shard);
+  render_replica(&b, shard);
   fps__metrics_render_process(&b, shard);
   if (b.oom || b.p == NULL) {
     fps_free(b.p);

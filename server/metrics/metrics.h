@@ -211,6 +211,16 @@ void fps_metrics_checkpoint_set_aside(void);
 /* Readiness (/readyz): true once the state is loaded and the gRPC port is
  * bound; false again while shutting down. Default false. */
 void fps_metrics_ready_set(bool ready);
+bool fps_metrics_ready_get(void);
+
+/* Standby replicas (server/replica.h): the role (0 solo, 1 primary, 2
+ * standby), term, joined flag and promotions of this process; bytes and
+ * ops sent on the Replicate stream; messages not yet acknowledged; the
+ * state checksum (set by the scrape's collect hook). Lock-free. */
+void fps_metrics_replica_set(int role, uint64_t term, bool joined, uint64_t failovers);
+void fps_metrics_replication_sent(uint64_t bytes, uint64_t ops);
+void fps_metrics_replication_lag_set(uint64_t ops);
+void fps_metrics_state_checksum_set(uint64_t sum);
 
 /* Renders every series into a new NUL-terminated buffer in text format
  * 0.0.4, including the process_* series read from /proc.

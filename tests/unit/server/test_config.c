@@ -87,6 +87,10 @@ static void defaults(void **state) {
   assert_true(c.exchange_deadline == 10);
   assert_string_equal(c.tls_cert, "");
   assert_string_equal(c.simd, "auto");
+  assert_string_equal(c.replica_peer, ""); /* solo */
+  assert_string_equal(c.lease, "");
+  assert_true(c.lease_ttl == 2);
+  assert_string_equal(c.replica_advertise, "");
   /* The derived defaults: threads from the CPUs (at least 2), the memory
    * limits from the RAM, staging = max-bytes. */
   assert_true(c.threads >= 2);
@@ -113,6 +117,19 @@ static void flag_wins_over_env_over_default(void **state) {
   assert_int_equal(load(&c, err, sizeof err, "--workers=7", "--mode=async", NULL), 0);
   assert_int_equal(c.workers, 7);
   assert_int_equal(c.mode, FPS_MODE_ASYNC);
+  fps_config_free(&c);
+  /* The replica flags and their twins. */
+  setenv("FACTORPS_REPLICA_PEER", "127.0.0.1:6001", 1);
+  setenv("FACTORPS_LEASE", "file:/tmp/fps-shard0.lease", 1);
+  setenv("FACTORPS_LEASE_TTL", "5", 1);
+  assert_int_equal(load(&c, err, sizeof err, "--replica-advertise", "10.0.0.5:50051", "--lease-ttl", "3", NULL), 0);
+  assert_string_equal(c.replica_peer, "127.0.0.1:6001");
+  assert_string_equal(c.lease, "file:/tmp/fps-shard0.lease");
+  assert_true(c.lease_ttl == 3);
+  assert_string_equal(c.replica_advertise, "10.0.0.5:50051");
+  fps_config_free(&c);
+  assert_int_equal(load(&c, err, sizeof err, "--lease", "etcd:127.0.0.1:2379/fps/shard0", NULL), 0);
+  assert_string_equal(c.lease, "etcd:127.0.0.1:2379/fps/shard0");
   fps_config_free(&c);
   clean_env(NULL);
 }
@@ -199,7 +216,7 @@ static void accepted_spellings(void **state) {
 static void bad_combinations_are_refused(void **state) {
   (void)state;
   struct {
-    const char *args[8];
+    const char *args[10];
     const char *says;
   } cases[] = {
       {{"--shard-id", "2", "--shard-count", "2"}, "--shard-id 2 must be below --shard-count 2"},
@@ -217,12 +234,25 @@ static void bad_combinations_are_refused(void **state) {
       {{"--shard-count", "2", "--peers", "a:1,b:2", "--peer-tls-cert", "c.pem"}, "--peer-tls-key"},
       {{"--shard-count", "2", "--peers", "a:1,b:2", "--peer-tls-server-name", "x"},
        "--peer-tls-server-name needs --peer-tls-ca"},
+      {{"--lease", "file:/tmp/l"}, "--lease needs --replica-peer"},
+      {{"--replica-advertise", "a:1"}, "--replica-advertise needs --replica-peer"},
+      {{"--replica-peer", "127.0.0.1:5001"}, "--replica-peer needs --lease"},
+      {{"--replica-peer", "127.0.0.1:5001", "--lease", "flock:/x"}, "names no lease backend"},
+      {{"--replica-peer", "127.0.0.1:5001", "--lease", "file:"}, "needs a path"},
+      {{"--replica-peer", "127.0.0.1:5001", "--lease", "etcd:h/k"}, "etcd:HOST:PORT/KEY"},
+      {{"--replica-peer", "127.0.0.1", "--lease", "file:/tmp/l"}, "--replica-peer '127.0.0.1' must be host:port"},
+      {{"--replica-peer", "h:70000", "--lease", "file:/tmp/l"}, "out of range"},
+      {{"--replica-peer", "h:1", "--lease", "file:/tmp/l", "--replica-advertise", "x"},
+       "--replica-advertise 'x' must be host:port"},
+      {{"--replica-peer", "h:1", "--lease", "file:/tmp/l", "--lease-ttl", "0.01"}, "--lease-ttl"},
+      {{"--shard-count", "2", "--peers", "a:1,b:2", "--replica-peer", "h:1", "--lease", "file:/l"},
+       "cannot be combined with --peers"},
       {{"--no-such-flag"}, "unknown option"},
       {{"--workers"}, "missing value"},
       {{"stray"}, "unexpected argument 'stray'"},
   };
   for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-    char *argv[10] = {"factorps-server"};
+    char *argv[12] = {"factorps-server"};
     int argc = 1;
     for (int i = 0; cases[k].args[i]; i++) argv[argc++] = (char *)cases[k].args[i];
     fps_config_t c;
@@ -230,7 +260,8 @@ static void bad_combinations_are_refused(void **state) {
     /* load() takes a va_list; spell the cases out through it. */
     int rc = load(&c, err, sizeof err, argc > 1 ? argv[1] : NULL, argc > 2 ? argv[2] : NULL,
                   argc > 3 ? argv[3] : NULL, argc > 4 ? argv[4] : NULL, argc > 5 ? argv[5] : NULL,
-                  argc > 6 ? argv[6] : NULL, NULL);
+                  argc > 6 ? argv[6] : NULL, argc > 7 ? argv[7] : NULL, argc > 8 ? argv[8] : NULL,
+                  argc > 9 ? argv[9] : NULL, argc > 10 ? argv[10] : NULL, NULL);
     if (rc != FPS_EINVAL) fail_msg("case %zu (%s ...): rc %d", k, argv[1], rc);
     if (!strstr(err, cases[k].says)) fail_msg("case %zu: '%s' not in '%s'", k, cases[k].says, err);
   }

@@ -1,0 +1,880 @@
+/* The primary's side of Replicate (replica_send.h).
+ *
+ * What is shipped: each changed tensor's RESULT, not the gradient that
+ * made it. After an update (or a Create, replace, resume) the tensor is
+ * marked; the sender takes its image (fps_shard_image: parameters by
+ * reference, optimizer state copied, under the tensor's lock) and sends
+ * the bytes. So both replicas hold the same bits by construction (no
+ * second kernel run, no dependence on the kernel variant or thread
+ * count), the standby spends a copy instead of an Adafactor step on the
+ * same CPUs, and a step costs about the gradient's bytes (fp32 parameters
+ * plus the factored state, which is small). Marks coalesce: W workers'
+ * replies of one sync round wait for one image, and an image taken later
+ * covers every mark before it.
+ *
+ * Who waits: a call about to acknowledge registers a wait on the
+ * generation it marked for each tensor (and its push's key); the reply
+ * goes out when the standby acknowledged a message carrying images of at
+ * least those generations. No poller thread blocks: the wait's callback
+ * sends the reply from the receiver thread.
+ *
+ * Threads: the sender thread owns the call (connect, hello, transfer,
+ * changes, heartbeats every 100 ms); the receiver thread reads the acks
+ * and wakes the waits. s->mu guards everything below it in the struct; it
+ * is taken with no core lock held, and core calls (images) are made with
+ * it released. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/grpc.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+#include "alloc.h"
+#include "metrics.h"
+#include "peer.h"
+#include "replica.h"
+#include "replica_send.h"
+#include "wire.h"
+
+#define FPS_RSEND_METHOD "/factorps.v1.ParameterServer/Replicate"
+/* Payload bytes of one message: under the standby's default receive
+ * limit with room for the header. */
+#define FPS_RSEND_PIECE ((size_t)4 << 20)
+#define FPS_RSEND_KEYS_PER_MSG 4096
+#define FPS_RSEND_HEARTBEAT_NS (INT64_C(100) * 1000000)
+#define FPS_RSEND_RETRY_NS (INT64_C(200) * 1000000)
+
+/* One tensor's marks. */
+typedef struct fps_rtrack_s {
+  fps_tensor_t *t;
+  uint64_t gen;               /* marks so far */
+  uint64_t acked;             /* the generation the standby acknowledged */
+  bool dirty;                 /* marked since its last image was taken */
+} fps_rtrack_t;
+
+/* A call waiting for the ack. */
+typedef struct fps_rwait_s {
+  size_t n;
+  uint32_t *track;            /* indices into s->tracks */
+  uint64_t *gen;              /* the generation each must reach */
+  uint64_t key_ticket;        /* 0: no key */
+  fps_rsend_done_fn done;
+  void *arg;
+  struct fps_rwait_s *next;
+} fps_rwait_t;
+
+/* A message sent and not acknowledged yet: what its ack settles. */
+typedef struct fps_rflight_s {
+  uint64_t seq;
+  size_t n;
+  uint32_t *track;
+  uint64_t *gen;
+  uint64_t key_ticket;        /* keys up to this ticket, 0: none */
+  struct fps_rflight_s *next;
+} fps_rflight_t;
+
+/* A key queued for the stream. */
+typedef struct fps_rqkey_s {
+  uint32_t worker;
+  uint64_t id, tensors, ticket;
+  uint32_t n;
+  uint64_t *v;
+  struct fps_rqkey_s *next;
+} fps_rqkey_t;
+
+struct fps_rsend_s {
+  fps_server_t *srv;
+  fps_replica_t *r;
+  grpc_channel *ch;
+  char *auth_header;
+  grpc_metadata auth_md;
+  grpc_completion_queue *cq;  /* pluck: the two threads take their own tags */
+  pthread_t send_th, recv_th;
+  bool threads_on;
+
+  pthread_mutex_t mu;
+  pthread_cond_t cv;          /* CLOCK_MONOTONIC: any change below */
+  bool quit;
+  uint64_t want_term;         /* 0: no stream wanted */
+  grpc_call *call;            /* the stream, NULL: none */
+  uint64_t call_gen;          /* bumped per stream (the receiver's cue) */
+  bool recv_busy;             /* the receiver uses call */
+  bool streaming;             /* the stream is up: marks go to it */
+  bool broken;                /* the receiver saw the stream end */
+  bool joined;                /* the standby acknowledged the transfer */
+  uint64_t term;              /* of the stream */
+  uint64_t seq;               /* last seq sent */
+  uint64_t done_seq;          /* seq of transfer_done, 0: not sent */
+  uint64_t acked;             /* highest seq acknowledged */
+  fps_rtrack_t *tracks;       /* open addressing by tensor pointer */
+  size_t ntracks, cap;
+  bool any_dirty;
+  fps_rqkey_t *keys, *keys_last; /* keys queued, oldest first */
+  uint64_t key_ticket;        /* last ticket handed out */
+  uint64_t key_acked;         /* keys acknowledged up to this ticket */
+  fps_rwait_t *waits;
+  fps_rflight_t *flight, *flight_last;
+};
+
+/* ------------------------------------------------------------- tracks */
+
+static size_t fps__track_hash(const fps_tensor_t *t, size_t cap) {
+  return (size_t)(((uintptr_t)t * UINT64_C(0x9E3779B97F4A7C15)) >> 17) & (cap - 1);
+}
+
+/* The index of t's track, made if missing; SIZE_MAX on OOM. REQUIRES mu. */
+static size_t fps__track_locked(fps_rsend_t *s, fps_tensor_t *t) {
+  if (2 * (s->ntracks + 1) > s->cap) {
+    size_t ncap = s->cap ? 2 * s->cap : 64;
+    fps_rtrack_t *nt = fps_calloc(ncap, sizeof *nt);
+    if (!nt) return SIZE_MAX;
+    /* Indices held by waits and flights must stay valid: re-key them. */
+    size_t *map = s->cap ? fps_malloc(s->cap * sizeof *map) : NULL;
+    if (s->cap && !map) {
+      fps_free(nt);
+      return SIZE_MAX;
+    }
+    for (size_t i = 0; i < s->cap; i++) {
+      if (!s->tracks[i].t) continue;
+      size_t j = fps__track_hash(s->tracks[i].t, ncap);
+      while (nt[j].t) j = (j + 1) & (ncap - 1);
+      nt[j] = s->tracks[i];
+      map[i] = j;
+    }
+    for (fps_rwait_t *w = s->waits; w; w = w->next)
+      for (size_t k = 0; k < w->n; k++) w->track[k] = (uint32_t)map[w->track[k]];
+    for (fps_rflight_t *f = s->flight; f; f = f->next)
+      for (size_t k = 0; k < f->n; k++) f->track[k] = (uint32_t)map[f->track[k]];
+    fps_free(map);
+    fps_free(s->tracks);
+    s->tracks = nt;
+    s->cap = ncap;
+  }
+  size_t j = fps__track_hash(t, s->cap);
+  while (s->tracks[j].t && s->tracks[j].t != t) j = (j + 1) & (s->cap - 1);
+  if (!s->tracks[j].t) {
+    s->tracks[j].t = t;
+    s->ntracks++;
+  }
+  return j;
+}
+
+/* ---------------------------------------------------------- the waits */
+
+typedef struct fps_rdone_s {
+  fps_rsend_done_fn done;
+  void *arg;
+  struct fps_rdone_s *next;
+} fps_rdone_t;
+
+static bool fps__wait_met_locked(const fps_rsend_t *s, const fps_rwait_t *w) {
+  for (size_t k = 0; k < w->n; k++)
+    if (s->tracks[w->track[k]].acked < w->gen[k]) return false;
+  return w->key_ticket <= s->key_acked;
+}
+
+static void fps__wait_free(fps_rwait_t *w) {
+  fps_free(w->track);
+  fps_free(w->gen);
+  fps_free(w);
+}
+
+/* Unlinks the waits that are met (all: every one), returns them. */
+static fps_rwait_t *fps__waits_take_locked(fps_rsend_t *s, bool all) {
+  fps_rwait_t *out = NULL, **pp = &s->waits;
+  while (*pp) {
+    fps_rwait_t *w = *pp;
+    if (all || fps__wait_met_locked(s, w)) {
+      *pp = w->next;
+      w->next = out;
+      out = w;
+    } else {
+      pp = &w->next;
+    }
+  }
+  return out;
+}
+
+static void fps__waits_run(fps_rwait_t *list, int err, const char *why) {
+  while (list) {
+    fps_rwait_t *w = list;
+    list = w->next;
+    w->done(w->arg, err, why);
+    fps__wait_free(w);
+  }
+}
+
+int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, size_t n, const fps_rkey_t *key, fps_rsend_done_fn done,
+                   void *arg) {
+  pthread_mutex_lock(&s->mu);
+  if (!s->streaming) {
+    pthread_mutex_unlock(&s->mu);
+    return 0; /* nobody to tell: the primary answers alone */
+  }
+  fps_rwait_t *w = s->joined ? fps_calloc(1, sizeof *w) : NULL;
+  if (w) {
+    w->track = fps_malloc((n ? n : 1) * sizeof *w->track);
+    w->gen = fps_malloc((n ? n : 1) * sizeof *w->gen);
+  }
+  fps_rqkey_t *qk = key ? fps_calloc(1, sizeof *qk) : NULL;
+  if (qk && key->n && !(qk->v = fps_malloc(key->n * sizeof *qk->v))) {
+    fps_free(qk);
+    qk = NULL;
+  }
+  if ((s->joined && (!w || !w->track || !w->gen)) || (key && !qk)) goto nomem;
+  for (size_t k = 0; k < n; k++) {
+    size_t j = fps__track_locked(s, t[k]);
+    if (j == SIZE_MAX) goto nomem;
+    s->tracks[j].gen++;
+    s->tracks[j].dirty = true;
+    if (w) {
+      w->track[w->n] = (uint32_t)j;
+      w->gen[w->n++] = s->tracks[j].gen;
+    }
+  }
+  s->any_dirty = s->any_dirty || n > 0;
+  if (qk) {
+    qk->worker = key->worker;
+    qk->id = key->id;
+    qk->tensors = key->tensors;
+    qk->n = key->n;
+    if (key->n) memcpy(qk->v, key->v, key->n * sizeof *qk->v);
+    qk->ticket = ++s->key_ticket;
+    if (s->keys_last) s->keys_last->next = qk;
+    else s->keys = qk;
+    s->keys_last = qk;
+    if (w) w->key_ticket = qk->ticket;
+  }
+  pthread_cond_broadcast(&s->cv);
+  if (!w) {
+    pthread_mutex_unlock(&s->mu);
+    return 0; /* a standby being brought up: it gets them, nobody waits */
+  }
+  w->done = done;
+  w->arg = arg;
+  w->next = s->waits;
+  s->waits = w;
+  pthread_mutex_unlock(&s->mu);
+  return FPS_EAGAIN;
+nomem:
+  pthread_mutex_unlock(&s->mu);
+  if (w) fps__wait_free(w);
+  if (qk) {
+    fps_free(qk->v);
+    fps_free(qk);
+  }
+  return FPS_ENOMEM;
+}
+
+/* ------------------------------------------------------------ sending */
+
+/* One batch on the stream, waited for on this thread. */
+static bool fps__rsend_batch(fps_rsend_t *s, grpc_call *call, grpc_op *ops, size_t n, void *tag) {
+  if (grpc_call_start_batch(call, ops, n, tag, NULL) != GRPC_CALL_OK) return false;
+  grpc_event ev = grpc_completion_queue_pluck(s->cq, tag, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+  return ev.type == GRPC_OP_COMPLETE && ev.success;
+}
+
+/* Sends one ReplicateRequest with the next seq; its ack settles `f` (may
+ * be NULL; takes it). */
+static bool fps__rsend_msg(fps_rsend_t *s, grpc_call *call, Factorps__V1__ReplicateRequest *m, fps_rflight_t *f,
+                           uint64_t ops) {
+  pthread_mutex_lock(&s->mu);
+  m->seq = ++s->seq;
+  if (f) {
+    f->seq = m->seq;
+    if (s->flight_last) s->flight_last->next = f;
+    else s->flight = f;
+    s->flight_last = f;
+  }
+  fps_metrics_replication_lag_set(s->seq - s->acked);
+  pthread_mutex_unlock(&s->mu);
+  grpc_byte_buffer *bb = fps_pack_message(m);
+  if (!bb) return false;
+  size_t len = grpc_byte_buffer_length(bb);
+  grpc_op op = {.op = GRPC_OP_SEND_MESSAGE};
+  op.data.send_message.send_message = bb;
+  bool ok = fps__rsend_batch(s, call, &op, 1, (void *)&s->send_th);
+  grpc_byte_buffer_destroy(bb);
+  if (ok) fps_metrics_replication_sent(len, ops);
+  return ok;
+}
+
+/* hparams -> AdafactorConfig with every field of the flavor present, so
+ * the standby's fps_wire_hparams gives back the same struct. */
+static void fps__rsend_config(const fps_adafactor_hparams_t *hp, Factorps__V1__AdafactorConfig *c) {
+  factorps__v1__adafactor_config__init(c);
+  bool hf = hp->flavor == FPS_FLAVOR_HF;
+  c->flavor = hf ? FACTORPS__V1__FLAVOR__FLAVOR_HF : FACTORPS__V1__FLAVOR__FLAVOR_TORCH;
+#define FPS__SET(field, CASE, v)                                   \
+  do {                                                             \
+    c->has_##field##_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_##CASE##_##CASE; \
+    c->field = (v);                                                \
+  } while (0)
+  if (!hf || hp->has_lr) FPS__SET(lr, LR, hp->lr);
+  FPS__SET(beta2_decay, BETA2_DECAY, hp->decay);
+  FPS__SET(eps1, EPS1, hp->eps1);
+  FPS__SET(eps2, EPS2, hp->eps2);
+  FPS__SET(clip_threshold, CLIP_THRESHOLD, hp->clip);
+  FPS__SET(weight_decay, WEIGHT_DECAY, hp->weight_decay);
+  if (!hf) {
+    FPS__SET(maximize, MAXIMIZE, hp->maximize);
+  } else {
+    FPS__SET(relative_step, RELATIVE_STEP, hp->relative_step);
+    FPS__SET(scale_parameter, SCALE_PARAMETER, hp->scale_parameter);
+    FPS__SET(warmup_init, WARMUP_INIT, hp->warmup_init);
+    if (hp->has_beta1) FPS__SET(beta1, BETA1, hp->beta1);
+  }
+#undef FPS__SET
+}
+
+/* Sends tensor t's image in pieces; the last piece's ack settles track j
+ * at generation gen. false: the stream failed. A tensor that cannot be
+ * imaged (initialising) is skipped: true. */
+static bool fps__rsend_tensor(fps_rsend_t *s, grpc_call *call, fps_tensor_t *t, size_t j, uint64_t gen) {
+  char why[FPS_WHY_MAX];
+  fps_image_t img;
+  int rc = fps_shard_image(s->srv->shard, t, &img, why, sizeof why);
+  if (rc < 0) {
+    fps_image_release(s->srv->shard, &img);
+    if (rc == FPS_ESTATE) return true; /* not ready: nothing acknowledged depends on its values yet */
+    FPS_LOG(FPS_LOG_WARN, "replica: %s; dropping the standby", why);
+    return false;
+  }
+  Factorps__V1__AdafactorConfig cfg;
+  fps__rsend_config(&img.hp, &cfg);
+  uint64_t pbytes = img.numel * 4, sbytes = img.total_state * 4, total = pbytes + sbytes;
+  bool ok = true;
+  uint64_t off = 0;
+  do {
+    /* A piece lies in the parameters or in the state, never across. */
+    const uint8_t *base = off < pbytes ? (const uint8_t *)fps_snap_data(img.params) : (const uint8_t *)img.state;
+    uint64_t region_end = off < pbytes ? pbytes : total;
+    uint64_t rel = off < pbytes ? off : off - pbytes;
+    uint64_t len = region_end - off < FPS_RSEND_PIECE ? region_end - off : FPS_RSEND_PIECE;
+    Factorps__V1__ReplicaTensor rt = FACTORPS__V1__REPLICA_TENSOR__INIT;
+    Factorps__V1__ReplicaTensor *rtp = &rt;
+    rt.name = (char *)img.name;
+    rt.n_shape = img.shape->ndim;
+    rt.shape = (uint64_t *)img.shape->dim;
+    rt.config = &cfg;
+    rt.version = img.version;
+    rt.step = img.step;
+    rt.rms = img.rms;
+    rt.last_lr = img.last_lr;
+    rt.last_weight_decay = img.last_weight_decay;
+    rt.n_state_elements = FPS_STATE_KINDS;
+    rt.state_elements = img.n;
+    rt.total_bytes = total;
+    rt.offset = off;
+    rt.data.data = (uint8_t *)(base ? base + rel : NULL);
+    rt.data.len = len;
+    Factorps__V1__ReplicateRequest m = FACTORPS__V1__REPLICATE_REQUEST__INIT;
+    m.n_tensors = 1;
+    m.tensors = &rtp;
+    off += len;
+    fps_rflight_t *f = NULL;
+    if (off == total) {
+      f = fps_calloc(1, sizeof *f);
+      if (f && (f->track = fps_malloc(sizeof *f->track)) && (f->gen = fps_malloc(sizeof *f->gen))) {
+        f->n = 1;
+        f->track[0] = (uint32_t)j;
+        f->gen[0] = gen;
+      } else if (f) {
+        fps_free(f->track);
+        fps_free(f);
+        f = NULL;
+        ok = false;
+        break;
+      } else {
+        ok = false;
+        break;
+      }
+    }
+    ok = fps__rsend_msg(s, call, &m, f, off == total ? 1 : 0);
+  } while (ok && off < total);
+  fps_image_release(s->srv->shard, &img);
+  return ok;
+}
+
+static void fps__rqkeys_free(fps_rqkey_t *list) {
+  while (list) {
+    fps_rqkey_t *nx = list->next;
+    fps_free(list->v);
+    fps_free(list);
+    list = nx;
+  }
+}
+
+/* The queued keys, in messages of up to FPS_RSEND_KEYS_PER_MSG. */
+static bool fps__rsend_keys(fps_rsend_t *s, grpc_call *call, fps_rqkey_t *list) {
+  bool ok = true;
+  while (list && ok) {
+    Factorps__V1__ReplicaKey kb[64], *kp[64];
+    Factorps__V1__ReplicateRequest m = FACTORPS__V1__REPLICATE_REQUEST__INIT;
+    size_t n = 0;
+    uint64_t last = 0;
+    fps_rqkey_t *sent = list;
+    while (list && n < 64) {
+      factorps__v1__replica_key__init(&kb[n]);
+      kb[n].worker = list->worker;
+      kb[n].push_id = list->id;
+      kb[n].tensors = list->tensors;
+      kb[n].n_versions = list->n;
+      kb[n].versions = list->v;
+      kp[n] = &kb[n];
+      last = list->ticket;
+      n++;
+      list = list->next;
+    }
+    m.n_keys = n;
+    m.keys = kp;
+    fps_rflight_t *f = fps_calloc(1, sizeof *f);
+    if (!f) return false;
+    f->key_ticket = last;
+    ok = fps__rsend_msg(s, call, &m, f, n);
+    while (sent != list) {
+      fps_rqkey_t *nx = sent->next;
+      fps_free(sent->v);
+      fps_free(sent);
+      sent = nx;
+    }
+  }
+  fps__rqkeys_free(list);
+  return ok;
+}
+
+/* The state transfer's keys: every applied key the window holds. */
+typedef struct fps_rkeys_acc_s {
+  fps_rqkey_t *first, *last;
+  bool oom;
+} fps_rkeys_acc_t;
+
+static void fps__rsend_key_each(void *arg, uint32_t worker, uint64_t id, uint64_t tensors, const uint64_t *v,
+                                uint32_t n) {
+  fps_rkeys_acc_t *a = arg;
+  fps_rqkey_t *k = fps_calloc(1, sizeof *k);
+  if (!k || (n && !(k->v = fps_malloc(n * sizeof *k->v)))) {
+    fps_free(k);
+    a->oom = true;
+    return;
+  }
+  k->worker = worker;
+  k->id = id;
+  k->tensors = tensors;
+  k->n = n;
+  if (n) memcpy(k->v, v, n * sizeof *k->v);
+  if (a->last) a->last->next = k;
+  else a->first = k;
+  a->last = k;
+}
+
+/* Hello, the state transfer, then the changes until the stream fails or
+ * is no longer wanted. */
+static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
+  fps_server_t *srv = s->srv;
+  fps_shard_view_t v;
+  const char *simd = "";
+  bool have_view = fps_shard_view(srv->shard, false, 0, &v) == 0;
+  if (have_view) simd = v.simd;
+  Factorps__V1__ReplicateHello hello = FACTORPS__V1__REPLICATE_HELLO__INIT;
+  hello.shard_id = srv->cfg.shard_id;
+  hello.shard_count = srv->cfg.shard_count;
+  hello.term = term;
+  hello.mode = (Factorps__V1__Mode)srv->cfg.mode;
+  hello.workers = srv->cfg.workers;
+  hello.simd = (char *)simd;
+  hello.primary = (char *)(*srv->cfg.replica_advertise ? srv->cfg.replica_advertise : srv->cfg.listen);
+  Factorps__V1__ReplicateRequest m = FACTORPS__V1__REPLICATE_REQUEST__INIT;
+  m.hello = &hello;
+  bool ok = fps__rsend_msg(s, call, &m, NULL, 0);
+  if (have_view) fps_shard_view_free(&v);
+  if (!ok) return;
+
+  /* The transfer. Marks made from here on are sent after it. */
+  size_t n = fps_shard_tensors(srv->shard, NULL, 0);
+  fps_tensor_t **ts = fps_malloc((n ? n : 1) * sizeof *ts);
+  if (!ts) return;
+  n = fps_shard_tensors(srv->shard, ts, n);
+  for (size_t i = 0; i < n && ok; i++) {
+    pthread_mutex_lock(&s->mu);
+    size_t j = fps__track_locked(s, ts[i]);
+    uint64_t gen = j == SIZE_MAX ? 0 : s->tracks[j].gen;
+    if (j != SIZE_MAX) s->tracks[j].dirty = false; /* this image covers its marks */
+    bool want = s->want_term == term;
+    pthread_mutex_unlock(&s->mu);
+    ok = want && j != SIZE_MAX && fps__rsend_tensor(s, call, ts[i], j, gen);
+  }
+  fps_free(ts);
+  if (!ok) return;
+  fps_rkeys_acc_t acc = {0};
+  fps_shard_idem_each(srv->shard, fps__rsend_key_each, &acc);
+  if (acc.oom) {
+    fps__rqkeys_free(acc.first);
+    return;
+  }
+  if (!fps__rsend_keys(s, call, acc.first)) return;
+  Factorps__V1__ReplicateRequest done = FACTORPS__V1__REPLICATE_REQUEST__INIT;
+  done.transfer_done = true;
+  fps_rflight_t *f = fps_calloc(1, sizeof *f);
+  if (!f) return;
+  pthread_mutex_lock(&s->mu);
+  s->done_seq = s->seq + 1; /* the seq this message gets */
+  pthread_mutex_unlock(&s->mu);
+  if (!fps__rsend_msg(s, call, &done, f, 0)) return;
+  FPS_LOG(FPS_LOG_INFO, "replica: state transfer to %s sent (%zu tensors, term %" PRIu64 ")", srv->cfg.replica_peer, n,
+          term);
+
+  /* The changes. */
+  for (;;) {
+    pthread_mutex_lock(&s->mu);
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_nsec += FPS_RSEND_HEARTBEAT_NS;
+    if (until.tv_nsec >= 1000000000L) {
+      until.tv_sec++;
+      until.tv_nsec -= 1000000000L;
+    }
+    int w = 0;
+    while (s->want_term == term && s->call == call && !s->quit && !s->broken && !s->any_dirty && !s->keys &&
+           w == 0)
+      w = pthread_cond_timedwait(&s->cv, &s->mu, &until);
+    if (s->want_term != term || s->call != call || s->quit || s->broken) {
+      pthread_mutex_unlock(&s->mu);
+      return;
+    }
+    /* The dirty tensors with the generation their image will cover. */
+    size_t nd = 0;
+    fps_tensor_t **dt = NULL;
+    size_t *dj = NULL;
+    uint64_t *dg = NULL;
+    if (s->any_dirty) {
+      dt = fps_malloc(s->ntracks * sizeof *dt);
+      dj = fps_malloc(s->ntracks * sizeof *dj);
+      dg = fps_malloc(s->ntracks * sizeof *dg);
+      if (dt && dj && dg)
+        for (size_t j = 0; j < s->cap; j++)
+          if (s->tracks[j].t && s->tracks[j].dirty) {
+            s->tracks[j].dirty = false;
+            dt[nd] = s->tracks[j].t;
+            dj[nd] = j;
+            dg[nd++] = s->tracks[j].gen;
+          }
+      s->any_dirty = !(dt && dj && dg);
+    }
+    fps_rqkey_t *keys = s->keys;
+    bool had_keys = keys != NULL;
+    s->keys = s->keys_last = NULL;
+    pthread_mutex_unlock(&s->mu);
+    /* Images first, then the keys: a retry answered from a key finds the
+     * tensors it names at least at the versions the key records. */
+    for (size_t i = 0; i < nd && ok; i++) ok = fps__rsend_tensor(s, call, dt[i], dj[i], dg[i]);
+    fps_free(dt);
+    fps_free(dj);
+    fps_free(dg);
+    if (ok && keys) ok = fps__rsend_keys(s, call, keys);
+    else fps__rqkeys_free(keys);
+    if (ok && nd == 0 && !had_keys && w != 0) {
+      Factorps__V1__ReplicateRequest hb = FACTORPS__V1__REPLICATE_REQUEST__INIT;
+      ok = fps__rsend_msg(s, call, &hb, NULL, 0);
+    }
+    if (!ok) return;
+  }
+}
+
+/* ---------------------------------------------------------- receiving */
+
+/* An ack: settles the flights up to it, wakes the waits it met. */
+static void fps__rsend_acked(fps_rsend_t *s, grpc_call *call, uint64_t acked) {
+  pthread_mutex_lock(&s->mu);
+  if (s->call != call || acked <= s->acked || acked > s->seq) {
+    pthread_mutex_unlock(&s->mu);
+    return;
+  }
+  s->acked = acked;
+  while (s->flight && s->flight->seq <= acked) {
+    fps_rflight_t *f = s->flight;
+    s->flight = f->next;
+    if (!s->flight) s->flight_last = NULL;
+    for (size_t k = 0; k < f->n; k++)
+      if (s->tracks[f->track[k]].acked < f->gen[k]) s->tracks[f->track[k]].acked = f->gen[k];
+    if (f->key_ticket > s->key_acked) s->key_acked = f->key_ticket;
+    fps_free(f->track);
+    fps_free(f->gen);
+    fps_free(f);
+  }
+  bool joined_now = !s->joined && s->done_seq && acked >= s->done_seq;
+  if (joined_now) s->joined = true;
+  fps_rwait_t *met = fps__waits_take_locked(s, false);
+  uint64_t term = s->term;
+  fps_metrics_replication_lag_set(s->seq - s->acked);
+  pthread_mutex_unlock(&s->mu);
+  if (joined_now) {
+    fps_role_primary_joined(fps_replica_role(s->r), term, true);
+    fps_replica_publish(s->r);
+    FPS_LOG(FPS_LOG_INFO, "replica: standby %s joined (term %" PRIu64 ")", s->srv->cfg.replica_peer, term);
+  }
+  fps__waits_run(met, 0, NULL);
+}
+
+/* "term T is older than U": the standby has seen a newer primary. */
+static uint64_t fps__rsend_newer_term(const char *details) {
+  const char *p = strstr(details, "is older than ");
+  return p ? strtoull(p + sizeof "is older than " - 1, NULL, 10) : 0;
+}
+
+static void *fps__rsend_recv_main(void *arg) {
+  fps_rsend_t *s = arg;
+  uint64_t seen_gen = 0;
+  pthread_mutex_lock(&s->mu);
+  for (;;) {
+    while (!s->quit && (s->call == NULL || s->call_gen == seen_gen)) pthread_cond_wait(&s->cv, &s->mu);
+    if (s->quit) break;
+    grpc_call *call = s->call;
+    seen_gen = s->call_gen;
+    s->recv_busy = true;
+    pthread_mutex_unlock(&s->mu);
+    grpc_metadata_array init_md;
+    grpc_metadata_array_init(&init_md);
+    for (bool first = true;; first = false) {
+      grpc_byte_buffer *bb = NULL;
+      /* The first receive takes the initial metadata with it: the C core
+       * wants it received before a message. */
+      grpc_op ops[2] = {{.op = GRPC_OP_RECV_INITIAL_METADATA}, {.op = GRPC_OP_RECV_MESSAGE}};
+      ops[0].data.recv_initial_metadata.recv_initial_metadata = &init_md;
+      ops[1].data.recv_message.recv_message = &bb;
+      bool ok = fps__rsend_batch(s, call, first ? ops : ops + 1, first ? 2 : 1, (void *)&s->recv_th);
+      if (!ok || !bb) break;
+      uint8_t *flat = NULL;
+      size_t len = 0;
+      Factorps__V1__ReplicateResponse *resp = NULL;
+      if (fps_bb_flatten(bb, 1 << 20, &flat, &len) == 0)
+        resp = factorps__v1__replicate_response__unpack(&fps_wire_allocator, len, flat);
+      fps_free(flat);
+      grpc_byte_buffer_destroy(bb);
+      if (!resp) break;
+      uint64_t acked = resp->acked, term = resp->term;
+      protobuf_c_message_free_unpacked(&resp->base, &fps_wire_allocator);
+      if (term > s->term && fps_role_fence(fps_replica_role(s->r), term)) break;
+      fps__rsend_acked(s, call, acked);
+    }
+    grpc_metadata_array_destroy(&init_md);
+    /* The stream is over: why? */
+    grpc_metadata_array trail;
+    grpc_metadata_array_init(&trail);
+    grpc_status_code status = GRPC_STATUS_UNKNOWN;
+    grpc_slice details = grpc_empty_slice();
+    grpc_op op = {.op = GRPC_OP_RECV_STATUS_ON_CLIENT};
+    op.data.recv_status_on_client.trailing_metadata = &trail;
+    op.data.recv_status_on_client.status = &status;
+    op.data.recv_status_on_client.status_details = &details;
+    grpc_call_cancel(call, NULL);
+    bool got = fps__rsend_batch(s, call, &op, 1, (void *)&s->recv_th);
+    char msg[512];
+    char *d = grpc_slice_to_c_string(details);
+    snprintf(msg, sizeof msg, "%s", got && d ? d : "the stream ended");
+    gpr_free(d);
+    grpc_slice_unref(details);
+    grpc_metadata_array_destroy(&trail);
+    uint64_t newer = got && status == GRPC_STATUS_FAILED_PRECONDITION ? fps__rsend_newer_term(msg) : 0;
+    if (newer && fps_role_fence(fps_replica_role(s->r), newer))
+      FPS_LOG(FPS_LOG_WARN, "replica: the standby has seen term %" PRIu64 ": this primary steps down", newer);
+    else if (got && status != GRPC_STATUS_OK && status != GRPC_STATUS_CANCELLED)
+      FPS_LOG(FPS_LOG_WARN, "replica: standby %s refused the stream: %s", s->srv->cfg.replica_peer, msg);
+    pthread_mutex_lock(&s->mu);
+    s->recv_busy = false;
+    if (s->call == call) s->broken = true;
+    pthread_cond_broadcast(&s->cv);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+/* The stream went away: the waits are released (the primary goes on
+ * alone while it may acknowledge) and the marks start over. REQUIRES mu;
+ * returns the waits to run. */
+static fps_rwait_t *fps__rsend_reset_locked(fps_rsend_t *s) {
+  s->streaming = false;
+  s->joined = false;
+  s->done_seq = 0;
+  s->seq = s->acked = 0;
+  while (s->flight) {
+    fps_rflight_t *f = s->flight;
+    s->flight = f->next;
+    fps_free(f->track);
+    fps_free(f->gen);
+    fps_free(f);
+  }
+  s->flight_last = NULL;
+  fps__rqkeys_free(s->keys);
+  s->keys = s->keys_last = NULL;
+  s->key_acked = s->key_ticket;
+  for (size_t j = 0; j < s->cap; j++) {
+    s->tracks[j].dirty = false;
+    s->tracks[j].acked = s->tracks[j].gen;
+  }
+  s->any_dirty = false;
+  fps_metrics_replication_lag_set(0);
+  return fps__waits_take_locked(s, true);
+}
+
+static void *fps__rsend_send_main(void *arg) {
+  fps_rsend_t *s = arg;
+  pthread_mutex_lock(&s->mu);
+  while (!s->quit) {
+    if (s->want_term == 0) {
+      pthread_cond_wait(&s->cv, &s->mu);
+      continue;
+    }
+    uint64_t term = s->want_term;
+    pthread_mutex_unlock(&s->mu);
+    grpc_call *call = grpc_channel_create_call(s->ch, NULL, GRPC_PROPAGATE_DEFAULTS, s->cq,
+                                               grpc_slice_from_static_string(FPS_RSEND_METHOD), NULL,
+                                               gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    bool ok = call != NULL;
+    if (ok) {
+      grpc_op op = {.op = GRPC_OP_SEND_INITIAL_METADATA};
+      op.data.send_initial_metadata.count = s->auth_header ? 1 : 0;
+      op.data.send_initial_metadata.metadata = s->auth_header ? &s->auth_md : NULL;
+      ok = fps__rsend_batch(s, call, &op, 1, (void *)&s->send_th);
+    }
+    pthread_mutex_lock(&s->mu);
+    if (ok && s->want_term == term && !s->quit) {
+      s->call = call;
+      s->call_gen++;
+      s->term = term;
+      s->streaming = true; /* marks from now on go to this stream */
+      s->broken = false;
+      pthread_cond_broadcast(&s->cv);
+      pthread_mutex_unlock(&s->mu);
+      fps__rsend_run(s, call, term);
+      pthread_mutex_lock(&s->mu);
+    }
+    /* Over: the receiver lets go of the call, then it is freed. */
+    if (call) grpc_call_cancel(call, NULL);
+    while (s->call == call && call && s->recv_busy) pthread_cond_wait(&s->cv, &s->mu);
+    bool was = s->call == call && call;
+    s->call = NULL;
+    fps_rwait_t *released = was ? fps__rsend_reset_locked(s) : NULL;
+    pthread_mutex_unlock(&s->mu);
+    if (was) {
+      fps_role_primary_joined(fps_replica_role(s->r), term, false);
+      fps_replica_publish(s->r);
+    }
+    if (released) {
+      /* Dropped standby: answer alone if still allowed, else refuse. */
+      char why[512] = "";
+      int err = fps_replica_refusal(s->r, why, sizeof why);
+      fps__waits_run(released, err, why);
+    }
+    if (call) grpc_call_unref(call);
+    pthread_mutex_lock(&s->mu);
+    if (s->want_term == term && !s->quit) {
+      struct timespec until;
+      clock_gettime(CLOCK_MONOTONIC, &until);
+      until.tv_nsec += FPS_RSEND_RETRY_NS;
+      if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+      }
+      while (s->want_term == term && !s->quit && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
+      }
+    }
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+/* ------------------------------------------------------------ control */
+
+int fps_rsend_create(fps_server_t *srv, fps_replica_t *r, fps_rsend_t **out) {
+  *out = NULL;
+  fps_rsend_t *s = fps_calloc(1, sizeof *s);
+  if (!s) return FPS_ENOMEM;
+  s->srv = srv;
+  s->r = r;
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&s->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  int rc = fps_peer_channel(&srv->cfg, srv->cfg.replica_peer, &s->ch, &s->auth_header);
+  if (rc < 0) goto fail;
+  if (s->auth_header) {
+    s->auth_md.key = grpc_slice_from_static_string("authorization");
+    s->auth_md.value = grpc_slice_from_static_string(s->auth_header);
+  }
+  rc = FPS_ENOMEM;
+  if (!(s->cq = grpc_completion_queue_create_for_pluck(NULL))) goto fail;
+  if (pthread_create(&s->send_th, NULL, fps__rsend_send_main, s) != 0) goto fail;
+  if (pthread_create(&s->recv_th, NULL, fps__rsend_recv_main, s) != 0) {
+    pthread_mutex_lock(&s->mu);
+    s->quit = true;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->send_th, NULL);
+    goto fail;
+  }
+  s->threads_on = true;
+  *out = s;
+  return 0;
+fail:
+  if (s->cq) grpc_completion_queue_destroy(s->cq);
+  if (s->ch) grpc_channel_destroy(s->ch);
+  fps_free(s->auth_header);
+  pthread_mutex_destroy(&s->mu);
+  pthread_cond_destroy(&s->cv);
+  fps_free(s);
+  return rc;
+}
+
+void fps_rsend_start_stream(fps_rsend_t *s, uint64_t term) {
+  pthread_mutex_lock(&s->mu);
+  s->want_term = term;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+void fps_rsend_stop_stream(fps_rsend_t *s, const char *why) {
+  if (!s) return;
+  pthread_mutex_lock(&s->mu);
+  s->want_term = 0;
+  /* The waits fail now: whatever the stream does next, they may not be
+   * acknowledged by a process that is stepping down. */
+  fps_rwait_t *w = fps__waits_take_locked(s, true);
+  if (s->call) grpc_call_cancel(s->call, NULL);
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  fps__waits_run(w, FPS_EUNAVAILABLE, why);
+}
+
+void fps_rsend_destroy(fps_rsend_t *s) {
+  if (!s) return;
+  fps_rsend_stop_stream(s, "the shard is shutting down");
+  pthread_mutex_lock(&s->mu);
+  s->quit = true;
+  if (s->call) grpc_call_cancel(s->call, NULL);
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  if (s->threads_on) {
+    pthread_join(s->send_th, NULL);
+    pthread_join(s->recv_th, NULL);
+  }
+  /* Both threads took every completion of their batches: nothing is
+   * left on the queue. */
+  grpc_completion_queue_shutdown(s->cq);
+  grpc_completion_queue_destroy(s->cq);
+  grpc_channel_destroy(s->ch);
+  fps_free(s->auth_header);
+  fps__rqkeys_free(s->keys);
+  fps_free(s->tracks);
+  pthread_mutex_destroy(&s->mu);
+  pthread_cond_destroy(&s->cv);
+  fps_free(s);
+}

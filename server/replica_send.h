@@ -1,0 +1,50 @@
+/* The primary's side of Replicate (replica.h): one stream to the standby,
+ * the state transfer, the changes, and the calls waiting for the ack. */
+#ifndef FPS_REPLICA_SEND_H
+#define FPS_REPLICA_SEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "shard/shard.h"
+
+struct fps_server_s;
+struct fps_replica_s;
+typedef struct fps_rsend_s fps_rsend_t;
+
+/* The sender and its two threads (idle until a stream is wanted). 0,
+ * FPS_ENOMEM, or the peer files' errors (printed). */
+int fps_rsend_create(struct fps_server_s *srv, struct fps_replica_s *r, fps_rsend_t **out);
+/* Stops the threads, frees everything. NULL is a no-op. */
+void fps_rsend_destroy(fps_rsend_t *s);
+/* This process became primary of `term`: stream to the peer (reconnecting
+ * while it stays primary). */
+void fps_rsend_start_stream(fps_rsend_t *s, uint64_t term);
+/* No more stream (stepping down, shutting down): the stream is cancelled
+ * and every waiting call fails with FPS_EUNAVAILABLE and why. */
+void fps_rsend_stop_stream(fps_rsend_t *s, const char *why);
+
+/* A push's idempotency key and the versions it made. */
+typedef struct fps_rkey_s {
+  uint32_t worker;
+  uint64_t id, tensors;
+  const uint64_t *v;
+  uint32_t n;
+} fps_rkey_t;
+
+/* Called once when a waiting call may answer (err 0) or must fail (err
+ * FPS_EUNAVAILABLE, why), on the sender's threads, with no lock held. */
+typedef void (*fps_rsend_done_fn)(void *arg, int err, const char *why);
+
+/* A call is about to acknowledge changes to tensors t[0..n) (applied
+ * before this call) and, with key, a push's key: marks them for the
+ * stream. Returns 0 (answer now: no standby has joined; the changes still
+ * go to a standby being brought up), or FPS_EAGAIN (done runs once the
+ * joined standby acknowledged them, or when the stream ends: err 0 if
+ * the primary goes on alone, FPS_EUNAVAILABLE if it stepped down), or
+ * FPS_ENOMEM. Thread-safe; never blocks. */
+int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, size_t n, const fps_rkey_t *key, fps_rsend_done_fn done,
+                   void *arg);
+
+#endif

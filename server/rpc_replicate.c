@@ -1,0 +1,314 @@
+/* Replicate, the standby's side (replica.h; proto ReplicateRequest): a
+ * primary's stream of its state and its changes.
+ *
+ * One message at a time: receive, check, apply, answer with the highest
+ * seq applied, receive the next. The first message must be the hello: a
+ * stream for another shard, shard count, mode, worker count or kernel
+ * variant, or of an older term than this process has seen, is refused
+ * with FAILED_PRECONDITION and changes nothing. Tensor images come in
+ * pieces (at most ~4 MiB each) that are assembled here and installed
+ * once complete (fps_shard_install: all of a tensor or nothing); keys go
+ * into the idempotency window; transfer_done makes this standby joined.
+ * Any malformed message fails the stream (INVALID_ARGUMENT) with nothing
+ * of it applied. The stream has no deadline: it lives as long as the
+ * primary keeps it open. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "alloc.h"
+#include "auth.h"
+#include "replica.h"
+#include "wire.h"
+
+enum { RP_RECV, RP_SEND, RP_DONE };
+
+typedef struct fps_rp_call_s {
+  fps_call_t base;
+  int phase;                  /* RP_* (base.mu) */
+  bool hello;                 /* the hello was accepted */
+  uint64_t term;
+  uint64_t seq;               /* last seq applied */
+  /* The tensor being assembled. */
+  char *name;
+  uint64_t version, total, got;
+  uint8_t *buf;               /* total bytes */
+} fps_rp_call_t;
+
+static void fps__rp_drop_piece(fps_rp_call_t *rp) {
+  fps_free(rp->name);
+  fps_free(rp->buf);
+  rp->name = NULL;
+  rp->buf = NULL;
+  rp->total = rp->got = 0;
+}
+
+static void fps__rp_destroy(fps_call_t *c) {
+  fps_rp_call_t *rp = (fps_rp_call_t *)c;
+  if (rp->hello) {
+    fps_role_stream_ended(fps_replica_role(c->srv->replica), rp->term);
+    fps_replica_publish(c->srv->replica);
+  }
+  fps__rp_drop_piece(rp);
+  fps_free(rp);
+}
+
+static void fps__rp_fail(fps_rp_call_t *rp, int err, const char *why) {
+  pthread_mutex_lock(&rp->base.mu);
+  bool first = rp->phase != RP_DONE;
+  rp->phase = RP_DONE;
+  pthread_mutex_unlock(&rp->base.mu);
+  if (first) fps_call_error(&rp->base, err, "Replicate: %s", why);
+}
+
+/* The hello against this shard. */
+static int fps__rp_hello(fps_rp_call_t *rp, const Factorps__V1__ReplicateHello *h, char *why,
+                                      size_t wl) {
+  fps_server_t *srv = rp->base.srv;
+  fps_shard_view_t v;
+  const char *simd = "";
+  bool have = fps_shard_view(srv->shard, false, 0, &v) == 0;
+  if (have) simd = v.simd;
+  int code = 0;
+  if (h->shard_id != srv->cfg.shard_id || h->shard_count != srv->cfg.shard_count)
+    snprintf(why, wl, "the primary is shard %u of %u; this is shard %u of %u", h->shard_id, h->shard_count,
+             srv->cfg.shard_id, srv->cfg.shard_count), code = FPS_ESTATE;
+  else if ((int)h->mode != srv->cfg.mode || h->workers != srv->cfg.workers)
+    snprintf(why, wl, "the primary runs --mode %s --workers %u; this shard --mode %s --workers %u",
+             fps_mode_name((int)h->mode), h->workers, fps_mode_name(srv->cfg.mode), srv->cfg.workers),
+        code = FPS_ESTATE;
+  else if (strcmp(h->simd ? h->simd : "", simd) != 0)
+    snprintf(why, wl, "the primary's kernels are %s, this shard's %s (start both with the same --simd)",
+             h->simd ? h->simd : "", simd), code = FPS_ESTATE;
+  if (have) fps_shard_view_free(&v);
+  if (code != 0) return code;
+  fps_replica_t *r = srv->replica;
+  if (fps_role_hello(fps_replica_role(r), h->term, h->primary, why, wl) < 0) return FPS_ESTATE;
+  rp->hello = true;
+  rp->term = h->term;
+  fps_replica_kick(r);
+  fps_replica_publish(r);
+  FPS_LOG(FPS_LOG_INFO, "replica: shard %u is the standby of %s (term %" PRIu64 "); taking its state",
+          srv->cfg.shard_id, h->primary && *h->primary ? h->primary : "its primary", h->term);
+  return 0;
+}
+
+/* One piece of a tensor image; installs the tensor when it is complete. */
+static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *rt, char *why,
+                                       size_t wl) {
+  fps_server_t *srv = rp->base.srv;
+  const char *name = rt->name ? rt->name : "";
+  char sub[FPS_WHY_MAX];
+  if (fps_shard_name_check(name, sub, sizeof sub) < 0) {
+    snprintf(why, wl, "%s", sub);
+    return FPS_EINVAL;
+  }
+  fps_shape_t shape;
+  uint64_t numel;
+  if (fps_shard_shape_check(name, rt->shape, rt->n_shape, &shape, &numel, sub, sizeof sub) < 0) {
+    snprintf(why, wl, "%s", sub);
+    return FPS_EINVAL;
+  }
+  if (rt->n_state_elements != FPS_STATE_KINDS) {
+    snprintf(why, wl, "tensor '%s': %zu state sizes (expected %d)", name, rt->n_state_elements, FPS_STATE_KINDS);
+    return FPS_EINVAL;
+  }
+  uint64_t state = 0;
+  for (int k = 0; k < FPS_STATE_KINDS; k++) {
+    if (rt->state_elements[k] > numel * 2 + (UINT64_C(1) << 32)) {
+      snprintf(why, wl, "tensor '%s': state size %" PRIu64 " is impossible", name, rt->state_elements[k]);
+      return FPS_EINVAL;
+    }
+    state += rt->state_elements[k];
+  }
+  uint64_t total = (numel + state) * 4;
+  if (rt->total_bytes != total || rt->offset > total || rt->data.len > total - rt->offset) {
+    snprintf(why, wl, "tensor '%s': piece [%" PRIu64 ", +%zu) of %" PRIu64 " bytes does not fit its %" PRIu64
+             " bytes of parameters and state", name, rt->offset, rt->data.len, rt->total_bytes, total);
+    return FPS_EINVAL;
+  }
+  if (rt->offset == 0) {
+    fps__rp_drop_piece(rp);
+    if (total > srv->cfg.max_bytes) {
+      snprintf(why, wl, "tensor '%s': %" PRIu64 " bytes is past --max-bytes", name, total);
+      return FPS_ELIMIT;
+    }
+    rp->name = fps_strdup(name);
+    rp->buf = fps_malloc(total ? total : 1);
+    if (!rp->name || !rp->buf) {
+      fps__rp_drop_piece(rp);
+      snprintf(why, wl, "tensor '%s': out of memory for %" PRIu64 " bytes", name, total);
+      return FPS_ENOMEM;
+    }
+    rp->total = total;
+    rp->version = rt->version;
+  } else if (!rp->name || strcmp(rp->name, name) != 0 || rp->version != rt->version || rp->total != total ||
+             rp->got != rt->offset) {
+    snprintf(why, wl, "tensor '%s': piece at %" PRIu64 " out of order", name, rt->offset);
+    return FPS_EINVAL;
+  }
+  if (rt->data.len) memcpy(rp->buf + rp->got, rt->data.data, rt->data.len);
+  rp->got += rt->data.len;
+  if (rp->got < rp->total) return 0;
+  fps_image_in_t in = {.name = name, .dims = rt->shape, .ndim = rt->n_shape, .version = rt->version,
+                       .step = rt->step, .rms = rt->rms, .last_lr = rt->last_lr,
+                       .last_weight_decay = rt->last_weight_decay,
+                       .params = (const float *)rp->buf, .state = (const float *)(rp->buf + numel * 4)};
+  for (int k = 0; k < FPS_STATE_KINDS; k++) in.n[k] = rt->state_elements[k];
+  if (fps_wire_hparams(name, rt->config, &in.hp, sub, sizeof sub) < 0) {
+    fps__rp_drop_piece(rp);
+    snprintf(why, wl, "%s", sub);
+    return FPS_EINVAL;
+  }
+  int rc = fps_shard_install(srv->shard, &in, sub, sizeof sub);
+  fps__rp_drop_piece(rp);
+  if (rc < 0) {
+    snprintf(why, wl, "%s", sub);
+    return rc;
+  }
+  return 0;
+}
+
+static int fps__rp_message(fps_rp_call_t *rp, const Factorps__V1__ReplicateRequest *m, char *why,
+                                        size_t wl) {
+  if (!rp->hello) {
+    if (!m->hello) {
+      snprintf(why, wl, "the first message must carry the hello");
+      return FPS_EINVAL;
+    }
+    int code = fps__rp_hello(rp, m->hello, why, wl);
+    if (code != 0) return code;
+  } else if (m->hello) {
+    snprintf(why, wl, "a second hello");
+    return FPS_EINVAL;
+  }
+  if (m->seq != rp->seq + 1) {
+    snprintf(why, wl, "seq %" PRIu64 " after %" PRIu64, m->seq, rp->seq);
+    return FPS_EINVAL;
+  }
+  /* A newer primary's hello (another stream) ends this one's right. */
+  fps_role_view_t v;
+  fps_role_get(fps_replica_role(rp->base.srv->replica), &v);
+  if (v.role != FPS_REPLICA_STANDBY || v.term != rp->term) {
+    snprintf(why, wl, "term %" PRIu64 " is older than %" PRIu64, rp->term, v.term);
+    return FPS_ESTATE;
+  }
+  for (size_t i = 0; i < m->n_tensors; i++) {
+    int code = fps__rp_tensor(rp, m->tensors[i], why, wl);
+    if (code != 0) return code;
+  }
+  for (size_t i = 0; i < m->n_keys; i++) {
+    const Factorps__V1__ReplicaKey *k = m->keys[i];
+    if (k->push_id == 0 || k->n_versions > UINT16_MAX) {
+      snprintf(why, wl, "a key with push_id 0 or %zu versions", k->n_versions);
+      return FPS_EINVAL;
+    }
+    /* A full window forgets; the retry is then refused as stale or
+     * applied again, as after any forgotten key (shard.h). */
+    (void)fps_shard_idem_put(rp->base.srv->shard, k->worker, k->push_id, k->tensors, k->versions,
+                             (uint32_t)k->n_versions);
+  }
+  if (m->transfer_done) {
+    fps_role_standby_joined(fps_replica_role(rp->base.srv->replica), rp->term);
+    fps_replica_publish(rp->base.srv->replica);
+    FPS_LOG(FPS_LOG_INFO, "replica: joined the primary's stream (term %" PRIu64 ")", rp->term);
+  }
+  rp->seq = m->seq;
+  return 0;
+}
+
+static void fps__rp_on_batch(fps_call_t *c, bool ok) {
+  fps_rp_call_t *rp = (fps_rp_call_t *)c;
+  pthread_mutex_lock(&c->mu);
+  int phase = rp->phase;
+  pthread_mutex_unlock(&c->mu);
+  if (!ok) {
+    fps__rp_fail(rp, FPS_ECANCELLED, "the stream ended");
+    return;
+  }
+  if (phase == RP_SEND) {
+    pthread_mutex_lock(&c->mu);
+    rp->phase = RP_RECV;
+    pthread_mutex_unlock(&c->mu);
+    if (fps_call_recv(c) < 0) fps__rp_fail(rp, FPS_EINTERNAL, "cannot receive");
+    return;
+  }
+  if (phase != RP_RECV) return;
+  if (!c->recv_buf) {
+    fps__rp_fail(rp, FPS_ECANCELLED, "the primary closed the stream");
+    return;
+  }
+  grpc_byte_buffer *bb = c->recv_buf;
+  c->recv_buf = NULL;
+  uint8_t *flat = NULL;
+  size_t len = 0;
+  char why[FPS_WHY_MAX] = "";
+  int rc = fps_bb_flatten(bb, c->srv->cfg.max_message_bytes, &flat, &len);
+  grpc_byte_buffer_destroy(bb);
+  if (rc < 0) {
+    snprintf(why, sizeof why, "cannot take a message: %s", fps_bb_flatten_why(rc));
+    fps__rp_fail(rp, rc, why);
+    return;
+  }
+  ProtobufCMessage *msg = NULL;
+  rc = fps_wire_unpack(&factorps__v1__replicate_request__descriptor, flat, len, &msg, why, sizeof why);
+  fps_free(flat);
+  if (rc < 0) {
+    fps__rp_fail(rp, rc, why);
+    return;
+  }
+  int code = fps__rp_message(rp, (Factorps__V1__ReplicateRequest *)msg, why, sizeof why);
+  protobuf_c_message_free_unpacked(msg, &fps_wire_allocator);
+  if (code != 0) {
+    fps__rp_fail(rp, code, why);
+    return;
+  }
+  fps_role_view_t v;
+  fps_role_get(fps_replica_role(c->srv->replica), &v);
+  Factorps__V1__ReplicateResponse resp = FACTORPS__V1__REPLICATE_RESPONSE__INIT;
+  resp.acked = rp->seq;
+  resp.term = v.term;
+  grpc_byte_buffer *out = fps_pack_message(&resp);
+  pthread_mutex_lock(&c->mu);
+  rp->phase = RP_SEND;
+  pthread_mutex_unlock(&c->mu);
+  if (!out || fps_call_send(c, out, false) < 0) fps__rp_fail(rp, FPS_EINTERNAL, "cannot answer");
+}
+
+void fps_rpc_replicate_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline, grpc_metadata_array *md) {
+  fps_rp_call_t *rp = fps_calloc(1, sizeof *rp);
+  if (!rp) {
+    grpc_call_cancel_with_status(call, fps_status_from_err(FPS_ENOMEM), "out of memory", NULL);
+    grpc_call_unref(call);
+    grpc_metadata_array_destroy(md);
+    return;
+  }
+  rp->base.destroy = fps__rp_destroy;
+  rp->base.on_batch = fps__rp_on_batch;
+  rp->phase = RP_RECV;
+  if (fps_call_begin(&rp->base, srv, call, deadline, md, "Replicate") < 0) return;
+  /* The stream lives as long as the primary keeps it: not cut by
+   * --deadline (calls_mu: the expiry hook reads it there). */
+  pthread_mutex_lock(&srv->calls_mu);
+  rp->base.deadline_ns = INT64_MAX;
+  pthread_mutex_unlock(&srv->calls_mu);
+  /* A peer token speaks for one shard: only this shard's own id may feed
+   * it (--exchange-token-file). */
+  fps_ident_t id;
+  fps_auth_call_ident(&rp->base, &id);
+  if (id.peer_shard >= 0 && (uint64_t)id.peer_shard != srv->cfg.shard_id) {
+    char why[256];
+    snprintf(why, sizeof why, "this call's peer token is shard %" PRId64 "'s; this is shard %u", id.peer_shard,
+             srv->cfg.shard_id);
+    fps__rp_fail(rp, FPS_EPERM, why);
+    return;
+  }
+  fps_role_view_t rv;
+  if (srv->replica) fps_role_get(fps_replica_role(srv->replica), &rv);
+  if (!srv->replica || rv.role == FPS_REPLICA_SOLO) {
+    fps__rp_fail(rp, FPS_ESTATE,
+                 "this shard runs solo (no --replica-peer): it takes no Replicate stream");
+    return;
+  }
+  if (fps_call_recv(&rp->base) < 0) fps__rp_fail(rp, FPS_EINTERNAL, "cannot receive");
+}

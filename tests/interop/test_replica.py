@@ -1,0 +1,289 @@
+#!/usr/bin/python3
+"""Standby replicas, server side (docs/shards.md "Standby replicas"): a
+primary and a standby of one shard with --lease file:, driven by a grpcio
+client that talks to whichever replica is primary.
+
+- the standby refuses worker calls with UNAVAILABLE naming the primary,
+  and Stats shows the roles, terms and that the standby joined;
+- pushes in sync and async are acknowledged only once the standby has
+  them: after SIGKILL of the primary the standby takes over (lease, term
+  + 1) with every acknowledged push (versions and checksums equal to what
+  the primary had acknowledged, parameters bit-identical), and a retry of
+  an acknowledged push (same push_id) is answered from the window, not
+  applied again;
+- the old primary, restarted, rejoins as standby by state transfer while
+  the new primary serves, and ends with the same checksums;
+- bad Replicate input (wrong shard id, count, mode, workers, lower term,
+  missing hello, seq gaps, malformed pieces) is refused and changes
+  nothing.
+"""
+import os
+import shutil
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fpsharness as H  # noqa: E402
+
+SHAPES = {"w": [64, 48], "b": [48]}
+
+
+class Pair:
+    """Two replicas of shard 0 on fixed loopback ports, each naming the
+    other, one lease file. a and b are fpsharness.Server (or None)."""
+
+    def __init__(self, *args):
+        self.dir = tempfile.mkdtemp(prefix="fps-replica-")
+        self.lease = os.path.join(self.dir, "shard0.lease")
+        self.args = [str(a) for a in args]
+        for attempt in range(5):
+            self.ports = H.free_ports(2)
+            try:
+                self.a = self.start(0)
+                self.wait_role(self.a, "primary")
+                self.b = self.start(1)
+                return
+            except H.ServerExited as e:
+                self.close()
+                if "cannot listen" not in e.err or attempt == 4:
+                    raise
+
+    def addr(self, i):
+        return "127.0.0.1:%d" % self.ports[i]
+
+    def start(self, i):
+        return H.Server(*self.args, "--replica-peer", self.addr(1 - i), "--lease", "file:" + self.lease,
+                        listen=self.addr(i))
+
+    def stats(self, srv):
+        return H.stats(srv.stub)
+
+    def wait_role(self, srv, role, joined=None, seconds=20):
+        end = time.monotonic() + seconds
+        while True:
+            s, _ = self.stats(srv)
+            if s.shard.replica_role == role and (joined is None or s.shard.standby_joined == joined):
+                return s
+            if time.monotonic() > end:
+                raise AssertionError("%s: role %s joined %s, wanted %s/%s" % (
+                    srv.addr, s.shard.replica_role, s.shard.standby_joined, role, joined))
+            time.sleep(0.02)
+
+    def close(self):
+        for s in (getattr(self, "a", None), getattr(self, "b", None)):
+            if s is not None and s.proc.poll() is None:
+                s.kill()
+        shutil.rmtree(self.dir, True)
+
+
+def checksums(srv):
+    _, ts = H.stats(srv.stub)
+    return {n: (t.version, t.checksum) for n, t in ts.items()}
+
+
+def push_id_messages(worker, step, grads, push_id):
+    for m in H.grad_messages(worker, step, grads):
+        m.push_id = push_id
+        yield m
+
+
+class Replica(unittest.TestCase):
+    def setUp(self):
+        self.pb, self.pbg, self.grpc = H.stubs()
+        self.rng = np.random.default_rng(5)
+        self.init = {n: (0.3 * self.rng.standard_normal(s)).astype(np.float32) for n, s in SHAPES.items()}
+
+    def grads(self):
+        return {n: (s, self.rng.standard_normal(s).astype(np.float32)) for n, s in SHAPES.items()}
+
+    def create_all(self, stub):
+        for n, s in SHAPES.items():
+            H.create(stub, n, s, self.init[n])
+
+    def push(self, stub, worker, step, grads, push_id):
+        shapes = {k: v[0] for k, v in grads.items()}
+        return H.collect(stub.PushPull(push_id_messages(worker, step, grads, push_id), timeout=60), shapes)
+
+    def failover(self, mode, workers):
+        pair = Pair("--mode", mode, "--workers", workers)
+        try:
+            a, b = pair.a, pair.b
+            self.create_all(a.stub)
+            s = pair.wait_role(b, "standby", joined=True)
+            self.assertEqual(s.shard.replica_peer, pair.addr(0))
+            sa = pair.wait_role(a, "primary", joined=True)
+            self.assertGreaterEqual(sa.shard.term, 1)
+            self.assertEqual(s.shard.term, sa.shard.term)
+            # The standby serves no worker call, and says who does.
+            with self.assertRaises(self.grpc.RpcError) as cm:
+                H.pull(b.stub, {"w": SHAPES["w"]})
+            self.assertEqual(cm.exception.code(), self.grpc.StatusCode.UNAVAILABLE)
+            self.assertIn("shard 0 is a standby (term %d); primary: %s" % (sa.shard.term, pair.addr(0)),
+                          cm.exception.details())
+            # Training: each acknowledged step is on the standby already.
+            acked = {}
+            last = None
+            pid = 1
+            for step in range(6):
+                gs = [self.grads() for _ in range(workers)]
+                outs = [None] * workers
+
+                def run(w, step=step, gs=gs, outs=outs, pid=pid):
+                    outs[w] = self.push(a.stub, w, step, gs[w], pid + w)
+                threads = [H.threading.Thread(target=run, args=(w,), daemon=True) for w in range(workers)]
+                for t in threads:
+                    t.start()
+                H.join(threads, "step %d" % step)
+                pid += workers
+                last = (outs[0], gs, pid - workers)
+                for n in SHAPES:
+                    acked[n] = outs[0][1][n]
+            want = checksums(a)
+            self.assertEqual({n: v for n, (v, _) in want.items()}, acked)
+            got = checksums(b)
+            self.assertEqual(got, want)  # the standby holds the same bits, before any failover
+            params_a, _ = H.pull(a.stub, SHAPES)
+            # SIGKILL the primary: the standby takes the lease with term + 1.
+            a.kill()
+            pair.a = None
+            t0 = time.monotonic()
+            s = pair.wait_role(b, "primary")
+            took = time.monotonic() - t0
+            self.assertEqual(s.shard.term, sa.shard.term + 1)
+            self.assertLess(took, 5.0)
+            self.assertEqual(checksums(b), want)
+            params_b, vb = H.pull(b.stub, SHAPES)
+            for n in SHAPES:
+                np.testing.assert_array_equal(params_b[n], params_a[n])
+            self.assertEqual(vb, acked)
+            # A retry of the last acknowledged push is answered from the
+            # window (its key was on the standby), not applied again.
+            (params_last, vers_last), gs, first_pid = last
+            got_p, got_v = self.push(b.stub, 0, 5, gs[0], first_pid) if mode == "async" else (None, None)
+            if mode == "async":
+                self.assertEqual(got_v, vers_last)
+                self.assertEqual(checksums(b), want)
+            # Training goes on on the new primary.
+            if workers == 1:
+                out = self.push(b.stub, 0, vb["w"], self.grads(), 1000)
+                self.assertEqual(out[1]["w"], vb["w"] + 1)
+        finally:
+            pair.close()
+
+    def test_sync_failover(self):
+        self.failover("sync", 1)
+
+    def test_sync_two_workers_failover(self):
+        self.failover("sync", 2)
+
+    def test_async_failover(self):
+        self.failover("async", 1)
+
+    def test_ack_waits_for_the_standby(self):
+        """A push is answered only once the joined standby has it: with the
+        standby stopped (SIGSTOP) the answer does not come; once it runs
+        again, it does, and the standby holds what was answered."""
+        import signal
+        import threading
+        pair = Pair("--mode", "async")
+        try:
+            a, b = pair.a, pair.b
+            self.create_all(a.stub)
+            pair.wait_role(a, "primary", joined=True)
+            self.push(a.stub, 0, 0, self.grads(), 1)
+            out = {}
+            b.proc.send_signal(signal.SIGSTOP)
+            try:
+                t = threading.Thread(target=lambda: out.update(r=self.push(a.stub, 0, 0, self.grads(), 2)),
+                                     daemon=True)
+                t.start()
+                t.join(0.7)
+                self.assertTrue(t.is_alive(), "the push was answered while its standby was stopped")
+            finally:
+                b.proc.send_signal(signal.SIGCONT)
+            H.join([t], "the push after SIGCONT")
+            self.assertEqual(out["r"][1]["w"], 2)
+            self.assertEqual(checksums(b), checksums(a))
+        finally:
+            pair.close()
+
+    def test_rejoin_while_training(self):
+        pair = Pair("--mode", "async")
+        try:
+            a, b = pair.a, pair.b
+            self.create_all(a.stub)
+            pair.wait_role(b, "standby", joined=True)
+            for i in range(3):
+                self.push(a.stub, 0, 0, self.grads(), 10 + i)
+            a.kill()
+            pair.a = None
+            pair.wait_role(b, "primary")
+            # Training on b while the old primary comes back as standby.
+            a2 = pair.a = pair.start(0)
+            for i in range(5):
+                self.push(b.stub, 0, 0, self.grads(), 100 + i)
+            pair.wait_role(a2, "standby", joined=True)
+            pair.wait_role(b, "primary", joined=True)
+            self.push(b.stub, 0, 0, self.grads(), 200)
+            self.assertEqual(checksums(a2), checksums(b))
+            _, ts = H.stats(b.stub)
+            self.assertEqual(ts["w"].version, 9)
+        finally:
+            pair.close()
+
+    def test_bad_replicate_input_changes_nothing(self):
+        pair = Pair("--mode", "async")
+        try:
+            a, b = pair.a, pair.b
+            self.create_all(a.stub)
+            pair.wait_role(b, "standby", joined=True)
+            self.push(a.stub, 0, 0, self.grads(), 1)
+            before = checksums(b)
+            sb, _ = H.stats(b.stub)
+            pb = self.pb
+            hello = dict(shard_id=0, shard_count=1, term=sb.shard.term, mode=pb.MODE_ASYNC, workers=1,
+                         simd=sb.shard.simd, primary="127.0.0.1:1")
+            cases = [
+                ([pb.ReplicateRequest(seq=1)], "first message must carry the hello"),
+                ([pb.ReplicateRequest(seq=1, hello=pb.ReplicateHello(**dict(hello, shard_id=3)))], "shard 3 of 1"),
+                ([pb.ReplicateRequest(seq=1, hello=pb.ReplicateHello(**dict(hello, shard_count=2)))], "of 2"),
+                ([pb.ReplicateRequest(seq=1, hello=pb.ReplicateHello(**dict(hello, mode=pb.MODE_SYNC)))],
+                 "--mode sync"),
+                ([pb.ReplicateRequest(seq=1, hello=pb.ReplicateHello(**dict(hello, workers=2)))], "--workers 2"),
+                ([pb.ReplicateRequest(seq=1, hello=pb.ReplicateHello(**dict(hello, simd="nope")))], "kernels"),
+                ([pb.ReplicateRequest(seq=1, hello=pb.ReplicateHello(**dict(hello, term=sb.shard.term - 1)))],
+                 "term %d is older than %d" % (sb.shard.term - 1, sb.shard.term)),
+            ]
+            for msgs, says in cases:
+                with self.assertRaises(self.grpc.RpcError) as cm:
+                    list(b.stub.Replicate(iter(msgs), timeout=10))
+                self.assertEqual(cm.exception.code(), self.grpc.StatusCode.FAILED_PRECONDITION
+                                 if "hello" not in says else self.grpc.StatusCode.INVALID_ARGUMENT, says)
+                self.assertIn(says, cm.exception.details())
+            self.assertEqual(checksums(b), before)
+            # The lower-term refusal above must not have disturbed the real
+            # stream: the primary still has its joined standby.
+            s = pair.wait_role(a, "primary", joined=True)
+            self.assertEqual(s.shard.term, sb.shard.term)
+            # A solo shard refuses any stream.
+            solo = H.Server("--mode", "async")
+            try:
+                with self.assertRaises(self.grpc.RpcError) as cm:
+                    list(solo.stub.Replicate(iter([pb.ReplicateRequest(seq=1, hello=pb.ReplicateHello(**hello))]),
+                                             timeout=10))
+                self.assertEqual(cm.exception.code(), self.grpc.StatusCode.FAILED_PRECONDITION)
+                self.assertIn("runs solo", cm.exception.details())
+                s, _ = H.stats(solo.stub)
+                self.assertEqual((s.shard.replica_role, s.shard.term, s.shard.standby_joined), ("solo", 0, False))
+            finally:
+                solo.stop()
+        finally:
+            pair.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
