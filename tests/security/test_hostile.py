@@ -63,7 +63,7 @@ from test_receive_window import DATA, END_HEADERS, FRAME, HEADERS, SETTINGS, Con
 
 FULL = os.environ.get("FPS_HOSTILE_FULL") == "1"
 SHAPE = [256, 256]
-RSS_BOUND = 32 << 20
+RSS_BOUND = int((32 << 20) * float(os.environ.get("FPS_RSS_BOUND_SCALE", "1")))  # ASan: x2 (CMakeLists)
 ATTACKS = ("stalled", "unauth", "worker", "peer", "rules", "slowhdr", "http")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(SETTINGS, 0, 0)
 
