@@ -1,5 +1,5 @@
-/* The shard's one door to the heap: every allocation of the server, its
- * core and the common code it calls per request goes through these, so
+/* The one door to the heap: every allocation of the server, its core, the
+ * common code it calls per request and libfactorps goes through these, so
  * that a test can count them and make the Nth one fail (SQLite's faultsim,
  * redis zmalloc, libuv uv__malloc).
  *
@@ -18,6 +18,25 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+/* Two domains, each with its own fault counter. libfactorps compiles its
+ * own copy of alloc.c (FPS_BUILDING_CLIENT): in its files the names below
+ * stand for fps__client_* functions, and the library's fault injection is
+ * fps_client_alloc_* (declared at the end), so that a test holding a shard
+ * and a client in one process fails one side's allocations while the
+ * other's run (tests/integration/test_alloc_sweep.c sweeps both). */
+#ifdef FPS_BUILDING_CLIENT
+#define fps_malloc fps__client_malloc
+#define fps_calloc fps__client_calloc
+#define fps_realloc fps__client_realloc
+#define fps_strdup fps__client_strdup
+#define fps_aligned_alloc fps__client_aligned_alloc
+#define fps_free fps__client_free
+#define fps_alloc_fault_arm fps_client_alloc_fault_arm
+#define fps_alloc_fault_disarm fps_client_alloc_fault_disarm
+#define fps_alloc_calls fps_client_alloc_calls
+#define fps_alloc_failures fps_client_alloc_failures
+#endif
 
 void *fps_malloc(size_t size);
 void *fps_calloc(size_t n, size_t size);
@@ -40,5 +59,12 @@ void fps_alloc_fault_arm(uint64_t nth, int persist);
 void fps_alloc_fault_disarm(void);
 uint64_t fps_alloc_calls(void);
 uint64_t fps_alloc_failures(void);
+
+/* The same for libfactorps's domain (its static archive; the shared
+ * library does not export them). */
+void fps_client_alloc_fault_arm(uint64_t nth, int persist);
+void fps_client_alloc_fault_disarm(void);
+uint64_t fps_client_alloc_calls(void);
+uint64_t fps_client_alloc_failures(void);
 
 #endif

@@ -1,6 +1,7 @@
 /* common/alloc.c: the fault injection counts every kind of allocation,
  * fails exactly the chosen one (or every one from there with persist),
- * and leaves memory and libc semantics alone otherwise. */
+ * and leaves memory and libc semantics alone otherwise; libfactorps's
+ * copy (alloc_client.c) counts and fails apart from the process's. */
 #include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -11,9 +12,13 @@
 
 #include "alloc.h"
 
+/* libfactorps's fps_malloc (alloc.h renames it in the library's files). */
+void *fps__client_malloc(size_t size);
+
 static int teardown(void **unused) {
   (void)unused;
   fps_alloc_fault_disarm();
+  fps_client_alloc_fault_disarm();
   return 0;
 }
 
@@ -104,6 +109,25 @@ static void rearming_restarts_the_count(void **unused) {
   fps_free(p);
 }
 
+static void the_two_domains_fail_apart(void **unused) {
+  (void)unused;
+  fps_client_alloc_fault_arm(1, 1);
+  void *p = fps_malloc(8);
+  assert_non_null(p);
+  assert_null(fps__client_malloc(8));
+  assert_int_equal(fps_client_alloc_calls(), 1);
+  assert_int_equal(fps_client_alloc_failures(), 1);
+  fps_client_alloc_fault_disarm();
+  fps_alloc_fault_arm(1, 1);
+  void *q = fps__client_malloc(8);
+  assert_non_null(q);
+  assert_null(fps_malloc(8));
+  assert_int_equal(fps_alloc_calls(), 1);
+  fps_alloc_fault_disarm();
+  fps_free(p);
+  fps_free(q); /* the same heap: either free() will do */
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(disarmed_allocations_are_not_counted, teardown),
@@ -112,6 +136,7 @@ int main(void) {
       cmocka_unit_test_teardown(persist_fails_every_later_one, teardown),
       cmocka_unit_test_teardown(failed_realloc_keeps_the_block, teardown),
       cmocka_unit_test_teardown(rearming_restarts_the_count, teardown),
+      cmocka_unit_test_teardown(the_two_domains_fail_apart, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
