@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "factorps/v1/factorps.pb-c.h"
 #include "internal.h"
 
@@ -44,8 +45,8 @@ int fps_client_checkpoint(fps_client_t *c, fps_checkpoint_info_t *out, size_t n,
     return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
                            "out has %zu entries, the client has %zu shards (out NULL needs n 0)", n,
                            c->n_shards);
-  ckpt_shard_t *sh = calloc(c->n_shards, sizeof *sh);
-  fps__stream_t **run = calloc(c->n_shards, sizeof *run);
+  ckpt_shard_t *sh = fps_calloc(c->n_shards, sizeof *sh);
+  fps__stream_t **run = fps_calloc(c->n_shards, sizeof *run);
   int rc;
   if (!sh || !run) {
     rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
@@ -76,7 +77,7 @@ int fps_client_checkpoint(fps_client_t *c, fps_checkpoint_info_t *out, size_t n,
 out:
   for (size_t i = 0; sh && i < c->n_shards; i++)
     if (sh[i].resp) factorps__v1__checkpoint_response__free_unpacked(sh[i].resp, NULL);
-  free(sh);
-  free(run);
+  fps_free(sh);
+  fps_free(run);
   return rc;
 }

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "error.h"
 #include "internal.h"
 #include "name.h"
@@ -62,8 +63,8 @@ int fps__placement_compute(fps__tensor_t *t, size_t n, size_t n_shards, uint64_t
   uint64_t *load = NULL;
   int rc = FPS_ENOMEM;
 
-  order = malloc((n ? n : 1) * sizeof *order);
-  load = calloc(n_shards, sizeof *load);
+  order = fps_malloc((n ? n : 1) * sizeof *order);
+  load = fps_calloc(n_shards, sizeof *load);
   if (!order || !load) goto fail;
   for (size_t i = 0; i < n; i++) order[i] = &t[i];
   qsort(order, n, sizeof *order, by_bytes_then_name);
@@ -79,8 +80,8 @@ int fps__placement_compute(fps__tensor_t *t, size_t n, size_t n_shards, uint64_t
   if (load_out) memcpy(load_out, load, n_shards * sizeof *load);
   rc = 0;
 fail:
-  free(order);
-  free(load);
+  fps_free(order);
+  fps_free(load);
   return rc;
 }
 
@@ -112,10 +113,10 @@ const fps__tensor_t *fps__tensor_list_find(const fps__tensor_list_t *l, const ch
 
 void fps__tensor_list_free(fps__tensor_list_t *l) {
   for (size_t i = 0; i < l->n; i++) {
-    free(l->t[i].name);
-    free(l->t[i].blocks);
+    fps_free(l->t[i].name);
+    fps_free(l->t[i].blocks);
   }
-  free(l->t);
+  fps_free(l->t);
   l->t = NULL;
   l->n = 0;
 }
@@ -205,12 +206,12 @@ int fps__placement_split(fps__tensor_t *t, size_t n, size_t n_shards, uint64_t s
   size_t nbig = 0;
   for (size_t i = 0; i < n; i++) nbig += splitting && t[i].bytes >= split_min_bytes;
 
-  order = malloc((n ? n : 1) * sizeof *order);
-  load = calloc(n_shards, sizeof *load);
-  sl = malloc(n_shards * sizeof *sl);
-  tk = malloc(n_shards * sizeof *tk);
-  slot = malloc((n ? n : 1) * sizeof *slot);
-  tmp = malloc((nbig ? nbig : 1) * n_shards * sizeof *tmp); /* each big tensor's blocks */
+  order = fps_malloc((n ? n : 1) * sizeof *order);
+  load = fps_calloc(n_shards, sizeof *load);
+  sl = fps_malloc(n_shards * sizeof *sl);
+  tk = fps_malloc(n_shards * sizeof *tk);
+  slot = fps_malloc((n ? n : 1) * sizeof *slot);
+  tmp = fps_malloc((nbig ? nbig : 1) * n_shards * sizeof *tmp); /* each big tensor's blocks */
   if (!order || !load || !sl || !tk || !slot || !tmp) goto fail;
   for (size_t i = 0, b = 0; i < n; i++)
     slot[i] = splitting && t[i].bytes >= split_min_bytes ? b++ : 0;
@@ -251,12 +252,12 @@ int fps__placement_split(fps__tensor_t *t, size_t n, size_t n_shards, uint64_t s
   if (load_out) memcpy(load_out, load, n_shards * sizeof *load);
   rc = 0;
 fail:
-  free(order);
-  free(load);
-  free(sl);
-  free(tk);
-  free(slot);
-  free(tmp);
+  fps_free(order);
+  fps_free(load);
+  fps_free(sl);
+  fps_free(tk);
+  fps_free(slot);
+  fps_free(tmp);
   return rc;
 }
 
@@ -279,9 +280,9 @@ int fps_client_placement_plan(const fps_tensor_def_t *defs, size_t n, size_t n_s
                            "need 1..%d shards, got %zu", FPS__SPLIT_MAX_SHARDS, n_shards);
   if ((!defs && n) || (!blocks && cap))
     return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "defs or blocks is NULL");
-  t = calloc(n ? n : 1, sizeof *t);
-  first = malloc((n + 1) * sizeof *first);
-  names = malloc((n ? n : 1) * sizeof *names);
+  t = fps_calloc(n ? n : 1, sizeof *t);
+  first = fps_malloc((n + 1) * sizeof *first);
+  names = fps_malloc((n ? n : 1) * sizeof *names);
   if (!t || !first || !names) goto nomem;
   size_t nbig = 0;
   for (size_t i = 0; i < n; i++) {
@@ -314,7 +315,7 @@ int fps_client_placement_plan(const fps_tensor_def_t *defs, size_t n, size_t n_s
                            names[i]);
       goto fail;
     }
-  b = malloc((n + nbig * (n_shards - 1) + 1) * sizeof *b);
+  b = fps_malloc((n + nbig * (n_shards - 1) + 1) * sizeof *b);
   if (!b) goto nomem;
   if (fps__placement_split(t, n, n_shards, split_min_bytes, b, first, shard_bytes)) goto nomem;
   if (n_blocks) *n_blocks = first[n];
@@ -338,9 +339,9 @@ nomem:
 fail:
   if (shard_bytes && rc) memset(shard_bytes, 0, n_shards * sizeof *shard_bytes);
 done:
-  free(t);
-  free(b);
-  free(first);
-  free(names);
+  fps_free(t);
+  fps_free(b);
+  fps_free(first);
+  fps_free(names);
   return rc;
 }

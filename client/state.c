@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "factorps/v1/factorps.pb-c.h"
 #include "internal.h"
 
@@ -70,14 +71,14 @@ static st_item_t *find(const st_shard_t *sh, const char *name) {
 
 static int st_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   st_shard_t *sh = s->ctx;
-  char **names = malloc((sh->n ? sh->n : 1) * sizeof *names);
+  char **names = fps_malloc((sh->n ? sh->n : 1) * sizeof *names);
   if (!names) return fps__stream_fail(s, FPS_CODE_RESOURCE_EXHAUSTED, "out of memory");
   for (size_t i = 0; i < sh->n; i++) names[i] = sh->items[i]->t->name;
   Factorps__V1__GetStateRequest req = FACTORPS__V1__GET_STATE_REQUEST__INIT;
   req.n_names = sh->n;
   req.names = names;
   *out = fps__pack(&req);
-  free(names);
+  fps_free(names);
   *last = 1;
   return 0;
 }
@@ -259,8 +260,8 @@ int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fp
   st_job_t job = {{row, col, var, mom}};
   st_item_t *items = NULL;
   st_item_t **sorted = NULL;
-  st_shard_t *sh = calloc(c->n_shards, sizeof *sh);
-  fps__stream_t **streams = calloc(c->n_shards, sizeof *streams);
+  st_shard_t *sh = fps_calloc(c->n_shards, sizeof *sh);
+  fps__stream_t **streams = fps_calloc(c->n_shards, sizeof *streams);
   size_t total = 0;
   int rc, locked = 0;
   if (!sh || !streams) {
@@ -283,8 +284,8 @@ int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fp
     }
     total += fps__block_count(t);
   }
-  items = calloc(total ? total : 1, sizeof *items);
-  sorted = calloc(total ? total : 1, sizeof *sorted);
+  items = fps_calloc(total ? total : 1, sizeof *items);
+  sorted = fps_calloc(total ? total : 1, sizeof *sorted);
   if (!items || !sorted) {
     rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
     goto done;
@@ -308,7 +309,7 @@ int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fp
         it->max[K_COL] = ((hi - 1) / R + 1 - it->mtx_lo) * C;
         it->dst[K_ROW] = lo;
         it->dst[K_COL] = it->mtx_lo * C;
-        if (t->blocks && !(it->col = malloc(it->max[K_COL] * 4))) {
+        if (t->blocks && !(it->col = fps_malloc(it->max[K_COL] * 4))) {
           rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
           goto done;
         }
@@ -332,7 +333,7 @@ int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fp
   /* Per shard, a run of `sorted` (stays sorted by name within it: a shard
    * holds at most one block of a tensor). */
   {
-    st_item_t **by_shard = calloc(total ? total : 1, sizeof *by_shard);
+    st_item_t **by_shard = fps_calloc(total ? total : 1, sizeof *by_shard);
     if (!by_shard) {
       rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
       goto done;
@@ -348,7 +349,7 @@ int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fp
       x->items[x->n++] = sorted[i];
     }
     memcpy(sorted, by_shard, total * sizeof *sorted);
-    free(by_shard);
+    fps_free(by_shard);
     size_t start2 = 0;
     for (size_t s = 0; s < c->n_shards; s++) {
       sh[s].items = sorted + start2;
@@ -380,10 +381,10 @@ int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fp
 done:
   if (locked) pthread_rwlock_unlock(&c->lock);
   if (items)
-    for (size_t i = 0; i < total; i++) free(items[i].col);
-  free(items);
-  free(sorted);
-  free(sh);
-  free(streams);
+    for (size_t i = 0; i < total; i++) fps_free(items[i].col);
+  fps_free(items);
+  fps_free(sorted);
+  fps_free(sh);
+  fps_free(streams);
   return rc;
 }

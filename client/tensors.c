@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "alloc.h"
 #include "error.h"
 #include "factorps/v1/factorps.pb-c.h"
 #include "internal.h"
@@ -251,8 +252,8 @@ static int plan_items(fps_client_t *c, fps__tensor_list_t *list, const fps_tenso
   const uint64_t smb = c->opts.split_min_bytes;
   size_t nbig = 0;
   for (size_t i = 0; i < n; i++) nbig += smb && list->t[i].bytes >= smb;
-  fps__block_t *b = malloc((n + nbig * (S - 1) + 1) * sizeof *b);
-  size_t *first = malloc((n + 1) * sizeof *first);
+  fps__block_t *b = fps_malloc((n + nbig * (S - 1) + 1) * sizeof *b);
+  size_t *first = fps_malloc((n + 1) * sizeof *first);
   int rc = FPS_ENOMEM;
   if (!b || !first || fps__placement_split(list->t, n, S, smb, b, first, NULL)) goto done;
   size_t n_split = 0, n_bounds = 0;
@@ -262,10 +263,10 @@ static int plan_items(fps_client_t *c, fps__tensor_list_t *list, const fps_tenso
       n_bounds += first[i + 1] - first[i] + 1;
     }
   job->n_items = first[n];
-  job->items = calloc(first[n] ? first[n] : 1, sizeof *job->items);
-  job->splits = calloc(n_split ? n_split : 1, sizeof *job->splits);
-  job->bounds = calloc(n_bounds ? n_bounds : 1, sizeof *job->bounds);
-  job->block_shards = calloc(n_split ? n_split : 1, sizeof *job->block_shards);
+  job->items = fps_calloc(first[n] ? first[n] : 1, sizeof *job->items);
+  job->splits = fps_calloc(n_split ? n_split : 1, sizeof *job->splits);
+  job->bounds = fps_calloc(n_bounds ? n_bounds : 1, sizeof *job->bounds);
+  job->block_shards = fps_calloc(n_split ? n_split : 1, sizeof *job->block_shards);
   if (!job->items || !job->splits || !job->bounds || !job->block_shards) goto done;
   size_t at = 0, sp = 0, bo = 0;
   for (size_t i = 0; i < n; i++) {
@@ -277,7 +278,7 @@ static int plan_items(fps_client_t *c, fps__tensor_list_t *list, const fps_tenso
     uint64_t *bounds = NULL;
     uint32_t *bsh = NULL;
     if (nb > 1) {
-      if (!(t->blocks = malloc(nb * sizeof *t->blocks))) goto done;
+      if (!(t->blocks = fps_malloc(nb * sizeof *t->blocks))) goto done;
       memcpy(t->blocks, tb, nb * sizeof *t->blocks);
       bounds = job->bounds + bo;
       bsh = job->block_shards + sp;
@@ -324,8 +325,8 @@ static int plan_items(fps_client_t *c, fps__tensor_list_t *list, const fps_tenso
   }
   rc = 0;
 done:
-  free(b);
-  free(first);
+  fps_free(b);
+  fps_free(first);
   return rc;
 }
 
@@ -353,11 +354,11 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
 
   if (!c || (!defs && n))
     return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "client or defs is NULL");
-  numel = calloc(n ? n : 1, sizeof *numel);
-  job.cfg = calloc(n ? n : 1, sizeof *job.cfg);
-  list.t = calloc(n ? n : 1, sizeof *list.t);
-  sh = calloc(c->n_shards, sizeof *sh);
-  run = calloc(c->n_shards, sizeof *run);
+  numel = fps_calloc(n ? n : 1, sizeof *numel);
+  job.cfg = fps_calloc(n ? n : 1, sizeof *job.cfg);
+  list.t = fps_calloc(n ? n : 1, sizeof *list.t);
+  sh = fps_calloc(c->n_shards, sizeof *sh);
+  run = fps_calloc(c->n_shards, sizeof *run);
   if (!numel || !job.cfg || !list.t || !sh || !run) goto nomem;
 
   for (size_t i = 0; i < n; i++) {
@@ -409,7 +410,7 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
       goto fail;
     }
     fps__tensor_t *t = &list.t[i];
-    if (!(t->name = strdup(d->name))) goto nomem;
+    if (!(t->name = fps_strdup(d->name))) goto nomem;
     list.n = i + 1;
     t->ndim = d->ndim;
     memcpy(t->shape, d->shape, d->ndim * sizeof *d->shape);
@@ -420,7 +421,7 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
   job.defs = defs;
   job.budget = c->opts.max_message_bytes;
   if (plan_items(c, &list, defs, &job)) goto nomem;
-  if (!(job.ready = calloc(job.n_items ? job.n_items : 1, 1))) goto nomem;
+  if (!(job.ready = fps_calloc(job.n_items ? job.n_items : 1, 1))) goto nomem;
   for (size_t i = 0; i < job.n_items; i++) {
     const create_item_t *it = &job.items[i];
     if (defs[it->def].replace && FPS__MESSAGE_OVERHEAD + item_bytes(&job, it) > job.budget) {
@@ -441,13 +442,13 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
   for (size_t i = 0; i < job.n_items; i++) sh[job.items[i].shard].n++;
   for (size_t s = 0; s < c->n_shards; s++) {
     size_t m = sh[s].n ? sh[s].n : 1;
-    sh[s].defs = calloc(m, sizeof *sh[s].defs);
-    sh[s].msg_defs = calloc(SEGS * m, sizeof *sh[s].msg_defs);
-    sh[s].tc = calloc(SEGS * m, sizeof *sh[s].tc);
-    sh[s].tcp = calloc(SEGS * m, sizeof *sh[s].tcp);
-    sh[s].init = calloc(SEGS * m, sizeof *sh[s].init);
-    sh[s].state = calloc(SEGS * m, sizeof *sh[s].state);
-    sh[s].statep = calloc(SEGS * m, sizeof *sh[s].statep);
+    sh[s].defs = fps_calloc(m, sizeof *sh[s].defs);
+    sh[s].msg_defs = fps_calloc(SEGS * m, sizeof *sh[s].msg_defs);
+    sh[s].tc = fps_calloc(SEGS * m, sizeof *sh[s].tc);
+    sh[s].tcp = fps_calloc(SEGS * m, sizeof *sh[s].tcp);
+    sh[s].init = fps_calloc(SEGS * m, sizeof *sh[s].init);
+    sh[s].state = fps_calloc(SEGS * m, sizeof *sh[s].state);
+    sh[s].statep = fps_calloc(SEGS * m, sizeof *sh[s].statep);
     if (!sh[s].defs || !sh[s].msg_defs || !sh[s].tc || !sh[s].tcp || !sh[s].init || !sh[s].state ||
         !sh[s].statep)
       goto nomem;
@@ -509,23 +510,23 @@ fail:
 done:
   if (sh)
     for (size_t s = 0; s < c->n_shards; s++) {
-      free(sh[s].defs);
-      free(sh[s].msg_defs);
-      free(sh[s].tc);
-      free(sh[s].tcp);
-      free(sh[s].init);
-      free(sh[s].state);
-      free(sh[s].statep);
+      fps_free(sh[s].defs);
+      fps_free(sh[s].msg_defs);
+      fps_free(sh[s].tc);
+      fps_free(sh[s].tcp);
+      fps_free(sh[s].init);
+      fps_free(sh[s].state);
+      fps_free(sh[s].statep);
     }
-  free(sh);
-  free(run);
-  free(numel);
-  free(job.items);
-  free(job.splits);
-  free(job.bounds);
-  free(job.block_shards);
-  free(job.cfg);
-  free(job.ready);
+  fps_free(sh);
+  fps_free(run);
+  fps_free(numel);
+  fps_free(job.items);
+  fps_free(job.splits);
+  fps_free(job.bounds);
+  fps_free(job.block_shards);
+  fps_free(job.cfg);
+  fps_free(job.ready);
   fps__tensor_list_free(&list);
   return rc;
 }
