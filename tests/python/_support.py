@@ -170,6 +170,40 @@ class Shards:
         self.close()
 
 
+class TorchrunJob:
+    """A 2-process torchrun job (loopback rendezvous) started in the
+    background, so that a test module can run it beside its single-process
+    tests: most of either is importing torch and transformers, which two
+    cores do side by side. wait() returns (exit code, the output's tail)."""
+
+    def __init__(self, script, args, nproc=2):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        env["OMP_NUM_THREADS"] = "1"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port",
+               str(free_ports(1)[0]), script] + list(args)
+        self.out = tempfile.TemporaryFile()
+        # Its own session: kill() ends the workers torchrun started too.
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait(self, timeout):
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            rc = "timeout"
+        self.out.seek(0)
+        return rc, self.out.read().decode(errors="replace")[-4000:]
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.out.close()
+
+
 def _worker_main(target, idx, args, q):
     try:
         q.put((idx, True, target(*args)))

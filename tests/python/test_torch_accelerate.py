@@ -10,8 +10,6 @@ python3 has neither and skips (tests/allowed-skips.txt)."""
 
 import logging
 import os
-import subprocess
-import sys
 import tempfile
 import unittest
 from contextlib import ExitStack
@@ -19,7 +17,7 @@ from contextlib import ExitStack
 import torch
 
 import _support  # noqa: F401  (puts client/python on sys.path)
-from _support import Shards, free_ports, need_server
+from _support import Shards, TorchrunJob, need_server
 from _lm_support import Windows, text, tiny_gpt2
 from factorps.errors import AlreadyExistsError
 from factorps.torch import RemoteAdafactor
@@ -114,45 +112,51 @@ class AccelerateTest(unittest.TestCase):
 
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate_worker.py")
+_CLEANUP = ExitStack()
+_JOB = {}  # TwoProcessTest's torchrun job and its directory (setUpModule)
 
 
-def _torchrun(args, timeout=240):
-    """accelerate_worker.py in 2 processes under torchrun (loopback only)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-           "2", "--master_addr", "127.0.0.1", "--master_port", str(free_ports(1)[0]),
-           WORKER] + args
-    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       timeout=timeout)
-    return p.returncode, p.stdout.decode(errors="replace")[-4000:]
+def setUpModule():
+    # TwoProcessTest's torchrun job (accelerate_worker.py in 2 processes)
+    # starts first and runs while AccelerateTest runs in this process (each
+    # is mostly imports and start-up).
+    if accelerate is None or not (_support.SERVER and os.access(_support.SERVER, os.X_OK)):
+        return
+    with ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="fps-acc2-"))
+        ckpt = os.path.join(tmp, "ckpt")
+        shards = stack.enter_context(Shards(2, workers=2, deadline=30))
+        fresh = stack.enter_context(Shards(2, workers=2, deadline=30))
+        job = TorchrunJob(WORKER, [",".join(shards.addrs), ",".join(fresh.addrs), tmp, ckpt])
+        stack.callback(job.kill)
+        _CLEANUP.enter_context(stack.pop_all())
+    _JOB.update(job=job, tmp=tmp)
+
+
+def tearDownModule():
+    _CLEANUP.close()
 
 
 @need_server
 @unittest.skipUnless(accelerate is not None, "accelerate / transformers are not installed")
 class TwoProcessTest(unittest.TestCase):
     def test_torchrun_two_workers_save_and_load_state(self):
-        with ExitStack() as stack:
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="fps-acc2-"))
-            ckpt = os.path.join(tmp, "ckpt")
-            shards = stack.enter_context(Shards(2, workers=2, deadline=30))
-            fresh = stack.enter_context(Shards(2, workers=2, deadline=30))
-            rc, log = _torchrun([",".join(shards.addrs), ",".join(fresh.addrs), tmp, ckpt])
-            self.assertEqual(rc, 0, log)
-            ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
-            runs = {k: [r[k] for r in ranks] for k in ("train", "resume")}
-            train, resume = runs["train"], runs["resume"]
-            for r in train + resume:
-                self.assertEqual(r["workers"], 2)
-                self.assertEqual(set(r["versions"].values()), {6})
-                self.assertEqual(r["sizes"], 7 + 10 + 7 + 2 * 7 + 2 * 3 + 1 + 4)
-            # Both workers hold the shards' weights; the resumed run on new,
-            # empty shards ends exactly where the uninterrupted one did.
-            for n, p in train[0]["params"].items():
-                for r in (train[1], resume[0], resume[1]):
-                    self.assertTrue(torch.equal(r["params"][n], p), n)
-            self.assertEqual(resume[0]["lr"], train[0]["lr"])
+        rc, log = _JOB["job"].wait(240)
+        self.assertEqual(rc, 0, log)
+        tmp = _JOB["tmp"]
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+        runs = {k: [r[k] for r in ranks] for k in ("train", "resume")}
+        train, resume = runs["train"], runs["resume"]
+        for r in train + resume:
+            self.assertEqual(r["workers"], 2)
+            self.assertEqual(set(r["versions"].values()), {6})
+            self.assertEqual(r["sizes"], 7 + 10 + 7 + 2 * 7 + 2 * 3 + 1 + 4)
+        # Both workers hold the shards' weights; the resumed run on new,
+        # empty shards ends exactly where the uninterrupted one did.
+        for n, p in train[0]["params"].items():
+            for r in (train[1], resume[0], resume[1]):
+                self.assertTrue(torch.equal(r["params"][n], p), n)
+        self.assertEqual(resume[0]["lr"], train[0]["lr"])
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ python3 has none and skips (tests/allowed-skips.txt)."""
 import glob
 import logging
 import os
-import subprocess
-import sys
 import tempfile
 import unittest
 from contextlib import ExitStack
@@ -18,7 +16,7 @@ from contextlib import ExitStack
 import torch
 
 import _support  # noqa: F401  (puts client/python on sys.path)
-from _support import Shards, free_ports, need_server
+from _support import Shards, TorchrunJob, need_server
 from _lm_support import WINDOW, Windows, text, tiny_gpt2
 
 try:
@@ -125,39 +123,49 @@ class TrainerTest(unittest.TestCase):
 
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_worker.py")
+_CLEANUP = ExitStack()
+_JOB = {}  # TwoWorkerTest's torchrun job and its directory (setUpModule)
+
+
+def setUpModule():
+    # TwoWorkerTest's torchrun job starts first and runs while TrainerTest
+    # runs in this process (each is mostly imports and start-up).
+    if transformers is None or not (_support.SERVER and os.access(_support.SERVER, os.X_OK)):
+        return
+    with ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="fps-trainer2-"))
+        shards = stack.enter_context(Shards(2, workers=2, deadline=30))
+        fresh = stack.enter_context(Shards(2, workers=2, deadline=30))
+        job = TorchrunJob(WORKER, [",".join(shards.addrs), ",".join(fresh.addrs), tmp])
+        stack.callback(job.kill)
+        _CLEANUP.enter_context(stack.pop_all())
+    _JOB.update(job=job, tmp=tmp)
+
+
+def tearDownModule():
+    _CLEANUP.close()
 
 
 @need_server
 @unittest.skipUnless(transformers is not None, "transformers is not installed")
 class TwoWorkerTest(unittest.TestCase):
     def test_torchrun_ddp_hook_checkpoint_resume(self):
-        with ExitStack() as stack:
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="fps-trainer2-"))
-            shards = stack.enter_context(Shards(2, workers=2, deadline=30))
-            fresh = stack.enter_context(Shards(2, workers=2, deadline=30))
-            env = {k: v for k, v in os.environ.items()
-                   if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-            env["OMP_NUM_THREADS"] = "1"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                   "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-                   str(free_ports(1)[0]), WORKER, ",".join(shards.addrs), ",".join(fresh.addrs),
-                   tmp]
-            p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               timeout=300)
-            self.assertEqual(p.returncode, 0, p.stdout.decode(errors="replace")[-4000:])
-            ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
-            for r in ranks:
-                for run in ("train", "resume"):
-                    self.assertEqual(r[run]["ddp"], "DistributedDataParallel")
-                    self.assertEqual(r[run]["workers"], 2)
-                    self.assertEqual(set(r[run]["versions"].values()), {4})
-            # Both workers end with the shards' weights; resumed on new, empty
-            # shards from the step-2 checkpoint, training ends exactly there too.
-            want = ranks[0]["train"]["params"]
-            for n, t in want.items():
-                for got in (ranks[1]["train"], ranks[0]["resume"], ranks[1]["resume"]):
-                    self.assertTrue(torch.equal(got["params"][n], t), n)
-            self.assertEqual(ranks[0]["resume"]["eval_loss"], ranks[0]["train"]["eval_loss"])
+        rc, log = _JOB["job"].wait(300)
+        self.assertEqual(rc, 0, log)
+        tmp = _JOB["tmp"]
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+        for r in ranks:
+            for run in ("train", "resume"):
+                self.assertEqual(r[run]["ddp"], "DistributedDataParallel")
+                self.assertEqual(r[run]["workers"], 2)
+                self.assertEqual(set(r[run]["versions"].values()), {4})
+        # Both workers end with the shards' weights; resumed on new, empty
+        # shards from the step-2 checkpoint, training ends exactly there too.
+        want = ranks[0]["train"]["params"]
+        for n, t in want.items():
+            for got in (ranks[1]["train"], ranks[0]["resume"], ranks[1]["resume"]):
+                self.assertTrue(torch.equal(got["params"][n], t), n)
+        self.assertEqual(ranks[0]["resume"]["eval_loss"], ranks[0]["train"]["eval_loss"])
 
 
 if __name__ == "__main__":
