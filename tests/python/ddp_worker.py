@@ -1,7 +1,7 @@
 """One torchrun worker of test_torch_overlap's DDP jobs (not a test itself).
 
     python -m torch.distributed.run --nproc_per_node 2 ... ddp_worker.py \
-        --shards A,B --variant hook|nohook --steps N --out DIR [--mode async]
+        --shards A,B --variant hook|hookview|nohook --steps N --out DIR [--mode async]
 
 Trains _torch_support.Net wrapped in DistributedDataParallel (gloo, CPU) with
 RemoteAdafactor in sync (or async) mode, each rank on its own batches, and writes
@@ -32,7 +32,7 @@ def bytes_received(opt):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shards", required=True)
-    ap.add_argument("--variant", choices=("hook", "nohook"), required=True)
+    ap.add_argument("--variant", choices=("hook", "hookview", "nohook"), required=True)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--mode", choices=("sync", "async"), default="sync")
     ap.add_argument("--out", required=True)
@@ -45,8 +45,11 @@ def main():
         opt = RemoteAdafactor(model.named_parameters(), shards=a.shards, mode=a.mode,
                               deadline=20)
         # A tiny bucket cap: several buckets, so several pushes per step.
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1e-4)
-        if a.variant == "hook":
+        # hookview: .grad is a view of DDP's buckets (the setting the docs
+        # recommend with the hook: no copies into the buckets and back).
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=1e-4, gradient_as_bucket_view=a.variant == "hookview")
+        if a.variant != "nohook":
             attach(ddp, opt)
             # Create the tensors (worker 0's initial values travel once)
             # before counting the bytes the steps move.
