@@ -72,11 +72,31 @@ static int stats_all(fps_client_t *c, int include_tensors, uint32_t log_limit,
     sh[i].log_limit = log_limit;
     run[i] = &sh[i].s;
   }
-  rc = fps__streams_run(c, FPS__METHOD_STATS, run, c->n_shards, FPS__RETRY_IDEMPOTENT, status);
-  for (size_t i = 0; !rc && i < c->n_shards; i++)
-    if (!sh[i].resp || !sh[i].resp->shard)
-      rc = fps__status_set(status, FPS_CODE_DATA_LOSS, (int)i,
-                           "shard %zu (%s): Stats reply without shard figures", i, c->addrs[i]);
+  size_t n_run = c->n_shards;
+  for (size_t round = 1;; round++) {
+    rc = fps__streams_run(c, FPS__METHOD_STATS, run, n_run, FPS__RETRY_IDEMPOTENT, status);
+    for (size_t i = 0; !rc && i < c->n_shards; i++)
+      if (!sh[i].resp || !sh[i].resp->shard)
+        rc = fps__status_set(status, FPS_CODE_DATA_LOSS, (int)i,
+                             "shard %zu (%s): Stats reply without shard figures", i, c->addrs[i]);
+    if (rc) break;
+    /* A standby answers Stats too, but the figures that matter are the
+     * primary's: a replicated shard whose answer came from a standby is
+     * asked at its next replica, each replica at most once. A primary's
+     * answer is where the shard's calls go next. */
+    n_run = 0;
+    for (size_t i = 0; i < c->n_shards; i++) {
+      fps__shard_conn_t *sc = &c->shards[i];
+      const char *role = sh[i].resp->shard->replica_role;
+      if (role && !strcmp(role, "primary")) {
+        atomic_store(&sc->current, sh[i].s.replica);
+      } else if (role && !strcmp(role, "standby") && round < sc->n) {
+        atomic_store(&sc->current, (int)(((size_t)sh[i].s.replica + 1) % sc->n));
+        run[n_run++] = &sh[i].s;
+      }
+    }
+    if (!n_run) break;
+  }
   free(run);
   if (rc) {
     free_shards(sh, c->n_shards);
@@ -147,6 +167,11 @@ int fps_client_stats(fps_client_t *c, fps_shard_stats_t *out, size_t n, fps_stat
     o->exchange_steps = s->exchange_steps;
     o->exchange_failures = s->exchange_failures;
     o->exchange_seconds_sum = s->exchange_seconds_sum;
+    snprintf(o->replica_role, sizeof o->replica_role, "%s", s->replica_role ? s->replica_role : "");
+    o->term = s->term;
+    snprintf(o->replica_peer, sizeof o->replica_peer, "%s", s->replica_peer ? s->replica_peer : "");
+    o->standby_joined = s->standby_joined;
+    o->replica = (uint32_t)sh[i].s.replica;
   }
   free_shards(sh, n);
   fps__status_ok(status);
@@ -188,6 +213,7 @@ static void fill_tensor(fps_tensor_stats_t *o, const Factorps__V1__TensorStats *
     o->row_lo = sp->bounds[sp->block_index];
     o->row_hi = sp->bounds[sp->block_index + 1];
   }
+  o->checksum = t->checksum;
 }
 
 int fps_client_tensor_stats(fps_client_t *c, const char *name, fps_tensor_stats_t *out,

@@ -53,7 +53,7 @@ static void print_json(char **addrs, const fps_shard_stats_t *st, size_t n) {
            "\"split_blocks\": %llu, \"split_param_bytes\": %llu, "
            "\"exchange_sent_bytes\": %llu, \"exchange_received_bytes\": %llu, "
            "\"exchange_steps\": %llu, \"exchange_failures\": %llu, "
-           "\"exchange_seconds_sum\": %.9g}",
+           "\"exchange_seconds_sum\": %.9g",
            (unsigned long long)s->tensors, (unsigned long long)s->param_elements,
            (unsigned long long)s->param_bytes, (unsigned long long)s->state_row,
            (unsigned long long)s->state_col, (unsigned long long)s->state_var,
@@ -68,6 +68,12 @@ static void print_json(char **addrs, const fps_shard_stats_t *st, size_t n) {
            (unsigned long long)s->exchange_sent_bytes,
            (unsigned long long)s->exchange_received_bytes, (unsigned long long)s->exchange_steps,
            (unsigned long long)s->exchange_failures, s->exchange_seconds_sum);
+    printf(", \"replica_role\": ");
+    print_json_str(s->replica_role);
+    printf(", \"term\": %llu, \"replica_peer\": ", (unsigned long long)s->term);
+    print_json_str(s->replica_peer);
+    printf(", \"standby_joined\": %s, \"replica\": %u}", s->standby_joined ? "true" : "false",
+           s->replica);
   }
   printf("\n]}\n");
 }
@@ -79,6 +85,13 @@ static void print_text(char **addrs, const fps_shard_stats_t *st, size_t n) {
     if (strcmp(s->mode, "async")) printf(" workers %u", s->workers);
     if (!strcmp(s->mode, "ssp")) printf(" staleness %u", s->staleness);
     printf("  simd %s  version %s  uptime %.0f s\n", s->simd, s->version, s->uptime_seconds);
+    /* Whether what it acknowledges survives its loss (docs/operations.md). */
+    if (!strcmp(s->replica_role, "solo"))
+      printf("  replica: solo (no standby: a crash loses what its last checkpoint lacks)\n");
+    else if (s->replica_role[0])
+      printf("  replica: %s (answered by replica %u), term %llu, peer %s, standby %s\n",
+             s->replica_role, s->replica, (unsigned long long)s->term, s->replica_peer,
+             s->standby_joined ? "joined" : "not joined");
     printf("  tensors %llu  params %llu (%.1f MiB)", (unsigned long long)s->tensors,
            (unsigned long long)s->param_elements, (double)s->param_bytes / 1048576.0);
     /* Row blocks of split tensors are among the tensors and params. */

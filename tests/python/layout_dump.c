@@ -30,6 +30,7 @@ int main(void) {
   FIELD(fps_client_options_t, wire_dtype);
   FIELD(fps_client_options_t, split_min_bytes);
   FIELD(fps_client_options_t, push_chunk_bytes);
+  FIELD(fps_client_options_t, job_id);
 
   SIZE(fps_optim_config_t);
   FIELD(fps_optim_config_t, flavor);
@@ -107,6 +108,11 @@ int main(void) {
   FIELD(fps_shard_stats_t, exchange_steps);
   FIELD(fps_shard_stats_t, exchange_failures);
   FIELD(fps_shard_stats_t, exchange_seconds_sum);
+  FIELD(fps_shard_stats_t, replica_role);
+  FIELD(fps_shard_stats_t, term);
+  FIELD(fps_shard_stats_t, replica_peer);
+  FIELD(fps_shard_stats_t, standby_joined);
+  FIELD(fps_shard_stats_t, replica);
 
   SIZE(fps_apply_record_t);
   FIELD(fps_apply_record_t, worker_id);
@@ -166,6 +172,7 @@ int main(void) {
   FIELD(fps_tensor_stats_t, n_blocks);
   FIELD(fps_tensor_stats_t, row_lo);
   FIELD(fps_tensor_stats_t, row_hi);
+  FIELD(fps_tensor_stats_t, checksum);
 
   SIZE(fps_block_t);
   FIELD(fps_block_t, tensor);

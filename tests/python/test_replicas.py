@@ -7,7 +7,10 @@ between real primary and standby processes is tests/replica/."""
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
+import time
 import unittest
 from unittest import mock
 
@@ -15,7 +18,7 @@ import numpy as np
 import torch
 
 import _support  # noqa: F401  (puts client/python on sys.path)
-from _support import Shards, free_ports, need_server
+from _support import Shards, free_ports, fpsproc, need_server
 import factorps
 from factorps.errors import InvalidArgumentError
 from factorps.torch import RemoteAdafactor
@@ -101,6 +104,71 @@ class ReplicaEntryTest(unittest.TestCase):
         doc = json.loads(out.stdout)
         self.assertEqual([s["address"] for s in doc["shards"]], self.entries)
         self.assertEqual([s["shard_id"] for s in doc["shards"]], [0, 1])
+
+
+@need_server
+class ReplicaStatsTest(unittest.TestCase):
+    """A real primary and standby (--replica-peer, --lease file:): the
+    entry lists the standby first; calls end at the primary, and Stats
+    says who answered, its role, term and standby, and the checksums."""
+
+    def start(self, i, ports, lease):
+        sp = fpsproc.ShardProcess(
+            ["--shard-id", "0", "--shard-count", "1", "--mode", "async", "--log-level", "warn",
+             "--replica-peer", "127.0.0.1:%d" % ports[1 - i], "--lease", "file:" + lease],
+            listen="127.0.0.1:%d" % ports[i], dir=self.dir, name="r%d" % i, die_with_parent=True)
+        self.addCleanup(sp.kill)
+        return sp
+
+    def wait_role(self, addr, role, joined=None):
+        c = factorps.connect([addr], deadline=5, max_retries=0)
+        try:
+            end = time.monotonic() + 20
+            while True:
+                s = c.stats()[0]
+                if s["replica_role"] == role and (joined is None or s["standby_joined"] == joined):
+                    return s
+                if time.monotonic() > end:
+                    self.fail("%s is %s (joined %s), not %s" % (addr, s["replica_role"],
+                                                               s["standby_joined"], role))
+                time.sleep(0.02)
+        finally:
+            c.close()
+
+    def test_stats_of_a_replicated_shard(self):
+        self.dir = tempfile.mkdtemp(prefix="fps-pyreplica-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        ports = free_ports(2)
+        lease = os.path.join(self.dir, "lease")
+        addrs = ["127.0.0.1:%d" % p for p in ports]
+        self.start(0, ports, lease)
+        self.wait_role(addrs[0], "primary")
+        self.start(1, ports, lease)
+        self.wait_role(addrs[0], "primary", joined=1)
+        c = factorps.connect(addrs[1] + "|" + addrs[0], deadline=20, max_retries=0)
+        self.addCleanup(c.close)
+        c.create([factorps.TensorSpec("a", (8, 4), np.ones((8, 4), np.float32))])
+        _, v = c.push_pull({"a": np.full((8, 4), 0.5, np.float32)})
+        self.assertEqual(v, {"a": 1})
+        s = c.stats()[0]
+        self.assertEqual((s["replica_role"], s["replica"], s["standby_joined"]), ("primary", 1, 1))
+        self.assertEqual(s["replica_peer"], addrs[1])
+        self.assertGreaterEqual(s["term"], 1)
+        primary = c.tensor_stats("a")
+        self.assertEqual(primary["version"], 1)
+        self.assertNotEqual(primary["checksum"], 0)
+        standby = factorps.connect([addrs[1]], deadline=5, max_retries=0)
+        self.addCleanup(standby.close)
+        t = standby.stats()[0]
+        self.assertEqual((t["replica_role"], t["term"]), ("standby", s["term"]))
+        st = standby.tensor_stats("a")
+        self.assertEqual((st["version"], st["checksum"]), (1, primary["checksum"]))
+        if CLI:
+            out = subprocess.run([CLI, "stats", "--shards", addrs[1] + "|" + addrs[0]],
+                                 capture_output=True, text=True, timeout=60)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("replica: primary (answered by replica 1), term %d, peer %s, standby "
+                          "joined" % (s["term"], addrs[1]), out.stdout)
 
 
 if __name__ == "__main__":

@@ -444,10 +444,25 @@ typedef struct fps_shard_stats_s {
   uint64_t exchange_steps;      /* block steps completed with the other shards */
   uint64_t exchange_failures;   /* block steps that failed in the exchange */
   double exchange_seconds_sum;  /* completed steps: sending ours to having all */
+  /* Standby replicas (appended, so earlier fields keep their offsets): */
+  char replica_role[16];        /* "solo" (no standby), "primary" or "standby";
+                                   "" from a shard that does not say */
+  uint64_t term;                /* the lease term it holds, or the highest seen */
+  char replica_peer[256];       /* its other replica (--replica-peer), or "" */
+  int standby_joined;           /* primary: a standby has joined its stream (what
+                                   it acknowledges is on both); standby: it has
+                                   joined the primary's */
+  uint32_t replica;             /* which of the shard entry's replicas answered
+                                   (0: the first; always 0 for a single address) */
 } fps_shard_stats_t;
 
 /* Fills `out[i]` for every shard i (n must equal the shard count;
- * INVALID_ARGUMENT otherwise). Retried on UNAVAILABLE. Thread-safe. */
+ * INVALID_ARGUMENT otherwise). A shard with standby replicas is asked at
+ * the replica its calls go to, and while the one that answers says it is
+ * a standby, at the next one (each once): the figures are the primary's
+ * unless none answered as primary; out[i].replica and replica_role say
+ * who answered.
+ * Retried on UNAVAILABLE. Thread-safe. */
 FPS_EXTERN int fps_client_stats(fps_client_t *c, fps_shard_stats_t *out, size_t n,
                                 fps_status_t *status);
 
@@ -477,6 +492,10 @@ typedef struct fps_tensor_stats_s {
    * block's, the shape the whole tensor's). */
   uint32_t block_index, n_blocks;
   uint64_t row_lo, row_hi;
+  /* Standby replicas (appended): a hash of the tensor's parameter and
+   * optimizer-state bytes at `version`, equal on a primary and its standby
+   * at the same version; 0 from a shard that does not say. */
+  uint64_t checksum;
 } fps_tensor_stats_t;
 
 /* Figures of tensor `name` and its last `log_cap` applied updates, oldest

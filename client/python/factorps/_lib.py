@@ -121,6 +121,14 @@ class ShardStats(ctypes.Structure):
         ("exchange_sent_bytes", ctypes.c_uint64), ("exchange_received_bytes", ctypes.c_uint64),
         ("exchange_steps", ctypes.c_uint64), ("exchange_failures", ctypes.c_uint64),
         ("exchange_seconds_sum", ctypes.c_double),
+        # Standby replicas: role "solo"/"primary"/"standby", lease term,
+        # the other replica, whether a standby has joined, which of the
+        # entry's replicas answered.
+        ("replica_role", ctypes.c_char * 16),
+        ("term", ctypes.c_uint64),
+        ("replica_peer", ctypes.c_char * 256),
+        ("standby_joined", ctypes.c_int),
+        ("replica", ctypes.c_uint32),
     ]
 
 
@@ -186,6 +194,7 @@ class TensorStats(ctypes.Structure):
         ("adamw_elements", ctypes.c_uint64), ("adamw_bytes", ctypes.c_uint64),
         ("block_index", ctypes.c_uint32), ("n_blocks", ctypes.c_uint32),
         ("row_lo", ctypes.c_uint64), ("row_hi", ctypes.c_uint64),
+        ("checksum", ctypes.c_uint64),  # params + optimizer state at `version`
     ]
 
 
