@@ -119,6 +119,7 @@ int fps_cli_sec_opt(fps_cli_sec_t *s, int opt, const char *arg) {
     case FPS_CLI_OPT_TLS_KEY: s->key = arg; return 1;
     case FPS_CLI_OPT_TLS_SERVER_NAME: s->server_name = arg; return 1;
     case FPS_CLI_OPT_TOKEN_FILE: s->token_file = arg; return 1;
+    case FPS_CLI_OPT_JOB_ID: s->job_id = arg; return 1;
     default: return 0;
   }
 }
@@ -156,6 +157,7 @@ void fps_cli_sec_fill(const fps_cli_sec_t *s, fps_client_options_t *o) {
   o->tls_key_file = s->key;
   o->tls_server_name = s->server_name;
   o->auth_token = s->token;
+  o->job_id = s->job_id;
 }
 
 void fps_cli_sec_free(fps_cli_sec_t *s) {

@@ -47,22 +47,27 @@ enum {
   FPS_CLI_OPT_TLS_KEY,
   FPS_CLI_OPT_TLS_SERVER_NAME,
   FPS_CLI_OPT_TOKEN_FILE,
+  FPS_CLI_OPT_JOB_ID,
 };
 #define FPS_CLI_SEC_LONGOPTS                                                  \
   {"tls-ca", required_argument, NULL, FPS_CLI_OPT_TLS_CA},                    \
       {"tls-cert", required_argument, NULL, FPS_CLI_OPT_TLS_CERT},            \
       {"tls-key", required_argument, NULL, FPS_CLI_OPT_TLS_KEY},              \
       {"tls-server-name", required_argument, NULL, FPS_CLI_OPT_TLS_SERVER_NAME}, \
-      {"token-file", required_argument, NULL, FPS_CLI_OPT_TOKEN_FILE}
+      {"token-file", required_argument, NULL, FPS_CLI_OPT_TOKEN_FILE},        \
+      {"job-id", required_argument, NULL, FPS_CLI_OPT_JOB_ID}
 #define FPS_CLI_SEC_USAGE                                                               \
   "  --tls-ca FILE          PEM CA of the shards' certificates: connect with TLS\n"     \
   "  --tls-cert FILE        PEM client certificate (mutual TLS; with --tls-key)\n"      \
   "  --tls-key FILE         its PEM private key\n"                                      \
   "  --tls-server-name NAME name the shards' certificates carry, if not the host\n"     \
-  "  --token-file FILE      bearer token (first non-empty line) sent on every call\n"
+  "  --token-file FILE      bearer token (first non-empty line) sent on every call\n"   \
+  "  --job-id ID            the job's identity, sent with Create (a shard of another job\n" \
+  "                         refuses it)\n"
 
 typedef struct fps_cli_sec_s {
   const char *ca, *cert, *key, *server_name, *token_file; /* argv strings */
+  const char *job_id;                                      /* argv string, or NULL */
   char *token;                                             /* read from token_file */
 } fps_cli_sec_t;
 

@@ -362,6 +362,16 @@ class JobIdentity(unittest.TestCase):
             rc, out = verify(ck.ckdir(0))
             self.assertEqual(rc, 0, out)
             self.assertIn("job run-1", out)
+            # The CLI's --job-id (the deploy files' workers use it).
+            p = subprocess.run([CLI, "load", "--shards", ck.addrs[0], "--workers", "1", "--params", "1k",
+                                "--steps", "2", "--mode-hint", "sync", "--job-id", "run-2"],
+                               capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+            self.assertNotEqual(p.returncode, 0, p.stdout)
+            self.assertIn("'run-2'", p.stderr + p.stdout)
+            p = subprocess.run([CLI, "load", "--shards", ck.addrs[0], "--workers", "1", "--params", "1k",
+                                "--steps", "2", "--mode-hint", "sync", "--job-id", "run-1"],
+                               capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+            self.assertEqual(p.returncode, 0, p.stderr)
 
 
 @need_server
