@@ -346,7 +346,7 @@ class AdafactorScheduleTest(unittest.TestCase):
     STEPS = 8
 
     def _run(self, **hp):
-        from transformers.optimization import Adafactor
+        from transformers.optimization import Adafactor, get_adafactor_schedule
         with Shards(2, metrics=True) as shards, ExitStack() as stack:
             model, ref = Net(), Net()
             groups = [{"params": [("w1", model.w1), ("b1", model.b1)]},
@@ -355,7 +355,9 @@ class AdafactorScheduleTest(unittest.TestCase):
             stack.callback(opt.close)
             ref_opt = Adafactor([{"params": [ref.w1, ref.b1]}, {"params": [ref.t3, ref.s]}],
                                 **hp)
-            sched, ref_sched = AdafactorSchedule(opt), AdafactorSchedule(ref_opt)
+            # get_adafactor_schedule() is AdafactorSchedule's factory.
+            sched = (get_adafactor_schedule if hp else AdafactorSchedule)(opt)
+            ref_sched = AdafactorSchedule(ref_opt)
             reads = []
             for step in range(self.STEPS):
                 loss_step(model, opt, 0, step)
