@@ -94,22 +94,11 @@ static bool fps__grpc_teardown(double wait_s) {
   return done;
 }
 
-/* /metrics' collect hook: factorps_state_checksum, a hash over every
- * tensor's checksum in creation order (a pass over each tensor's
- * parameters and state per scrape: about a tenth of a second per GB). */
+/* /metrics' collect hook: factorps_state_checksum (a pass over each
+ * tensor's parameters and state per scrape: about a tenth of a second
+ * per GB). */
 static void fps__collect_checksum(void *arg) {
-  fps_shard_t *sh = ((fps_server_t *)arg)->shard;
-  size_t n = fps_shard_tensors(sh, NULL, 0);
-  fps_tensor_t **ts = fps_malloc((n ? n : 1) * sizeof *ts);
-  if (!ts) return;
-  n = fps_shard_tensors(sh, ts, n);
-  uint64_t h = 0;
-  for (size_t i = 0; i < n; i++) {
-    uint64_t v, sum;
-    if (fps_shard_checksum(sh, ts[i], &v, &sum) == 0) h = fps_hash64(&(uint64_t[2]){h, sum}, 16, i);
-  }
-  fps_free(ts);
-  fps_metrics_state_checksum_set(h);
+  fps_metrics_state_checksum_set(fps_shard_state_checksum(((fps_server_t *)arg)->shard));
 }
 
 /* /readyz: serving, and for a replica, primary or joined standby. */

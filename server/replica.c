@@ -34,7 +34,11 @@ struct fps_replica_s {
   pthread_t th;
   bool th_on;
   fps_rsend_t *send;            /* the primary's sending side */
+  pthread_mutex_t commit_mu;    /* a standby's batch commit vs promotion */
 };
+
+void fps_replica_commit_lock(fps_replica_t *r) { pthread_mutex_lock(&r->commit_mu); }
+void fps_replica_commit_unlock(fps_replica_t *r) { pthread_mutex_unlock(&r->commit_mu); }
 
 fps_role_t *fps_replica_role(fps_replica_t *r) { return &r->role; }
 
@@ -45,6 +49,7 @@ int fps_replica_create(fps_server_t *srv, fps_replica_t **out) {
   r->srv = srv;
   bool replicated = *srv->cfg.replica_peer != 0;
   fps_role_init(&r->role, replicated);
+  pthread_mutex_init(&r->commit_mu, NULL);
   atomic_init(&r->stop, false);
   atomic_init(&r->abort_acquire, false);
   if (replicated) {
@@ -151,7 +156,11 @@ static void *fps__replica_main(void *arg) {
       for (int i = 0; i < 50 && !atomic_load(&r->stop); i++) fps__replica_sleep_ms(10);
       continue;
     }
-    if (!fps_role_may_compete(&r->role) || fps_role_promote(&r->role, term) < 0) {
+    /* Not between two installs of a batch being committed. */
+    pthread_mutex_lock(&r->commit_mu);
+    bool promoted = fps_role_may_compete(&r->role) && fps_role_promote(&r->role, term) == 0;
+    pthread_mutex_unlock(&r->commit_mu);
+    if (!promoted) {
       /* A primary's hello arrived while the lease was being taken: what
        * this process holds may lack what that primary acknowledged. */
       fps_lease_release(r->lease);
@@ -190,6 +199,7 @@ void fps_replica_destroy(fps_replica_t *r) {
   fps_rsend_destroy(r->send);
   fps_lease_close(r->lease);
   fps_role_destroy(&r->role);
+  pthread_mutex_destroy(&r->commit_mu);
   fps_free(r);
 }
 

@@ -132,6 +132,11 @@ int fps_replica_refusal(fps_replica_t *r, char *why, size_t why_len);
 bool fps_replica_ready(void *r);
 /* Publishes the role, term and joined flag to the metrics registry. */
 void fps_replica_publish(fps_replica_t *r);
+/* A standby's commit of a batch (rpc_replicate.c) and the lease thread's
+ * promotion exclude each other: a promoted standby never holds half a
+ * batch. */
+void fps_replica_commit_lock(fps_replica_t *r);
+void fps_replica_commit_unlock(fps_replica_t *r);
 /* A hello arrived: a standby blocked in the lease's acquire gives up. */
 void fps_replica_kick(fps_replica_t *r);
 

@@ -60,7 +60,7 @@ typedef struct fps_rtrack_s {
 /* A call waiting for the ack. */
 typedef struct fps_rwait_s {
   size_t n;
-  uint32_t *track;            /* indices into s->tracks */
+  fps_tensor_t **track;       /* by tensor: the track table may be rehashed */
   uint64_t *gen;              /* the generation each must reach */
   uint64_t key_ticket;        /* 0: no key */
   fps_rsend_done_fn done;
@@ -72,7 +72,7 @@ typedef struct fps_rwait_s {
 typedef struct fps_rflight_s {
   uint64_t seq;
   size_t n;
-  uint32_t *track;
+  fps_tensor_t **track;       /* by tensor: the track table may be rehashed */
   uint64_t *gen;
   uint64_t key_ticket;        /* keys up to this ticket, 0: none */
   struct fps_rflight_s *next;
@@ -133,24 +133,12 @@ static size_t fps__track_locked(fps_rsend_t *s, fps_tensor_t *t) {
     size_t ncap = s->cap ? 2 * s->cap : 64;
     fps_rtrack_t *nt = fps_calloc(ncap, sizeof *nt);
     if (!nt) return SIZE_MAX;
-    /* Indices held by waits and flights must stay valid: re-key them. */
-    size_t *map = s->cap ? fps_malloc(s->cap * sizeof *map) : NULL;
-    if (s->cap && !map) {
-      fps_free(nt);
-      return SIZE_MAX;
-    }
     for (size_t i = 0; i < s->cap; i++) {
       if (!s->tracks[i].t) continue;
       size_t j = fps__track_hash(s->tracks[i].t, ncap);
       while (nt[j].t) j = (j + 1) & (ncap - 1);
       nt[j] = s->tracks[i];
-      map[i] = j;
     }
-    for (fps_rwait_t *w = s->waits; w; w = w->next)
-      for (size_t k = 0; k < w->n; k++) w->track[k] = (uint32_t)map[w->track[k]];
-    for (fps_rflight_t *f = s->flight; f; f = f->next)
-      for (size_t k = 0; k < f->n; k++) f->track[k] = (uint32_t)map[f->track[k]];
-    fps_free(map);
     fps_free(s->tracks);
     s->tracks = nt;
     s->cap = ncap;
@@ -164,6 +152,14 @@ static size_t fps__track_locked(fps_rsend_t *s, fps_tensor_t *t) {
   return j;
 }
 
+/* t's track; SIZE_MAX if it has none. REQUIRES mu. */
+static size_t fps__track_find_locked(const fps_rsend_t *s, const fps_tensor_t *t) {
+  if (!s->cap) return SIZE_MAX;
+  size_t j = fps__track_hash(t, s->cap);
+  while (s->tracks[j].t && s->tracks[j].t != t) j = (j + 1) & (s->cap - 1);
+  return s->tracks[j].t ? j : SIZE_MAX;
+}
+
 /* ---------------------------------------------------------- the waits */
 
 typedef struct fps_rdone_s {
@@ -173,8 +169,10 @@ typedef struct fps_rdone_s {
 } fps_rdone_t;
 
 static bool fps__wait_met_locked(const fps_rsend_t *s, const fps_rwait_t *w) {
-  for (size_t k = 0; k < w->n; k++)
-    if (s->tracks[w->track[k]].acked < w->gen[k]) return false;
+  for (size_t k = 0; k < w->n; k++) {
+    size_t j = fps__track_find_locked(s, w->track[k]);
+    if (j == SIZE_MAX || s->tracks[j].acked < w->gen[k]) return false;
+  }
   return w->key_ticket <= s->key_acked;
 }
 
@@ -233,7 +231,7 @@ int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, size_t n, const fps_r
     s->tracks[j].gen++;
     s->tracks[j].dirty = true;
     if (w) {
-      w->track[w->n] = (uint32_t)j;
+      w->track[w->n] = t[k];
       w->gen[w->n++] = s->tracks[j].gen;
     }
   }
@@ -333,10 +331,11 @@ static void fps__rsend_config(const fps_adafactor_hparams_t *hp, Factorps__V1__A
 #undef FPS__SET
 }
 
-/* Sends tensor t's image in pieces; the last piece's ack settles track j
- * at generation gen. false: the stream failed. A tensor that cannot be
+/* Sends tensor t's image in pieces; with settle, the last piece's ack
+ * settles t's track at generation gen (the transfer; the stream's images
+ * are settled by their batch's commit). false: the stream failed. A tensor that cannot be
  * imaged (initialising) is skipped: true. */
-static bool fps__rsend_tensor(fps_rsend_t *s, grpc_call *call, fps_tensor_t *t, size_t j, uint64_t gen) {
+static bool fps__rsend_tensor(fps_rsend_t *s, grpc_call *call, fps_tensor_t *t, uint64_t gen, bool settle) {
   char why[FPS_WHY_MAX];
   fps_image_t img;
   int rc = fps_shard_image(s->srv->shard, t, &img, why, sizeof why);
@@ -379,11 +378,11 @@ static bool fps__rsend_tensor(fps_rsend_t *s, grpc_call *call, fps_tensor_t *t, 
     m.tensors = &rtp;
     off += len;
     fps_rflight_t *f = NULL;
-    if (off == total) {
+    if (off == total && settle) {
       f = fps_calloc(1, sizeof *f);
       if (f && (f->track = fps_malloc(sizeof *f->track)) && (f->gen = fps_malloc(sizeof *f->gen))) {
         f->n = 1;
-        f->track[0] = (uint32_t)j;
+        f->track[0] = t;
         f->gen[0] = gen;
       } else if (f) {
         fps_free(f->track);
@@ -412,7 +411,7 @@ static void fps__rqkeys_free(fps_rqkey_t *list) {
 }
 
 /* The queued keys, in messages of up to FPS_RSEND_KEYS_PER_MSG. */
-static bool fps__rsend_keys(fps_rsend_t *s, grpc_call *call, fps_rqkey_t *list) {
+static bool fps__rsend_keys(fps_rsend_t *s, grpc_call *call, fps_rqkey_t *list, bool settle) {
   bool ok = true;
   while (list && ok) {
     Factorps__V1__ReplicaKey kb[64], *kp[64];
@@ -434,9 +433,14 @@ static bool fps__rsend_keys(fps_rsend_t *s, grpc_call *call, fps_rqkey_t *list) 
     }
     m.n_keys = n;
     m.keys = kp;
-    fps_rflight_t *f = fps_calloc(1, sizeof *f);
-    if (!f) return false;
-    f->key_ticket = last;
+    fps_rflight_t *f = NULL;
+    if (settle) {
+      if (!(f = fps_calloc(1, sizeof *f))) {
+        fps__rqkeys_free(sent); /* this batch and the rest after it */
+        return false;
+      }
+      f->key_ticket = last;
+    }
     ok = fps__rsend_msg(s, call, &m, f, n);
     while (sent != list) {
       fps_rqkey_t *nx = sent->next;
@@ -508,7 +512,7 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
     if (j != SIZE_MAX) s->tracks[j].dirty = false; /* this image covers its marks */
     bool want = s->want_term == term;
     pthread_mutex_unlock(&s->mu);
-    ok = want && j != SIZE_MAX && fps__rsend_tensor(s, call, ts[i], j, gen);
+    ok = want && j != SIZE_MAX && fps__rsend_tensor(s, call, ts[i], gen, true);
   }
   fps_free(ts);
   if (!ok) return;
@@ -518,7 +522,7 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
     fps__rqkeys_free(acc.first);
     return;
   }
-  if (!fps__rsend_keys(s, call, acc.first)) return;
+  if (!fps__rsend_keys(s, call, acc.first, true)) return;
   Factorps__V1__ReplicateRequest done = FACTORPS__V1__REPLICATE_REQUEST__INIT;
   done.transfer_done = true;
   fps_rflight_t *f = fps_calloc(1, sizeof *f);
@@ -551,21 +555,18 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
     /* The dirty tensors with the generation their image will cover. */
     size_t nd = 0;
     fps_tensor_t **dt = NULL;
-    size_t *dj = NULL;
     uint64_t *dg = NULL;
     if (s->any_dirty) {
       dt = fps_malloc(s->ntracks * sizeof *dt);
-      dj = fps_malloc(s->ntracks * sizeof *dj);
       dg = fps_malloc(s->ntracks * sizeof *dg);
-      if (dt && dj && dg)
+      if (dt && dg)
         for (size_t j = 0; j < s->cap; j++)
           if (s->tracks[j].t && s->tracks[j].dirty) {
             s->tracks[j].dirty = false;
             dt[nd] = s->tracks[j].t;
-            dj[nd] = j;
             dg[nd++] = s->tracks[j].gen;
           }
-      s->any_dirty = !(dt && dj && dg);
+      s->any_dirty = !(dt && dg);
     }
     fps_rqkey_t *keys = s->keys;
     bool had_keys = keys != NULL;
@@ -573,12 +574,40 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
     pthread_mutex_unlock(&s->mu);
     /* Images first, then the keys: a retry answered from a key finds the
      * tensors it names at least at the versions the key records. */
-    for (size_t i = 0; i < nd && ok; i++) ok = fps__rsend_tensor(s, call, dt[i], dj[i], dg[i]);
-    fps_free(dt);
-    fps_free(dj);
-    fps_free(dg);
-    if (ok && keys) ok = fps__rsend_keys(s, call, keys);
+    uint64_t ticket = 0;
+    for (fps_rqkey_t *k = keys; k; k = k->next) ticket = k->ticket;
+    for (size_t i = 0; i < nd && ok; i++) ok = fps__rsend_tensor(s, call, dt[i], dg[i], false);
+    if (ok && keys) ok = fps__rsend_keys(s, call, keys, false);
     else fps__rqkeys_free(keys);
+    if (ok && (nd || had_keys)) {
+      /* The batch takes effect on the standby at once: what one push
+       * changed is there entirely or not at all. Its ack settles it. */
+      fps_rflight_t *cf = fps_calloc(1, sizeof *cf);
+      if (cf && nd) {
+        cf->track = fps_malloc(nd * sizeof *cf->track);
+        cf->gen = fps_malloc(nd * sizeof *cf->gen);
+      }
+      if (!cf || (nd && (!cf->track || !cf->gen))) {
+        if (cf) {
+          fps_free(cf->track);
+          fps_free(cf->gen);
+        }
+        fps_free(cf);
+        ok = false;
+      } else {
+        for (size_t i = 0; i < nd; i++) {
+          cf->track[i] = dt[i];
+          cf->gen[i] = dg[i];
+        }
+        cf->n = nd;
+        cf->key_ticket = ticket;
+        Factorps__V1__ReplicateRequest cm = FACTORPS__V1__REPLICATE_REQUEST__INIT;
+        cm.commit = true;
+        ok = fps__rsend_msg(s, call, &cm, cf, 0);
+      }
+    }
+    fps_free(dt);
+    fps_free(dg);
     if (ok && nd == 0 && !had_keys && w != 0) {
       Factorps__V1__ReplicateRequest hb = FACTORPS__V1__REPLICATE_REQUEST__INIT;
       ok = fps__rsend_msg(s, call, &hb, NULL, 0);
@@ -601,8 +630,10 @@ static void fps__rsend_acked(fps_rsend_t *s, grpc_call *call, uint64_t acked) {
     fps_rflight_t *f = s->flight;
     s->flight = f->next;
     if (!s->flight) s->flight_last = NULL;
-    for (size_t k = 0; k < f->n; k++)
-      if (s->tracks[f->track[k]].acked < f->gen[k]) s->tracks[f->track[k]].acked = f->gen[k];
+    for (size_t k = 0; k < f->n; k++) {
+      size_t j = fps__track_find_locked(s, f->track[k]);
+      if (j != SIZE_MAX && s->tracks[j].acked < f->gen[k]) s->tracks[j].acked = f->gen[k];
+    }
     if (f->key_ticket > s->key_acked) s->key_acked = f->key_ticket;
     fps_free(f->track);
     fps_free(f->gen);
@@ -641,6 +672,7 @@ static void *fps__rsend_recv_main(void *arg) {
     pthread_mutex_unlock(&s->mu);
     grpc_metadata_array init_md;
     grpc_metadata_array_init(&init_md);
+    bool ended = false;
     for (bool first = true;; first = false) {
       grpc_byte_buffer *bb = NULL;
       /* The first receive takes the initial metadata with it: the C core
@@ -649,7 +681,10 @@ static void *fps__rsend_recv_main(void *arg) {
       ops[0].data.recv_initial_metadata.recv_initial_metadata = &init_md;
       ops[1].data.recv_message.recv_message = &bb;
       bool ok = fps__rsend_batch(s, call, first ? ops : ops + 1, first ? 2 : 1, (void *)&s->recv_th);
-      if (!ok || !bb) break;
+      if (!ok || !bb) {
+        ended = true; /* the standby (or the transport) ended it: its status says why */
+        break;
+      }
       uint8_t *flat = NULL;
       size_t len = 0;
       Factorps__V1__ReplicateResponse *resp = NULL;
@@ -673,7 +708,9 @@ static void *fps__rsend_recv_main(void *arg) {
     op.data.recv_status_on_client.trailing_metadata = &trail;
     op.data.recv_status_on_client.status = &status;
     op.data.recv_status_on_client.status_details = &details;
-    grpc_call_cancel(call, NULL);
+    /* Cancelled only when this side ends it: a cancel before the status
+     * is read would replace the standby's own (a newer term's refusal). */
+    if (!ended) grpc_call_cancel(call, NULL);
     bool got = fps__rsend_batch(s, call, &op, 1, (void *)&s->recv_th);
     char msg[512];
     char *d = grpc_slice_to_c_string(details);

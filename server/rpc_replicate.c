@@ -7,8 +7,11 @@
  * variant, or of an older term than this process has seen, is refused
  * with FAILED_PRECONDITION and changes nothing. Tensor images come in
  * pieces (at most ~4 MiB each) that are assembled here and installed
- * once complete (fps_shard_install: all of a tensor or nothing); keys go
- * into the idempotency window; transfer_done makes this standby joined.
+ * once complete (fps_shard_install: all of a tensor or nothing), and keys
+ * go into the idempotency window: during the transfer at once (a standby
+ * that has not joined is never promoted), after it at the batch's commit,
+ * all together, so that what one push changed is here entirely or not at
+ * all. transfer_done makes this standby joined.
  * Any malformed message fails the stream (INVALID_ARGUMENT) with nothing
  * of it applied. The stream has no deadline: it lives as long as the
  * primary keeps it open. */
@@ -23,8 +26,28 @@
 
 enum { RP_RECV, RP_SEND, RP_DONE };
 
+/* A complete image received after the transfer, waiting for its commit. */
+typedef struct fps_rp_pending_s {
+  fps_image_in_t in;
+  char *name;
+  uint64_t *dims;
+  uint8_t *buf;
+  struct fps_rp_pending_s *next;
+} fps_rp_pending_t;
+
+typedef struct fps_rp_key_s {
+  uint32_t worker;
+  uint64_t id, tensors;
+  uint32_t n;
+  uint64_t *v;
+  struct fps_rp_key_s *next;
+} fps_rp_key_t;
+
 typedef struct fps_rp_call_s {
   fps_call_t base;
+  bool transferred;           /* transfer_done seen: images wait for commits */
+  fps_rp_pending_t *pending, *pending_last;
+  fps_rp_key_t *keys, *keys_last;
   int phase;                  /* RP_* (base.mu) */
   bool hello;                 /* the hello was accepted */
   uint64_t term;
@@ -43,8 +66,52 @@ static void fps__rp_drop_piece(fps_rp_call_t *rp) {
   rp->total = rp->got = 0;
 }
 
+static void fps__rp_drop_pending(fps_rp_call_t *rp) {
+  while (rp->pending) {
+    fps_rp_pending_t *p = rp->pending;
+    rp->pending = p->next;
+    fps_free(p->name);
+    fps_free(p->dims);
+    fps_free(p->buf);
+    fps_free(p);
+  }
+  rp->pending_last = NULL;
+  while (rp->keys) {
+    fps_rp_key_t *k = rp->keys;
+    rp->keys = k->next;
+    fps_free(k->v);
+    fps_free(k);
+  }
+  rp->keys_last = NULL;
+}
+
+/* The batch since the last commit takes effect: its images, then its
+ * keys, with the replica's commit lock held so that a promotion cannot
+ * come in between (replica.c). */
+static int fps__rp_commit(fps_rp_call_t *rp, char *why, size_t wl) {
+  fps_server_t *srv = rp->base.srv;
+  int rc = 0;
+  fps_replica_commit_lock(srv->replica);
+  /* Still this stream's standby (a promotion or a newer primary may have
+   * come since the message was checked)? */
+  fps_role_view_t v;
+  fps_role_get(fps_replica_role(srv->replica), &v);
+  if (v.role != FPS_REPLICA_STANDBY || v.term != rp->term) {
+    snprintf(why, wl, "term %" PRIu64 " is older than %" PRIu64, rp->term, v.term);
+    rc = FPS_ESTATE;
+  }
+  for (fps_rp_pending_t *p = rp->pending; p && rc == 0; p = p->next)
+    rc = fps_shard_install(srv->shard, &p->in, why, wl);
+  for (fps_rp_key_t *k = rp->keys; k && rc == 0; k = k->next)
+    (void)fps_shard_idem_put(srv->shard, k->worker, k->id, k->tensors, k->v, k->n);
+  fps_replica_commit_unlock(srv->replica);
+  fps__rp_drop_pending(rp);
+  return rc;
+}
+
 static void fps__rp_destroy(fps_call_t *c) {
   fps_rp_call_t *rp = (fps_rp_call_t *)c;
+  fps__rp_drop_pending(rp);
   if (rp->hello) {
     fps_role_stream_ended(fps_replica_role(c->srv->replica), rp->term);
     fps_replica_publish(c->srv->replica);
@@ -160,6 +227,29 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
     snprintf(why, wl, "%s", sub);
     return FPS_EINVAL;
   }
+  if (rp->transferred) {
+    /* After the transfer: kept until the batch's commit. */
+    fps_rp_pending_t *p = fps_calloc(1, sizeof *p);
+    if (!p || !(p->dims = fps_malloc((rt->n_shape ? rt->n_shape : 1) * sizeof *p->dims))) {
+      fps_free(p);
+      fps__rp_drop_piece(rp);
+      snprintf(why, wl, "tensor '%s': out of memory", name);
+      return FPS_ENOMEM;
+    }
+    if (rt->n_shape) memcpy(p->dims, rt->shape, rt->n_shape * sizeof *p->dims);
+    p->in = in;
+    p->in.dims = p->dims;
+    p->name = rp->name;
+    p->buf = rp->buf;
+    p->in.name = p->name;
+    rp->name = NULL;
+    rp->buf = NULL;
+    fps__rp_drop_piece(rp);
+    if (rp->pending_last) rp->pending_last->next = p;
+    else rp->pending = p;
+    rp->pending_last = p;
+    return 0;
+  }
   int rc = fps_shard_install(srv->shard, &in, sub, sizeof sub);
   fps__rp_drop_piece(rp);
   if (rc < 0) {
@@ -205,10 +295,40 @@ static int fps__rp_message(fps_rp_call_t *rp, const Factorps__V1__ReplicateReque
     }
     /* A full window forgets; the retry is then refused as stale or
      * applied again, as after any forgotten key (shard.h). */
-    (void)fps_shard_idem_put(rp->base.srv->shard, k->worker, k->push_id, k->tensors, k->versions,
-                             (uint32_t)k->n_versions);
+    if (!rp->transferred) {
+      (void)fps_shard_idem_put(rp->base.srv->shard, k->worker, k->push_id, k->tensors, k->versions,
+                               (uint32_t)k->n_versions);
+      continue;
+    }
+    fps_rp_key_t *q = fps_calloc(1, sizeof *q);
+    if (!q || (k->n_versions && !(q->v = fps_malloc(k->n_versions * sizeof *q->v)))) {
+      fps_free(q);
+      snprintf(why, wl, "out of memory for a key");
+      return FPS_ENOMEM;
+    }
+    q->worker = k->worker;
+    q->id = k->push_id;
+    q->tensors = k->tensors;
+    q->n = (uint32_t)k->n_versions;
+    if (q->n) memcpy(q->v, k->versions, q->n * sizeof *q->v);
+    if (rp->keys_last) rp->keys_last->next = q;
+    else rp->keys = q;
+    rp->keys_last = q;
+  }
+  if (m->commit) {
+    if (!rp->transferred) {
+      snprintf(why, wl, "a commit before transfer_done");
+      return FPS_EINVAL;
+    }
+    int rc = fps__rp_commit(rp, why, wl);
+    if (rc < 0) return rc;
   }
   if (m->transfer_done) {
+    if (rp->transferred) {
+      snprintf(why, wl, "a second transfer_done");
+      return FPS_EINVAL;
+    }
+    rp->transferred = true;
     fps_role_standby_joined(fps_replica_role(rp->base.srv->replica), rp->term);
     fps_replica_publish(rp->base.srv->replica);
     FPS_LOG(FPS_LOG_INFO, "replica: joined the primary's stream (term %" PRIu64 ")", rp->term);

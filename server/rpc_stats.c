@@ -151,6 +151,7 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   sh.term = rv.term;
   sh.replica_peer = srv->cfg.replica_peer;
   sh.standby_joined = rv.role == FPS_REPLICA_PRIMARY ? rv.joined : rv.joined && rv.streaming;
+  if (req->include_tensors || req->include_checksum) sh.state_checksum = fps_shard_state_checksum(shard);
   resp.shard = &sh;
   resp.n_tensors = nt;
   resp.tensors = tsp;

@@ -223,6 +223,23 @@ int fps_shard_checksum(fps_shard_t *sh, fps_tensor_t *t, uint64_t *version, uint
   return 0;
 }
 
+uint64_t fps_shard_state_checksum(fps_shard_t *sh) {
+  uint64_t h = 0, i = 0;
+  /* Tensors are never removed: walk the creation list without the store
+   * lock held across the checksums (each takes its tensor's lock). */
+  pthread_rwlock_rdlock(&sh->store.mu);
+  fps_tensor_t *t = sh->store.first;
+  pthread_rwlock_unlock(&sh->store.mu);
+  for (; t; i++) {
+    uint64_t v, sum;
+    if (fps_shard_checksum(sh, t, &v, &sum) == 0) h = fps_hash64(&(uint64_t[2]){h, sum}, 16, i);
+    pthread_rwlock_rdlock(&sh->store.mu);
+    t = t->next;
+    pthread_rwlock_unlock(&sh->store.mu);
+  }
+  return h;
+}
+
 /* ------------------------------------------------------ idempotency */
 
 bool fps_push_key_info(const fps_push_t *p, uint32_t *worker, uint64_t *id, uint64_t *tensors) {

@@ -604,6 +604,9 @@ uint64_t fps_hash64(const void *data, size_t n, uint64_t seed);
  * factored state is small), the parameters after, from their immutable
  * buffer. 0, or FPS_ESTATE (initialising; *sum 0). Never 0 otherwise. */
 int fps_shard_checksum(fps_shard_t *sh, fps_tensor_t *t, uint64_t *version, uint64_t *sum);
+/* The shard's: a hash over every ready tensor's checksum in creation
+ * order (0: none ready). One pass over every tensor's bytes. */
+uint64_t fps_shard_state_checksum(fps_shard_t *sh);
 
 /* A resolved, applied push's idempotency key (false: it had none, or it
  * was a replay): its worker, push_id and the hash of its tensors. */

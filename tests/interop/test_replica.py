@@ -146,6 +146,11 @@ class Replica(unittest.TestCase):
             self.assertEqual({n: v for n, (v, _) in want.items()}, acked)
             got = checksums(b)
             self.assertEqual(got, want)  # the standby holds the same bits, before any failover
+            shard_sum = a.stub.Stats(self.pb.StatsRequest(include_checksum=True), timeout=30).shard.state_checksum
+            self.assertNotEqual(shard_sum, 0)
+            self.assertEqual(b.stub.Stats(self.pb.StatsRequest(include_checksum=True), timeout=30).shard.state_checksum,
+                             shard_sum)
+            self.assertEqual(a.stub.Stats(self.pb.StatsRequest(), timeout=30).shard.state_checksum, 0)
             params_a, _ = H.pull(a.stub, SHAPES)
             # SIGKILL the primary: the standby takes the lease with term + 1.
             a.kill()
@@ -208,6 +213,64 @@ class Replica(unittest.TestCase):
             H.join([t], "the push after SIGCONT")
             self.assertEqual(out["r"][1]["w"], 2)
             self.assertEqual(checksums(b), checksums(a))
+        finally:
+            pair.close()
+
+    def test_standby_lost_primary_goes_on(self):
+        """A standby that dies is dropped: the primary answers alone."""
+        pair = Pair("--mode", "async")
+        try:
+            a, b = pair.a, pair.b
+            self.create_all(a.stub)
+            pair.wait_role(a, "primary", joined=True)
+            b.kill()
+            pair.b = None
+            t0 = time.monotonic()
+            out = self.push(a.stub, 0, 0, self.grads(), 1)
+            self.assertEqual(out[1]["w"], 1)
+            self.assertLess(time.monotonic() - t0, 5.0)
+            s = pair.wait_role(a, "primary", joined=False)
+            self.assertEqual(s.shard.replica_role, "primary")
+        finally:
+            pair.close()
+
+    def test_higher_term_fences_the_primary(self):
+        """A primary that learns of a higher term stops acknowledging at
+        once: here a stream of a newer term reaches its standby (as a new
+        primary's would after a partition), the standby refuses the old
+        primary's stream with "term T is older than U", and the old
+        primary steps down: its waiting push and every later call fail
+        UNAVAILABLE."""
+        import threading
+        pair = Pair("--mode", "async")
+        try:
+            a, b = pair.a, pair.b
+            self.create_all(a.stub)
+            sa = pair.wait_role(a, "primary", joined=True)
+            sb, _ = H.stats(b.stub)
+            pb = self.pb
+            hello = pb.ReplicateHello(shard_id=0, shard_count=1, term=sa.shard.term + 5, mode=pb.MODE_ASYNC,
+                                      workers=1, simd=sb.shard.simd, primary="127.0.0.1:9")
+            release = threading.Event()
+
+            def stream():
+                yield pb.ReplicateRequest(seq=1, hello=hello)
+                release.wait(30)
+            call = b.stub.Replicate(stream(), timeout=60)
+            self.assertEqual(next(call).acked, 1)
+            try:
+                with self.assertRaises(self.grpc.RpcError) as cm:
+                    self.push(a.stub, 0, 0, self.grads(), 7)
+                self.assertEqual(cm.exception.code(), self.grpc.StatusCode.UNAVAILABLE)
+                s = pair.wait_role(a, "standby")
+                self.assertEqual(s.shard.term, sa.shard.term + 5)
+                with self.assertRaises(self.grpc.RpcError) as cm:
+                    H.pull(a.stub, {"w": SHAPES["w"]})
+                self.assertEqual(cm.exception.code(), self.grpc.StatusCode.UNAVAILABLE)
+                self.assertIn("is a standby (term %d)" % (sa.shard.term + 5), cm.exception.details())
+            finally:
+                release.set()
+                call.cancel()
         finally:
             pair.close()
 
