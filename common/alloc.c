@@ -37,6 +37,8 @@ void *fps_realloc(void *p, size_t size) { return fps__alloc_fails() ? NULL : rea
 
 char *fps_strdup(const char *s) { return fps__alloc_fails() ? NULL : strdup(s); }
 
+char *fps_strndup(const char *s, size_t n) { return fps__alloc_fails() ? NULL : strndup(s, n); }
+
 int fps_aligned_alloc(void **out, size_t align, size_t size) {
   if (fps__alloc_fails()) return ENOMEM;
   return posix_memalign(out, align, size);

@@ -30,6 +30,7 @@
 #define fps_calloc fps__client_calloc
 #define fps_realloc fps__client_realloc
 #define fps_strdup fps__client_strdup
+#define fps_strndup fps__client_strndup
 #define fps_aligned_alloc fps__client_aligned_alloc
 #define fps_free fps__client_free
 #define fps_alloc_fault_arm fps_client_alloc_fault_arm
@@ -43,6 +44,7 @@ void *fps_calloc(size_t n, size_t size);
 /* On failure the old block is left untouched, as with realloc(). */
 void *fps_realloc(void *p, size_t size);
 char *fps_strdup(const char *s);
+char *fps_strndup(const char *s, size_t n);
 /* posix_memalign(): 0, or ENOMEM / EINVAL with *out unchanged. */
 int fps_aligned_alloc(void **out, size_t align, size_t size);
 /* NULL is a no-op. */

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "commands.h"
 
 const char *fps_cli_env_shards(void) {
@@ -15,21 +16,21 @@ const char *fps_cli_env_shards(void) {
 
 void fps_cli_split_free(char **v) {
   if (!v) return;
-  for (size_t i = 0; v[i]; i++) free(v[i]);
-  free(v);
+  for (size_t i = 0; v[i]; i++) fps_free(v[i]);
+  fps_free(v);
 }
 
 char **fps_cli_split(const char *list, size_t *n) {
   size_t cap = 1;
   for (const char *p = list; *p; p++) cap += *p == ',';
-  char **v = calloc(cap + 1, sizeof *v);
+  char **v = fps_calloc(cap + 1, sizeof *v);
   if (!v) return NULL;
   size_t k = 0;
   const char *p = list;
   for (;;) {
     const char *e = strchr(p, ',');
     size_t len = e ? (size_t)(e - p) : strlen(p);
-    if (len == 0 || !(v[k] = strndup(p, len))) {
+    if (len == 0 || !(v[k] = fps_strndup(p, len))) {
       fps_cli_split_free(v);
       return NULL;
     }
@@ -139,7 +140,7 @@ int fps_cli_sec_load(fps_cli_sec_t *s) {
     size_t n = strcspn(p, "\r\n");
     while (n > 0 && (p[n - 1] == ' ' || p[n - 1] == '\t')) n--;
     if (n == 0 || *p == '#') continue;
-    s->token = strndup(p, n);
+    s->token = fps_strndup(p, n);
     break;
   }
   fclose(f);
@@ -163,7 +164,7 @@ void fps_cli_sec_fill(const fps_cli_sec_t *s, fps_client_options_t *o) {
 void fps_cli_sec_free(fps_cli_sec_t *s) {
   if (s->token) {
     explicit_bzero(s->token, strlen(s->token));
-    free(s->token);
+    fps_free(s->token);
     s->token = NULL;
   }
 }

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "checkpoint.h"
 #include "checkpoint_reshard.h"
 #include "commands.h"
@@ -161,12 +162,12 @@ static int reshard(int argc, char **argv) {
   const size_t n_in = total - out_count;
   char *const *in_dirs = argv + optind;
   const char *const *out_dirs = (const char *const *)(argv + optind + n_in);
-  fps_ckpt_t **in = calloc(n_in, sizeof *in);
+  fps_ckpt_t **in = fps_calloc(n_in, sizeof *in);
   fps_ckpt_job_t *job = NULL;
   fps_tensor_def_t *defs = NULL;
   fps_block_t *blocks = NULL;
   fps_ckpt_place_t *plan = NULL;
-  fps_ckpt_written_t *w = calloc(out_count, sizeof *w);
+  fps_ckpt_written_t *w = fps_calloc(out_count, sizeof *w);
   char why[FPS_CKPT_WHY_MAX] = "";
   if (!in || !w) goto nomem;
   for (size_t i = 0; i < n_in; i++) {
@@ -184,7 +185,7 @@ static int reshard(int argc, char **argv) {
     fprintf(stderr, "factorps checkpoint reshard: %s (%s)\n", why, fps_err_name(grc));
     goto done;
   }
-  if (!(defs = calloc(job->n ? job->n : 1, sizeof *defs))) goto nomem;
+  if (!(defs = fps_calloc(job->n ? job->n : 1, sizeof *defs))) goto nomem;
   for (size_t i = 0; i < job->n; i++) {
     const fps_shape_t *sh = &job->t[i].state.shape;
     defs[i].name = job->t[i].name;
@@ -196,7 +197,7 @@ static int reshard(int argc, char **argv) {
   /* The workers' own placement: ask for the block count, then the blocks. */
   int prc = fps_client_placement_plan(defs, job->n, out_count, split, NULL, 0, &nb, NULL, &st);
   if (prc && st.code != FPS_CODE_OUT_OF_RANGE) goto plan_failed;
-  if (!(blocks = calloc(nb ? nb : 1, sizeof *blocks)) || !(plan = calloc(nb ? nb : 1, sizeof *plan)))
+  if (!(blocks = fps_calloc(nb ? nb : 1, sizeof *blocks)) || !(plan = fps_calloc(nb ? nb : 1, sizeof *plan)))
     goto nomem;
   if (fps_client_placement_plan(defs, job->n, out_count, split, blocks, nb, &nb, NULL, &st))
     goto plan_failed;
@@ -251,12 +252,12 @@ nomem:
   fprintf(stderr, "factorps checkpoint reshard: out of memory\n");
 done:
   for (size_t i = 0; in && i < n_in; i++) fps_ckpt_destroy(in[i]);
-  free(in);
+  fps_free(in);
   fps_ckpt_job_destroy(job);
-  free(defs);
-  free(blocks);
-  free(plan);
-  free(w);
+  fps_free(defs);
+  fps_free(blocks);
+  fps_free(plan);
+  fps_free(w);
   return rc;
 }
 
@@ -303,7 +304,7 @@ int fps_cli_checkpoint(int argc, char **argv) {
   int crc = fps_cli_connect("checkpoint", shards, &sec, deadline, 2, &addrs, &n, &c, &status);
   if (crc == 2) return 2;
   if (crc) goto fail;
-  if (!(info = calloc(n, sizeof *info))) {
+  if (!(info = fps_calloc(n, sizeof *info))) {
     snprintf(status.message, sizeof status.message, "out of memory");
     status.code = FPS_CODE_RESOURCE_EXHAUSTED;
     goto fail;
@@ -318,7 +319,7 @@ int fps_cli_checkpoint(int argc, char **argv) {
 fail:
   fprintf(stderr, "factorps checkpoint: %s: %s\n", fps_code_name(status.code), status.message);
 done:
-  free(info);
+  fps_free(info);
   fps_client_destroy(c);
   fps_cli_split_free(addrs);
   fps_cli_sec_free(&sec);

@@ -29,6 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "alloc.h"
 #include "commands.h"
 #include "models.h"
 #include "factorps/client.h"
@@ -120,11 +121,11 @@ static void worker_run(worker_t *w) {
   fps_status_t st;
   fps_client_options_t o;
   float *grad = NULL, *param = NULL;
-  const float **grads = calloc(n, sizeof *grads);
-  float **params = calloc(n, sizeof *params);
-  const char **names = calloc(n, sizeof *names);
-  fps_tensor_def_t *defs = calloc(n, sizeof *defs);
-  uint64_t *versions = calloc(n, sizeof *versions);
+  const float **grads = fps_calloc(n, sizeof *grads);
+  float **params = fps_calloc(n, sizeof *params);
+  const char **names = fps_calloc(n, sizeof *names);
+  fps_tensor_def_t *defs = fps_calloc(n, sizeof *defs);
+  uint64_t *versions = fps_calloc(n, sizeof *versions);
   double bytes_per_step = 0;
 
   w->res.ok = 0;
@@ -133,8 +134,8 @@ static void worker_run(worker_t *w) {
     goto done;
   }
   /* One contiguous gradient and one parameter area for the whole model. */
-  grad = malloc(cfg->total * sizeof *grad);
-  param = malloc(cfg->total * sizeof *param);
+  grad = fps_malloc(cfg->total * sizeof *grad);
+  param = fps_malloc(cfg->total * sizeof *param);
   if (!grad || !param) {
     snprintf(w->res.error, sizeof w->res.error, "out of memory for %llu parameters",
              (unsigned long long)cfg->total);
@@ -181,13 +182,13 @@ fail:
            st.message);
 done:
   fps_client_destroy(c);
-  free(grad);
-  free(param);
-  free(grads);
-  free(params);
-  free(names);
-  free(defs);
-  free(versions);
+  fps_free(grad);
+  fps_free(param);
+  fps_free(grads);
+  fps_free(params);
+  fps_free(names);
+  fps_free(defs);
+  fps_free(versions);
 }
 
 static void *worker_thread(void *arg) {
@@ -220,12 +221,12 @@ static int read_all(int fd, void *buf, size_t len) {
 /* --processes: fork before any gRPC use in this process (gRPC's threads do
  * not survive fork), run one worker per child, ship results over a pipe. */
 static int run_processes(worker_t *ws, unsigned W, size_t n_lat) {
-  pid_t *pids = calloc(W, sizeof *pids);
-  int *fds = calloc(W, sizeof *fds);
+  pid_t *pids = fps_calloc(W, sizeof *pids);
+  int *fds = fps_calloc(W, sizeof *fds);
   int rc = 0;
   if (!pids || !fds) {
-    free(pids);
-    free(fds);
+    fps_free(pids);
+    fps_free(fds);
     return -1;
   }
   for (unsigned i = 0; i < W; i++) {
@@ -265,8 +266,8 @@ static int run_processes(worker_t *ws, unsigned W, size_t n_lat) {
     close(fds[i]);
     waitpid(pids[i], NULL, 0);
   }
-  free(pids);
-  free(fds);
+  fps_free(pids);
+  fps_free(fds);
   return rc;
 }
 
@@ -285,7 +286,7 @@ static double pct(const double *v, size_t n, double p) {
 static int check_mode(const load_cfg_t *cfg) {
   fps_client_options_t o;
   fps_status_t st;
-  fps_shard_stats_t *s = calloc(cfg->n_shards, sizeof *s);
+  fps_shard_stats_t *s = fps_calloc(cfg->n_shards, sizeof *s);
   int rc = -1;
   fps_client_options_init(&o);
   fps_cli_sec_fill(&cfg->sec, &o);
@@ -310,7 +311,7 @@ static int check_mode(const load_cfg_t *cfg) {
   rc = 0;
 done:
   fps_client_destroy(c);
-  free(s);
+  fps_free(s);
   return rc;
 }
 
@@ -462,8 +463,8 @@ int fps_cli_load(int argc, char **argv) {
   /* The workers this process runs: all W, or just --worker-id. */
   unsigned nrun = cfg.worker_id >= 0 ? 1 : cfg.workers;
   unsigned first = cfg.worker_id >= 0 ? (unsigned)cfg.worker_id : 0;
-  ws = calloc(nrun, sizeof *ws);
-  all = calloc(n_lat * nrun, sizeof *all);
+  ws = fps_calloc(nrun, sizeof *ws);
+  all = fps_calloc(n_lat * nrun, sizeof *all);
   if (!ws || !all) goto done;
   for (unsigned i = 0; i < nrun; i++) {
     ws[i].cfg = &cfg;
@@ -513,10 +514,10 @@ int fps_cli_load(int argc, char **argv) {
          p99, mx, cfg.wire_dtype == FPS_WIRE_BF16 ? "bf16" : "f32", t0, t1);
   rc = 0;
 done:
-  free(ws);
-  free(all);
-  free(cfg.defs);
-  free(cfg.names);
+  fps_free(ws);
+  fps_free(all);
+  fps_free(cfg.defs);
+  fps_free(cfg.names);
   fps_cli_split_free(cfg.addrs);
   fps_cli_sec_free(&cfg.sec);
   return rc;

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "commands.h"
 #include "models.h"
 
@@ -92,15 +93,15 @@ int fps_cli_plan(int argc, char **argv) {
   const size_t S = (size_t)shards;
   fps_status_t st;
   size_t nb = 0;
-  whole = calloc(S, sizeof *whole);
-  load = calloc(S, sizeof *load);
+  whole = fps_calloc(S, sizeof *whole);
+  load = fps_calloc(S, sizeof *load);
   if (!whole || !load) goto nomem;
   /* Ask the split plan's size first: it has at least as many blocks as
    * the whole-tensor plan. */
   if (fps_client_placement_plan(m.defs, m.n_tensors, S, split, NULL, 0, &nb, NULL, &st) &&
       st.code != FPS_CODE_OUT_OF_RANGE)
     goto failed;
-  blocks = malloc((nb ? nb : 1) * sizeof *blocks);
+  blocks = fps_malloc((nb ? nb : 1) * sizeof *blocks);
   if (!blocks) goto nomem;
   size_t nwhole;
   if (fps_client_placement_plan(m.defs, m.n_tensors, S, 0, blocks, nb, &nwhole, whole, &st) ||
@@ -140,9 +141,9 @@ nomem:
 failed:
   fprintf(stderr, "factorps plan: %s\n", st.message);
 done:
-  free(blocks);
-  free(whole);
-  free(load);
+  fps_free(blocks);
+  fps_free(whole);
+  fps_free(load);
   fps_cli_model_free(&m);
   return rc;
 }

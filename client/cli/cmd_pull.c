@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "commands.h"
 #include "factorps/client.h"
 
@@ -49,7 +50,7 @@ static int print_state(fps_client_t *c, const char *name, uint64_t numel, fps_st
   if (rc) return rc;
   uint64_t n[4] = {in.row_elements, in.col_elements, in.var_elements, in.mom_elements};
   for (int k = 0; k < 4; k++)
-    if (n[k] && !(a[k] = malloc(n[k] * sizeof(float)))) {
+    if (n[k] && !(a[k] = fps_malloc(n[k] * sizeof(float)))) {
       rc = FPS_CODE_RESOURCE_EXHAUSTED;
       snprintf(status->message, sizeof status->message, "out of memory for the state of '%s'", name);
       goto out;
@@ -66,7 +67,7 @@ static int print_state(fps_client_t *c, const char *name, uint64_t numel, fps_st
     summary(a[k], n[k]);
   }
 out:
-  for (int k = 0; k < 4; k++) free(a[k]);
+  for (int k = 0; k < 4; k++) fps_free(a[k]);
   return rc;
 }
 
@@ -131,8 +132,8 @@ int fps_cli_pull(int argc, char **argv) {
       goto done;
     }
     for (uint32_t d = 0; d < ndim; d++) numel *= shape[d];
-    free(buf);
-    if (!(buf = malloc(numel * sizeof *buf))) {
+    fps_free(buf);
+    if (!(buf = fps_malloc(numel * sizeof *buf))) {
       fprintf(stderr, "factorps pull: out of memory for tensor '%s'\n", name);
       goto done;
     }
@@ -165,7 +166,7 @@ fail:
   fprintf(stderr, "factorps pull: %s: %s\n", fps_code_name(status.code), status.message);
 done:
   if (out) fclose(out);
-  free(buf);
+  fps_free(buf);
   fps_client_destroy(c);
   fps_cli_split_free(addrs);
   fps_cli_sec_free(&sec);

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "commands.h"
 #include "factorps/client.h"
 
@@ -181,7 +182,7 @@ int fps_cli_stats(int argc, char **argv) {
   int crc = fps_cli_connect("stats", shards, &sec, deadline, 2, &addrs, &n, &c, &status);
   if (crc == 2) return 2;
   if (crc) goto fail;
-  if (!(st = calloc(n, sizeof *st))) goto fail;
+  if (!(st = fps_calloc(n, sizeof *st))) goto fail;
   if (fps_client_stats(c, st, n, &status)) goto fail;
   if (json)
     print_json(addrs, st, n);
@@ -192,7 +193,7 @@ int fps_cli_stats(int argc, char **argv) {
 fail:
   fprintf(stderr, "factorps stats: %s: %s\n", fps_code_name(status.code), status.message);
 done:
-  free(st);
+  fps_free(st);
   fps_client_destroy(c);
   fps_cli_split_free(addrs);
   fps_cli_sec_free(&sec);

@@ -1,5 +1,6 @@
 /* The synthetic models of `factorps load` (and `factorps plan`): tensor
  * lists of about N parameters, every tensor torch-flavored, no init. */
+#include "alloc.h"
 #include "models.h"
 
 #include <math.h>
@@ -9,8 +10,8 @@
 
 void fps_cli_model_free(fps_cli_model_t *m) {
   if (!m) return;
-  free(m->defs);
-  free(m->names);
+  fps_free(m->defs);
+  fps_free(m->names);
   memset(m, 0, sizeof *m);
 }
 
@@ -48,8 +49,8 @@ int fps_cli_model_gpt(fps_cli_model_t *m, unsigned long long params, const char 
   }
   uint64_t vocab = (n - layers * per_layer - d) / d;
   size_t cap = 2 + 6 * layers;
-  m->defs = calloc(cap, sizeof *m->defs);
-  m->names = calloc(cap, sizeof *m->names);
+  m->defs = fps_calloc(cap, sizeof *m->defs);
+  m->names = fps_calloc(cap, sizeof *m->names);
   if (!m->defs || !m->names) {
     fprintf(stderr, "%s: out of memory for the model\n", prog);
     fps_cli_model_free(m);
@@ -95,8 +96,8 @@ int fps_cli_model_peer(fps_cli_model_t *m, unsigned long long params, unsigned l
   if (h < 64) h = 64;
   uint64_t used = layers * (12 * h * h + 7 * h) + extra * h;
   uint64_t vocab = n > used + h ? (n - used) / h : 1;
-  m->defs = calloc(k, sizeof *m->defs);
-  m->names = calloc(k, sizeof *m->names);
+  m->defs = fps_calloc(k, sizeof *m->defs);
+  m->names = fps_calloc(k, sizeof *m->names);
   if (!m->defs || !m->names) {
     fprintf(stderr, "%s: out of memory for the model\n", prog);
     fps_cli_model_free(m);

@@ -36,20 +36,22 @@ static void every_kind_is_counted(void **unused) {
   (void)unused;
   fps_alloc_fault_arm(0, 0);
   void *a = fps_malloc(8), *b = fps_calloc(2, 8), *c = NULL;
-  char *s = fps_strdup("w");
+  char *s = fps_strdup("w"), *t = fps_strndup("word", 2);
   a = fps_realloc(a, 64);
   assert_int_equal(fps_aligned_alloc(&c, 64, 128), 0);
-  assert_true(a && b && c && s);
+  assert_true(a && b && c && s && t);
   assert_int_equal((uintptr_t)c % 64, 0);
   assert_string_equal(s, "w");
-  assert_int_equal(fps_alloc_calls(), 5);
+  assert_string_equal(t, "wo");
+  assert_int_equal(fps_alloc_calls(), 6);
   assert_int_equal(fps_alloc_failures(), 0);
   fps_free(a);
   fps_free(b);
   fps_free(c);
   fps_free(s);
+  fps_free(t);
   fps_free(NULL);
-  assert_int_equal(fps_alloc_calls(), 5); /* frees are not allocations */
+  assert_int_equal(fps_alloc_calls(), 6); /* frees are not allocations */
 }
 
 static void only_the_nth_fails(void **unused) {
