@@ -111,6 +111,8 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
      "seconds an etcd lease lives without renewal (failover time after a primary dies)"},
     {"replica-advertise", CFG_STR, OFF(replica_advertise), "", 0, 0,
      "host:port clients are told to use for this replica (default: --listen)"},
+    {"split-anchor-steps", CFG_U32, OFF(split_anchor_steps), "10", 0, 1e9,
+     "split tensors: keep each block's state in --checkpoint-dir every N versions, to recover to (0: never)"},
 };
 #undef OFF
 #define FPS_CFG_N (sizeof fps__cfg_table / sizeof fps__cfg_table[0])
@@ -132,6 +134,7 @@ void fps_config_shard_opts(const fps_config_t *cfg, fps_shard_opts_t *o) {
   o->checkpoint_keep = cfg->checkpoint_keep;
   o->require_checkpoint = cfg->require_checkpoint;
   o->job_id = cfg->job_id ? cfg->job_id : "";
+  o->split_anchor_steps = cfg->split_anchor_steps;
 }
 
 static void fps__env_name(const fps_cfg_entry_t *e, char *buf, size_t len) {

@@ -268,6 +268,8 @@ int main(int argc, char **argv) {
     exit_code = 1;
     goto out;
   }
+  /* Restored split blocks compare versions with their peers (xrecover.c). */
+  if (peers) fps_shard_recover_start(srv.shard);
   for (;;) {
     int sig = 0;
     if (sigwait(&sigs, &sig) == 0 && (sig == SIGTERM || sig == SIGINT)) {
@@ -279,7 +281,12 @@ int main(int argc, char **argv) {
 out:
   fps_metrics_ready_set(false);
   int64_t stop0 = fps_now_ns();
-  /* Exchanges in flight fail UNAVAILABLE first, so the steps waiting for
+  /* A split step whose exchange has begun finishes (or fails) on every
+   * block before this shard stops: the peers may already hold our partials
+   * and apply. gRPC still serves their Exchange calls meanwhile; no new
+   * step begins. Bounded by the exchange deadline. */
+  if (peers && srv.shard) fps_shard_drain_exchanges(srv.shard, srv.cfg.exchange_deadline + 1.0);
+  /* Exchanges still in flight fail UNAVAILABLE, so the steps waiting for
    * them fail and answer their calls within the grace period below. */
   fps_peers_stop(peers, FPS_PEERS_STOP_WAIT_S);
   /* A primary lets go of its lease first: its standby takes over while

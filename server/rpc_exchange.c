@@ -31,8 +31,13 @@ static grpc_status_code fps__exchange_check(fps_server_t *srv,
     return GRPC_STATUS_INVALID_ARGUMENT;
   }
   if (req->phase != FACTORPS__V1__EXCHANGE_PHASE__EXCHANGE_PHASE_STATS &&
-      req->phase != FACTORPS__V1__EXCHANGE_PHASE__EXCHANGE_PHASE_U2) {
-    snprintf(why, why_len, "Exchange of tensor '%s': phase %d (expected STATS = 1 or U2 = 2)",
+      req->phase != FACTORPS__V1__EXCHANGE_PHASE__EXCHANGE_PHASE_U2 &&
+      req->phase != FACTORPS__V1__EXCHANGE_PHASE__EXCHANGE_PHASE_COMMIT &&
+      req->phase != FACTORPS__V1__EXCHANGE_PHASE__EXCHANGE_PHASE_VERSIONS &&
+      req->phase != FACTORPS__V1__EXCHANGE_PHASE__EXCHANGE_PHASE_ABORT) {
+    snprintf(why, why_len,
+             "Exchange of tensor '%s': phase %d (expected STATS = 1, U2 = 2, COMMIT = 3, VERSIONS = 4 or ABORT = "
+             "5)",
              name, (int)req->phase);
     return GRPC_STATUS_INVALID_ARGUMENT;
   }
@@ -50,8 +55,8 @@ static grpc_status_code fps__exchange_check(fps_server_t *srv,
              name, req->from_shard, srv->cfg.shard_count, srv->cfg.shard_id);
     return GRPC_STATUS_INVALID_ARGUMENT;
   }
-  int rc = fps_split_partials_check(req->partials.data, req->partials.len, (int)req->phase, NULL,
-                                    sub, sizeof sub);
+  int rc = fps_shard_exchange_payload_check((int)req->phase, req->partials.data, req->partials.len, sub,
+                                            sizeof sub);
   if (rc < 0) {
     snprintf(why, why_len, "Exchange of tensor '%s' from shard %u: %s", name, req->from_shard,
              sub);

@@ -77,6 +77,7 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
       tsplit[nt].block_shards = (uint32_t *)tv->map.block_shards;
       tsplit[nt].shard_count = tv->map.shard_count;
       o->split = &tsplit[nt];
+      o->split_lost_steps = tv->split_lost_steps;
     }
     o->flavor = tv->flavor == FPS_FLAVOR_TORCH ? FACTORPS__V1__FLAVOR__FLAVOR_TORCH : FACTORPS__V1__FLAVOR__FLAVOR_HF;
     o->param_elements = tv->numel;

@@ -121,6 +121,7 @@ typedef struct fps_config_s {
   char *lease;
   double lease_ttl;
   char *replica_advertise;
+  uint32_t split_anchor_steps; /* a split block's anchor every N versions, 0: none */
 } fps_config_t;
 
 /* Fills defaults, then FACTORPS_* environment variables, then argv.

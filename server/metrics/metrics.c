@@ -95,6 +95,10 @@ enum dim { DIM_NONE, DIM_METHOD, DIM_METHOD_CODE, DIM_HTTP, DIM_CKPT_REASON, DIM
     "factorps_push_duration_seconds for those answered in full).")                   \
   X(xfailures, counter, "factorps_exchange_failures_total", NONE,                    \
     "Split tensors: steps failed in the exchange (nothing applied on this shard).")   \
+  X(xrecoveries, counter, "factorps_split_recoveries_total", NONE,                   \
+    "Split tensors: blocks moved to the version their shards agreed on.")            \
+  X(xlost_steps, counter, "factorps_split_lost_steps_total", NONE,                   \
+    "Split tensors: updates undone by moving blocks back to an agreed version.")     \
   X(waiting, gauge, "factorps_waiting_pushes", NONE,                                 \
     "Waiting now: sync, tensor gradients in open rounds; ssp, parked PushPull calls.")\
   X(http_responses, counter, "factorps_http_responses_total", HTTP,                  \
@@ -333,6 +337,11 @@ void fps_metrics_exchange_bytes(uint64_t sent, uint64_t received) {
 void fps_metrics_exchange_observe(bool ok, double seconds) {
   if (ok) hist_observe(&g.exchange[0], &set_latency, seconds);
   else atomic_fetch_add_explicit(&g.xfailures[0], 1, RELAXED);
+}
+
+void fps_metrics_split_recovered(uint64_t lost_steps) {
+  atomic_fetch_add_explicit(&g.xrecoveries[0], 1, RELAXED);
+  if (lost_steps) atomic_fetch_add_explicit(&g.xlost_steps[0], lost_steps, RELAXED);
 }
 
 void fps_metrics_staleness_observe(uint64_t staleness) {

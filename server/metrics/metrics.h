@@ -176,6 +176,9 @@ void fps_metrics_step_observe(uint32_t waited_for, double wait_seconds);
  * failed. Lock-free, any thread. */
 void fps_metrics_exchange_bytes(uint64_t sent, uint64_t received);
 void fps_metrics_exchange_observe(bool ok, double seconds);
+/* A split block moved to the version its shards agreed on (xrecover.c),
+ * undoing lost_steps updates (0: it moved forward). */
+void fps_metrics_split_recovered(uint64_t lost_steps);
 /* ssp: a push admitted `staleness` steps ahead of the slowest worker. */
 void fps_metrics_staleness_observe(uint64_t staleness);
 /* Gauge of what waits for other workers now: in sync, tensor gradients

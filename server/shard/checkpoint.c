@@ -203,6 +203,10 @@ static int fps__ckpt_restore(fps_shard_t *sh) {
     snprintf(sh->job_from, sizeof sh->job_from, "checkpoint %s", ck->path);
   }
   pthread_mutex_unlock(&sh->job_mu);
+  /* Split blocks: the anchors they can move to (xrecover.c). The store
+   * is complete; nothing serves yet. */
+  for (fps_tensor_t *t = sh->store.first; t; t = t->next)
+    if (t->split) fps__xrec_restored(sh, t);
   pthread_mutex_lock(&sh->ckpt_mu);
   sh->ckpt_have_last = true;
   sh->ckpt_last_changes = atomic_load(&sh->changes);

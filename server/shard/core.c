@@ -151,6 +151,7 @@ int fps_shard_view(fps_shard_t *sh, bool with_tensors, uint32_t log_limit, fps_s
     pthread_mutex_lock(&t->mu);
     o->version = t->version;
     o->ready = t->ready;
+    o->split_lost_steps = fps__xrec_lost_steps(t);
     uint32_t take = t->log_len < log_limit ? t->log_len : log_limit;
     o->log = v->recs ? v->recs + nrec : NULL; /* no records asked: no array */
     o->nlog = take;

@@ -294,6 +294,8 @@ typedef struct fps_tensor_split_s {
   fps_split_state_t st;        /* the block's optimizer state (t->mu) */
   struct fps_xstep_s *xs;      /* the step in flight, NULL: none (t->mu) */
   struct fps_xmail_s *mail;    /* early partials (t->mu), NULL: none */
+  struct fps_xrec_s *rec;      /* anchors and the peers' versions
+                                * (xrecover.c; t->mu), NULL: none yet */
 } fps_tensor_split_t;
 
 /* The hyperparameters one update applies: the push's TensorPush values,
@@ -851,6 +853,44 @@ void fps__xstep_expire(fps_shard_t *sh, int64_t now, bool force, const char *rea
  * the shard's teardown: no step may be in flight. No-op for a whole
  * tensor. */
 void fps__xstep_forget(fps_tensor_t *t);
+/* Drops every kept partial and failed attempt of block t: its version
+ * moved to an agreed one (xrecover.c). REQUIRES t->mu, no step in flight. */
+void fps__xstep_mail_reset(fps_tensor_t *t);
+
+/* ------------------------------------------------- xrecover.c */
+
+/* Recovery of split tensors to one version (xrecover.c): anchors (a
+ * block's state on disk every --split-anchor-steps versions, the same
+ * versions on every shard) and the agreement on the newest version every
+ * block can be restored to. */
+typedef struct fps_xanchor_s fps_xanchor_t; /* an anchor to write */
+
+/* After a block's step applied (t->mu held): forgets the peers' versions
+ * (the blocks agree again) and, at an anchor version, copies the block
+ * (its parameters by reference) onto *list for fps__xrec_anchor_flush. */
+void fps__xrec_applied_locked(fps_shard_t *sh, fps_tensor_t *t, fps_xanchor_t **list);
+/* Writes the anchors of list (no core lock held) and frees them. */
+void fps__xrec_anchor_flush(fps_shard_t *sh, fps_xanchor_t *list);
+/* Sends t's versions to the other blocks' shards unless it did within
+ * the exchange deadline (no core lock held): a peer's block was met at
+ * another version, or a step failed. */
+void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t);
+/* A peer's VERSIONS (checked by fps_shard_exchange_receive; no lock held). */
+int fps__xrec_receive(fps_shard_t *sh, fps_tensor_t *t, const fps_xmsg_t *m, char *why, size_t why_len);
+/* The expiry hook's part: blocks whose agreed version waited for a round
+ * to end move to it now. */
+void fps__xrec_tick(fps_shard_t *sh);
+/* At restore (no lock held): t's anchors found on disk. (A new block's
+ * first anchor empties its directory: another life's anchors are not
+ * this one's.) */
+void fps__xrec_restored(fps_shard_t *sh, fps_tensor_t *t);
+/* Updates t's block undid by moving to agreed versions (Stats). REQUIRES t->mu. */
+uint64_t fps__xrec_lost_steps(const fps_tensor_t *t);
+/* Frees t->split->rec (teardown). */
+void fps__xrec_forget(fps_tensor_t *t);
+/* The hint appended to "ahead of shard" / "stale push" for a block that
+ * rolled to an agreed version. */
+void fps__xrec_hint(const fps_tensor_t *t, char *buf, size_t len);
 
 /* ------------------------------------------------------ sync.c */
 
@@ -956,6 +996,9 @@ struct fps_shard_s {
    * every tensor lock. */
   pthread_mutex_t xs_mu;
   struct fps_xgroup_s *xgroups;
+  atomic_bool xstopping;            /* shutting down: no new exchange begins */
+  atomic_int xrec_pending;          /* split blocks waiting to roll to an
+                                     * agreed version (xrecover.c) */
 };
 
 /* shard.c: fps_shard_new() and fps_shard_free() on storage of the

@@ -63,6 +63,8 @@ typedef struct fps_shard_opts_s {
   int require_checkpoint;     /* refuse to start without a loaded checkpoint */
   const char *job_id;         /* --job-id: the job served, "" or NULL = learnt
                                  from a checkpoint or the first Create (borrowed) */
+  uint32_t split_anchor_steps; /* a split block's state kept on disk every N
+                               * versions (xrecover.c), 0: never */
 } fps_shard_opts_t;
 
 /* A new, empty shard (shard.c): copies opts (checkpoint_dir stays
@@ -300,6 +302,7 @@ typedef struct fps_tensor_view_s {
   fps_split_map_t map;        /* with split: the block map */
   uint64_t version;
   bool ready;
+  uint64_t split_lost_steps;  /* a block: updates undone by moving to an agreed version */
   uint32_t nlog;              /* apply records in log, oldest first */
   const fps_apply_rec_t *log; /* into the view's storage */
 } fps_tensor_view_t;
@@ -499,6 +502,16 @@ bool fps_checkpoint_unchanged(fps_shard_t *sh, const char **path);
 
 /* ------------------------------------------- split tensors: the exchange */
 
+/* Exchange phases past the partials' (ExchangePhase; ABORT below): COMMIT says "every
+ * partial of this step is here and every send of mine acknowledged" (no
+ * payload; steps of 3+ blocks apply only once every block said it);
+ * VERSIONS lists the versions the sender's block can be restored to (its
+ * own and its anchors': xrecover.c), 8 bytes each, little-endian. */
+#define FPS_XPHASE_COMMIT 3
+#define FPS_XPHASE_VERSIONS 4
+#define FPS_XPHASE_ABORT 5 /* "my step of it will not begin" (shutting down; no payload) */
+#define FPS_XVERSIONS_MAX 8 /* versions a VERSIONS message lists at most */
+
 /* One Exchange message (ExchangeRequest's fields). partials is the wire
  * form of common/adafactor_split.h; valid only during the call it is
  * passed to. */
@@ -506,7 +519,8 @@ typedef struct fps_xmsg_s {
   const char *name;
   uint64_t version;            /* the block's version before the step */
   uint32_t from_shard, shard_count, block_index;
-  int phase;                   /* FPS_SPLIT_PHASE_* */
+  int phase;                   /* FPS_SPLIT_PHASE_*, FPS_XPHASE_COMMIT or
+                                * FPS_XPHASE_VERSIONS */
   uint64_t attempt;            /* the step's attempt (xstep.c): a hash of
                                 * its members' (worker_id, push_id); 0: the
                                 * members carry no push_id */
@@ -620,5 +634,21 @@ int fps_shard_idem_put(fps_shard_t *sh, uint32_t worker, uint64_t id, uint64_t t
 typedef void (*fps_idem_each_fn)(void *arg, uint32_t worker, uint64_t id, uint64_t tensors, const uint64_t *v,
                                  uint32_t n);
 void fps_shard_idem_each(fps_shard_t *sh, fps_idem_each_fn fn, void *arg);
+
+/* The payload checks of an Exchange that need no tensor: phase STATS/U2
+ * partials (fps_split_partials_check), an empty COMMIT, a VERSIONS list.
+ * 0 or FPS_EINVAL with the problem in `why`. */
+int fps_shard_exchange_payload_check(int phase, const void *buf, size_t len, char *why, size_t why_len);
+
+/* SIGTERM: no new split step begins from now on, and the ones whose
+ * exchange has begun finish or fail (each within its exchange deadline)
+ * while gRPC still serves the peers' Exchange calls; waits at most
+ * max_seconds. Call before stopping the peers and gRPC. */
+void fps_shard_drain_exchanges(fps_shard_t *sh, double max_seconds);
+
+/* Once serving: every restored split block tells its peers the versions it
+ * can be restored to, so that a job whose blocks came back at different
+ * versions agrees on one by itself (xrecover.c). */
+void fps_shard_recover_start(fps_shard_t *sh);
 
 #endif

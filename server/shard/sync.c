@@ -326,6 +326,7 @@ static void fps__set_timeline(fps_shard_t *sh, fps_tensor_t *set, size_t k, int6
 void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char *why, size_t why_len) {
   uint32_t W = sh->cfg.workers;
   fps_push_entry_t *list = NULL;
+  fps_xanchor_t *anchors = NULL; /* split blocks' anchors due (xrecover.c) */
   if (err) {
     /* What was prepared or summed for the rounds is not used (rounds
      * never prepared hold nothing: both releases are no-ops then). */
@@ -368,6 +369,7 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
       fps_snap_bf16_t *enc = t->round.prep.bf16;
       t->round.prep.bf16 = NULL;
       fps__apply_prep_release(&t->round.prep);
+      if (t->split && rc == 0 && !t->round.none) fps__xrec_applied_locked(sh, t, &anchors);
       fps__tbuf_keep(sh, t, sum); /* NULL once consumed */
       for (uint32_t w = 0; w < W; w++) {
         fps_push_entry_t *e = m[w];
@@ -404,6 +406,9 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
     next = t->round.cnext;
     pthread_mutex_unlock(&t->mu);
   }
+  /* Before the members hear: a worker's next step must find the anchor
+   * of this one on disk (xrecover.c). */
+  fps__xrec_anchor_flush(sh, anchors);
   fps__resolve_list(list);
 }
 
@@ -427,6 +432,7 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
   memcpy(sorted, e, n * sizeof *sorted);
   qsort(sorted, n, sizeof *sorted, fps__cmp_entry_tensor);
   fps_push_entry_t *failed = NULL; /* pushes a bad staged value failed */
+  fps_tensor_t *apart = NULL;       /* a split block the worker's step missed */
   for (size_t i = 0; i < n; i++) pthread_mutex_lock(&sorted[i]->t->mu);
   for (size_t i = 0; i < n && code == 0; i++) {
     fps_tensor_t *t = sorted[i]->t;
@@ -445,12 +451,16 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
                "tensor '%s': stale push: worker %u sent step %" PRIu64 " but the tensor is at version %" PRIu64
                " (that step is already applied)",
                t->name, worker_id, step, t->version);
+      fps__xrec_hint(t, why, why_len);
+      if (t->split) apart = t;
     } else if (step > t->version) {
       code = FPS_EAHEAD;
       snprintf(why, why_len,
                "tensor '%s': worker %u sent step %" PRIu64 ", ahead of shard: the tensor is at version %" PRIu64,
                t->name, worker_id, step, t->version);
       fps_checkpoint_ahead_hint(t, why, why_len);
+      fps__xrec_hint(t, why, why_len);
+      if (t->split) apart = t; /* its peers may be where the worker is */
     } else if (!sorted[i]->no_grad) {
       /* Takes the worker's place in the round's sum if it is free. */
       code = fps__reduce_join_locked(sh, sorted[i], fps__sync_member_failed_locked, why, why_len, &failed);
@@ -513,6 +523,7 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
   for (size_t i = n; i-- > 0;) pthread_mutex_unlock(&sorted[i]->t->mu);
   fps_free(sorted);
   fps__resolve_list(failed);
+  if (apart) fps__xrec_announce(sh, apart);
   if (settle) fps__set_complete(sh, settle, k);
   return code;
 }

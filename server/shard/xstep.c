@@ -50,12 +50,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "alloc.h"
 #include "metrics.h"
 #include "internal.h"
 
 #define NPHASE 2 /* FPS_SPLIT_PHASE_STATS, FPS_SPLIT_PHASE_U2 */
+#define NSENDPH 3 /* phases with sends: STATS, U2 and FPS_XPHASE_COMMIT */
 
 /* One block's partials of one phase, as received. */
 typedef struct fps_xpart_s {
@@ -88,6 +90,10 @@ struct fps_xmail_s {
   uint64_t failed_version;
   uint64_t failed[FAILED_MAX];
   unsigned nfailed;
+  /* The last step applied here (version before it, attempt): a peer whose
+   * COMMIT's acknowledgement was lost retries it and is answered OK. */
+  bool applied;
+  uint64_t applied_version, applied_attempt;
 };
 
 /* One block tensor's step in flight (t->split->xs; t->mu). */
@@ -108,6 +114,7 @@ struct fps_xstep_s {
    * input, and the records that keep the partials after the step. */
   fps_split_partials_t *parts; /* [nb] */
   struct fps_xkept_s **kept;  /* [NPHASE * nb], NULL at our own block */
+  bool *committed;            /* [nb]: that block's COMMIT is here */
 };
 
 /* One send of our partials to a peer. */
@@ -131,6 +138,8 @@ struct fps_xgroup_s {
   size_t n;
   fps_xsendrec_t *rec;        /* [NPHASE * sends per phase] */
   size_t nsend;               /* sends per phase */
+  bool commit;                /* a block of 3+: COMMIT round before applying */
+  int64_t calls_deadline_ns;  /* the members' calls' earliest deadline */
   int phase;                  /* being exchanged */
   size_t missing;             /* peers' partials of this phase not yet here */
   size_t unacked;             /* our sends of this phase not yet acknowledged */
@@ -168,6 +177,7 @@ static void fps__xstep_free(struct fps_xstep_s *x) {
   if (x->kept)
     for (uint32_t i = 0; i < NPHASE * x->nb; i++) fps_free(x->kept[i]);
   fps_free(x->kept);
+  fps_free(x->committed);
   fps_free(x->parts);
   for (int p = 0; p < NPHASE; p++) fps_free(x->own[p]);
   fps_free(x);
@@ -302,6 +312,7 @@ static void fps__attempt_mark(fps_tensor_split_t *sp, uint64_t v, uint64_t a, bo
 void fps__xstep_forget(fps_tensor_t *t) {
   fps_tensor_split_t *s = t->split;
   if (!s) return;
+  fps__xrec_forget(t);
   fps__xstep_free(s->xs); /* not reached: no step is in flight at teardown */
   s->xs = NULL;
   if (s->mail) {
@@ -312,6 +323,16 @@ void fps__xstep_forget(fps_tensor_t *t) {
     fps_free(s->mail);
     s->mail = NULL;
   }
+}
+
+void fps__xstep_mail_reset(fps_tensor_t *t) {
+  fps_tensor_split_t *s = t->split;
+  if (!s || !s->mail) return;
+  for (fps_xkept_t *k = s->mail->head, *n; k; k = n) {
+    n = k->next;
+    fps__xkept_free(k);
+  }
+  memset(s->mail, 0, sizeof *s->mail);
 }
 
 bool fps__xstep_needed(const fps_tensor_t *set) {
@@ -345,6 +366,12 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps__set_sett
     snprintf(why, wl, "tensor '%s': this shard has no --peers, so it cannot step a split tensor", set->name);
     return FPS_ESTATE;
   }
+  if (atomic_load(&sh->xstopping)) {
+    /* Nothing of this step was sent: no peer can apply it. */
+    snprintf(why, wl, "tensor '%s': this shard is shutting down; the step of its split blocks was not begun",
+             set->name);
+    return FPS_EUNAVAILABLE;
+  }
   int rc = 0;
   fps_xgroup_t *g = fps_calloc(1, sizeof *g);
   if (!g) goto oom;
@@ -363,13 +390,15 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps__set_sett
       nsend += t->split->n_blocks - 1;
     }
   g->x = fps_calloc(n, sizeof *g->x);
-  g->rec = fps_calloc(NPHASE * nsend, sizeof *g->rec);
+  g->rec = fps_calloc(NSENDPH * nsend, sizeof *g->rec);
   if (!g->x || !g->rec) goto oom;
   g->nsend = nsend;
   int64_t now = fps_now_ns();
   g->started_ns = now;
   g->deadline_ns = fps_clock_after(now, sh->xdeadline > 0 ? sh->xdeadline : 10.0);
+  g->calls_deadline_ns = INT64_MAX;
   for (fps_tensor_t *t = set; t; t = t->round.cnext) {
+    if (t->round.calls_deadline_ns < g->calls_deadline_ns) g->calls_deadline_ns = t->round.calls_deadline_ns;
     /* The members hear of a failure before their own calls give up (the
      * round's --deadline for waiting on workers does not bound it). */
     if (t->round.calls_deadline_ns < g->deadline_ns) g->deadline_ns = t->round.calls_deadline_ns;
@@ -387,7 +416,12 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps__set_sett
     x->part = fps_calloc(NPHASE * (size_t)x->nb, sizeof *x->part);
     x->parts = fps_malloc(x->nb * sizeof *x->parts);
     x->kept = fps_calloc(NPHASE * (size_t)x->nb, sizeof *x->kept);
-    if (!x->part || !x->parts || !x->kept) goto oom;
+    x->committed = fps_calloc(x->nb, sizeof *x->committed);
+    if (!x->part || !x->parts || !x->kept || !x->committed) goto oom;
+    /* With two blocks, "all partials here and ours acknowledged" on one
+     * shard means both hold everything; with more it does not (a third
+     * may have failed meanwhile and refuse the rest), so they commit. */
+    g->commit |= x->nb > 2;
     for (uint32_t j = 0; j < NPHASE * x->nb; j++)
       if (j % x->nb != x->me && !(x->kept[j] = fps_calloc(1, sizeof *x->kept[j]))) goto oom;
     fps_adafactor_hparams_t hp = fps__update_hparams(t, &t->round.member[0]->uh);
@@ -451,7 +485,7 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps__set_sett
     struct fps_xstep_s *x = g->x[i];
     for (uint32_t b = 0; b < x->nb; b++) {
       if (b == x->me) continue;
-      for (int ph = 0; ph < NPHASE; ph++)
+      for (int ph = 0; ph < NSENDPH; ph++)
         g->rec[(size_t)ph * nsend + r] = (fps_xsendrec_t){g, x, x->t->split->block_shards[b], ph + 1, 0};
       r++;
     }
@@ -497,16 +531,16 @@ static void fps__xsend_done(void *arg, int err, const char *msg) {
                           "tensor '%s' step %" PRIu64 ": the exchange with shard %u failed (%s): %s; nothing was "
                           "applied, retry",
                           rec->x->t->name, rec->x->version, rec->to,
-                          rec->phase == FPS_SPLIT_PHASE_STATS ? "partials" : "U2 partials",
+                          rec->phase == FPS_SPLIT_PHASE_STATS ? "partials"
+                          : rec->phase == FPS_SPLIT_PHASE_U2  ? "U2 partials"
+                                                              : "commit",
                           msg && *msg ? msg : fps_strerror(err));
     else if (rec->phase == g->phase)
       g->unacked--;
   }
   bool ready = fps__xg_ready_locked(g);
   pthread_mutex_unlock(&g->mu);
-  if (!err) {
-    fps_metrics_exchange_bytes(rec->x->own_len[rec->phase - 1], 0);
-  }
+  if (!err && rec->phase <= NPHASE) fps_metrics_exchange_bytes(rec->x->own_len[rec->phase - 1], 0);
   if (ready) fps__xg_advance(g);
   fps__xg_unref(g); /* the send's */
 }
@@ -527,9 +561,11 @@ static void fps__xg_send(fps_xgroup_t *g, int phase) {
     }
     pthread_mutex_unlock(&g->mu);
     if (stop) break; /* failed meanwhile: the rest need not go */
+    bool own = phase <= NPHASE; /* COMMIT carries nothing */
     fps_xmsg_t m = {.name = x->t->name, .version = x->version, .from_shard = sh->cfg.shard_id,
                     .shard_count = sh->cfg.shard_count, .block_index = x->me, .phase = phase,
-                    .attempt = x->attempt, .partials = x->own[phase - 1], .len = x->own_len[phase - 1]};
+                    .attempt = x->attempt, .partials = own ? x->own[phase - 1] : NULL,
+                    .len = own ? x->own_len[phase - 1] : 0};
     int rc = sh->xsend(sh->xsend_ctx, rec[i].to, &m, g->deadline_ns, fps__xsend_done, &rec[i]);
     if (rc < 0) {
       char cause[128];
@@ -570,6 +606,20 @@ static void fps__xg_timeout_msg_locked(fps_xgroup_t *g, const char *reason) {
   if (reason) {
     snprintf(g->msg + n, sizeof g->msg - n, "%s; the exchange of its split blocks was abandoned, nothing applied",
              reason);
+    return;
+  }
+  if (g->phase == FPS_XPHASE_COMMIT) {
+    /* Every partial was here: what is missing is the peers' word. */
+    n += (size_t)snprintf(g->msg + n, sizeof g->msg - n, "the commit round timed out after %.3f s;",
+                          (double)(now - g->started_ns) / 1e9);
+    const char *sep = " no commit from shard ";
+    for (size_t i = 0; i < g->n && n < sizeof g->msg - 120; i++)
+      for (uint32_t b = 0; b < g->x[i]->nb && n < sizeof g->msg - 120; b++)
+        if (b != g->x[i]->me && !g->x[i]->committed[b]) {
+          n += (size_t)snprintf(g->msg + n, sizeof g->msg - n, "%s%u", sep, g->x[i]->t->split->block_shards[b]);
+          sep = ", ";
+        }
+    if (n < sizeof g->msg) snprintf(g->msg + n, sizeof g->msg - n, "; nothing was applied, retry");
     return;
   }
   n += (size_t)snprintf(g->msg + n, sizeof g->msg - n, "the exchange of %s partials timed out after %.3f s;",
@@ -624,6 +674,9 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
     }
     x->t->round.prep.split = x->step;
     x->step = NULL;
+    sp->mail->applied = true;
+    sp->mail->applied_version = x->version;
+    sp->mail->applied_attempt = x->attempt;
     /* Kept for peers whose acknowledgement was lost: they retry these.
      * (The mail exists: the step was started with it.) */
     for (uint32_t j = 0; sp->mail && j < NPHASE * x->nb; j++) {
@@ -658,6 +711,9 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
   pthread_mutex_unlock(&g->mu);
   fps_metrics_exchange_observe(err == 0, err ? 0 : (double)(now - g->started_ns) / 1e9);
   g->settle(sh, g->set, g->k, err, why, sizeof why);
+  /* A step that failed may have applied elsewhere (a peer that committed
+   * and lost us, a crash): the blocks compare versions. */
+  for (size_t i = 0; err && i < g->n; i++) fps__xrec_announce(sh, g->x[i]->t);
   fps__xg_unref(g); /* settled: no tensor points to it any more */
 }
 
@@ -670,6 +726,10 @@ static void fps__xg_advance(fps_xgroup_t *g) {
     pthread_mutex_lock(&g->mu);
     int err = g->err, phase = g->phase;
     pthread_mutex_unlock(&g->mu);
+    if (!err && phase == FPS_XPHASE_COMMIT) { /* every block committed */
+      fps__xg_finish(g, 0);
+      break;
+    }
     char why[512];
     bool any_u2 = false;
     for (size_t i = 0; !err && i < g->n; i++) {
@@ -746,6 +806,37 @@ static void fps__xg_advance(fps_xgroup_t *g) {
         return;
       }
     }
+    if (!err && g->commit) {
+      /* Combined: tell every peer, and apply once every peer said so. A
+       * peer that failed meanwhile refuses our COMMIT, so we fail too. */
+      size_t missing = 0, sends = 0;
+      for (size_t i = 0; i < g->n; i++)
+        for (uint32_t b = 0; b < g->x[i]->nb; b++)
+          if (b != g->x[i]->me) {
+            sends++;
+            missing += !g->x[i]->committed[b];
+          }
+      pthread_mutex_lock(&g->mu);
+      err = g->err;
+      if (!err) {
+        g->phase = FPS_XPHASE_COMMIT;
+        g->missing = missing;
+        g->unacked = sends;
+        /* The peers may have started this round later than we did: a
+         * COMMIT gets a deadline of its own (the members' calls still
+         * bound it). */
+        int64_t d = fps_clock_after(fps_now_ns(), g->sh->xdeadline > 0 ? g->sh->xdeadline : 10.0);
+        if (d > g->calls_deadline_ns) d = g->calls_deadline_ns;
+        if (d > g->deadline_ns) g->deadline_ns = d;
+      }
+      pthread_mutex_unlock(&g->mu);
+      if (!err) {
+        for (fps_tensor_t *t = g->set; t; t = t->round.cnext) pthread_mutex_unlock(&t->mu);
+        fps__xg_send(g, FPS_XPHASE_COMMIT); /* then advances again if ready */
+        fps__xg_unref(g);
+        return;
+      }
+    }
     fps__xg_finish(g, err); /* releases the tensors' locks */
     break;
   }
@@ -755,6 +846,7 @@ static void fps__xg_advance(fps_xgroup_t *g) {
 /* ------------------------------------------------------------- expiry */
 
 void fps__xstep_expire(fps_shard_t *sh, int64_t now, bool force, const char *reason) {
+  if (!force && atomic_load(&sh->xrec_pending) > 0) fps__xrec_tick(sh);
   for (;;) {
     fps_xgroup_t *hit = NULL;
     pthread_mutex_lock(&sh->xs_mu);
@@ -776,6 +868,68 @@ void fps__xstep_expire(fps_shard_t *sh, int64_t now, bool force, const char *rea
     pthread_mutex_unlock(&sh->xs_mu);
     if (!hit) return;
     fps__xg_advance(hit);
+  }
+}
+
+/* One step a peer began that this shard will not: (tensor, version,
+ * attempt) and the peer's shard. */
+typedef struct fps_xabort_s {
+  fps_tensor_t *t;
+  uint64_t version, attempt;
+  uint32_t to, block;
+} fps_xabort_t;
+
+static void fps__xabort_sent(void *arg, int err, const char *msg) {
+  (void)arg;
+  if (err) FPS_LOG(FPS_LOG_DEBUG, "ABORT not delivered: %s", msg ? msg : fps_strerror(err));
+}
+
+/* Peers whose partials wait here for a step this shard will now never
+ * begin hear so (ABORT), and fail theirs at once. REQUIRES xstopping. */
+static void fps__xstep_abort_waiting(fps_shard_t *sh) {
+  size_t n = 0, cap = 0;
+  fps_xabort_t *ab = NULL;
+  pthread_rwlock_rdlock(&sh->store.mu);
+  for (fps_tensor_t *t = sh->store.first; t; t = t->next) {
+    if (!t->split) continue;
+    pthread_mutex_lock(&t->mu);
+    fps_tensor_split_t *sp = t->split;
+    for (fps_xkept_t *k = sp->mail ? sp->mail->head : NULL; k; k = k->next) {
+      if (k->done || k->version != t->version) continue;
+      if (sp->xs && sp->xs->version == k->version && sp->xs->attempt == k->attempt) continue; /* begun */
+      if (n == cap) {
+        size_t nc = cap ? 2 * cap : 8;
+        fps_xabort_t *na = fps_realloc(ab, nc * sizeof *na);
+        if (!na) break; /* out of memory: those peers fail at their deadline */
+        ab = na;
+        cap = nc;
+      }
+      ab[n++] = (fps_xabort_t){t, k->version, k->attempt, sp->block_shards[k->block], sp->block_index};
+      fps__attempt_mark(sp, k->version, k->attempt, true);
+    }
+    pthread_mutex_unlock(&t->mu);
+  }
+  pthread_rwlock_unlock(&sh->store.mu);
+  for (size_t i = 0; i < n; i++) {
+    fps_xmsg_t m = {.name = ab[i].t->name, .version = ab[i].version, .from_shard = sh->cfg.shard_id,
+                    .shard_count = sh->cfg.shard_count, .block_index = ab[i].block, .phase = FPS_XPHASE_ABORT,
+                    .attempt = ab[i].attempt, .partials = NULL, .len = 0};
+    sh->xsend(sh->xsend_ctx, ab[i].to, &m, fps_clock_after(fps_now_ns(), 1.0), fps__xabort_sent, NULL);
+  }
+  fps_free(ab);
+}
+
+void fps_shard_drain_exchanges(fps_shard_t *sh, double max_seconds) {
+  atomic_store(&sh->xstopping, true);
+  if (sh->xsend) fps__xstep_abort_waiting(sh);
+  int64_t until = fps_clock_after(fps_now_ns(), max_seconds);
+  for (;;) {
+    pthread_mutex_lock(&sh->xs_mu);
+    bool idle = sh->xgroups == NULL;
+    pthread_mutex_unlock(&sh->xs_mu);
+    if (idle || fps_now_ns() >= until) return;
+    struct timespec ts = {0, 5 * 1000 * 1000};
+    nanosleep(&ts, NULL);
   }
 }
 
@@ -817,8 +971,10 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
     snprintf(why, wl, "Exchange: %s", sub);
     return FPS_EINVAL;
   }
-  if (m->phase != FPS_SPLIT_PHASE_STATS && m->phase != FPS_SPLIT_PHASE_U2) {
-    snprintf(why, wl, "Exchange of tensor '%s': phase %d (expected STATS = 1 or U2 = 2)", name, m->phase);
+  if (m->phase < FPS_SPLIT_PHASE_STATS || m->phase > FPS_XPHASE_ABORT) {
+    snprintf(why, wl,
+             "Exchange of tensor '%s': phase %d (expected STATS = 1, U2 = 2, COMMIT = 3, VERSIONS = 4 or ABORT = 5)",
+             name, m->phase);
     return FPS_EINVAL;
   }
   if (m->shard_count != sh->cfg.shard_count) {
@@ -831,7 +987,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
              name, m->from_shard, sh->cfg.shard_count, sh->cfg.shard_id);
     return FPS_EINVAL;
   }
-  int rc = fps_split_partials_check(m->partials, m->len, m->phase, NULL, sub, sizeof sub);
+  int rc = fps_shard_exchange_payload_check(m->phase, m->partials, m->len, sub, sizeof sub);
   if (rc < 0) {
     snprintf(why, wl, "Exchange of tensor '%s' from shard %u: %s", name, m->from_shard, sub);
     return FPS_EINVAL;
@@ -865,6 +1021,9 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
     snprintf(why, wl, "Exchange of tensor '%s': block %u's rows are invalid", name, m->block_index);
     return FPS_ESTATE;
   }
+  /* A peer's versions, in a recovery (xrecover.c): takes its own locks. */
+  if (m->phase == FPS_XPHASE_VERSIONS) return fps__xrec_receive(sh, t, m, why, wl);
+  bool behind = false; /* the peers have moved on: agree on a version */
   pthread_mutex_lock(&t->mu);
   uint64_t v = t->version;
   const char *ph = m->phase == FPS_SPLIT_PHASE_STATS ? "STATS" : "U2";
@@ -873,6 +1032,65 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
     snprintf(why, wl, "Exchange of tensor '%s' from shard %u: this shard's block is still initialising", name,
              m->from_shard);
     goto out;
+  }
+  if (m->phase == FPS_XPHASE_ABORT) {
+    /* The sender stops before its step of (version, attempt) begins: ours
+     * cannot complete (it lacks the sender's partials), so it fails now
+     * rather than at its deadline. */
+    struct fps_xstep_s *ax =
+        sp->xs && sp->xs->version == m->version && sp->xs->attempt == m->attempt ? sp->xs : NULL;
+    if (!ax) {
+      if (sp->mail) fps__attempt_mark(sp, m->version, m->attempt, true);
+      rc = 0;
+      goto out;
+    }
+    fps_xgroup_t *ag = ax->g;
+    pthread_mutex_lock(&ag->mu);
+    fps__xg_fail_locked(ag,
+                        "tensor '%s' step %" PRIu64 ": shard %u is shutting down and will not take part in this "
+                        "step; nothing was applied, retry",
+                        name, m->version, m->from_shard);
+    bool ready = fps__xg_ready_locked(ag);
+    pthread_mutex_unlock(&ag->mu);
+    pthread_mutex_unlock(&t->mu);
+    if (ready) fps__xg_advance(ag);
+    return 0;
+  }
+  if (m->phase == FPS_XPHASE_COMMIT) {
+    const struct fps_xmail_s *ml = sp->mail;
+    if (ml && ml->applied && ml->applied_version == m->version && ml->applied_attempt == m->attempt &&
+        m->version + 1 == v) {
+      rc = 0; /* that step applied here: the sender's retry */
+      goto out;
+    }
+    struct fps_xstep_s *cx =
+        sp->xs && sp->xs->version == m->version && sp->xs->attempt == m->attempt ? sp->xs : NULL;
+    if (!cx) {
+      /* Not acknowledged, so the sender does not apply. At our version it
+       * is retried (UNAVAILABLE): our step of it may be about to begin (a
+       * retry of a failed attempt, a round still filling). */
+      char att[64];
+      fps__attempt_text(m->attempt, att, sizeof att);
+      rc = m->version == v ? FPS_EUNAVAILABLE : FPS_ESTATE;
+      snprintf(why, wl,
+               "Exchange of tensor '%s' from shard %u: commit of the step from version %" PRIu64
+               " (%s), but no step of it is in flight on this shard (this block is at version %" PRIu64 ")%s",
+               name, m->from_shard, m->version, att, v, m->version == v ? "; retry" : "; nothing is applied");
+      goto out;
+    }
+    if (cx->committed[m->block_index]) { /* a retry */
+      rc = 0;
+      goto out;
+    }
+    cx->committed[m->block_index] = true;
+    fps_xgroup_t *cg = cx->g;
+    pthread_mutex_lock(&cg->mu);
+    if (cg->phase == FPS_XPHASE_COMMIT) cg->missing--;
+    bool ready = fps__xg_ready_locked(cg);
+    pthread_mutex_unlock(&cg->mu);
+    pthread_mutex_unlock(&t->mu);
+    if (ready) fps__xg_advance(cg);
+    return 0;
   }
   if (m->version < v) {
     /* A peer retrying partials of the step just finished here (our
@@ -888,6 +1106,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
              "Exchange of tensor '%s' from shard %u: %s partials of the step from version %" PRIu64
              ", but this shard's block is at version %" PRIu64 " (that step is over here)",
              name, m->from_shard, ph, m->version, v);
+    behind = true;
     goto out;
   }
   if (m->version > v + 1) {
@@ -897,6 +1116,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
              "Exchange of tensor '%s' from shard %u: partials of the step from version %s, more than one step "
              "ahead of this shard's block (version %" PRIu64 ", %s steps behind them): the blocks have diverged",
              name, m->from_shard, fps_u64_text(m->version, mv), v, fps_u64_text(m->version - v, ahead));
+    behind = true;
     goto out;
   }
   char att[64];
@@ -915,6 +1135,16 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
    * they are kept for a step of their own attempt. */
   struct fps_xstep_s *x =
       sp->xs && sp->xs->version == m->version && sp->xs->attempt == m->attempt ? sp->xs : NULL;
+  if (!x && atomic_load(&sh->xstopping)) {
+    /* Shutting down: that step never begins here, so the sender's fails
+     * now (not acknowledged) instead of at its deadline. */
+    rc = FPS_ESTATE;
+    snprintf(why, wl,
+             "Exchange of tensor '%s' from shard %u: this shard is shutting down; its step from version %" PRIu64
+             " will not begin, nothing was applied",
+             name, m->from_shard, m->version);
+    goto out;
+  }
   /* A retry of partials already here: OK if identical. */
   const fps_xpart_t *had = x ? &x->part[(size_t)(m->phase - 1) * x->nb + m->block_index] : NULL;
   const fps_xkept_t *kept = x ? NULL : fps__mail_find(sp, m->version, m->block_index, m->phase, m->attempt, false);
@@ -1011,5 +1241,20 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
   return 0;
 out:
   pthread_mutex_unlock(&t->mu);
+  if (behind) fps__xrec_announce(sh, t);
   return rc;
+}
+
+int fps_shard_exchange_payload_check(int phase, const void *buf, size_t len, char *why, size_t wl) {
+  if (phase == FPS_XPHASE_COMMIT || phase == FPS_XPHASE_ABORT) {
+    if (len == 0) return 0;
+    snprintf(why, wl, "a %s carries no partials (%zu bytes)", phase == FPS_XPHASE_COMMIT ? "COMMIT" : "ABORT", len);
+    return FPS_EINVAL;
+  }
+  if (phase == FPS_XPHASE_VERSIONS) {
+    if (len >= 8 && len % 8 == 0 && len / 8 <= FPS_XVERSIONS_MAX) return 0;
+    snprintf(why, wl, "VERSIONS lists 1 to %d versions of 8 bytes (%zu bytes)", FPS_XVERSIONS_MAX, len);
+    return FPS_EINVAL;
+  }
+  return fps_split_partials_check(buf, len, phase, NULL, why, wl) < 0 ? FPS_EINVAL : 0;
 }
