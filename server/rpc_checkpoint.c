@@ -2,7 +2,7 @@
  * own. Writing takes from milliseconds to a minute (hashing and fsync of
  * the whole shard); on the poller that received the call it held that
  * poller, and a dozen concurrent calls held every poller, so Stats and
- * pushes waited behind them (issue 23). The handler only queues the call;
+ * pushes waited behind them. The handler only queues the call;
  * the writer thread takes every call queued so far and serves them with
  * ONE write that starts after all of them arrived, so each caller gets a
  * checkpoint holding every update acknowledged before its call, and N
@@ -46,12 +46,12 @@ static void fps__ckpt_call_destroy(fps_call_t *c) {
 static void fps__ckpt_answer(fps_ckpt_call_t *cc, int rc, const fps_ckpt_done_t *done, const char *why) {
   fps_server_t *srv = cc->base.srv;
   if (rc < 0) {
-    grpc_status_code code = rc == FPS_ENOMEM      ? GRPC_STATUS_RESOURCE_EXHAUSTED
-                            : rc == FPS_EAGAIN    ? GRPC_STATUS_UNAVAILABLE
-                            : rc == FPS_ENOTFOUND ? GRPC_STATUS_FAILED_PRECONDITION
-                                                  : GRPC_STATUS_INTERNAL;
-    fps_call_fail(&cc->base, code, "Checkpoint into %s failed: %s (%s)", srv->cfg.checkpoint_dir, why,
-                  fps_strerror(rc));
+    /* Memory and a busy writer are worth a retry; no initialised tensor
+     * (FPS_ENOTFOUND) is the caller's state to change, not a missing
+     * thing; any other failure is the shard's own. */
+    int err = rc == FPS_ENOMEM || rc == FPS_EAGAIN ? rc : rc == FPS_ENOTFOUND ? FPS_ESTATE : FPS_EINTERNAL;
+    fps_call_error(&cc->base, err, "Checkpoint into %s failed: %s (%s)", srv->cfg.checkpoint_dir, why,
+                   fps_strerror(rc));
     return;
   }
   Factorps__V1__CheckpointResponse resp = FACTORPS__V1__CHECKPOINT_RESPONSE__INIT;
@@ -62,8 +62,8 @@ static void fps__ckpt_answer(fps_ckpt_call_t *cc, int rc, const fps_ckpt_done_t 
   resp.seconds = done->seconds;
   grpc_byte_buffer *bb = fps_pack_message_into(&resp, cc->reply_buf, cc->reply_cap);
   if (!bb) {
-    fps_call_fail(&cc->base, GRPC_STATUS_INTERNAL, "Checkpoint: the reply outgrew its %zu reserved bytes (%s written)",
-                  cc->reply_cap, done->path);
+    fps_call_error(&cc->base, FPS_EINTERNAL, "Checkpoint: the reply outgrew its %zu reserved bytes (%s written)",
+                   cc->reply_cap, done->path);
     return;
   }
   cc->reply_buf = NULL; /* the byte buffer's now */
@@ -91,8 +91,8 @@ static void *fps__ckpt_writer(void *arg) {
     while (batch) {
       fps_ckpt_call_t *next = batch->next;
       if (refused)
-        fps_call_fail(&batch->base, GRPC_STATUS_UNAVAILABLE,
-                      "Checkpoint: shard is shutting down (it writes a checkpoint on its way out)");
+        fps_call_error(&batch->base, FPS_EUNAVAILABLE,
+                       "Checkpoint: shard is shutting down (it writes a checkpoint on its way out)");
       else
         fps__ckpt_answer(batch, rc, &done, why);
       batch = next;
@@ -144,20 +144,18 @@ void fps_rpc_checkpoint_start(fps_server_t *srv, grpc_call *call, gpr_timespec d
   protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
   fps_ckpt_call_t *cc = (fps_ckpt_call_t *)c;
   if (!*srv->cfg.checkpoint_dir) {
-    fps_call_fail(c, GRPC_STATUS_FAILED_PRECONDITION, "Checkpoint: shard %u was started without --checkpoint-dir",
-                  srv->cfg.shard_id);
+    fps_call_error(c, FPS_ESTATE, "Checkpoint: shard %u was started without --checkpoint-dir", srv->cfg.shard_id);
     return;
   }
   if (atomic_load(&srv->shutting_down) || !srv->ckpt_q) {
-    fps_call_fail(c, GRPC_STATUS_UNAVAILABLE,
-                  "Checkpoint: shard is shutting down (it writes a checkpoint on its way out)");
+    fps_call_error(c, FPS_EUNAVAILABLE, "Checkpoint: shard is shutting down (it writes a checkpoint on its way out)");
     return;
   }
   /* The reply's bytes, reserved before the checkpoint is written: its path
    * (the directory plus a file name) and four numbers. */
   cc->reply_cap = strlen(srv->cfg.checkpoint_dir) + FPS_CKPT_REPLY_EXTRA;
   if (!(cc->reply_buf = fps_malloc(cc->reply_cap))) {
-    fps_call_fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "Checkpoint: out of memory for the reply");
+    fps_call_error(c, FPS_ENOMEM, "Checkpoint: out of memory for the reply");
     return;
   }
   fps_ckpt_queue_t *q = srv->ckpt_q;
