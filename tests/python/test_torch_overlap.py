@@ -160,11 +160,11 @@ class NonFiniteTest(unittest.TestCase):
             pushes = sum(s["pushes"] for s in opt.client.stats())
             self.assertEqual(pushes, 0)
 
-    def make(self, shards):
+    def make(self, shards, wait="step"):
         model = Net()
         opt = RemoteAdafactor(model.named_parameters(), shards=shards.addrs)
         self.addCleanup(opt.close)
-        attach(model, opt, bucket_cap_mb=1e-4)  # buckets [s, t3] then [b1, w1]
+        attach(model, opt, bucket_cap_mb=1e-4, wait=wait)  # buckets [s, t3] then [b1, w1]
         return model, opt
 
     def test_nan_in_the_first_bucket_skips_the_step(self):
@@ -198,6 +198,19 @@ class NonFiniteTest(unittest.TestCase):
             # The shards hold what the worker holds; training goes on.
             _loop(model, opt, 1)
             self.assertEqual(opt._versions, {"s": 2, "t3": 2, "b1": 1, "w1": 1})
+
+    def test_nan_after_finite_buckets_left_raises_with_wait_forward(self):
+        # step() does not wait for the replies, but this worker knows.
+        with Shards(1) as shards:
+            model, opt = self.make(shards, wait="forward")
+            x, y = batch(0, 0)
+            hook = model.w1.register_hook(lambda g: g * float("nan"))
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            hook.remove()
+            with self.assertRaisesRegex(FloatingPointError, r"here: 'w1'"):
+                opt.step()
+            opt._overlap.wait_all()
+            self.assertEqual(opt._versions, {"s": 1, "t3": 1, "b1": 0, "w1": 0})
 
 
 @need_server

@@ -363,7 +363,12 @@ class Overlap:
                 self._settle(futures)
                 self._judge(with_grad)
             else:
+                # The replies come later: only this worker's own partial
+                # step is known now.
                 opt.skipped_steps += opt.last_step_skipped
+                if self._bad is not None and self._sent_finite:
+                    raise FloatingPointError(self._partial("the tensors sent before it were "
+                                                           "updated"))
         finally:
             opt._pushes += 1
             opt._forget_state()
@@ -383,15 +388,18 @@ class Overlap:
             sync and 0 < len(moved) < len(with_grad))
         if partial:
             missed = sorted(set(with_grad) - set(moved))
-            raise FloatingPointError(
-                f"a non-finite gradient ({'here: ' + repr(self._bad) if self._bad else 'on another worker'}) "
-                f"was found after earlier buckets of this step had left for the shards: "
-                f"{len(with_grad) - len(missed)} of {len(with_grad)} tensors were updated, "
-                f"the rest ({', '.join(repr(n) for n in missed[:3])}"
-                f"{', ...' if len(missed) > 3 else ''}) skipped this step on every worker. "
-                "The workers and shards agree on every tensor; training may go on. For a step "
-                "that is skipped whole, pass grad_scaler= to factorps.torch.attach() (step() "
-                "then sees every gradient before any leaves)")
+            raise FloatingPointError(self._partial(
+                f"{len(with_grad) - len(missed)} of {len(with_grad)} tensors were updated, the "
+                f"rest ({', '.join(repr(n) for n in missed[:3])}"
+                f"{', ...' if len(missed) > 3 else ''}) skipped this step"))
+
+    def _partial(self, what: str) -> str:
+        where = f"here: {self._bad!r}" if self._bad is not None else "on another worker"
+        return (f"a non-finite gradient ({where}) was found after earlier buckets of this step "
+                f"had left for the shards: {what} (in sync mode on every worker). The workers "
+                "and shards agree on every tensor; training may go on. For a step that is "
+                "skipped whole, pass grad_scaler= to factorps.torch.attach() (step() then sees "
+                "every gradient before any leaves)")
 
     def _settle(self, futures: List[Future]) -> None:
         """Waits for `futures`; records the new parameters' fingerprints;
