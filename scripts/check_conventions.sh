@@ -7,6 +7,8 @@
 #   so no GRPC_STATUS_* literal stands outside status.[ch].
 # - One log line on the server: every message, start-up errors included,
 #   goes through FPS_LOG (common/log.h), never a bare fprintf to stderr.
+# - Comments say why, not which tracker entry asked for a change: a reader
+#   cannot open "issue 12". No file (code, tests, docs) cites one.
 #
 # Each check lists the files still allowed some, with the most each may
 # hold and why: a file that gains one fails; a file that loses some is
@@ -66,6 +68,19 @@ check "GRPC_STATUS_* literal(s)" "GRPC_STATUS_" "$allowed_status" \
   server/status.c server/status.h
 check "fprintf(stderr, ...)" "fprintf(stderr" "$allowed_stderr" \
   "log with FPS_LOG(FPS_LOG_ERROR, ...) (common/log.h): one line format for every message"
+
+# Tracker numbers, anywhere in the tree (this file's pattern excepted).
+tracker='issues? #?[0-9]'
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  cited=$(git grep -n -I -i -E "$tracker" -- . ':!scripts/check_conventions.sh' || true)
+else
+  cited=$(grep -rnIiE "$tracker" --exclude-dir=.git --exclude-dir='build*' --exclude=check_conventions.sh . || true)
+fi
+if [[ -n $cited ]]; then
+  echo "check_conventions: comments cite tracker numbers (say the reason or the feature instead):" >&2
+  echo "$cited" | sed 's/^/  /' >&2
+  bad=$((bad + 1))
+fi
 
 if ((bad)); then
   echo "check_conventions: $bad offence(s)" >&2

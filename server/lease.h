@@ -1,5 +1,5 @@
-/* The lease that makes one replica of a shard its primary (issue 22,
- * /work/team/REPLICA.md "Safety argument").
+/* The lease that makes one replica of a shard its primary (docs/shards.md,
+ * "Standby replicas").
  *
  * Two processes serve one shard id; at most one holds the lease at any
  * time, and only the holder may acknowledge worker calls. The lease comes

@@ -1,5 +1,5 @@
-/* Standby replicas (issue 22; docs/shards.md "Standby replicas";
- * /work/team/REPLICA.md is the contract with the clients).
+/* Standby replicas (docs/shards.md "Standby replicas"; the clients' side of
+ * the contract is client/include/factorps/client.h, "Standby replicas").
  *
  * Two processes serve one shard id, each naming the other with
  * --replica-peer. The holder of the lease (lease.h) is the primary: the

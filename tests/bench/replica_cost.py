@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """What a standby costs: steps/s with a standby per shard against without,
-interleaved, on loopback (issue 22).
+interleaved, on loopback.
 
     /usr/bin/python3 tests/bench/replica_cost.py [--build build] [--reps 3]
         [--params 10M,100M] [--workers 2] [--modes sync,async]

@@ -1,5 +1,5 @@
 /* libfactorps with a shard's replicas listed in one address entry
- * ("a:p|b:p", issue 22): the entry is checked, and a call that a replica
+ * ("a:p|b:p", standby replicas): the entry is checked, and a call that a replica
  * refuses UNAVAILABLE (a fake standby, tests/mocks/fake_replica.c) or that
  * cannot reach one (a port nothing listens on) goes on to the next replica,
  * a real shard, and is applied there once. The client then starts at the

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""A split tensor comes back to one version by itself (issue 22, parts 2
-and 3), in the three ways the blocks used to be left apart:
+"""A split tensor comes back to one version by itself, in
+the three ways the blocks used to be left apart:
 
 - a block shard SIGKILLed and restarted from an older checkpoint (its
   block behind the others': refused forever before);

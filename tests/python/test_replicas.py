@@ -1,4 +1,4 @@
-"""Shard entries that list replicas ("a:p|b:p", issue 22) go through the
+"""Shard entries that list replicas ("a:p|b:p", standby replicas) go through the
 Python package, factorps.torch ($FACTORPS_SHARDS) and the CLI untouched:
 libfactorps reads them. Each entry here lists a port nothing listens on
 first and a real shard next, so a call only succeeds if the whole entry

@@ -2,7 +2,7 @@
 checks on the workers' acknowledgements and the replicas' checksums.
 
 Loop counts: ctest runs a few kills and cuts so that the suite stays short;
-the counts issue 22 asks for are one variable away:
+the full counts are one variable away:
     FPS_REPLICA_FULL=1 ctest -L replica     (20 kills per mode, 10 cuts each)
 or FPS_REPLICA_KILLS=N / FPS_REPLICA_CUTS=N. Each test prints its numbers
 ("replica-result: ...") to stdout; docs/operations.md records a full run.

@@ -1,4 +1,4 @@
-"""Harness of the standby-replica tests (issue 22): one shard served by two
+"""Harness of the standby-replica tests: one shard served by two
 factorps-server processes, replicas 0 and 1, that name each other
 (--replica-peer) and share a file lease (--lease file:PATH); training
 workers as processes (_worker.py) that reach the shard through the entry

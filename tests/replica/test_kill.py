@@ -1,4 +1,4 @@
-"""SIGKILL of the primary during 2-worker training (issue 22), in sync and
+"""SIGKILL of the primary during 2-worker training, in sync and
 in async, on loopback with --lease file:. Each kill: the standby takes
 over, the workers' calls go on there by themselves, the killed process
 comes back and rejoins as the standby (state transfer while training

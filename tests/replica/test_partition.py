@@ -1,4 +1,4 @@
-"""Partitions (issue 22), in network namespaces this test creates (root
+"""Partitions, in network namespaces this test creates (root
 only): the two replicas and the workers each in their own namespace,
 joined by veth links (_replica.Topology) that are cut by taking them
 down, 2-worker sync training throughout:

@@ -1,4 +1,4 @@
-"""The old primary rejoins as the standby while training runs (issue 22):
+"""The old primary rejoins as the standby while training runs:
 kill the primary, let the standby take over and training go on, start
 the old primary again: it takes a state transfer from the new primary
 while the workers keep pushing, joins, and afterwards both replicas hold

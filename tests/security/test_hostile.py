@@ -1,11 +1,11 @@
 #!/usr/bin/python3
-"""Hostile clients while a job trains (issue 23's load test).
+"""Hostile clients while a job trains (the hostile-client load test).
 
 Two workers train one tensor on a sync shard that runs with the three role
 files (workers, admins, peers), a checkpoint directory and /metrics. Twice
 over, the same training (same gradients, so bit-identical results): once
 undisturbed, once while clients without a token or with the wrong role run
-every attack of the issue, each in a process of its own, in bounded loops,
+every attack below, each in a process of its own, in bounded loops,
 over loopback:
 
   stalled    6 unauthenticated Create streams stalled inside 16 MiB messages
