@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 import _support  # noqa: E402,F401  (puts client/python on sys.path)
 from _torch_support import Net  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
+from accelerate import Accelerator, DistributedDataParallelKwargs  # noqa: E402
 from factorps.torch import RemoteAdafactor  # noqa: E402
 
 STEPS, CUT = 6, 3
@@ -75,7 +75,10 @@ def run(accelerator, shards, seed, ckpt, resume):
 def main():
     shards, fresh, out, ckpt = (sys.argv[1].split(","), sys.argv[2].split(","), sys.argv[3],
                                 sys.argv[4])
-    accelerator = Accelerator(cpu=True)
+    # DDP with .grad as views of its buckets (docs/pytorch.md: no copies
+    # into the buckets and back with factorps' hook).
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[
+        DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     result = {"train": run(accelerator, shards, 1234, ckpt, False),
               "resume": run(accelerator, fresh, 99, ckpt, True)}
     torch.save(result, os.path.join(out, f"rank{accelerator.process_index}.pt"))
