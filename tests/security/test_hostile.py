@@ -17,6 +17,8 @@ over loopback:
              Create, the 1,000-name Pull, Exchange as shard 0
   rules      a worker token breaking the rules: a Create of __metadata__,
              the 1,000-name Pull, a push as worker 7 of 2
+  otherjob   a worker token of another job (its own job_id): a Create of
+             the job's tensor w and of a tensor of its own
   slowhdr    256 connections with header blocks that never end
   http       200 idle connections to /metrics' port, and the probes
 
@@ -64,7 +66,8 @@ from test_receive_window import DATA, END_HEADERS, FRAME, HEADERS, SETTINGS, Con
 FULL = os.environ.get("FPS_HOSTILE_FULL") == "1"
 SHAPE = [256, 256]
 RSS_BOUND = int((32 << 20) * float(os.environ.get("FPS_RSS_BOUND_SCALE", "1")))  # ASan: x2 (CMakeLists)
-ATTACKS = ("stalled", "unauth", "worker", "peer", "rules", "slowhdr", "http")
+ATTACKS = ("stalled", "unauth", "worker", "peer", "rules", "otherjob", "slowhdr", "http")
+JOB = "train-1"  # the job_id the workers' Create names
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(SETTINGS, 0, 0)
 
 
@@ -137,14 +140,19 @@ def attack(kind, addr, tokens, metrics_port, stop):
     meta = pb.CreateRequest(shard_id=0, shard_count=2, tensors=[
         pb.TensorCreate(name="__metadata__", shape=[4], optimizer=opt)])
     pull1000 = pb.PullRequest(names=["w"] * 1000)
+    other_w = pb.CreateRequest(shard_id=0, shard_count=2, job_id="other-job", tensors=[
+        pb.TensorCreate(name="w", shape=SHAPE, optimizer=opt)])
+    other_t = pb.CreateRequest(shard_id=0, shard_count=2, job_id="other-job", tensors=[
+        pb.TensorCreate(name="other", shape=[4], optimizer=opt)])
     exch = pb.ExchangeRequest(name="w", version=0, from_shard=0, shard_count=2)
     g = grads(0, 0)
 
     def push(s, worker):
         return lambda: s.PushPull(H.grad_messages(worker, 0, g), timeout=10)
 
-    if kind in ("unauth", "worker", "peer", "rules"):
-        s = stub({"unauth": None, "worker": tok("workers"), "peer": tok("peers"), "rules": tok("workers")}[kind])
+    if kind in ("unauth", "worker", "peer", "rules", "otherjob"):
+        s = stub({"unauth": None, "worker": tok("workers"), "peer": tok("peers"), "rules": tok("workers"),
+                  "otherjob": tok("workers")}[kind])
         calls = {
             "unauth": lambda: [("create replace", lambda: s.Create(replace, timeout=10)),
                                ("push", push(s, 0)),
@@ -161,6 +169,8 @@ def attack(kind, addr, tokens, metrics_port, stop):
             "rules": lambda: [("create __metadata__", lambda: s.Create(meta, timeout=10)),
                               ("pull x1000", lambda: s.Pull(pull1000, timeout=10)),
                               ("push as worker 7", push(s, 7))],
+            "otherjob": lambda: [("create w", lambda: s.Create(other_w, timeout=10)),
+                                 ("create other", lambda: s.Create(other_t, timeout=10))],
         }[kind]
         print("ready", flush=True)
         return grpc_codes(calls, stop)
@@ -240,6 +250,7 @@ EXPECTED = {
     "worker": {"PERMISSION_DENIED"},
     "peer": {"PERMISSION_DENIED"},
     "rules": {"INVALID_ARGUMENT", "FAILED_PRECONDITION"},
+    "otherjob": {"FAILED_PRECONDITION"},
 }
 
 
@@ -276,7 +287,10 @@ def run_job(hostile, n_steps):
         ch = grpc.insecure_channel(srv.addr, options=[("grpc.max_receive_message_length", 64 << 20)])
         stub = H.WithMetadata(pbg.ParameterServerStub(ch), [("authorization", "Bearer " + wtok)])
         init = np.random.default_rng(1).standard_normal(SHAPE[0] * SHAPE[1]).astype(np.float32)
-        H.create(stub, "w", SHAPE, init, shard_count=2)
+        # The job's first Create names it (the whole init fits one message).
+        stub.Create(pb.CreateRequest(shard_id=0, shard_count=2, job_id=JOB, tensors=[pb.TensorCreate(
+            name="w", shape=SHAPE, optimizer=H.optimizer(),
+            init=pb.TensorSlice(dtype=pb.DTYPE_F32, offset=0, data=init.tobytes()))]), timeout=60)
         res["rss0"] = peak_rss(srv.proc.pid)
         if hostile:
             for kind in ATTACKS:
