@@ -4,10 +4,15 @@
 #   `promtool check config` on both Prometheus configurations, and every
 #   PromQL expression of the Grafana dashboard through `promtool check rules`,
 #   the alert unit tests (`promtool test rules`), and every shipped shard
-#   definition (compose, compose in sync, the StatefulSet, its sync overlay)
+#   definition (compose, compose in sync, the StatefulSets, their sync overlay)
 #   through layouts.py: checkpoints on a persistent volume, an interval,
-#   a grace period for the final checkpoint, sync worker counts in one place.
-# Usage: deploy/check.sh   (exit 0: all good; 77: a tool is missing)
+#   a grace period for the final checkpoint, sync worker counts in one place,
+#   a standby per shard (two definitions naming each other, one lease per
+#   shard, the workers listing both), the two replica sets kept off each
+#   other's nodes, and, with FACTORPS_SERVER set (ctest sets it), every flag
+#   and FACTORPS_* variable they use present in `factorps-server --help`.
+# Usage: [FACTORPS_SERVER=build/server/factorps-server] deploy/check.sh
+#   (exit 0: all good; 77: a tool is missing)
 set -euo pipefail
 cd "$(dirname "$0")"
 py=/usr/bin/python3
@@ -76,28 +81,44 @@ echo "== kubernetes manifests reference the right ports and probes"
 "$py" - <<'PY'
 import yaml
 docs = {}
-for f in ("shard-statefulset.yaml", "shard-service.yaml", "worker-job.yaml", "kustomization.yaml"):
-    docs[f] = yaml.safe_load(open("kubernetes/" + f))
-sts = docs["shard-statefulset.yaml"]
-svc = docs["shard-service.yaml"]
+for f in ("shard-statefulset.yaml", "shard-service.yaml", "worker-job.yaml", "kustomization.yaml",
+          "etcd.yaml"):
+    docs[f] = [d for d in yaml.safe_load_all(open("kubernetes/" + f)) if d]
+svc = docs["shard-service.yaml"][0]
 assert svc["spec"]["clusterIP"] == "None", "the shard Service must be headless"
-assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
-c = sts["spec"]["template"]["spec"]["containers"][0]
-assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
-assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
-assert c["resources"]["requests"]
-env = {e["name"]: e["value"] for e in c["env"]}
-assert int(env["FACTORPS_SHARD_COUNT"]) == sts["spec"]["replicas"], "shard count != replicas"
-ann = sts["spec"]["template"]["metadata"]["annotations"]
-assert ann["prometheus.io/scrape"] == "true"
-assert env["FACTORPS_METRICS_LISTEN"].endswith(":" + ann["prometheus.io/port"])
-w = docs["worker-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
+sets = docs["shard-statefulset.yaml"]
+assert [s["kind"] for s in sets] == ["StatefulSet", "StatefulSet"], "two replica sets"
+for sts in sets:
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items()), "Service selects it"
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["resources"]["requests"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert int(env["FACTORPS_SHARD_COUNT"]) == sts["spec"]["replicas"], "shard count != replicas"
+    assert env["FACTORPS_LEASE"].startswith("etcd:factorps-etcd:2379/"), env["FACTORPS_LEASE"]
+    ann = sts["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true"
+    assert env["FACTORPS_METRICS_LISTEN"].endswith(":" + ann["prometheus.io/port"])
+etcd = {d["kind"] + "/" + d["metadata"]["name"]: d for d in docs["etcd.yaml"]}
+assert etcd["Service/factorps-etcd"]["spec"]["ports"][0]["port"] == 2379
+assert etcd["StatefulSet/factorps-etcd"]["spec"]["replicas"] % 2 == 1, "an odd etcd quorum"
+assert "etcd.yaml" in docs["kustomization.yaml"][0]["resources"]
+n = sets[0]["spec"]["replicas"]
+w = docs["worker-job.yaml"][0]["spec"]["template"]["spec"]["containers"][0]["command"]
 shards = w[w.index("--shards") + 1].split(",")
-assert shards == ["factorps-shard-%d.factorps-shard:50051" % i
-                  for i in range(sts["spec"]["replicas"])], shards
+assert shards == ["factorps-shard-a-%d.factorps-shard:50051|factorps-shard-b-%d.factorps-shard:50051" % (i, i)
+                  for i in range(n)], shards
 print("ok")
 PY
-echo "== shard definitions: checkpoints on persistent volumes, sync worker counts"
-"$py" layouts.py check
+echo "== shard definitions: checkpoints on persistent volumes, sync worker counts, standbys"
+if [[ -n ${FACTORPS_SERVER:-} ]]; then
+  "$py" layouts.py check "$FACTORPS_SERVER"
+else
+  echo "(FACTORPS_SERVER not set: the flags are not checked against factorps-server --help)"
+  "$py" layouts.py check
+fi
 
 echo "deploy/check.sh: all checks passed"

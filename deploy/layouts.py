@@ -7,7 +7,9 @@ deploy/kubernetes and of the sync overlay deploy/kubernetes-sync (as
 is absent). deploy/check.sh asserts on them; tests/http/test_deploy_layouts.py
 starts shards exactly as they say.
 
-Usage: layouts.py check    (exit 0: every assertion holds; 1 otherwise)
+Usage: layouts.py check [SERVER]   (exit 0: every assertion holds; 1 otherwise)
+SERVER: a factorps-server binary; every flag and FACTORPS_* variable the
+definitions use must be in its --help.
 """
 import copy
 import json
@@ -175,7 +177,8 @@ def compose_shards(environ=None):
             read_only=bool(svc.get("read_only")), tmpfs=[t.split(":")[0] for t in tmpfs],
             user=user, fs_group=None, workdir=svc.get("working_dir", img["workdir"]),
             grace=_seconds(svc.get("stop_grace_period", "10s")), hostname=svc.get("hostname", name),
-            restart=svc.get("restart", "no")))
+            restart=svc.get("restart", "no"), shard_id=int(env.get("FACTORPS_SHARD_ID", "0")),
+            replica_set=None))
     return shards
 
 
@@ -221,6 +224,24 @@ def _step(cur, p):
     return cur[int(p)] if isinstance(cur, list) else cur[p]
 
 
+def _patch_applies(target, patch, doc):
+    """A patch applies to the document it names, or, with a target, to
+    every document of the target's kind whose labels match its
+    labelSelector (k=v,...; the only selector form deploy/ uses)."""
+    if not target:
+        return doc["kind"] == patch["kind"] and doc["metadata"]["name"] == patch["metadata"]["name"]
+    if doc["kind"] != target.get("kind", doc["kind"]):
+        return False
+    if "name" in target and doc["metadata"]["name"] != target["name"]:
+        return False
+    labels = doc["metadata"].get("labels") or {}
+    for term in filter(None, (target.get("labelSelector") or "").split(",")):
+        k, _, v = term.partition("=")
+        if labels.get(k.strip()) != v.strip():
+            return False
+    return True
+
+
 def _mini_kustomize(d):
     """The subset of kustomize deploy/ uses: resources (files and
     directories), namespace, patches (strategic merge, by file), and
@@ -232,8 +253,11 @@ def _mini_kustomize(d):
         docs += _mini_kustomize(p) if os.path.isdir(p) else [x for x in _load(p, True) if x]
     for p in k.get("patches", []):
         patch = _load(os.path.join(d, p["path"]))
+        if p.get("target"):
+            # A targeted patch's own name is a placeholder: never applied.
+            patch = dict(patch, metadata={k: v for k, v in patch["metadata"].items() if k != "name"})
         for i, doc in enumerate(docs):
-            if doc["kind"] == patch["kind"] and doc["metadata"]["name"] == patch["metadata"]["name"]:
+            if _patch_applies(p.get("target"), patch, doc):
                 docs[i] = _merge(doc, patch)
     for r in k.get("replacements", []):
         s = r["source"]
@@ -278,42 +302,58 @@ def _k8s_expand(s, env):
                   lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), s)
 
 
+def _field_ref(path, pod_name, namespace, index):
+    """The downward API values the shard pods use."""
+    return {"metadata.name": pod_name, "metadata.namespace": namespace,
+            "metadata.labels['apps.kubernetes.io/pod-index']": str(index)}[path]
+
+
+def shard_sets(docs):
+    """The StatefulSets whose pods run a container named "shard"."""
+    return [x for x in docs if x["kind"] == "StatefulSet"
+            and any(c["name"] == "shard" for c in x["spec"]["template"]["spec"]["containers"])]
+
+
 def k8s_shards(docs):
     img = image()
-    sts = next(x for x in docs if x["kind"] == "StatefulSet")
-    spec = sts["spec"]
-    pod = spec["template"]["spec"]
-    c = next(x for x in pod["containers"] if x["name"] == "shard")
-    claims = {t["metadata"]["name"] for t in spec.get("volumeClaimTemplates") or []}
-    vols = {v["name"]: v for v in pod.get("volumes") or []}
-    psc, csc = pod.get("securityContext") or {}, c.get("securityContext") or {}
-    uid = csc.get("runAsUser", psc.get("runAsUser", img["user"][0]))
-    gid = csc.get("runAsGroup", psc.get("runAsGroup", img["user"][1]))
     shards = []
-    for i in range(spec["replicas"]):
-        hostname = "%s-%d" % (sts["metadata"]["name"], i)
-        env = dict(img["env"])
-        env["HOSTNAME"] = hostname
-        for e in c.get("env") or []:
-            if "value" in e:
-                env[e["name"]] = _k8s_expand(str(e["value"]), env)
-        argv = [_k8s_expand(a, env) for a in (c.get("command") or img["entrypoint"])]
-        argv += [_k8s_expand(a, env) for a in c.get("args") or []]
-        mounts, tmpfs = {}, []
-        for m in c.get("volumeMounts") or []:
-            if m["name"] in claims:
-                mounts[m["mountPath"]] = ("%s-%s" % (m["name"], hostname), True)
-            elif m["name"] in vols and "emptyDir" in vols[m["name"]]:
-                tmpfs.append(m["mountPath"])
-                mounts[m["mountPath"]] = (m["name"], False)
-            else:
-                mounts[m["mountPath"]] = (m["name"], False)
-        shards.append(Shard(
-            name=hostname, layout="statefulset", argv=argv, env=env, mounts=mounts,
-            read_only=bool(csc.get("readOnlyRootFilesystem")), tmpfs=tmpfs, user=(uid, gid),
-            fs_group=psc.get("fsGroup"), workdir=c.get("workingDir", img["workdir"]),
-            grace=pod.get("terminationGracePeriodSeconds", 30), hostname=hostname,
-            restart="pod"))
+    for sts in shard_sets(docs):
+        spec = sts["spec"]
+        pod = spec["template"]["spec"]
+        c = next(x for x in pod["containers"] if x["name"] == "shard")
+        claims = {t["metadata"]["name"] for t in spec.get("volumeClaimTemplates") or []}
+        vols = {v["name"]: v for v in pod.get("volumes") or []}
+        psc, csc = pod.get("securityContext") or {}, c.get("securityContext") or {}
+        uid = csc.get("runAsUser", psc.get("runAsUser", img["user"][0]))
+        gid = csc.get("runAsGroup", psc.get("runAsGroup", img["user"][1]))
+        namespace = sts["metadata"].get("namespace", "default")
+        for i in range(spec["replicas"]):
+            hostname = "%s-%d" % (sts["metadata"]["name"], i)
+            env = dict(img["env"])
+            env["HOSTNAME"] = hostname
+            for e in c.get("env") or []:
+                if "value" in e:
+                    env[e["name"]] = _k8s_expand(str(e["value"]), env)
+                elif "fieldRef" in (e.get("valueFrom") or {}):
+                    env[e["name"]] = _field_ref(e["valueFrom"]["fieldRef"]["fieldPath"], hostname,
+                                                namespace, i)
+            argv = [_k8s_expand(a, env) for a in (c.get("command") or img["entrypoint"])]
+            argv += [_k8s_expand(a, env) for a in c.get("args") or []]
+            mounts, tmpfs = {}, []
+            for m in c.get("volumeMounts") or []:
+                if m["name"] in claims:
+                    mounts[m["mountPath"]] = ("%s-%s" % (m["name"], hostname), True)
+                elif m["name"] in vols and "emptyDir" in vols[m["name"]]:
+                    tmpfs.append(m["mountPath"])
+                    mounts[m["mountPath"]] = (m["name"], False)
+                else:
+                    mounts[m["mountPath"]] = (m["name"], False)
+            shards.append(Shard(
+                name=hostname, layout="statefulset", argv=argv, env=env, mounts=mounts,
+                read_only=bool(csc.get("readOnlyRootFilesystem")), tmpfs=tmpfs, user=(uid, gid),
+                fs_group=psc.get("fsGroup"), workdir=c.get("workingDir", img["workdir"]),
+                grace=pod.get("terminationGracePeriodSeconds", 30), hostname=hostname,
+                restart="pod", shard_id=i, replica_set=sts["metadata"]["name"]))
     return shards
 
 
@@ -331,7 +371,109 @@ def worker_job(docs):
 MIN_GRACE_S = 30
 
 
-def check(renderer=None):
+def _flags_named(shard):
+    """(flag, where) for every --flag in the argv (a shell command's words
+    included) and every FACTORPS_* variable of the environment."""
+    out = []
+    for a in shard.argv:
+        out += [(f, "argv") for f in re.findall(r"(?<![\w-])--([a-z][a-z0-9-]*)", a)]
+    out += [(k, "env") for k in shard.env if k.startswith("FACTORPS_")]
+    return out
+
+
+def _set_labels(sts):
+    return sts["spec"]["template"]["metadata"]["labels"]
+
+
+def _strip_set(sts, me, other):
+    """The StatefulSet with its own set's name and replica label, and the set
+    it avoids, replaced by placeholders: equal for two sets that differ in
+    nothing else."""
+    text = yaml.safe_dump(sts, sort_keys=True)
+    return (text.replace("factorps-shard-%s" % me, "factorps-shard-SELF")
+            .replace("factorps-shard-%s" % other, "factorps-shard-OTHER")
+            .replace("factorps.io/replica: %s\n" % me, "factorps.io/replica: SELF\n")
+            .replace("factorps.io/replica: %s\n" % other, "factorps.io/replica: OTHER\n"))
+
+
+def check_replicas(layouts, need, server_help=None):
+    """A standby per shard: every shard id has exactly two definitions, each
+    naming the other as --replica-peer (by its advertised address) and the
+    same lease, one lease per shard; file leases on a volume both mount.
+    The workers list each shard's two replicas. With server_help (the
+    output of factorps-server --help), every flag and FACTORPS_* variable
+    the definitions use exists."""
+    for layout, shards in layouts:
+        ids = {}
+        for s in shards:
+            ids.setdefault(s.shard_id, []).append(s)
+        count = int(shards[0].option("shard-count") or 1) if shards else 0
+        need(sorted(ids) == list(range(count)),
+             "%s: shard ids %s, not 0..%d" % (layout, sorted(ids), count - 1))
+        leases = {}
+        for i, pair in sorted(ids.items()):
+            need(len(pair) == 2, "%s shard %d: %d definitions, not a primary and a standby"
+                 % (layout, i, len(pair)))
+            if len(pair) != 2:
+                continue
+            for me, other in (pair, pair[::-1]):
+                where = "%s %s" % (layout, me.name)
+                adv = other.option("replica-advertise") or other.option("listen")
+                need(me.option("replica-peer") and me.option("replica-peer") == adv,
+                     "%s: --replica-peer %s is not its other replica (%s advertises %s)"
+                     % (where, me.option("replica-peer"), other.name, adv))
+                need(me.option("lease") and me.option("lease") == other.option("lease"),
+                     "%s: lease %s differs from %s's %s" % (where, me.option("lease"), other.name,
+                                                             other.option("lease")))
+                lease = me.option("lease") or ""
+                if lease.startswith("file:"):
+                    v, w = me.volume_of(lease[5:]), other.volume_of(lease[5:])
+                    need(v and w and v[1] == w[1] and v[2],
+                         "%s: file lease %s is not on one persistent volume both replicas mount"
+                         % (where, lease))
+            leases.setdefault(pair[0].option("lease"), []).append(i)
+        for lease, owners in leases.items():
+            need(len(owners) == 1, "%s: shards %s share the lease %s" % (layout, owners, lease))
+        if server_help is not None:
+            for s in shards:
+                for flag, how in _flags_named(s):
+                    name = "--" + flag if how == "argv" else flag
+                    need(re.search(r"(?<![\w-])%s\b" % re.escape(name), server_help),
+                         "%s %s: %s is not in factorps-server --help" % (layout, s.name, name))
+
+
+def check_anti_affinity(docs, name, need):
+    """Two shard StatefulSets, each with required anti-affinity (per node)
+    against the other's pods and not its own, equal in everything else."""
+    sets = shard_sets(docs)
+    need(len(sets) == 2, "%s: %d shard StatefulSets, not two (a replica set per standby)"
+         % (name, len(sets)))
+    if len(sets) != 2:
+        return
+    for me, other in (sets, sets[::-1]):
+        terms = (((me["spec"]["template"]["spec"].get("affinity") or {}).get("podAntiAffinity") or {})
+                 .get("requiredDuringSchedulingIgnoredDuringExecution") or [])
+        sel_other = [t for t in terms if t.get("topologyKey") == "kubernetes.io/hostname"
+                     and all(_set_labels(other).get(k) == v
+                             for k, v in t["labelSelector"]["matchLabels"].items())
+                     and not all(_set_labels(me).get(k) == v
+                                 for k, v in t["labelSelector"]["matchLabels"].items())]
+        need(sel_other, "%s: %s has no required per-node anti-affinity against %s's pods"
+             % (name, me["metadata"]["name"], other["metadata"]["name"]))
+        need(me["spec"]["replicas"] == other["spec"]["replicas"],
+             "%s: the two shard StatefulSets have different replicas" % name)
+    a, b = sorted(sets, key=lambda x: x["metadata"]["name"])
+    ma, mb = a["metadata"]["name"][-1], b["metadata"]["name"][-1]
+    need(_strip_set(a, ma, mb) == _strip_set(b, mb, ma),
+         "%s: %s and %s differ in more than their name, replica label and avoided set"
+         % (name, a["metadata"]["name"], b["metadata"]["name"]))
+
+
+def _worker_shards(cmd):
+    return cmd[cmd.index("--shards") + 1]
+
+
+def check(renderer=None, server_help=None):
     """Every assertion deploy/ promises; returns a list of failures."""
     bad = []
 
@@ -366,6 +508,20 @@ def check(renderer=None):
             need(s.read_only, "%s: root filesystem is writable" % where)
             need(s.option("require-checkpoint") in (None, "false", "true"),
                  "%s: FACTORPS_REQUIRE_CHECKPOINT must be true or false" % where)
+    check_replicas(layouts, need, server_help)
+    # The workers list each shard's replicas (advertised addresses) in id order.
+    for layout, shards, cmd in (
+            ("compose", layouts[0][1], compose_config()["services"]["worker"]["command"]),
+            ("kubernetes", layouts[2][1], worker_job(kustomize("kubernetes", renderer))[1]["command"]),
+            ("kubernetes-sync", layouts[3][1],
+             worker_job(kustomize("kubernetes-sync", renderer))[1]["command"])):
+        want = ",".join("|".join(s.option("replica-advertise") for s in
+                                 sorted((x for x in shards if x.shard_id == i), key=lambda x: x.name))
+                        for i in sorted({x.shard_id for x in shards}))
+        need(_worker_shards(cmd) == want, "%s: the worker's --shards %s is not the replicas %s"
+             % (layout, _worker_shards(cmd), want))
+    for name in ("kubernetes", "kubernetes-sync"):
+        check_anti_affinity(kustomize(name, renderer), name, need)
     # Compose sync: the same variable sets the shards' and the worker's count.
     cfg = compose_config(dict(os.environ, FACTORPS_MODE="sync", FACTORPS_WORKERS="3"))
     w = cfg["services"]["worker"]["command"]
@@ -393,27 +549,35 @@ def check(renderer=None):
     # Kubernetes: the budget selects the shard pods; claims are retained.
     for name in ("kubernetes", "kubernetes-sync"):
         docs = kustomize(name, renderer)
-        sts = next(x for x in docs if x["kind"] == "StatefulSet")
-        pdb = [x for x in docs if x["kind"] == "PodDisruptionBudget"]
+        pdb = [x for x in docs if x["kind"] == "PodDisruptionBudget"
+               and (x["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == "shard"]
         need(len(pdb) == 1, "%s: no PodDisruptionBudget" % name)
-        if pdb:
-            sel = pdb[0]["spec"]["selector"]["matchLabels"]
-            labels = sts["spec"]["template"]["metadata"]["labels"]
-            need(all(labels.get(k) == v for k, v in sel.items()),
-                 "%s: the PodDisruptionBudget does not select the shard pods" % name)
-        need(sts["spec"].get("persistentVolumeClaimRetentionPolicy", {}).get("whenDeleted")
-             == "Retain", "%s: claims are not retained when the StatefulSet is deleted" % name)
-        fsg = sts["spec"]["template"]["spec"].get("securityContext", {}).get("fsGroup")
-        need(fsg is not None, "%s: no fsGroup, the shard user may not write the volume" % name)
+        for sts in shard_sets(docs):
+            if pdb:
+                sel = pdb[0]["spec"]["selector"]["matchLabels"]
+                labels = sts["spec"]["template"]["metadata"]["labels"]
+                need(all(labels.get(k) == v for k, v in sel.items()),
+                     "%s: the PodDisruptionBudget does not select the shard pods" % name)
+            need(sts["spec"].get("persistentVolumeClaimRetentionPolicy", {}).get("whenDeleted")
+                 == "Retain", "%s: claims are not retained when the StatefulSet is deleted" % name)
+            fsg = sts["spec"]["template"]["spec"].get("securityContext", {}).get("fsGroup")
+            need(fsg is not None, "%s: no fsGroup, the shard user may not write the volume" % name)
     return bad
 
 
 def main():
-    if sys.argv[1:] != ["check"]:
+    if sys.argv[1:2] != ["check"] or len(sys.argv) not in (2, 3):
         print(__doc__, file=sys.stderr)
         return 2
+    server_help = None
+    if len(sys.argv) == 3:
+        server_help = subprocess.run([sys.argv[2], "--help"], capture_output=True, text=True,
+                                     timeout=60).stdout
+        if "--shard-id" not in server_help:
+            print("FAIL %s --help printed no options" % sys.argv[2])
+            return 1
     renderer = "kubectl" if shutil.which("kubectl") else "mini"
-    bad = check(renderer)
+    bad = check(renderer, server_help)
     if renderer == "kubectl":
         # The small renderer must agree with kustomize wherever both exist.
         for d in ("kubernetes", "kubernetes-sync"):

@@ -16,8 +16,17 @@ volume, or as Kubernetes' fsGroup leaves a claim), a tmpfs /tmp, the image's
 /usr/local/bin/factorps-server (the binary just built, bind-mounted there),
 and the unprivileged user 10001. Replaced, because every container has its
 own network namespace: the listen addresses (127.0.0.1:0 plus port files in
-a control directory). Without root or unshare the same argv and env run
-with the container paths mapped under a temporary directory.
+a control directory), and the replica addresses: the other replica
+(FACTORPS_REPLICA_PEER, a loopback port), the advertised address (dropped:
+the listen address), and an etcd lease's endpoint (a real etcd the test
+starts on loopback; the key is kept). Without root or unshare the same
+argv and env run with the container paths mapped under a temporary
+directory (a file lease's path too).
+
+Each layout defines two replicas per shard (a primary and a standby, which
+the lease picks). RestartRestores runs one replica of each shard, which
+takes its lease and serves alone; Failover runs both replicas of one shard
+and kills the primary.
 
 The orchestrator's actions: a stop is SIGTERM (docker-compose stop, pod
 deletion) and a crash is SIGKILL; a restart runs the same definition on the
@@ -104,7 +113,9 @@ class Volume:
 class Container:
     """One run of a layouts.Shard on its volume(s)."""
 
-    def __init__(self, shard, volumes, root):
+    def __init__(self, shard, volumes, root, replace=None):
+        """replace: environment entries put in place of the shipped ones
+        (the replica addresses, see the top); None values are dropped."""
         self.shard = shard
         self.ctl = tempfile.mkdtemp(prefix="ctl-", dir=root)
         os.chmod(self.ctl, 0o777)
@@ -114,6 +125,11 @@ class Container:
         env["FACTORPS_METRICS_LISTEN"] = "127.0.0.1:0"
         for k, v in F.server_env().items():  # sanitizer options of the build under test
             if k.startswith(("ASAN_", "UBSAN_", "LSAN_", "TSAN_")):
+                env[k] = v
+        for k, v in (replace or {}).items():
+            if v is None:
+                env.pop(k, None)
+            else:
                 env[k] = v
         env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         argv = list(shard.argv)
@@ -141,6 +157,8 @@ class Container:
             for k in list(env):
                 if k in ("FACTORPS_CHECKPOINT_DIR",):
                     env[k] = host(env[k])
+                elif k == "FACTORPS_LEASE" and env[k].startswith("file:"):
+                    env[k] = "file:" + host(env[k][5:])
             argv = [a.replace(IMAGE_SERVER, SERVER) for a in argv]
             env["FACTORPS_PORT_FILE"] = os.path.join(self.ctl, "port")
             env["FACTORPS_METRICS_PORT_FILE"] = os.path.join(self.ctl, "metrics-port")
@@ -215,34 +233,96 @@ def wait_ready(c, timeout=60):
         time.sleep(0.05)
 
 
+class Etcd:
+    """A one-member etcd on loopback ports with its data in `root` (Debian's
+    etcd-server, scripts/deps.sh), for the layouts whose lease is etcd's."""
+
+    def __init__(self, root):
+        self.port, peer = F.free_port(), F.free_port()
+        client, peer = "http://127.0.0.1:%d" % self.port, "http://127.0.0.1:%d" % peer
+        self.log = open(os.path.join(root, "etcd.log"), "w")
+        self.p = subprocess.Popen(
+            [ETCD, "--name", "t", "--data-dir", os.path.join(root, "etcd"), "--listen-client-urls", client,
+             "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls",
+             peer, "--initial-cluster", "t=" + peer], stdout=self.log, stderr=subprocess.STDOUT,
+            preexec_fn=F.die_with_parent)
+        deadline = time.time() + 30
+        while True:
+            try:
+                if b'"health":"true"' in F.http_get("127.0.0.1", self.port, "/health", timeout=2)[2]:
+                    break
+            except OSError:
+                pass
+            if self.p.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError("etcd did not start: " + F.read_text(self.log.name)[-2000:])
+            time.sleep(0.05)
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
+        self.log.close()
+
+
+ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+
+
+def replica_env(shard, peer_addr, etcd):
+    """The replica addresses of a definition, replaced for loopback (see the
+    top): its other replica at peer_addr, an etcd lease at `etcd`."""
+    out = {"FACTORPS_REPLICA_PEER": peer_addr, "FACTORPS_REPLICA_ADVERTISE": None}
+    lease = shard.option("lease") or ""
+    if lease.startswith("etcd:"):
+        if etcd is None:
+            raise unittest.SkipTest("no etcd binary (scripts/deps.sh installs etcd-server)")
+        out["FACTORPS_LEASE"] = "etcd:127.0.0.1:%d/%s" % (etcd.port, lease.split("/", 1)[1])
+    return out
+
+
+def uses_etcd(shards):
+    return any((s.option("lease") or "").startswith("etcd:") for s in shards)
+
+
 @unittest.skipUnless(SERVER and os.access(SERVER, os.X_OK), "FACTORPS_SERVER not set")
 class RestartRestores(unittest.TestCase):
-    """Train both shards, stop shard 1 (SIGTERM) and restart it, train it
-    more, kill it (SIGKILL) and restart it: each time it comes back ready
-    with the state of its last checkpoint, read from its own volume."""
+    """Train both shards (one replica of each: its standby is never
+    started, so it takes the lease and serves alone), stop shard 1 (SIGTERM)
+    and restart it, train it more, kill it (SIGKILL) and restart it: each
+    time it comes back ready with the state of its last checkpoint, read
+    from its own volume."""
 
     def setUp(self):
         self.root = tempfile.mkdtemp(prefix="fps-layout-")
         os.chmod(self.root, 0o755)
         self.running = []
+        self.etcd = None
 
     def tearDown(self):
         for c in self.running:
             if c.p.poll() is None:
                 c.end(signal.SIGKILL)
+        if self.etcd:
+            self.etcd.stop()
         shutil.rmtree(self.root, True)
 
     def start(self, shard, volumes):
-        c = Container(shard, volumes, self.root)
+        c = Container(shard, volumes, self.root, self.replace[shard.name])
         self.running.append(c)
         return c
 
-    def run_layout(self, shards):
-        self.assertEqual(len(shards), 2)
+    def run_layout(self, all_shards):
+        self.assertEqual(len(all_shards), 4, "2 shards x (primary + standby)")
+        # One replica per shard: the first definition of each shard id.
+        shards = [sorted((s for s in all_shards if s.shard_id == i), key=lambda s: s.name)[0]
+                  for i in (0, 1)]
+        if uses_etcd(shards) and os.access(ETCD, os.X_OK):
+            self.etcd = Etcd(self.root)
+        self.replace = {s.name: replica_env(s, "127.0.0.1:%d" % F.free_port(), self.etcd) for s in shards}
         volumes = {}
         for s in shards:
             for mp, (vol, persistent) in s.mounts.items():
-                if persistent:
+                if persistent and vol not in volumes:  # the lease volume is shared
                     volumes[vol] = Volume(self.root, vol, s.layout, s.user[0], s.user[1],
                                           s.fs_group if s.fs_group is not None else s.user[1])
         ckdir = shards[1].option("checkpoint-dir")
@@ -329,15 +409,18 @@ class RestartRestores(unittest.TestCase):
 @unittest.skipUnless(SERVER and os.access(SERVER, os.X_OK) and CLI and os.access(CLI, os.X_OK),
                      "FACTORPS_SERVER or FACTORPS_CLI not set")
 class SyncOverlay(unittest.TestCase):
-    """deploy/kubernetes-sync: the shards as its StatefulSet says (sync, W
-    workers) and W worker pods as its Indexed Job says (pod i: worker i,
-    --workers from the same setting) train together; only --shards (the
-    cluster DNS names) and --steps (a test's length) are replaced."""
+    """deploy/kubernetes-sync: the shard replicas as its StatefulSets say
+    (sync, W workers, a primary and a standby per shard, an etcd lease) and
+    W worker pods as its Indexed Job says (pod i: worker i, --workers from
+    the same setting) train together; only --shards (the cluster DNS names,
+    each shard's replicas joined by '|' as shipped), --steps (a test's
+    length) and the replica addresses (see the top) are replaced."""
 
     def test_sync_shards_and_indexed_workers_agree(self):
         root = tempfile.mkdtemp(prefix="fps-sync-")
         os.chmod(root, 0o755)
         running = []
+        etcd = None
         try:
             docs = layouts.kustomize("kubernetes-sync")
             shards = layouts.k8s_shards(docs)
@@ -351,20 +434,32 @@ class SyncOverlay(unittest.TestCase):
                 for mp, (vol, persistent) in s.mounts.items():
                     if persistent:
                         volumes[vol] = Volume(root, vol, s.layout, s.user[0], s.user[1], s.fs_group)
+            if uses_etcd(shards):
+                if not os.access(ETCD, os.X_OK):
+                    self.skipTest("no etcd binary (scripts/deps.sh installs etcd-server)")
+                etcd = Etcd(root)
+            # Fixed loopback ports, so that the replicas of a shard can name
+            # each other.
+            ports = {s.name: F.free_port() for s in shards}
             cs = []
             for s in shards:
-                c = Container(s, volumes, root)
+                peer = next(x for x in shards if x.shard_id == s.shard_id and x is not s)
+                r = replica_env(s, "127.0.0.1:%d" % ports[peer.name], etcd)
+                r["FACTORPS_LISTEN"] = "127.0.0.1:%d" % ports[s.name]
+                c = Container(s, volumes, root, r)
                 running.append(c)
                 cs.append(c)
             for c in cs:
-                wait_ready(c)
+                wait_ready(c)  # a standby is ready once it has joined its primary
             procs = []
             for index in range(W):
                 env = {e["name"]: e["value"] for e in wc["env"] if "value" in e}
                 env["WORKER_ID"] = str(index)  # the Job controller's completion index
                 argv = [layouts._k8s_expand(a, env) for a in wc["command"]]
                 argv[0] = CLI if argv[0] == IMAGE_CLI else argv[0]
-                argv[argv.index("--shards") + 1] = ",".join(c.addr for c in cs)
+                argv[argv.index("--shards") + 1] = ",".join(
+                    "|".join(c.addr for c in cs if c.shard.shard_id == i)
+                    for i in sorted({c.shard.shard_id for c in cs}))
                 argv[argv.index("--steps") + 1] = "3"
                 self.assertEqual(argv[argv.index("--worker-id") + 1], str(index))
                 self.assertEqual(argv[argv.index("--workers") + 1], str(W))
@@ -374,18 +469,109 @@ class SyncOverlay(unittest.TestCase):
             for p, out in zip(procs, outs):
                 self.assertEqual(p.returncode, 0, out)
                 self.assertIn("RESULT", out)
+            primaries = 0
             for c in cs:
                 t = c.metrics()
+                if F.metric(t, "factorps_replica_role", role="primary") != 1:
+                    continue
+                primaries += 1
                 # Every round waited for all W workers.
                 rounds = F.metric(t, "factorps_sync_steps_completed_total")
                 self.assertGreater(rounds, 0)
                 self.assertEqual(F.metric(t, "factorps_sync_workers_waited_total"), W * rounds)
+            self.assertEqual(primaries, len(cs) // 2, "one primary per shard")
+            for c in cs:
                 self.assertEqual(c.end(signal.SIGTERM), 0, c.read_log())
         finally:
             for c in running:
                 if c.p.poll() is None:
                     c.end(signal.SIGKILL)
+            if etcd:
+                etcd.stop()
             shutil.rmtree(root, True)
+
+
+@unittest.skipUnless(SERVER and os.access(SERVER, os.X_OK), "FACTORPS_SERVER not set")
+class Failover(unittest.TestCase):
+    """Both replicas of shard 0, as each layout defines them (compose: a
+    file lease on the shared volume; StatefulSets: an etcd lease): exactly
+    one becomes primary, the other a standby; SIGKILL of the primary, and
+    the standby is primary within the lease's failover time (file: at
+    once; etcd: the TTL) plus start-up slack; the killed one, restarted,
+    comes back as the standby. Roles are read from /metrics."""
+
+    def setUp(self):
+        self.root = tempfile.mkdtemp(prefix="fps-failover-")
+        os.chmod(self.root, 0o755)
+        self.running = []
+        self.etcd = None
+
+    def tearDown(self):
+        for c in self.running:
+            if c.p.poll() is None:
+                c.end(signal.SIGKILL)
+        if self.etcd:
+            self.etcd.stop()
+        shutil.rmtree(self.root, True)
+
+    def role(self, c):
+        t = c.metrics()
+        for r in ("primary", "standby", "solo"):
+            if F.metric(t, "factorps_replica_role", role=r) == 1:
+                return r
+        return None
+
+    def wait_roles(self, cs, want, timeout):
+        deadline = time.time() + timeout
+        while True:
+            got = sorted(self.role(c) for c in cs)
+            if got == sorted(want):
+                return
+            if time.time() > deadline:
+                raise AssertionError("roles %s, not %s:\n%s" % (got, want, "\n".join(c.read_log() for c in cs)))
+            time.sleep(0.05)
+
+    def run_pair(self, all_shards):
+        pair = sorted((s for s in all_shards if s.shard_id == 0), key=lambda s: s.name)
+        self.assertEqual(len(pair), 2)
+        if uses_etcd(pair) and os.access(ETCD, os.X_OK):
+            self.etcd = Etcd(self.root)
+        volumes = {}
+        for s in pair:
+            for mp, (vol, persistent) in s.mounts.items():
+                if persistent and vol not in volumes:
+                    volumes[vol] = Volume(self.root, vol, s.layout, s.user[0], s.user[1],
+                                          s.fs_group if s.fs_group is not None else s.user[1])
+        # Fixed loopback ports, so that each can name the other.
+        ports = [F.free_port() for _ in pair]
+        replace = []
+        for i, s in enumerate(pair):
+            r = replica_env(s, "127.0.0.1:%d" % ports[1 - i], self.etcd)
+            r["FACTORPS_LISTEN"] = "127.0.0.1:%d" % ports[i]
+            replace.append(r)
+
+        def start(i):
+            c = Container(pair[i], volumes, self.root, replace[i])
+            self.running.append(c)
+            return c
+        cs = [start(0), start(1)]
+        ttl = float(pair[0].option("lease-ttl") or 2) if uses_etcd(pair) else 0.0
+        self.wait_roles(cs, ["primary", "standby"], 30)
+        p = 0 if self.role(cs[0]) == "primary" else 1
+        killed = time.time()
+        self.assertEqual(cs[p].end(signal.SIGKILL), -signal.SIGKILL)
+        self.wait_roles([cs[1 - p]], ["primary"], ttl + 10)
+        print("%s: SIGKILL of the primary to the standby's promotion: %.2f s (lease TTL %s)"
+              % (pair[0].layout, time.time() - killed, ttl or "file"), file=sys.stderr)
+        cs[p] = start(p)
+        self.wait_roles(cs, ["primary", "standby"], 30)
+        self.assertEqual(self.role(cs[1 - p]), "primary")
+
+    def test_compose_pair(self):
+        self.run_pair(layouts.compose_shards())
+
+    def test_statefulset_pair(self):
+        self.run_pair(layouts.k8s_shards(layouts.kustomize("kubernetes")))
 
 
 class LayoutsCheckCatches(unittest.TestCase):
@@ -393,7 +579,7 @@ class LayoutsCheckCatches(unittest.TestCase):
     lose a shard's state (no volume, a checkpoint directory off the volume,
     ...), in a copy of deploy/ with one thing broken."""
 
-    def broken(self, path, old, new, renderer="mini"):
+    def broken(self, path, old, new, renderer="mini", count=-1):
         tmp = tempfile.mkdtemp(prefix="fps-deploy-copy-")
         try:
             d = os.path.join(tmp, "deploy")
@@ -401,7 +587,7 @@ class LayoutsCheckCatches(unittest.TestCase):
             f = os.path.join(d, path)
             text = F.read_text(f)
             self.assertIn(old, text)
-            F.write_text(f, text.replace(old, new))
+            F.write_text(f, text.replace(old, new, count))
             saved = layouts.HERE
             layouts.HERE = d
             try:
@@ -420,7 +606,7 @@ class LayoutsCheckCatches(unittest.TestCase):
     def test_no_claim_template(self):
         p = self.broken("kubernetes/shard-statefulset.yaml", "  volumeClaimTemplates:",
                         "  unusedClaimTemplates:")
-        self.assertCaught(p, "kubernetes factorps-shard-0", "not on a persistent volume")
+        self.assertCaught(p, "kubernetes factorps-shard-a-0", "not on a persistent volume")
 
     def test_checkpoints_on_tmpfs(self):
         p = self.broken("docker-compose.yml", "FACTORPS_CHECKPOINT_DIR: /var/lib/factorps/checkpoints",
@@ -429,7 +615,7 @@ class LayoutsCheckCatches(unittest.TestCase):
 
     def test_no_interval(self):
         p = self.broken("kubernetes/shard-statefulset.yaml", 'value: "300"', 'value: "0"')
-        self.assertCaught(p, "kubernetes factorps-shard-1", "no periodic checkpoints")
+        self.assertCaught(p, "kubernetes factorps-shard-a-1", "no periodic checkpoints")
 
     def test_grace_too_short(self):
         p = self.broken("docker-compose.yml", "stop_grace_period: 60s", "stop_grace_period: 10s")
@@ -438,6 +624,30 @@ class LayoutsCheckCatches(unittest.TestCase):
     def test_sync_counts_disagree(self):
         p = self.broken("kubernetes-sync/kustomization.yaml", "          - spec.parallelism\n", "")
         self.assertCaught(p, "kubernetes-sync", "parallelism")
+
+    def test_no_standby(self):
+        p = self.broken("docker-compose.yml", "FACTORPS_REPLICA_PEER: shard-1-a:50051",
+                        "FACTORPS_REPLICA_PEER: shard-0-a:50051")
+        self.assertCaught(p, "compose shard-1-b", "is not its other replica")
+
+    def test_shared_lease(self):
+        p = self.broken("docker-compose.yml", "FACTORPS_LEASE: file:/var/lib/factorps-lease/shard-1.lease",
+                        "FACTORPS_LEASE: file:/var/lib/factorps-lease/shard-0.lease")
+        self.assertCaught(p, "compose: shards [0, 1] share the lease")
+
+    def test_no_anti_affinity(self):
+        p = self.broken("kubernetes/shard-statefulset.yaml", "requiredDuringSchedulingIgnoredDuringExecution",
+                        "preferredDuringSchedulingIgnoredDuringExecution")
+        self.assertCaught(p, "kubernetes", "no required per-node anti-affinity")
+
+    def test_sets_drift(self):
+        p = self.broken("kubernetes/shard-statefulset.yaml", 'value: "300"', 'value: "301"', count=1)
+        self.assertCaught(p, "kubernetes", "differ in more than")
+
+    def test_unknown_flag(self):
+        help_text = "  --shard-id  the id\n  env FACTORPS_SHARD_ID\n"
+        bad = layouts.check("mini", help_text)
+        self.assertCaught(bad, "FACTORPS_LEASE is not in factorps-server --help")
 
     def test_no_budget(self):
         p = self.broken("kubernetes/kustomization.yaml", "  - pod-disruption-budget.yaml\n", "")
