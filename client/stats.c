@@ -15,6 +15,7 @@
 typedef struct stats_shard_s {
   fps__stream_t s;
   int include_tensors;
+  int include_checksum;
   uint32_t log_limit;
   Factorps__V1__StatsResponse *resp;   /* owned, freed by the caller */
 } stats_shard_t;
@@ -23,6 +24,7 @@ static int stats_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   stats_shard_t *sh = s->ctx;
   Factorps__V1__StatsRequest req = FACTORPS__V1__STATS_REQUEST__INIT;
   req.include_tensors = sh->include_tensors;
+  req.include_checksum = sh->include_checksum;
   req.apply_log_limit = sh->log_limit;
   *out = fps__pack(&req);
   *last = 1;
@@ -69,6 +71,10 @@ static int stats_all(fps_client_t *c, int include_tensors, uint32_t log_limit,
     sh[i].s.ops = &stats_ops;
     sh[i].s.ctx = &sh[i];
     sh[i].include_tensors = include_tensors;
+    /* The shard's checksum costs it a pass over its bytes: asked for
+     * where it is compared, a shard listed with its replicas (the calls
+     * with tensors get it anyway). */
+    sh[i].include_checksum = !include_tensors && c->shards[i].n > 1;
     sh[i].log_limit = log_limit;
     run[i] = &sh[i].s;
   }
@@ -172,6 +178,7 @@ int fps_client_stats(fps_client_t *c, fps_shard_stats_t *out, size_t n, fps_stat
     snprintf(o->replica_peer, sizeof o->replica_peer, "%s", s->replica_peer ? s->replica_peer : "");
     o->standby_joined = s->standby_joined;
     o->replica = (uint32_t)sh[i].s.replica;
+    o->state_checksum = s->state_checksum;
   }
   free_shards(sh, n);
   fps__status_ok(status);

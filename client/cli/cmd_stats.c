@@ -73,8 +73,9 @@ static void print_json(char **addrs, const fps_shard_stats_t *st, size_t n) {
     print_json_str(s->replica_role);
     printf(", \"term\": %llu, \"replica_peer\": ", (unsigned long long)s->term);
     print_json_str(s->replica_peer);
-    printf(", \"standby_joined\": %s, \"replica\": %u}", s->standby_joined ? "true" : "false",
-           s->replica);
+    printf(", \"standby_joined\": %s, \"replica\": %u, \"state_checksum\": %llu}",
+           s->standby_joined ? "true" : "false", s->replica,
+           (unsigned long long)s->state_checksum);
   }
   printf("\n]}\n");
 }
@@ -90,9 +91,10 @@ static void print_text(char **addrs, const fps_shard_stats_t *st, size_t n) {
     if (!strcmp(s->replica_role, "solo"))
       printf("  replica: solo (no standby: a crash loses what its last checkpoint lacks)\n");
     else if (s->replica_role[0])
-      printf("  replica: %s (answered by replica %u), term %llu, peer %s, standby %s\n",
+      printf("  replica: %s (answered by replica %u), term %llu, peer %s, standby %s, "
+             "checksum %016llx\n",
              s->replica_role, s->replica, (unsigned long long)s->term, s->replica_peer,
-             s->standby_joined ? "joined" : "not joined");
+             s->standby_joined ? "joined" : "not joined", (unsigned long long)s->state_checksum);
     printf("  tensors %llu  params %llu (%.1f MiB)", (unsigned long long)s->tensors,
            (unsigned long long)s->param_elements, (double)s->param_bytes / 1048576.0);
     /* Row blocks of split tensors are among the tensors and params. */

@@ -113,6 +113,7 @@ int main(void) {
   FIELD(fps_shard_stats_t, replica_peer);
   FIELD(fps_shard_stats_t, standby_joined);
   FIELD(fps_shard_stats_t, replica);
+  FIELD(fps_shard_stats_t, state_checksum);
 
   SIZE(fps_apply_record_t);
   FIELD(fps_apply_record_t, worker_id);

@@ -161,6 +161,9 @@ class ReplicaStatsTest(unittest.TestCase):
         self.addCleanup(standby.close)
         t = standby.stats()[0]
         self.assertEqual((t["replica_role"], t["term"]), ("standby", s["term"]))
+        # The shard-wide hash is asked only of an entry listing replicas.
+        self.assertNotEqual(s["state_checksum"], 0)
+        self.assertEqual(t["state_checksum"], 0)
         st = standby.tensor_stats("a")
         self.assertEqual((st["version"], st["checksum"]), (1, primary["checksum"]))
         if CLI:
@@ -168,7 +171,8 @@ class ReplicaStatsTest(unittest.TestCase):
                                  capture_output=True, text=True, timeout=60)
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn("replica: primary (answered by replica 1), term %d, peer %s, standby "
-                          "joined" % (s["term"], addrs[1]), out.stdout)
+                          "joined, checksum %016x" % (s["term"], addrs[1], s["state_checksum"]),
+                          out.stdout)
 
 
 if __name__ == "__main__":

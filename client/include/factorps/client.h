@@ -454,6 +454,12 @@ typedef struct fps_shard_stats_s {
                                    joined the primary's */
   uint32_t replica;             /* which of the shard entry's replicas answered
                                    (0: the first; always 0 for a single address) */
+  uint64_t state_checksum;      /* a hash over every tensor's checksum (the
+                                   factorps_state_checksum metric): equal on a
+                                   primary and its standby at the same versions.
+                                   Asked only of a shard whose entry lists its
+                                   replicas (it costs the shard a pass over its
+                                   bytes): 0 otherwise */
 } fps_shard_stats_t;
 
 /* Fills `out[i]` for every shard i (n must equal the shard count;

@@ -129,6 +129,7 @@ class ShardStats(ctypes.Structure):
         ("replica_peer", ctypes.c_char * 256),
         ("standby_joined", ctypes.c_int),
         ("replica", ctypes.c_uint32),
+        ("state_checksum", ctypes.c_uint64),  # hash over the tensors' checksums
     ]
 
 
