@@ -26,9 +26,6 @@ server/rpc_exchange.c   12    not moved to fps_call_error yet
 "
 allowed_stderr="
 server/peer.c           3     not moved to FPS_LOG yet
-server/lease.c          2     not moved to FPS_LOG yet
-server/lease_etcd.c     3     not moved to FPS_LOG yet
-server/lease_file.c     1     not moved to FPS_LOG yet
 "
 
 # The files git tracks below a folder (every file, in a tree without git).

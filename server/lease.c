@@ -4,6 +4,7 @@
 
 #include "error.h"
 #include "lease.h"
+#include "log.h"
 
 int fps_lease_spec_check(const char *spec, char *why, size_t len) {
   if (!strncmp(spec, "file:", 5)) {
@@ -32,7 +33,7 @@ int fps_lease_open(const char *spec, double ttl_s, const char *holder, fps_lease
   char why[256];
   *out = NULL;
   if (fps_lease_spec_check(spec, why, sizeof why) < 0) {
-    fprintf(stderr, "factorps-server: --lease %s\n", why);
+    FPS_LOG(FPS_LOG_ERROR, "--lease %s", why);
     return FPS_EINVAL;
   }
   if (!strncmp(spec, "file:", 5)) return fps__lease_file_open(spec + 5, out);
@@ -41,7 +42,7 @@ int fps_lease_open(const char *spec, double ttl_s, const char *holder, fps_lease
 #else
   (void)ttl_s;
   (void)holder;
-  fprintf(stderr, "factorps-server: --lease %s: this build has no etcd backend\n", spec);
+  FPS_LOG(FPS_LOG_ERROR, "--lease %s: this build has no etcd backend", spec);
   return FPS_EUNSUPPORTED;
 #endif
 }

@@ -588,14 +588,11 @@ int fps__lease_etcd_open(const char *rest, double ttl_s, const char *holder, fps
    * everything after the first '/'. */
   const char *slash = strchr(rest, '/');
   if (!slash || slash == rest || !slash[1]) {
-    fprintf(stderr, "factorps-server: --lease etcd:%s must be etcd:HOST:PORT/KEY\n", rest);
+    FPS_LOG(FPS_LOG_ERROR, "--lease etcd:%s must be etcd:HOST:PORT/KEY", rest);
     return FPS_EINVAL;
   }
   if (!(ttl_s > 0 && ttl_s <= 3600)) {
-    fprintf(stderr,
-            "factorps-server: --lease-ttl %g: the etcd lease needs more than 0 and at most 3600 "
-            "seconds\n",
-            ttl_s);
+    FPS_LOG(FPS_LOG_ERROR, "--lease-ttl %g: the etcd lease needs more than 0 and at most 3600 seconds", ttl_s);
     return FPS_EINVAL;
   }
   grpc_init(); /* counted: fps__lease_etcd_close calls grpc_shutdown */
@@ -636,7 +633,7 @@ int fps__lease_etcd_open(const char *rest, double ttl_s, const char *holder, fps
   l->argv[2] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, .value.integer = 1 << 20};
   l->args = (grpc_channel_args){.num_args = 3, .args = l->argv};
   if (!(l->ch = grpc_channel_create(l->target, l->creds, &l->args))) {
-    fprintf(stderr, "factorps-server: --lease etcd:%s: cannot make a channel to %s\n", rest, l->target);
+    FPS_LOG(FPS_LOG_ERROR, "--lease etcd:%s: cannot make a channel to %s", rest, l->target);
     fps__lease_etcd_close(&l->base);
     return FPS_EINVAL;
   }

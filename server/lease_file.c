@@ -146,7 +146,7 @@ int fps__lease_file_open(const char *rest, fps_lease_t **out) {
    * created or opened (a missing directory, no permission). */
   int fd = open(l->path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) {
-    fprintf(stderr, "factorps-server: --lease file:%s: %s\n", l->path, strerror(errno));
+    FPS_LOG(FPS_LOG_ERROR, "--lease file:%s: %s", l->path, strerror(errno));
     fps_free(l->path);
     fps_free(l);
     return FPS_EIO;
