@@ -94,7 +94,10 @@ static void sweep(sweep_case_t *k) {
 static fps_test_server_t g_srv[2];
 static char g_dir[2][128];
 
-static fps_client_t *job_start(bool checkpoints) {
+/* Two shards (with --checkpoint-dir if asked) and k->c, a client of
+ * both; with `create` the tensors of k->defs are created first. */
+static void job_start(sweep_case_t *k, bool checkpoints, bool create) {
+  defs_of(k->defs);
   for (int s = 0; s < 2; s++) {
     char dir_flag[160];
     const char *extra[3] = {NULL};
@@ -110,9 +113,9 @@ static fps_client_t *job_start(bool checkpoints) {
   fps_client_options_init(&o);
   o.deadline_seconds = 20;
   fps_status_t st;
-  fps_client_t *c = fps_client_create(addrs, 2, &o, &st);
-  if (!c) fail_msg("fps_client_create: %s", st.message);
-  return c;
+  k->c = fps_client_create(addrs, 2, &o, &st);
+  if (!k->c) fail_msg("fps_client_create: %s", st.message);
+  if (create && fps_client_create_tensors(k->c, k->defs, NT, &st) != 0) fail_msg("create: %s", st.message);
 }
 
 static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
@@ -182,8 +185,7 @@ static void create_ok(sweep_case_t *k) {
 static void test_create_tensors(void **unused) {
   (void)unused;
   static sweep_case_t k = {.what = "fps_client_create_tensors", .call = create_call, .ok = create_ok};
-  defs_of(k.defs);
-  k.c = job_start(false);
+  job_start(&k, false, false);
   sweep(&k); /* the first success creates; each later one is a matching re-Create */
   fps_client_destroy(k.c);
 }
@@ -200,10 +202,8 @@ static void state_ok(sweep_case_t *k) { assert_memory_equal(k->info, k->want_inf
 static void test_get_state(void **unused) {
   (void)unused;
   static sweep_case_t k = {.what = "fps_client_get_state", .call = state_call, .ok = state_ok};
-  defs_of(k.defs);
-  k.c = job_start(false);
+  job_start(&k, false, true);
   fps_status_t st;
-  assert_int_equal(fps_client_create_tensors(k.c, k.defs, NT, &st), 0);
   assert_int_equal(state_call(&k, &st), 0);
   memcpy(k.want_info, k.info, sizeof k.info);
   sweep(&k);
@@ -227,10 +227,7 @@ static void ckpt_ok(sweep_case_t *k) {
 static void test_checkpoint(void **unused) {
   (void)unused;
   static sweep_case_t k = {.what = "fps_client_checkpoint", .call = ckpt_call, .ok = ckpt_ok};
-  defs_of(k.defs);
-  k.c = job_start(true);
-  fps_status_t st;
-  assert_int_equal(fps_client_create_tensors(k.c, k.defs, NT, &st), 0);
+  job_start(&k, true, true);
   sweep(&k);
   fps_client_destroy(k.c);
 }
