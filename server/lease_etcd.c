@@ -26,6 +26,10 @@
  * Failover after the holder dies takes up to the TTL (etcd expires the
  * key) plus one poll (100 ms); after a release (LeaseRevoke) one poll.
  *
+ * HOST may name several members (a DNS name resolving to all of them, or
+ * gRPC's "ipv4:10.0.0.1:2379,10.0.0.2:2379,..." list): calls go to them in
+ * turn, so one member lost does not cost the lease.
+ *
  * Plaintext and without etcd authentication: run etcd on a private network
  * (deploy/README.md). */
 #include <errno.h>
@@ -72,7 +76,7 @@ typedef struct fps_lease_etcd_s {
   char *holder;  /* this process, as stored in the key */
   int64_t ttl_s; /* asked of etcd (whole seconds, >= 1) */
   grpc_channel_credentials *creds;
-  grpc_arg argv[3];
+  grpc_arg argv[4];
   grpc_channel_args args;
   pthread_mutex_t mu; /* ch, failing_since, the fields below it */
   pthread_cond_t cv;  /* wakes the renewer (CLOCK_MONOTONIC) */
@@ -331,8 +335,10 @@ static void *fps__etcd_renewer(void *arg) {
     req.id = id;
     ProtobufCMessage *m;
     fps_etcd_err_t e;
-    /* No later than the validity: an answer after it would not help. */
-    int64_t deadline = sent + every < until ? sent + every : until;
+    /* Half the renewal interval: a member that does not answer costs a
+     * retry (to the next member) well inside the validity, and an answer
+     * after the validity would not help anyway. */
+    int64_t deadline = sent + every / 2 < until ? sent + every / 2 : until;
     int rc = fps__etcd_call(l, "/etcdserverpb.Lease/LeaseKeepAlive", &req.base,
                             &etcdserverpb__lease_keep_alive_response__descriptor, deadline, NULL, &m, &e);
     int64_t granted = rc == 0 ? ((Etcdserverpb__LeaseKeepAliveResponse *)m)->ttl : 0;
@@ -631,7 +637,14 @@ int fps__lease_etcd_open(const char *rest, double ttl_s, const char *holder, fps
   l->argv[0] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, .value.integer = 100};
   l->argv[1] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, .value.integer = 1000};
   l->argv[2] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, .value.integer = 1 << 20};
-  l->args = (grpc_channel_args){.num_args = 3, .args = l->argv};
+  /* Every etcd member HOST resolves to (a DNS name of all members, or
+   * gRPC's "ipv4:a:p,b:p" list), calls in turn: a member that is stopped
+   * or cut off from its quorum fails one renewal, and the retry 100 ms
+   * later goes to the next member, while the lease is still valid. (The
+   * default, pick_first, stays on a member that accepts connections but no
+   * longer answers, and the primary would lose its lease to it.) */
+  l->argv[3] = (grpc_arg){.type = GRPC_ARG_STRING, .key = GRPC_ARG_SERVICE_CONFIG, .value.string = (char *)"{\"loadBalancingConfig\": [{\"round_robin\": {}}]}"};
+  l->args = (grpc_channel_args){.num_args = 4, .args = l->argv};
   if (!(l->ch = grpc_channel_create(l->target, l->creds, &l->args))) {
     FPS_LOG(FPS_LOG_ERROR, "--lease etcd:%s: cannot make a channel to %s", rest, l->target);
     fps__lease_etcd_close(&l->base);

@@ -5,6 +5,8 @@
  *     takes the lease at once when the first releases; terms grow;
  *   - a holder killed with SIGKILL frees the lease only when etcd expires
  *     it (after most of the TTL), never before;
+ *   - a holder that names every member of a 3-member etcd keeps its lease
+ *     while one member is stopped;
  *   - a holder whose etcd stops answering (SIGSTOP: a partition) or dies
  *     stops being valid before the TTL has passed since its etcd went
  *     away, so the next holder never overlaps it; after etcd is back the
@@ -89,42 +91,47 @@ static const char *etcd_binary(void) {
   return NULL;
 }
 
-/* GET /health on the client port answers {"health":"true"} once etcd
- * serves (HTTP and gRPC share the port). */
-static bool etcd_healthy(void) {
+/* One HTTP/1.0 request to 127.0.0.1:port (etcd serves HTTP and gRPC on
+ * its client port); the answer (at most len - 1 bytes) in buf. */
+static bool http_ask(int port, const char *req, char *buf, size_t len) {
+  buf[0] = 0;
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return false;
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)etcd.client_port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   bool ok = false;
-  if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
-    const char req[] = "GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-    if (write(fd, req, sizeof req - 1) == (ssize_t)(sizeof req - 1)) {
-      char buf[2048];
-      size_t got = 0;
-      struct pollfd p = {.fd = fd, .events = POLLIN};
-      while (got < sizeof buf - 1 && poll(&p, 1, 1000) == 1) {
-        ssize_t n = read(fd, buf + got, sizeof buf - 1 - got);
-        if (n <= 0) break;
-        got += (size_t)n;
-      }
-      buf[got] = 0;
-      ok = strstr(buf, "\"health\":\"true\"") != NULL;
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0 && write(fd, req, strlen(req)) == (ssize_t)strlen(req)) {
+    size_t got = 0;
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    while (got < len - 1 && poll(&p, 1, 1000) == 1) {
+      ssize_t n = read(fd, buf + got, len - 1 - got);
+      if (n <= 0) break;
+      got += (size_t)n;
     }
+    buf[got] = 0;
+    ok = got > 0;
   }
   close(fd);
   return ok;
 }
 
-/* Starts etcd on etcd.dir and its ports (kept across a restart) and waits
- * (at most 20 s) until it is healthy. */
-static void etcd_run(void) {
-  char client[64], peer[64], cluster[96];
-  snprintf(client, sizeof client, "http://127.0.0.1:%d", etcd.client_port);
-  snprintf(peer, sizeof peer, "http://127.0.0.1:%d", etcd.peer_port);
-  snprintf(cluster, sizeof cluster, "t=%s", peer);
-  char data[96], logf[96];
-  snprintf(data, sizeof data, "%s/data", etcd.dir);
-  snprintf(logf, sizeof logf, "%s/etcd.log", etcd.dir);
+/* GET /health answers {"health":"true"} once the member serves (it is
+ * part of a quorum with a leader). */
+static bool healthy(int port) {
+  char buf[2048];
+  return http_ask(port, "GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n", buf, sizeof buf) &&
+         strstr(buf, "\"health\":\"true\"") != NULL;
+}
+
+static bool etcd_healthy(void) { return healthy(etcd.client_port); }
+
+/* Forks etcd as member `name` with its data in dir/data-<name>, its output
+ * appended to dir/etcd-<name>.log. */
+static pid_t etcd_spawn(const char *dir, const char *name, int client_port, int peer_port, const char *cluster) {
+  char client[64], peer[64], data[128], logf[128];
+  snprintf(client, sizeof client, "http://127.0.0.1:%d", client_port);
+  snprintf(peer, sizeof peer, "http://127.0.0.1:%d", peer_port);
+  snprintf(data, sizeof data, "%s/data-%s", dir, name);
+  snprintf(logf, sizeof logf, "%s/etcd-%s.log", dir, name);
   const char *bin = etcd_binary();
   pid_t pid = fork();
   assert_true(pid >= 0);
@@ -134,22 +141,85 @@ static void etcd_run(void) {
       dup2(fd, 1);
       dup2(fd, 2);
     }
-    execl(bin, bin, "--name", "t", "--data-dir", data, "--listen-client-urls", client, "--advertise-client-urls",
+    execl(bin, bin, "--name", name, "--data-dir", data, "--listen-client-urls", client, "--advertise-client-urls",
           client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", cluster,
-          (char *)NULL);
+          "--initial-cluster-token", "fps-test", (char *)NULL);
     _exit(127);
   }
+  return pid;
+}
+
+/* Starts etcd on etcd.dir and its ports (kept across a restart) and waits
+ * (at most 20 s) until it is healthy. */
+static void etcd_run(void) {
+  char cluster[96];
+  snprintf(cluster, sizeof cluster, "t=http://127.0.0.1:%d", etcd.peer_port);
+  pid_t pid = etcd_spawn(etcd.dir, "t", etcd.client_port, etcd.peer_port, cluster);
   etcd.pid = pid;
   int64_t until = now_ns() + 20 * NS;
   while (!etcd_healthy()) {
     int st;
     if (waitpid(pid, &st, WNOHANG) == pid) {
       etcd.pid = 0;
-      fail_msg("etcd exited at start-up (see %s)", logf);
+      fail_msg("etcd exited at start-up (see %s/etcd-t.log)", etcd.dir);
     }
-    if (now_ns() > until) fail_msg("etcd not healthy within 20 s (see %s)", logf);
+    if (now_ns() > until) fail_msg("etcd not healthy within 20 s (see %s/etcd-t.log)", etcd.dir);
     sleep_ns(50 * MS);
   }
+}
+
+/* A 3-member cluster (for the member-loss case), beside `etcd`'s dir. */
+#define MEMBERS 3
+static struct {
+  pid_t pid;
+  int client_port, peer_port;
+} member[MEMBERS];
+
+static void cluster_run(void) {
+  char cluster[256] = "";
+  for (int i = 0; i < MEMBERS; i++) {
+    member[i].client_port = free_port();
+    member[i].peer_port = free_port();
+    size_t n = strlen(cluster);
+    snprintf(cluster + n, sizeof cluster - n, "%sm%d=http://127.0.0.1:%d", i ? "," : "", i, member[i].peer_port);
+  }
+  for (int i = 0; i < MEMBERS; i++) {
+    char name[8];
+    snprintf(name, sizeof name, "m%d", i);
+    member[i].pid = etcd_spawn(etcd.dir, name, member[i].client_port, member[i].peer_port, cluster);
+  }
+  int64_t until = now_ns() + 30 * NS;
+  for (int i = 0; i < MEMBERS; i++)
+    while (!healthy(member[i].client_port)) {
+      if (now_ns() > until) fail_msg("etcd member m%d not healthy within 30 s (see %s/etcd-m%d.log)", i, etcd.dir, i);
+      sleep_ns(50 * MS);
+    }
+}
+
+static void cluster_kill(void) {
+  for (int i = 0; i < MEMBERS; i++)
+    if (member[i].pid > 0) {
+      kill(member[i].pid, SIGCONT);
+      kill(member[i].pid, SIGKILL);
+      waitpid(member[i].pid, NULL, 0);
+      member[i].pid = 0;
+    }
+}
+
+/* Whether member i is the raft leader: its Maintenance.Status (through
+ * etcd's HTTP gateway) names itself as the leader. */
+static bool is_leader(int i) {
+  char buf[4096];
+  const char req[] =
+      "POST /v3/maintenance/status HTTP/1.0\r\nHost: 127.0.0.1\r\n"
+      "Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
+  if (!http_ask(member[i].client_port, req, buf, sizeof buf)) return false;
+  const char *m = strstr(buf, "\"member_id\":\""), *l = strstr(buf, "\"leader\":\"");
+  if (!m || !l) return false;
+  m += strlen("\"member_id\":\"");
+  l += strlen("\"leader\":\"");
+  size_t mn = strcspn(m, "\""), ln = strcspn(l, "\"");
+  return mn == ln && !strncmp(m, l, mn);
 }
 
 static void etcd_kill(void) {
@@ -183,6 +253,7 @@ static int setup(void **state) {
 static int teardown(void **state) {
   (void)state;
   etcd_kill();
+  cluster_kill();
   if (etcd.dir[0]) nftw(etcd.dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
   return 0;
 }
@@ -467,6 +538,45 @@ static void test_etcd_killed_then_back(void **state) {
   holder_close(&a);
 }
 
+/* A 3-member etcd with one follower SIGSTOPped (alive, accepting
+ * connections, answering nothing): a holder that names every member keeps
+ * its lease, because its retries go to the other members; and it names
+ * the stopped member first, which is where gRPC's default policy
+ * (pick_first) would have kept sending every renewal. */
+static void test_stopped_member_keeps_the_lease(void **state) {
+  (void)state;
+  if (!etcd_binary()) skip();
+  cluster_run();
+  int stop = -1;
+  int64_t until = now_ns() + 10 * NS;
+  while (stop < 0 && now_ns() < until) {
+    for (int i = 0; i < MEMBERS && stop < 0; i++)
+      if (is_leader(i)) stop = (i + 1) % MEMBERS; /* a follower */
+    if (stop < 0) sleep_ns(50 * MS);
+  }
+  assert_true(stop >= 0);
+  char spec[256];
+  int n = snprintf(spec, sizeof spec, "etcd:ipv4:127.0.0.1:%d", member[stop].client_port);
+  for (int i = 0; i < MEMBERS; i++)
+    if (i != stop) n += snprintf(spec + n, sizeof spec - (size_t)n, ",127.0.0.1:%d", member[i].client_port);
+  snprintf(spec + n, sizeof spec - (size_t)n, "/factorps/test/shard-0");
+  fps_lease_t *l;
+  assert_int_equal(fps_lease_open(spec, TTL_S, "127.0.0.1:1", &l), 0);
+  uint64_t term;
+  assert_int_equal(fps_lease_acquire(l, NULL, &term), 0);
+  assert_int_equal(kill(member[stop].pid, SIGSTOP), 0);
+  /* Three TTLs with the member stopped: valid at every sample. */
+  int64_t end = now_ns() + 3 * TTL_S * NS;
+  int invalid = 0;
+  while (now_ns() < end) {
+    if (!fps_lease_valid(l)) invalid++;
+    sleep_ns(5 * MS);
+  }
+  kill(member[stop].pid, SIGCONT);
+  assert_int_equal(invalid, 0);
+  fps_lease_close(l);
+}
+
 /* No etcd at the address: acquire keeps trying and ends on stop; the
  * TTL bounds are checked at open (--lease-ttl's range, rounded up). */
 static void test_unreachable_and_bad_ttl(void **state) {
@@ -507,6 +617,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_killed_holder_frees_after_ttl, setup, teardown),
       cmocka_unit_test_setup_teardown(test_partitioned_holder_stops_before_ttl, setup, teardown),
       cmocka_unit_test_setup_teardown(test_etcd_killed_then_back, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_stopped_member_keeps_the_lease, setup, teardown),
       cmocka_unit_test_setup_teardown(test_unreachable_and_bad_ttl, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
