@@ -331,44 +331,35 @@ static void fps__rsend_config(const fps_adafactor_hparams_t *hp, Factorps__V1__A
 #undef FPS__SET
 }
 
-/* Sends tensor t's image in pieces; with settle, the last piece's ack
- * settles t's track at generation gen (the transfer; the stream's images
- * are settled by their batch's commit). false: the stream failed. A tensor that cannot be
- * imaged (initialising) is skipped: true. */
-static bool fps__rsend_tensor(fps_rsend_t *s, grpc_call *call, fps_tensor_t *t, uint64_t gen, bool settle) {
-  char why[FPS_WHY_MAX];
-  fps_image_t img;
-  int rc = fps_shard_image(s->srv->shard, t, &img, why, sizeof why);
-  if (rc < 0) {
-    fps_image_release(s->srv->shard, &img);
-    if (rc == FPS_ESTATE) return true; /* not ready: nothing acknowledged depends on its values yet */
-    FPS_LOG(FPS_LOG_WARN, "replica: %s; dropping the standby", why);
-    return false;
-  }
+/* Sends an image in pieces; with settle, the last piece's ack settles
+ * its tensor's track at generation gen (the transfer; the stream's images
+ * are settled by their batch's commit). false: the stream failed. */
+static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, const fps_image_t *img, uint64_t gen, bool settle) {
+  if (!img->params) return true; /* initialising: nothing acknowledged depends on its values yet */
   Factorps__V1__AdafactorConfig cfg;
-  fps__rsend_config(&img.hp, &cfg);
-  uint64_t pbytes = img.numel * 4, sbytes = img.total_state * 4, total = pbytes + sbytes;
+  fps__rsend_config(&img->hp, &cfg);
+  uint64_t pbytes = img->numel * 4, sbytes = img->total_state * 4, total = pbytes + sbytes;
   bool ok = true;
   uint64_t off = 0;
   do {
     /* A piece lies in the parameters or in the state, never across. */
-    const uint8_t *base = off < pbytes ? (const uint8_t *)fps_snap_data(img.params) : (const uint8_t *)img.state;
+    const uint8_t *base = off < pbytes ? (const uint8_t *)fps_snap_data(img->params) : (const uint8_t *)img->state;
     uint64_t region_end = off < pbytes ? pbytes : total;
     uint64_t rel = off < pbytes ? off : off - pbytes;
     uint64_t len = region_end - off < FPS_RSEND_PIECE ? region_end - off : FPS_RSEND_PIECE;
     Factorps__V1__ReplicaTensor rt = FACTORPS__V1__REPLICA_TENSOR__INIT;
     Factorps__V1__ReplicaTensor *rtp = &rt;
-    rt.name = (char *)img.name;
-    rt.n_shape = img.shape->ndim;
-    rt.shape = (uint64_t *)img.shape->dim;
+    rt.name = (char *)img->name;
+    rt.n_shape = img->shape->ndim;
+    rt.shape = (uint64_t *)img->shape->dim;
     rt.config = &cfg;
-    rt.version = img.version;
-    rt.step = img.step;
-    rt.rms = img.rms;
-    rt.last_lr = img.last_lr;
-    rt.last_weight_decay = img.last_weight_decay;
+    rt.version = img->version;
+    rt.step = img->step;
+    rt.rms = img->rms;
+    rt.last_lr = img->last_lr;
+    rt.last_weight_decay = img->last_weight_decay;
     rt.n_state_elements = FPS_STATE_KINDS;
-    rt.state_elements = img.n;
+    rt.state_elements = (uint64_t *)img->n;
     rt.total_bytes = total;
     rt.offset = off;
     rt.data.data = (uint8_t *)(base ? base + rel : NULL);
@@ -380,23 +371,32 @@ static bool fps__rsend_tensor(fps_rsend_t *s, grpc_call *call, fps_tensor_t *t, 
     fps_rflight_t *f = NULL;
     if (off == total && settle) {
       f = fps_calloc(1, sizeof *f);
-      if (f && (f->track = fps_malloc(sizeof *f->track)) && (f->gen = fps_malloc(sizeof *f->gen))) {
-        f->n = 1;
-        f->track[0] = t;
-        f->gen[0] = gen;
-      } else if (f) {
-        fps_free(f->track);
+      if (!f || !(f->track = fps_malloc(sizeof *f->track)) || !(f->gen = fps_malloc(sizeof *f->gen))) {
+        if (f) fps_free(f->track);
         fps_free(f);
-        f = NULL;
-        ok = false;
-        break;
-      } else {
-        ok = false;
-        break;
+        return false;
       }
+      f->n = 1;
+      f->track[0] = img->t;
+      f->gen[0] = gen;
     }
     ok = fps__rsend_msg(s, call, &m, f, off == total ? 1 : 0);
   } while (ok && off < total);
+  return ok;
+}
+
+/* The transfer's image of one tensor. */
+static bool fps__rsend_tensor(fps_rsend_t *s, grpc_call *call, fps_tensor_t *t, uint64_t gen) {
+  char why[FPS_WHY_MAX];
+  fps_image_t img;
+  int rc = fps_shard_image(s->srv->shard, t, &img, why, sizeof why);
+  if (rc < 0) {
+    fps_image_release(s->srv->shard, &img);
+    if (rc == FPS_ESTATE) return true; /* not ready: nothing acknowledged depends on its values yet */
+    FPS_LOG(FPS_LOG_WARN, "replica: %s; dropping the standby", why);
+    return false;
+  }
+  bool ok = fps__rsend_image(s, call, &img, gen, true);
   fps_image_release(s->srv->shard, &img);
   return ok;
 }
@@ -500,7 +500,9 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
   if (have_view) fps_shard_view_free(&v);
   if (!ok) return;
 
-  /* The transfer. Marks made from here on are sent after it. */
+  /* The transfer. Marks made from here on are sent after it, and the
+   * keys of async/ssp pushes applied from here on with their images. */
+  fps_shard_repl_keys(srv->shard, true);
   size_t n = fps_shard_tensors(srv->shard, NULL, 0);
   fps_tensor_t **ts = fps_malloc((n ? n : 1) * sizeof *ts);
   if (!ts) return;
@@ -512,7 +514,7 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
     if (j != SIZE_MAX) s->tracks[j].dirty = false; /* this image covers its marks */
     bool want = s->want_term == term;
     pthread_mutex_unlock(&s->mu);
-    ok = want && j != SIZE_MAX && fps__rsend_tensor(s, call, ts[i], gen, true);
+    ok = want && j != SIZE_MAX && fps__rsend_tensor(s, call, ts[i], gen);
   }
   fps_free(ts);
   if (!ok) return;
@@ -576,7 +578,41 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
      * tensors it names at least at the versions the key records. */
     uint64_t ticket = 0;
     for (fps_rqkey_t *k = keys; k; k = k->next) ticket = k->ticket;
-    for (size_t i = 0; i < nd && ok; i++) ok = fps__rsend_tensor(s, call, dt[i], dg[i], false);
+    /* One cut of all the batch's tensors, between pushes, with the keys
+     * of the async/ssp pushes it holds (fps_shard_images). */
+    fps_image_t *imgs = nd ? fps_calloc(nd, sizeof *imgs) : NULL;
+    fps_key_rec_t *core_keys = NULL;
+    char why[FPS_WHY_MAX];
+    if (nd && !imgs) ok = false;
+    if (ok && nd) {
+      int rc = fps_shard_images(srv->shard, dt, nd, imgs, &core_keys, why, sizeof why);
+      if (rc < 0) {
+        FPS_LOG(FPS_LOG_WARN, "replica: %s; dropping the standby", why);
+        ok = false;
+      }
+    }
+    for (size_t i = 0; i < nd && ok; i++) ok = fps__rsend_image(s, call, &imgs[i], dg[i], false);
+    for (size_t i = 0; imgs && i < nd; i++) fps_image_release(srv->shard, &imgs[i]);
+    fps_free(imgs);
+    /* The core's keys as queued keys (ticket 0: nobody waits on them). */
+    for (fps_key_rec_t *k = core_keys; k && ok;) {
+      fps_rqkey_t *q = fps_calloc(1, sizeof *q);
+      if (!q) {
+        ok = false;
+        break;
+      }
+      q->worker = k->worker;
+      q->id = k->id;
+      q->tensors = k->tensors;
+      q->n = k->n;
+      q->v = k->v;
+      k->v = NULL;
+      q->next = keys;
+      keys = q;
+      had_keys = true;
+      k = k->next;
+    }
+    fps_key_recs_free(core_keys);
     if (ok && keys) ok = fps__rsend_keys(s, call, keys, false);
     else fps__rqkeys_free(keys);
     if (ok && (nd || had_keys)) {
@@ -736,6 +772,7 @@ static void *fps__rsend_recv_main(void *arg) {
  * alone while it may acknowledge) and the marks start over. REQUIRES mu;
  * returns the waits to run. */
 static fps_rwait_t *fps__rsend_reset_locked(fps_rsend_t *s) {
+  fps_shard_repl_keys(s->srv->shard, false); /* a leaf lock of the core */
   s->streaming = false;
   s->joined = false;
   s->done_seq = 0;

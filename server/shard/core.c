@@ -214,6 +214,12 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
   }
   pthread_mutex_init(&sh->xs_mu, NULL);
   pthread_mutex_init(&sh->spare_mu, NULL);
+  pthread_rwlockattr_t ra;
+  pthread_rwlockattr_init(&ra);
+  pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+  pthread_rwlock_init(&sh->apply_gate, &ra);
+  pthread_rwlockattr_destroy(&ra);
+  pthread_mutex_init(&sh->rkeys_mu, NULL);
   sh->started_ns = fps_now_ns();
   return 0;
 }
@@ -236,6 +242,10 @@ void fps_shard_destroy(fps_shard_t *sh) {
   pthread_mutex_destroy(&sh->job_mu);
   pthread_mutex_destroy(&sh->xs_mu);
   pthread_mutex_destroy(&sh->spare_mu);
+  pthread_rwlock_destroy(&sh->apply_gate);
+  fps_key_recs_free(sh->rkeys);
+  sh->rkeys = sh->rkeys_last = NULL;
+  pthread_mutex_destroy(&sh->rkeys_mu);
 }
 
 void fps_shard_set_exchange(fps_shard_t *sh, fps_xsend_fn send, void *ctx, double deadline_seconds) {

@@ -931,6 +931,12 @@ void fps__sync_member_failed_locked(fps_shard_t *sh, fps_push_entry_t *e, fps_pu
 void fps__sync_resolve(fps_push_entry_t *list);
 void fps__sync_expire(fps_shard_t *sh, int64_t now, bool force, int err, const char *reason);
 
+/* ---------------------------------------------------- replica.c */
+
+/* push.c, inside the apply gate: records an applied push's key for the
+ * standby's next batch (no-op unless fps_shard_repl_keys is on). */
+void fps__repl_key_applied(fps_shard_t *sh, const fps_push_t *p);
+
 /* ------------------------------------------------------ push.c */
 
 /* Everything push.c defines for the others is in push_state.c and shard.h. */
@@ -999,6 +1005,18 @@ struct fps_shard_s {
   atomic_bool xstopping;            /* shutting down: no new exchange begins */
   atomic_int xrec_pending;          /* split blocks waiting to roll to an
                                      * agreed version (xrecover.c) */
+  /* async/ssp apply a push's tensors one after the other (push.c) under
+   * the read side; a standby's batch of images (replica.c) is taken under
+   * the write side, so it never holds half of such a push. Taken before
+   * any tensor lock; writers first, so pushes cannot starve the images. */
+  pthread_rwlock_t apply_gate;
+  /* While a standby is fed (fps_shard_repl_keys), the keys of async/ssp
+   * pushes as they are applied, inside the gate, so that a batch carries
+   * the keys of exactly the pushes its images hold (replica.c). A leaf
+   * lock. */
+  pthread_mutex_t rkeys_mu;
+  bool rkeys_on;
+  struct fps_key_rec_s *rkeys, *rkeys_last;
 };
 
 /* shard.c: fps_shard_new() and fps_shard_free() on storage of the

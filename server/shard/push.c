@@ -155,6 +155,8 @@ static bool fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
     p->msg = fps_strdup(why);
     return false;
   }
+  /* All of the push between two images of a standby's batch (replica.c). */
+  pthread_rwlock_rdlock(&sh->apply_gate);
   for (size_t i = 0; i < p->n; i++) {
     fps_push_entry_t *e = p->e[i];
     fps_tensor_t *t = e->t;
@@ -179,6 +181,8 @@ static bool fps__push_apply(fps_push_t *p, bool replay, const uint64_t *vers) {
     fps__tbuf_keep(sh, t, e->grad); /* not consumed: no update */
     e->grad = NULL;
   }
+  if (!replay) fps__repl_key_applied(sh, p);
+  pthread_rwlock_unlock(&sh->apply_gate);
   if (sh->cfg.mode == FPS_MODE_SSP && !replay) fps__ssp_advance(sh, p->worker_id, p->step);
   return true;
 }

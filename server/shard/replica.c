@@ -9,6 +9,7 @@
  * version, step and RMS of that one moment. */
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "alloc.h"
@@ -74,6 +75,134 @@ int fps_shard_image(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *out, char *wh
     return FPS_ESTATE;
   }
   return 0;
+}
+
+static int fps__cmp_tensor_addr(const void *a, const void *b) {
+  uintptr_t x = (uintptr_t)(*(fps_tensor_t *const *)a), y = (uintptr_t)(*(fps_tensor_t *const *)b);
+  return x < y ? -1 : x > y;
+}
+
+int fps_shard_images(fps_shard_t *sh, fps_tensor_t *const *t, size_t n, fps_image_t *out, fps_key_rec_t **keys,
+                     char *why, size_t wl) {
+  *keys = NULL;
+  memset(out, 0, n * sizeof *out);
+  fps_tensor_t **order = fps_malloc((n ? n : 1) * sizeof *order);
+  if (!order) {
+    snprintf(why, wl, "out of memory imaging %zu tensors", n);
+    return FPS_ENOMEM;
+  }
+  int rc = 0;
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    fps_image_t *o = &out[i];
+    o->t = t[i];
+    o->name = t[i]->name;
+    o->shape = &t[i]->shape;
+    o->hp = t[i]->hp;
+    o->numel = t[i]->numel;
+    o->n[FPS_STATE_ROW] = t[i]->size.row;
+    o->n[FPS_STATE_COL] = t[i]->size.col;
+    o->n[FPS_STATE_VAR] = t[i]->size.var;
+    o->n[FPS_STATE_MOM] = t[i]->size.mom;
+    o->total_state = t[i]->size.elements;
+    if (t[i]->split) {
+      snprintf(why, wl, "tensor '%s' is a block of a split tensor: blocks are not replicated", t[i]->name);
+      rc = FPS_EUNSUPPORTED;
+    } else if (o->total_state) {
+      bool over = false;
+      if (!(o->state = fps_tbuf_alloc(sh, o->total_state, &over))) {
+        snprintf(why, wl, "tensor '%s': copying its state for the standby: %s", t[i]->name,
+                 over ? "past --max-staging-bytes" : "out of memory");
+        rc = over ? FPS_ELIMIT : FPS_ENOMEM;
+      }
+    }
+    order[i] = t[i];
+  }
+  if (rc < 0) {
+    for (size_t i = 0; i < n; i++) fps_image_release(sh, &out[i]);
+    fps_free(order);
+    return rc;
+  }
+  qsort(order, n, sizeof *order, fps__cmp_tensor_addr);
+  pthread_rwlock_wrlock(&sh->apply_gate);
+  for (size_t i = 0; i < n; i++)
+    if (i == 0 || order[i] != order[i - 1]) pthread_mutex_lock(&order[i]->mu);
+  for (size_t i = 0; i < n; i++) {
+    fps_tensor_t *tt = t[i];
+    fps_image_t *o = &out[i];
+    if (!tt->ready) continue;
+    float *src[FPS_STATE_KINDS];
+    fps_tensor_state_arrays(tt, src);
+    float *dst = o->state;
+    for (int k = 0; k < FPS_STATE_KINDS; k++) {
+      if (o->n[k]) memcpy(dst, src[k], o->n[k] * sizeof(float));
+      dst += o->n[k];
+    }
+    fps_snap_ref(tt->pbuf);
+    o->params = tt->pbuf;
+    o->version = tt->version;
+    o->step = tt->st.step;
+    o->rms = tt->st.rms;
+    o->last_lr = tt->last_lr;
+    o->last_weight_decay = tt->last_weight_decay;
+  }
+  pthread_mutex_lock(&sh->rkeys_mu);
+  *keys = sh->rkeys;
+  sh->rkeys = sh->rkeys_last = NULL;
+  pthread_mutex_unlock(&sh->rkeys_mu);
+  for (size_t i = n; i-- > 0;)
+    if (i == 0 || order[i] != order[i - 1]) pthread_mutex_unlock(&order[i]->mu);
+  pthread_rwlock_unlock(&sh->apply_gate);
+  fps_free(order);
+  return 0;
+}
+
+void fps_key_recs_free(fps_key_rec_t *k) {
+  while (k) {
+    fps_key_rec_t *nx = k->next;
+    fps_free(k->v);
+    fps_free(k);
+    k = nx;
+  }
+}
+
+void fps_shard_repl_keys(fps_shard_t *sh, bool on) {
+  pthread_mutex_lock(&sh->rkeys_mu);
+  sh->rkeys_on = on;
+  fps_key_rec_t *drop = on ? NULL : sh->rkeys;
+  if (!on) sh->rkeys = sh->rkeys_last = NULL;
+  pthread_mutex_unlock(&sh->rkeys_mu);
+  fps_key_recs_free(drop);
+}
+
+void fps__repl_key_applied(fps_shard_t *sh, const fps_push_t *p) {
+  if (!p->push_id) return;
+  pthread_mutex_lock(&sh->rkeys_mu);
+  bool on = sh->rkeys_on;
+  pthread_mutex_unlock(&sh->rkeys_mu);
+  if (!on) return;
+  fps_key_rec_t *k = fps_calloc(1, sizeof *k);
+  if (k && p->n && !(k->v = fps_malloc(p->n * sizeof *k->v))) {
+    fps_free(k);
+    k = NULL;
+  }
+  /* Without memory the key is not shipped with its images: a retry on a
+   * promoted standby may then apply again (never for an acknowledged
+   * push: its answer waits for the key by its own path, replica_send.c). */
+  if (!k) return;
+  k->worker = p->worker_id;
+  k->id = p->push_id;
+  k->tensors = fps__push_tensors_hash(p);
+  k->n = (uint32_t)p->n;
+  for (size_t i = 0; i < p->n; i++) k->v[i] = p->e[i]->version;
+  pthread_mutex_lock(&sh->rkeys_mu);
+  if (sh->rkeys_on) {
+    if (sh->rkeys_last) sh->rkeys_last->next = k;
+    else sh->rkeys = k;
+    sh->rkeys_last = k;
+    k = NULL;
+  }
+  pthread_mutex_unlock(&sh->rkeys_mu);
+  fps_key_recs_free(k);
 }
 
 void fps_image_release(fps_shard_t *sh, fps_image_t *img) {

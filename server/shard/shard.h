@@ -590,6 +590,33 @@ typedef struct fps_image_s {
 int fps_shard_image(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *out, char *why, size_t why_len);
 void fps_image_release(fps_shard_t *sh, fps_image_t *img);
 
+/* A push's key as a standby takes it: worker, push_id, the hash of its
+ * tensors and the versions it made (owned by the record). */
+typedef struct fps_key_rec_s {
+  uint32_t worker;
+  uint64_t id, tensors;
+  uint32_t n;
+  uint64_t *v;
+  struct fps_key_rec_s *next;
+} fps_key_rec_t;
+void fps_key_recs_free(fps_key_rec_t *list);
+
+/* Turns on (or off, dropping what is queued) the recording of async/ssp
+ * pushes' keys as they are applied, for fps_shard_images. */
+void fps_shard_repl_keys(fps_shard_t *sh, bool on);
+
+/* Images of n tensors at one moment between pushes: under the apply
+ * gate's write side (no async/ssp push half applied) and every one of
+ * their locks at once (no sync set half applied), so that what one push
+ * changed is in all of them or in none. *keys gets the keys of the
+ * async/ssp pushes applied since the last call (their effects are in
+ * these images or in earlier ones); free with fps_key_recs_free. A
+ * tensor still initialising gets params NULL (skip it). 0, or
+ * FPS_EUNSUPPORTED (a split block), FPS_ELIMIT / FPS_ENOMEM (the state
+ * copies) with why; release every out[i] with fps_image_release. */
+int fps_shard_images(fps_shard_t *sh, fps_tensor_t *const *t, size_t n, fps_image_t *out, fps_key_rec_t **keys,
+                     char *why, size_t why_len);
+
 /* An image as it arrives on a standby: installed as it is (parameters,
  * state, version, step, RMS, last lr and weight decay), creating the
  * tensor first (Create's rules and limits) if it is missing. The bits
