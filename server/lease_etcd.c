@@ -24,7 +24,8 @@
  * term.
  *
  * Failover after the holder dies takes up to the TTL (etcd expires the
- * key) plus one poll (100 ms); after a release (LeaseRevoke) one poll.
+ * key; it looks for expired leases every 500 ms) plus one poll (100 ms);
+ * after a release (LeaseRevoke) one poll.
  *
  * HOST may name several members (a DNS name resolving to all of them, or
  * gRPC's "ipv4:10.0.0.1:2379,10.0.0.2:2379,..." list): calls go to them in
