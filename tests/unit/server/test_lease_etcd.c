@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -136,6 +137,8 @@ static pid_t etcd_spawn(const char *dir, const char *name, int client_port, int 
   pid_t pid = fork();
   assert_true(pid >= 0);
   if (pid == 0) {
+    /* Dies with the test, even one a sanitizer aborts before teardown. */
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
     int fd = open(logf, O_WRONLY | O_CREAT | O_APPEND, 0644);
     if (fd >= 0) {
       dup2(fd, 1);
@@ -419,6 +422,7 @@ static void test_killed_holder_frees_after_ttl(void **state) {
   pid_t child = fork();
   assert_true(child >= 0);
   if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
     dup2(fds[1], 1);
     close(fds[0]);
     execl(self_path, self_path, "--hold", etcd.spec, (char *)NULL);
