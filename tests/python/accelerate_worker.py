@@ -11,6 +11,7 @@ rank writes both runs' final parameters to OUT/rank<r>.pt. The model is _torch_s
 (no transformers import: torchrun starts one interpreter per worker).
 """
 
+import gc
 import os
 import sys
 
@@ -73,6 +74,7 @@ def run(accelerator, shards, seed, ckpt, resume):
 
 
 def main():
+    gc.freeze()  # accelerator.free_memory()'s gc.collect() skips the imported modules
     shards, fresh, out, ckpt = (sys.argv[1].split(","), sys.argv[2].split(","), sys.argv[3],
                                 sys.argv[4])
     # DDP with .grad as views of its buckets (docs/pytorch.md: no copies

@@ -13,6 +13,7 @@ rank writes both runs' final parameters and evaluation losses to
 OUT/rank<r>.pt.
 """
 
+import gc
 import logging
 import os
 import sys
@@ -71,6 +72,7 @@ def run(shards, out, resume):
 
 
 def main():
+    gc.freeze()  # the Trainer's gc.collect() at every run skips the imported modules
     transformers.logging.set_verbosity_error()
     logging.getLogger("factorps.torch").setLevel(logging.ERROR)
     shards, fresh, out = sys.argv[1].split(","), sys.argv[2].split(","), sys.argv[3]
