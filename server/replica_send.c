@@ -42,9 +42,16 @@
 #include "wire.h"
 
 #define FPS_RSEND_METHOD "/factorps.v1.ParameterServer/Replicate"
-/* Payload bytes of one message: under the standby's default receive
- * limit with room for the header. */
-#define FPS_RSEND_PIECE ((size_t)4 << 20)
+/* Payload bytes of one message: as large as the standby takes (both
+ * replicas run with the same --max-message-bytes), less room for the
+ * header, at most 32 MiB: the standby reads one message at a time, so
+ * fewer, larger messages stall the stream fewer times. */
+#define FPS_RSEND_PIECE_MAX ((uint64_t)32 << 20)
+static uint64_t fps__rsend_piece(const fps_server_t *srv) {
+  uint64_t m = srv->cfg.max_message_bytes;
+  uint64_t lim = m > 131072 ? m - 65536 : m / 2;
+  return lim < FPS_RSEND_PIECE_MAX ? lim : FPS_RSEND_PIECE_MAX;
+}
 #define FPS_RSEND_KEYS_PER_MSG 4096
 #define FPS_RSEND_HEARTBEAT_NS (INT64_C(100) * 1000000)
 #define FPS_RSEND_RETRY_NS (INT64_C(200) * 1000000)
@@ -346,7 +353,8 @@ static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, const fps_image_t 
     const uint8_t *base = off < pbytes ? (const uint8_t *)fps_snap_data(img->params) : (const uint8_t *)img->state;
     uint64_t region_end = off < pbytes ? pbytes : total;
     uint64_t rel = off < pbytes ? off : off - pbytes;
-    uint64_t len = region_end - off < FPS_RSEND_PIECE ? region_end - off : FPS_RSEND_PIECE;
+    uint64_t piece = fps__rsend_piece(s->srv);
+    uint64_t len = region_end - off < piece ? region_end - off : piece;
     Factorps__V1__ReplicaTensor rt = FACTORPS__V1__REPLICA_TENSOR__INIT;
     Factorps__V1__ReplicaTensor *rtp = &rt;
     rt.name = (char *)img->name;
