@@ -101,7 +101,7 @@ class NonFiniteTest(unittest.TestCase):
     step() say so (FloatingPointError); an enabled GradScaler attach() was
     not given is refused before anything leaves."""
 
-    def _amp_step(self, model, opt, scaler, step, inf_in_w1=False):
+    def _amp_step(self, model, opt, scaler, step, inf_in_w1=False, clip=False):
         x, y = batch(0, step)
         opt.zero_grad()
         # w1 is the first layer: its gradient is the last one backward makes.
@@ -111,10 +111,19 @@ class NonFiniteTest(unittest.TestCase):
         scaler.scale(loss).backward()
         if hook is not None:
             hook.remove()
+        if clip:  # the AMP recipe's clipping: unscale first
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         scaler.step(opt)
         scaler.update()
 
     def test_grad_scaler_given_to_attach_skips_the_step_whole(self):
+        self._scaler_run(clip=False)
+
+    def test_grad_scaler_with_unscale_and_clipping(self):
+        self._scaler_run(clip=True)
+
+    def _scaler_run(self, clip):
         with Shards(1) as shards:
             a, b = Net(), Net()
             oa = RemoteAdafactor(a.named_parameters(), shards=shards.addrs, namespace="a/")
@@ -127,8 +136,8 @@ class NonFiniteTest(unittest.TestCase):
             self.assertFalse(h.active)  # step() pushes: it alone sees every gradient
             for step in range(4):
                 before = {n: p.detach().clone() for n, p in a.named_parameters()}
-                self._amp_step(a, oa, sa, step, inf_in_w1=step == 2)
-                self._amp_step(b, ob, sb, step, inf_in_w1=step == 2)
+                self._amp_step(a, oa, sa, step, inf_in_w1=step == 2, clip=clip)
+                self._amp_step(b, ob, sb, step, inf_in_w1=step == 2, clip=clip)
                 self.assertEqual(oa.last_step_skipped, step == 2, f"step {step}")
                 self.assertEqual(sa.get_scale(), sb.get_scale())
                 # Bit for bit the run without attach (which skips as AMP does).
