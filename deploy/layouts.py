@@ -32,7 +32,11 @@ class Shard:
     top of the image's; mounts: {container path: (volume name, persistent)};
     read_only: read-only root; tmpfs: container paths of tmpfs mounts;
     user: (uid, gid); fs_group: the volume's group (Kubernetes fsGroup);
-    workdir; grace: seconds between SIGTERM and SIGKILL; hostname."""
+    workdir; grace: seconds between SIGTERM and SIGKILL; hostname;
+    secrets: {container path: secret name} of Kubernetes Secret mounts
+    (also in mounts, not persistent); proxy: the argv of the front proxy
+    beside it (compose: the service in its network namespace; Kubernetes:
+    the pod's container "proxy"), or None."""
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
@@ -172,8 +176,17 @@ def compose_shards(environ=None):
         if svc.get("user"):
             uid, _, gid = str(svc["user"]).partition(":")
             user = (int(uid), int(gid or uid))
+        proxy = None
+        for other in cfg["services"].values():
+            if other.get("network_mode") == "service:" + name:
+                pe = other.get("entrypoint") or []
+                pe = shlex.split(pe) if isinstance(pe, str) else list(pe)
+                pc = other.get("command") or []
+                pc = shlex.split(pc) if isinstance(pc, str) else list(pc)
+                proxy = pe + pc
         shards.append(Shard(
             name=name, layout="compose", argv=list(entry) + list(cmd), env=env, mounts=mounts,
+            secrets={}, proxy=proxy,
             read_only=bool(svc.get("read_only")), tmpfs=[t.split(":")[0] for t in tmpfs],
             user=user, fs_group=None, workdir=svc.get("working_dir", img["workdir"]),
             grace=_seconds(svc.get("stop_grace_period", "10s")), hostname=svc.get("hostname", name),
@@ -339,8 +352,10 @@ def k8s_shards(docs):
                                                 namespace, i)
             argv = [_k8s_expand(a, env) for a in (c.get("command") or img["entrypoint"])]
             argv += [_k8s_expand(a, env) for a in c.get("args") or []]
-            mounts, tmpfs = {}, []
+            mounts, tmpfs, secrets = {}, [], {}
             for m in c.get("volumeMounts") or []:
+                if m["name"] in vols and "secret" in vols[m["name"]]:
+                    secrets[m["mountPath"]] = vols[m["name"]]["secret"]["secretName"]
                 if m["name"] in claims:
                     mounts[m["mountPath"]] = ("%s-%s" % (m["name"], hostname), True)
                 elif m["name"] in vols and "emptyDir" in vols[m["name"]]:
@@ -348,8 +363,12 @@ def k8s_shards(docs):
                     mounts[m["mountPath"]] = (m["name"], False)
                 else:
                     mounts[m["mountPath"]] = (m["name"], False)
+            px = next((x for x in pod["containers"] if x["name"] == "proxy"), None)
+            proxy = [_k8s_expand(a, env) for a in (px.get("command") or []) + (px.get("args") or [])] \
+                if px else None
             shards.append(Shard(
                 name=hostname, layout="statefulset", argv=argv, env=env, mounts=mounts,
+                secrets=secrets, proxy=proxy,
                 read_only=bool(csc.get("readOnlyRootFilesystem")), tmpfs=tmpfs, user=(uid, gid),
                 fs_group=psc.get("fsGroup"), workdir=c.get("workingDir", img["workdir"]),
                 grace=pod.get("terminationGracePeriodSeconds", 30), hostname=hostname,
@@ -508,6 +527,20 @@ def check(renderer=None, server_help=None):
             need(s.read_only, "%s: root filesystem is writable" % where)
             need(s.option("require-checkpoint") in (None, "false", "true"),
                  "%s: FACTORPS_REQUIRE_CHECKPOINT must be true or false" % where)
+            # Secure by default: a token file per role, from a mounted
+            # volume or Secret (never the image), and the shard's gRPC on
+            # loopback behind an nghttpx front proxy (rapid reset).
+            for flag in ("auth-token-file", "admin-token-file", "exchange-token-file"):
+                f = s.option(flag)
+                need(f and s.volume_of(f) is not None,
+                     "%s: no --%s on a mounted volume or Secret (%r)" % (where, flag, f))
+            listen = s.option("listen") or ""
+            need(listen.startswith("127.0.0.1:"),
+                 "%s: the shard's gRPC listens on %r, not on loopback behind its proxy" % (where, listen))
+            port = listen.rsplit(":", 1)[-1]
+            need(bool(s.proxy) and os.path.basename(s.proxy[0]) == "nghttpx"
+                 and "--backend=127.0.0.1,%s;;proto=h2" % port in s.proxy,
+                 "%s: no nghttpx front proxy forwarding to its gRPC port (%r)" % (where, s.proxy))
     check_replicas(layouts, need, server_help)
     # The workers list each shard's replicas (advertised addresses) in id order.
     for layout, shards, cmd in (

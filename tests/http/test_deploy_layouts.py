@@ -110,6 +110,68 @@ class Volume:
                 os.chmod(self.path, 0o2775)
 
 
+class Tokens:
+    """The per-role token files the shipped files make the shards require,
+    written where the orchestrator would put them: into compose's named
+    volume (as its one-shot tokens service does: owned by the image's
+    user, 0600) or into a directory bind-mounted where Kubernetes mounts
+    the Secret (root-owned, group fsGroup, 0440). .worker: the worker
+    token; .host(path): the host file of a token path in the containers."""
+
+    FLAGS = ("auth-token-file", "admin-token-file", "exchange-token-file", "peer-token-file")
+
+    def __init__(self, root, shards, volumes):
+        count = int(shards[0].option("shard-count"))
+        peer = [os.urandom(16).hex() for _ in range(count)]
+        self.worker = os.urandom(16).hex()
+        self.text = {"workers": self.worker + "\n", "admins": os.urandom(16).hex() + "\n",
+                     "peers": "".join("%d:%s\n" % (i, t) for i, t in enumerate(peer))}
+        self.text.update({"peer-%d" % i: t + "\n" for i, t in enumerate(peer)})
+        self.dirs = {}  # container directory -> host directory
+        for s in shards:
+            for flag in self.FLAGS:
+                path = s.option(flag)
+                if not path:
+                    continue
+                mp, vol, persistent = s.volume_of(path)
+                if persistent:
+                    host, owner, mode = volumes[vol].path, s.user, 0o600
+                else:  # a Kubernetes Secret
+                    key = "secret:" + s.secrets[mp]
+                    if key not in volumes:
+                        volumes[key] = Volume(root, key.replace(":", "-"), "secret", 0, 0, 0)
+                        os.chmod(volumes[key].path, 0o755)
+                    host, owner, mode = volumes[key].path, (0, s.fs_group), 0o440
+                self.dirs[mp] = host
+                f = os.path.join(host, os.path.basename(path))
+                F.write_text(f, self.text[os.path.basename(path)])
+                if os.geteuid() == 0:
+                    os.chown(f, *owner)
+                os.chmod(f, mode)
+
+    def host(self, path):
+        for mp, host in self.dirs.items():
+            if path.startswith(mp + "/"):
+                return host + path[len(mp):]
+        return path
+
+
+class Authed:
+    """A stub whose every call carries the worker token."""
+
+    def __init__(self, stub, token):
+        self._stub, self._md = stub, [("authorization", "Bearer " + token)]
+
+    def __getattr__(self, name):
+        fn = getattr(self._stub, name)
+        return lambda *a, **kw: fn(*a, metadata=self._md, **kw)
+
+
+def channel(addr, token):
+    ch, stub = F.channel(addr)
+    return ch, Authed(stub, token)
+
+
 class Container:
     """One run of a layouts.Shard on its volume(s)."""
 
@@ -136,8 +198,10 @@ class Container:
         if NAMESPACE:
             env["FACTORPS_PORT_FILE"] = "/var/lib/fps-ctl/port"
             env["FACTORPS_METRICS_PORT_FILE"] = "/var/lib/fps-ctl/metrics-port"
-            mounts = " ".join("%s=%s" % (volumes[vol].path, mp)
-                              for mp, (vol, persistent) in shard.mounts.items() if persistent)
+            mounts = " ".join(["%s=%s" % (volumes[vol].path, mp)
+                               for mp, (vol, persistent) in shard.mounts.items() if persistent] +
+                              ["%s=%s" % (volumes["secret:" + name].path, mp)
+                               for mp, name in shard.secrets.items() if "secret:" + name in volumes])
             penv = {"FPS_MOUNTS": mounts, "FPS_CTL": self.ctl, "FPS_TMPFS": " ".join(shard.tmpfs),
                     "FPS_BIN": SERVER, "FPS_RO": "1" if shard.read_only else "0",
                     "FPS_WORKDIR": shard.workdir, "FPS_UID": str(shard.user[0]),
@@ -153,9 +217,13 @@ class Container:
                 for mp, (vol, persistent) in shard.mounts.items():
                     if persistent and (p == mp or p.startswith(mp + "/")):
                         return volumes[vol].path + p[len(mp):]
+                for mp, name in shard.secrets.items():
+                    if p.startswith(mp + "/") and "secret:" + name in volumes:
+                        return volumes["secret:" + name].path + p[len(mp):]
                 return p
             for k in list(env):
-                if k in ("FACTORPS_CHECKPOINT_DIR",):
+                if k in ("FACTORPS_CHECKPOINT_DIR", "FACTORPS_AUTH_TOKEN_FILE", "FACTORPS_ADMIN_TOKEN_FILE",
+                         "FACTORPS_EXCHANGE_TOKEN_FILE", "FACTORPS_PEER_TOKEN_FILE"):
                     env[k] = host(env[k])
                 elif k == "FACTORPS_LEASE" and env[k].startswith("file:"):
                     env[k] = "file:" + host(env[k][5:])
@@ -211,9 +279,9 @@ class Container:
         return rc
 
 
-def pull_values(addr, names):
+def pull_values(addr, names, token):
     pb, _, _ = F.stubs()
-    ch, stub = F.channel(addr)
+    ch, stub = channel(addr, token)
     out, versions = {}, {}
     try:
         for resp in stub.Pull(pb.PullRequest(names=names), timeout=30):
@@ -322,9 +390,10 @@ class RestartRestores(unittest.TestCase):
         volumes = {}
         for s in shards:
             for mp, (vol, persistent) in s.mounts.items():
-                if persistent and vol not in volumes:  # the lease volume is shared
+                if persistent and vol not in volumes:  # the lease and token volumes are shared
                     volumes[vol] = Volume(self.root, vol, s.layout, s.user[0], s.user[1],
                                           s.fs_group if s.fs_group is not None else s.user[1])
+        tok = Tokens(self.root, shards, volumes).worker
         ckdir = shards[1].option("checkpoint-dir")
         mp, vol, _ = shards[1].volume_of(ckdir)
         host_ckdir = volumes[vol].path + ckdir[len(mp):]
@@ -341,14 +410,14 @@ class RestartRestores(unittest.TestCase):
         self.assertEqual(ids, [0, 1], "shard ids from the definitions")
         tensors = {i: F.shard_tensors(i) for i in ids}
         for i, c in zip(ids, cs):
-            ch, stub = F.channel(c.addr)
+            ch, stub = channel(c.addr, tok)
             F.create(stub, i, count, tensors[i])
             for step in range(3):
                 F.push(stub, 0, step, tensors[i])
             ch.close()
         names = {i: [n for n, _, _ in tensors[i]] for i in ids}
-        peer_before = pull_values(cs[0].addr, names[0])
-        before, vers = pull_values(cs[1].addr, names[1])
+        peer_before = pull_values(cs[0].addr, names[0], tok)
+        before, vers = pull_values(cs[1].addr, names[1], tok)
         self.assertEqual(set(vers.values()), {3})
 
         # Orchestrator stop: SIGTERM writes the final checkpoint onto the volume.
@@ -367,14 +436,14 @@ class RestartRestores(unittest.TestCase):
         t = c.metrics()
         self.assertEqual(F.metric(t, "factorps_checkpoint_restore_outcome", outcome="restored"), 1)
         self.assertEqual(F.metric(t, "factorps_checkpoint_restored_sequence"), seq)
-        after, vers = pull_values(c.addr, names[1])
+        after, vers = pull_values(c.addr, names[1], tok)
         self.assertEqual(after, before, "state after a stop and restart")
         self.assertEqual(set(vers.values()), {3})
 
         # More training, then a crash before the next periodic checkpoint
         # (the interval is a minute or more): the restart loses exactly the
         # updates since the last checkpoint, no more.
-        ch, stub = F.channel(c.addr)
+        ch, stub = channel(c.addr, tok)
         for step in range(3, 5):
             F.push(stub, 0, step, tensors[1])
         ch.close()
@@ -386,11 +455,11 @@ class RestartRestores(unittest.TestCase):
         t = c.metrics()
         self.assertEqual(F.metric(t, "factorps_checkpoint_restore_outcome", outcome="restored"), 1)
         self.assertEqual(F.metric(t, "factorps_checkpoint_restored_sequence"), seq)
-        after, vers = pull_values(c.addr, names[1])
+        after, vers = pull_values(c.addr, names[1], tok)
         self.assertEqual(after, before, "state after a crash and restart")
         self.assertEqual(set(vers.values()), {3})
         # The peer kept its state throughout.
-        self.assertEqual(pull_values(cs[0].addr, names[0]), peer_before)
+        self.assertEqual(pull_values(cs[0].addr, names[0], tok), peer_before)
         # A clean stop of both: each writes its final checkpoint.
         self.assertEqual(c.end(signal.SIGTERM), 0, c.read_log())
         self.assertEqual(cs[0].end(signal.SIGTERM), 0, cs[0].read_log())
@@ -432,8 +501,9 @@ class SyncOverlay(unittest.TestCase):
                 self.assertEqual(s.option("mode"), "sync")
                 self.assertEqual(int(s.option("workers")), W)
                 for mp, (vol, persistent) in s.mounts.items():
-                    if persistent:
+                    if persistent and vol not in volumes:
                         volumes[vol] = Volume(root, vol, s.layout, s.user[0], s.user[1], s.fs_group)
+            tokens = Tokens(root, shards, volumes)
             if uses_etcd(shards):
                 if not os.access(ETCD, os.X_OK):
                     self.skipTest("no etcd binary (scripts/deps.sh installs etcd-server)")
@@ -461,6 +531,9 @@ class SyncOverlay(unittest.TestCase):
                     "|".join(c.addr for c in cs if c.shard.shard_id == i)
                     for i in sorted({c.shard.shard_id for c in cs}))
                 argv[argv.index("--steps") + 1] = "3"
+                # The Secret's workers key, where the Job mounts it.
+                i = argv.index("--token-file") + 1
+                argv[i] = tokens.host(argv[i])
                 self.assertEqual(argv[argv.index("--worker-id") + 1], str(index))
                 self.assertEqual(argv[argv.index("--workers") + 1], str(W))
                 procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -542,6 +615,7 @@ class Failover(unittest.TestCase):
                 if persistent and vol not in volumes:
                     volumes[vol] = Volume(self.root, vol, s.layout, s.user[0], s.user[1],
                                           s.fs_group if s.fs_group is not None else s.user[1])
+        Tokens(self.root, pair, volumes)
         # Fixed loopback ports, so that each can name the other.
         ports = [F.free_port() for _ in pair]
         replace = []
@@ -648,6 +722,18 @@ class LayoutsCheckCatches(unittest.TestCase):
         help_text = "  --shard-id  the id\n  env FACTORPS_SHARD_ID\n"
         bad = layouts.check("mini", help_text)
         self.assertCaught(bad, "FACTORPS_LEASE is not in factorps-server --help")
+
+    def test_no_worker_tokens(self):
+        p = self.broken("docker-compose.yml", "    FACTORPS_AUTH_TOKEN_FILE: /var/lib/factorps-tokens/workers\n", "")
+        self.assertCaught(p, "compose shard-0-a", "--auth-token-file")
+
+    def test_shard_port_open_beside_the_proxy(self):
+        p = self.broken("kubernetes/shard-statefulset.yaml", "value: 127.0.0.1:50052", "value: 0.0.0.0:50052")
+        self.assertCaught(p, "kubernetes factorps-shard-a-0", "not on loopback")
+
+    def test_no_proxy(self):
+        p = self.broken("docker-compose.yml", "    network_mode: service:shard-1-b\n", "")
+        self.assertCaught(p, "compose shard-1-b", "no nghttpx front proxy")
 
     def test_no_budget(self):
         p = self.broken("kubernetes/kustomization.yaml", "  - pod-disruption-budget.yaml\n", "")
