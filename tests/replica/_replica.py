@@ -46,7 +46,10 @@ def is_root():
 
 
 def _ip(*args, check=True):
-    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    # ip(8) is not built with a sanitizer: not the ASan runtime the ASan
+    # build preloads into Python.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20, env=env)
     if check and r.returncode:
         raise RuntimeError("ip %s: %s" % (" ".join(args), r.stderr.strip()))
     return r
