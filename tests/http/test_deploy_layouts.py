@@ -571,7 +571,8 @@ class Failover(unittest.TestCase):
     one becomes primary, the other a standby; SIGKILL of the primary, and
     the standby is primary within the lease's failover time (file: at
     once; etcd: the TTL) plus start-up slack; the killed one, restarted,
-    comes back as the standby. Roles are read from /metrics."""
+    comes back as the standby; and with etcd paused past the TTL. Roles
+    are read from /metrics."""
 
     def setUp(self):
         self.root = tempfile.mkdtemp(prefix="fps-failover-")
@@ -604,7 +605,9 @@ class Failover(unittest.TestCase):
                 raise AssertionError("roles %s, not %s:\n%s" % (got, want, "\n".join(c.read_log() for c in cs)))
             time.sleep(0.05)
 
-    def run_pair(self, all_shards):
+    def start_pair(self, all_shards):
+        """Starts both replicas of shard 0; returns them, a function that
+        starts replica i again, and the lease's TTL (0: a file lease)."""
         pair = sorted((s for s in all_shards if s.shard_id == 0), key=lambda s: s.name)
         self.assertEqual(len(pair), 2)
         if uses_etcd(pair) and os.access(ETCD, os.X_OK):
@@ -628,8 +631,11 @@ class Failover(unittest.TestCase):
             c = Container(pair[i], volumes, self.root, replace[i])
             self.running.append(c)
             return c
-        cs = [start(0), start(1)]
         ttl = float(pair[0].option("lease-ttl") or 2) if uses_etcd(pair) else 0.0
+        return pair, [start(0), start(1)], start, ttl
+
+    def run_pair(self, all_shards):
+        pair, cs, start, ttl = self.start_pair(all_shards)
         self.wait_roles(cs, ["primary", "standby"], 30)
         p = 0 if self.role(cs[0]) == "primary" else 1
         killed = time.time()
@@ -640,6 +646,42 @@ class Failover(unittest.TestCase):
         cs[p] = start(p)
         self.wait_roles(cs, ["primary", "standby"], 30)
         self.assertEqual(self.role(cs[1 - p]), "primary")
+
+    def test_statefulset_etcd_paused(self):
+        """etcd stops answering (SIGSTOP) for longer than the TTL: the primary
+        stops being primary before the TTL has passed, no moment shows two
+        primaries, and once etcd answers again one replica is primary and
+        the other its standby."""
+        pair, cs, start, ttl = self.start_pair(layouts.k8s_shards(layouts.kustomize("kubernetes")))
+        self.assertGreater(ttl, 0)
+        self.wait_roles(cs, ["primary", "standby"], 30)
+        self.etcd.p.send_signal(signal.SIGSTOP)
+        paused = time.time()
+        none_since = None
+        try:
+            while time.time() < paused + ttl + 2:
+                n = sorted(self.role(c) for c in cs).count("primary")
+                self.assertLessEqual(n, 1, "two primaries")
+                if n == 0 and none_since is None:
+                    none_since = time.time()
+                time.sleep(0.02)
+        finally:
+            self.etcd.p.send_signal(signal.SIGCONT)
+        self.assertIsNotNone(none_since, "still primary with etcd stopped past the TTL")
+        print("statefulset: etcd stopped to no primary: %.2f s (lease TTL %s)" % (none_since - paused, ttl),
+              file=sys.stderr)
+        self.assertLess(none_since - paused, ttl)
+        resumed = time.time()
+        deadline = resumed + ttl + 15
+        while True:
+            roles = sorted(self.role(c) for c in cs)
+            self.assertLessEqual(roles.count("primary"), 1, "two primaries")
+            if roles == ["primary", "standby"]:
+                break
+            if time.time() > deadline:
+                raise AssertionError("roles %s after etcd resumed:\n%s" % (roles, "\n".join(c.read_log() for c in cs)))
+            time.sleep(0.02)
+        print("statefulset: etcd resumed to primary + standby again: %.2f s" % (time.time() - resumed), file=sys.stderr)
 
     def test_compose_pair(self):
         self.run_pair(layouts.compose_shards())
