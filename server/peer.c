@@ -30,6 +30,7 @@
 #include "auth.h"
 #include "factorps/v1/factorps.pb-c.h"
 #include "peer.h"
+#include "status.h"
 
 #define FPS_PEER_METHOD "/factorps.v1.ParameterServer/Exchange"
 #define FPS_PEER_BACKOFF0_NS (INT64_C(50) * 1000000)
@@ -103,33 +104,6 @@ static const char *fps__grpc_code_name(grpc_status_code c) {
   return (unsigned)c < sizeof names / sizeof names[0] ? names[c] : "UNKNOWN";
 }
 
-/* The peer's refusal as the core's code (the inverse of status.c where
- * that is one-to-one). */
-static int fps__err_from_status(grpc_status_code c) {
-  switch (c) {
-    case GRPC_STATUS_OK: return 0;
-    case GRPC_STATUS_INVALID_ARGUMENT:
-    case GRPC_STATUS_OUT_OF_RANGE: return FPS_EINVAL;
-    case GRPC_STATUS_NOT_FOUND: return FPS_ENOTFOUND;
-    case GRPC_STATUS_ALREADY_EXISTS: return FPS_EEXISTS;
-    /* A configuration problem between the shards (token, certificate),
-     * not something a retry can fix. */
-    case GRPC_STATUS_UNAUTHENTICATED:
-    case GRPC_STATUS_PERMISSION_DENIED:
-    case GRPC_STATUS_FAILED_PRECONDITION: return FPS_ESTATE;
-    case GRPC_STATUS_RESOURCE_EXHAUSTED: return FPS_ELIMIT;
-    case GRPC_STATUS_DEADLINE_EXCEEDED: return FPS_ETIMEOUT;
-    case GRPC_STATUS_UNIMPLEMENTED: return FPS_EUNSUPPORTED;
-    case GRPC_STATUS_CANCELLED:
-    case GRPC_STATUS_ABORTED:
-    case GRPC_STATUS_UNAVAILABLE: return FPS_EUNAVAILABLE;
-    case GRPC_STATUS_UNKNOWN:
-    case GRPC_STATUS_INTERNAL:
-    case GRPC_STATUS_DATA_LOSS:
-    default: return FPS_EIO;
-  }
-}
-
 /* ------------------------------------------------------------ set-up */
 
 /* The first line of --peer-token-file that is neither blank nor a '#'
@@ -149,7 +123,7 @@ static int fps__peer_token(const char *path, char **header) {
   if (rc == 1) {
     rc = FPS_EINVAL;
     if (n > FPS_PEER_TOKEN_MAX) {
-      fprintf(stderr, "factorps-server: --peer-token-file '%s' line %d: token longer than %d bytes\n", path,
+      FPS_LOG(FPS_LOG_ERROR, "--peer-token-file '%s' line %d: token longer than %d bytes", path,
               lineno, FPS_PEER_TOKEN_MAX);
       goto done;
     }
@@ -162,7 +136,7 @@ static int fps__peer_token(const char *path, char **header) {
     rc = 0;
   } else if (rc == 0) {
     rc = FPS_EINVAL;
-    fprintf(stderr, "factorps-server: --peer-token-file '%s' holds no token\n", path);
+    FPS_LOG(FPS_LOG_ERROR, "--peer-token-file '%s' holds no token", path);
   }
 done:
   OPENSSL_cleanse(text, text_len); /* the lines were cut in place: not strlen */
@@ -264,7 +238,7 @@ int fps_peers_create(const fps_config_t *cfg, fps_peers_t **out) {
   for (uint32_t i = 0; i < p->n; i++) {
     if (i == p->self) continue;
     if (!(p->ch[i] = grpc_channel_create(p->addrs[i], p->creds, &p->args))) {
-      fprintf(stderr, "factorps-server: --peers entry %u '%s': cannot make a channel to it\n", i, p->addrs[i]);
+      FPS_LOG(FPS_LOG_ERROR, "--peers entry %u '%s': cannot make a channel to it", i, p->addrs[i]);
       rc = FPS_EINVAL;
       goto fail;
     }
@@ -474,7 +448,7 @@ static void fps__complete(fps_peers_t *p, fps_psend_t *s, bool success) {
     snprintf(msg, sizeof msg, "shard %u (%s) did not answer Exchange of '%s' within the deadline: %s", s->to,
              p->addrs[s->to], s->name, detail);
   } else {
-    err = fps__err_from_status(st);
+    err = fps_err_from_status(st);
     snprintf(msg, sizeof msg, "shard %u (%s) refused Exchange of '%s': %s: %s%s", s->to, p->addrs[s->to],
              s->name, fps__grpc_code_name(st), detail,
              st == GRPC_STATUS_UNAUTHENTICATED

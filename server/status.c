@@ -1,4 +1,5 @@
-/* FPS_E* -> gRPC status, in one table (see status.h). */
+/* FPS_E* -> gRPC status, in one table, and back for another server's
+ * replies (see status.h). */
 #include "status.h"
 
 #include "error.h"
@@ -43,4 +44,33 @@ grpc_status_code fps_status_from_err(int err) {
     case FPS__ERRNO_END: break;
   }
   return GRPC_STATUS_INTERNAL;
+}
+
+/* Not the table read backwards: several codes share a status, and a
+ * refusal from another server means something else to the caller. */
+int fps_err_from_status(grpc_status_code code) {
+  switch (code) {
+    case GRPC_STATUS_OK: return 0;
+    case GRPC_STATUS_INVALID_ARGUMENT:
+    case GRPC_STATUS_OUT_OF_RANGE: return FPS_EINVAL;
+    case GRPC_STATUS_NOT_FOUND: return FPS_ENOTFOUND;
+    case GRPC_STATUS_ALREADY_EXISTS: return FPS_EEXISTS;
+    /* A peer refusing this server's token or certificate is a
+     * configuration problem between the servers, which a retry cannot
+     * fix, and not the caller's credentials. */
+    case GRPC_STATUS_UNAUTHENTICATED:
+    case GRPC_STATUS_PERMISSION_DENIED:
+    case GRPC_STATUS_FAILED_PRECONDITION: return FPS_ESTATE;
+    case GRPC_STATUS_RESOURCE_EXHAUSTED: return FPS_ELIMIT;
+    case GRPC_STATUS_DEADLINE_EXCEEDED: return FPS_ETIMEOUT;
+    case GRPC_STATUS_UNIMPLEMENTED: return FPS_EUNSUPPORTED;
+    case GRPC_STATUS_CANCELLED:
+    case GRPC_STATUS_ABORTED:
+    case GRPC_STATUS_UNAVAILABLE: return FPS_EUNAVAILABLE;
+    case GRPC_STATUS_UNKNOWN:
+    case GRPC_STATUS_INTERNAL:
+    case GRPC_STATUS_DATA_LOSS:
+    case GRPC_STATUS__DO_NOT_USE: break;
+  }
+  return FPS_EIO;
 }

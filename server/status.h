@@ -11,4 +11,10 @@
  * GRPC_STATUS_INTERNAL). Thread-safe. */
 grpc_status_code fps_status_from_err(int err);
 
+/* The FPS_E* code for the status of another server's reply (a peer
+ * shard's Exchange): 0 for OK; a refused token or role is FPS_ESTATE (the
+ * servers' configuration, not the caller's); unknown, internal and
+ * data-loss statuses are FPS_EIO. Thread-safe. */
+int fps_err_from_status(grpc_status_code code);
+
 #endif

@@ -65,10 +65,40 @@ static void every_code_is_a_real_status(void **unused) {
   assert_int_equal(fps_status_from_err(12345), GRPC_STATUS_INTERNAL);
 }
 
+/* Another server's reply, back to a code: every status, written out. */
+static void statuses_map_back_to_codes(void **unused) {
+  (void)unused;
+  static const int want[] = {
+      [GRPC_STATUS_OK] = 0,
+      [GRPC_STATUS_CANCELLED] = FPS_EUNAVAILABLE,
+      [GRPC_STATUS_UNKNOWN] = FPS_EIO,
+      [GRPC_STATUS_INVALID_ARGUMENT] = FPS_EINVAL,
+      [GRPC_STATUS_DEADLINE_EXCEEDED] = FPS_ETIMEOUT,
+      [GRPC_STATUS_NOT_FOUND] = FPS_ENOTFOUND,
+      [GRPC_STATUS_ALREADY_EXISTS] = FPS_EEXISTS,
+      [GRPC_STATUS_PERMISSION_DENIED] = FPS_ESTATE,
+      [GRPC_STATUS_RESOURCE_EXHAUSTED] = FPS_ELIMIT,
+      [GRPC_STATUS_FAILED_PRECONDITION] = FPS_ESTATE,
+      [GRPC_STATUS_ABORTED] = FPS_EUNAVAILABLE,
+      [GRPC_STATUS_OUT_OF_RANGE] = FPS_EINVAL,
+      [GRPC_STATUS_UNIMPLEMENTED] = FPS_EUNSUPPORTED,
+      [GRPC_STATUS_INTERNAL] = FPS_EIO,
+      [GRPC_STATUS_UNAVAILABLE] = FPS_EUNAVAILABLE,
+      [GRPC_STATUS_DATA_LOSS] = FPS_EIO,
+      [GRPC_STATUS_UNAUTHENTICATED] = FPS_ESTATE,
+  };
+  for (int c = 0; c <= GRPC_STATUS_UNAUTHENTICATED; c++) {
+    int got = fps_err_from_status((grpc_status_code)c);
+    if (got != want[c]) fail_msg("status %d: %s, expected %s", c, fps_err_name(got), fps_err_name(want[c]));
+  }
+  assert_int_equal(fps_err_from_status(GRPC_STATUS__DO_NOT_USE), FPS_EIO);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(codes_map_to_their_statuses),
       cmocka_unit_test(every_code_is_a_real_status),
+      cmocka_unit_test(statuses_map_back_to_codes),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
