@@ -21,8 +21,6 @@ allowed_status="
 server/peer.c           7     reads the status of another shard's reply to word its refusal (status.c translates)
 server/lease_etcd.c     6     reads the status of etcd's replies
 server/replica_send.c   3     reads the status the standby ends its Replicate stream with
-server/rpc_pushpull.c   9     not moved to fps_call_error yet
-server/rpc_exchange.c   12    not moved to fps_call_error yet
 "
 allowed_stderr="
 "

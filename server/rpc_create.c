@@ -34,7 +34,7 @@ static void fps__create_acked(void *arg, int err, const char *why) {
   cc->reply = NULL;
   if (err < 0) {
     grpc_byte_buffer_destroy(bb);
-    fps_call_fail(&cc->base, fps_status_from_err(err), "Create: %s", why ? why : "the standby was lost");
+    fps_call_error(&cc->base, err, "Create: %s", why ? why : "the standby was lost");
     return;
   }
   fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
@@ -188,8 +188,7 @@ done:
       } else if (wr != FPS_EAGAIN) {
         cc->reply = NULL;
         grpc_byte_buffer_destroy(bb);
-        fps_call_fail(&cc->base, fps_status_from_err(wr), "Create: %s",
-                      wr == FPS_ENOMEM ? "out of memory waiting for the standby" : why);
+        fps_call_error(&cc->base, wr, "Create: %s", wr == FPS_ENOMEM ? "out of memory waiting for the standby" : why);
       }
     }
   } else {

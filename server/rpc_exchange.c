@@ -20,15 +20,14 @@ typedef struct fps_exchange_call_s {
 
 static void fps__exchange_destroy(fps_call_t *c) { fps_free(c); }
 
-/* 0, or the status for the request with its message in `why`. */
-static grpc_status_code fps__exchange_check(fps_server_t *srv,
-                                            const Factorps__V1__ExchangeRequest *req, char *why,
-                                            size_t why_len) {
+/* 0, or the FPS_E* code for the request with its message in `why`. */
+static int fps__exchange_check(fps_server_t *srv, const Factorps__V1__ExchangeRequest *req, char *why,
+                               size_t why_len) {
   const char *name = req->name ? req->name : "";
   char sub[512];
   if (fps_shard_name_check(name, sub, sizeof sub) < 0) {
     snprintf(why, why_len, "Exchange: %s", sub);
-    return GRPC_STATUS_INVALID_ARGUMENT;
+    return FPS_EINVAL;
   }
   if (req->phase != FACTORPS__V1__EXCHANGE_PHASE__EXCHANGE_PHASE_STATS &&
       req->phase != FACTORPS__V1__EXCHANGE_PHASE__EXCHANGE_PHASE_U2 &&
@@ -39,30 +38,30 @@ static grpc_status_code fps__exchange_check(fps_server_t *srv,
              "Exchange of tensor '%s': phase %d (expected STATS = 1, U2 = 2, COMMIT = 3, VERSIONS = 4 or ABORT = "
              "5)",
              name, (int)req->phase);
-    return GRPC_STATUS_INVALID_ARGUMENT;
+    return FPS_EINVAL;
   }
   if (req->shard_count != srv->cfg.shard_count) {
     snprintf(why, why_len,
              "Exchange of tensor '%s' from shard %u, which is one of %u shards; this shard is "
              "one of %u (--shard-count)",
              name, req->from_shard, req->shard_count, srv->cfg.shard_count);
-    return GRPC_STATUS_FAILED_PRECONDITION;
+    return FPS_ESTATE;
   }
   if (req->from_shard >= srv->cfg.shard_count || req->from_shard == srv->cfg.shard_id) {
     snprintf(why, why_len,
              "Exchange of tensor '%s': from_shard %u is not another shard of the %u (this is "
              "shard %u)",
              name, req->from_shard, srv->cfg.shard_count, srv->cfg.shard_id);
-    return GRPC_STATUS_INVALID_ARGUMENT;
+    return FPS_EINVAL;
   }
   int rc = fps_shard_exchange_payload_check((int)req->phase, req->partials.data, req->partials.len, sub,
                                             sizeof sub);
   if (rc < 0) {
     snprintf(why, why_len, "Exchange of tensor '%s' from shard %u: %s", name, req->from_shard,
              sub);
-    return GRPC_STATUS_INVALID_ARGUMENT;
+    return FPS_EINVAL;
   }
-  return GRPC_STATUS_OK;
+  return 0;
 }
 
 void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
@@ -77,28 +76,27 @@ void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
    * not send another shard's partial sums. */
   fps_ident_t id;
   fps_auth_call_ident(c, &id);
-  grpc_status_code code = GRPC_STATUS_OK;
+  int rc = 0;
   if (id.peer_shard >= 0 && (int64_t)req->from_shard != id.peer_shard) {
-    code = GRPC_STATUS_PERMISSION_DENIED;
+    rc = FPS_EPERM;
     snprintf(why, sizeof why, "Exchange: from_shard %u, but this call's peer token is shard %" PRId64 "'s",
              req->from_shard, id.peer_shard);
   }
-  if (code == GRPC_STATUS_OK) code = fps__exchange_check(srv, req, why, sizeof why);
-  if (code == GRPC_STATUS_OK) {
+  if (rc == 0) rc = fps__exchange_check(srv, req, why, sizeof why);
+  if (rc == 0) {
     fps_xmsg_t m = {.name = req->name, .version = req->version, .from_shard = req->from_shard,
                     .shard_count = req->shard_count, .block_index = req->block_index,
                     .phase = (int)req->phase, .attempt = req->attempt, .partials = req->partials.data, .len = req->partials.len};
     /* May complete this shard's step of the tensor, on this thread. */
-    int rc = fps_shard_exchange_receive(srv->shard, &m, why, sizeof why);
-    code = fps_status_from_err(rc);
+    rc = fps_shard_exchange_receive(srv->shard, &m, why, sizeof why);
   }
   protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
-  if (code != GRPC_STATUS_OK) {
-    fps_call_fail(c, code, "%s", why);
+  if (rc < 0) {
+    fps_call_error(c, rc, "%s", why);
     return;
   }
   Factorps__V1__ExchangeResponse resp = FACTORPS__V1__EXCHANGE_RESPONSE__INIT;
   grpc_byte_buffer *bb = fps_pack_message(&resp);
-  if (!bb) fps_call_fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "Exchange: out of memory packing the reply");
+  if (!bb) fps_call_error(c, FPS_ENOMEM, "Exchange: out of memory packing the reply");
   else fps_call_send(c, bb, true); /* final: on failure the call is already released */
 }

@@ -78,9 +78,8 @@ static void fps__pp_destroy(fps_call_t *c) {
 }
 
 /* Ends the call with an error; counts it once. */
-static void fps__pp_fail(fps_pp_call_t *pp, grpc_status_code code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void fps__pp_fail(fps_pp_call_t *pp, grpc_status_code code, const char *fmt, ...) {
+static void fps__pp_fail(fps_pp_call_t *pp, int err, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void fps__pp_fail(fps_pp_call_t *pp, int err, const char *fmt, ...) {
   pthread_mutex_lock(&pp->base.mu);
   bool first = pp->phase != PP_DONE;
   pp->phase = PP_DONE;
@@ -89,7 +88,7 @@ static void fps__pp_fail(fps_pp_call_t *pp, grpc_status_code code, const char *f
   fps_metrics_push_observe(false, 0);
   va_list ap;
   va_start(ap, fmt);
-  fps_call_failv(&pp->base, code, fmt, ap);
+  fps_call_errorv(&pp->base, err, fmt, ap);
   va_end(ap);
 }
 
@@ -97,7 +96,7 @@ static void fps__pp_send_next(fps_pp_call_t *pp) {
   bool last = false;
   grpc_byte_buffer *bb = fps_reply_next(&pp->reply, pp->base.srv, &last);
   if (!bb) {
-    fps__pp_fail(pp, GRPC_STATUS_RESOURCE_EXHAUSTED, "PushPull: out of memory packing the reply");
+    fps__pp_fail(pp, FPS_ENOMEM, "PushPull: out of memory packing the reply");
     return;
   }
   if (last) {
@@ -109,14 +108,14 @@ static void fps__pp_send_next(fps_pp_call_t *pp) {
   /* A failed final send has released the call already: touch it only
    * after a failed intermediate one. */
   if (fps_call_send(&pp->base, bb, last) < 0 && !last)
-    fps_call_fail(&pp->base, GRPC_STATUS_INTERNAL, "PushPull: cannot send the reply");
+    fps_call_error(&pp->base, FPS_EIO, "PushPull: cannot send the reply");
 }
 
 /* The standby has what this push's answer depends on (replica.h). */
 static void fps__pp_acked(void *arg, int err, const char *why) {
   fps_pp_call_t *pp = arg;
   if (err < 0) {
-    fps__pp_fail(pp, fps_status_from_err(err), "PushPull: %s", why ? why : "the standby was lost");
+    fps__pp_fail(pp, err, "PushPull: %s", why ? why : "the standby was lost");
     return;
   }
   pthread_mutex_lock(&pp->base.mu);
@@ -130,13 +129,13 @@ static void fps__pp_finish(fps_pp_call_t *pp) {
   char why[FPS_WHY_MAX];
   int rc = fps_push_result(pp->push, why, sizeof why);
   if (rc < 0) {
-    fps__pp_fail(pp, fps_status_from_err(rc), "%s", why);
+    fps__pp_fail(pp, rc, "%s", why);
     return;
   }
   size_t n = fps_push_count(pp->push);
   pp->reply.items = fps_calloc(n ? n : 1, sizeof *pp->reply.items);
   if (!pp->reply.items) {
-    fps__pp_fail(pp, GRPC_STATUS_RESOURCE_EXHAUSTED, "PushPull: out of memory");
+    fps__pp_fail(pp, FPS_ENOMEM, "PushPull: out of memory");
     return;
   }
   for (size_t i = 0; i < n; i++) {
@@ -170,7 +169,7 @@ static void fps__pp_finish(fps_pp_call_t *pp) {
   if (vs != vsmall) fps_free(vs);
   if (wr == FPS_EAGAIN) return;
   if (wr < 0) {
-    fps__pp_fail(pp, fps_status_from_err(wr), "PushPull: %s",
+    fps__pp_fail(pp, wr, "PushPull: %s",
                  wr == FPS_ENOMEM ? "out of memory waiting for the standby" : why);
     return;
   }
@@ -200,7 +199,7 @@ static void fps__pp_commit(fps_pp_call_t *pp) {
   int rc = fps_push_commit(pp->push, why, sizeof why);
   if (rc == FPS_EAGAIN) return; /* fps__pp_on_done answers */
   if (rc < 0) {
-    fps__pp_fail(pp, fps_status_from_err(rc), "%s", why);
+    fps__pp_fail(pp, rc, "%s", why);
     return;
   }
   fps__pp_finish(pp);
@@ -324,7 +323,7 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
   int phase = pp->phase;
   pthread_mutex_unlock(&c->mu);
   if (!ok) {
-    fps__pp_fail(pp, GRPC_STATUS_CANCELLED, "PushPull: the call ended early");
+    fps__pp_fail(pp, FPS_ECANCELLED, "PushPull: the call ended early");
     return;
   }
   if (phase == PP_SEND) {
@@ -343,7 +342,7 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
     pthread_mutex_lock(&c->mu);
     pp->phase = PP_CLOSING;
     pthread_mutex_unlock(&c->mu);
-    if (fps_call_probe(c) < 0) fps__pp_fail(pp, GRPC_STATUS_INTERNAL, "PushPull: cannot answer the half-close");
+    if (fps_call_probe(c) < 0) fps__pp_fail(pp, FPS_EIO, "PushPull: cannot answer the half-close");
     return;
   }
   uint8_t *flat = NULL;
@@ -408,14 +407,14 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
     }
   }
   if (rc < 0) {
-    fps__pp_fail(pp, fps_status_from_err(rc), "%s", why);
+    fps__pp_fail(pp, rc, "%s", why);
     return;
   }
   /* Sync backpressure: while this call has slices staged ahead of a lower
    * worker that is still streaming, the next message waits in gRPC's flow
    * control rather than in the shard's memory (fps_push_hold). */
   if (fps_push_hold(pp->push)) return; /* fps__pp_on_resume receives */
-  if (fps_call_recv(c) < 0) fps__pp_fail(pp, GRPC_STATUS_INTERNAL, "PushPull: cannot receive");
+  if (fps_call_recv(c) < 0) fps__pp_fail(pp, FPS_EIO, "PushPull: cannot receive");
 }
 
 /* The core let a held push go on (any thread, maybe under core locks):
@@ -423,7 +422,7 @@ static void fps__pp_on_batch(fps_call_t *c, bool ok) {
 static void fps__pp_on_resume(fps_push_t *p, void *arg) {
   (void)p;
   fps_pp_call_t *pp = arg;
-  if (fps_call_recv(&pp->base) < 0) fps__pp_fail(pp, GRPC_STATUS_INTERNAL, "PushPull: cannot receive");
+  if (fps_call_recv(&pp->base) < 0) fps__pp_fail(pp, FPS_EIO, "PushPull: cannot receive");
 }
 
 void fps_rpc_pushpull_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
@@ -431,7 +430,7 @@ void fps_rpc_pushpull_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
   fps_pp_call_t *pp = fps_calloc(1, sizeof *pp);
   if (!pp || fps_push_create(srv->shard, INT64_MAX, fps__pp_on_done, pp, &pp->push) < 0) {
     fps_free(pp);
-    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
+    grpc_call_cancel_with_status(call, fps_status_from_err(FPS_ENOMEM), "out of memory", NULL);
     grpc_call_unref(call);
     grpc_metadata_array_destroy(md);
     return;
@@ -443,5 +442,5 @@ void fps_rpc_pushpull_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
   if (fps_call_begin(&pp->base, srv, call, deadline, md, "PushPull") < 0) return;
   fps_push_set_deadline(pp->push, pp->base.deadline_ns);
   fps_push_set_resume(pp->push, fps__pp_on_resume, pp);
-  if (fps_call_recv(&pp->base) < 0) fps__pp_fail(pp, GRPC_STATUS_INTERNAL, "PushPull: cannot receive");
+  if (fps_call_recv(&pp->base) < 0) fps__pp_fail(pp, FPS_EIO, "PushPull: cannot receive");
 }
