@@ -255,7 +255,9 @@ int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final) {
   return e == GRPC_CALL_OK ? 0 : FPS_EPROTO;
 }
 
-void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_list ap) {
+/* Ends the call with `code` (status.c's translation of an FPS_E* code)
+ * and the message. */
+static void fps__call_end(fps_call_t *c, grpc_status_code code, const char *fmt, va_list ap) {
   char msg[2048];
   vsnprintf(msg, sizeof msg, fmt, ap);
   /* Status messages are UTF-8 on the wire: a name or a truncation must
@@ -294,16 +296,9 @@ void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_li
   fps__call_unref(c);
 }
 
-void fps_call_fail(fps_call_t *c, grpc_status_code code, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  fps_call_failv(c, code, fmt, ap);
-  va_end(ap);
-}
-
 void fps_call_errorv(fps_call_t *c, int err, const char *fmt, va_list ap) {
   FPS_ASSERT(err < 0);
-  fps_call_failv(c, fps_status_from_err(err), fmt, ap);
+  fps__call_end(c, fps_status_from_err(err), fmt, ap);
 }
 
 void fps_call_error(fps_call_t *c, int err, const char *fmt, ...) {

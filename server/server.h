@@ -206,18 +206,13 @@ int fps_call_probe(fps_call_t *c);
 /* Sends one message (ownership of msg passes); with final, OK status too.
  * A final send that fails releases the call's logic reference itself: the
  * caller must not touch c afterwards (a non-final failure leaves c to the
- * caller, who ends it with fps_call_fail). */
+ * caller, who ends it with fps_call_error). */
 int fps_call_send(fps_call_t *c, grpc_byte_buffer *msg, bool final);
 /* Ends the call with the status that server/status.c gives err (a
  * negative FPS_E* code: the one translation) and a message; safe once per
  * call (a later end is ignored). */
 void fps_call_error(fps_call_t *c, int err, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void fps_call_errorv(fps_call_t *c, int err, const char *fmt, va_list ap);
-/* The same with a gRPC status the caller chose: for the handlers not yet
- * moved to fps_call_error (scripts/check_status.sh lists them). */
-void fps_call_fail(fps_call_t *c, grpc_status_code code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-void fps_call_failv(fps_call_t *c, grpc_status_code code, const char *fmt, va_list ap);
 /* Packs a protobuf-c message into a byte buffer (no extra copy). */
 grpc_byte_buffer *fps_pack_message(const void *protobuf_c_message);
 /* fps_pack_message into buf (fps_malloc'd, cap bytes), reserved before a
