@@ -241,8 +241,8 @@ typedef struct fps__wire_sink_s {
 
 /* Decodes a PushPullResponse or PullResponse (same layout: params = 1,
  * versions = 2) from the buffers spans[0..n) without copying tensor data.
- * Unknown fields are skipped. Returns 0, -1 on malformed input (with a
- * reason in `err`), or the sink's nonzero value. */
+ * Unknown fields are skipped. Returns 0, FPS_EPROTO on malformed input
+ * (with a reason in `err`), or the sink's nonzero value. */
 int fps__wire_parse_params(const fps_wspan_t *spans, size_t n, const fps__wire_sink_t *sink, char *err,
                            size_t errlen);
 
@@ -261,7 +261,8 @@ size_t fps__wire_tensor_push(uint8_t *buf, unsigned field, const char *name, siz
 /* ---- optimizer settings (optim.c) ---- */
 
 /* Fills a wire AdafactorConfig (Factorps__V1__AdafactorConfig *) from the
- * public settings. Returns 0, or -1 with a reason in `err`. */
+ * public settings. Returns 0, or FPS_EHPARAM (a value that is not finite)
+ * or FPS_EFLAVOR with a reason in `err`. */
 int fps__optim_to_wire(const fps_optim_config_t *in, void *wire_cfg, char *err, size_t errlen);
 
 #endif

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdio.h>
 
+#include "error.h"
 #include "factorps/v1/factorps.pb-c.h"
 #include "internal.h"
 
@@ -17,7 +18,7 @@
     if (in->has_##field) {                                                     \
       if (!isfinite(in->field)) {                                              \
         snprintf(err, errlen, #field " is not finite");                        \
-        return -1;                                                             \
+        return FPS_EHPARAM;                                                    \
       }                                                                        \
       out->has_##field##_case = FACTORPS__V1__ADAFACTOR_CONFIG__HAS_##CASE;    \
       out->field = in->field;                                                  \
@@ -39,7 +40,7 @@ int fps__optim_to_wire(const fps_optim_config_t *in, void *wire_cfg, char *err, 
     case 0: /* documented default */
     case FPS_OPTIM_TORCH: out->flavor = FACTORPS__V1__FLAVOR__FLAVOR_TORCH; break;
     case FPS_OPTIM_HF: out->flavor = FACTORPS__V1__FLAVOR__FLAVOR_HF; break;
-    default: snprintf(err, errlen, "unknown optimizer flavor %d", in->flavor); return -1;
+    default: snprintf(err, errlen, "unknown optimizer flavor %d", in->flavor); return FPS_EFLAVOR;
   }
   SET_DOUBLE(lr, LR_LR);
   SET_DOUBLE(beta2_decay, BETA2_DECAY_BETA2_DECAY);

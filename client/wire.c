@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "error.h"
 #include "internal.h"
 
 /* A TensorVersion: its name (in place, or copied into name_buf when it is
@@ -22,11 +23,11 @@ static int parse_version(fps_wreader_t r, char *name_buf, size_t cap, const char
   while (fps_wr_left(&r) > 0) {
     uint32_t field;
     int wt;
-    if (!fps_wr_key(&r, &field, &wt)) return -1;
+    if (!fps_wr_key(&r, &field, &wt)) return FPS_EPROTO;
     if (field == 1 && wt == FPS_WT_LEN) {
       fps_wreader_t sub;
       uint64_t n;
-      if (!fps_wr_sub(&r, &sub, &n)) return -1;
+      if (!fps_wr_sub(&r, &sub, &n)) return FPS_EPROTO;
       if (n > cap) {
         /* Longer than any tensor name: no tensor of ours; say so by name. */
         n = cap;
@@ -34,9 +35,9 @@ static int parse_version(fps_wreader_t r, char *name_buf, size_t cap, const char
       *name = (const char *)fps_wr_bytes(&sub, n, (uint8_t *)name_buf);
       *name_len = (size_t)n;
     } else if (field == 2 && wt == FPS_WT_VARINT) {
-      if (!fps_wr_varint(&r, 10, version)) return -1;
+      if (!fps_wr_varint(&r, 10, version)) return FPS_EPROTO;
     } else if (!fps_wr_skip_value(&r, wt)) {
-      return -1;
+      return FPS_EPROTO;
     }
   }
   return 0;
@@ -74,7 +75,7 @@ int fps__wire_parse_params(const fps_wspan_t *spans, size_t nspans, const fps__w
 malformed:
   snprintf(err, errlen, "malformed reply at byte %llu of %llu",
            (unsigned long long)(total - fps_wr_left(&c)), (unsigned long long)total);
-  return -1;
+  return FPS_EPROTO;
 }
 
 /* ---- encoding ---- */

@@ -14,6 +14,7 @@
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
 
+#include "error.h"
 #include "factorps/v1/factorps.pb-c.h"
 #include "internal.h"
 
@@ -175,14 +176,14 @@ static void test_decoder_rejects_garbage(void **state) {
   char err[128];
   /* Length beyond the buffer. */
   static const uint8_t too_long[] = {(1 << 3) | 2, 100, 0x0a};
-  assert_int_equal(parse(too_long, sizeof too_long, 0, &sink, err, sizeof err), -1);
+  assert_int_equal(parse(too_long, sizeof too_long, 0, &sink, err, sizeof err), FPS_EPROTO);
   /* An 11-byte varint. */
   static const uint8_t bad_varint[] = {0x08, 0xff, 0xff, 0xff, 0xff, 0xff,
                                        0xff, 0xff, 0xff, 0xff, 0xff, 0x01};
-  assert_int_equal(parse(bad_varint, sizeof bad_varint, 5, &sink, err, sizeof err), -1);
+  assert_int_equal(parse(bad_varint, sizeof bad_varint, 5, &sink, err, sizeof err), FPS_EPROTO);
   /* Group wire types are not proto3. */
   static const uint8_t group[] = {(1 << 3) | 3};
-  assert_int_equal(parse(group, sizeof group, 0, &sink, err, sizeof err), -1);
+  assert_int_equal(parse(group, sizeof group, 0, &sink, err, sizeof err), FPS_EPROTO);
   assert_non_null(strstr(err, "malformed"));
   assert_int_equal(seen.slices, 0);
 }
