@@ -37,6 +37,11 @@
  *   of a shard's replicas comes the backoff, and max_retries counts such
  *   rounds. The client remembers the replica that answered last and starts
  *   there. All within the call's one deadline.
+ * - Memory: fps_client_placement_plan, _create_tensors, _get_state and
+ *   _checkpoint answer RESOURCE_EXHAUSTED when the library runs out of
+ *   memory, and the client stays usable: the same call, repeated, succeeds
+ *   (tests/integration/test_client_alloc_sweep.c fails each of their
+ *   allocations in turn).
  * - Placement: see fps_client_create_tensors().
  * - Wire: tensors travel as fp32 little-endian; the library refuses to build
  *   on a big-endian host.
@@ -291,8 +296,8 @@ FPS_EXTERN void fps_client_destroy(fps_client_t *c);
  * Errors: INVALID_ARGUMENT (empty or over-long or duplicate name, bad shape,
  * unknown flavor), any shard error (ALREADY_EXISTS for a mismatch with an
  * existing tensor, FAILED_PRECONDITION for a shard whose id/count differs
- * from the client's list), UNAVAILABLE, DEADLINE_EXCEEDED.
- * `defs` and their arrays are only read during the call.
+ * from the client's list), UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED
+ * (out of memory). `defs` and their arrays are only read during the call.
  * Thread-safety: must not race with other calls on `c`. */
 FPS_EXTERN int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs,
                                          size_t n, fps_status_t *status);
@@ -564,8 +569,8 @@ typedef struct fps_checkpoint_info_s {
  * (a shard has no --checkpoint-dir, or no initialised tensor), INTERNAL
  * (a write failed: disk full, permissions; the message says why),
  * UNAVAILABLE after retries (a shard is down or shutting down),
- * INVALID_ARGUMENT. Retried on UNAVAILABLE (a
- * repeated checkpoint is harmless). Thread-safe. */
+ * INVALID_ARGUMENT, RESOURCE_EXHAUSTED (out of memory). Retried on
+ * UNAVAILABLE (a repeated checkpoint is harmless). Thread-safe. */
 FPS_EXTERN int fps_client_checkpoint(fps_client_t *c, fps_checkpoint_info_t *out, size_t n,
                                      fps_status_t *status);
 
@@ -600,7 +605,8 @@ typedef struct fps_tensor_state_s {
  * Errors: NOT_FOUND (a name not in the tensor list, or not on its shard),
  * INVALID_ARGUMENT (NULL names, a name twice), FAILED_PRECONDITION (still
  * initialising), DATA_LOSS (a reply that does not cover the state
- * exactly), UNAVAILABLE, DEADLINE_EXCEEDED. Retried on UNAVAILABLE
+ * exactly), UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED (out of
+ * memory). Retried on UNAVAILABLE
  * (read-only). On error the arrays may be partly written. Thread-safe. */
 FPS_EXTERN int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n,
                                     fps_tensor_state_t *info, float *const *row, float *const *col,
