@@ -37,6 +37,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "alloc.h"
 #include "internal.h"
 
 enum { TAG_GATE, TAG_SEND, TAG_RECV, TAG_STATUS, TAG_COUNT };
@@ -320,7 +321,7 @@ static int deliver(engine_t *e, grpc_byte_buffer *bb) {
     /* The consumer reads the received slices themselves: no gathering. */
     const grpc_slice_buffer *sb = &bb->data.raw.slice_buffer;
     if (sb->count > e->spans_cap) {
-      fps_wspan_t *ns = realloc(e->spans, sb->count * sizeof *ns);
+      fps_wspan_t *ns = fps_realloc(e->spans, sb->count * sizeof *ns);
       if (!ns)
         return fps__stream_fail(e->s, FPS_CODE_RESOURCE_EXHAUSTED, "out of memory for a %zu-slice reply",
                                 sb->count);
@@ -341,9 +342,9 @@ static int deliver(engine_t *e, grpc_byte_buffer *bb) {
     return rc;
   }
   if (len > e->flat_cap) {
-    free(e->flat);
+    fps_free(e->flat);
     e->flat_cap = 0;
-    if (!(e->flat = malloc(len ? len : 1))) {
+    if (!(e->flat = fps_malloc(len ? len : 1))) {
       grpc_byte_buffer_reader_destroy(&rd);
       return fps__stream_fail(e->s, FPS_CODE_RESOURCE_EXHAUSTED,
                               "out of memory for a %zu-byte reply", len);
@@ -439,10 +440,10 @@ static void engine_finish(engine_t *e, fps__retry_t retry) {
   }
   if (e->local_code) s->code = e->local_code;
   if (e->have_next) grpc_byte_buffer_destroy(e->next);
-  free(e->flat);
+  fps_free(e->flat);
   e->flat = NULL;
   e->flat_cap = 0;
-  free(e->spans);
+  fps_free(e->spans);
   e->spans = NULL;
   e->spans_cap = 0;
   e->have_next = 0;
@@ -493,7 +494,7 @@ static pthread_mutex_t abandoned_mu = PTHREAD_MUTEX_INITIALIZER;
 static abandoned_t *abandoned;
 
 static void abandon(grpc_completion_queue *cq, engine_t *engines) {
-  abandoned_t *a = malloc(sizeof *a);
+  abandoned_t *a = fps_malloc(sizeof *a);
   pthread_mutex_lock(&abandoned_mu);
   if (a) {
     *a = (abandoned_t){cq, engines, abandoned};
@@ -608,13 +609,13 @@ int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *
   double end = start + c->opts.deadline_seconds;
   gpr_timespec deadline = fps__deadline_after(c->opts.deadline_seconds);
   double backoff = c->opts.backoff_initial_seconds;
-  fps__stream_t **run = malloc((n ? n : 1) * sizeof *run);
-  engine_t *engines = calloc(n ? n : 1, sizeof *engines);
+  fps__stream_t **run = fps_malloc((n ? n : 1) * sizeof *run);
+  engine_t *engines = fps_calloc(n ? n : 1, sizeof *engines);
   size_t n_run = n;
 
   if (!run || !engines) {
-    free(run);
-    free(engines);
+    fps_free(run);
+    fps_free(engines);
     return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory starting calls");
   }
   memcpy(run, streams, n * sizeof *run);
@@ -648,8 +649,8 @@ int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *
       if (run[i]->ops->reset) run[i]->ops->reset(run[i]);
     n_run = again;
   }
-  free(run);
-  free(engines);
+  fps_free(run);
+  fps_free(engines);
 
   /* Report the failing stream of the lowest shard index, so the message
    * does not depend on which shard happened to answer first. */

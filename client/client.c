@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "alloc.h"
 #include "internal.h"
 #include "name.h"
 
@@ -73,7 +74,7 @@ void fps_client_options_init(fps_client_options_t *o) {
 
 static char *dup_str(const char *s) {
   size_t n = strlen(s) + 1;
-  char *d = malloc(n);
+  char *d = fps_malloc(n);
   if (d) memcpy(d, s, n);
   return d;
 }
@@ -150,7 +151,7 @@ static int read_pem(const char *path, const char *what, char **out, fps_status_t
   if (!f)
     return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "%s '%s': %s", what, path,
                            strerror(errno));
-  if (!(buf = malloc(PEM_MAX + 1))) {
+  if (!(buf = fps_malloc(PEM_MAX + 1))) {
     fclose(f);
     return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory reading %s", what);
   }
@@ -164,7 +165,7 @@ static int read_pem(const char *path, const char *what, char **out, fps_status_t
                       : strlen(buf) != n ? "contains a NUL byte"
                       : !strstr(buf, "-----BEGIN ") ? "not a PEM file" : NULL;
   if (why) {
-    free(buf);
+    fps_free(buf);
     return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "%s '%s': %s", what, path, why);
   }
   *out = buf;
@@ -189,14 +190,14 @@ static int make_credentials(const fps_client_options_t *o, grpc_channel_credenti
   *out = grpc_ssl_credentials_create(ca, cert ? &pair : NULL, NULL, NULL);
   rc = *out ? 0 : fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "gRPC refused the TLS files");
 done:
-  free(ca);
-  free(cert);
+  fps_free(ca);
+  fps_free(cert);
   if (key) {
     /* Do not leave the private key lying in freed heap memory. */
     volatile char *p = key;
     while (*p) *p++ = 0;
   }
-  free(key);
+  fps_free(key);
   return rc;
 }
 
@@ -218,7 +219,7 @@ int fps__shard_conn_parse(fps__shard_conn_t *sc, size_t shard, const char *entry
       rc = fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, (int)shard,
                            "shard %zu: address '%s' has an empty replica address (replica %zu)",
                            shard, entry, k);
-    } else if (!(sc->r[k].addr = strndup(p, len))) {
+    } else if (!(sc->r[k].addr = fps_strndup(p, len))) {
       rc = fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, (int)shard, "out of memory");
     } else {
       /* The same process twice would make a failover go nowhere. */
@@ -229,7 +230,7 @@ int fps__shard_conn_parse(fps__shard_conn_t *sc, size_t shard, const char *entry
                                sc->r[k].addr);
     }
     if (rc) {
-      for (size_t j = 0; j <= k && j < FPS_CLIENT_MAX_REPLICAS; j++) free(sc->r[j].addr);
+      for (size_t j = 0; j <= k && j < FPS_CLIENT_MAX_REPLICAS; j++) fps_free(sc->r[j].addr);
       memset(sc, 0, sizeof *sc);
       return rc;
     }
@@ -244,7 +245,7 @@ int fps__shard_conn_parse(fps__shard_conn_t *sc, size_t shard, const char *entry
 static void shard_conn_free(fps__shard_conn_t *sc) {
   for (size_t k = 0; k < sc->n; k++) {
     if (sc->r[k].channel) grpc_channel_destroy(sc->r[k].channel);
-    free(sc->r[k].addr);
+    fps_free(sc->r[k].addr);
   }
   sc->n = 0;
 }
@@ -272,7 +273,7 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
   }
   if (options_check(&o, status)) return NULL;
 
-  c = calloc(1, sizeof *c);
+  c = fps_calloc(1, sizeof *c);
   if (!c) goto nomem;
   c->n_shards = n_shards;
   c->opts = o;
@@ -287,12 +288,12 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
   }
   if (o.auth_token) {
     size_t n = strlen(o.auth_token) + sizeof "Bearer ";
-    c->auth_header = malloc(n);
+    c->auth_header = fps_malloc(n);
     if (!c->auth_header) goto nomem;
     snprintf(c->auth_header, n, "Bearer %s", o.auth_token);
   }
-  c->addrs = calloc(n_shards, sizeof *c->addrs);
-  c->shards = calloc(n_shards, sizeof *c->shards);
+  c->addrs = fps_calloc(n_shards, sizeof *c->addrs);
+  c->shards = fps_calloc(n_shards, sizeof *c->shards);
   if (!c->addrs || !c->shards) goto nomem;
   for (size_t i = 0; i < n_shards; i++) {
     if (!(c->addrs[i] = dup_str(addrs[i]))) goto nomem;
@@ -358,7 +359,7 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
   return c;
 
 nomem_lock:
-  free(c);
+  fps_free(c);
   c = NULL;
 nomem:
   fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory creating the client");
@@ -367,15 +368,15 @@ fail:
     if (c->shards)
       for (size_t i = 0; i < n_shards; i++) shard_conn_free(&c->shards[i]);
     if (c->addrs)
-      for (size_t i = 0; i < n_shards; i++) free(c->addrs[i]);
-    free(c->addrs);
-    free(c->shards);
-    free(c->server_name);
+      for (size_t i = 0; i < n_shards; i++) fps_free(c->addrs[i]);
+    fps_free(c->addrs);
+    fps_free(c->shards);
+    fps_free(c->server_name);
     if (c->creds) grpc_channel_credentials_release(c->creds);
-    free(c->auth_header);
+    fps_free(c->auth_header);
     pthread_mutex_destroy(&c->chan_mu);
     pthread_rwlock_destroy(&c->lock);
-    free(c);
+    fps_free(c);
   }
   if (grpc_up) grpc_shutdown();
   return NULL;
@@ -413,17 +414,17 @@ void fps_client_destroy(fps_client_t *c) {
   if (!c) return;
   for (size_t i = 0; i < c->n_shards; i++) {
     shard_conn_free(&c->shards[i]);
-    free(c->addrs[i]);
+    fps_free(c->addrs[i]);
   }
-  free(c->shards);
-  free(c->server_name);
+  fps_free(c->shards);
+  fps_free(c->server_name);
   if (c->creds) grpc_channel_credentials_release(c->creds);
-  free(c->addrs);
-  free(c->auth_header);
+  fps_free(c->addrs);
+  fps_free(c->auth_header);
   fps__tensor_list_free(&c->tensors);
   pthread_mutex_destroy(&c->chan_mu);
   pthread_rwlock_destroy(&c->lock);
-  free(c);
+  fps_free(c);
   grpc_shutdown();
 }
 

@@ -31,6 +31,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "alloc.h"
 #include "dtype.h"
 #include "factorps/v1/factorps.pb-c.h"
 #include <stdatomic.h>
@@ -195,7 +196,7 @@ static int push_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
 
 static int pull_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   pp_call_t *pc = s->ctx;
-  char **names = malloc(pc->n * sizeof *names);
+  char **names = fps_malloc(pc->n * sizeof *names);
   if (!names) return fps__stream_fail(s, FPS_CODE_RESOURCE_EXHAUSTED, "out of memory");
   for (size_t i = 0; i < pc->n; i++) names[i] = pc->items[i].t->name;
   Factorps__V1__PullRequest req = FACTORPS__V1__PULL_REQUEST__INIT;
@@ -203,7 +204,7 @@ static int pull_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
   req.names = names;
   req.dtype = FACTORPS__V1__DTYPE__DTYPE_F32;
   *out = fps__pack(&req);
-  free(names);
+  fps_free(names);
   *last = 1;
   return 0;
 }
@@ -357,7 +358,7 @@ static int by_item_name(const void *a, const void *b) {
  * so that the caller reads again. */
 static int check_versions(fps_client_t *c, pp_job_t *job, pp_call_t *pc, size_t n_calls, size_t n,
                           int is_push, int *torn, fps_status_t *status) {
-  const pp_item_t **first = calloc(n ? n : 1, sizeof *first);
+  const pp_item_t **first = fps_calloc(n ? n : 1, sizeof *first);
   int rc = 0;
   *torn = 0;
   if (!first) return fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
@@ -405,7 +406,7 @@ static int check_versions(fps_client_t *c, pp_job_t *job, pp_call_t *pc, size_t 
     }
   if (!rc && job->versions)
     for (size_t i = 0; i < n; i++) job->versions[i] = first[i]->version;
-  free(first);
+  fps_free(first);
   return rc;
 }
 
@@ -518,7 +519,7 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
     return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "NULL argument");
   job->dtype = is_push && c->opts.wire_dtype == FPS_WIRE_BF16 ? FPS_DTYPE_BF16 : FPS_DTYPE_F32;
   job->esz = fps_dtype_size(job->dtype);
-  count = calloc(c->n_shards, sizeof *count);
+  count = fps_calloc(c->n_shards, sizeof *count);
   if (!count) {
     rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
     goto done;
@@ -548,12 +549,12 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
   }
   /* At most one call per item (chunks), or one per shard. */
   size_t max_calls = total + c->n_shards;
-  items = calloc(total ? total : 1, sizeof *items);
-  sorted = calloc(total ? total : 1, sizeof *sorted);
-  by_name = calloc(total ? total : 1, sizeof *by_name);
-  len = calloc(total ? total : 1, sizeof *len);
-  pc = calloc(max_calls, sizeof *pc);
-  streams = calloc(max_calls, sizeof *streams);
+  items = fps_calloc(total ? total : 1, sizeof *items);
+  sorted = fps_calloc(total ? total : 1, sizeof *sorted);
+  by_name = fps_calloc(total ? total : 1, sizeof *by_name);
+  len = fps_calloc(total ? total : 1, sizeof *len);
+  pc = fps_calloc(max_calls, sizeof *pc);
+  streams = fps_calloc(max_calls, sizeof *streams);
   if (!items || !sorted || !by_name || !len || !pc || !streams) {
     rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
     goto done;
@@ -571,7 +572,7 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
   }
   /* A tensor named twice: found before chunking could part the two. */
   {
-    const fps__tensor_t **ts = calloc(n ? n : 1, sizeof *ts);
+    const fps__tensor_t **ts = fps_calloc(n ? n : 1, sizeof *ts);
     if (!ts) {
       rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
       goto done;
@@ -582,21 +583,21 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
       if (ts[i - 1] == ts[i]) {
         rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s' is named twice",
                              ts[i]->name);
-        free(ts);
+        fps_free(ts);
         goto done;
       }
-    free(ts);
+    fps_free(ts);
   }
   /* Group by shard, keeping the caller's order within a shard. */
   {
-    size_t *start = calloc(c->n_shards + 1, sizeof *start);
+    size_t *start = fps_calloc(c->n_shards + 1, sizeof *start);
     if (!start) {
       rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
       goto done;
     }
     for (size_t s = 0; s < c->n_shards; s++) start[s + 1] = start[s] + count[s];
     for (size_t i = 0; i < total; i++) items[start[sorted[i].shard]++] = sorted[i];
-    free(start);
+    fps_free(start);
   }
   /* Cut each shard's items into calls: one per shard (Pull, or a push with
    * push_chunk_bytes 0 or that fits one chunk), or chunks of a push, each
@@ -632,8 +633,8 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
       if (job->params[x->items[i].idx]) x->skip_params = 0;
     if (is_push) {
       x->push_id = chunk_push_id(job->push_id, x->chunk);
-      x->plan = calloc(x->n, sizeof *x->plan);
-      x->slices = calloc(2 * x->n + 1, sizeof *x->slices);
+      x->plan = fps_calloc(x->n, sizeof *x->plan);
+      x->slices = fps_calloc(2 * x->n + 1, sizeof *x->slices);
       if (!x->plan || !x->slices) {
         rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
         goto done;
@@ -662,16 +663,16 @@ done:
   if (locked) pthread_rwlock_unlock(&c->lock);
   if (pc)
     for (size_t k = 0; k < n_calls; k++) {
-      free(pc[k].plan);
-      free(pc[k].slices);
+      fps_free(pc[k].plan);
+      fps_free(pc[k].slices);
     }
-  free(pc);
-  free(streams);
-  free(count);
-  free(len);
-  free(items);
-  free(sorted);
-  free(by_name);
+  fps_free(pc);
+  fps_free(streams);
+  fps_free(count);
+  fps_free(len);
+  fps_free(items);
+  fps_free(sorted);
+  fps_free(by_name);
   return rc;
 }
 

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "factorps/v1/factorps.pb-c.h"
 #include "internal.h"
 
@@ -51,19 +52,19 @@ static void free_shards(stats_shard_t *sh, size_t n) {
   if (!sh) return;
   for (size_t i = 0; i < n; i++)
     if (sh[i].resp) factorps__v1__stats_response__free_unpacked(sh[i].resp, NULL);
-  free(sh);
+  fps_free(sh);
 }
 
 /* Calls Stats on every shard; on success each sh[i].resp is set. */
 static int stats_all(fps_client_t *c, int include_tensors, uint32_t log_limit,
                      stats_shard_t **out, fps_status_t *status) {
-  stats_shard_t *sh = calloc(c->n_shards, sizeof *sh);
-  fps__stream_t **run = calloc(c->n_shards, sizeof *run);
+  stats_shard_t *sh = fps_calloc(c->n_shards, sizeof *sh);
+  fps__stream_t **run = fps_calloc(c->n_shards, sizeof *run);
   int rc;
   *out = NULL;
   if (!sh || !run) {
-    free(sh);
-    free(run);
+    fps_free(sh);
+    fps_free(run);
     return fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
   }
   for (size_t i = 0; i < c->n_shards; i++) {
@@ -103,7 +104,7 @@ static int stats_all(fps_client_t *c, int include_tensors, uint32_t log_limit,
     }
     if (!n_run) break;
   }
-  free(run);
+  fps_free(run);
   if (rc) {
     free_shards(sh, c->n_shards);
     return rc;
@@ -301,7 +302,7 @@ static int disc_blocks(fps_client_t *c, const disc_t *r, size_t n, fps__tensor_t
                            "not its %llu rows",
                            r[0].shard, c->addrs[r[0].shard], name, (unsigned long long)m->bounds[0],
                            (unsigned long long)m->bounds[nb], (unsigned long long)rows);
-  unsigned char *seen = calloc(nb, 1);
+  unsigned char *seen = fps_calloc(nb, 1);
   if (!seen) return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
   int rc = 0;
   for (size_t i = 0; i < n && !rc; i++) {
@@ -336,9 +337,9 @@ static int disc_blocks(fps_client_t *c, const disc_t *r, size_t n, fps__tensor_t
                            name, k, (unsigned long long)m->bounds[k],
                            (unsigned long long)m->bounds[k + 1], m->block_shards[k],
                            c->addrs[m->block_shards[k]]);
-  free(seen);
+  fps_free(seen);
   if (rc) return rc;
-  if (!(x->blocks = malloc(nb * sizeof *x->blocks)))
+  if (!(x->blocks = fps_malloc(nb * sizeof *x->blocks)))
     return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
   for (size_t k = 0; k < nb; k++)
     x->blocks[k] = (fps__block_t){.shard = (int)m->block_shards[k], .row_lo = m->bounds[k],
@@ -357,8 +358,8 @@ int fps_client_discover(fps_client_t *c, size_t *n_found, fps_status_t *status) 
   if (!c) return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "client is NULL");
   if ((rc = stats_all(c, 1, 0, &sh, status))) return rc;
   for (size_t i = 0; i < c->n_shards; i++) total += sh[i].resp->n_tensors;
-  list.t = calloc(total ? total : 1, sizeof *list.t);
-  r = calloc(total ? total : 1, sizeof *r);
+  list.t = fps_calloc(total ? total : 1, sizeof *list.t);
+  r = fps_calloc(total ? total : 1, sizeof *r);
   if (!list.t || !r) {
     rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
     goto fail;
@@ -395,7 +396,7 @@ int fps_client_discover(fps_client_t *c, size_t *n_found, fps_status_t *status) 
     x->bytes = x->numel * 4;
     x->shard = r[a].shard;
     x->n_blocks = 1;
-    if (!(x->name = strdup(t->name))) {
+    if (!(x->name = fps_strdup(t->name))) {
       rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
       goto fail;
     }
@@ -419,7 +420,7 @@ int fps_client_discover(fps_client_t *c, size_t *n_found, fps_status_t *status) 
   fps__status_ok(status);
   rc = 0;
 fail:
-  free(r);
+  fps_free(r);
   fps__tensor_list_free(&list);
   free_shards(sh, c->n_shards);
   return rc;
