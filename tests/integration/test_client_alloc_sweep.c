@@ -58,6 +58,12 @@ typedef struct sweep_case_s {
   size_t n_blocks;
   fps_tensor_state_t info[NT], want_info[NT];
   fps_checkpoint_info_t ckpt[2];
+  fps_client_t *made;                        /* fps_client_create's */
+  float got[NT][64 * 32], want[NT][64 * 32]; /* pulled or pushed params */
+  uint64_t ver[NT], want_ver[NT];
+  fps_shard_stats_t stats[2];
+  fps_tensor_stats_t tstats;
+  size_t found;
 } sweep_case_t;
 
 static void sweep(sweep_case_t *k) {
@@ -232,12 +238,156 @@ static void test_checkpoint(void **unused) {
   fps_client_destroy(k.c);
 }
 
+/* --------------------------------------------------------------- create */
+
+static int make_call(sweep_case_t *k, fps_status_t *st) {
+  const char *addrs[2] = {g_srv[0].addr, g_srv[1].addr};
+  fps_client_options_t o;
+  fps_client_options_init(&o);
+  k->made = fps_client_create(addrs, 2, &o, st);
+  return k->made ? 0 : st->code;
+}
+
+static void make_ok(sweep_case_t *k) {
+  assert_int_equal(fps_client_shard_count(k->made), 2);
+  fps_client_destroy(k->made);
+  k->made = NULL;
+}
+
+static void test_create(void **unused) {
+  (void)unused;
+  static sweep_case_t k = {.what = "fps_client_create", .call = make_call, .ok = make_ok};
+  job_start(&k, false, false);
+  sweep(&k);
+  fps_client_destroy(k.c);
+}
+
+/* -------------------------------------------------- pull and push_pull */
+
+static void params_ok(sweep_case_t *k) {
+  assert_memory_equal(k->got, k->want, sizeof k->got);
+  assert_memory_equal(k->ver, k->want_ver, sizeof k->ver);
+}
+
+static int pull_call(sweep_case_t *k, fps_status_t *st) {
+  float *params[NT] = {k->got[0], k->got[1], k->got[2]};
+  memset(k->got, 0xa5, sizeof k->got);
+  return fps_client_pull(k->c, g_names, params, k->ver, NT, st);
+}
+
+static void test_pull(void **unused) {
+  (void)unused;
+  static sweep_case_t k = {.what = "fps_client_pull", .call = pull_call, .ok = params_ok};
+  job_start(&k, false, true);
+  fps_status_t st;
+  assert_int_equal(pull_call(&k, &st), 0);
+  memcpy(k.want, k.got, sizeof k.got);
+  memcpy(k.want_ver, k.ver, sizeof k.ver);
+  sweep(&k);
+  fps_client_destroy(k.c);
+}
+
+/* One push under one idempotency key: the shard applies it once, and
+ * every later call with the key (after a fault or not) gets its result
+ * again. */
+static int push_call(sweep_case_t *k, fps_status_t *st) {
+  static float g0[64 * 32], g1[8 * 4], g2[16];
+  const float *grads[NT] = {g0, g1, g2};
+  for (size_t i = 0; i < sizeof g0 / sizeof *g0; i++) g0[i] = 0.5f;
+  for (size_t i = 0; i < sizeof g1 / sizeof *g1; i++) g1[i] = -0.25f;
+  for (size_t i = 0; i < sizeof g2 / sizeof *g2; i++) g2[i] = 1.0f;
+  float *params[NT] = {k->got[0], k->got[1], k->got[2]};
+  fps_push_args_t args = {.worker_id = 0, .step = 0, .push_id = 0x5eed};
+  memset(k->got, 0xa5, sizeof k->got);
+  return fps_client_push_pull_ex(k->c, &args, g_names, grads, NULL, params, k->ver, NT, st);
+}
+
+static void test_push_pull(void **unused) {
+  (void)unused;
+  static sweep_case_t k = {.what = "fps_client_push_pull_ex", .call = push_call, .ok = params_ok};
+  job_start(&k, false, true);
+  fps_status_t st;
+  if (push_call(&k, &st) != 0) fail_msg("push: %s", st.message);
+  for (int i = 0; i < NT; i++) assert_int_equal(k.ver[i], 1);
+  memcpy(k.want, k.got, sizeof k.got);
+  memcpy(k.want_ver, k.ver, sizeof k.ver);
+  sweep(&k);
+  fps_client_destroy(k.c);
+}
+
+/* ------------------------------------------------------ stats, discover */
+
+static int stats_call(sweep_case_t *k, fps_status_t *st) {
+  memset(k->stats, 0, sizeof k->stats);
+  return fps_client_stats(k->c, k->stats, 2, st);
+}
+
+static void stats_ok(sweep_case_t *k) {
+  for (uint32_t s = 0; s < 2; s++) {
+    assert_int_equal(k->stats[s].shard_id, s);
+    assert_int_equal(k->stats[s].shard_count, 2);
+    assert_string_equal(k->stats[s].mode, "async");
+  }
+  assert_int_equal(k->stats[0].tensors + k->stats[1].tensors, NT);
+}
+
+static void test_stats(void **unused) {
+  (void)unused;
+  static sweep_case_t k = {.what = "fps_client_stats", .call = stats_call, .ok = stats_ok};
+  job_start(&k, false, true);
+  sweep(&k);
+  fps_client_destroy(k.c);
+}
+
+static int tstats_call(sweep_case_t *k, fps_status_t *st) {
+  memset(&k->tstats, 0, sizeof k->tstats);
+  return fps_client_tensor_stats(k->c, "big", &k->tstats, NULL, 0, NULL, st);
+}
+
+static void tstats_ok(sweep_case_t *k) {
+  assert_string_equal(k->tstats.name, "big");
+  assert_int_equal(k->tstats.ndim, 2);
+  assert_int_equal(k->tstats.param_elements, 64 * 32);
+}
+
+static void test_tensor_stats(void **unused) {
+  (void)unused;
+  static sweep_case_t k = {.what = "fps_client_tensor_stats", .call = tstats_call, .ok = tstats_ok};
+  job_start(&k, false, true);
+  sweep(&k);
+  fps_client_destroy(k.c);
+}
+
+static int discover_call(sweep_case_t *k, fps_status_t *st) {
+  k->found = 0;
+  return fps_client_discover(k->c, &k->found, st);
+}
+
+static void discover_ok(sweep_case_t *k) {
+  assert_int_equal(k->found, NT);
+  for (int i = 0; i < NT; i++) assert_true(fps_client_shard_of(k->c, g_names[i]) >= -1);
+}
+
+static void test_discover(void **unused) {
+  (void)unused;
+  static sweep_case_t k = {.what = "fps_client_discover", .call = discover_call, .ok = discover_ok};
+  job_start(&k, false, true);
+  sweep(&k);
+  fps_client_destroy(k.c);
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_placement_plan, teardown),
       cmocka_unit_test_teardown(test_create_tensors, teardown),
       cmocka_unit_test_teardown(test_get_state, teardown),
       cmocka_unit_test_teardown(test_checkpoint, teardown),
+      cmocka_unit_test_teardown(test_create, teardown),
+      cmocka_unit_test_teardown(test_pull, teardown),
+      cmocka_unit_test_teardown(test_push_pull, teardown),
+      cmocka_unit_test_teardown(test_stats, teardown),
+      cmocka_unit_test_teardown(test_tensor_stats, teardown),
+      cmocka_unit_test_teardown(test_discover, teardown),
   };
   if (argc > 1) cmocka_set_test_filter(argv[1]);
   return cmocka_run_group_tests(tests, NULL, NULL);

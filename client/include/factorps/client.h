@@ -37,11 +37,12 @@
  *   of a shard's replicas comes the backoff, and max_retries counts such
  *   rounds. The client remembers the replica that answered last and starts
  *   there. All within the call's one deadline.
- * - Memory: fps_client_placement_plan, _create_tensors, _get_state and
- *   _checkpoint answer RESOURCE_EXHAUSTED when the library runs out of
- *   memory, and the client stays usable: the same call, repeated, succeeds
- *   (tests/integration/test_client_alloc_sweep.c fails each of their
- *   allocations in turn).
+ * - Memory: when the library runs out of memory a call answers
+ *   RESOURCE_EXHAUSTED (fps_client_create: NULL with that status) and the
+ *   client stays usable: the same call, repeated, succeeds
+ *   (tests/integration/test_client_alloc_sweep.c fails each allocation of
+ *   create, create_tensors, placement_plan, push_pull_ex, pull, stats,
+ *   tensor_stats, discover, get_state and checkpoint in turn).
  * - Placement: see fps_client_create_tensors().
  * - Wire: tensors travel as fp32 little-endian; the library refuses to build
  *   on a big-endian host.
