@@ -62,6 +62,7 @@ class Topology:
     LINKS = {"wa": ("w", "a", 1), "wb": ("w", "b", 2), "ab": ("a", "b", 3)}
 
     def __init__(self):
+        self._reap()
         tag = "%d" % (os.getpid() % 10000000)
         self.ns = {k: "fpsrep%s%s" % (tag, k) for k in "wab"}
         self.dev = {}
@@ -80,6 +81,17 @@ class Topology:
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _reap():
+        """Deletes the namespaces of earlier runs whose test process is gone
+        (one killed by a timeout could not close() them)."""
+        out = _ip("netns", "list", check=False).stdout
+        for line in out.splitlines():
+            name = line.split()[0] if line.split() else ""
+            pid = name[len("fpsrep"):-1]
+            if name.startswith("fpsrep") and pid.isdigit() and not os.path.exists("/proc/" + pid):
+                _ip("netns", "del", name, check=False)
 
     def prefix(self, node):
         """Runs a command inside node's namespace ("w", "a", "b")."""
