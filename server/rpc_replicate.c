@@ -28,10 +28,11 @@ enum { RP_RECV, RP_SEND, RP_DONE };
 
 /* A complete image received after the transfer, waiting for its commit. */
 typedef struct fps_rp_pending_s {
-  fps_image_in_t in;
+  fps_image_in_t in;          /* in.params_own: its parameter buffer */
   char *name;
   uint64_t *dims;
-  uint8_t *buf;
+  uint64_t numel;
+  uint8_t *sbuf;              /* its state */
   struct fps_rp_pending_s *next;
 } fps_rp_pending_t;
 
@@ -52,18 +53,22 @@ typedef struct fps_rp_call_s {
   bool hello;                 /* the hello was accepted */
   uint64_t term;
   uint64_t seq;               /* last seq applied */
-  /* The tensor being assembled. */
+  /* The tensor being assembled: its parameters straight into a buffer
+   * the core adopts at install (no copy there), its state beside. */
   char *name;
-  uint64_t version, total, got;
-  uint8_t *buf;               /* total bytes */
+  uint64_t version, total, got, numel;
+  float *pbuf;                /* numel floats (fps_shard_param_buf) */
+  uint8_t *sbuf;              /* total - 4 numel bytes */
 } fps_rp_call_t;
 
 static void fps__rp_drop_piece(fps_rp_call_t *rp) {
   fps_free(rp->name);
-  fps_free(rp->buf);
+  fps_shard_param_buf_free(rp->base.srv->shard, rp->pbuf, rp->numel);
+  fps_free(rp->sbuf);
   rp->name = NULL;
-  rp->buf = NULL;
-  rp->total = rp->got = 0;
+  rp->pbuf = NULL;
+  rp->sbuf = NULL;
+  rp->total = rp->got = rp->numel = 0;
 }
 
 static void fps__rp_drop_pending(fps_rp_call_t *rp) {
@@ -72,7 +77,8 @@ static void fps__rp_drop_pending(fps_rp_call_t *rp) {
     rp->pending = p->next;
     fps_free(p->name);
     fps_free(p->dims);
-    fps_free(p->buf);
+    fps_shard_param_buf_free(rp->base.srv->shard, p->in.params_own, p->numel);
+    fps_free(p->sbuf);
     fps_free(p);
   }
   rp->pending_last = NULL;
@@ -101,7 +107,7 @@ static int fps__rp_commit(fps_rp_call_t *rp, char *why, size_t wl) {
     rc = FPS_ESTATE;
   }
   for (fps_rp_pending_t *p = rp->pending; p && rc == 0; p = p->next)
-    rc = fps_shard_install(srv->shard, &p->in, why, wl);
+    if ((rc = fps_shard_install(srv->shard, &p->in, why, wl)) == 0) p->in.params_own = NULL; /* adopted */
   for (fps_rp_key_t *k = rp->keys; k && rc == 0; k = k->next)
     (void)fps_shard_idem_put(srv->shard, k->worker, k->id, k->tensors, k->v, k->n);
   fps_replica_commit_unlock(srv->replica);
@@ -200,12 +206,16 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
       snprintf(why, wl, "tensor '%s': %" PRIu64 " bytes is past --max-bytes", name, total);
       return FPS_ELIMIT;
     }
+    bool over = false;
     rp->name = fps_strdup(name);
-    rp->buf = fps_malloc(total ? total : 1);
-    if (!rp->name || !rp->buf) {
+    rp->pbuf = fps_shard_param_buf(srv->shard, numel, &over);
+    rp->numel = rp->pbuf ? numel : 0;
+    rp->sbuf = fps_malloc(state ? state * 4 : 1);
+    if (!rp->name || !rp->pbuf || !rp->sbuf) {
       fps__rp_drop_piece(rp);
-      snprintf(why, wl, "tensor '%s': out of memory for %" PRIu64 " bytes", name, total);
-      return FPS_ENOMEM;
+      snprintf(why, wl, "tensor '%s': %s for %" PRIu64 " bytes", name,
+               over ? "past --max-staging-bytes" : "out of memory", total);
+      return over ? FPS_ELIMIT : FPS_ENOMEM;
     }
     rp->total = total;
     rp->version = rt->version;
@@ -214,13 +224,24 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
     snprintf(why, wl, "tensor '%s': piece at %" PRIu64 " out of order", name, rt->offset);
     return FPS_EINVAL;
   }
-  if (rt->data.len) memcpy(rp->buf + rp->got, rt->data.data, rt->data.len);
+  /* The parameters' bytes, then the state's (a piece may span both). */
+  uint64_t pbytes = numel * 4, off = rt->offset;
+  const uint8_t *src = rt->data.data;
+  size_t left = rt->data.len;
+  if (left && off < pbytes) {
+    size_t n = pbytes - off < left ? (size_t)(pbytes - off) : left;
+    memcpy((uint8_t *)rp->pbuf + off, src, n);
+    src += n;
+    off += n;
+    left -= n;
+  }
+  if (left) memcpy(rp->sbuf + (off - pbytes), src, left);
   rp->got += rt->data.len;
   if (rp->got < rp->total) return 0;
   fps_image_in_t in = {.name = name, .dims = rt->shape, .ndim = rt->n_shape, .version = rt->version,
                        .step = rt->step, .rms = rt->rms, .last_lr = rt->last_lr,
                        .last_weight_decay = rt->last_weight_decay,
-                       .params = (const float *)rp->buf, .state = (const float *)(rp->buf + numel * 4)};
+                       .params_own = rp->pbuf, .state = (const float *)rp->sbuf};
   for (int k = 0; k < FPS_STATE_KINDS; k++) in.n[k] = rt->state_elements[k];
   if (fps_wire_hparams(name, rt->config, &in.hp, sub, sizeof sub) < 0) {
     fps__rp_drop_piece(rp);
@@ -240,10 +261,12 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
     p->in = in;
     p->in.dims = p->dims;
     p->name = rp->name;
-    p->buf = rp->buf;
+    p->numel = rp->numel;
+    p->sbuf = rp->sbuf;
     p->in.name = p->name;
     rp->name = NULL;
-    rp->buf = NULL;
+    rp->pbuf = NULL; /* p->in.params_own now */
+    rp->sbuf = NULL;
     fps__rp_drop_piece(rp);
     if (rp->pending_last) rp->pending_last->next = p;
     else rp->pending = p;
@@ -251,6 +274,7 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
     return 0;
   }
   int rc = fps_shard_install(srv->shard, &in, sub, sizeof sub);
+  if (rc == 0) rp->pbuf = NULL; /* adopted by the tensor */
   fps__rp_drop_piece(rp);
   if (rc < 0) {
     snprintf(why, wl, "%s", sub);

@@ -240,17 +240,29 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
     return FPS_EEXISTS;
   }
   bool over = false;
-  fps_snap_t *nb = fps__pbuf_new_staged(sh, t, &over);
-  if (!nb) {
-    snprintf(why, wl, "tensor '%s': %s", in->name, over ? "past --max-staging-bytes" : "out of memory");
-    return over ? FPS_ELIMIT : FPS_ENOMEM;
+  fps_snap_t *nb;
+  if (in->params_own) {
+    /* The received buffer itself becomes the parameters. */
+    if (!(nb = fps_malloc(sizeof *nb))) {
+      snprintf(why, wl, "tensor '%s': out of memory", in->name);
+      return FPS_ENOMEM;
+    }
+  } else {
+    if (!(nb = fps__pbuf_new_staged(sh, t, &over))) {
+      snprintf(why, wl, "tensor '%s': %s", in->name, over ? "past --max-staging-bytes" : "out of memory");
+      return over ? FPS_ELIMIT : FPS_ENOMEM;
+    }
+    memcpy(nb->data, in->params, t->numel * sizeof(float)); /* nobody sees nb yet: no lock */
   }
-  memcpy(nb->data, in->params, t->numel * sizeof(float)); /* nobody sees nb yet: no lock */
   pthread_mutex_lock(&t->mu);
   fps_snap_t *old = t->pbuf;
+  if (in->params_own) {
+    fps__pbuf_adopt(sh, nb, in->params_own, t->numel, in->version);
+  } else {
+    fps__pbuf_publish(sh, nb);
+  }
   t->pbuf = nb;
   t->param = nb->data;
-  fps__pbuf_publish(sh, nb);
   float *dst[FPS_STATE_KINDS];
   fps_tensor_state_arrays(t, dst);
   const float *src = in->state;
@@ -274,6 +286,14 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
   fps__pbuf_retire(sh, t, old); /* readers may still hold it */
   atomic_fetch_add(&sh->changes, 1);
   return 0;
+}
+
+float *fps_shard_param_buf(fps_shard_t *sh, uint64_t numel, bool *over_limit) {
+  return fps_tbuf_alloc(sh, numel, over_limit);
+}
+
+void fps_shard_param_buf_free(fps_shard_t *sh, float *p, uint64_t numel) {
+  if (p) fps_tbuf_free(sh, p, numel);
 }
 
 /* ------------------------------------------------------------ checksum */

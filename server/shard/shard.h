@@ -629,9 +629,18 @@ typedef struct fps_image_in_s {
   uint64_t n[FPS_STATE_KINDS];
   uint64_t version, step;
   double rms, last_lr, last_weight_decay;
-  const float *params;        /* numel floats (aligned) */
+  const float *params;        /* numel floats (aligned), copied in */
+  float *params_own;          /* or: a buffer of fps_shard_param_buf that
+                               * becomes the parameters (no copy; the core
+                               * owns it once install returns 0) */
   const float *state;         /* sum of n[k] floats */
 } fps_image_in_t;
+/* A buffer for numel parameters counted against max_staging_bytes until
+ * an install adopts it (fps_image_in_t.params_own); NULL with *over_limit
+ * set past the limit, or NULL out of memory. Free an unused one with
+ * fps_shard_param_buf_free. */
+float *fps_shard_param_buf(fps_shard_t *sh, uint64_t numel, bool *over_limit);
+void fps_shard_param_buf_free(fps_shard_t *sh, float *p, uint64_t numel);
 /* 0, or FPS_EEXISTS (held here with another shape, settings or state
  * size), FPS_EUNSUPPORTED (a split block), Create's refusals, FPS_ELIMIT,
  * FPS_ENOMEM, with why; nothing changed on failure. */
