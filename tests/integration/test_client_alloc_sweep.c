@@ -52,6 +52,12 @@ typedef struct sweep_case_s {
   const char *what;
   int (*call)(struct sweep_case_s *k, fps_status_t *st);
   void (*ok)(struct sweep_case_s *k);
+  /* Before the sweep: */
+  enum { NO_SHARDS,
+         SHARDS,
+         TENSORS,
+         CHECKPOINTS } job;             /* shards, tensors created, checkpoint dirs */
+  void (*keep)(struct sweep_case_s *k); /* after one unfaulted call: keep its result */
   fps_client_t *c;
   fps_tensor_def_t defs[NT];
   fps_block_t blocks[2 * NT], want_blocks[2 * NT];
@@ -155,15 +161,6 @@ static void plan_ok(sweep_case_t *k) {
   assert_memory_equal(k->blocks, k->want_blocks, k->n_blocks * sizeof *k->blocks);
 }
 
-static void test_placement_plan(void **unused) {
-  (void)unused;
-  static sweep_case_t k = {.what = "fps_client_placement_plan", .call = plan_call, .ok = plan_ok};
-  defs_of(k.defs);
-  fps_status_t st;
-  assert_int_equal(plan_call(&k, &st), 0);
-  memcpy(k.want_blocks, k.blocks, sizeof k.blocks);
-  sweep(&k);
-}
 
 /* ------------------------------------------------------- create_tensors */
 
@@ -188,13 +185,6 @@ static void create_ok(sweep_case_t *k) {
   assert_memory_equal(got, g_big, sizeof got);
 }
 
-static void test_create_tensors(void **unused) {
-  (void)unused;
-  static sweep_case_t k = {.what = "fps_client_create_tensors", .call = create_call, .ok = create_ok};
-  job_start(&k, false, false);
-  sweep(&k); /* the first success creates; each later one is a matching re-Create */
-  fps_client_destroy(k.c);
-}
 
 /* ------------------------------------------------------------ get_state */
 
@@ -205,16 +195,6 @@ static int state_call(sweep_case_t *k, fps_status_t *st) {
 
 static void state_ok(sweep_case_t *k) { assert_memory_equal(k->info, k->want_info, sizeof k->info); }
 
-static void test_get_state(void **unused) {
-  (void)unused;
-  static sweep_case_t k = {.what = "fps_client_get_state", .call = state_call, .ok = state_ok};
-  job_start(&k, false, true);
-  fps_status_t st;
-  assert_int_equal(state_call(&k, &st), 0);
-  memcpy(k.want_info, k.info, sizeof k.info);
-  sweep(&k);
-  fps_client_destroy(k.c);
-}
 
 /* ----------------------------------------------------------- checkpoint */
 
@@ -230,13 +210,6 @@ static void ckpt_ok(sweep_case_t *k) {
   }
 }
 
-static void test_checkpoint(void **unused) {
-  (void)unused;
-  static sweep_case_t k = {.what = "fps_client_checkpoint", .call = ckpt_call, .ok = ckpt_ok};
-  job_start(&k, true, true);
-  sweep(&k);
-  fps_client_destroy(k.c);
-}
 
 /* --------------------------------------------------------------- create */
 
@@ -254,13 +227,6 @@ static void make_ok(sweep_case_t *k) {
   k->made = NULL;
 }
 
-static void test_create(void **unused) {
-  (void)unused;
-  static sweep_case_t k = {.what = "fps_client_create", .call = make_call, .ok = make_ok};
-  job_start(&k, false, false);
-  sweep(&k);
-  fps_client_destroy(k.c);
-}
 
 /* -------------------------------------------------- pull and push_pull */
 
@@ -275,17 +241,6 @@ static int pull_call(sweep_case_t *k, fps_status_t *st) {
   return fps_client_pull(k->c, g_names, params, k->ver, NT, st);
 }
 
-static void test_pull(void **unused) {
-  (void)unused;
-  static sweep_case_t k = {.what = "fps_client_pull", .call = pull_call, .ok = params_ok};
-  job_start(&k, false, true);
-  fps_status_t st;
-  assert_int_equal(pull_call(&k, &st), 0);
-  memcpy(k.want, k.got, sizeof k.got);
-  memcpy(k.want_ver, k.ver, sizeof k.ver);
-  sweep(&k);
-  fps_client_destroy(k.c);
-}
 
 /* One push under one idempotency key: the shard applies it once, and
  * every later call with the key (after a fault or not) gets its result
@@ -302,18 +257,6 @@ static int push_call(sweep_case_t *k, fps_status_t *st) {
   return fps_client_push_pull_ex(k->c, &args, g_names, grads, NULL, params, k->ver, NT, st);
 }
 
-static void test_push_pull(void **unused) {
-  (void)unused;
-  static sweep_case_t k = {.what = "fps_client_push_pull_ex", .call = push_call, .ok = params_ok};
-  job_start(&k, false, true);
-  fps_status_t st;
-  if (push_call(&k, &st) != 0) fail_msg("push: %s", st.message);
-  for (int i = 0; i < NT; i++) assert_int_equal(k.ver[i], 1);
-  memcpy(k.want, k.got, sizeof k.got);
-  memcpy(k.want_ver, k.ver, sizeof k.ver);
-  sweep(&k);
-  fps_client_destroy(k.c);
-}
 
 /* ------------------------------------------------------ stats, discover */
 
@@ -331,13 +274,6 @@ static void stats_ok(sweep_case_t *k) {
   assert_int_equal(k->stats[0].tensors + k->stats[1].tensors, NT);
 }
 
-static void test_stats(void **unused) {
-  (void)unused;
-  static sweep_case_t k = {.what = "fps_client_stats", .call = stats_call, .ok = stats_ok};
-  job_start(&k, false, true);
-  sweep(&k);
-  fps_client_destroy(k.c);
-}
 
 static int tstats_call(sweep_case_t *k, fps_status_t *st) {
   memset(&k->tstats, 0, sizeof k->tstats);
@@ -350,13 +286,6 @@ static void tstats_ok(sweep_case_t *k) {
   assert_int_equal(k->tstats.param_elements, 64 * 32);
 }
 
-static void test_tensor_stats(void **unused) {
-  (void)unused;
-  static sweep_case_t k = {.what = "fps_client_tensor_stats", .call = tstats_call, .ok = tstats_ok};
-  job_start(&k, false, true);
-  sweep(&k);
-  fps_client_destroy(k.c);
-}
 
 static int discover_call(sweep_case_t *k, fps_status_t *st) {
   k->found = 0;
@@ -368,27 +297,59 @@ static void discover_ok(sweep_case_t *k) {
   for (int i = 0; i < NT; i++) assert_true(fps_client_shard_of(k->c, g_names[i]) >= -1);
 }
 
-static void test_discover(void **unused) {
-  (void)unused;
-  static sweep_case_t k = {.what = "fps_client_discover", .call = discover_call, .ok = discover_ok};
-  job_start(&k, false, true);
-  sweep(&k);
-  fps_client_destroy(k.c);
+
+/* ------------------------------------------------------------ the cases */
+
+static void keep_blocks(sweep_case_t *k) { memcpy(k->want_blocks, k->blocks, sizeof k->blocks); }
+static void keep_info(sweep_case_t *k) { memcpy(k->want_info, k->info, sizeof k->info); }
+
+static void keep_params(sweep_case_t *k) {
+  memcpy(k->want, k->got, sizeof k->got);
+  memcpy(k->want_ver, k->ver, sizeof k->ver);
 }
 
+static void keep_pushed(sweep_case_t *k) {
+  for (int i = 0; i < NT; i++) assert_int_equal(k->ver[i], 1);
+  keep_params(k);
+}
+
+static sweep_case_t g_cases[] = {
+    {.what = "fps_client_placement_plan", .call = plan_call, .ok = plan_ok, .job = NO_SHARDS, .keep = keep_blocks},
+    {.what = "fps_client_create_tensors", .call = create_call, .ok = create_ok, .job = SHARDS, .keep = NULL},
+    {.what = "fps_client_get_state", .call = state_call, .ok = state_ok, .job = TENSORS, .keep = keep_info},
+    {.what = "fps_client_checkpoint", .call = ckpt_call, .ok = ckpt_ok, .job = CHECKPOINTS, .keep = NULL},
+    {.what = "fps_client_create", .call = make_call, .ok = make_ok, .job = SHARDS, .keep = NULL},
+    {.what = "fps_client_pull", .call = pull_call, .ok = params_ok, .job = TENSORS, .keep = keep_params},
+    {.what = "fps_client_push_pull_ex", .call = push_call, .ok = params_ok, .job = TENSORS, .keep = keep_pushed},
+    {.what = "fps_client_stats", .call = stats_call, .ok = stats_ok, .job = TENSORS, .keep = NULL},
+    {.what = "fps_client_tensor_stats", .call = tstats_call, .ok = tstats_ok, .job = TENSORS, .keep = NULL},
+    {.what = "fps_client_discover", .call = discover_call, .ok = discover_ok, .job = TENSORS, .keep = NULL},
+};
+
+static void run_case(void **state) {
+  sweep_case_t *k = *state;
+  defs_of(k->defs);
+  if (k->job != NO_SHARDS) job_start(k, k->job == CHECKPOINTS, k->job >= TENSORS);
+  fps_status_t st;
+  if (k->keep) {
+    if (k->call(k, &st) != 0) fail_msg("%s: %s", k->what, st.message);
+    k->keep(k);
+  }
+  sweep(k);
+  fps_client_destroy(k->c);
+  k->c = NULL;
+}
+
+/* One test per case, named after its function without the prefix
+ * (test_create_tensors); argv[1] runs only the one of that name. */
 int main(int argc, char **argv) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_teardown(test_placement_plan, teardown),
-      cmocka_unit_test_teardown(test_create_tensors, teardown),
-      cmocka_unit_test_teardown(test_get_state, teardown),
-      cmocka_unit_test_teardown(test_checkpoint, teardown),
-      cmocka_unit_test_teardown(test_create, teardown),
-      cmocka_unit_test_teardown(test_pull, teardown),
-      cmocka_unit_test_teardown(test_push_pull, teardown),
-      cmocka_unit_test_teardown(test_stats, teardown),
-      cmocka_unit_test_teardown(test_tensor_stats, teardown),
-      cmocka_unit_test_teardown(test_discover, teardown),
-  };
+  enum { N = sizeof g_cases / sizeof g_cases[0] };
+  static char names[N][64];
+  struct CMUnitTest tests[N];
+  for (size_t i = 0; i < N; i++) {
+    snprintf(names[i], sizeof names[i], "test_%s", g_cases[i].what + strlen("fps_client_"));
+    tests[i] = (struct CMUnitTest){names[i], run_case, NULL, teardown, &g_cases[i]};
+  }
   if (argc > 1) cmocka_set_test_filter(argv[1]);
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return _cmocka_run_group_tests("client_alloc_sweep", tests, N, NULL, NULL);
 }
