@@ -269,6 +269,19 @@ int fps__idem_versions(fps_idem_t *ix, uint32_t worker, uint64_t id, uint64_t te
   return rc;
 }
 
+void fps__idem_forget_after(fps_idem_t *ix, uint64_t version) {
+  pthread_mutex_lock(&ix->mu);
+  for (uint32_t s = 0; s < ix->cap; s++) {
+    fps_idem_entry_t *e = &ix->ent[s];
+    if (e->state != FPS_IDEM_APPLIED) continue;
+    const uint64_t *v = e->n > FPS_IDEM_INLINE ? e->v.out : e->v.in;
+    bool after = false;
+    for (uint32_t i = 0; i < e->n && !after; i++) after = v[i] > version;
+    if (after) fps__idem_drop_locked(ix, s);
+  }
+  pthread_mutex_unlock(&ix->mu);
+}
+
 bool fps__idem_applied(fps_idem_t *ix, uint32_t worker, uint64_t id) {
   pthread_mutex_lock(&ix->mu);
   uint32_t *at = fps__idem_link_locked(ix, worker, id);

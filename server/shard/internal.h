@@ -521,6 +521,12 @@ void fps__idem_destroy(fps_idem_t *ix);
  * FPS_ELIMIT (no room: every key that could make way is in flight or a
  * worker's newest FPS_IDEM_KEEP). */
 int fps__idem_claim(fps_idem_t *ix, uint32_t worker, uint64_t id, uint32_t *slot);
+/* Forgets every applied key that made a version above `version` (a split
+ * block moved back to it, xrecover.c: a retry of such a push must apply
+ * again, not be answered with versions that were undone; keys of other
+ * tensors caught by the bound are answered "stale" instead, which workers
+ * recover from). */
+void fps__idem_forget_after(fps_idem_t *ix, uint64_t version);
 /* True if (worker, id) is remembered as applied. */
 bool fps__idem_applied(fps_idem_t *ix, uint32_t worker, uint64_t id);
 /* The claimed push is resolved: applied (remembered with the versions it

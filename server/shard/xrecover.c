@@ -438,6 +438,7 @@ static void fps__xrec_move(fps_shard_t *sh, fps_tensor_t *t) {
   fps__pbuf_retire(sh, t, old);
   fps__xstep_mail_reset(t);
   uint64_t lost = from > target ? from - target : 0;
+  if (lost) fps__idem_forget_after(&sh->idem, target);
   r->recoveries++;
   r->lost_steps += lost;
   r->last_from = from;

@@ -1074,8 +1074,10 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
       rc = m->version == v ? FPS_EUNAVAILABLE : FPS_ESTATE;
       snprintf(why, wl,
                "Exchange of tensor '%s' from shard %u: commit of the step from version %" PRIu64
-               " (%s), but no step of it is in flight on this shard (this block is at version %" PRIu64 ")%s",
-               name, m->from_shard, m->version, att, v, m->version == v ? "; retry" : "; nothing is applied");
+               " (%s), but no step of it is in flight on this shard (this block is at version %" PRIu64
+               "%s%016" PRIx64 ")%s",
+               name, m->from_shard, m->version, att, v, sp->xs ? ", its step in flight is of attempt 0x" : "",
+               sp->xs ? sp->xs->attempt : 0, m->version == v ? "; retry" : "; nothing is applied");
       goto out;
     }
     if (cx->committed[m->block_index]) { /* a retry */
@@ -1121,13 +1123,20 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
   }
   char att[64];
   fps__attempt_text(m->attempt, att, sizeof att);
-  if (fps__attempt_failed(sp, m->version, m->attempt)) {
-    /* Not acknowledged, so the sender's step of that attempt fails too and
-     * nobody applies what this shard abandoned. */
-    rc = FPS_ESTATE;
+  if (sp->n_blocks == 2 && fps__attempt_failed(sp, m->version, m->attempt)) {
+    /* Two blocks apply on "all partials here, ours acknowledged": not
+     * acknowledged, so the sender's step of that attempt cannot apply
+     * what this shard abandoned. UNAVAILABLE, so the sender retries until
+     * its deadline: the workers' retry of the attempt (the same push_ids)
+     * may begin here meanwhile and take them. With 3+ blocks the COMMIT
+     * round keeps the sender from applying, so they are kept like early
+     * partials: retries that reach the shards at different moments then
+     * still meet (refusing them made such retries fail each other round
+     * after round). */
+    rc = FPS_EUNAVAILABLE;
     snprintf(why, wl,
              "Exchange of tensor '%s' from shard %u: %s of the step from version %" PRIu64
-             " failed on this shard; nothing was applied",
+             " failed on this shard; nothing was applied; kept out until a retry of it begins here",
              name, m->from_shard, att, m->version);
     goto out;
   }

@@ -1308,8 +1308,9 @@ static void freeze(uint32_t c, int mode) {
 
 /* The colleague's case: shard 2 frozen during step 0 (attempt A), shards
  * 0 and 1 fail it at the deadline; shard 2 resumes and its step A's
- * partials reach them: refused (A failed there), never acknowledged, so
- * shard 2's step fails too. The workers push step 0 again with another
+ * partials reach them: kept (3 blocks: a retry of A may meet them), but
+ * its COMMIT is not acknowledged (no step of A in flight there), so shard
+ * 2's step fails too and nothing applies. The workers push step 0 again with another
  * gradient (attempt B): every core applies B alone, as an unsplit run of
  * that one push would. */
 static void dead_attempt_partials_refused(void **u) {
@@ -1333,36 +1334,40 @@ static void dead_attempt_partials_refused(void **u) {
   /* Shard 2 resumes: what was queued to and from it is delivered. */
   freeze(2, LINK_OK);
   net_release(0);
+  /* Its partials are kept (a retry of A may still begin there), but its
+   * COMMIT is not acknowledged: no step of A is in flight on shards 0 and
+   * 1 (a real transport retries it until shard 2's deadline), so shard 2
+   * applies nothing either. */
   for (uint32_t b = 0; b < 2; b++) {
-    assert_int_equal(last_rc[2][b], FPS_ESTATE);
-    expect_in(last_why[2][b], "failed on this shard; nothing was applied");
-    expect_in(last_why[2][b], "the step from version 0");
+    assert_int_equal(last_rc[2][b], FPS_EUNAVAILABLE);
+    expect_in(last_why[2][b], "commit of the step from version 0");
+    expect_in(last_why[2][b], "no step of it is in flight");
   }
   assert_int_equal(push_result(&wp[2], why, sizeof why), FPS_EUNAVAILABLE);
-  expect_in(why, "failed on this shard");
+  expect_in(why, "(commit)");
   push_end(&wp[2]);
   expect_untouched(&s);
   /* Attempt A's partials again (the frozen shard's transport retrying):
-   * still refused, nothing kept. */
+   * the same bytes as those kept, so OK; nothing applies without a
+   * COMMIT round. */
   uint8_t buf[4096];
   size_t len = craft(&s, 2, s.g, FPS_SPLIT_PHASE_STATS, buf, sizeof buf);
   fps_xmsg_t m = {.name = "e", .version = 0, .from_shard = 2, .shard_count = 3, .block_index = 2,
                   .phase = FPS_SPLIT_PHASE_STATS, .attempt = 0, .partials = buf, .len = len};
-  /* The attempt shard 0 failed: learn it from shard 2's refused message. */
+  /* The attempt shard 0 failed: learn it from its refusal of the COMMIT. */
   const char *hex = strstr(last_why[2][0], "attempt 0x");
   assert_non_null(hex);
-  expect_in(hex, "(a hash of its pushes' push_ids) of the step from version 0 failed on this shard");
+  expect_in(hex, "(a hash of its pushes' push_ids)");
   m.attempt = strtoull(hex + 8, NULL, 16);
   assert_true(m.attempt != 0);
-  assert_int_equal(fps_shard_exchange_receive(&core[0], &m, why, sizeof why), FPS_ESTATE);
-  expect_in(why, "failed on this shard");
+  assert_int_equal(fps_shard_exchange_receive(&core[0], &m, why, sizeof why), 0);
   /* Partials of some other attempt of step 0 are kept (acknowledged) for a
-   * step of that attempt; 2 attempts are kept, a third waits (UNAVAILABLE)
-   * and evicts nothing. */
+   * step of that attempt; 2 attempts are kept (A and 1), a third waits
+   * (UNAVAILABLE) and evicts nothing. */
   for (uint64_t a = 1; a <= 3; a++) {
     fps_xmsg_t o = m;
     o.attempt = a;
-    assert_int_equal(fps_shard_exchange_receive(&core[0], &o, why, sizeof why), a <= 2 ? 0 : FPS_EUNAVAILABLE);
+    assert_int_equal(fps_shard_exchange_receive(&core[0], &o, why, sizeof why), a <= 1 ? 0 : FPS_EUNAVAILABLE);
   }
   expect_in(why, "2 other attempts of block 2's STATS partials for the step from version 0 already wait here");
   fps_tensor_t *t0 = find(&core[0], "e");
