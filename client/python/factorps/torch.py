@@ -68,7 +68,8 @@ as the local optimizer and what is not:
   never steps this optimizer on fake gradients (its state is never empty).
   load_state_dict() hooks run as in torch (pre hooks before the checks).
 - Recovery: when a shard restarts from its checkpoint, or a push fails in the
-  middle (UNAVAILABLE, a stale or ahead step), step() pulls what the shards
+  middle (UNAVAILABLE, a stale or ahead step, a split tensor's blocks left at
+  different versions, which the shards then agree on), step() pulls what the shards
   hold, redoes the push of what was not applied, and logs once (logger
   "factorps.torch") how many updates were lost; it gives up with the error
   after `recovery_timeout` seconds. A shard that restarted empty (no
@@ -104,7 +105,7 @@ from torch.optim import Optimizer
 
 from .client import Client, TensorSpec, state_sizes
 from .overlap import Overlap, _WeakIdSet, check_ddp
-from .errors import (AbortedError, AlreadyExistsError, DeadlineExceededError, Error,
+from .errors import (AbortedError, AlreadyExistsError, DataLossError, DeadlineExceededError, Error,
                      FailedPreconditionError, UnavailableError)
 
 __all__ = ["RemoteAdafactor", "RemoteHFAdafactor", "attach"]
@@ -1078,6 +1079,11 @@ class _RemoteAdafactorBase(Optimizer):
     @staticmethod
     def _recoverable(e: Error) -> bool:
         if isinstance(e, (UnavailableError, DeadlineExceededError, AbortedError)):
+            return True
+        # A split tensor's step that applied on some blocks only: the shards
+        # bring the blocks back to one version by themselves
+        # (docs/operations.md), so pull and go on like after a restore.
+        if isinstance(e, DataLossError) and "row blocks report different versions" in e.message:
             return True
         return isinstance(e, FailedPreconditionError) and (
             "stale push" in e.message or "ahead of shard" in e.message)
