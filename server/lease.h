@@ -29,6 +29,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "error.h"
+
 typedef struct fps_lease_s fps_lease_t;
 
 /* What every backend implements; a backend's object starts with an
@@ -38,6 +40,10 @@ typedef struct fps_lease_ops_s {
   bool (*valid)(fps_lease_t *l);
   void (*release)(fps_lease_t *l);
   void (*close)(fps_lease_t *l);
+  /* Optional (NULL: the backend keeps no sync record): see
+   * fps_lease_set_sync / fps_lease_get_sync. */
+  int (*set_sync)(fps_lease_t *l, bool in_sync);
+  int (*get_sync)(fps_lease_t *l);
 } fps_lease_ops_t;
 
 struct fps_lease_s {
@@ -75,6 +81,21 @@ static inline bool fps_lease_valid(fps_lease_t *l) { return l->ops->valid(l); }
 /* Gives the lease up, so that the other replica can take it. No-op when
  * not held. */
 static inline void fps_lease_release(fps_lease_t *l) { l->ops->release(l); }
+
+/* The standby-sync record the lease service keeps with the lease
+ * (REPLICA.md, CHANGED 08:15): whether the standby holds everything the
+ * holder acknowledged. The holder writes it durably, out of sync BEFORE
+ * it acknowledges anything alone, in sync once its standby caught up; the
+ * next holder reads what its predecessor left right after acquiring.
+ * set: 0, FPS_EIO (not written: the caller must not act on it),
+ * FPS_EUNSUPPORTED (the backend keeps none). get: 1 in sync, 0 out of
+ * sync, FPS_EUNSUPPORTED. REQUIRES: the lease held. */
+static inline int fps_lease_set_sync(fps_lease_t *l, bool in_sync) {
+  return l->ops->set_sync ? l->ops->set_sync(l, in_sync) : FPS_EUNSUPPORTED;
+}
+static inline int fps_lease_get_sync(fps_lease_t *l) {
+  return l->ops->get_sync ? l->ops->get_sync(l) : FPS_EUNSUPPORTED;
+}
 
 /* Releases (if held) and frees. NULL is a no-op. */
 static inline void fps_lease_close(fps_lease_t *l) {

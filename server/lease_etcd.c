@@ -587,7 +587,8 @@ static void fps__lease_etcd_close(fps_lease_t *base) {
 }
 
 static const fps_lease_ops_t fps__lease_etcd_ops = {fps__lease_etcd_acquire, fps__lease_etcd_valid,
-                                                    fps__lease_etcd_release, fps__lease_etcd_close};
+                                                    fps__lease_etcd_release, fps__lease_etcd_close,
+                                                    NULL, NULL}; /* no sync record yet */
 
 int fps__lease_etcd_open(const char *rest, double ttl_s, const char *holder, fps_lease_t **out) {
   *out = NULL;

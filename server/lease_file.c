@@ -9,7 +9,10 @@
  * The term is a decimal counter in the file itself, read, incremented,
  * written and fsynced by each new holder while it holds the lock: two
  * holders are never at once, so the counter only grows, and the fsync
- * keeps it growing across a crash of the machine. */
+ * keeps it growing across a crash of the machine. After the term, the
+ * holder keeps the standby-sync record (lease.h): "<term> in-sync" or
+ * "<term> alone"; a bare "<term>" (a file no replica wrote a record in)
+ * reads as in sync: nobody acknowledged anything alone yet. */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -31,6 +34,8 @@ typedef struct fps_lease_file_s {
   char *path;
   int fd;          /* open while held, else -1 */
   atomic_bool held;
+  uint64_t term;   /* held: ours */
+  int sync;        /* the record found at acquire: 1 in sync, 0 alone */
 } fps_lease_file_t;
 
 /* One non-blocking try: opens PATH and locks it. *got tells whether the
@@ -66,7 +71,7 @@ static int fps__lease_file_lock_once(fps_lease_file_t *l, bool *got) {
 
 /* Reads the counter, writes counter + 1, fsyncs. REQUIRES: the lock. */
 static int fps__lease_file_bump(fps_lease_file_t *l, uint64_t *term) {
-  char buf[32];
+  char buf[64];
   ssize_t n = pread(l->fd, buf, sizeof buf - 1, 0);
   if (n < 0) goto io;
   buf[n] = 0;
@@ -75,6 +80,9 @@ static int fps__lease_file_bump(fps_lease_file_t *l, uint64_t *term) {
     char *end;
     errno = 0;
     unsigned long long u = strtoull(buf, &end, 10);
+    l->sync = 1;
+    if (!strcmp(end, " alone\n")) l->sync = 0, end += strlen(end);
+    else if (!strcmp(end, " in-sync\n")) end += strlen(end);
     if (errno || end == buf || (*end && *end != '\n') || u >= UINT64_MAX) {
       FPS_LOG(FPS_LOG_ERROR, "lease file:%s: holds '%.*s', not a term counter: refusing to guess a term", l->path,
               (int)n, buf);
@@ -82,9 +90,12 @@ static int fps__lease_file_bump(fps_lease_file_t *l, uint64_t *term) {
     }
     old = u;
   }
-  int len = snprintf(buf, sizeof buf, "%" PRIu64 "\n", old + 1);
+  if (n == 0) l->sync = 1;
+  /* The record stays as the predecessor left it until we write ours. */
+  int len = snprintf(buf, sizeof buf, "%" PRIu64 "%s\n", old + 1, l->sync ? " in-sync" : " alone");
   if (pwrite(l->fd, buf, (size_t)len, 0) != len || ftruncate(l->fd, len) < 0 || fsync(l->fd) < 0) goto io;
   *term = old + 1;
+  l->term = old + 1;
   return 0;
 io:
   FPS_LOG(FPS_LOG_ERROR, "lease file:%s: term counter: %s", l->path, strerror(errno));
@@ -129,8 +140,23 @@ static void fps__lease_file_close(fps_lease_t *base) {
   fps_free(l);
 }
 
-static const fps_lease_ops_t fps__lease_file_ops = {
-    fps__lease_file_acquire, fps__lease_file_valid, fps__lease_file_release, fps__lease_file_close};
+static int fps__lease_file_set_sync(fps_lease_t *base, bool in_sync) {
+  fps_lease_file_t *l = (fps_lease_file_t *)base;
+  if (!atomic_load(&l->held) || l->fd < 0) return FPS_EIO;
+  char buf[64];
+  int len = snprintf(buf, sizeof buf, "%" PRIu64 "%s\n", l->term, in_sync ? " in-sync" : " alone");
+  if (pwrite(l->fd, buf, (size_t)len, 0) != len || ftruncate(l->fd, len) < 0 || fsync(l->fd) < 0) {
+    FPS_LOG(FPS_LOG_ERROR, "lease file:%s: sync record: %s", l->path, strerror(errno));
+    return FPS_EIO;
+  }
+  return 0;
+}
+
+static int fps__lease_file_get_sync(fps_lease_t *base) { return ((fps_lease_file_t *)base)->sync; }
+
+static const fps_lease_ops_t fps__lease_file_ops = {fps__lease_file_acquire, fps__lease_file_valid,
+                                                    fps__lease_file_release, fps__lease_file_close,
+                                                    fps__lease_file_set_sync, fps__lease_file_get_sync};
 
 int fps__lease_file_open(const char *rest, fps_lease_t **out) {
   fps_lease_file_t *l = fps_calloc(1, sizeof *l);

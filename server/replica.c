@@ -37,6 +37,11 @@ struct fps_replica_s {
   pthread_mutex_t commit_mu;    /* a standby's batch commit vs promotion */
 };
 
+int fps_replica_set_sync(fps_replica_t *r, bool in_sync) {
+  int rc = fps_lease_set_sync(r->lease, in_sync);
+  return rc == FPS_EUNSUPPORTED ? 0 : rc;
+}
+
 void fps_replica_commit_lock(fps_replica_t *r) { pthread_mutex_lock(&r->commit_mu); }
 void fps_replica_commit_unlock(fps_replica_t *r) { pthread_mutex_unlock(&r->commit_mu); }
 
@@ -156,10 +161,24 @@ static void *fps__replica_main(void *arg) {
       for (int i = 0; i < 50 && !atomic_load(&r->stop); i++) fps__replica_sleep_ms(10);
       continue;
     }
+    /* What the previous holder left on record: "alone" means it may have
+     * answered pushes this process never got (it dropped its standby,
+     * then died or lost the lease). This process is promoted anyway (a
+     * shard that stays down helps nobody) and says so: a log line and
+     * factorps_replica_unclean_promotions_total (docs/shards.md). Then
+     * "alone" goes on record for this term before anything is answered. */
+    int rec = fps_lease_get_sync(r->lease);
+    bool recorded = fps_replica_set_sync(r, false) == 0;
     /* Not between two installs of a batch being committed. */
     pthread_mutex_lock(&r->commit_mu);
-    bool promoted = fps_role_may_compete(&r->role) && fps_role_promote(&r->role, term) == 0;
+    bool promoted = recorded && fps_role_may_compete(&r->role) && fps_role_promote(&r->role, term) == 0;
     pthread_mutex_unlock(&r->commit_mu);
+    if (promoted && rec == 0) {
+      fps_metrics_replica_unclean_promotion();
+      FPS_LOG(FPS_LOG_WARN, "replica: shard %u promoted (term %" PRIu64 ") although its lease says the previous "
+              "primary answered pushes alone after dropping this standby: those pushes are not here, this "
+              "state is older than what it acknowledged", r->srv->cfg.shard_id, term);
+    }
     if (!promoted) {
       /* A primary's hello arrived while the lease was being taken: what
        * this process holds may lack what that primary acknowledged. */

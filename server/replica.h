@@ -137,6 +137,9 @@ void fps_replica_publish(fps_replica_t *r);
  * batch. */
 void fps_replica_commit_lock(fps_replica_t *r);
 void fps_replica_commit_unlock(fps_replica_t *r);
+/* The primary's standby-sync record in its lease (lease.h): 0 (written,
+ * or the backend keeps none), FPS_EIO. */
+int fps_replica_set_sync(fps_replica_t *r, bool in_sync);
 /* A hello arrived: a standby blocked in the lease's acquire gives up. */
 void fps_replica_kick(fps_replica_t *r);
 

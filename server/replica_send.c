@@ -113,6 +113,16 @@ struct fps_rsend_s {
   bool recv_busy;             /* the receiver uses call */
   bool streaming;             /* the stream is up: marks go to it */
   bool broken;                /* the receiver saw the stream end */
+  /* The lease's sync record (lease.h): alone_ok while it says "alone"
+   * (or the backend keeps none), so the primary may answer without a
+   * standby; recorded once it says "in sync" for this stream. sync_seq:
+   * the commit whose ack proves the standby has everything answered
+   * alone before it joined (0: not sent yet); want_sync_mark: the next
+   * batch is that commit. */
+  bool alone_ok;
+  bool recorded;
+  bool want_sync_mark;
+  uint64_t sync_seq;
   bool joined;                /* the standby acknowledged the transfer */
   uint64_t term;              /* of the stream */
   uint64_t seq;               /* last seq sent */
@@ -217,9 +227,24 @@ static void fps__waits_run(fps_rwait_t *list, int err, const char *why) {
 int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, size_t n, const fps_rkey_t *key, fps_rsend_done_fn done,
                    void *arg) {
   pthread_mutex_lock(&s->mu);
-  if (!s->streaming) {
+  if (!s->streaming && s->alone_ok) {
     pthread_mutex_unlock(&s->mu);
     return 0; /* nobody to tell: the primary answers alone */
+  }
+  if (!s->streaming) {
+    /* The stream just ended and the lease still says "in sync": the
+     * answer waits until "alone" is on record (the sender writes it). */
+    fps_rwait_t *w0 = fps_calloc(1, sizeof *w0);
+    if (!w0) {
+      pthread_mutex_unlock(&s->mu);
+      return FPS_ENOMEM;
+    }
+    w0->done = done;
+    w0->arg = arg;
+    w0->next = s->waits;
+    s->waits = w0;
+    pthread_mutex_unlock(&s->mu);
+    return FPS_EAGAIN;
   }
   fps_rwait_t *w = s->joined ? fps_calloc(1, sizeof *w) : NULL;
   if (w) {
@@ -556,7 +581,7 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
     }
     int w = 0;
     while (s->want_term == term && s->call == call && !s->quit && !s->broken && !s->any_dirty && !s->keys &&
-           w == 0)
+           !s->want_sync_mark && w == 0)
       w = pthread_cond_timedwait(&s->cv, &s->mu, &until);
     if (s->want_term != term || s->call != call || s->quit || s->broken) {
       pthread_mutex_unlock(&s->mu);
@@ -580,6 +605,8 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
     }
     fps_rqkey_t *keys = s->keys;
     bool had_keys = keys != NULL;
+    bool mark = s->want_sync_mark; /* this batch's commit is sync_seq */
+    s->want_sync_mark = false;
     s->keys = s->keys_last = NULL;
     pthread_mutex_unlock(&s->mu);
     /* Images first, then the keys: a retry answered from a key finds the
@@ -623,7 +650,7 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
     fps_key_recs_free(core_keys);
     if (ok && keys) ok = fps__rsend_keys(s, call, keys, false);
     else fps__rqkeys_free(keys);
-    if (ok && (nd || had_keys)) {
+    if (ok && (nd || had_keys || mark)) {
       /* The batch takes effect on the standby at once: what one push
        * changed is there entirely or not at all. Its ack settles it. */
       fps_rflight_t *cf = fps_calloc(1, sizeof *cf);
@@ -648,6 +675,11 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
         Factorps__V1__ReplicateRequest cm = FACTORPS__V1__REPLICATE_REQUEST__INIT;
         cm.commit = true;
         ok = fps__rsend_msg(s, call, &cm, cf, 0);
+        if (ok && mark) {
+          pthread_mutex_lock(&s->mu);
+          s->sync_seq = cm.seq;
+          pthread_mutex_unlock(&s->mu);
+        }
       }
     }
     fps_free(dt);
@@ -684,11 +716,28 @@ static void fps__rsend_acked(fps_rsend_t *s, grpc_call *call, uint64_t acked) {
     fps_free(f);
   }
   bool joined_now = !s->joined && s->done_seq && acked >= s->done_seq;
-  if (joined_now) s->joined = true;
+  if (joined_now) {
+    s->joined = true;
+    s->want_sync_mark = true; /* the next batch's ack proves it caught up */
+    pthread_cond_broadcast(&s->cv);
+  }
+  bool record = !s->recorded && s->sync_seq && acked >= s->sync_seq;
+  if (record) {
+    s->recorded = true;
+    s->alone_ok = false; /* from now on no answer without the standby */
+  }
   fps_rwait_t *met = fps__waits_take_locked(s, false);
   uint64_t term = s->term;
   fps_metrics_replication_lag_set(s->seq - s->acked);
   pthread_mutex_unlock(&s->mu);
+  if (record && fps_replica_set_sync(s->r, true) < 0) {
+    /* Not on record: the lease still says "alone", which is only
+     * pessimistic for the next holder. */
+    pthread_mutex_lock(&s->mu);
+    if (s->call == call) s->recorded = false;
+    s->alone_ok = true;
+    pthread_mutex_unlock(&s->mu);
+  }
   if (joined_now) {
     fps_role_primary_joined(fps_replica_role(s->r), term, true);
     fps_replica_publish(s->r);
@@ -784,6 +833,9 @@ static fps_rwait_t *fps__rsend_reset_locked(fps_rsend_t *s) {
   s->streaming = false;
   s->joined = false;
   s->done_seq = 0;
+  s->recorded = false;
+  s->want_sync_mark = false;
+  s->sync_seq = 0;
   s->seq = s->acked = 0;
   while (s->flight) {
     fps_rflight_t *f = s->flight;
@@ -848,13 +900,36 @@ static void *fps__rsend_send_main(void *arg) {
       fps_role_primary_joined(fps_replica_role(s->r), term, false);
       fps_replica_publish(s->r);
     }
-    if (released) {
-      /* Dropped standby: answer alone if still allowed, else refuse. */
-      char why[512] = "";
-      int err = fps_replica_refusal(s->r, why, sizeof why);
-      fps__waits_run(released, err, why);
-    }
     if (call) grpc_call_unref(call);
+    /* No stream (dropped, or none came up): before anything is answered
+     * alone, the lease says so ("alone"), so that the standby, if it is
+     * promoted later without what is answered from now on, knows it
+     * (REPLICA.md CHANGED 08:15). Then the waits go: answered alone, or
+     * refused if this process may not answer or the record failed. */
+    pthread_mutex_lock(&s->mu);
+    bool need = !s->alone_ok && s->want_term == term && !s->quit;
+    pthread_mutex_unlock(&s->mu);
+    char why[512] = "";
+    int err = 0;
+    if (need) {
+      if (fps_replica_set_sync(s->r, false) < 0) {
+        err = FPS_EUNAVAILABLE;
+        snprintf(why, sizeof why, "shard %u lost its standby and cannot record that in its lease; not answering "
+                 "alone", s->srv->cfg.shard_id);
+      } else {
+        FPS_LOG(FPS_LOG_WARN, "replica: standby %s dropped; answering alone (recorded in the lease)",
+                s->srv->cfg.replica_peer);
+        pthread_mutex_lock(&s->mu);
+        s->alone_ok = true;
+        pthread_mutex_unlock(&s->mu);
+      }
+    }
+    pthread_mutex_lock(&s->mu);
+    fps_rwait_t *more = !s->streaming ? fps__waits_take_locked(s, true) : NULL;
+    pthread_mutex_unlock(&s->mu);
+    if (err == 0 && (released || more)) err = fps_replica_refusal(s->r, why, sizeof why);
+    fps__waits_run(released, err, why);
+    fps__waits_run(more, err, why);
     pthread_mutex_lock(&s->mu);
     if (s->want_term == term && !s->quit) {
       struct timespec until;
@@ -919,6 +994,7 @@ fail:
 void fps_rsend_start_stream(fps_rsend_t *s, uint64_t term) {
   pthread_mutex_lock(&s->mu);
   s->want_term = term;
+  s->alone_ok = true; /* the promotion put "alone" on record */
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
 }

@@ -185,7 +185,7 @@ static struct {
   atomic_bool ready;
   /* Standby replicas (server/replica.h). */
   _Atomic uint64_t replica_role, replica_term, replica_joined, replica_failovers;
-  _Atomic uint64_t repl_sent_bytes, repl_ops, repl_lag;
+  _Atomic uint64_t repl_sent_bytes, repl_ops, repl_lag, replica_unclean;
   _Atomic uint64_t state_checksum;
   /* The latencies of the most recent pushes, for Stats' p50 and p99 (a
    * window, not a counter: the one thing here under a lock). */
@@ -443,6 +443,8 @@ void fps_metrics_replication_sent(uint64_t bytes, uint64_t ops) {
   atomic_fetch_add_explicit(&g.repl_ops, ops, RELAXED);
 }
 
+void fps_metrics_replica_unclean_promotion(void) { atomic_fetch_add_explicit(&g.replica_unclean, 1, RELAXED); }
+
 void fps_metrics_replication_lag_set(uint64_t ops) { atomic_store_explicit(&g.repl_lag, ops, RELAXED); }
 
 void fps_metrics_state_checksum_set(uint64_t sum) { atomic_store_explicit(&g.state_checksum, sum, RELAXED); }
@@ -642,6 +644,11 @@ static void render_replica(fps__mbuf_t *b, const char *shard) {
                       "# TYPE factorps_replica_failovers_total counter\n"
                       "factorps_replica_failovers_total{%s} %llu\n",
                    shard, (unsigned long long)atomic_load_explicit(&g.replica_failovers, RELAXED));
+  fps__mbuf_printf(b, "# HELP factorps_replica_unclean_promotions_total Promotions of this process whose lease "
+                      "said the previous primary had answered pushes alone (those pushes are not here).\n"
+                      "# TYPE factorps_replica_unclean_promotions_total counter\n"
+                      "factorps_replica_unclean_promotions_total{%s} %llu\n",
+                   shard, (unsigned long long)atomic_load_explicit(&g.replica_unclean, RELAXED));
   /* An integer gauge: a double would round the 64-bit hash. */
   fps__mbuf_printf(b, "# HELP factorps_state_checksum Hash over every tensor's checksum (Stats), "
                       "computed on scrape: equal on a primary and its standby at the same versions.\n"

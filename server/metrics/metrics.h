@@ -224,6 +224,8 @@ void fps_metrics_replica_set(int role, uint64_t term, bool joined, uint64_t fail
 void fps_metrics_replication_sent(uint64_t bytes, uint64_t ops);
 void fps_metrics_replication_lag_set(uint64_t ops);
 void fps_metrics_state_checksum_set(uint64_t sum);
+/* A promotion over a lease that said the previous primary answered alone. */
+void fps_metrics_replica_unclean_promotion(void);
 
 /* Renders every series into a new NUL-terminated buffer in text format
  * 0.0.4, including the process_* series read from /proc.

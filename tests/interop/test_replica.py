@@ -160,6 +160,7 @@ class Replica(unittest.TestCase):
             took = time.monotonic() - t0
             self.assertEqual(s.shard.term, sa.shard.term + 1)
             self.assertLess(took, 5.0)
+            self.assertNotIn("answered pushes alone", b.stderr())
             self.assertEqual(checksums(b), want)
             params_b, vb = H.pull(b.stub, SHAPES)
             for n in SHAPES:
@@ -271,6 +272,45 @@ class Replica(unittest.TestCase):
             finally:
                 release.set()
                 call.cancel()
+        finally:
+            pair.close()
+
+    def test_answered_alone_then_killed_is_said(self):
+        """REPLICA.md CHANGED 08:15: the standby stalls (SIGSTOP) past the
+        stream's keepalive, the primary drops it and answers alone (after
+        recording "alone" in the lease), then the primary is SIGKILLed.
+        The standby, promoted, never serves the older state silently: it
+        logs that the previous primary answered alone, and the pushes it
+        answered alone are indeed not there. A clean failover says
+        nothing of the kind."""
+        import signal
+        pair = Pair("--mode", "async")
+        try:
+            a, b = pair.a, pair.b
+            self.create_all(a.stub)
+            pair.wait_role(a, "primary", joined=True)
+            self.push(a.stub, 0, 0, self.grads(), 1)
+            with open(pair.lease) as f:
+                self.assertTrue(f.read().endswith(" in-sync\n"))
+            b.proc.send_signal(signal.SIGSTOP)
+            try:
+                # Answered once the primary dropped the stalled standby.
+                t0 = time.monotonic()
+                out = self.push(a.stub, 0, 0, self.grads(), 2)
+                self.assertEqual(out[1]["w"], 2)
+                self.assertGreater(time.monotonic() - t0, 1.0)
+                with open(pair.lease) as f:
+                    self.assertTrue(f.read().endswith(" alone\n"))
+                out = self.push(a.stub, 0, 0, self.grads(), 3)  # alone at once
+                self.assertEqual(out[1]["w"], 3)
+                a.kill()
+                pair.a = None
+            finally:
+                b.proc.send_signal(signal.SIGCONT)
+            s = pair.wait_role(b, "primary")
+            self.assertIn("previous primary answered pushes alone", b.stderr())
+            _, ts = H.stats(b.stub)
+            self.assertEqual(ts["w"].version, 1)  # 2 and 3 were answered alone
         finally:
             pair.close()
 

@@ -165,6 +165,22 @@ static void test_second_holder_waits_for_the_first_to_die(void **state) {
   uint64_t t4 = 0;
   assert_int_equal(fps_lease_acquire(l, NULL, &t4), 0);
   assert_int_equal(t4, t2 + 2);
+  /* The sync record: nobody wrote one yet, so in sync. */
+  assert_int_equal(fps_lease_get_sync(l), 1);
+  /* B acknowledges alone: the next holder reads "out of sync", and the
+   * term still grows. */
+  assert_int_equal(fps_lease_set_sync(l, false), 0);
+  fps_lease_release(l);
+  assert_int_equal(fps_lease_set_sync(l, true), FPS_EIO); /* not held: nothing written */
+  uint64_t t5 = 0;
+  assert_int_equal(fps_lease_acquire(l, NULL, &t5), 0);
+  assert_int_equal(t5, t4 + 1);
+  assert_int_equal(fps_lease_get_sync(l), 0);
+  assert_int_equal(fps_lease_set_sync(l, true), 0);
+  fps_lease_release(l);
+  assert_int_equal(fps_lease_acquire(l, NULL, &t5), 0);
+  assert_int_equal(t5, t4 + 2);
+  assert_int_equal(fps_lease_get_sync(l), 1);
   fps_lease_close(l);
 }
 
