@@ -26,6 +26,7 @@
  * that failed UNAVAILABLE (a standby's refusal, a dead process) is retried
  * on the next replica at once, and only a full round over the replicas
  * waits for the backoff (fps__streams_run). */
+#include <errno.h>
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
@@ -100,6 +101,31 @@ grpc_byte_buffer *fps__pack(const void *msg) {
   grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&sl, 1);
   grpc_slice_unref(sl);
   return bb;
+}
+
+static void *fps__pb_alloc(void *unused, size_t size) {
+  (void)unused;
+  return fps_malloc(size);
+}
+
+static void fps__pb_free(void *unused, void *p) {
+  (void)unused;
+  fps_free(p);
+}
+
+ProtobufCAllocator fps__pb_allocator = {fps__pb_alloc, fps__pb_free, NULL};
+
+void *fps__unpack(const void *descriptor, const uint8_t *data, size_t len, int *code) {
+  errno = 0;
+  void *m = protobuf_c_message_unpack(descriptor, &fps__pb_allocator, len, data);
+  /* protobuf-c says only "no message": an allocation that failed left
+   * ENOMEM behind (fps_malloc sets it), a malformed reply does not. */
+  if (!m) *code = errno == ENOMEM ? FPS_CODE_RESOURCE_EXHAUSTED : FPS_CODE_INTERNAL;
+  return m;
+}
+
+const char *fps__unpack_why(int code) {
+  return code == FPS_CODE_RESOURCE_EXHAUSTED ? "out of memory decoding" : "malformed";
 }
 
 static void engine_cancel(engine_t *e, int code, const char *why) {

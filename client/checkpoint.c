@@ -25,15 +25,16 @@ static int ckpt_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
 
 static int ckpt_reply(fps__stream_t *s, const uint8_t *data, size_t len) {
   ckpt_shard_t *sh = s->ctx;
-  if (sh->resp) factorps__v1__checkpoint_response__free_unpacked(sh->resp, NULL);
-  sh->resp = factorps__v1__checkpoint_response__unpack(NULL, len, data);
-  if (!sh->resp) return fps__stream_fail(s, FPS_CODE_INTERNAL, "malformed CheckpointResponse");
+  if (sh->resp) factorps__v1__checkpoint_response__free_unpacked(sh->resp, &fps__pb_allocator);
+  int code;
+  sh->resp = fps__unpack(&factorps__v1__checkpoint_response__descriptor, data, len, &code);
+  if (!sh->resp) return fps__stream_fail(s, code, "%s CheckpointResponse", fps__unpack_why(code));
   return 0;
 }
 
 static void ckpt_reset(fps__stream_t *s) {
   ckpt_shard_t *sh = s->ctx;
-  if (sh->resp) factorps__v1__checkpoint_response__free_unpacked(sh->resp, NULL);
+  if (sh->resp) factorps__v1__checkpoint_response__free_unpacked(sh->resp, &fps__pb_allocator);
   sh->resp = NULL;
 }
 
@@ -76,7 +77,7 @@ int fps_client_checkpoint(fps_client_t *c, fps_checkpoint_info_t *out, size_t n,
   fps__status_ok(status);
 out:
   for (size_t i = 0; sh && i < c->n_shards; i++)
-    if (sh[i].resp) factorps__v1__checkpoint_response__free_unpacked(sh[i].resp, NULL);
+    if (sh[i].resp) factorps__v1__checkpoint_response__free_unpacked(sh[i].resp, &fps__pb_allocator);
   fps_free(sh);
   fps_free(run);
   return rc;

@@ -225,6 +225,16 @@ int fps__stream_fail(fps__stream_t *s, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Packs a protobuf-c message into a fresh gRPC byte buffer. */
 grpc_byte_buffer *fps__pack(const void *protobuf_c_message);
+/* protobuf-c's allocations through the library's fps_malloc: decode
+ * replies with fps__unpack and free them with *_free_unpacked(m,
+ * &fps__pb_allocator). */
+extern struct ProtobufCAllocator fps__pb_allocator;
+/* Decodes a reply (descriptor: a ProtobufCMessageDescriptor *). NULL with
+ * *code RESOURCE_EXHAUSTED (out of memory) or INTERNAL (malformed);
+ * fps__unpack_why(*code) words it ("malformed", "out of memory
+ * decoding"). */
+void *fps__unpack(const void *descriptor, const uint8_t *data, size_t len, int *code);
+const char *fps__unpack_why(int code);
 
 /* ---- wire decoding of PushPullResponse / PullResponse (wire.c) ---- */
 

@@ -85,9 +85,9 @@ static int st_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
 
 static int st_reply(fps__stream_t *s, const uint8_t *data, size_t len) {
   st_shard_t *sh = s->ctx;
-  Factorps__V1__GetStateResponse *m = factorps__v1__get_state_response__unpack(NULL, len, data);
-  int rc = 0;
-  if (!m) return fps__stream_fail(s, FPS_CODE_INTERNAL, "malformed GetStateResponse (%zu bytes)", len);
+  int rc = 0, code;
+  Factorps__V1__GetStateResponse *m = fps__unpack(&factorps__v1__get_state_response__descriptor, data, len, &code);
+  if (!m) return fps__stream_fail(s, code, "%s GetStateResponse (%zu bytes)", fps__unpack_why(code), len);
   for (size_t i = 0; i < m->n_slices && !rc; i++) {
     const Factorps__V1__StateSlice *sl = m->slices[i];
     st_item_t *it = sl->name ? find(sh, sl->name) : NULL;
@@ -135,7 +135,7 @@ static int st_reply(fps__stream_t *s, const uint8_t *data, size_t len) {
     memcpy(it->want, n, sizeof n);
     it->have_info = 1;
   }
-  factorps__v1__get_state_response__free_unpacked(m, NULL);
+  factorps__v1__get_state_response__free_unpacked(m, &fps__pb_allocator);
   return rc;
 }
 

@@ -34,15 +34,16 @@ static int stats_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
 
 static int stats_reply(fps__stream_t *s, const uint8_t *data, size_t len) {
   stats_shard_t *sh = s->ctx;
-  if (sh->resp) factorps__v1__stats_response__free_unpacked(sh->resp, NULL);
-  sh->resp = factorps__v1__stats_response__unpack(NULL, len, data);
-  if (!sh->resp) return fps__stream_fail(s, FPS_CODE_INTERNAL, "malformed StatsResponse");
+  if (sh->resp) factorps__v1__stats_response__free_unpacked(sh->resp, &fps__pb_allocator);
+  int code;
+  sh->resp = fps__unpack(&factorps__v1__stats_response__descriptor, data, len, &code);
+  if (!sh->resp) return fps__stream_fail(s, code, "%s StatsResponse", fps__unpack_why(code));
   return 0;
 }
 
 static void stats_reset(fps__stream_t *s) {
   stats_shard_t *sh = s->ctx;
-  if (sh->resp) factorps__v1__stats_response__free_unpacked(sh->resp, NULL);
+  if (sh->resp) factorps__v1__stats_response__free_unpacked(sh->resp, &fps__pb_allocator);
   sh->resp = NULL;
 }
 
@@ -51,7 +52,7 @@ static const fps__stream_ops_t stats_ops = {stats_next, stats_reply, stats_reset
 static void free_shards(stats_shard_t *sh, size_t n) {
   if (!sh) return;
   for (size_t i = 0; i < n; i++)
-    if (sh[i].resp) factorps__v1__stats_response__free_unpacked(sh[i].resp, NULL);
+    if (sh[i].resp) factorps__v1__stats_response__free_unpacked(sh[i].resp, &fps__pb_allocator);
   fps_free(sh);
 }
 

@@ -191,9 +191,9 @@ static int create_next(fps__stream_t *s, grpc_byte_buffer **out, int *last) {
 
 static int create_reply(fps__stream_t *s, const uint8_t *data, size_t len) {
   create_shard_t *sh = s->ctx;
-  Factorps__V1__CreateResponse *resp = factorps__v1__create_response__unpack(NULL, len, data);
-  int rc = 0;
-  if (!resp) return fps__stream_fail(s, FPS_CODE_INTERNAL, "malformed CreateResponse");
+  int rc = 0, code;
+  Factorps__V1__CreateResponse *resp = fps__unpack(&factorps__v1__create_response__descriptor, data, len, &code);
+  if (!resp) return fps__stream_fail(s, code, "%s CreateResponse", fps__unpack_why(code));
   if (resp->n_tensors != sh->msg_n) {
     rc = fps__stream_fail(s, FPS_CODE_INTERNAL, "CreateResponse has %zu tensors, request had %zu",
                           resp->n_tensors, sh->msg_n);
@@ -210,7 +210,7 @@ static int create_reply(fps__stream_t *s, const uint8_t *data, size_t len) {
     sh->job->ready[d] = resp->tensors[i]->ready ? 1 : 0;
   }
 done:
-  factorps__v1__create_response__free_unpacked(resp, NULL);
+  factorps__v1__create_response__free_unpacked(resp, &fps__pb_allocator);
   return rc;
 }
 
