@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""A split job that always comes back to one version (issue 22): three
+"""A split job that always comes back to one version: three
 sync shards (W = 2 workers) train one [96, 64] torch tensor split into three
 row blocks while a block shard is SIGKILLed at random moments (inside an
 exchange, an apply, a checkpoint or an anchor write: the job checkpoints
