@@ -7,6 +7,10 @@
 #   so no GRPC_STATUS_* literal stands outside status.[ch].
 # - One log line on the server: every message, start-up errors included,
 #   goes through FPS_LOG (common/log.h), never a bare fprintf to stderr.
+# - One door to the heap: the server, libfactorps, the CLI and common/
+#   allocate through fps_malloc and friends (common/alloc.h), so that the
+#   allocation-failure sweeps reach every allocation; no raw libc call
+#   outside common/alloc.c.
 # - Comments say why, not which tracker entry asked for a change: a reader
 #   cannot open "issue 12". No file (code, tests, docs) cites one.
 #
@@ -62,6 +66,20 @@ check "GRPC_STATUS_* literal(s)" "GRPC_STATUS_" "$allowed_status" \
   server/status.c server/status.h
 check "fprintf(stderr, ...)" "fprintf(stderr" "$allowed_stderr" \
   "log with FPS_LOG(FPS_LOG_ERROR, ...) (common/log.h): one line format for every message"
+
+# Raw allocations (a call, not a member such as ->free or .free).
+raw='(^|[^[:alnum:]_.>])(malloc|calloc|realloc|strdup|strndup|free|posix_memalign|aligned_alloc)\('
+for dir in server client common; do
+  while read -r f; do
+    case $f in common/alloc.c | common/alloc.h | client/python/*) continue ;; esac
+    hits=$(grep -nE "$raw" "$f" || true)
+    if [[ -n $hits ]]; then
+      echo "check_conventions: $f calls libc's allocator directly (use fps_malloc/fps_free, common/alloc.h):" >&2
+      echo "$hits" | sed 's/^/  /' >&2
+      bad=$((bad + 1))
+    fi
+  done < <(files "$dir" | grep -E '\.[ch]$')
+done
 
 # Tracker numbers, anywhere in the tree (this file's pattern excepted).
 tracker='issues? #?[0-9]'
