@@ -889,7 +889,22 @@ static void *fps__rsend_send_main(void *arg) {
       fps__rsend_run(s, call, term);
       pthread_mutex_lock(&s->mu);
     }
-    /* Over: the receiver lets go of the call, then it is freed. */
+    /* Over. If the standby ended the stream, the receiver reads its
+     * status first (a newer term's refusal must not turn into a local
+     * CANCELLED), within 0.5 s; then the call is cancelled, the receiver
+     * lets go of it, and it is freed. */
+    if (call && s->call == call) {
+      struct timespec until;
+      clock_gettime(CLOCK_MONOTONIC, &until);
+      until.tv_nsec += 500 * 1000000L;
+      if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+      }
+      while (!s->broken && s->recv_busy && s->want_term == term && !s->quit &&
+             pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
+      }
+    }
     if (call) grpc_call_cancel(call, NULL);
     while (s->call == call && call && s->recv_busy) pthread_cond_wait(&s->cv, &s->mu);
     bool was = s->call == call && call;
