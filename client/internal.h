@@ -119,7 +119,7 @@ grpc_connectivity_state fps__channel_state_locked(fps_client_t *c, int shard, in
  * allocated. */
 int fps__shard_conn_parse(fps__shard_conn_t *sc, size_t shard, const char *entry, fps_status_t *st);
 
-/* ---- status helpers (client.c) ---- */
+/* ---- status helpers (status.c), time (client.c) ---- */
 
 /* Fills `st` (may be NULL) and returns `code`. `shard` -1 for none. */
 int fps__status_set(fps_status_t *st, int code, int shard, const char *fmt, ...)
