@@ -162,6 +162,7 @@ class Pair:
 
     def start(self, i):
         """Starts replica i (again, after a kill: on its own address)."""
+        metrics = "127.0.0.1:0" if self.topo is None else None
         args = ["--shard-id", "0", "--shard-count", "1", "--mode", self.mode,
                 "--workers", str(self.workers), "--replica-peer", self.peer_addr[1 - i],
                 "--replica-advertise", self.worker_addr[i], "--lease", "file:" + self.lease,
@@ -171,7 +172,7 @@ class Pair:
             try:
                 sp = fpsproc.ShardProcess(args, listen=self.listen[i], prefix=self.prefix(i),
                                           dir=self.dir, name="replica%d" % i, timeout=20,
-                                          die_with_parent=True)
+                                          die_with_parent=True, metrics_listen=metrics)
                 break
             except fpsproc.ServerExited as e:
                 # The port of a process killed a moment ago may still be
@@ -191,6 +192,16 @@ class Pair:
         sp.proc.wait(30)
         self.procs[i] = None
         return t
+
+    def metric(self, i, name):
+        """Replica i's value of metric `name` (loopback only), or None."""
+        import re
+        import urllib.request
+        sp = self.procs[i]
+        text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % sp.metrics_port,
+                                      timeout=10).read().decode()
+        m = re.search(r"^%s(?:\{[^}]*\})? (\S+)$" % re.escape(name), text, re.M)
+        return float(m.group(1)) if m else None
 
     def log(self, i):
         try:
