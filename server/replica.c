@@ -5,8 +5,10 @@
  * A standby that may compete (fps_role_may_compete) blocks in the
  * lease's acquire; the flag it passes is raised whenever it may no longer
  * compete (a primary's hello arrived) or the process stops. Once it holds
- * the lease with a new term it is promoted and starts sending to its
- * peer (replica_send.c). A primary's thread checks every 10 ms that the
+ * the lease with a new term it reads the predecessor's sync record (an
+ * "alone" there makes this an unclean promotion: logged and counted),
+ * puts "alone" on record for its own term, is promoted and starts sending
+ * to its peer (replica_send.c). A primary's thread checks every 10 ms that the
  * lease is still valid (etcd: not past its expiry less a margin) and that
  * no higher term was seen; otherwise it steps down at once: from then on
  * it acknowledges nothing (fps_replica_may_ack is false before the

@@ -2,9 +2,12 @@
  *
  * What is shipped: each changed tensor's RESULT, not the gradient that
  * made it. After an update (or a Create, replace, resume) the tensor is
- * marked; the sender takes its image (fps_shard_image: parameters by
- * reference, optimizer state copied, under the tensor's lock) and sends
- * the bytes. So both replicas hold the same bits by construction (no
+ * marked; the sender takes the marked tensors' images together
+ * (fps_shard_images: parameters by reference, optimizer state copied, at
+ * one moment between pushes, with the keys of the async/ssp pushes they
+ * hold) and sends them as one batch that the standby installs at its
+ * commit message: a push is on the standby whole, with its key, or not
+ * at all. So both replicas hold the same bits by construction (no
  * second kernel run, no dependence on the kernel variant or thread
  * count), the standby spends a copy instead of an Adafactor step on the
  * same CPUs, and a step costs about the gradient's bytes (fp32 parameters
@@ -14,9 +17,15 @@
  *
  * Who waits: a call about to acknowledge registers a wait on the
  * generation it marked for each tensor (and its push's key); the reply
- * goes out when the standby acknowledged a message carrying images of at
- * least those generations. No poller thread blocks: the wait's callback
- * sends the reply from the receiver thread.
+ * goes out when the standby acknowledged the commit of a batch carrying
+ * images of at least those generations. No poller thread blocks: the
+ * wait's callback sends the reply from the receiver thread.
+ *
+ * Alone: without a joined standby the primary answers by itself, but only
+ * while its lease says "alone" (lease.h sync record): it writes that at
+ * promotion and again when a stream that was "in sync" ends, before it
+ * answers anything; "in sync" once a joined standby acknowledged the first
+ * batch taken after its join (which holds everything answered alone).
  *
  * Threads: the sender thread owns the call (connect, hello, transfer,
  * changes, heartbeats every 100 ms); the receiver thread reads the acks
