@@ -120,7 +120,7 @@ void *fps__unpack(const void *descriptor, const uint8_t *data, size_t len, int *
   void *m = protobuf_c_message_unpack(descriptor, &fps__pb_allocator, len, data);
   /* protobuf-c says only "no message": an allocation that failed left
    * ENOMEM behind (fps_malloc sets it), a malformed reply does not. */
-  if (!m) *code = errno == ENOMEM ? FPS_CODE_RESOURCE_EXHAUSTED : FPS_CODE_INTERNAL;
+  if (!m) *code = fps__code_from_err(errno == ENOMEM ? FPS_ENOMEM : FPS_EPROTO);
   return m;
 }
 
@@ -642,7 +642,7 @@ int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *
   if (!run || !engines) {
     fps_free(run);
     fps_free(engines);
-    return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory starting calls");
+    return fps__status_err(st, FPS_ENOMEM, -1, "out of memory starting calls");
   }
   memcpy(run, streams, n * sizeof *run);
   for (size_t i = 0; i < n; i++) {

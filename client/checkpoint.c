@@ -41,16 +41,16 @@ static void ckpt_reset(fps__stream_t *s) {
 static const fps__stream_ops_t ckpt_ops = {ckpt_next, ckpt_reply, ckpt_reset, NULL};
 
 int fps_client_checkpoint(fps_client_t *c, fps_checkpoint_info_t *out, size_t n, fps_status_t *status) {
-  if (!c) return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "client is NULL");
+  if (!c) return fps__status_err(status, FPS_EINVAL, -1, "client is NULL");
   if (out ? n != c->n_shards : n != 0)
-    return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
+    return fps__status_err(status, FPS_EINVAL, -1,
                            "out has %zu entries, the client has %zu shards (out NULL needs n 0)", n,
                            c->n_shards);
   ckpt_shard_t *sh = fps_calloc(c->n_shards, sizeof *sh);
   fps__stream_t **run = fps_calloc(c->n_shards, sizeof *run);
   int rc;
   if (!sh || !run) {
-    rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+    rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
     goto out;
   }
   for (size_t i = 0; i < c->n_shards; i++) {

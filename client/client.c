@@ -49,47 +49,47 @@ static char *dup_str(const char *s) {
 
 static int options_check(const fps_client_options_t *o, fps_status_t *st) {
   if (!(o->deadline_seconds > 0 && o->deadline_seconds <= 86400.0))
-    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+    return fps__status_err(st, FPS_EINVAL, -1,
                            "deadline_seconds must be in (0, 86400], not %g", o->deadline_seconds);
   if (o->max_retries < 0 || o->max_retries > 100)
-    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+    return fps__status_err(st, FPS_EINVAL, -1,
                            "max_retries must be in [0, 100], not %d", o->max_retries);
   if (!(o->backoff_initial_seconds >= 0 && o->backoff_initial_seconds <= 60.0))
-    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+    return fps__status_err(st, FPS_EINVAL, -1,
                            "backoff_initial_seconds must be in [0, 60], not %g",
                            o->backoff_initial_seconds);
   /* gRPC sizes messages with int. */
   if (o->max_message_bytes < FPS__MIN_MESSAGE_BYTES || o->max_message_bytes > (1u << 30))
-    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+    return fps__status_err(st, FPS_EINVAL, -1,
                            "max_message_bytes must be in [64 KiB, 1 GiB], not %llu",
                            (unsigned long long)o->max_message_bytes);
   if (o->wire_dtype != 0 && o->wire_dtype != FPS_WIRE_F32 && o->wire_dtype != FPS_WIRE_BF16)
-    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+    return fps__status_err(st, FPS_EINVAL, -1,
                            "wire_dtype must be FPS_WIRE_F32 (1) or FPS_WIRE_BF16 (2), not %d",
                            o->wire_dtype);
   /* Refuse half a configuration rather than silently talk plaintext (or
    * without a certificate) to a shard the caller wants authenticated. */
   if (!o->tls_cert_file != !o->tls_key_file)
-    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+    return fps__status_err(st, FPS_EINVAL, -1,
                            "tls_cert_file and tls_key_file must be given together");
   if ((o->tls_cert_file || o->tls_server_name) && !o->tls_ca_file)
-    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+    return fps__status_err(st, FPS_EINVAL, -1,
                            "%s needs tls_ca_file (the CA that signed the shards' certificates)",
                            o->tls_cert_file ? "tls_cert_file" : "tls_server_name");
   if (o->tls_server_name && !o->tls_server_name[0])
-    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "tls_server_name is empty");
+    return fps__status_err(st, FPS_EINVAL, -1, "tls_server_name is empty");
   if (o->auth_token) {
     /* Visible ASCII only: an HTTP/2 header value, and no space that would
      * make "Bearer <token>" ambiguous. The token itself is never echoed. */
     size_t n = strlen(o->auth_token);
     if (n == 0)
-      return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "auth_token is empty");
+      return fps__status_err(st, FPS_EINVAL, -1, "auth_token is empty");
     if (n > 4096)
-      return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+      return fps__status_err(st, FPS_EINVAL, -1,
                              "auth_token is longer than 4096 bytes");
     for (size_t i = 0; i < n; i++)
       if (o->auth_token[i] < 0x21 || o->auth_token[i] > 0x7e)
-        return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+        return fps__status_err(st, FPS_EINVAL, -1,
                                "auth_token may contain only visible ASCII characters (byte %zu "
                                "is not)",
                                i);
@@ -97,12 +97,12 @@ static int options_check(const fps_client_options_t *o, fps_status_t *st) {
   if (o->job_id) {
     size_t n = strlen(o->job_id);
     if (n == 0 || n > 64)
-      return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "job_id must be 1..64 bytes, not %zu", n);
+      return fps__status_err(st, FPS_EINVAL, -1, "job_id must be 1..64 bytes, not %zu", n);
     for (size_t i = 0; i < n; i++) {
       char ch = o->job_id[i];
       if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '.' ||
             ch == '_' || ch == ':' || ch == '-'))
-        return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1,
+        return fps__status_err(st, FPS_EINVAL, -1,
                                "job_id may contain only [A-Za-z0-9._:-] (byte %zu is not)", i);
     }
   }
@@ -117,11 +117,11 @@ static int read_pem(const char *path, const char *what, char **out, fps_status_t
   size_t n = 0;
   *out = NULL;
   if (!f)
-    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "%s '%s': %s", what, path,
+    return fps__status_err(st, FPS_EINVAL, -1, "%s '%s': %s", what, path,
                            strerror(errno));
   if (!(buf = fps_malloc(PEM_MAX + 1))) {
     fclose(f);
-    return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory reading %s", what);
+    return fps__status_err(st, FPS_ENOMEM, -1, "out of memory reading %s", what);
   }
   n = fread(buf, 1, PEM_MAX + 1, f);
   int bad = ferror(f);
@@ -134,7 +134,7 @@ static int read_pem(const char *path, const char *what, char **out, fps_status_t
                       : !strstr(buf, "-----BEGIN ") ? "not a PEM file" : NULL;
   if (why) {
     fps_free(buf);
-    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "%s '%s': %s", what, path, why);
+    return fps__status_err(st, FPS_EINVAL, -1, "%s '%s': %s", what, path, why);
   }
   *out = buf;
   return 0;
@@ -148,7 +148,7 @@ static int make_credentials(const fps_client_options_t *o, grpc_channel_credenti
   *out = NULL;
   if (!o->tls_ca_file) {
     *out = grpc_insecure_credentials_create();
-    return *out ? 0 : fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+    return *out ? 0 : fps__status_err(st, FPS_ENOMEM, -1, "out of memory");
   }
   if ((rc = read_pem(o->tls_ca_file, "tls_ca_file", &ca, st))) goto done;
   if (o->tls_cert_file && (rc = read_pem(o->tls_cert_file, "tls_cert_file", &cert, st))) goto done;
@@ -156,7 +156,7 @@ static int make_credentials(const fps_client_options_t *o, grpc_channel_credenti
   grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
   /* gRPC copies the PEM text. */
   *out = grpc_ssl_credentials_create(ca, cert ? &pair : NULL, NULL, NULL);
-  rc = *out ? 0 : fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, -1, "gRPC refused the TLS files");
+  rc = *out ? 0 : fps__status_err(st, FPS_EINVAL, -1, "gRPC refused the TLS files");
 done:
   fps_free(ca);
   fps_free(cert);
@@ -175,7 +175,7 @@ int fps__shard_conn_parse(fps__shard_conn_t *sc, size_t shard, const char *entry
   size_t parts = 1;
   for (const char *p = entry; *p; p++) parts += *p == '|';
   if (parts > FPS_CLIENT_MAX_REPLICAS)
-    return fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, (int)shard,
+    return fps__status_err(st, FPS_EINVAL, (int)shard,
                            "shard %zu: address '%s' lists %zu replicas; at most %d", shard, entry,
                            parts, FPS_CLIENT_MAX_REPLICAS);
   const char *p = entry;
@@ -184,16 +184,16 @@ int fps__shard_conn_parse(fps__shard_conn_t *sc, size_t shard, const char *entry
     size_t len = bar ? (size_t)(bar - p) : strlen(p);
     int rc = 0;
     if (len == 0) {
-      rc = fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, (int)shard,
+      rc = fps__status_err(st, FPS_EINVAL, (int)shard,
                            "shard %zu: address '%s' has an empty replica address (replica %zu)",
                            shard, entry, k);
     } else if (!(sc->r[k].addr = fps_strndup(p, len))) {
-      rc = fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, (int)shard, "out of memory");
+      rc = fps__status_err(st, FPS_ENOMEM, (int)shard, "out of memory");
     } else {
       /* The same process twice would make a failover go nowhere. */
       for (size_t j = 0; j < k && !rc; j++)
         if (!strcmp(sc->r[j].addr, sc->r[k].addr))
-          rc = fps__status_set(st, FPS_CODE_INVALID_ARGUMENT, (int)shard,
+          rc = fps__status_err(st, FPS_EINVAL, (int)shard,
                                "shard %zu: address '%s' lists replica '%s' twice", shard, entry,
                                sc->r[k].addr);
     }
@@ -229,13 +229,13 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
   else
     fps_client_options_init(&o);
   if (!addrs || n_shards == 0 || n_shards > 65536) {
-    fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
+    fps__status_err(status, FPS_EINVAL, -1,
                     "need 1..65536 shard addresses, got %zu", addrs ? n_shards : 0);
     return NULL;
   }
   for (size_t i = 0; i < n_shards; i++) {
     if (!addrs[i] || !addrs[i][0]) {
-      fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, (int)i, "shard %zu: empty address", i);
+      fps__status_err(status, FPS_EINVAL, (int)i, "shard %zu: empty address", i);
       return NULL;
     }
   }
@@ -317,7 +317,7 @@ fps_client_t *fps_client_create(const char *const *addrs, size_t n_shards,
       for (size_t k = 0; k < c->shards[i].n; k++) {
         fps__replica_t *r = &c->shards[i].r[k];
         if (!(r->channel = grpc_channel_create(r->addr, c->creds, &c->chan_ca))) {
-          fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, (int)i,
+          fps__status_err(status, FPS_EINVAL, (int)i,
                           "shard %zu: cannot create a channel to '%s'", i, r->addr);
           goto fail;
         }
@@ -330,7 +330,7 @@ nomem_lock:
   fps_free(c);
   c = NULL;
 nomem:
-  fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory creating the client");
+  fps__status_err(status, FPS_ENOMEM, -1, "out of memory creating the client");
 fail:
   if (c) {
     if (c->shards)

@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "error.h"
 #include "factorps/client.h"
 #include "wire_codec.h"
 
@@ -125,6 +126,11 @@ int fps__shard_conn_parse(fps__shard_conn_t *sc, size_t shard, const char *entry
 int fps__status_set(fps_status_t *st, int code, int shard, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 void fps__status_ok(fps_status_t *st);
+/* The library's own failure: fills `st` with the code of FPS_E* `err`
+ * (fps__code_from_err: the one translation) and returns that code. */
+int fps__status_err(fps_status_t *st, int err, int shard, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+int fps__code_from_err(int err);
 /* Seconds since an arbitrary fixed point (CLOCK_MONOTONIC). */
 double fps__now(void);
 /* The absolute deadline of a call starting now. */

@@ -276,10 +276,10 @@ int fps_client_placement_plan(const fps_tensor_def_t *defs, size_t n, size_t n_s
   int rc;
   if (n_blocks) *n_blocks = 0;
   if (n_shards == 0 || n_shards > FPS__SPLIT_MAX_SHARDS)
-    return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
+    return fps__status_err(status, FPS_EINVAL, -1,
                            "need 1..%d shards, got %zu", FPS__SPLIT_MAX_SHARDS, n_shards);
   if ((!defs && n) || (!blocks && cap))
-    return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "defs or blocks is NULL");
+    return fps__status_err(status, FPS_EINVAL, -1, "defs or blocks is NULL");
   t = fps_calloc(n ? n : 1, sizeof *t);
   first = fps_malloc((n + 1) * sizeof *first);
   names = fps_malloc((n ? n : 1) * sizeof *names);
@@ -288,7 +288,7 @@ int fps_client_placement_plan(const fps_tensor_def_t *defs, size_t n, size_t n_s
   for (size_t i = 0; i < n; i++) {
     const fps_tensor_def_t *d = &defs[i];
     if (!fps__name_valid(d->name)) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
+      rc = fps__status_err(status, FPS_EINVAL, -1,
                            "tensor %zu: name must be 1..%d bytes of UTF-8 without control "
                            "characters",
                            i, FPS_CLIENT_NAME_MAX);
@@ -296,7 +296,7 @@ int fps_client_placement_plan(const fps_tensor_def_t *defs, size_t n, size_t n_s
     }
     uint64_t numel = fps__shape_numel(d->ndim, d->shape, err, sizeof err);
     if (!numel) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': bad shape: %s",
+      rc = fps__status_err(status, FPS_EINVAL, -1, "tensor '%s': bad shape: %s",
                            d->name, err);
       goto fail;
     }
@@ -311,7 +311,7 @@ int fps_client_placement_plan(const fps_tensor_def_t *defs, size_t n, size_t n_s
   qsort(names, n, sizeof *names, by_name_ptr);
   for (size_t i = 1; i < n; i++)
     if (!strcmp(names[i - 1], names[i])) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s' is listed twice",
+      rc = fps__status_err(status, FPS_EINVAL, -1, "tensor '%s' is listed twice",
                            names[i]);
       goto fail;
     }
@@ -335,7 +335,7 @@ int fps_client_placement_plan(const fps_tensor_def_t *defs, size_t n, size_t n_s
   rc = 0;
   goto done;
 nomem:
-  rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+  rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
 fail:
   if (shard_bytes && rc) memset(shard_bytes, 0, n_shards * sizeof *shard_bytes);
 done:

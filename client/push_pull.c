@@ -285,7 +285,7 @@ static int pp_reply(fps__stream_t *s, const fps_wspan_t *spans, size_t n) {
   char err[128];
   fps__wire_sink_t sink = {on_slice, on_version, pc};
   int rc = fps__wire_parse_params(spans, n, &sink, err, sizeof err);
-  if (rc < 0) return fps__stream_fail(s, FPS_CODE_INTERNAL, "%s", err);
+  if (rc < 0) return fps__stream_fail(s, fps__code_from_err(rc), "%s", err);
   return rc;
 }
 
@@ -361,7 +361,7 @@ static int check_versions(fps_client_t *c, pp_job_t *job, pp_call_t *pc, size_t 
   const pp_item_t **first = fps_calloc(n ? n : 1, sizeof *first);
   int rc = 0;
   *torn = 0;
-  if (!first) return fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+  if (!first) return fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
   for (size_t s = 0; s < n_calls && !rc; s++)
     for (size_t i = 0; i < pc[s].n && !rc; i++) {
       const pp_item_t *it = &pc[s].items[i];
@@ -516,12 +516,12 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
   int rc, locked = 0;
 
   if (!c || (n && (!names || (is_push && !job->grads) || !job->params)))
-    return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "NULL argument");
+    return fps__status_err(status, FPS_EINVAL, -1, "NULL argument");
   job->dtype = is_push && c->opts.wire_dtype == FPS_WIRE_BF16 ? FPS_DTYPE_BF16 : FPS_DTYPE_F32;
   job->esz = fps_dtype_size(job->dtype);
   count = fps_calloc(c->n_shards, sizeof *count);
   if (!count) {
-    rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+    rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
     goto done;
   }
 
@@ -531,17 +531,17 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
   locked = 1;
   for (size_t i = 0; i < n; i++) {
     if (!names[i]) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "names[%zu] is NULL", i);
+      rc = fps__status_err(status, FPS_EINVAL, -1, "names[%zu] is NULL", i);
       goto done;
     }
     const fps__tensor_t *t = fps__tensor_list_find(&c->tensors, names[i]);
     if (!t) {
-      rc = fps__status_set(status, FPS_CODE_NOT_FOUND, -1,
+      rc = fps__status_err(status, FPS_ENOTFOUND, -1,
                            "tensor '%s' is not in this client's tensor list", names[i]);
       goto done;
     }
     if (is_push && !job->grads[i] && !(job->per && job->per[i].no_grad)) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': gradient is NULL",
+      rc = fps__status_err(status, FPS_EINVAL, -1, "tensor '%s': gradient is NULL",
                            names[i]);
       goto done;
     }
@@ -556,7 +556,7 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
   pc = fps_calloc(max_calls, sizeof *pc);
   streams = fps_calloc(max_calls, sizeof *streams);
   if (!items || !sorted || !by_name || !len || !pc || !streams) {
-    rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+    rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
     goto done;
   }
   /* One item per tensor, or per row block of a split one. */
@@ -574,14 +574,14 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
   {
     const fps__tensor_t **ts = fps_calloc(n ? n : 1, sizeof *ts);
     if (!ts) {
-      rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+      rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
       goto done;
     }
     for (size_t i = 0; i < n; i++) ts[i] = fps__tensor_list_find(&c->tensors, names[i]);
     qsort(ts, n, sizeof *ts, by_tensor);
     for (size_t i = 1; i < n; i++)
       if (ts[i - 1] == ts[i]) {
-        rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s' is named twice",
+        rc = fps__status_err(status, FPS_EINVAL, -1, "tensor '%s' is named twice",
                              ts[i]->name);
         fps_free(ts);
         goto done;
@@ -592,7 +592,7 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
   {
     size_t *start = fps_calloc(c->n_shards + 1, sizeof *start);
     if (!start) {
-      rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+      rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
       goto done;
     }
     for (size_t s = 0; s < c->n_shards; s++) start[s + 1] = start[s] + count[s];
@@ -636,7 +636,7 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
       x->plan = fps_calloc(x->n, sizeof *x->plan);
       x->slices = fps_calloc(2 * x->n + 1, sizeof *x->slices);
       if (!x->plan || !x->slices) {
-        rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+        rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
         goto done;
       }
     }
@@ -693,9 +693,9 @@ int fps_client_push_pull(fps_client_t *c, uint32_t worker_id, uint64_t step,
 int fps_client_push_pull_ex(fps_client_t *c, const fps_push_args_t *args, const char *const *names,
                             const float *const *grads, const fps_tensor_push_t *per, float *const *params,
                             uint64_t *versions, size_t n, fps_status_t *status) {
-  if (!args) return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "args is NULL");
+  if (!args) return fps__status_err(status, FPS_EINVAL, -1, "args is NULL");
   if (args->expect_mode < 0 || args->expect_mode > 3)
-    return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
+    return fps__status_err(status, FPS_EINVAL, -1,
                            "expect_mode %d is not a mode (0 any, 1 sync, 2 async, 3 ssp)", args->expect_mode);
   pp_job_t job = {.c = c, .grads = grads, .params = params, .versions = versions,
                   .worker_id = args->worker_id, .step = args->step, .num_workers = args->num_workers,

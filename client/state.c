@@ -256,7 +256,7 @@ static int assemble(fps_client_t *c, st_item_t *items, size_t n_items, const st_
 int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fps_tensor_state_t *info,
                          float *const *row, float *const *col, float *const *var, float *const *mom,
                          fps_status_t *status) {
-  if (!c || (n && !names)) return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "NULL argument");
+  if (!c || (n && !names)) return fps__status_err(status, FPS_EINVAL, -1, "NULL argument");
   st_job_t job = {{row, col, var, mom}};
   st_item_t *items = NULL;
   st_item_t **sorted = NULL;
@@ -265,7 +265,7 @@ int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fp
   size_t total = 0;
   int rc, locked = 0;
   if (!sh || !streams) {
-    rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+    rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
     goto done;
   }
   /* The read lock keeps the tensor list (and its names) alive. */
@@ -273,12 +273,12 @@ int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fp
   locked = 1;
   for (size_t i = 0; i < n; i++) {
     if (!names[i]) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "names[%zu] is NULL", i);
+      rc = fps__status_err(status, FPS_EINVAL, -1, "names[%zu] is NULL", i);
       goto done;
     }
     const fps__tensor_t *t = fps__tensor_list_find(&c->tensors, names[i]);
     if (!t) {
-      rc = fps__status_set(status, FPS_CODE_NOT_FOUND, -1, "tensor '%s' is not in this client's tensor list",
+      rc = fps__status_err(status, FPS_ENOTFOUND, -1, "tensor '%s' is not in this client's tensor list",
                            names[i]);
       goto done;
     }
@@ -287,7 +287,7 @@ int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fp
   items = fps_calloc(total ? total : 1, sizeof *items);
   sorted = fps_calloc(total ? total : 1, sizeof *sorted);
   if (!items || !sorted) {
-    rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+    rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
     goto done;
   }
   /* One item per tensor, or per row block of a split one, with the part of
@@ -310,7 +310,7 @@ int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fp
         it->dst[K_ROW] = lo;
         it->dst[K_COL] = it->mtx_lo * C;
         if (t->blocks && !(it->col = fps_malloc(it->max[K_COL] * 4))) {
-          rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+          rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
           goto done;
         }
       } else {
@@ -326,7 +326,7 @@ int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fp
   qsort(sorted, total, sizeof *sorted, by_name);
   for (size_t i = 1; i < total; i++)
     if (sorted[i - 1]->t == sorted[i]->t && sorted[i - 1]->block == sorted[i]->block) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s' is named twice",
+      rc = fps__status_err(status, FPS_EINVAL, -1, "tensor '%s' is named twice",
                            sorted[i]->t->name);
       goto done;
     }
@@ -335,7 +335,7 @@ int fps_client_get_state(fps_client_t *c, const char *const *names, size_t n, fp
   {
     st_item_t **by_shard = fps_calloc(total ? total : 1, sizeof *by_shard);
     if (!by_shard) {
-      rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+      rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
       goto done;
     }
     size_t start = 0;

@@ -66,7 +66,7 @@ static int stats_all(fps_client_t *c, int include_tensors, uint32_t log_limit,
   if (!sh || !run) {
     fps_free(sh);
     fps_free(run);
-    return fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+    return fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
   }
   for (size_t i = 0; i < c->n_shards; i++) {
     sh[i].s.shard = (int)i;
@@ -126,9 +126,9 @@ static const char *mode_name(int mode) {
 int fps_client_stats(fps_client_t *c, fps_shard_stats_t *out, size_t n, fps_status_t *status) {
   stats_shard_t *sh;
   if (!c || !out)
-    return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "client or out is NULL");
+    return fps__status_err(status, FPS_EINVAL, -1, "client or out is NULL");
   if (n != c->n_shards)
-    return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
+    return fps__status_err(status, FPS_EINVAL, -1,
                            "out has %zu entries, the client has %zu shards", n, c->n_shards);
   int rc = stats_all(c, 0, 0, &sh, status);
   if (rc) return rc;
@@ -230,13 +230,13 @@ int fps_client_tensor_stats(fps_client_t *c, const char *name, fps_tensor_stats_
                             fps_status_t *status) {
   stats_shard_t *sh;
   if (!c || !name || !out || (log_cap && !log))
-    return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "NULL argument");
+    return fps__status_err(status, FPS_EINVAL, -1, "NULL argument");
   if (log_cap > UINT32_MAX) log_cap = UINT32_MAX;
   /* Every shard is asked: Stats has no name filter, and asking all also
    * finds a tensor that sits on an unexpected shard. */
   int rc = stats_all(c, 1, (uint32_t)log_cap, &sh, status);
   if (rc) return rc;
-  rc = fps__status_set(status, FPS_CODE_NOT_FOUND, -1, "no shard holds tensor '%s'", name);
+  rc = fps__status_err(status, FPS_ENOTFOUND, -1, "no shard holds tensor '%s'", name);
   for (size_t i = 0; i < c->n_shards && rc; i++) {
     const Factorps__V1__StatsResponse *r = sh[i].resp;
     for (size_t j = 0; j < r->n_tensors; j++) {
@@ -304,7 +304,7 @@ static int disc_blocks(fps_client_t *c, const disc_t *r, size_t n, fps__tensor_t
                            r[0].shard, c->addrs[r[0].shard], name, (unsigned long long)m->bounds[0],
                            (unsigned long long)m->bounds[nb], (unsigned long long)rows);
   unsigned char *seen = fps_calloc(nb, 1);
-  if (!seen) return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+  if (!seen) return fps__status_err(st, FPS_ENOMEM, -1, "out of memory");
   int rc = 0;
   for (size_t i = 0; i < n && !rc; i++) {
     const Factorps__V1__SplitBlock *o = r[i].t->split;
@@ -341,7 +341,7 @@ static int disc_blocks(fps_client_t *c, const disc_t *r, size_t n, fps__tensor_t
   fps_free(seen);
   if (rc) return rc;
   if (!(x->blocks = fps_malloc(nb * sizeof *x->blocks)))
-    return fps__status_set(st, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+    return fps__status_err(st, FPS_ENOMEM, -1, "out of memory");
   for (size_t k = 0; k < nb; k++)
     x->blocks[k] = (fps__block_t){.shard = (int)m->block_shards[k], .row_lo = m->bounds[k],
                                   .row_hi = m->bounds[k + 1]};
@@ -356,13 +356,13 @@ int fps_client_discover(fps_client_t *c, size_t *n_found, fps_status_t *status) 
   disc_t *r = NULL;
   size_t total = 0;
   int rc;
-  if (!c) return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "client is NULL");
+  if (!c) return fps__status_err(status, FPS_EINVAL, -1, "client is NULL");
   if ((rc = stats_all(c, 1, 0, &sh, status))) return rc;
   for (size_t i = 0; i < c->n_shards; i++) total += sh[i].resp->n_tensors;
   list.t = fps_calloc(total ? total : 1, sizeof *list.t);
   r = fps_calloc(total ? total : 1, sizeof *r);
   if (!list.t || !r) {
-    rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+    rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
     goto fail;
   }
   size_t nr = 0;
@@ -398,7 +398,7 @@ int fps_client_discover(fps_client_t *c, size_t *n_found, fps_status_t *status) 
     x->shard = r[a].shard;
     x->n_blocks = 1;
     if (!(x->name = fps_strdup(t->name))) {
-      rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory");
+      rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory");
       goto fail;
     }
     list.n++;

@@ -353,7 +353,7 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
   int rc;
 
   if (!c || (!defs && n))
-    return fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "client or defs is NULL");
+    return fps__status_err(status, FPS_EINVAL, -1, "client or defs is NULL");
   numel = fps_calloc(n ? n : 1, sizeof *numel);
   job.cfg = fps_calloc(n ? n : 1, sizeof *job.cfg);
   list.t = fps_calloc(n ? n : 1, sizeof *list.t);
@@ -364,19 +364,20 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
   for (size_t i = 0; i < n; i++) {
     const fps_tensor_def_t *d = &defs[i];
     if (!fps__name_valid(d->name)) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1,
+      rc = fps__status_err(status, FPS_EINVAL, -1,
                            "tensor %zu: name must be 1..%d bytes of UTF-8 without control characters", i,
                            FPS_CLIENT_NAME_MAX);
       goto fail;
     }
     numel[i] = fps__shape_numel(d->ndim, d->shape, err, sizeof err);
     if (!numel[i]) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': bad shape: %s",
+      rc = fps__status_err(status, FPS_EINVAL, -1, "tensor '%s': bad shape: %s",
                            d->name, err);
       goto fail;
     }
-    if (fps__optim_to_wire(&d->optim, &job.cfg[i], err, sizeof err)) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': %s", d->name, err);
+    int bad = fps__optim_to_wire(&d->optim, &job.cfg[i], err, sizeof err);
+    if (bad < 0) {
+      rc = fps__status_err(status, bad, -1, "tensor '%s': %s", d->name, err);
       goto fail;
     }
     /* Resume and replace: which state arrays the tensor has, and what to send. */
@@ -398,14 +399,14 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
         else if (!d->step && def_data(d, g)) problem = "state needs a step > 0";
         else if (def_data(d, g) && !d->init) problem = "state needs init values too";
         if (problem) {
-          rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': %s: %s", d->name, kn[g],
+          rc = fps__status_err(status, FPS_EINVAL, -1, "tensor '%s': %s: %s", d->name, kn[g],
                                problem);
           goto fail;
         }
       }
     }
     if (d->replace && !d->init) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s': replace needs init values",
+      rc = fps__status_err(status, FPS_EINVAL, -1, "tensor '%s': replace needs init values",
                            d->name);
       goto fail;
     }
@@ -425,7 +426,7 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
   for (size_t i = 0; i < job.n_items; i++) {
     const create_item_t *it = &job.items[i];
     if (defs[it->def].replace && FPS__MESSAGE_OVERHEAD + item_bytes(&job, it) > job.budget) {
-      rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, it->shard,
+      rc = fps__status_err(status, FPS_EINVAL, it->shard,
                            "%s: a replace must travel in one message, and its %llu bytes pass "
                            "max_message_bytes (%llu); raise it (up to the shards' --max-message-bytes)",
                            item_label(&job, it, label, sizeof label),
@@ -460,7 +461,7 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
   }
   long dup = fps__tensor_list_sort(&list);
   if (dup >= 0) {
-    rc = fps__status_set(status, FPS_CODE_INVALID_ARGUMENT, -1, "tensor '%s' is listed twice",
+    rc = fps__status_err(status, FPS_EINVAL, -1, "tensor '%s' is listed twice",
                          list.t[dup].name);
     goto fail;
   }
@@ -505,7 +506,7 @@ int fps_client_create_tensors(fps_client_t *c, const fps_tensor_def_t *defs, siz
   goto done;
 
 nomem:
-  rc = fps__status_set(status, FPS_CODE_RESOURCE_EXHAUSTED, -1, "out of memory creating tensors");
+  rc = fps__status_err(status, FPS_ENOMEM, -1, "out of memory creating tensors");
 fail:
 done:
   if (sh)
