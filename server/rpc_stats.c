@@ -146,8 +146,10 @@ static void fps__stats_run(fps_stats_call_t *sc, const Factorps__V1__StatsReques
   sh.exchange_steps = v.xsteps;
   sh.exchange_failures = v.xfailures;
   sh.exchange_seconds_sum = v.xseconds_sum;
-  fps_role_view_t rv;
-  fps_role_get(fps_replica_role(srv->replica), &rv);
+  /* A server built without a replica (the allocation sweep, the fuzz
+   * targets) reports solo, as a process without --replica-peer does. */
+  fps_role_view_t rv = {.role = FPS_REPLICA_SOLO};
+  if (srv->replica) fps_role_get(fps_replica_role(srv->replica), &rv);
   sh.replica_role = (char *)fps_replica_role_name(rv.role);
   sh.term = rv.term;
   sh.replica_peer = srv->cfg.replica_peer;
