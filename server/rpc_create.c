@@ -65,6 +65,7 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
   }
   char job[FPS_CKPT_JOB_MAX + 1] = "";
   uint8_t *reply_buf = NULL;
+  fps_tensor_t **ts = NULL; /* the tensors the answer waits on (standby) */
   size_t reply_cap = 0;
   fps_create_item_t *items = fps_calloc(n ? n : 1, sizeof *items);
   fps_slice_t *inits = fps_calloc(n ? n : 1, sizeof *inits);
@@ -140,7 +141,9 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
    * its name plus at most 40 bytes of tags, lengths and varints. */
   reply_cap = 16 + FPS_CKPT_JOB_MAX + 4;
   for (size_t i = 0; i < n; i++) reply_cap += strlen(items[i].name) + 48;
-  if (!(reply_buf = fps_malloc(reply_cap))) {
+  /* The standby's wait list too: nothing may fail for memory once the
+   * shard has changed (the allocation sweep checks it). */
+  if (!(reply_buf = fps_malloc(reply_cap)) || !(ts = fps_malloc((n ? n : 1) * sizeof *ts))) {
     rc = FPS_ENOMEM;
     snprintf(why, sizeof why, "Create: out of memory for the reply");
     goto done;
@@ -176,12 +179,9 @@ done:
       reply_buf = NULL; /* the slice's now */
       /* With a joined standby, the answer waits until it has the
        * tensors this Create made or changed (replica.h). */
-      fps_tensor_t **ts = fps_malloc((n ? n : 1) * sizeof *ts);
-      for (size_t i = 0; ts && i < n; i++) ts[i] = out[i].t;
+      for (size_t i = 0; i < n; i++) ts[i] = out[i].t;
       cc->reply = bb;
-      int wr = ts ? fps_replica_ack_wait(srv->replica, ts, n, NULL, fps__create_acked, cc, why, sizeof why)
-                  : FPS_ENOMEM;
-      fps_free(ts);
+      int wr = fps_replica_ack_wait(srv->replica, ts, n, NULL, fps__create_acked, cc, why, sizeof why);
       if (wr == 0) {
         cc->reply = NULL;
         fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
@@ -195,6 +195,7 @@ done:
     fps_call_error(&cc->base, rc, "%s", why);
   }
   fps_free(reply_buf);
+  fps_free(ts);
   fps_free(items);
   fps_free(state_base);
   fps_free(maps);
