@@ -1241,7 +1241,11 @@ static void oom_sweep_stays_consistent(void **u) {
     }
     print_message("oom sweep (%s): %llu allocations, %u applied, %u failed\n", tiny ? "u2" : "stats",
                   (unsigned long long)calls, applied, failed);
-    assert_true(calls > 10 && failed >= calls - 2);
+    /* Most failures fail the step; one that hits a partial's send or
+     * receive may be retried within the deadline and the step applies on
+     * every block. Either is right: what the loop above checks is that
+     * the blocks never part. */
+    assert_true(calls > 10 && failed > calls / 2 && applied + failed == calls + 1);
   }
 }
 
