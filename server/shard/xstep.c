@@ -1224,7 +1224,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
     snprintf(why, wl, "Exchange of tensor '%s': out of memory keeping the partials", name);
     goto out;
   }
-  memcpy(wire, m->partials, m->len);
+  if (m->len) memcpy(wire, m->partials, m->len);
   fps_metrics_exchange_bytes(0, m->len);
   if (!x) {
     /* Before our own step of that version and attempt: kept until it

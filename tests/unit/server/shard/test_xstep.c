@@ -95,7 +95,7 @@ static int net_send(void *ctx, uint32_t to, const fps_xmsg_t *m, int64_t deadlin
   q->partials = malloc(m->len ? m->len : 1); /* a COMMIT carries nothing */
   assert_non_null(q->name);
   assert_non_null(q->partials);
-  memcpy(q->partials, m->partials, m->len);
+  if (m->len) memcpy(q->partials, m->partials, m->len); /* a COMMIT: len 0, partials NULL */
   q->m = *m;
   q->m.name = q->name;
   q->m.partials = q->partials;
