@@ -80,6 +80,27 @@ class Pair:
         shutil.rmtree(self.dir, True)
 
 
+def stop_process(proc):
+    """SIGSTOP, then wait (bounded) until every thread is stopped: the
+    signal returns before the stop takes hold, and a thread still running
+    on another CPU could acknowledge what the test sends next."""
+    import signal
+    proc.send_signal(signal.SIGSTOP)
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end:
+        states = []
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            try:
+                with open(f"/proc/{proc.pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {proc.pid} did not stop within 5 s")
+
+
 def checksums(srv):
     _, ts = H.stats(srv.stub)
     return {n: (t.version, t.checksum) for n, t in ts.items()}
@@ -202,7 +223,7 @@ class Replica(unittest.TestCase):
             pair.wait_role(a, "primary", joined=True)
             self.push(a.stub, 0, 0, self.grads(), 1)
             out = {}
-            b.proc.send_signal(signal.SIGSTOP)
+            stop_process(b.proc)
             try:
                 t = threading.Thread(target=lambda: out.update(r=self.push(a.stub, 0, 0, self.grads(), 2)),
                                      daemon=True)
@@ -292,7 +313,7 @@ class Replica(unittest.TestCase):
             self.push(a.stub, 0, 0, self.grads(), 1)
             with open(pair.lease) as f:
                 self.assertTrue(f.read().endswith(" in-sync\n"))
-            b.proc.send_signal(signal.SIGSTOP)
+            stop_process(b.proc)
             try:
                 # Answered once the primary dropped the stalled standby.
                 t0 = time.monotonic()
