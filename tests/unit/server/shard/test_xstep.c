@@ -56,7 +56,9 @@ typedef struct qmsg_s {
 static fps_shard_t core[MAXS];
 static uint32_t ncores;
 static uint32_t node_id[MAXS];
-static int link_mode[MAXS][MAXS];     /* [from][to] */
+/* [from][to]; atomic: the tests change links while the pump and the
+ * cores' threads read them. */
+static _Atomic int link_mode[MAXS][MAXS];
 static pthread_mutex_t qmu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t qcv = PTHREAD_COND_INITIALIZER;
 static qmsg_t *qhead, *qtail, *held;
@@ -195,7 +197,8 @@ static void cores_up(uint32_t n, uint32_t W) {
    * every core here: start it afresh for each scenario. */
   fps_metrics_config_t mc = {.shard_id = 0};
   assert_int_equal(fps_metrics_init(&mc), 0);
-  memset(link_mode, 0, sizeof link_mode);
+  for (int i = 0; i < MAXS; i++)
+    for (int j = 0; j < MAXS; j++) link_mode[i][j] = LINK_OK;
   memset(last_rc, 0, sizeof last_rc);
   sends_total = 0;
   for (uint32_t i = 0; i < n; i++) {
