@@ -821,6 +821,101 @@ void fps__reduce_free(fps_shard_t *sh, fps_tensor_t *t);
  * not a valid gradient (NaN, Inf or too large). */
 void fps__reduce_bad_value_why(char *why, size_t why_len, const char *name, uint64_t index, float v);
 
+/* ----------------------------------------------------- xmail.c */
+
+/* A kept Exchange (t->split->mail): early partials (done false), or one
+ * the step of `version` used (done: wire only, for identical retries). */
+typedef struct fps_xkept_s {
+  uint64_t version;
+  uint64_t attempt;
+  uint32_t block;
+  int phase;
+  bool done;
+  uint8_t *wire;
+  size_t len;
+  fps_split_partials_t dec;   /* !done */
+  struct fps_xkept_s *next;
+} fps_xkept_t;
+
+#define FPS_XMAIL_FAILED_MAX 4 /* failed attempts remembered per block */
+
+/* What a block keeps of the Exchange between its steps (t->split->mail,
+ * t->mu). Every function below REQUIRES t->mu of sp's block. */
+typedef struct fps_xmail_s {
+  fps_xkept_t *head;
+  /* Attempts of the step at failed_version that failed here, oldest
+   * first. */
+  uint64_t failed_version;
+  uint64_t failed[FPS_XMAIL_FAILED_MAX];
+  unsigned nfailed;
+  /* The last step applied here (version before it, attempt): a peer whose
+   * COMMIT's acknowledgement was lost retries it and is answered OK. */
+  bool applied;
+  uint64_t applied_version, applied_attempt;
+} fps_xmail_t;
+
+/* Frees sp->mail and everything kept (teardown). */
+void fps__xmail_free(fps_tensor_split_t *sp);
+/* Drops every kept partial and failed attempt: the block's version moved
+ * to an agreed one (xrecover.c), so none of it belongs to its history.
+ * No step may be in flight. */
+void fps__xmail_reset(fps_tensor_split_t *sp);
+/* Drops kept partials the block no longer needs at version v: early ones
+ * before v, and those of steps before v - 1. */
+void fps__xmail_prune(fps_tensor_split_t *sp, uint64_t v);
+/* The kept partials of (version v, block b, phase, attempt a) that are
+ * (done) or are not (early) a step's, NULL: none. */
+fps_xkept_t *fps__xmail_find(fps_tensor_split_t *sp, uint64_t v, uint32_t b, int phase, uint64_t a, bool done);
+/* How many early attempts of (v, b, phase) are kept. Kept partials are
+ * never evicted for newer ones: anyone who can call Exchange could then
+ * push a peer's real partials out with made-up attempts. A further
+ * attempt waits (UNAVAILABLE, which the sender's transport retries) until
+ * this shard's own step of it starts and takes it directly, or the version
+ * moves on and frees the room. Each block's shard has at most one step in
+ * flight, so a peer needs more attempts kept only after repeated failures. */
+unsigned fps__xmail_count(const fps_tensor_split_t *sp, uint64_t v, uint32_t b, int phase);
+/* True if attempt a of the step at version v failed here. */
+bool fps__xmail_failed(const fps_tensor_split_t *sp, uint64_t v, uint64_t a);
+/* Remembers (failed) or forgets attempt a of the step at version v. The
+ * list holds one version's attempts: another version clears it. REQUIRES
+ * sp->mail. */
+void fps__xmail_mark(fps_tensor_split_t *sp, uint64_t v, uint64_t a, bool failed);
+
+/* ------------------------------------------------- xrecover.c */
+
+/* Recovery of split tensors to one version (xrecover.c): anchors (a
+ * block's state on disk every --split-anchor-steps versions, the same
+ * versions on every shard) and the agreement on the newest version every
+ * block can be restored to. */
+typedef struct fps_xanchor_s fps_xanchor_t; /* an anchor to write */
+
+/* After a block's step applied (t->mu held): forgets the peers' versions
+ * (the blocks agree again) and, at an anchor version, copies the block
+ * (its parameters by reference) onto *list for fps__xrec_anchor_flush. */
+void fps__xrec_applied_locked(fps_shard_t *sh, fps_tensor_t *t, fps_xanchor_t **list);
+/* Writes the anchors of list (no core lock held) and frees them. */
+void fps__xrec_anchor_flush(fps_shard_t *sh, fps_xanchor_t *list);
+/* Sends t's versions to the other blocks' shards unless it did within
+ * the exchange deadline (no core lock held): a peer's block was met at
+ * another version, or a step failed. */
+void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t);
+/* A peer's VERSIONS (checked by fps_shard_exchange_receive; no lock held). */
+int fps__xrec_receive(fps_shard_t *sh, fps_tensor_t *t, const fps_xmsg_t *m, char *why, size_t why_len);
+/* The expiry hook's part: blocks whose agreed version waited for a round
+ * to end move to it now. */
+void fps__xrec_tick(fps_shard_t *sh);
+/* At restore (no lock held): t's anchors found on disk. (A new block's
+ * first anchor empties its directory: another life's anchors are not
+ * this one's.) */
+void fps__xrec_restored(fps_shard_t *sh, fps_tensor_t *t);
+/* Updates t's block undid by moving to agreed versions (Stats). REQUIRES t->mu. */
+uint64_t fps__xrec_lost_steps(const fps_tensor_t *t);
+/* Frees t->split->rec (teardown). */
+void fps__xrec_forget(fps_tensor_t *t);
+/* The hint appended to "ahead of shard" / "stale push" for a block that
+ * rolled to an agreed version. */
+void fps__xrec_hint(const fps_tensor_t *t, char *buf, size_t len);
+
 /* ----------------------------------------------------- xstep.c */
 
 typedef struct fps_xgroup_s fps_xgroup_t;
@@ -859,44 +954,6 @@ void fps__xstep_expire(fps_shard_t *sh, int64_t now, bool force, const char *rea
  * the shard's teardown: no step may be in flight. No-op for a whole
  * tensor. */
 void fps__xstep_forget(fps_tensor_t *t);
-/* Drops every kept partial and failed attempt of block t: its version
- * moved to an agreed one (xrecover.c). REQUIRES t->mu, no step in flight. */
-void fps__xstep_mail_reset(fps_tensor_t *t);
-
-/* ------------------------------------------------- xrecover.c */
-
-/* Recovery of split tensors to one version (xrecover.c): anchors (a
- * block's state on disk every --split-anchor-steps versions, the same
- * versions on every shard) and the agreement on the newest version every
- * block can be restored to. */
-typedef struct fps_xanchor_s fps_xanchor_t; /* an anchor to write */
-
-/* After a block's step applied (t->mu held): forgets the peers' versions
- * (the blocks agree again) and, at an anchor version, copies the block
- * (its parameters by reference) onto *list for fps__xrec_anchor_flush. */
-void fps__xrec_applied_locked(fps_shard_t *sh, fps_tensor_t *t, fps_xanchor_t **list);
-/* Writes the anchors of list (no core lock held) and frees them. */
-void fps__xrec_anchor_flush(fps_shard_t *sh, fps_xanchor_t *list);
-/* Sends t's versions to the other blocks' shards unless it did within
- * the exchange deadline (no core lock held): a peer's block was met at
- * another version, or a step failed. */
-void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t);
-/* A peer's VERSIONS (checked by fps_shard_exchange_receive; no lock held). */
-int fps__xrec_receive(fps_shard_t *sh, fps_tensor_t *t, const fps_xmsg_t *m, char *why, size_t why_len);
-/* The expiry hook's part: blocks whose agreed version waited for a round
- * to end move to it now. */
-void fps__xrec_tick(fps_shard_t *sh);
-/* At restore (no lock held): t's anchors found on disk. (A new block's
- * first anchor empties its directory: another life's anchors are not
- * this one's.) */
-void fps__xrec_restored(fps_shard_t *sh, fps_tensor_t *t);
-/* Updates t's block undid by moving to agreed versions (Stats). REQUIRES t->mu. */
-uint64_t fps__xrec_lost_steps(const fps_tensor_t *t);
-/* Frees t->split->rec (teardown). */
-void fps__xrec_forget(fps_tensor_t *t);
-/* The hint appended to "ahead of shard" / "stale push" for a block that
- * rolled to an agreed version. */
-void fps__xrec_hint(const fps_tensor_t *t, char *buf, size_t len);
 
 /* ------------------------------------------------------ sync.c */
 

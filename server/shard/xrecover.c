@@ -436,7 +436,7 @@ static void fps__xrec_move(fps_shard_t *sh, fps_tensor_t *t) {
   t->log_len = t->log_head = 0; /* its apply log was of the other history */
   fps__tbuf_drop_spare(sh, t);
   fps__pbuf_retire(sh, t, old);
-  fps__xstep_mail_reset(t);
+  fps__xmail_reset(sp);
   uint64_t lost = from > target ? from - target : 0;
   if (lost) fps__idem_forget_after(&sh->idem, target);
   r->recoveries++;

@@ -66,35 +66,7 @@ typedef struct fps_xpart_s {
   fps_split_partials_t dec;   /* decoded (owns its arrays) */
 } fps_xpart_t;
 
-/* A kept Exchange (t->split->mail): early partials (done false), or one
- * the step of `version` used (done: wire only, for identical retries). */
-typedef struct fps_xkept_s {
-  uint64_t version;
-  uint64_t attempt;
-  uint32_t block;
-  int phase;
-  bool done;
-  uint8_t *wire;
-  size_t len;
-  fps_split_partials_t dec;   /* !done */
-  struct fps_xkept_s *next;
-} fps_xkept_t;
-
-#define FAILED_MAX 4  /* failed attempts remembered per block */
 #define KEPT_ATTEMPTS 2 /* early attempts kept per (version, block, phase) */
-
-struct fps_xmail_s {
-  fps_xkept_t *head;
-  /* Attempts of the step at failed_version that failed here, oldest
-   * first. */
-  uint64_t failed_version;
-  uint64_t failed[FAILED_MAX];
-  unsigned nfailed;
-  /* The last step applied here (version before it, attempt): a peer whose
-   * COMMIT's acknowledgement was lost retries it and is answered OK. */
-  bool applied;
-  uint64_t applied_version, applied_attempt;
-};
 
 /* One block tensor's step in flight (t->split->xs; t->mu). */
 struct fps_xstep_s {
@@ -160,12 +132,6 @@ static void fps__xpart_clear(fps_xpart_t *p) {
   fps_free(p->wire);
   fps_split_partials_free(&p->dec);
   memset(p, 0, sizeof *p);
-}
-
-static void fps__xkept_free(fps_xkept_t *k) {
-  fps_free(k->wire);
-  if (!k->done) fps_split_partials_free(&k->dec);
-  fps_free(k);
 }
 
 static void fps__xstep_free(struct fps_xstep_s *x) {
@@ -272,41 +238,6 @@ static void fps__attempt_text(uint64_t a, char *buf, size_t len) {
   else snprintf(buf, len, "attempt 0x%016" PRIx64 " (a hash of its pushes' push_ids)", a);
 }
 
-/* True if attempt a of the step at version v failed here. REQUIRES t->mu. */
-static bool fps__attempt_failed(const fps_tensor_split_t *sp, uint64_t v, uint64_t a) {
-  const struct fps_xmail_s *ml = sp->mail;
-  if (!a || !ml || ml->failed_version != v) return false;
-  for (unsigned i = 0; i < ml->nfailed; i++)
-    if (ml->failed[i] == a) return true;
-  return false;
-}
-
-/* Remembers (failed) or forgets attempt a of the step at version v. The
- * list holds one version's attempts: another version clears it. REQUIRES
- * t->mu and sp->mail. */
-static void fps__attempt_mark(fps_tensor_split_t *sp, uint64_t v, uint64_t a, bool failed) {
-  struct fps_xmail_s *ml = sp->mail;
-  if (!a) return;
-  if (ml->failed_version != v) {
-    ml->failed_version = v;
-    ml->nfailed = 0;
-  }
-  unsigned i = 0;
-  while (i < ml->nfailed && ml->failed[i] != a) i++;
-  if (i < ml->nfailed) { /* known: forget it, or it stays failed */
-    if (failed) return;
-    memmove(&ml->failed[i], &ml->failed[i + 1], (ml->nfailed - i - 1) * sizeof ml->failed[0]);
-    ml->nfailed--;
-    return;
-  }
-  if (!failed) return;
-  if (ml->nfailed == FAILED_MAX) { /* full: the oldest goes */
-    memmove(&ml->failed[0], &ml->failed[1], (FAILED_MAX - 1) * sizeof ml->failed[0]);
-    ml->nfailed--;
-  }
-  ml->failed[ml->nfailed++] = a;
-}
-
 /* ------------------------------------------------------------ set-up */
 
 void fps__xstep_forget(fps_tensor_t *t) {
@@ -315,46 +246,13 @@ void fps__xstep_forget(fps_tensor_t *t) {
   fps__xrec_forget(t);
   fps__xstep_free(s->xs); /* not reached: no step is in flight at teardown */
   s->xs = NULL;
-  if (s->mail) {
-    for (fps_xkept_t *k = s->mail->head, *n; k; k = n) {
-      n = k->next;
-      fps__xkept_free(k);
-    }
-    fps_free(s->mail);
-    s->mail = NULL;
-  }
-}
-
-void fps__xstep_mail_reset(fps_tensor_t *t) {
-  fps_tensor_split_t *s = t->split;
-  if (!s || !s->mail) return;
-  for (fps_xkept_t *k = s->mail->head, *n; k; k = n) {
-    n = k->next;
-    fps__xkept_free(k);
-  }
-  memset(s->mail, 0, sizeof *s->mail);
+  fps__xmail_free(s);
 }
 
 bool fps__xstep_needed(const fps_tensor_t *set) {
   for (const fps_tensor_t *t = set; t; t = t->round.cnext)
     if (t->split && !t->round.none) return true;
   return false;
-}
-
-/* Drops kept partials the block no longer needs at version v: early ones
- * before v, and those of steps before v - 1. REQUIRES t->mu. */
-static void fps__mail_prune(fps_tensor_split_t *sp, uint64_t v) {
-  if (!sp->mail) return;
-  for (fps_xkept_t **pp = &sp->mail->head; *pp;) {
-    fps_xkept_t *k = *pp;
-    bool drop = k->done ? k->version + 1 < v : k->version < v;
-    if (drop) {
-      *pp = k->next;
-      fps__xkept_free(k);
-    } else {
-      pp = &k->next;
-    }
-  }
 }
 
 /* ------------------------------------------------------------- start */
@@ -449,7 +347,7 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps__set_sett
   for (size_t i = 0; i < g->n; i++) {
     struct fps_xstep_s *x = g->x[i];
     fps_tensor_split_t *sp = x->t->split;
-    fps__mail_prune(sp, x->version);
+    fps__xmail_prune(sp, x->version);
     if (!sp->mail && !(sp->mail = fps_calloc(1, sizeof *sp->mail))) goto oom;
     for (fps_xkept_t **pp = &sp->mail->head; *pp;) {
       fps_xkept_t *m = *pp;
@@ -479,7 +377,7 @@ int fps__xstep_start(fps_shard_t *sh, fps_tensor_t *set, size_t k, fps__set_sett
   g->unacked = nsend;
   /* A retry of an attempt that failed here: its partials are welcome again
    * (they are the same as the failed one's). */
-  for (size_t i = 0; i < g->n; i++) fps__attempt_mark(g->x[i]->t->split, g->x[i]->version, g->x[i]->attempt, false);
+  for (size_t i = 0; i < g->n; i++) fps__xmail_mark(g->x[i]->t->split, g->x[i]->version, g->x[i]->attempt, false);
   size_t r = 0;
   for (size_t i = 0; i < g->n; i++) {
     struct fps_xstep_s *x = g->x[i];
@@ -669,7 +567,7 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
       x->step = NULL;
       /* Its partials are refused from now on (the mail exists: the step
        * was started with it). */
-      fps__attempt_mark(sp, x->version, x->attempt, true);
+      fps__xmail_mark(sp, x->version, x->attempt, true);
       continue;
     }
     x->t->round.prep.split = x->step;
@@ -695,7 +593,7 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
       kp->next = sp->mail->head;
       sp->mail->head = kp;
     }
-    fps__mail_prune(sp, x->version + 1);
+    fps__xmail_prune(sp, x->version + 1);
   }
   for (fps_tensor_t *t = g->set; t; t = t->round.cnext) t->round.exchanging = false;
   char why[1024];
@@ -905,7 +803,7 @@ static void fps__xstep_abort_waiting(fps_shard_t *sh) {
         cap = nc;
       }
       ab[n++] = (fps_xabort_t){t, k->version, k->attempt, sp->block_shards[k->block], sp->block_index};
-      fps__attempt_mark(sp, k->version, k->attempt, true);
+      fps__xmail_mark(sp, k->version, k->attempt, true);
     }
     pthread_mutex_unlock(&t->mu);
   }
@@ -934,30 +832,6 @@ void fps_shard_drain_exchanges(fps_shard_t *sh, double max_seconds) {
 }
 
 /* ------------------------------------------------------------ receive */
-
-/* Finds `m`'s (version, block, phase, attempt) among t's kept partials. */
-static fps_xkept_t *fps__mail_find(fps_tensor_split_t *sp, uint64_t v, uint32_t b, int phase, uint64_t a,
-                                   bool done) {
-  if (!sp->mail) return NULL;
-  for (fps_xkept_t *k = sp->mail->head; k; k = k->next)
-    if (k->version == v && k->block == b && k->phase == phase && k->attempt == a && k->done == done) return k;
-  return NULL;
-}
-
-/* How many early attempts of (v, b, phase) are kept. Kept partials are
- * never evicted for newer ones: anyone who can call Exchange could then
- * push a peer's real partials out with made-up attempts. A further
- * attempt waits (UNAVAILABLE, which the sender's transport retries) until
- * this shard's own step of it starts and takes it directly, or the version
- * moves on and frees the room. Each block's shard has at most one step in
- * flight, so a peer needs more than KEPT_ATTEMPTS only after repeated
- * failures. REQUIRES t->mu. */
-static unsigned fps__mail_count(const fps_tensor_split_t *sp, uint64_t v, uint32_t b, int phase) {
-  unsigned n = 0;
-  for (const fps_xkept_t *k = sp->mail ? sp->mail->head : NULL; k; k = k->next)
-    if (!k->done && k->version == v && k->block == b && k->phase == phase) n++;
-  return n;
-}
 
 static bool fps__same(const uint8_t *a, size_t alen, const void *b, size_t blen) {
   return alen == blen && memcmp(a, b, alen) == 0;
@@ -1040,7 +914,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
     struct fps_xstep_s *ax =
         sp->xs && sp->xs->version == m->version && sp->xs->attempt == m->attempt ? sp->xs : NULL;
     if (!ax) {
-      if (sp->mail) fps__attempt_mark(sp, m->version, m->attempt, true);
+      if (sp->mail) fps__xmail_mark(sp, m->version, m->attempt, true);
       rc = 0;
       goto out;
     }
@@ -1098,7 +972,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
     /* A peer retrying partials of the step just finished here (our
      * acknowledgement was lost): the same bytes are answered OK. */
     fps_xkept_t *k =
-        m->version + 1 == v ? fps__mail_find(sp, m->version, m->block_index, m->phase, m->attempt, true) : NULL;
+        m->version + 1 == v ? fps__xmail_find(sp, m->version, m->block_index, m->phase, m->attempt, true) : NULL;
     if (k && fps__same(k->wire, k->len, m->partials, m->len)) {
       rc = 0;
       goto out;
@@ -1123,7 +997,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
   }
   char att[64];
   fps__attempt_text(m->attempt, att, sizeof att);
-  if (sp->n_blocks == 2 && fps__attempt_failed(sp, m->version, m->attempt)) {
+  if (sp->n_blocks == 2 && fps__xmail_failed(sp, m->version, m->attempt)) {
     /* Two blocks apply on "all partials here, ours acknowledged": not
      * acknowledged, so the sender's step of that attempt cannot apply
      * what this shard abandoned. UNAVAILABLE, so the sender retries until
@@ -1156,7 +1030,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
   }
   /* A retry of partials already here: OK if identical. */
   const fps_xpart_t *had = x ? &x->part[(size_t)(m->phase - 1) * x->nb + m->block_index] : NULL;
-  const fps_xkept_t *kept = x ? NULL : fps__mail_find(sp, m->version, m->block_index, m->phase, m->attempt, false);
+  const fps_xkept_t *kept = x ? NULL : fps__xmail_find(sp, m->version, m->block_index, m->phase, m->attempt, false);
   if ((had && had->wire) || kept) {
     bool same = had && had->wire ? fps__same(had->wire, had->len, m->partials, m->len)
                                  : fps__same(kept->wire, kept->len, m->partials, m->len);
@@ -1201,7 +1075,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
              name, m->from_shard, v);
     goto out;
   }
-  if (!x && fps__mail_count(sp, m->version, m->block_index, m->phase) >= KEPT_ATTEMPTS) {
+  if (!x && fps__xmail_count(sp, m->version, m->block_index, m->phase) >= KEPT_ATTEMPTS) {
     fps_split_partials_free(&dec);
     rc = FPS_EUNAVAILABLE;
     snprintf(why, wl,
