@@ -392,7 +392,7 @@ uint64_t fps_shard_state_checksum(fps_shard_t *sh) {
 /* ------------------------------------------------------ idempotency */
 
 bool fps_push_key_info(const fps_push_t *p, uint32_t *worker, uint64_t *id, uint64_t *tensors) {
-  if (!p->push_id || fps_push_replayed(p)) return false;
+  if (!p->push_id || p->replayed) return false;
   *worker = p->worker_id;
   *id = p->push_id;
   *tensors = fps__push_tensors_hash(p);
