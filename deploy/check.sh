@@ -9,7 +9,10 @@
 #   a grace period for the final checkpoint, sync worker counts in one place,
 #   a standby per shard (two definitions naming each other, one lease per
 #   shard, the workers listing both), the two replica sets kept off each
-#   other's nodes, and, with FACTORPS_SERVER set (ctest sets it), every flag
+#   other's nodes, mutual TLS on every front proxy with its replica's
+#   certificate, peers and workers dialling with theirs (files that
+#   make-tls.sh writes, and its Kubernetes Secrets the ones the manifests
+#   mount), and, with FACTORPS_SERVER set (ctest sets it), every flag
 #   and FACTORPS_* variable they use present in `factorps-server --help`.
 # Usage: [FACTORPS_SERVER=build/server/factorps-server] deploy/check.sh
 #   (exit 0: all good; 77: a tool is missing)
@@ -113,6 +116,36 @@ assert shards == ["factorps-shard-a-%d.factorps-shard:50051|factorps-shard-b-%d.
                   for i in range(n)], shards
 print("ok")
 PY
+echo "== make-tls.sh: the Secrets it prints are the ones the manifests mount"
+if command -v openssl >/dev/null; then
+  ./make-tls.sh --kubernetes "$tmp/tls" 2>/dev/null >"$tmp/tls-secrets.yaml"
+  "$py" - "$tmp/tls-secrets.yaml" <<'PY'
+import sys, yaml
+made = {d["metadata"]["name"]: set(d["data"]) for d in yaml.safe_load_all(open(sys.argv[1])) if d}
+assert not any("ca.key" in k or "admin" in k for keys in made.values() for k in keys), made
+for f in ("shard-statefulset.yaml", "worker-job.yaml"):
+    for doc in yaml.safe_load_all(open("kubernetes/" + f)):
+        spec = doc["spec"]["template"]["spec"]
+        vols = {v["name"]: v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
+        for c in spec["containers"]:
+            for m in c.get("volumeMounts", []):
+                name = vols.get(m["name"], "")
+                if not name.startswith("factorps-tls"):
+                    continue
+                assert name in made, "%s mounts Secret %s, which make-tls.sh does not make" % (f, name)
+                # Every file of the mount the container names is a key of it.
+                words = (c.get("command") or []) + [e.get("value", "") for e in c.get("env", [])]
+                for w in words:
+                    for p in str(w).replace("=", " ").split():
+                        if p.startswith(m["mountPath"] + "/"):
+                            key = p[len(m["mountPath"]) + 1:].replace("$(SHARD_INDEX)", "0").replace("$(REPLICA)", "b")
+                            assert key in made[name], "%s: %s is not a key of %s" % (f, p, name)
+print("ok:", ", ".join("%s (%d keys)" % (k, len(v)) for k, v in sorted(made.items())))
+PY
+else
+  echo "skipped: no openssl"
+fi
+
 echo "== shard definitions: checkpoints on persistent volumes, sync worker counts, standbys"
 if [[ -n ${FACTORPS_SERVER:-} ]]; then
   "$py" layouts.py check "$FACTORPS_SERVER"

@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import yaml
 
@@ -36,7 +37,8 @@ class Shard:
     secrets: {container path: secret name} of Kubernetes Secret mounts
     (also in mounts, not persistent); proxy: the argv of the front proxy
     beside it (compose: the service in its network namespace; Kubernetes:
-    the pod's container "proxy"), or None."""
+    the pod's container "proxy"), or None; proxy_mounts: {container path:
+    volume or Secret name} of the proxy; replica: "a" or "b"."""
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
@@ -138,6 +140,22 @@ def _seconds(s):
     return int(m.group(1) or 0) * 60 + float(m.group(2) or 0)
 
 
+def _compose_mounts(svc, named):
+    """{container path: (volume name, persistent)} of a compose service."""
+    mounts = {}
+    for v in svc.get("volumes") or []:
+        if isinstance(v, str):
+            src, _, rest = v.partition(":")
+            tgt = rest.split(":")[0]
+            v = {"type": "volume" if not src.startswith((".", "/")) else "bind",
+                 "source": src, "target": tgt}
+        # A named volume outlives the container; a bind mount is the
+        # host's business; anonymous volumes are not persistent.
+        persistent = v.get("type") == "volume" and v.get("source") in named
+        mounts[v["target"]] = (v.get("source"), persistent)
+    return mounts
+
+
 def compose_shards(environ=None):
     cfg = compose_config(environ)
     img = image()
@@ -159,24 +177,14 @@ def compose_shards(environ=None):
         if isinstance(e, list):
             e = dict(x.split("=", 1) for x in e)
         env.update({k: "" if v is None else str(v) for k, v in e.items()})
-        mounts = {}
-        for v in svc.get("volumes") or []:
-            if isinstance(v, str):
-                src, _, rest = v.partition(":")
-                tgt = rest.split(":")[0]
-                v = {"type": "volume" if not src.startswith((".", "/")) else "bind",
-                     "source": src, "target": tgt}
-            # A named volume outlives the container; a bind mount is the
-            # host's business; anonymous volumes are not persistent.
-            persistent = v.get("type") == "volume" and v.get("source") in named
-            mounts[v["target"]] = (v.get("source"), persistent)
+        mounts = _compose_mounts(svc, named)
         tmpfs = svc.get("tmpfs") or []
         tmpfs = [tmpfs] if isinstance(tmpfs, str) else list(tmpfs)
         user = img["user"]
         if svc.get("user"):
             uid, _, gid = str(svc["user"]).partition(":")
             user = (int(uid), int(gid or uid))
-        proxy = None
+        proxy, proxy_mounts = None, {}
         for other in cfg["services"].values():
             if other.get("network_mode") == "service:" + name:
                 pe = other.get("entrypoint") or []
@@ -184,9 +192,10 @@ def compose_shards(environ=None):
                 pc = other.get("command") or []
                 pc = shlex.split(pc) if isinstance(pc, str) else list(pc)
                 proxy = pe + pc
+                proxy_mounts = {k: v[0] for k, v in _compose_mounts(other, named).items()}
         shards.append(Shard(
             name=name, layout="compose", argv=list(entry) + list(cmd), env=env, mounts=mounts,
-            secrets={}, proxy=proxy,
+            secrets={}, proxy=proxy, proxy_mounts=proxy_mounts, replica=name[-1],
             read_only=bool(svc.get("read_only")), tmpfs=[t.split(":")[0] for t in tmpfs],
             user=user, fs_group=None, workdir=svc.get("working_dir", img["workdir"]),
             grace=_seconds(svc.get("stop_grace_period", "10s")), hostname=svc.get("hostname", name),
@@ -315,10 +324,25 @@ def _k8s_expand(s, env):
                   lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), s)
 
 
-def _field_ref(path, pod_name, namespace, index):
+def _field_ref(path, pod_name, namespace, index, labels):
     """The downward API values the shard pods use."""
-    return {"metadata.name": pod_name, "metadata.namespace": namespace,
-            "metadata.labels['apps.kubernetes.io/pod-index']": str(index)}[path]
+    refs = {"metadata.name": pod_name, "metadata.namespace": namespace,
+            "metadata.labels['apps.kubernetes.io/pod-index']": str(index)}
+    refs.update({"metadata.labels['%s']" % k: v for k, v in labels.items()})
+    return refs[path]
+
+
+def _container_env(c, base, pod_name, namespace, index, labels):
+    """A container's environment as the kubelet sets it: base, then its
+    env entries in order ($(VAR) expanded from those before)."""
+    env = dict(base)
+    for e in c.get("env") or []:
+        if "value" in e:
+            env[e["name"]] = _k8s_expand(str(e["value"]), env)
+        elif "fieldRef" in (e.get("valueFrom") or {}):
+            env[e["name"]] = _field_ref(e["valueFrom"]["fieldRef"]["fieldPath"], pod_name, namespace,
+                                        index, labels)
+    return env
 
 
 def shard_sets(docs):
@@ -342,14 +366,8 @@ def k8s_shards(docs):
         namespace = sts["metadata"].get("namespace", "default")
         for i in range(spec["replicas"]):
             hostname = "%s-%d" % (sts["metadata"]["name"], i)
-            env = dict(img["env"])
-            env["HOSTNAME"] = hostname
-            for e in c.get("env") or []:
-                if "value" in e:
-                    env[e["name"]] = _k8s_expand(str(e["value"]), env)
-                elif "fieldRef" in (e.get("valueFrom") or {}):
-                    env[e["name"]] = _field_ref(e["valueFrom"]["fieldRef"]["fieldPath"], hostname,
-                                                namespace, i)
+            labels = spec["template"]["metadata"].get("labels") or {}
+            env = _container_env(c, dict(img["env"], HOSTNAME=hostname), hostname, namespace, i, labels)
             argv = [_k8s_expand(a, env) for a in (c.get("command") or img["entrypoint"])]
             argv += [_k8s_expand(a, env) for a in c.get("args") or []]
             mounts, tmpfs, secrets = {}, [], {}
@@ -364,11 +382,18 @@ def k8s_shards(docs):
                 else:
                     mounts[m["mountPath"]] = (m["name"], False)
             px = next((x for x in pod["containers"] if x["name"] == "proxy"), None)
-            proxy = [_k8s_expand(a, env) for a in (px.get("command") or []) + (px.get("args") or [])] \
-                if px else None
+            proxy, proxy_mounts = None, {}
+            if px:
+                proxy_mounts = {m["mountPath"]: (vols[m["name"]].get("secret") or {}).get("secretName",
+                                                                                        m["name"])
+                                for m in px.get("volumeMounts") or [] if m["name"] in vols}
+                penv = _container_env(px, dict(img["env"], HOSTNAME=hostname), hostname, namespace, i,
+                                      labels)
+                proxy = [_k8s_expand(a, penv) for a in (px.get("command") or []) + (px.get("args") or [])]
             shards.append(Shard(
                 name=hostname, layout="statefulset", argv=argv, env=env, mounts=mounts,
-                secrets=secrets, proxy=proxy,
+                secrets=secrets, proxy=proxy, proxy_mounts=proxy_mounts,
+                replica=sts["metadata"]["name"][-1],
                 read_only=bool(csc.get("readOnlyRootFilesystem")), tmpfs=tmpfs, user=(uid, gid),
                 fs_group=psc.get("fsGroup"), workdir=c.get("workingDir", img["workdir"]),
                 grace=pod.get("terminationGracePeriodSeconds", 30), hostname=hostname,
@@ -492,6 +517,67 @@ def _worker_shards(cmd):
     return cmd[cmd.index("--shards") + 1]
 
 
+_made = {}
+
+
+def make_tls_files(shards):
+    """The file names deploy/make-tls.sh writes for `shards` shards (it is
+    run into a temporary directory, once per script text and count), or
+    None without openssl."""
+    if not shutil.which("openssl"):
+        return None
+    script = os.path.join(HERE, "make-tls.sh")
+    with open(script) as f:
+        key = (f.read(), shards)
+    if key not in _made:
+        tmp = tempfile.mkdtemp(prefix="fps-layouts-tls-")
+        try:
+            subprocess.run([script, "--shards", str(shards), tmp], check=True, capture_output=True,
+                           timeout=120)
+            _made[key] = set(os.listdir(tmp))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return _made[key]
+
+
+def check_tls(s, where, need, tls_files):
+    """Mutual TLS on the proxy with this replica's certificate, the shard
+    dialling its other replica with its shard's peer certificate, every
+    file on a mounted volume or Secret and among those make-tls.sh writes
+    (tls_files; None: not checked)."""
+    px = s.proxy or []
+
+    def mounted(path, mounts):
+        return any(path.startswith(mp.rstrip("/") + "/") for mp in mounts)
+
+    def made(path):
+        need(tls_files is None or os.path.basename(path) in tls_files,
+             "%s: %s is not a file deploy/make-tls.sh writes" % (where, path))
+    fronts = [a for a in px if a.startswith("--frontend=")]
+    need(fronts and not any("no-tls" in a for a in fronts),
+         "%s: the proxy's frontend is not TLS (%r)" % (where, fronts))
+    ca = [a.split("=", 1)[1] for a in px if a.startswith("--verify-client-cacert=")]
+    need("--verify-client" in px and len(ca) == 1 and mounted(ca[0], s.proxy_mounts),
+         "%s: the proxy does not require client certificates of a mounted CA (%r)" % (where, px))
+    want = "server-%d-%s" % (s.shard_id, s.replica)
+    files = px[-2:] if len(px) >= 2 else []
+    need([os.path.basename(f) for f in files] == [want + ".key", want + ".crt"]
+         and all(mounted(f, s.proxy_mounts) for f in files),
+         "%s: the proxy's key and certificate are not its replica's %s.key/.crt on a mounted "
+         "volume (%r)" % (where, want, files))
+    for f in ca + files:
+        made(f)
+    peer = {k: s.option("peer-tls-" + k) for k in ("ca", "cert", "key")}
+    need([os.path.basename(v or "") for v in peer.values()]
+         == ["ca.crt", "peer-%d.crt" % s.shard_id, "peer-%d.key" % s.shard_id]
+         and all(s.volume_of(v) for v in peer.values()),
+         "%s: the shard does not dial its other replica with the CA and its peer certificate "
+         "peer-%d on a mounted volume (%r)" % (where, s.shard_id, peer))
+    for v in peer.values():
+        if v:
+            made(v)
+
+
 def check(renderer=None, server_help=None):
     """Every assertion deploy/ promises; returns a list of failures."""
     bad = []
@@ -505,6 +591,7 @@ def check(renderer=None, server_help=None):
                                                     FACTORPS_WORKERS="3"))),
                ("kubernetes", k8s_shards(kustomize("kubernetes", renderer))),
                ("kubernetes-sync", k8s_shards(kustomize("kubernetes-sync", renderer)))]
+    tls_files = make_tls_files(max([int(s.option("shard-count") or 1) for _, x in layouts for s in x] + [1]))
     for layout, shards in layouts:
         need(shards, "%s: no shard definition found" % layout)
         for s in shards:
@@ -541,6 +628,7 @@ def check(renderer=None, server_help=None):
             need(bool(s.proxy) and os.path.basename(s.proxy[0]) == "nghttpx"
                  and "--backend=127.0.0.1,%s;;proto=h2" % port in s.proxy,
                  "%s: no nghttpx front proxy forwarding to its gRPC port (%r)" % (where, s.proxy))
+            check_tls(s, where, need, tls_files)
     check_replicas(layouts, need, server_help)
     # The workers list each shard's replicas (advertised addresses) in id order.
     for layout, shards, cmd in (
@@ -555,6 +643,13 @@ def check(renderer=None, server_help=None):
              % (layout, _worker_shards(cmd), want))
     for name in ("kubernetes", "kubernetes-sync"):
         check_anti_affinity(kustomize(name, renderer), name, need)
+    # The workers dial over TLS with the worker certificate.
+    for layout, cmd in (("compose", compose_config()["services"]["worker"]["command"]),
+                        ("kubernetes", worker_job(kustomize("kubernetes", renderer))[1]["command"]),
+                        ("kubernetes-sync", worker_job(kustomize("kubernetes-sync", renderer))[1]["command"])):
+        got = {f: cmd[cmd.index(f) + 1] if f in cmd else None for f in ("--tls-ca", "--tls-cert", "--tls-key")}
+        need([os.path.basename(v or "") for v in got.values()] == ["ca.crt", "worker.crt", "worker.key"],
+             "%s: the worker does not dial with the CA and the worker certificate (%r)" % (layout, got))
     # Compose sync: the same variable sets the shards' and the worker's count.
     cfg = compose_config(dict(os.environ, FACTORPS_MODE="sync", FACTORPS_WORKERS="3"))
     w = cfg["services"]["worker"]["command"]

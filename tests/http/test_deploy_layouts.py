@@ -19,7 +19,11 @@ own network namespace: the listen addresses (127.0.0.1:0 plus port files in
 a control directory), and the replica addresses: the other replica
 (FACTORPS_REPLICA_PEER, a loopback port), the advertised address (dropped:
 the listen address), and an etcd lease's endpoint (a real etcd the test
-starts on loopback; the key is kept). Without root or unshare the same
+starts on loopback; the key is kept). Not run: the front proxies, so the
+shards dial each other (and the workers the shards) directly, without the
+TLS the proxies terminate (FACTORPS_PEER_TLS_* and the workers' --tls-*
+are dropped); tests/security/test_deploy_tls.py runs a replica pair with
+its proxies and the material deploy/make-tls.sh issues. Without root or unshare the same
 argv and env run with the container paths mapped under a temporary
 directory (a file lease's path too).
 
@@ -188,6 +192,10 @@ class Container:
         for k, v in F.server_env().items():  # sanitizer options of the build under test
             if k.startswith(("ASAN_", "UBSAN_", "LSAN_", "TSAN_")):
                 env[k] = v
+        # No proxy runs here (see the top): the other replica is dialled as
+        # it listens, in plaintext.
+        for k in ("FACTORPS_PEER_TLS_CA", "FACTORPS_PEER_TLS_CERT", "FACTORPS_PEER_TLS_KEY"):
+            env.pop(k, None)
         for k, v in (replace or {}).items():
             if v is None:
                 env.pop(k, None)
@@ -534,6 +542,10 @@ class SyncOverlay(unittest.TestCase):
                 # The Secret's workers key, where the Job mounts it.
                 i = argv.index("--token-file") + 1
                 argv[i] = tokens.host(argv[i])
+                # The shards themselves, not their TLS proxies (see the top).
+                for flag in ("--tls-ca", "--tls-cert", "--tls-key"):
+                    i = argv.index(flag)
+                    del argv[i:i + 2]
                 self.assertEqual(argv[argv.index("--worker-id") + 1], str(index))
                 self.assertEqual(argv[argv.index("--workers") + 1], str(W))
                 procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -776,6 +788,28 @@ class LayoutsCheckCatches(unittest.TestCase):
     def test_no_proxy(self):
         p = self.broken("docker-compose.yml", "    network_mode: service:shard-1-b\n", "")
         self.assertCaught(p, "compose shard-1-b", "no nghttpx front proxy")
+
+    def test_plaintext_proxy(self):
+        p = self.broken("kubernetes/shard-statefulset.yaml", "--frontend=0.0.0.0,50051\n",
+                        "--frontend=0.0.0.0,50051;no-tls\n")
+        self.assertCaught(p, "kubernetes factorps-shard-b-1", "frontend is not TLS")
+
+    def test_proxy_without_client_certificates(self):
+        p = self.broken("docker-compose.yml", "    - --verify-client\n", "")
+        self.assertCaught(p, "compose shard-0-a", "does not require client certificates")
+
+    def test_proxy_with_another_replicas_certificate(self):
+        p = self.broken("docker-compose.yml", "server-1-b.crt", "server-1-a.crt")
+        self.assertCaught(p, "compose shard-1-b", "server-1-b.key/.crt")
+
+    def test_no_peer_certificate(self):
+        p = self.broken("kubernetes/shard-statefulset.yaml", "value: /var/lib/factorps-tls/peer-$(SHARD_INDEX).crt",
+                        "value: /var/lib/factorps-tls/peer-0.crt")
+        self.assertCaught(p, "kubernetes factorps-shard-a-1", "peer certificate peer-1")
+
+    def test_worker_without_tls(self):
+        p = self.broken("kubernetes-sync/worker-sync.yaml", "            - --tls-ca\n", "")
+        self.assertCaught(p, "kubernetes-sync: the worker does not dial with the CA")
 
     def test_no_budget(self):
         p = self.broken("kubernetes/kustomization.yaml", "  - pod-disruption-budget.yaml\n", "")
