@@ -33,6 +33,7 @@ struct fps_auth_s {
   char *cert_pem;             /* --tls-cert, NULL: plaintext */
   char *key_pem;              /* --tls-key */
   char *client_ca_pem;        /* --tls-client-ca, NULL: no client certificates */
+  bool cert_roles;            /* --tls-client-roles */
   fps_auth_token_t *token;    /* of every token file */
   size_t ntokens;             /* 0: no token check */
   size_t cap;                 /* token's capacity */
@@ -293,6 +294,12 @@ int fps_auth_create(const fps_config_t *cfg, fps_auth_t **out) {
                            "is TLS first)");
     goto fail;
   }
+  if (cfg->tls_client_roles && !ca) {
+    FPS_LOG(FPS_LOG_ERROR, "--tls-client-roles needs --tls-client-ca (roles come from the client "
+                           "certificates it verifies)");
+    goto fail;
+  }
+  a->cert_roles = cfg->tls_client_roles;
   if (cert && (rc = fps__auth_tls_load(a, cfg)) < 0) goto fail;
   /* The worker tokens keep every role no other file takes from them. */
   bool admins = *cfg->admin_token_file, peers = *cfg->exchange_token_file;
@@ -317,7 +324,8 @@ int fps_auth_create(const fps_config_t *cfg, fps_auth_t **out) {
     FPS_LOG(FPS_LOG_WARN, "--auth-token-file without --tls-cert: tokens travel in plaintext and "
              "anyone on the path can read and replay them");
   snprintf(a->describe, sizeof a->describe, "%s%s%s",
-           !cert ? "plaintext" : ca ? "mutual TLS" : "TLS", a->ntokens ? ", bearer tokens" : "",
+           !cert ? "plaintext" : a->cert_roles ? "mutual TLS, roles from certificates" : ca ? "mutual TLS" : "TLS",
+           a->ntokens ? ", bearer tokens" : "",
            !a->ntokens ? "" : admins && peers ? " (worker, admin, peer)" : admins ? " (worker, admin; workers are peers)"
                              : peers ? " (worker, peer; workers are admins)" : " (one role: every token may do everything)");
   *out = a;
@@ -426,9 +434,72 @@ int fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, fps_ident
   return FPS_EAUTH;
 }
 
+/* The roles one URI SAN names: urn:factorps:worker, urn:factorps:admin
+ * (which includes the worker's), urn:factorps:peer:<shard-id>; 0 for any
+ * other URI. */
+static unsigned fps__auth_uri_roles(const char *v, size_t n, int64_t *shard) {
+  static const char pre[] = "urn:factorps:";
+  size_t pl = sizeof pre - 1;
+  if (n <= pl || memcmp(v, pre, pl) != 0) return 0;
+  v += pl;
+  n -= pl;
+  if (n == 6 && memcmp(v, "worker", 6) == 0) return FPS_ROLE_WORKER;
+  if (n == 5 && memcmp(v, "admin", 5) == 0) return FPS_ROLE_WORKER | FPS_ROLE_ADMIN;
+  if (n < 6 || n > 5 + 10 || memcmp(v, "peer:", 5) != 0) return 0;
+  int64_t id = 0;
+  for (size_t i = 5; i < n; i++) {
+    if (v[i] < '0' || v[i] > '9') return 0;
+    id = id * 10 + (v[i] - '0');
+  }
+  if (id > UINT32_MAX) return 0;
+  *shard = id;
+  return FPS_ROLE_PEER;
+}
+
+int fps_auth_cert_limit(const fps_auth_t *a, grpc_call *call, fps_ident_t *id, char *why, size_t why_len) {
+  if (!a || !a->cert_roles) return 0;
+  grpc_auth_context *ctx = grpc_call_auth_context(call);
+  unsigned roles = 0;
+  int64_t shard = -1;
+  bool two_shards = false;
+  if (ctx) {
+    /* gRPC lists URI SANs under both names; either is enough. */
+    const char *names[] = {GRPC_PEER_URI_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME};
+    for (size_t k = 0; k < 2; k++) {
+      grpc_auth_property_iterator it = grpc_auth_context_find_properties_by_name(ctx, names[k]);
+      const grpc_auth_property *p;
+      while ((p = grpc_auth_property_iterator_next(&it))) {
+        int64_t s = -1;
+        unsigned r = fps__auth_uri_roles(p->value, p->value_length, &s);
+        if (s >= 0 && shard >= 0 && s != shard) two_shards = true;
+        if (s >= 0) shard = s;
+        roles |= r;
+      }
+    }
+    grpc_auth_context_release(ctx);
+  }
+  /* A certificate that speaks for two shards speaks for neither. */
+  if (two_shards) roles &= ~FPS_ROLE_PEER;
+  if (!roles) {
+    id->roles = 0;
+    snprintf(why, why_len, "the client certificate names no factorps role (a URI SAN "
+                           "urn:factorps:worker, urn:factorps:admin or urn:factorps:peer:<shard-id>)");
+    return FPS_EPERM;
+  }
+  /* The call keeps what both its token and its certificate grant. */
+  id->roles &= roles;
+  if (roles & FPS_ROLE_PEER) {
+    if (id->peer_shard >= 0 && id->peer_shard != shard) id->roles &= ~FPS_ROLE_PEER;
+    id->peer_shard = shard;
+  }
+  return 0;
+}
+
 void fps_auth_call_ident(const fps_call_t *c, fps_ident_t *id) {
   char why[256];
-  if (fps_auth_check(c->srv->auth, &c->md, id, why, sizeof why) < 0) id->roles = 0;
+  if (fps_auth_check(c->srv->auth, &c->md, id, why, sizeof why) < 0 ||
+      fps_auth_cert_limit(c->srv->auth, c->call, id, why, sizeof why) < 0)
+    id->roles = 0;
 }
 
 const char *fps_auth_role_name(unsigned role) {

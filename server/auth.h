@@ -96,6 +96,15 @@ grpc_server_credentials *fps_auth_server_credentials(const fps_auth_t *a);
 int fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, fps_ident_t *id, char *why,
                    size_t why_len);
 
+/* With --tls-client-roles: narrows *id (fps_auth_check's) to the roles
+ * the call's client certificate names in its URI SANs
+ * (urn:factorps:worker; urn:factorps:admin, which includes worker;
+ * urn:factorps:peer:<shard-id>, which also fixes the shard it speaks for:
+ * a peer token of another shard then loses the peer role). Returns 0
+ * (also without the flag), or FPS_EPERM with why for a certificate that
+ * names no role. Thread-safe. */
+int fps_auth_cert_limit(const fps_auth_t *a, grpc_call *call, fps_ident_t *id, char *why, size_t why_len);
+
 /* Whether id holds every role of `need` (FPS_ROLE_* bits): 0, or
  * FPS_EPERM (PERMISSION_DENIED) with why saying which role `what` needs. */
 int fps_auth_allow(const fps_ident_t *id, unsigned need, const char *what, char *why, size_t why_len);

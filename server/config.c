@@ -60,6 +60,9 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
     {"tls-key", CFG_STR, OFF(tls_key), "", 0, 0, "PEM private key of --tls-cert (unencrypted)"},
     {"tls-client-ca", CFG_STR, OFF(tls_client_ca), "", 0, 0,
      "PEM CA bundle: require client certificates signed by it (mutual TLS)"},
+    {"tls-client-roles", CFG_BOOL, OFF(tls_client_roles), "false", 0, 0,
+     "a call gets only the roles its client certificate names (URI SAN urn:factorps:worker, "
+     "urn:factorps:admin or urn:factorps:peer:<shard-id>; needs --tls-client-ca)"},
     {"auth-token-file", CFG_STR, OFF(auth_token_file), "", 0, 0,
      "file of the workers' bearer tokens, one a line: calls must send 'authorization: Bearer <token>'"},
     {"admin-token-file", CFG_STR, OFF(admin_token_file), "", 0, 0,

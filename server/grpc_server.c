@@ -95,6 +95,7 @@ static bool fps__call_admit(fps_server_t *srv, grpc_call *call, gpr_timespec dea
   char why[512];
   fps_ident_t id;
   int rc = fps_auth_check(srv->auth, md, &id, why, sizeof why);
+  if (rc == 0) rc = fps_auth_cert_limit(srv->auth, call, &id, why, sizeof why);
   if (rc == 0) rc = fps_auth_allow(&id, fps__method_role[method], name, why, sizeof why);
   /* A standby (or a primary stepping down) serves no worker call: the
    * client fails over to the other replica (replica.h). */

@@ -89,6 +89,7 @@ typedef struct fps_config_s {
   char *tls_cert;             /* PEM chain, "" = plaintext (auth.c) */
   char *tls_key;              /* PEM key of tls_cert */
   char *tls_client_ca;        /* PEM CA: client certificates required, "" = none */
+  int tls_client_roles;       /* 1: a client certificate's role URI limits its roles (auth.c) */
   char *auth_token_file;      /* workers' bearer tokens, one a line, "" = none */
   char *admin_token_file;     /* admins' tokens, "" = the workers' hold the role */
   char *exchange_token_file;  /* peers' "<shard-id>:<token>", "" = the workers' hold it */

@@ -234,6 +234,125 @@ class ShardTls(unittest.TestCase):
             shutil.rmtree(root, ignore_errors=True)
 
 
+@unittest.skipUnless(HAVE_OPENSSL and os.access(fpsproc.SERVER, os.X_OK), "openssl or FPS_SERVER missing")
+class CertificateRoles(unittest.TestCase):
+    """--tls-client-roles: the role URIs make-tls.sh writes into the client
+    certificates limit what a call may do, with or without tokens, and a
+    peer certificate speaks for its own shard only."""
+
+    def setUp(self):
+        self.pb, self.pbg, self.grpc = H.stubs()
+        self.root = tempfile.mkdtemp(prefix="fps-cert-roles-")
+        self.d = os.path.join(self.root, "tls")
+        make_tls(self.d, "--shards", "3")
+        # A certificate of the same CA that names no role.
+        key, crt = os.path.join(self.d, "norole.key"), os.path.join(self.d, "norole.crt")
+        subprocess.run(["openssl", "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-keyout", key, "-out", crt + ".csr", "-subj", "/CN=norole"],
+                       check=True, capture_output=True)
+        subprocess.run(["openssl", "x509", "-req", "-in", crt + ".csr", "-CA", os.path.join(self.d, "ca.crt"),
+                        "-CAkey", os.path.join(self.d, "ca-private", "ca.key"), "-set_serial", "7", "-days", "2",
+                        "-out", crt], check=True, capture_output=True)
+        self.channels = []
+
+    def tearDown(self):
+        for ch in self.channels:
+            ch.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def server(self, *extra):
+        return H.Server("--mode", "async", "--shard-id", 1, "--shard-count", 3, "--tls-client-roles", "true",
+                        "--checkpoint-dir", os.path.join(self.root, "ckpt"),
+                        "--tls-cert", os.path.join(self.d, "server-1-a.crt"),
+                        "--tls-key", os.path.join(self.d, "server-1-a.key"),
+                        "--tls-client-ca", os.path.join(self.d, "ca.crt"), *extra)
+
+    def calls(self, srv, client, token=None):
+        pb = self.pb
+        ch = channel(self.d, srv.addr, "shard-1-a", client, token)
+        self.channels.append(ch)
+        stub = self.pbg.ParameterServerStub(ch)
+        w = np.ones(12, np.float32)
+
+        def exchange(shard):
+            return lambda: stub.Exchange(pb.ExchangeRequest(name="w", from_shard=shard, shard_count=3,
+                                                            phase=pb.EXCHANGE_PHASE_STATS), timeout=10)
+        return {
+            "Create": lambda: H.create(stub, "w", [3, 4], w, shard_id=1, shard_count=3, timeout=10),
+            "PushPull": lambda: H.push(stub, 0, 1, {"w": ([3, 4], w)}, timeout=10),
+            "Stats": lambda: H.stats(stub, timeout=10),
+            "Checkpoint": lambda: stub.Checkpoint(pb.CheckpointRequest(), timeout=10),
+            "Exchange 0": exchange(0),
+            "Exchange 2": exchange(2),
+        }
+
+    def code(self, fn):
+        try:
+            fn()
+            return None
+        except self.grpc.RpcError as e:
+            return e.code().name
+
+    def expect(self, srv, client, want, token=None):
+        calls = self.calls(srv, client, token)
+        for method, code in want.items():
+            with self.subTest(client=client, token=bool(token), method=method):
+                got = self.code(calls[method])
+                # Past admission (an Exchange finds no block of 'w' here, a
+                # Checkpoint of an empty shard has nothing to write).
+                if code == "reaches the shard":
+                    self.assertNotIn(got, ("PERMISSION_DENIED", "UNAUTHENTICATED"))
+                else:
+                    self.assertEqual(got, code)
+
+    def test_roles_from_certificates_alone(self):
+        srv = self.server()
+        try:
+            D = "PERMISSION_DENIED"
+            self.expect(srv, "worker", {"Create": None, "PushPull": None, "Stats": None, "Checkpoint": D,
+                                        "Exchange 0": D})
+            self.expect(srv, "admin", {"Stats": None, "Checkpoint": None, "Exchange 0": D})
+            self.expect(srv, "peer-0", {"Stats": D, "PushPull": D, "Checkpoint": D, "Exchange 2": D,
+                                        "Exchange 0": "reaches the shard"})
+            self.expect(srv, "norole", {"Stats": D, "Exchange 0": D})
+        finally:
+            srv.stop()
+
+    def test_token_and_certificate_both_limit(self):
+        tok = write_tokens(os.path.join(self.root, "tokens"), 3)
+        t = os.path.join(self.root, "tokens")
+        # One token file: the worker token holds every role, the certificate limits it.
+        srv = self.server("--auth-token-file", os.path.join(t, "workers"))
+        try:
+            D = "PERMISSION_DENIED"
+            self.expect(srv, "worker", {"Stats": None, "Checkpoint": D}, token=tok["workers"])
+            self.expect(srv, "admin", {"Checkpoint": "reaches the shard"}, token=tok["workers"])
+            self.expect(srv, "peer-0", {"Exchange 0": "reaches the shard", "Exchange 2": D}, token=tok["workers"])
+            self.expect(srv, "admin", {"Stats": "UNAUTHENTICATED"})  # the certificate does not replace the token
+        finally:
+            srv.stop()
+        # Per-role tokens: an admin certificate with a worker token is a worker;
+        # shard 0's peer certificate with shard 2's peer token is no peer.
+        srv = self.server("--auth-token-file", os.path.join(t, "workers"), "--admin-token-file",
+                          os.path.join(t, "admins"), "--exchange-token-file", os.path.join(t, "peers"))
+        try:
+            with open(os.path.join(t, "peer-2")) as f:
+                peer2 = f.read().strip()
+            self.expect(srv, "admin", {"Checkpoint": "PERMISSION_DENIED"}, token=tok["workers"])
+            self.expect(srv, "admin", {"Checkpoint": "reaches the shard"}, token=tok["admins"])
+            self.expect(srv, "peer-0", {"Exchange 0": "PERMISSION_DENIED", "Exchange 2": "PERMISSION_DENIED"},
+                        token=peer2)
+            self.expect(srv, "peer-2", {"Exchange 2": "reaches the shard"}, token=peer2)
+        finally:
+            srv.stop()
+
+    def test_needs_client_ca(self):
+        with self.assertRaises(fpsproc.ServerExited) as cm:
+            H.Server("--tls-client-roles", "true", "--tls-cert", os.path.join(self.d, "server-1-a.crt"),
+                     "--tls-key", os.path.join(self.d, "server-1-a.key"))
+        self.assertIn("--tls-client-roles needs --tls-client-ca", cm.exception.err)
+
+
 def metrics(port):
     with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5) as r:
         return r.read().decode()
