@@ -707,15 +707,18 @@ class LayoutsCheckCatches(unittest.TestCase):
     lose a shard's state (no volume, a checkpoint directory off the volume,
     ...), in a copy of deploy/ with one thing broken."""
 
-    def broken(self, path, old, new, renderer="mini", count=-1):
+    def broken(self, path, old, new, renderer="mini", count=-1, more=()):
+        """layouts.check on a copy of deploy/ with `old` replaced by `new`
+        in `path` (and each (path, old, new) of `more`)."""
         tmp = tempfile.mkdtemp(prefix="fps-deploy-copy-")
         try:
             d = os.path.join(tmp, "deploy")
             shutil.copytree(os.path.join(REPO, "deploy"), d)
-            f = os.path.join(d, path)
-            text = F.read_text(f)
-            self.assertIn(old, text)
-            F.write_text(f, text.replace(old, new, count))
+            for path, old, new in [(path, old, new)] + list(more):
+                f = os.path.join(d, path)
+                text = F.read_text(f)
+                self.assertIn(old, text)
+                F.write_text(f, text.replace(old, new, count))
             saved = layouts.HERE
             layouts.HERE = d
             try:
@@ -789,26 +792,20 @@ class LayoutsCheckCatches(unittest.TestCase):
         p = self.broken("docker-compose.yml", "    network_mode: service:shard-1-b\n", "")
         self.assertCaught(p, "compose shard-1-b", "no nghttpx front proxy")
 
-    def test_plaintext_proxy(self):
+    def test_tls_taken_out(self):
+        # Five breakages in one copy (each check renders every layout).
         p = self.broken("kubernetes/shard-statefulset.yaml", "--frontend=0.0.0.0,50051\n",
-                        "--frontend=0.0.0.0,50051;no-tls\n")
-        self.assertCaught(p, "kubernetes factorps-shard-b-1", "frontend is not TLS")
-
-    def test_proxy_without_client_certificates(self):
-        p = self.broken("docker-compose.yml", "    - --verify-client\n", "")
+                        "--frontend=0.0.0.0,50051;no-tls\n", count=1,
+                        more=[("docker-compose.yml", "    - --verify-client\n", ""),
+                              ("docker-compose.yml", "server-1-b.crt", "server-1-a.crt"),
+                              ("kubernetes/shard-statefulset.yaml",
+                               "value: /var/lib/factorps-tls/peer-$(SHARD_INDEX).crt",
+                               "value: /var/lib/factorps-tls/peer-0.crt"),
+                              ("kubernetes-sync/worker-sync.yaml", "            - --tls-ca\n", "")])
+        self.assertCaught(p, "kubernetes factorps-shard-a-1", "frontend is not TLS")
         self.assertCaught(p, "compose shard-0-a", "does not require client certificates")
-
-    def test_proxy_with_another_replicas_certificate(self):
-        p = self.broken("docker-compose.yml", "server-1-b.crt", "server-1-a.crt")
         self.assertCaught(p, "compose shard-1-b", "server-1-b.key/.crt")
-
-    def test_no_peer_certificate(self):
-        p = self.broken("kubernetes/shard-statefulset.yaml", "value: /var/lib/factorps-tls/peer-$(SHARD_INDEX).crt",
-                        "value: /var/lib/factorps-tls/peer-0.crt")
         self.assertCaught(p, "kubernetes factorps-shard-a-1", "peer certificate peer-1")
-
-    def test_worker_without_tls(self):
-        p = self.broken("kubernetes-sync/worker-sync.yaml", "            - --tls-ca\n", "")
         self.assertCaught(p, "kubernetes-sync: the worker does not dial with the CA")
 
     def test_no_budget(self):
