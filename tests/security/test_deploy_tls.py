@@ -14,8 +14,13 @@ defines them (environment, nghttpx proxy argv, files; paths mapped into a
 temporary directory, ports onto loopback): each proxy serves mutual TLS
 with its replica's certificate, the replicas replicate to each other
 through the proxies with their peer certificate, and a worker with the
-worker certificate trains through the primary's; without a certificate
-the proxy refuses it, without a token the shard does. Loopback only."""
+worker certificate trains through the primary's (grpcio, and libfactorps
+through `factorps stats` with the compose worker's TLS arguments); without
+a certificate the proxy refuses it, without a token the shard does.
+
+CertificateRoles: --tls-client-roles, with the role URIs make-tls.sh
+writes: each certificate only its role's calls, with or without tokens,
+a peer certificate only for its own shard. Loopback only."""
 import base64
 import os
 import re
@@ -40,6 +45,7 @@ import fpsproc  # noqa: E402
 import fpsproxy  # noqa: E402
 
 MAKE_TLS = os.path.join(REPO, "deploy", "make-tls.sh")
+CLI = os.environ.get("FACTORPS_CLI", os.path.join(REPO, "build", "client", "factorps"))
 HAVE_OPENSSL = shutil.which("openssl") is not None
 
 
@@ -491,6 +497,19 @@ class ComposePair(unittest.TestCase):
             if time.time() > deadline:
                 self.fail("standby checksum %s:\n%s" % (sums, logs()))
             time.sleep(0.1)
+        # libfactorps through the proxy: the compose worker's TLS and token
+        # arguments, given to `factorps stats`.
+        if CLI and os.access(CLI, os.X_OK):
+            import layouts
+            cmd = layouts.compose_config()["services"]["worker"]["command"]
+            args = []
+            for flag in ("--tls-ca", "--tls-cert", "--tls-key", "--token-file"):
+                args += [flag, self.host(cmd[cmd.index(flag) + 1], None)]
+            r = subprocess.run([CLI, "stats", "--shards", addr, "--tls-server-name", name, "--json"] + args,
+                               capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn('"pushes": 5,', r.stdout)
+            self.assertIn('"standby_joined": true', r.stdout)
         # The proxy refuses a client without a certificate or of another CA;
         # behind it the shard still wants the token.
         other = os.path.join(self.root, "other")
