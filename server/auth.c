@@ -434,52 +434,35 @@ int fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, fps_ident
   return FPS_EAUTH;
 }
 
-/* The roles one URI SAN names: urn:factorps:worker, urn:factorps:admin
- * (which includes the worker's), urn:factorps:peer:<shard-id>; 0 for any
- * other URI. */
-static unsigned fps__auth_uri_roles(const char *v, size_t n, int64_t *shard) {
+void fps_auth_cert_roles_add(fps_cert_roles_t *cr, const char *v, size_t n) {
   static const char pre[] = "urn:factorps:";
   size_t pl = sizeof pre - 1;
-  if (n <= pl || memcmp(v, pre, pl) != 0) return 0;
+  if (n <= pl || memcmp(v, pre, pl) != 0) return;
   v += pl;
   n -= pl;
-  if (n == 6 && memcmp(v, "worker", 6) == 0) return FPS_ROLE_WORKER;
-  if (n == 5 && memcmp(v, "admin", 5) == 0) return FPS_ROLE_WORKER | FPS_ROLE_ADMIN;
-  if (n < 6 || n > 5 + 10 || memcmp(v, "peer:", 5) != 0) return 0;
+  if (n == 6 && memcmp(v, "worker", 6) == 0) {
+    cr->roles |= FPS_ROLE_WORKER;
+    return;
+  }
+  if (n == 5 && memcmp(v, "admin", 5) == 0) {
+    cr->roles |= FPS_ROLE_WORKER | FPS_ROLE_ADMIN;
+    return;
+  }
+  if (n < 6 || n > 5 + 10 || memcmp(v, "peer:", 5) != 0) return;
   int64_t id = 0;
   for (size_t i = 5; i < n; i++) {
-    if (v[i] < '0' || v[i] > '9') return 0;
+    if (v[i] < '0' || v[i] > '9') return;
     id = id * 10 + (v[i] - '0');
   }
-  if (id > UINT32_MAX) return 0;
-  *shard = id;
-  return FPS_ROLE_PEER;
+  if (id > UINT32_MAX) return;
+  /* A certificate that speaks for two shards speaks for neither. */
+  if (cr->roles & FPS_ROLE_PEER && cr->shard != id) cr->two_shards = true;
+  cr->roles |= FPS_ROLE_PEER;
+  cr->shard = id;
 }
 
-int fps_auth_cert_limit(const fps_auth_t *a, grpc_call *call, fps_ident_t *id, char *why, size_t why_len) {
-  if (!a || !a->cert_roles) return 0;
-  grpc_auth_context *ctx = grpc_call_auth_context(call);
-  unsigned roles = 0;
-  int64_t shard = -1;
-  bool two_shards = false;
-  if (ctx) {
-    /* gRPC lists URI SANs under both names; either is enough. */
-    const char *names[] = {GRPC_PEER_URI_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME};
-    for (size_t k = 0; k < 2; k++) {
-      grpc_auth_property_iterator it = grpc_auth_context_find_properties_by_name(ctx, names[k]);
-      const grpc_auth_property *p;
-      while ((p = grpc_auth_property_iterator_next(&it))) {
-        int64_t s = -1;
-        unsigned r = fps__auth_uri_roles(p->value, p->value_length, &s);
-        if (s >= 0 && shard >= 0 && s != shard) two_shards = true;
-        if (s >= 0) shard = s;
-        roles |= r;
-      }
-    }
-    grpc_auth_context_release(ctx);
-  }
-  /* A certificate that speaks for two shards speaks for neither. */
-  if (two_shards) roles &= ~FPS_ROLE_PEER;
+int fps_auth_cert_roles_apply(const fps_cert_roles_t *cr, fps_ident_t *id, char *why, size_t why_len) {
+  unsigned roles = cr->roles & ~(cr->two_shards ? FPS_ROLE_PEER : 0u);
   if (!roles) {
     id->roles = 0;
     snprintf(why, why_len, "the client certificate names no factorps role (a URI SAN "
@@ -489,10 +472,27 @@ int fps_auth_cert_limit(const fps_auth_t *a, grpc_call *call, fps_ident_t *id, c
   /* The call keeps what both its token and its certificate grant. */
   id->roles &= roles;
   if (roles & FPS_ROLE_PEER) {
-    if (id->peer_shard >= 0 && id->peer_shard != shard) id->roles &= ~FPS_ROLE_PEER;
-    id->peer_shard = shard;
+    if (id->peer_shard >= 0 && id->peer_shard != cr->shard) id->roles &= ~FPS_ROLE_PEER;
+    id->peer_shard = cr->shard;
   }
   return 0;
+}
+
+int fps_auth_cert_limit(const fps_auth_t *a, grpc_call *call, fps_ident_t *id, char *why, size_t why_len) {
+  if (!a || !a->cert_roles) return 0;
+  fps_cert_roles_t cr = {.roles = 0, .shard = -1, .two_shards = false};
+  grpc_auth_context *ctx = grpc_call_auth_context(call);
+  if (ctx) {
+    /* gRPC lists URI SANs under both names; the same URI twice is harmless. */
+    const char *names[] = {GRPC_PEER_URI_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME};
+    for (size_t k = 0; k < 2; k++) {
+      grpc_auth_property_iterator it = grpc_auth_context_find_properties_by_name(ctx, names[k]);
+      const grpc_auth_property *p;
+      while ((p = grpc_auth_property_iterator_next(&it))) fps_auth_cert_roles_add(&cr, p->value, p->value_length);
+    }
+    grpc_auth_context_release(ctx);
+  }
+  return fps_auth_cert_roles_apply(&cr, id, why, why_len);
 }
 
 void fps_auth_call_ident(const fps_call_t *c, fps_ident_t *id) {

@@ -19,6 +19,7 @@
 #ifndef FPS_SERVER_AUTH_H
 #define FPS_SERVER_AUTH_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include <grpc/grpc.h>
@@ -104,6 +105,16 @@ int fps_auth_check(const fps_auth_t *a, const grpc_metadata_array *md, fps_ident
  * (also without the flag), or FPS_EPERM with why for a certificate that
  * names no role. Thread-safe. */
 int fps_auth_cert_limit(const fps_auth_t *a, grpc_call *call, fps_ident_t *id, char *why, size_t why_len);
+/* Its two steps, for the tests: the roles a certificate's URI SANs name,
+ * gathered one SAN at a time (start from {0, -1, false}; other URIs are
+ * ignored), then applied to *id (0, or FPS_EPERM when none is named). */
+typedef struct fps_cert_roles_s {
+  unsigned roles;   /* FPS_ROLE_* bits named */
+  int64_t shard;    /* the peer URI's shard id, -1: none */
+  bool two_shards;  /* peer URIs of two shards: no peer role */
+} fps_cert_roles_t;
+void fps_auth_cert_roles_add(fps_cert_roles_t *cr, const char *v, size_t n);
+int fps_auth_cert_roles_apply(const fps_cert_roles_t *cr, fps_ident_t *id, char *why, size_t why_len);
 
 /* Whether id holds every role of `need` (FPS_ROLE_* bits): 0, or
  * FPS_EPERM (PERMISSION_DENIED) with why saying which role `what` needs. */

@@ -390,6 +390,68 @@ static void create_out_of_memory(void **state) {
   assert_true(failures >= 4);
 }
 
+/* --tls-client-roles: the URI SANs a certificate carries, narrowing what
+ * its token granted. */
+static fps_cert_roles_t uris(const char *const *v, size_t n) {
+  fps_cert_roles_t cr = {.roles = 0, .shard = -1, .two_shards = false};
+  for (size_t i = 0; i < n; i++) fps_auth_cert_roles_add(&cr, v[i], strlen(v[i]));
+  return cr;
+}
+
+static void roles_of_certificate_uris(void **state) {
+  (void)state;
+  char why[256];
+  fps_cert_roles_t cr = uris((const char *[]){"urn:factorps:worker"}, 1);
+  assert_int_equal(cr.roles, FPS_ROLE_WORKER);
+  cr = uris((const char *[]){"shard-0-a", "urn:factorps:admin"}, 2);
+  assert_int_equal(cr.roles, FPS_ROLE_WORKER | FPS_ROLE_ADMIN);
+  cr = uris((const char *[]){"urn:factorps:peer:12"}, 1);
+  assert_int_equal(cr.roles, FPS_ROLE_PEER);
+  assert_int_equal(cr.shard, 12);
+  /* Not roles: other spellings, no or bad shard ids, a larger id than a shard can have. */
+  const char *bad[] = {"urn:factorps:", "urn:factorps:workers", "urn:factorps:Worker", "URN:factorps:worker",
+                       "urn:factorps:peer:", "urn:factorps:peer:1x", "urn:factorps:peer:-1",
+                       "urn:factorps:peer:4294967296", "urn:factorps:peer:99999999999", "urn:other:worker",
+                       "factorps:worker"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    cr = uris(&bad[i], 1);
+    assert_int_equal(cr.roles, 0);
+  }
+  cr = uris((const char *[]){"urn:factorps:peer:4294967295"}, 1);
+  assert_int_equal(cr.shard, 4294967295);
+
+  /* Applied: the token's roles narrowed to the certificate's. */
+  fps_ident_t id = {.roles = FPS_ROLE_ALL, .peer_shard = -1};
+  cr = uris((const char *[]){"urn:factorps:worker"}, 1);
+  assert_int_equal(fps_auth_cert_roles_apply(&cr, &id, why, sizeof why), 0);
+  assert_int_equal(id.roles, FPS_ROLE_WORKER);
+  /* A peer certificate fixes the shard a one-token setup left open... */
+  id = (fps_ident_t){.roles = FPS_ROLE_ALL, .peer_shard = -1};
+  cr = uris((const char *[]){"urn:factorps:peer:3"}, 1);
+  assert_int_equal(fps_auth_cert_roles_apply(&cr, &id, why, sizeof why), 0);
+  assert_int_equal(id.roles, FPS_ROLE_PEER);
+  assert_int_equal(id.peer_shard, 3);
+  /* ...and a peer token of another shard loses the role. */
+  id = (fps_ident_t){.roles = FPS_ROLE_PEER, .peer_shard = 2};
+  assert_int_equal(fps_auth_cert_roles_apply(&cr, &id, why, sizeof why), 0);
+  assert_int_equal(id.roles, 0);
+  /* An admin certificate does not lift a worker token. */
+  id = (fps_ident_t){.roles = FPS_ROLE_WORKER, .peer_shard = -1};
+  cr = uris((const char *[]){"urn:factorps:admin"}, 1);
+  assert_int_equal(fps_auth_cert_roles_apply(&cr, &id, why, sizeof why), 0);
+  assert_int_equal(id.roles, FPS_ROLE_WORKER);
+  /* Two shards' peer URIs: no peer role; nothing named: refused. */
+  id = (fps_ident_t){.roles = FPS_ROLE_ALL, .peer_shard = -1};
+  cr = uris((const char *[]){"urn:factorps:peer:1", "urn:factorps:peer:1", "urn:factorps:peer:2"}, 3);
+  assert_true(cr.two_shards);
+  assert_int_equal(fps_auth_cert_roles_apply(&cr, &id, why, sizeof why), FPS_EPERM);
+  assert_int_equal(id.roles, 0);
+  assert_non_null(strstr(why, "names no factorps role"));
+  cr = uris((const char *[]){"urn:factorps:peer:1", "urn:factorps:peer:1", "urn:factorps:worker"}, 3);
+  assert_false(cr.two_shards);
+  assert_int_equal(cr.roles, FPS_ROLE_PEER | FPS_ROLE_WORKER);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(read_file_refusals),
@@ -399,6 +461,7 @@ int main(void) {
       cmocka_unit_test(check_tokens_on_calls),
       cmocka_unit_test(roles_of_tokens),
       cmocka_unit_test(create_out_of_memory),
+      cmocka_unit_test(roles_of_certificate_uris),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
