@@ -9,7 +9,10 @@
 #   (defaults: factorps, 2: the kustomization's namespace and replicas)
 # Admin calls from a machine with kubectl:
 #   kubectl -n factorps get secret factorps-tokens -o jsonpath='{.data.admins}' | base64 -d > admin.token
-#   factorps checkpoint --shards ... --token-file admin.token
+#   factorps checkpoint --shards ... --token-file admin.token \
+#     --tls-ca DIR/ca.crt --tls-cert DIR/admin.crt --tls-key DIR/admin.key
+# (DIR: where deploy/make-tls.sh wrote the job's TLS material; the proxies
+# admit only certificates of its CA.)
 set -euo pipefail
 ns=${1:-factorps}
 count=${2:-2}
