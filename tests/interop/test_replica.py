@@ -366,7 +366,13 @@ class Replica(unittest.TestCase):
             self.create_all(a.stub)
             pair.wait_role(b, "standby", joined=True)
             self.push(a.stub, 0, 0, self.grads(), 1)
+            # Acknowledged once the standby has the update; it installs it
+            # a moment later, so wait for the version before comparing.
+            deadline = time.monotonic() + 20
+            while any(v != 1 for v, _ in checksums(b).values()) and time.monotonic() < deadline:
+                time.sleep(0.05)
             before = checksums(b)
+            self.assertTrue(all(v == 1 for v, _ in before.values()), before)
             sb, _ = H.stats(b.stub)
             pb = self.pb
             hello = dict(shard_id=0, shard_count=1, term=sb.shard.term, mode=pb.MODE_ASYNC, workers=1,
