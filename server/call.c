@@ -179,7 +179,7 @@ void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec dead
                    fps_bb_flatten_why(rc));
   } else {
     char why[FPS_WHY_MAX];
-    rc = fps_wire_unpack(desc, buf, len, &req, why, sizeof why);
+    rc = fps_wire_unpack(desc, buf, len, srv->cfg.max_bytes, &req, why, sizeof why);
     if (rc < 0) fps_call_error(c, rc, "%s: %s", method, why);
   }
   /* protobuf-c copies bytes fields: the flat buffer is not needed after. */

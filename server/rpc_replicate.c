@@ -395,7 +395,8 @@ static void fps__rp_on_batch(fps_call_t *c, bool ok) {
     return;
   }
   ProtobufCMessage *msg = NULL;
-  rc = fps_wire_unpack(&factorps__v1__replicate_request__descriptor, flat, len, &msg, why, sizeof why);
+  rc = fps_wire_unpack(&factorps__v1__replicate_request__descriptor, flat, len, c->srv->cfg.max_bytes, &msg, why,
+                       sizeof why);
   fps_free(flat);
   if (rc < 0) {
     fps__rp_fail(rp, rc, why);

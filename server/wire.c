@@ -12,6 +12,7 @@
 #include "alloc.h"
 #include "name.h"
 #include "wire.h"
+#include "wire_cost.h"
 
 int fps_wire_hparams(const char *name, const Factorps__V1__AdafactorConfig *c, fps_adafactor_hparams_t *hp,
                      char *why, size_t why_len) {
@@ -275,11 +276,34 @@ static void *fps__wire_alloc_noting(void *data, size_t size) {
   return p;
 }
 
-int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, ProtobufCMessage **out,
-                    char *why, size_t wl) {
+/* Refuses (FPS_ELIMIT) a message whose decoded form would pass the bound
+ * of its received size or max_bytes; the count stops there, so a hostile
+ * request costs the walk of its first part only. */
+static int fps__wire_admit(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, size_t received,
+                           uint64_t max_bytes, char *why, size_t wl) {
+  uint64_t bound = fps_wire_decode_bound(received);
+  uint64_t limit = bound < max_bytes ? bound : max_bytes;
+  if (fps_wire_cost(desc, buf, len, limit) <= limit) return 0;
+  if (limit == bound)
+    snprintf(why, wl,
+             "decoding this %zu-byte %s would take more than the %" PRIu64
+             " bytes of memory allowed (%dx its size + %" PRIu64 " KiB): too many small entries",
+             received, desc->short_name, bound, FPS_WIRE_COST_RATIO, FPS_WIRE_COST_SLACK >> 10);
+  else
+    snprintf(why, wl, "decoding this %zu-byte %s would take more memory than --max-bytes (%" PRIu64 ")", received,
+             desc->short_name, max_bytes);
+  return FPS_ELIMIT;
+}
+
+int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, uint64_t max_bytes,
+                    ProtobufCMessage **out, char *why, size_t wl) {
   *out = NULL;
+  size_t received = len;
+  /* First, before anything else reads all of it. */
+  int code = max_bytes ? fps__wire_admit(desc, buf, len, received, max_bytes, why, wl) : 0;
+  if (code < 0) return code;
   bool repeats = false;
-  int code = fps__wire_walk(desc, buf, len, 0, &repeats, why, wl);
+  code = fps__wire_walk(desc, buf, len, 0, &repeats, why, wl);
   if (code < 0) return code;
   uint8_t *canon = NULL;
   if (repeats) {
@@ -292,6 +316,13 @@ int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, 
     }
     buf = canon;
     len = (size_t)m;
+    /* The count above was of the parts: protobuf-c will decode the
+     * merged bytes, which are counted again. */
+    code = max_bytes ? fps__wire_admit(desc, buf, len, received, max_bytes, why, wl) : 0;
+    if (code < 0) {
+      fps_free(canon);
+      return code;
+    }
   }
   bool oom = false;
   ProtobufCAllocator noting = {fps__wire_alloc_noting, fps__wire_free, &oom};

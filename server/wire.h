@@ -8,6 +8,7 @@
 #include "factorps/v1/factorps.pb-c.h"
 #include "server.h"
 #include "wire_codec.h"
+#include "wire_cost.h"
 
 /* AdafactorConfig -> hparams: defaults of the flavor, then the fields that
  * are present; a field the flavor lacks is FPS_EINVAL; then the kernel's
@@ -24,14 +25,26 @@ void fps_wire_slice_view(const Factorps__V1__TensorSlice *s, fps_slice_t *out);
  * *_free_unpacked of a request. */
 extern ProtobufCAllocator fps_wire_allocator;
 
-/* Unpacks a request: checks every string field on the wire first (names
- * with NUL or control characters: FPS_EINVAL naming the name), merges
- * repeated parts of singular message fields (valid protobuf that
- * protobuf-c 1.4.1 refuses when a oneof is absent), then unpacks. Returns
- * 0 with *out set (free with protobuf_c_message_free_unpacked and &fps_wire_allocator), FPS_EPROTO
- * ("malformed <Type> (N bytes)") or FPS_ENOMEM. */
-int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, ProtobufCMessage **out,
-                    char *why, size_t why_len);
+/* Unpacks a request. First, with max_bytes not 0, refuses a message whose
+ * decoded form (fps_wire_cost(), counted before anything else reads all of
+ * it) would exceed fps_wire_decode_bound(len) or max_bytes: FPS_ELIMIT,
+ * "decoding this N-byte <Type> would take more than the M bytes of memory
+ * allowed ..."; max_bytes 0 skips that bound (tests comparing decoders
+ * only). Then checks every string field on the wire (names with NUL or
+ * control characters: FPS_EINVAL naming the name), merges repeated parts
+ * of singular message fields (valid protobuf that protobuf-c 1.4.1
+ * refuses when a oneof is absent; the merged bytes are counted again),
+ * then unpacks. Returns 0 with *out set (free with
+ * protobuf_c_message_free_unpacked and &fps_wire_allocator), FPS_EPROTO
+ * ("malformed <Type> (N bytes)"), FPS_ELIMIT or FPS_ENOMEM. */
+int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, uint64_t max_bytes,
+                    ProtobufCMessage **out, char *why, size_t why_len);
+
+/* The most memory decoding a len-byte request may take:
+ * FPS_WIRE_COST_RATIO * len + FPS_WIRE_COST_SLACK (wire_cost.h). */
+static inline uint64_t fps_wire_decode_bound(size_t len) {
+  return (uint64_t)len * FPS_WIRE_COST_RATIO + FPS_WIRE_COST_SLACK;
+}
 
 /* The checks of fps_wire_unpack() on a message that stays in the buffers
  * it was received in (msg, a window over them), for the handlers that

@@ -76,7 +76,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
   char why_ref[FPS_WHY_MAX] = "", why[FPS_WHY_MAX] = "";
   ProtobufCMessage *ref = NULL;
-  int rc_ref = fps_wire_unpack(desc, msg, len, &ref, why_ref, sizeof why_ref);
+  int rc_ref = fps_wire_unpack(desc, msg, len, 0, &ref, why_ref, sizeof why_ref);
   bool repeats = false;
   int rc = fps_wire_check(desc, &r, &repeats, why, sizeof why);
   FZ_CHECK(!repeats); /* PushPullRequest has no singular message field */

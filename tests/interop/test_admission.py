@@ -11,13 +11,18 @@ without a token and streams a 16 MiB message into it within the windows
 the shard grants, stalling one byte short of the end. The documented
 bound: an unread stream holds at most gRPC's 64 KiB lookahead, so the
 shard's peak RSS may grow by less than 8 MiB (gRPC's and our per-call
-structures included), and every stream is answered UNAUTHENTICATED."""
+structures included), and every stream is answered UNAUTHENTICATED.
+
+A request that protobuf-c would decode into many times its size is
+refused before it is decoded (DecodeBound)."""
 import os
 import shutil
 import struct
 import tempfile
 import time
 import unittest
+
+import numpy as np
 
 import fpsharness as H
 from test_receive_window import DATA, END_HEADERS, FRAME, HEADERS, SETTINGS, Conn, frame, literal
@@ -89,6 +94,82 @@ class Unauthenticated(unittest.TestCase):
                 c.sock.close()
             srv.stop()
             shutil.rmtree(d, True)
+
+
+class DecodeBound(unittest.TestCase):
+    """A request is refused before it is decoded when decoding it would
+    take more than 16x its size + 64 KiB (or --max-bytes): protobuf-c's
+    unpack allocates per entry, so a 2 MiB Create of empty tensors took
+    about 200 MiB and a 2 MiB Pull of empty names about 100 MiB. Each is
+    sent as raw bytes with grpcio; the shard's peak RSS may grow by less
+    than DECODE_BOUND over its level before them, each call is refused
+    RESOURCE_EXHAUSTED naming the request type and both figures, and the
+    shard's tensors are unchanged. Normal Creates still pass: one of 4M
+    values in one message, and one of 20,000 tensors without values."""
+
+    SIZE = 2 << 20
+    DECODE_BOUND = 32 << 20
+
+    def call(self, srv, method, body):
+        ch = srv.channel()
+        try:
+            path = "/factorps.v1.ParameterServer/" + method
+            if method == "Pull":  # answered with a stream
+                return list(ch.unary_stream(path)(body, timeout=60))
+            return ch.unary_unary(path)(body, timeout=60)
+        finally:
+            ch.close()
+
+    def test_requests_that_would_decode_large_are_refused_first(self):
+        pb, _, grpc = H.stubs()
+        srv = H.Server("--mode", "async")
+        try:
+            w = np.arange(12, dtype=np.float32)
+            H.create(srv.stub, "w", [3, 4], init=w)
+            before, _ = H.stats(srv.stub)
+            rss0 = peak_rss(srv.proc.pid)
+            for method, what in [("Create", "CreateRequest"), ("Pull", "PullRequest")]:
+                body = b"\x0a\x00" * (self.SIZE // 2)  # empty TensorCreates; empty names
+                with self.assertRaises(grpc.RpcError) as e:
+                    self.call(srv, method, body)
+                grown = peak_rss(srv.proc.pid) - rss0
+                print("%s of %d bytes of empty entries: %s %r, shard peak RSS +%.1f MiB (bound %d MiB)" %
+                      (method, len(body), e.exception.code(), e.exception.details(), grown / 2 ** 20,
+                       self.DECODE_BOUND >> 20))
+                self.assertEqual(e.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED, e.exception.details())
+                self.assertIn("%s: decoding this %d-byte %s would take more than the %d bytes of memory allowed "
+                              "(16x its size + 64 KiB)" % (method, len(body), what, len(body) * 16 + (64 << 10)),
+                              e.exception.details())
+                self.assertLess(grown, self.DECODE_BOUND, "peak RSS grew %.1f MiB" % (grown / 2 ** 20))
+            after, tensors = H.stats(srv.stub)
+            self.assertEqual(list(tensors), ["w"])
+            self.assertEqual(tensors["w"].version, 0)
+            got, _ = H.pull(srv.stub, {"w": [3, 4]})
+            np.testing.assert_array_equal(got["w"].reshape(-1), w)
+
+            # Normal Creates: 4M values in one 16 MiB message, then 20,000
+            # tensors without values in one message.
+            big = np.random.default_rng(1).standard_normal(1 << 22, dtype=np.float32)
+            rss1 = peak_rss(srv.proc.pid)
+            r = H.create(srv.stub, "big", [2048, 2048], init=big, slice_elems=big.size)
+            self.assertTrue(r.tensors[0].ready)
+            grown = peak_rss(srv.proc.pid) - rss1
+            print("Create of one [2048, 2048] tensor with its values (%.1f MiB message): shard peak RSS "
+                  "+%.1f MiB" % (big.nbytes / 2 ** 20, grown / 2 ** 20))
+            opt = H.optimizer(lr=1e-3, weight_decay=0.01)
+            req = pb.CreateRequest(shard_count=1, tensors=[
+                pb.TensorCreate(name="model.layers.%d.mlp.up_proj.weight" % i, shape=[4, 8], optimizer=opt)
+                for i in range(20000)])
+            rss2 = peak_rss(srv.proc.pid)
+            r = srv.stub.Create(req, timeout=120)
+            self.assertEqual(len(r.tensors), 20000)
+            grown = peak_rss(srv.proc.pid) - rss2
+            print("Create of 20,000 tensors [4, 8] without values (%.2f MiB message): shard peak RSS +%.1f MiB" %
+                  (req.ByteSize() / 2 ** 20, grown / 2 ** 20))
+            _, tensors = H.stats(srv.stub)
+            self.assertEqual(len(tensors), 20002)
+        finally:
+            srv.stop()
 
 
 class Settings(Conn):

@@ -58,7 +58,7 @@ static void unpack_round_trips_a_create(void **state) {
   uint8_t *b = create_request("layer.0/w", &len);
   ProtobufCMessage *m = NULL;
   char why[256] = "";
-  assert_int_equal(fps_wire_unpack(CREATE_DESC, b, len, &m, why, sizeof why), 0);
+  assert_int_equal(fps_wire_unpack(CREATE_DESC, b, len, 0, &m, why, sizeof why), 0);
   Factorps__V1__CreateRequest *r = (Factorps__V1__CreateRequest *)m;
   assert_int_equal(r->shard_id, 1);
   assert_int_equal(r->shard_count, 3);
@@ -83,7 +83,7 @@ static void unpack_refuses_truncations_as_malformed(void **state) {
     memcpy(c, b, n);
     ProtobufCMessage *m = (ProtobufCMessage *)1;
     char why[256] = "";
-    int rc = fps_wire_unpack(CREATE_DESC, c, n, &m, why, sizeof why);
+    int rc = fps_wire_unpack(CREATE_DESC, c, n, 0, &m, why, sizeof why);
     if (rc == 0) {
       protobuf_c_message_free_unpacked(m, &fps_wire_allocator);
     } else {
@@ -120,7 +120,7 @@ static void unpack_refuses_a_name_with_nul_or_control(void **state) {
     b[1] = (uint8_t)(b[1] - (6 - bad_len[k]));
     ProtobufCMessage *m = NULL;
     char why[256] = "";
-    assert_int_equal(fps_wire_unpack(CREATE_DESC, b, nlen, &m, why, sizeof why), FPS_EINVAL);
+    assert_int_equal(fps_wire_unpack(CREATE_DESC, b, nlen, 0, &m, why, sizeof why), FPS_EINVAL);
     assert_null(m);
     assert_true(strlen(why) > 0);
     free(b);
@@ -158,7 +158,7 @@ static void unpack_merges_a_repeated_singular_field(void **state) {
   m += n;
   ProtobufCMessage *out = NULL;
   char why[256] = "";
-  assert_int_equal(fps_wire_unpack(CREATE_DESC, req, m, &out, why, sizeof why), 0);
+  assert_int_equal(fps_wire_unpack(CREATE_DESC, req, m, 0, &out, why, sizeof why), 0);
   Factorps__V1__CreateRequest *r = (Factorps__V1__CreateRequest *)out;
   assert_int_equal(r->n_tensors, 1);
   Factorps__V1__AdafactorConfig *o = r->tensors[0]->optimizer;
@@ -167,6 +167,48 @@ static void unpack_merges_a_repeated_singular_field(void **state) {
   assert_int_equal(o->has_lr_case, FACTORPS__V1__ADAFACTOR_CONFIG__HAS_LR_LR);
   assert_true(o->lr == 0.25);
   protobuf_c_message_free_unpacked(out, &fps_wire_allocator);
+}
+
+/* A request whose decoded form would outgrow its bound is refused before
+ * anything of it is decoded (no allocation at all), naming the type and
+ * both figures; a normal one passes, unless --max-bytes is smaller. */
+static void unpack_refuses_what_would_decode_too_large(void **state) {
+  (void)state;
+  size_t n = 32768, len = 2 * n;
+  uint8_t *b = malloc(len);
+  assert_non_null(b);
+  for (size_t i = 0; i < n; i++) {
+    b[2 * i] = 0x0a; /* an empty TensorCreate */
+    b[2 * i + 1] = 0x00;
+  }
+  ProtobufCMessage *m = NULL;
+  char why[512] = "";
+  fps_alloc_fault_arm(0, 0); /* counts allocations, fails none */
+  int rc = fps_wire_unpack(CREATE_DESC, b, len, UINT64_MAX, &m, why, sizeof why);
+  uint64_t calls = fps_alloc_calls();
+  fps_alloc_fault_disarm();
+  assert_int_equal(rc, FPS_ELIMIT);
+  assert_null(m);
+  assert_int_equal(calls, 0);
+  char want[256];
+  snprintf(want, sizeof want,
+           "decoding this %zu-byte CreateRequest would take more than the %llu bytes of memory allowed (16x its "
+           "size + 64 KiB)",
+           len, (unsigned long long)fps_wire_decode_bound(len));
+  assert_non_null(strstr(why, want));
+  /* Unbounded (max_bytes 0): decoded as before. */
+  assert_int_equal(fps_wire_unpack(CREATE_DESC, b, len, 0, &m, why, sizeof why), 0);
+  protobuf_c_message_free_unpacked(m, &fps_wire_allocator);
+  free(b);
+  /* A normal Create passes, and is refused by a --max-bytes below its cost. */
+  b = create_request("layer.0/w", &len);
+  assert_int_equal(fps_wire_unpack(CREATE_DESC, b, len, UINT64_MAX, &m, why, sizeof why), 0);
+  protobuf_c_message_free_unpacked(m, &fps_wire_allocator);
+  m = NULL;
+  assert_int_equal(fps_wire_unpack(CREATE_DESC, b, len, 100, &m, why, sizeof why), FPS_ELIMIT);
+  assert_null(m);
+  assert_non_null(strstr(why, "would take more memory than --max-bytes (100)"));
+  free(b);
 }
 
 static void unpack_reports_out_of_memory(void **state) {
@@ -180,7 +222,7 @@ static void unpack_reports_out_of_memory(void **state) {
     ProtobufCMessage *m = NULL;
     char why[256] = "";
     fps_alloc_fault_arm(nth, 0);
-    int rc = fps_wire_unpack(CREATE_DESC, b, len, &m, why, sizeof why);
+    int rc = fps_wire_unpack(CREATE_DESC, b, len, 0, &m, why, sizeof why);
     uint64_t failed = fps_alloc_failures();
     fps_alloc_fault_disarm();
     if (rc == 0) {
@@ -458,6 +500,7 @@ int main(void) {
       cmocka_unit_test(unpack_refuses_truncations_as_malformed),
       cmocka_unit_test(unpack_refuses_a_name_with_nul_or_control),
       cmocka_unit_test(unpack_merges_a_repeated_singular_field),
+      cmocka_unit_test(unpack_refuses_what_would_decode_too_large),
       cmocka_unit_test(unpack_reports_out_of_memory),
       cmocka_unit_test(hparams_defaults_fields_and_refusals),
       cmocka_unit_test(slice_view_points_into_the_message),
