@@ -16,7 +16,9 @@ over loopback:
   peer       a peer token (shard 1's) doing what it may not: PushPull,
              Create, the 1,000-name Pull, Exchange as shard 0
   rules      a worker token breaking the rules: a Create of __metadata__,
-             the 1,000-name Pull, a push as worker 7 of 2
+             the 1,000-name Pull, a push as worker 7 of 2, a 512 KiB Create
+             of empty tensors and a 512 KiB Pull of empty names (which
+             protobuf-c would decode into 100x and 52x their size)
   otherjob   a worker token of another job (its own job_id): a Create of
              the job's tensor w and of a tensor of its own
   slowhdr    256 connections with header blocks that never end
@@ -150,7 +152,20 @@ def attack(kind, addr, tokens, metrics_port, stop):
     def push(s, worker):
         return lambda: s.PushPull(H.grad_messages(worker, 0, g), timeout=10)
 
+    def raw(token, method, body):
+        """A call of `method` with body as its message, bytes as they are."""
+        ch = grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 64 << 20)])
+        path = "/factorps.v1.ParameterServer/" + method
+        mc = ch.unary_stream(path) if method == "Pull" else ch.unary_unary(path)
+        return lambda: mc(body, timeout=10, metadata=[("authorization", "Bearer " + token)])
+
+    # 512 KiB of empty TensorCreates, or of empty names: 50 MiB and 26 MiB
+    # decoded, beyond RSS_BOUND, at a quarter of the CPU of 2 MiB.
+    tiny = b"\x0a\x00" * (1 << 18)
+
     if kind in ("unauth", "worker", "peer", "rules", "otherjob"):
+        if kind == "rules":
+            tiny_create, tiny_pull = raw(tok("workers"), "Create", tiny), raw(tok("workers"), "Pull", tiny)
         s = stub({"unauth": None, "worker": tok("workers"), "peer": tok("peers"), "rules": tok("workers"),
                   "otherjob": tok("workers")}[kind])
         calls = {
@@ -168,7 +183,9 @@ def attack(kind, addr, tokens, metrics_port, stop):
                              ("exchange as shard 0", lambda: s.Exchange(exch, timeout=10))],
             "rules": lambda: [("create __metadata__", lambda: s.Create(meta, timeout=10)),
                               ("pull x1000", lambda: s.Pull(pull1000, timeout=10)),
-                              ("push as worker 7", push(s, 7))],
+                              ("push as worker 7", push(s, 7)),
+                              ("create of 512 KiB of empty tensors", tiny_create),
+                              ("pull of 512 KiB of empty names", tiny_pull)],
             "otherjob": lambda: [("create w", lambda: s.Create(other_w, timeout=10)),
                                  ("create other", lambda: s.Create(other_t, timeout=10))],
         }[kind]
@@ -251,6 +268,11 @@ EXPECTED = {
     "peer": {"PERMISSION_DENIED"},
     "rules": {"INVALID_ARGUMENT", "FAILED_PRECONDITION"},
     "otherjob": {"FAILED_PRECONDITION"},
+}
+# Calls refused for their size before they are decoded, not for their content.
+EXPECTED_CALLS = {
+    "create of 512 KiB of empty tensors": {"RESOURCE_EXHAUSTED"},
+    "pull of 512 KiB of empty names": {"RESOURCE_EXHAUSTED"},
 }
 
 
@@ -402,7 +424,8 @@ class Hostile(unittest.TestCase):
             for kind, allowed in EXPECTED.items():
                 for what, codes in r["attacks"][kind].items():
                     self.assertTrue(codes, (kind, what))
-                    self.assertLessEqual(set(codes), allowed, "%s %s: %s\n%s" % (kind, what, codes, text))
+                    self.assertLessEqual(set(codes), EXPECTED_CALLS.get(what, allowed),
+                                         "%s %s: %s\n%s" % (kind, what, codes, text))
             self.assertEqual(set(r["attacks"]["http"]["probes behind 200 idle connections"]), {"200"}, text)
             self.assertLess(r["rss1"] - max(q["rss1"] for q in quiet), RSS_BOUND, text)
         print("push p99 hostile / undisturbed per trial: %s" %
