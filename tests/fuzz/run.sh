@@ -25,9 +25,15 @@ while (($#)); do
   case "$1" in
     --ci) ci=1; shift ;;
     -j) jobs=$2; shift 2 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) break ;;
   esac
 done
+# Arguments are checked before the (long) clang build.
+if ((!ci)) && { (($# < 1)) || ! [[ $1 =~ ^[0-9]+$ ]]; }; then
+  sed -n '2,15p' "$0" >&2
+  exit 2
+fi
 
 export CC=${CC:-clang}
 if ! command -v "$CC" >/dev/null; then
@@ -46,10 +52,6 @@ if ((ci)); then
   exec ctest --test-dir "$build" -L fuzz --output-on-failure -j "$(nproc)"
 fi
 
-if (($# < 1)) || ! [[ $1 =~ ^[0-9]+$ ]]; then
-  sed -n '2,15p' "$0" >&2
-  exit 2
-fi
 seconds=$1
 shift
 targets=("$@")
