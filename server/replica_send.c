@@ -4,8 +4,8 @@
  * made it. After an update (or a Create, replace, resume) the tensor is
  * marked; the sender takes the marked tensors' images together
  * (fps_shard_images: parameters by reference, optimizer state copied, at
- * one moment between pushes, with the keys of the async/ssp pushes they
- * hold) and sends them as one batch that the standby installs at its
+ * one moment between pushes, with the keys of the pushes they hold,
+ * every member of a sync round at once) and sends them as one batch that the standby installs at its
  * commit message: a push is on the standby whole, with its key, or not
  * at all. So both replicas hold the same bits by construction (no
  * second kernel run, no dependence on the kernel variant or thread
@@ -543,7 +543,7 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
   if (!ok) return;
 
   /* The transfer. Marks made from here on are sent after it, and the
-   * keys of async/ssp pushes applied from here on with their images. */
+   * keys of pushes applied from here on with their images. */
   fps_shard_repl_keys(srv->shard, true);
   size_t n = fps_shard_tensors(srv->shard, NULL, 0);
   fps_tensor_t **ts = fps_malloc((n ? n : 1) * sizeof *ts);
@@ -623,21 +623,29 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
     uint64_t ticket = 0;
     for (fps_rqkey_t *k = keys; k; k = k->next) ticket = k->ticket;
     /* One cut of all the batch's tensors, between pushes, with the keys
-     * of the async/ssp pushes it holds (fps_shard_images). */
-    fps_image_t *imgs = nd ? fps_calloc(nd, sizeof *imgs) : NULL;
+     * of the pushes it holds and the tensors they changed
+     * (fps_shard_images). */
+    fps_image_t *imgs = nd ? fps_calloc(nd, sizeof *imgs) : NULL, *extra = NULL;
+    size_t nextra = 0;
     fps_key_rec_t *core_keys = NULL;
     char why[FPS_WHY_MAX];
     if (nd && !imgs) ok = false;
     if (ok && nd) {
-      int rc = fps_shard_images(srv->shard, dt, nd, imgs, &core_keys, why, sizeof why);
+      int rc = fps_shard_images(srv->shard, dt, nd, imgs, &core_keys, &extra, &nextra, why, sizeof why);
       if (rc < 0) {
         FPS_LOG(FPS_LOG_WARN, "replica: %s; dropping the standby", why);
         ok = false;
       }
     }
     for (size_t i = 0; i < nd && ok; i++) ok = fps__rsend_image(s, call, &imgs[i], dg[i], false);
+    /* Tensors of the core's keys that no mark named yet: their state goes
+     * with the keys. Their own marks come (the pushes' answers) and settle
+     * their tracks with a later image. */
+    for (size_t i = 0; i < nextra && ok; i++) ok = fps__rsend_image(s, call, &extra[i], 0, false);
     for (size_t i = 0; imgs && i < nd; i++) fps_image_release(srv->shard, &imgs[i]);
+    for (size_t i = 0; i < nextra; i++) fps_image_release(srv->shard, &extra[i]);
     fps_free(imgs);
+    fps_free(extra);
     /* The core's keys as queued keys (ticket 0: nobody waits on them). */
     for (fps_key_rec_t *k = core_keys; k && ok;) {
       fps_rqkey_t *q = fps_calloc(1, sizeof *q);

@@ -963,8 +963,9 @@ void fps__xstep_forget(fps_tensor_t *t);
  * is the combined step its prep.split holds), otherwise every member of
  * every round fails with err and why (the set's tensors appended to why,
  * of why_len bytes), nothing is applied and what the rounds had prepared
- * or summed is freed (rounds not prepared yet may hold nothing). Releases the tensors' locks,
- * then resolves the members. */
+ * or summed is freed (rounds not prepared yet may hold nothing). Releases the tensors' locks
+ * (and the apply gate that fps__set_complete took for a set of whole
+ * tensors), then resolves the members. */
 void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char *why, size_t why_len);
 /* sync.c, for push.c: joins every entry of a push to its tensor's round
  * (all or none), each at its own step (e->step), which links those rounds
@@ -996,7 +997,8 @@ void fps__sync_expire(fps_shard_t *sh, int64_t now, bool force, int err, const c
 
 /* ---------------------------------------------------- replica.c */
 
-/* push.c, inside the apply gate: records an applied push's key for the
+/* push.c and sync.c, inside the apply gate's read side: records an
+ * applied push's key (the versions its entries now hold) for the
  * standby's next batch (no-op unless fps_shard_repl_keys is on). */
 void fps__repl_key_applied(fps_shard_t *sh, const fps_push_t *p);
 
@@ -1069,14 +1071,15 @@ struct fps_shard_s {
   atomic_int xrec_pending;          /* split blocks waiting to roll to an
                                      * agreed version (xrecover.c) */
   /* async/ssp apply a push's tensors one after the other (push.c) under
-   * the read side; a standby's batch of images (replica.c) is taken under
-   * the write side, so it never holds half of such a push. Taken before
-   * any tensor lock; writers first, so pushes cannot starve the images. */
+   * the read side, and sync applies a whole set and records its members'
+   * keys under it (sync.c); a standby's batch of images (replica.c) is
+   * taken under the write side, so it never holds half of a push, nor a
+   * push without its key. Taken before any tensor lock; writers first, so
+   * pushes cannot starve the images. */
   pthread_rwlock_t apply_gate;
-  /* While a standby is fed (fps_shard_repl_keys), the keys of async/ssp
-   * pushes as they are applied, inside the gate, so that a batch carries
-   * the keys of exactly the pushes its images hold (replica.c). A leaf
-   * lock. */
+  /* While a standby is fed (fps_shard_repl_keys), the keys of pushes as
+   * they are applied, inside the gate, so that a batch carries the keys of
+   * exactly the pushes its images hold (replica.c). A leaf lock. */
   pthread_mutex_t rkeys_mu;
   bool rkeys_on;
   struct fps_key_rec_s *rkeys, *rkeys_last;

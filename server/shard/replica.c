@@ -26,50 +26,63 @@ size_t fps_shard_tensors(fps_shard_t *sh, fps_tensor_t **out, size_t cap) {
   return n;
 }
 
-int fps_shard_image(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *out, char *why, size_t wl) {
-  memset(out, 0, sizeof *out);
-  out->t = t;
-  out->name = t->name;
-  out->shape = &t->shape;
-  out->hp = t->hp;
-  out->numel = t->numel;
-  out->n[FPS_STATE_ROW] = t->size.row;
-  out->n[FPS_STATE_COL] = t->size.col;
-  out->n[FPS_STATE_VAR] = t->size.var;
-  out->n[FPS_STATE_MOM] = t->size.mom;
-  out->total_state = t->size.elements;
+/* What an image needs before any lock: the tensor's constant facts and
+ * a buffer for its state copy. 0, or FPS_EUNSUPPORTED (a split block),
+ * FPS_ELIMIT / FPS_ENOMEM, with why. */
+static int fps__image_prep(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *o, char *why, size_t wl) {
+  memset(o, 0, sizeof *o);
+  o->t = t;
+  o->name = t->name;
+  o->shape = &t->shape;
+  o->hp = t->hp;
+  o->numel = t->numel;
+  o->n[FPS_STATE_ROW] = t->size.row;
+  o->n[FPS_STATE_COL] = t->size.col;
+  o->n[FPS_STATE_VAR] = t->size.var;
+  o->n[FPS_STATE_MOM] = t->size.mom;
+  o->total_state = t->size.elements;
   if (t->split) {
     snprintf(why, wl, "tensor '%s' is a block of a split tensor: blocks are not replicated", t->name);
     return FPS_EUNSUPPORTED;
   }
-  if (out->total_state) {
+  if (o->total_state) {
     bool over = false;
-    if (!(out->state = fps_tbuf_alloc(sh, out->total_state, &over))) {
+    if (!(o->state = fps_tbuf_alloc(sh, o->total_state, &over))) {
       snprintf(why, wl, "tensor '%s': copying its state for the standby: %s", t->name,
                over ? "past --max-staging-bytes" : "out of memory");
       return over ? FPS_ELIMIT : FPS_ENOMEM;
     }
   }
-  pthread_mutex_lock(&t->mu);
-  bool ready = t->ready;
-  if (ready) {
-    float *src[FPS_STATE_KINDS];
-    fps_tensor_state_arrays(t, src);
-    float *dst = out->state;
-    for (int k = 0; k < FPS_STATE_KINDS; k++) {
-      if (out->n[k]) memcpy(dst, src[k], out->n[k] * sizeof(float));
-      dst += out->n[k];
-    }
-    fps_snap_ref(t->pbuf);
-    out->params = t->pbuf;
-    out->version = t->version;
-    out->step = t->st.step;
-    out->rms = t->st.rms;
-    out->last_lr = t->last_lr;
-    out->last_weight_decay = t->last_weight_decay;
+  return 0;
+}
+
+/* Fills a prepared image from its tensor; a tensor still initialising is
+ * left without params. REQUIRES t->mu. */
+static void fps__image_fill_locked(fps_tensor_t *t, fps_image_t *o) {
+  if (!t->ready) return;
+  float *src[FPS_STATE_KINDS];
+  fps_tensor_state_arrays(t, src);
+  float *dst = o->state;
+  for (int k = 0; k < FPS_STATE_KINDS; k++) {
+    if (o->n[k]) memcpy(dst, src[k], o->n[k] * sizeof(float));
+    dst += o->n[k];
   }
+  fps_snap_ref(t->pbuf);
+  o->params = t->pbuf;
+  o->version = t->version;
+  o->step = t->st.step;
+  o->rms = t->st.rms;
+  o->last_lr = t->last_lr;
+  o->last_weight_decay = t->last_weight_decay;
+}
+
+int fps_shard_image(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *out, char *why, size_t wl) {
+  int rc = fps__image_prep(sh, t, out, why, wl);
+  if (rc < 0) return rc;
+  pthread_mutex_lock(&t->mu);
+  fps__image_fill_locked(t, out);
   pthread_mutex_unlock(&t->mu);
-  if (!ready) {
+  if (!out->params) {
     fps_image_release(sh, out);
     snprintf(why, wl, "tensor '%s' is still initialising", t->name);
     return FPS_ESTATE;
@@ -82,9 +95,16 @@ static int fps__cmp_tensor_addr(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
+/* Whether t is in order[0..n) (sorted by address). */
+static bool fps__tensor_in(fps_tensor_t *const *order, size_t n, const fps_tensor_t *t) {
+  return n && bsearch(&t, order, n, sizeof *order, fps__cmp_tensor_addr) != NULL;
+}
+
 int fps_shard_images(fps_shard_t *sh, fps_tensor_t *const *t, size_t n, fps_image_t *out, fps_key_rec_t **keys,
-                     char *why, size_t wl) {
+                     fps_image_t **extra, size_t *nextra, char *why, size_t wl) {
   *keys = NULL;
+  *extra = NULL;
+  *nextra = 0;
   memset(out, 0, n * sizeof *out);
   fps_tensor_t **order = fps_malloc((n ? n : 1) * sizeof *order);
   if (!order) {
@@ -93,28 +113,7 @@ int fps_shard_images(fps_shard_t *sh, fps_tensor_t *const *t, size_t n, fps_imag
   }
   int rc = 0;
   for (size_t i = 0; i < n && rc == 0; i++) {
-    fps_image_t *o = &out[i];
-    o->t = t[i];
-    o->name = t[i]->name;
-    o->shape = &t[i]->shape;
-    o->hp = t[i]->hp;
-    o->numel = t[i]->numel;
-    o->n[FPS_STATE_ROW] = t[i]->size.row;
-    o->n[FPS_STATE_COL] = t[i]->size.col;
-    o->n[FPS_STATE_VAR] = t[i]->size.var;
-    o->n[FPS_STATE_MOM] = t[i]->size.mom;
-    o->total_state = t[i]->size.elements;
-    if (t[i]->split) {
-      snprintf(why, wl, "tensor '%s' is a block of a split tensor: blocks are not replicated", t[i]->name);
-      rc = FPS_EUNSUPPORTED;
-    } else if (o->total_state) {
-      bool over = false;
-      if (!(o->state = fps_tbuf_alloc(sh, o->total_state, &over))) {
-        snprintf(why, wl, "tensor '%s': copying its state for the standby: %s", t[i]->name,
-                 over ? "past --max-staging-bytes" : "out of memory");
-        rc = over ? FPS_ELIMIT : FPS_ENOMEM;
-      }
-    }
+    rc = fps__image_prep(sh, t[i], &out[i], why, wl);
     order[i] = t[i];
   }
   if (rc < 0) {
@@ -124,35 +123,80 @@ int fps_shard_images(fps_shard_t *sh, fps_tensor_t *const *t, size_t n, fps_imag
   }
   qsort(order, n, sizeof *order, fps__cmp_tensor_addr);
   pthread_rwlock_wrlock(&sh->apply_gate);
-  for (size_t i = 0; i < n; i++)
-    if (i == 0 || order[i] != order[i - 1]) pthread_mutex_lock(&order[i]->mu);
-  for (size_t i = 0; i < n; i++) {
-    fps_tensor_t *tt = t[i];
-    fps_image_t *o = &out[i];
-    if (!tt->ready) continue;
-    float *src[FPS_STATE_KINDS];
-    fps_tensor_state_arrays(tt, src);
-    float *dst = o->state;
-    for (int k = 0; k < FPS_STATE_KINDS; k++) {
-      if (o->n[k]) memcpy(dst, src[k], o->n[k] * sizeof(float));
-      dst += o->n[k];
-    }
-    fps_snap_ref(tt->pbuf);
-    o->params = tt->pbuf;
-    o->version = tt->version;
-    o->step = tt->st.step;
-    o->rms = tt->st.rms;
-    o->last_lr = tt->last_lr;
-    o->last_weight_decay = tt->last_weight_decay;
-  }
+  /* No push applies while the gate's write side is held (async/ssp take
+   * the read side around their tensors, sync around a set's update), so
+   * the keys queued now are exactly those of the pushes whose effects the
+   * tensors hold from here until the gate opens. */
   pthread_mutex_lock(&sh->rkeys_mu);
-  *keys = sh->rkeys;
+  fps_key_rec_t *kl = sh->rkeys;
   sh->rkeys = sh->rkeys_last = NULL;
   pthread_mutex_unlock(&sh->rkeys_mu);
-  for (size_t i = n; i-- > 0;)
-    if (i == 0 || order[i] != order[i - 1]) pthread_mutex_unlock(&order[i]->mu);
+  /* The tensors those pushes changed that the caller did not name: imaged
+   * in this cut too. Shipping a key without them would let a retry after a
+   * failover be answered from the key while its gradient is not in the
+   * promoted standby's state (lost); shipping their state without the key
+   * would refuse the retry as stale (sync) or apply it twice (async). Rare:
+   * the caller names what the answers marked, and a push's answer marks
+   * every tensor it changed, so this is only the pushes applied between
+   * the caller's pick and this gate. */
+  size_t ne = 0, ecap = 0;
+  fps_image_t *ex = NULL;
+  fps_tensor_t **all = order;
+  for (fps_key_rec_t *k = kl; k && rc == 0; k = k->next)
+    for (uint32_t j = 0; j < k->n && rc == 0; j++) {
+      fps_tensor_t *x = k->t[j];
+      bool have = fps__tensor_in(order, n, x);
+      for (size_t i = 0; i < ne && !have; i++) have = ex[i].t == x;
+      if (have) continue;
+      if (ne == ecap) {
+        size_t c = ecap ? 2 * ecap : 4;
+        fps_image_t *nx = fps_realloc(ex, c * sizeof *nx);
+        if (!nx) {
+          snprintf(why, wl, "out of memory imaging the tensors of the pushes applied meanwhile");
+          rc = FPS_ENOMEM;
+          break;
+        }
+        ex = nx;
+        ecap = c;
+      }
+      rc = fps__image_prep(sh, x, &ex[ne], why, wl); /* an allocation under the gate: rare, see above */
+      ne++;
+    }
+  if (rc == 0 && ne) {
+    if (!(all = fps_malloc((n + ne) * sizeof *all))) {
+      snprintf(why, wl, "out of memory imaging %zu tensors", n + ne);
+      rc = FPS_ENOMEM;
+    } else {
+      memcpy(all, order, n * sizeof *all);
+      for (size_t i = 0; i < ne; i++) all[n + i] = ex[i].t;
+      qsort(all, n + ne, sizeof *all, fps__cmp_tensor_addr);
+    }
+  }
+  if (rc < 0) {
+    /* The standby is dropped on this failure (replica_send.c): the keys go
+     * with it. */
+    pthread_rwlock_unlock(&sh->apply_gate);
+    fps_key_recs_free(kl);
+    for (size_t i = 0; i < ne; i++) fps_image_release(sh, &ex[i]);
+    fps_free(ex);
+    for (size_t i = 0; i < n; i++) fps_image_release(sh, &out[i]);
+    if (all != order) fps_free(all);
+    fps_free(order);
+    return rc;
+  }
+  size_t na = n + ne;
+  for (size_t i = 0; i < na; i++)
+    if (i == 0 || all[i] != all[i - 1]) pthread_mutex_lock(&all[i]->mu);
+  for (size_t i = 0; i < n; i++) fps__image_fill_locked(t[i], &out[i]);
+  for (size_t i = 0; i < ne; i++) fps__image_fill_locked(ex[i].t, &ex[i]);
+  for (size_t i = na; i-- > 0;)
+    if (i == 0 || all[i] != all[i - 1]) pthread_mutex_unlock(&all[i]->mu);
   pthread_rwlock_unlock(&sh->apply_gate);
+  if (all != order) fps_free(all);
   fps_free(order);
+  *keys = kl;
+  *extra = ex;
+  *nextra = ne;
   return 0;
 }
 
@@ -160,6 +204,7 @@ void fps_key_recs_free(fps_key_rec_t *k) {
   while (k) {
     fps_key_rec_t *nx = k->next;
     fps_free(k->v);
+    fps_free(k->t);
     fps_free(k);
     k = nx;
   }
@@ -181,8 +226,8 @@ void fps__repl_key_applied(fps_shard_t *sh, const fps_push_t *p) {
   pthread_mutex_unlock(&sh->rkeys_mu);
   if (!on) return;
   fps_key_rec_t *k = fps_calloc(1, sizeof *k);
-  if (k && p->n && !(k->v = fps_malloc(p->n * sizeof *k->v))) {
-    fps_free(k);
+  if (k && p->n && (!(k->v = fps_malloc(p->n * sizeof *k->v)) || !(k->t = fps_malloc(p->n * sizeof *k->t)))) {
+    fps_key_recs_free(k);
     k = NULL;
   }
   /* Without memory the key is not shipped with its images: a retry on a
@@ -193,7 +238,10 @@ void fps__repl_key_applied(fps_shard_t *sh, const fps_push_t *p) {
   k->id = p->push_id;
   k->tensors = fps__push_tensors_hash(p);
   k->n = (uint32_t)p->n;
-  for (size_t i = 0; i < p->n; i++) k->v[i] = p->e[i]->version;
+  for (size_t i = 0; i < p->n; i++) {
+    k->v[i] = p->e[i]->version;
+    k->t[i] = p->e[i]->t;
+  }
   pthread_mutex_lock(&sh->rkeys_mu);
   if (sh->rkeys_on) {
     if (sh->rkeys_last) sh->rkeys_last->next = k;

@@ -591,31 +591,36 @@ int fps_shard_image(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *out, char *wh
 void fps_image_release(fps_shard_t *sh, fps_image_t *img);
 
 /* A push's key as a standby takes it: worker, push_id, the hash of its
- * tensors and the versions it made (owned by the record). */
+ * tensors and the versions it made (owned by the record), and the tensors
+ * themselves (t[i] made version v[i]; tensors are never removed). */
 typedef struct fps_key_rec_s {
   uint32_t worker;
   uint64_t id, tensors;
   uint32_t n;
   uint64_t *v;
+  fps_tensor_t **t;
   struct fps_key_rec_s *next;
 } fps_key_rec_t;
 void fps_key_recs_free(fps_key_rec_t *list);
 
-/* Turns on (or off, dropping what is queued) the recording of async/ssp
- * pushes' keys as they are applied, for fps_shard_images. */
+/* Turns on (or off, dropping what is queued) the recording of pushes'
+ * keys as they are applied (async/ssp: each push; sync: every member of a
+ * set at once, when the set is applied), for fps_shard_images. */
 void fps_shard_repl_keys(fps_shard_t *sh, bool on);
 
 /* Images of n tensors at one moment between pushes: under the apply
- * gate's write side (no async/ssp push half applied) and every one of
- * their locks at once (no sync set half applied), so that what one push
- * changed is in all of them or in none. *keys gets the keys of the
- * async/ssp pushes applied since the last call (their effects are in
- * these images or in earlier ones); free with fps_key_recs_free. A
- * tensor still initialising gets params NULL (skip it). 0, or
+ * gate's write side (no push half applied, in any mode) and every one of
+ * their locks at once, so that what one push changed is in all of them or
+ * in none. *keys gets the keys of the pushes applied since the last call
+ * (free with fps_key_recs_free), and every tensor those pushes changed is
+ * imaged in the same cut: out[i] for t[i], and the ones not among t[] in
+ * *extra (an array of *nextra, NULL if none; release each and fps_free
+ * it). So no key ever goes to the standby ahead of the state it answers
+ * for. A tensor still initialising gets params NULL (skip it). 0, or
  * FPS_EUNSUPPORTED (a split block), FPS_ELIMIT / FPS_ENOMEM (the state
  * copies) with why; release every out[i] with fps_image_release. */
 int fps_shard_images(fps_shard_t *sh, fps_tensor_t *const *t, size_t n, fps_image_t *out, fps_key_rec_t **keys,
-                     char *why, size_t why_len);
+                     fps_image_t **extra, size_t *nextra, char *why, size_t why_len);
 
 /* An image as it arrives on a standby: installed as it is (parameters,
  * state, version, step, RMS, last lr and weight decay), creating the

@@ -241,6 +241,17 @@ static void fps__sum_divide(fps_shard_t *sh, float *sum, uint64_t numel, float d
   fps_pool_run(j.nchunks > 1 ? sh->pool : NULL, j.nchunks, fps__div_chunk, &j);
 }
 
+/* Whether the set is applied under the apply gate's read side: a set of
+ * whole tensors is (fps__set_complete takes it, fps__set_settle releases
+ * it). A set with split blocks is not: it settles later, from the
+ * exchange (xstep.c), and is never replicated (a standby is refused with
+ * split tensors), so no standby's cut can see it. */
+static bool fps__set_gated(const fps_tensor_t *set) {
+  for (const fps_tensor_t *t = set; t; t = t->round.cnext)
+    if (t->split) return false;
+  return true;
+}
+
 /* Completes a full set of k rounds that the caller marked settling: every
  * round is checked and prepared before any is applied. A set holding
  * split blocks then exchanges their partials with the other shards
@@ -250,6 +261,9 @@ static void fps__sum_divide(fps_shard_t *sh, float *sum, uint64_t numel, float d
 static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
   uint32_t W = sh->cfg.workers;
   set = fps__set_sort(set, k);
+  /* Held until fps__set_settle has applied the set and recorded its
+   * members' keys (there: why); before any tensor lock, its order. */
+  if (fps__set_gated(set)) pthread_rwlock_rdlock(&sh->apply_gate);
   int64_t found = fps_now_ns();
   for (fps_tensor_t *t = set; t; t = t->round.cnext) {
     pthread_mutex_lock(&t->mu);
@@ -325,6 +339,7 @@ static void fps__set_timeline(fps_shard_t *sh, fps_tensor_t *set, size_t k, int6
 
 void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char *why, size_t why_len) {
   uint32_t W = sh->cfg.workers;
+  bool gated = fps__set_gated(set);
   fps_push_entry_t *list = NULL;
   fps_xanchor_t *anchors = NULL; /* split blocks' anchors due (xrecover.c) */
   if (err) {
@@ -393,6 +408,19 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
     if (FPS_LOG_DEBUG <= fps__log_level)
       FPS_LOG(FPS_LOG_DEBUG, "sync step %" PRIu64 " timeline: applied %zu tensors in %.1f ms", set->round.step, k,
                (double)(fps_now_ns() - apply_ns) / 1e6);
+    /* Every member's key, now, inside the gate and with the set's locks
+     * held: a standby's next cut holds the set's results together with all
+     * W keys of each round (replica.c). The answers go out one by one; if
+     * the primary dies between two of them, a member whose answer was lost
+     * retries on the promoted standby and is answered from its key, as a
+     * duplicate, instead of being refused as stale. Each push once, from
+     * the round of its first tensor (all of a push's tensors are rounds of
+     * this set). */
+    for (fps_tensor_t *t = set; t && gated; t = t->round.cnext)
+      for (uint32_t w = 0; w < W; w++) {
+        fps_push_entry_t *e = t->round.member[w];
+        if (e && !e->err && e->owner->e[0] == e) fps__repl_key_applied(sh, e->owner);
+      }
     pthread_mutex_lock(&sh->rounds_mu);
     for (fps_tensor_t *t = set, *next; t; t = next) {
       next = t->round.cnext;
@@ -406,6 +434,8 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
     next = t->round.cnext;
     pthread_mutex_unlock(&t->mu);
   }
+  /* Before the members are resolved: their callbacks may push again. */
+  if (gated) pthread_rwlock_unlock(&sh->apply_gate);
   /* Before the members hear: a worker's next step must find the anchor
    * of this one on disk (xrecover.c). */
   fps__xrec_anchor_flush(sh, anchors);

@@ -104,18 +104,11 @@ def main():
                 log.write(json.dumps({"w": a.worker, "step": step, "t": time.monotonic(),
                                       "err": type(e).__name__, "msg": str(e)[:300]}) + "\n")
                 if a.mode == "sync" and "stale push" in str(e):
-                    # docs/shards.md "Known gap (sync)": the round of this
-                    # step was applied (every member's gradient is in it)
-                    # but this worker's key did not reach the standby
-                    # before the failover. Pull, as the docs tell a client
-                    # to, and go on if every tensor stands past this step.
-                    try:
-                        _, pulled = c.pull()
-                    except Error:
-                        pulled = {}
-                    if pulled and all(v == step + 1 for v in pulled.values()):
-                        versions = pulled
-                        break
+                    # A retry of a push whose round was applied is answered
+                    # from its key, on whichever replica holds the round
+                    # (the standby gets all of a round's keys with its
+                    # result): "stale" would mean a lost key.
+                    raise
                 if time.monotonic() > end:
                     raise
                 time.sleep(0.02)
