@@ -9,7 +9,8 @@
  *   file:PATH            flock(2) LOCK_EX on PATH (lease_file.c): one host;
  *                        the kernel drops it the instant the holder dies.
  *   etcd:HOST:PORT/KEY   an etcd v3 lease with a TTL and a key created
- *                        under it by a Txn (lease_etcd.c).
+ *                        under it by a Txn (lease_etcd.c); the sync
+ *                        record below in KEY/sync.
  *
  * Each acquisition yields a term: a number that only grows over the
  * lease's life (file: a counter kept in the locked file; etcd: the key's

@@ -23,6 +23,15 @@
  * revokes it; the replica must acquire again, with a new lease and a new
  * term.
  *
+ * The standby-sync record (lease.h) is the key KEY/sync, outside any lease
+ * (it must outlive its writer): "<term> alone" or "<term> in-sync". The
+ * Txn that takes KEY reads it in the same revision, so a new holder sees
+ * exactly what its predecessor left (absent: in sync, nobody answered
+ * alone yet). A holder writes it with a Txn "if KEY's create_revision is
+ * my term": a holder that lost the key (expired, revoked) can no longer
+ * overwrite its successor's record, and a write that succeeded happened
+ * while it held the lease.
+ *
  * Failover after the holder dies takes up to the TTL (etcd expires the
  * key; it looks for expired leases every 500 ms) plus one poll (100 ms);
  * after a release (LeaseRevoke) one poll.
@@ -74,6 +83,8 @@ typedef struct fps_lease_etcd_s {
   char *target; /* "HOST:PORT", for gRPC and messages */
   char *key;    /* the key; its value names the holder */
   size_t key_len;
+  char *sync_key; /* KEY/sync: the standby-sync record */
+  size_t sync_key_len;
   char *holder;  /* this process, as stored in the key */
   int64_t ttl_s; /* asked of etcd (whole seconds, >= 1) */
   grpc_channel_credentials *creds;
@@ -92,6 +103,8 @@ typedef struct fps_lease_etcd_s {
   bool renewer_stop;
   atomic_bool held;            /* acquired and not lost or released */
   _Atomic int64_t valid_until; /* monotonic ns (CLOCK_MONOTONIC) */
+  _Atomic int64_t term;        /* of the lease held (KEY's create revision) */
+  atomic_int sync;             /* the record found at acquire: 1 in sync, 0 alone */
   int last_acquire_err;        /* for logging a change of state once */
 } fps_lease_etcd_t;
 
@@ -398,6 +411,25 @@ static void fps__etcd_note(fps_lease_etcd_t *l, int err, const char *what, const
   FPS_LOG(FPS_LOG_WARN, "lease etcd:%s/%s: %s: %s; retrying", l->target, l->key, what, e->detail);
 }
 
+/* The sync record a won Txn read (its second response): 1 in sync (or
+ * none: nobody answered alone yet), 0 alone. A value of another shape is
+ * taken as alone: the pessimistic reading only flags a promotion. */
+static int fps__etcd_sync_record(fps_lease_etcd_t *l, const Etcdserverpb__TxnResponse *t) {
+  if (t->n_responses < 2 || t->responses[1]->response_case != ETCDSERVERPB__RESPONSE_OP__RESPONSE_RESPONSE_RANGE ||
+      !t->responses[1]->response_range)
+    return 1;
+  const Etcdserverpb__RangeResponse *r = t->responses[1]->response_range;
+  if (r->n_kvs == 0) return 1;
+  const ProtobufCBinaryData *v = &r->kvs[0]->value;
+  char buf[64];
+  snprintf(buf, sizeof buf, "%.*s", (int)(v->len < sizeof buf ? v->len : sizeof buf - 1), (const char *)v->data);
+  const char *sp = strchr(buf, ' ');
+  if (sp && !strcmp(sp, " in-sync")) return 1;
+  if (sp && !strcmp(sp, " alone")) return 0;
+  FPS_LOG(FPS_LOG_WARN, "lease etcd:%s/%s: the sync record holds '%s', read as alone", l->target, l->sync_key, buf);
+  return 0;
+}
+
 /* One try. Returns 1 (acquired: *term), 0 (held by another, or lost a
  * race), FPS_EUNAVAILABLE (etcd not reachable: try again), FPS_EIO (etcd
  * refused: a configuration problem), FPS_EPROTO, FPS_ENOMEM. */
@@ -466,12 +498,18 @@ static int fps__etcd_try(fps_lease_etcd_t *l, const atomic_bool *stop, uint64_t 
   Etcdserverpb__RequestOp op = ETCDSERVERPB__REQUEST_OP__INIT;
   op.request_case = ETCDSERVERPB__REQUEST_OP__REQUEST_REQUEST_PUT;
   op.request_put = &put;
+  /* The predecessor's sync record, read in the Txn's own revision. */
+  Etcdserverpb__RangeRequest sr = ETCDSERVERPB__RANGE_REQUEST__INIT;
+  sr.key = (ProtobufCBinaryData){l->sync_key_len, (uint8_t *)l->sync_key};
+  Etcdserverpb__RequestOp rop = ETCDSERVERPB__REQUEST_OP__INIT;
+  rop.request_case = ETCDSERVERPB__REQUEST_OP__REQUEST_REQUEST_RANGE;
+  rop.request_range = &sr;
   Etcdserverpb__Compare *cmps[1] = {&cmp};
-  Etcdserverpb__RequestOp *ops[1] = {&op};
+  Etcdserverpb__RequestOp *ops[2] = {&op, &rop};
   Etcdserverpb__TxnRequest tr = ETCDSERVERPB__TXN_REQUEST__INIT;
   tr.n_compare = 1;
   tr.compare = cmps;
-  tr.n_success = 1;
+  tr.n_success = 2;
   tr.success = ops;
   rc = fps__etcd_call(l, "/etcdserverpb.KV/Txn", &tr.base, &etcdserverpb__txn_response__descriptor,
                       fps__etcd_now() + FPS_ETCD_CALL_NS, stop, &m, &e);
@@ -489,6 +527,7 @@ static int fps__etcd_try(fps_lease_etcd_t *l, const atomic_bool *stop, uint64_t 
   Etcdserverpb__TxnResponse *t = (Etcdserverpb__TxnResponse *)m;
   bool won = t->succeeded && t->header && t->header->revision > 0;
   int64_t revision = t->header ? t->header->revision : 0;
+  int sync = won ? fps__etcd_sync_record(l, t) : 1;
   fps__etcd_free_msg(m);
   if (!won || fps__etcd_now() >= valid_until) {
     /* Another replica created the key first, or this took so long that
@@ -504,6 +543,8 @@ static int fps__etcd_try(fps_lease_etcd_t *l, const atomic_bool *stop, uint64_t 
   l->id = id;
   l->ttl_ns = ttl_ns;
   l->margin_ns = margin;
+  atomic_store(&l->term, revision);
+  atomic_store(&l->sync, sync);
   atomic_store(&l->valid_until, valid_until);
   atomic_store(&l->held, true);
   l->renewer_stop = false;
@@ -581,14 +622,62 @@ static void fps__lease_etcd_close(fps_lease_t *base) {
   pthread_cond_destroy(&l->cv);
   fps_free(l->target);
   fps_free(l->key);
+  fps_free(l->sync_key);
   fps_free(l->holder);
   fps_free(l);
   grpc_shutdown();
 }
 
+/* "<term> alone|in-sync" into KEY/sync, only while KEY is still the one
+ * this holder created (its create revision is our term). */
+static int fps__lease_etcd_set_sync(fps_lease_t *base, bool in_sync) {
+  fps_lease_etcd_t *l = (fps_lease_etcd_t *)base;
+  if (!fps__lease_etcd_valid(base)) return FPS_EIO;
+  int64_t term = atomic_load(&l->term);
+  char val[64];
+  int vlen = snprintf(val, sizeof val, "%lld %s", (long long)term, in_sync ? "in-sync" : "alone");
+  Etcdserverpb__Compare cmp = ETCDSERVERPB__COMPARE__INIT;
+  cmp.result = ETCDSERVERPB__COMPARE__COMPARE_RESULT__EQUAL;
+  cmp.target = ETCDSERVERPB__COMPARE__COMPARE_TARGET__CREATE;
+  cmp.key = (ProtobufCBinaryData){l->key_len, (uint8_t *)l->key};
+  cmp.target_union_case = ETCDSERVERPB__COMPARE__TARGET_UNION_CREATE_REVISION;
+  cmp.create_revision = term;
+  Etcdserverpb__PutRequest put = ETCDSERVERPB__PUT_REQUEST__INIT;
+  put.key = (ProtobufCBinaryData){l->sync_key_len, (uint8_t *)l->sync_key};
+  put.value = (ProtobufCBinaryData){(size_t)vlen, (uint8_t *)val};
+  Etcdserverpb__RequestOp op = ETCDSERVERPB__REQUEST_OP__INIT;
+  op.request_case = ETCDSERVERPB__REQUEST_OP__REQUEST_REQUEST_PUT;
+  op.request_put = &put;
+  Etcdserverpb__Compare *cmps[1] = {&cmp};
+  Etcdserverpb__RequestOp *ops[1] = {&op};
+  Etcdserverpb__TxnRequest tr = ETCDSERVERPB__TXN_REQUEST__INIT;
+  tr.n_compare = 1;
+  tr.compare = cmps;
+  tr.n_success = 1;
+  tr.success = ops;
+  ProtobufCMessage *m;
+  fps_etcd_err_t e;
+  int rc = fps__etcd_call(l, "/etcdserverpb.KV/Txn", &tr.base, &etcdserverpb__txn_response__descriptor,
+                          fps__etcd_now() + FPS_ETCD_CALL_NS, NULL, &m, &e);
+  bool ok = rc == 0 && ((Etcdserverpb__TxnResponse *)m)->succeeded;
+  fps__etcd_free_msg(m);
+  if (rc < 0) {
+    FPS_LOG(FPS_LOG_ERROR, "lease etcd:%s/%s: writing '%s': %s", l->target, l->sync_key, val, e.detail);
+    return FPS_EIO;
+  }
+  if (!ok) {
+    FPS_LOG(FPS_LOG_ERROR, "lease etcd:%s/%s: not writing '%s': the lease of term %lld is gone", l->target,
+            l->sync_key, val, (long long)term);
+    return FPS_EIO;
+  }
+  return 0;
+}
+
+static int fps__lease_etcd_get_sync(fps_lease_t *base) { return atomic_load(&((fps_lease_etcd_t *)base)->sync); }
+
 static const fps_lease_ops_t fps__lease_etcd_ops = {fps__lease_etcd_acquire, fps__lease_etcd_valid,
                                                     fps__lease_etcd_release, fps__lease_etcd_close,
-                                                    NULL, NULL}; /* no sync record yet */
+                                                    fps__lease_etcd_set_sync, fps__lease_etcd_get_sync};
 
 int fps__lease_etcd_open(const char *rest, double ttl_s, const char *holder, fps_lease_t **out) {
   *out = NULL;
@@ -618,6 +707,8 @@ int fps__lease_etcd_open(const char *rest, double ttl_s, const char *holder, fps
   pthread_condattr_destroy(&ca);
   atomic_init(&l->held, false);
   atomic_init(&l->valid_until, 0);
+  atomic_init(&l->term, 0);
+  atomic_init(&l->sync, 1);
   /* etcd's TTL is whole seconds: round up (never shorter than asked).
    * etcd itself raises a TTL below its minimum (1.5 election timeouts: 2 s
    * with its defaults); the TTL it grants is the one used, and logged. */
@@ -630,10 +721,13 @@ int fps__lease_etcd_open(const char *rest, double ttl_s, const char *holder, fps
   l->target = fps_malloc(tlen + 1);
   l->key = fps_strdup(slash + 1);
   l->holder = fps_strdup(holder && *holder ? holder : "unnamed");
-  if (!l->target || !l->key || !l->holder) goto nomem;
+  l->key_len = l->key ? strlen(l->key) : 0;
+  l->sync_key_len = l->key_len + sizeof "/sync" - 1;
+  l->sync_key = l->key ? fps_malloc(l->sync_key_len + 1) : NULL;
+  if (!l->target || !l->key || !l->sync_key || !l->holder) goto nomem;
   memcpy(l->target, rest, tlen);
   l->target[tlen] = 0;
-  l->key_len = strlen(l->key);
+  snprintf(l->sync_key, l->sync_key_len + 1, "%s/sync", l->key);
   if (!(l->creds = grpc_insecure_credentials_create())) goto nomem;
   /* Reconnect soon after etcd comes back: a failover waits on it. */
   l->argv[0] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, .value.integer = 100};

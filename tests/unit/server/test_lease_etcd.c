@@ -10,7 +10,10 @@
  *   - a holder whose etcd stops answering (SIGSTOP: a partition) or dies
  *     stops being valid before the TTL has passed since its etcd went
  *     away, so the next holder never overlaps it; after etcd is back the
- *     next holder (or the same one again) gets a higher term.
+ *     next holder (or the same one again) gets a higher term;
+ *   - the standby-sync record: a new holder reads what the last one left
+ *     ("alone" also from a holder killed after writing it), and a holder
+ *     that let go cannot write it.
  *
  * A thread samples both holders every millisecond throughout: two valid
  * at once fails the test. Skips (exit 77 through CMocka's skip) only when
@@ -399,12 +402,14 @@ static void test_release_hands_over(void **state) {
 }
 
 /* The holder in another process, killed: the key goes when etcd expires
- * it, not before. argv: --hold SPEC. */
-static int hold_main(const char *spec) {
+ * it, not before. argv: --hold SPEC, or --hold-alone SPEC: "alone" goes on
+ * its sync record first (a primary that dropped its standby). */
+static int hold_main(const char *spec, bool alone) {
   fps_lease_t *l;
   if (fps_lease_open(spec, TTL_S, "127.0.0.1:9", &l) < 0) return 2;
   uint64_t term;
   if (fps_lease_acquire(l, NULL, &term) < 0) return 3;
+  if (alone && fps_lease_set_sync(l, false) < 0) return 5;
   printf("term %llu\n", (unsigned long long)term);
   fflush(stdout);
   /* Renews until killed (bounded, should the test die first). */
@@ -414,9 +419,9 @@ static int hold_main(const char *spec) {
 
 static char *self_path;
 
-static void test_killed_holder_frees_after_ttl(void **state) {
-  (void)state;
-  need_etcd();
+/* Starts hold_main in a child (flag: --hold or --hold-alone); returns its
+ * term once it holds the lease. */
+static unsigned long long holder_process(const char *flag, pid_t *out) {
   int fds[2];
   assert_int_equal(pipe(fds), 0);
   pid_t child = fork();
@@ -425,7 +430,7 @@ static void test_killed_holder_frees_after_ttl(void **state) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     dup2(fds[1], 1);
     close(fds[0]);
-    execl(self_path, self_path, "--hold", etcd.spec, (char *)NULL);
+    execl(self_path, self_path, flag, etcd.spec, (char *)NULL);
     _exit(127);
   }
   close(fds[1]);
@@ -446,6 +451,15 @@ static void test_killed_holder_frees_after_ttl(void **state) {
     waitpid(child, NULL, 0);
     fail_msg("the holder process did not report its term: '%s'", line);
   }
+  *out = child;
+  return t1;
+}
+
+static void test_killed_holder_frees_after_ttl(void **state) {
+  (void)state;
+  need_etcd();
+  pid_t child;
+  unsigned long long t1 = holder_process("--hold", &child);
   holder_t b;
   holder_open(&b, "127.0.0.1:2");
   holder_start(&b);
@@ -466,6 +480,45 @@ static void test_killed_holder_frees_after_ttl(void **state) {
    * etcd's 500 ms expiry scan (+ slack for a loaded machine). */
   assert_true(b.at - killed >= TTL_S * NS / 2);
   assert_true(b.at - killed <= TTL_S * NS + 2 * NS);
+  holder_close(&b);
+}
+
+/* The standby-sync record (lease.h): a new holder reads what the last
+ * holder left (none yet: in sync); a holder that released can no longer
+ * write it; "alone" written by a holder that then dies (SIGKILL) is what
+ * its successor finds, after the TTL. */
+static void test_sync_record(void **state) {
+  (void)state;
+  need_etcd();
+  holder_t a, b;
+  holder_open(&a, "127.0.0.1:1");
+  holder_open(&b, "127.0.0.1:2");
+  assert_int_equal(fps_lease_acquire(a.l, &a.stop, &a.term), 0);
+  assert_int_equal(fps_lease_get_sync(a.l), 1);
+  assert_int_equal(fps_lease_set_sync(a.l, false), 0);
+  assert_int_equal(fps_lease_set_sync(a.l, true), 0);
+  assert_int_equal(fps_lease_set_sync(a.l, false), 0);
+  fps_lease_release(a.l);
+  assert_int_equal(fps_lease_set_sync(a.l, true), FPS_EIO); /* not held: not written */
+  assert_int_equal(fps_lease_acquire(b.l, &b.stop, &b.term), 0);
+  assert_true(b.term > a.term);
+  assert_int_equal(fps_lease_get_sync(b.l), 0); /* A answered alone last */
+  assert_int_equal(fps_lease_set_sync(b.l, true), 0);
+  fps_lease_release(b.l);
+  assert_int_equal(fps_lease_acquire(a.l, &a.stop, &a.term), 0);
+  assert_int_equal(fps_lease_get_sync(a.l), 1);
+  fps_lease_release(a.l);
+  /* A primary that recorded "alone", then died. */
+  pid_t child;
+  unsigned long long t1 = holder_process("--hold-alone", &child);
+  kill(child, SIGKILL);
+  waitpid(child, NULL, 0);
+  holder_start(&b);
+  assert_true(holder_wait(&b, (TTL_S + 5) * NS));
+  assert_int_equal(b.rc, 0);
+  assert_true(b.term > t1);
+  assert_int_equal(fps_lease_get_sync(b.l), 0);
+  holder_close(&a);
   holder_close(&b);
 }
 
@@ -614,7 +667,8 @@ static void test_unreachable_and_bad_ttl(void **state) {
  * own CTest test, with its own etcd); "--hold SPEC" is the child above. */
 int main(int argc, char **argv) {
   self_path = argv[0];
-  if (argc == 3 && !strcmp(argv[1], "--hold")) return hold_main(argv[2]);
+  if (argc == 3 && !strcmp(argv[1], "--hold")) return hold_main(argv[2], false);
+  if (argc == 3 && !strcmp(argv[1], "--hold-alone")) return hold_main(argv[2], true);
   if (argc > 1) cmocka_set_test_filter(argv[1]);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_release_hands_over, setup, teardown),
@@ -623,6 +677,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_etcd_killed_then_back, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stopped_member_keeps_the_lease, setup, teardown),
       cmocka_unit_test_setup_teardown(test_unreachable_and_bad_ttl, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_sync_record, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
