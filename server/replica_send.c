@@ -29,9 +29,14 @@
  *
  * Threads: the sender thread owns the call (connect, hello, transfer,
  * changes, heartbeats every 100 ms); the receiver thread reads the acks
- * and wakes the waits. s->mu guards everything below it in the struct; it
- * is taken with no core lock held, and core calls (images) are made with
- * it released. */
+ * and wakes the waits; the recorder thread writes "in sync" (an etcd
+ * lease's record is a network call of up to 2 s: on the receiver it would
+ * hold up every ack behind it, on the sender every batch). rec_mu orders
+ * the record's writes: "in sync" (recorder) and "alone" (sender) never
+ * overlap, so the last one written is the last one decided. s->mu guards
+ * everything below it in the struct; it is taken with no core lock held
+ * (and after rec_mu), and core calls (images) are made with it
+ * released. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -110,8 +115,9 @@ struct fps_rsend_s {
   char *auth_header;
   grpc_metadata auth_md;
   grpc_completion_queue *cq;  /* pluck: the two threads take their own tags */
-  pthread_t send_th, recv_th;
+  pthread_t send_th, recv_th, rec_th;
   bool threads_on;
+  pthread_mutex_t rec_mu;     /* held across a write of the sync record */
 
   pthread_mutex_t mu;
   pthread_cond_t cv;          /* CLOCK_MONOTONIC: any change below */
@@ -130,6 +136,8 @@ struct fps_rsend_s {
    * batch is that commit. */
   bool alone_ok;
   bool recorded;
+  bool record_due;            /* the recorder's cue: "in sync" for the stream */
+  uint64_t record_gen;        /* of call_gen */
   bool want_sync_mark;
   uint64_t sync_seq;
   bool joined;                /* the standby acknowledged the transfer */
@@ -738,23 +746,15 @@ static void fps__rsend_acked(fps_rsend_t *s, grpc_call *call, uint64_t acked) {
     s->want_sync_mark = true; /* the next batch's ack proves it caught up */
     pthread_cond_broadcast(&s->cv);
   }
-  bool record = !s->recorded && s->sync_seq && acked >= s->sync_seq;
-  if (record) {
-    s->recorded = true;
-    s->alone_ok = false; /* from now on no answer without the standby */
+  if (!s->recorded && !s->record_due && s->sync_seq && acked >= s->sync_seq) {
+    s->record_due = true; /* the recorder writes "in sync" */
+    s->record_gen = s->call_gen;
+    pthread_cond_broadcast(&s->cv);
   }
   fps_rwait_t *met = fps__waits_take_locked(s, false);
   uint64_t term = s->term;
   fps_metrics_replication_lag_set(s->seq - s->acked);
   pthread_mutex_unlock(&s->mu);
-  if (record && fps_replica_set_sync(s->r, true) < 0) {
-    /* Not on record: the lease still says "alone", which is only
-     * pessimistic for the next holder. */
-    pthread_mutex_lock(&s->mu);
-    if (s->call == call) s->recorded = false;
-    s->alone_ok = true;
-    pthread_mutex_unlock(&s->mu);
-  }
   if (joined_now) {
     fps_role_primary_joined(fps_replica_role(s->r), term, true);
     fps_replica_publish(s->r);
@@ -842,6 +842,41 @@ static void *fps__rsend_recv_main(void *arg) {
   return NULL;
 }
 
+/* Writes "in sync" when an ack proved the standby caught up (record_due),
+ * for that stream only. */
+static void *fps__rsend_rec_main(void *arg) {
+  fps_rsend_t *s = arg;
+  pthread_mutex_lock(&s->mu);
+  for (;;) {
+    while (!s->quit && !s->record_due) pthread_cond_wait(&s->cv, &s->mu);
+    if (s->quit) break;
+    s->record_due = false;
+    uint64_t gen = s->record_gen;
+    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_lock(&s->rec_mu);
+    pthread_mutex_lock(&s->mu);
+    bool write = s->call && s->call_gen == gen && s->streaming && !s->recorded;
+    if (write) {
+      s->recorded = true;
+      s->alone_ok = false; /* from now on no answer without the standby */
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (write && fps_replica_set_sync(s->r, true) < 0) {
+      /* Maybe not on record (an etcd write that timed out may still have
+       * been applied): tried again at the next ack, and alone_ok stays
+       * off, so a stream that ends meanwhile puts "alone" on record
+       * before anything is answered alone. */
+      pthread_mutex_lock(&s->mu);
+      if (s->call_gen == gen) s->recorded = false;
+      pthread_mutex_unlock(&s->mu);
+    }
+    pthread_mutex_unlock(&s->rec_mu);
+    pthread_mutex_lock(&s->mu);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
 /* The stream went away: the waits are released (the primary goes on
  * alone while it may acknowledge) and the marks start over. REQUIRES mu;
  * returns the waits to run. */
@@ -851,6 +886,7 @@ static fps_rwait_t *fps__rsend_reset_locked(fps_rsend_t *s) {
   s->joined = false;
   s->done_seq = 0;
   s->recorded = false;
+  s->record_due = false;
   s->want_sync_mark = false;
   s->sync_seq = 0;
   s->seq = s->acked = 0;
@@ -938,6 +974,7 @@ static void *fps__rsend_send_main(void *arg) {
      * promoted later without what is answered from now on, knows it
      * (REPLICA.md CHANGED 08:15). Then the waits go: answered alone, or
      * refused if this process may not answer or the record failed. */
+    pthread_mutex_lock(&s->rec_mu); /* after an "in sync" being written */
     pthread_mutex_lock(&s->mu);
     bool need = !s->alone_ok && s->want_term == term && !s->quit;
     pthread_mutex_unlock(&s->mu);
@@ -956,6 +993,7 @@ static void *fps__rsend_send_main(void *arg) {
         pthread_mutex_unlock(&s->mu);
       }
     }
+    pthread_mutex_unlock(&s->rec_mu);
     pthread_mutex_lock(&s->mu);
     fps_rwait_t *more = !s->streaming ? fps__waits_take_locked(s, true) : NULL;
     pthread_mutex_unlock(&s->mu);
@@ -988,6 +1026,7 @@ int fps_rsend_create(fps_server_t *srv, fps_replica_t *r, fps_rsend_t **out) {
   s->srv = srv;
   s->r = r;
   pthread_mutex_init(&s->mu, NULL);
+  pthread_mutex_init(&s->rec_mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -1002,12 +1041,14 @@ int fps_rsend_create(fps_server_t *srv, fps_replica_t *r, fps_rsend_t **out) {
   rc = FPS_ENOMEM;
   if (!(s->cq = grpc_completion_queue_create_for_pluck(NULL))) goto fail;
   if (pthread_create(&s->send_th, NULL, fps__rsend_send_main, s) != 0) goto fail;
-  if (pthread_create(&s->recv_th, NULL, fps__rsend_recv_main, s) != 0) {
+  bool recv_on = pthread_create(&s->recv_th, NULL, fps__rsend_recv_main, s) == 0;
+  if (!recv_on || pthread_create(&s->rec_th, NULL, fps__rsend_rec_main, s) != 0) {
     pthread_mutex_lock(&s->mu);
     s->quit = true;
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->send_th, NULL);
+    if (recv_on) pthread_join(s->recv_th, NULL);
     goto fail;
   }
   s->threads_on = true;
@@ -1018,6 +1059,7 @@ fail:
   if (s->ch) grpc_channel_destroy(s->ch);
   fps_free(s->auth_header);
   pthread_mutex_destroy(&s->mu);
+  pthread_mutex_destroy(&s->rec_mu);
   pthread_cond_destroy(&s->cv);
   fps_free(s);
   return rc;
@@ -1055,6 +1097,7 @@ void fps_rsend_destroy(fps_rsend_t *s) {
   if (s->threads_on) {
     pthread_join(s->send_th, NULL);
     pthread_join(s->recv_th, NULL);
+    pthread_join(s->rec_th, NULL);
   }
   /* Both threads took every completion of their batches: nothing is
    * left on the queue. */
@@ -1065,6 +1108,7 @@ void fps_rsend_destroy(fps_rsend_t *s) {
   fps__rqkeys_free(s->keys);
   fps_free(s->tracks);
   pthread_mutex_destroy(&s->mu);
+  pthread_mutex_destroy(&s->rec_mu);
   pthread_cond_destroy(&s->cv);
   fps_free(s);
 }
