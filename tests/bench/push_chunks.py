@@ -4,15 +4,18 @@
     /usr/bin/python3 tests/bench/push_chunks.py [--build build] [--reps 3]
         [--chunks 0,8Mi] [--params 10M] [--workers 4] [--modes sync]
         [--wire f32] [--steps-10m 8] [--steps-100m 3] [--warmup 1]
-        [--shard-flags "--http2-bdp-probe"]
+        [--shard-flags=--http2-bdp-probe=true [--shard-flags=]]
 
 For every (params, workers, mode, wire) the chunk sizes run interleaved,
 A B A B ..., each on a fresh pair of shards (S = 2 on 127.0.0.1) with
 `factorps load --model peer --push-chunk-bytes C` (0: one call per shard,
-the unchunked path). Printed per configuration and chunk size: median
-steps/s, its ratio to the first chunk size listed (the baseline), and the
-CPU-seconds per step of the shards and of the load process (from
-/proc/PID/stat, utime + stime, whole run including warm-up and Create),
+the unchunked path). --shard-flags given more than once makes every chunk
+size run once per set of shard flags, interleaved too (an A/B of a shard
+knob: --shard-flags= --shard-flags=--http2-bdp-probe=true). Printed per
+configuration and contender: median steps/s, its ratio to the first one
+listed (the baseline), the CPU-seconds per step of the shards and of the
+load process (from /proc/PID/stat, utime + stime, whole run including
+warm-up and Create), the larger shard's VmHWM (peak RSS, max over the runs),
 plus the load average and the host's steal over the configuration: a busy
 machine slows every contender of a round alike, so read the ratios.
 Only loopback is used; every process started here is stopped on exit.
@@ -63,8 +66,17 @@ def steal():
     return v[7], sum(v)
 
 
-def run_once(a, tmp, n, w, mode, wire, chunk, steps):
-    procs, addrs = start_shards(a.build, tmp, mode, w, a.shard_flags.split())
+def vm_hwm_mib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            m = re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M)
+        return int(m.group(1)) / 1024 if m else float("nan")
+    except OSError:
+        return float("nan")
+
+
+def run_once(a, tmp, n, w, mode, wire, chunk, flags, steps):
+    procs, addrs = start_shards(a.build, tmp, mode, w, flags.split())
     try:
         cmd = [os.path.join(a.build, "client", "factorps"), "load", "--shards", ",".join(addrs),
                "--model", "peer", "--params", str(n), "--workers", str(w), "--steps",
@@ -77,13 +89,18 @@ def run_once(a, tmp, n, w, mode, wire, chunk, steps):
         # The load process has exited: its CPU is in its parent's view only
         # through wait(); read it from the resource usage of children.
         shard_cpu = sum(cpu_s(x.pid) for x in procs)
+        hwm = max(vm_hwm_mib(x.pid) for x in procs)
     finally:
         stop(procs)
     m = re.search(r"^RESULT .*$", out, re.M)
     if p.returncode or not m:
         raise RuntimeError(f"factorps load failed ({p.returncode}): {out[-2000:]}")
     kv = dict(x.split("=", 1) for x in m.group(0).split()[1:])
-    return float(kv["steps_per_s"]), shard_cpu
+    return float(kv["steps_per_s"]), shard_cpu, hwm
+
+
+def name(c):
+    return f"chunk {c[0]}" + (f" {c[1]}" if c[1] else "")
 
 
 def main():
@@ -98,10 +115,12 @@ def main():
     ap.add_argument("--steps-10m", type=int, default=8)
     ap.add_argument("--steps-100m", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--shard-flags", default="")
+    ap.add_argument("--shard-flags", action="append",
+                    help="flags for every shard; repeated: one contender per set")
     a = ap.parse_args()
     a.build = os.path.abspath(a.build)
-    chunks = [count(c) for c in a.chunks.split(",")]
+    flagsets = a.shard_flags or [""]
+    chunks = [(count(c), f) for f in flagsets for c in a.chunks.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         for n in [count(x) for x in a.params.split(",")]:
             steps = a.steps_10m if n < 50_000_000 else a.steps_100m
@@ -114,15 +133,18 @@ def main():
                         for r in range(a.reps):
                             for c in chunks:
                                 before = os.times()
-                                sps, shard_cpu = run_once(a, tmp, n, w, mode, wire, c, steps)
+                                sps, shard_cpu, hwm = run_once(a, tmp, n, w, mode, wire, c[0], c[1],
+                                                               steps)
                                 after = os.times()
                                 load_cpu = (after.children_user + after.children_system -
                                             before.children_user - before.children_system)
                                 # Shards are stopped: their CPU lands in children too.
                                 load_cpu -= shard_cpu
                                 total_steps = steps + a.warmup
-                                res[c].append((sps, shard_cpu / total_steps, load_cpu / total_steps))
-                                log(f"  {n} W{w} {mode} {wire} chunk {c}: {sps:.3f} steps/s")
+                                res[c].append((sps, shard_cpu / total_steps, load_cpu / total_steps,
+                                               hwm))
+                                log(f"  {n} W{w} {mode} {wire} {name(c)}: {sps:.3f} steps/s, "
+                                    f"VmHWM {hwm:.0f} MiB")
                         st1, tot1 = steal()
                         la = os.getloadavg()
                         base = statistics.median(x[0] for x in res[chunks[0]])
@@ -130,11 +152,12 @@ def main():
                               f"{la[1]:.1f}, steal {100.0 * (st1 - st0) / max(1, tot1 - tot0):.0f}%")
                         for c in chunks:
                             med = statistics.median(x[0] for x in res[c])
-                            print(f"  chunk {c:>10}: steps/s {med:.3f} (runs "
+                            print(f"  {name(c):>10}: steps/s {med:.3f} (runs "
                                   f"{' '.join(f'{x[0]:.3f}' for x in res[c])}), "
-                                  f"x{med / base:.2f} of chunk {chunks[0]}, CPU-s/step shards "
+                                  f"x{med / base:.2f} of {name(chunks[0])}, CPU-s/step shards "
                                   f"{statistics.median(x[1] for x in res[c]):.3f} load "
-                                  f"{statistics.median(x[2] for x in res[c]):.3f}", flush=True)
+                                  f"{statistics.median(x[2] for x in res[c]):.3f}, shard VmHWM "
+                                  f"{max(x[3] for x in res[c]):.0f} MiB", flush=True)
 
 
 if __name__ == "__main__":
