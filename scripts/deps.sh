@@ -10,7 +10,7 @@ build_pkgs=(build-essential cmake pkg-config libgrpc-dev protobuf-c-compiler lib
   libuv1-dev libssl-dev libhttp-parser-dev libcjson-dev zlib1g-dev)
 test_pkgs=(libcmocka-dev python3-numpy python3-grpcio python3-protobuf protobuf-compiler
   protobuf-compiler-grpc gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user clang
-  libclang-rt-14-dev iperf3 prometheus yamllint docker-compose python3-torch python3-sklearn
+  libclang-rt-14-dev iperf3 iptables prometheus yamllint docker-compose python3-torch python3-sklearn
   openssl iproute2 procps clang-format-14 libcmocka-dev:arm64 libcjson-dev:arm64 libssl-dev:arm64
   python3-pip python3-venv python3-setuptools python3-wheel python3-tqdm python3-matplotlib
   libopenblas0-serial etcd-server nghttp2-proxy)
