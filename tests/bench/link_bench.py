@@ -402,12 +402,18 @@ class Link:
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                timeout=seconds + 30)
             PROCS.stop([srv], wait=5)
-            if r.returncode == 0:
+            if r.returncode != 0:
+                continue
+            # iperf3 can exit 0 with an "error" and no sums (a client that
+            # lost its server under load): that try failed too.
+            try:
                 end = json.loads(r.stdout)["end"]
                 if bidir:
                     return (end["sum_received"]["bits_per_second"] / 8e9,
                             end["sum_received_bidir_reverse"]["bits_per_second"] / 8e9)
                 return end["sum_received"]["bits_per_second"] / 8e9
+            except (ValueError, KeyError, TypeError):
+                continue
         return (nan, nan) if bidir else nan
 
     def measure(self, seconds, want=0.0, tries=3, streams=1):
