@@ -35,11 +35,16 @@ tag=st$((RANDOM % 100000))
 "${bench[@]}" --tag "$tag" --contenders fp32 --steps-10m 200 >/dev/null 2>&1 &
 pid=$!
 trap 'kill "$pid" 2>/dev/null || true' EXIT
-for _ in $(seq 1 300); do  # until its shards run (at most 30 s)
-  [[ -n $(ip netns pids "fpslb-s-$tag" 2>/dev/null) ]] && break
+# Until something runs in its namespaces (at most 60 s: the iperf3 checks
+# come first and take longer on a loaded machine). The processes are
+# recorded when seen: one iperf3 server of the link check exits after its
+# test, so a second look can find none.
+inside=
+for _ in $(seq 1 600); do
+  inside=$(ip netns pids "fpslb-s-$tag" 2>/dev/null; ip netns pids "fpslb-w-$tag" 2>/dev/null) || true
+  [[ -n $inside ]] && break
   sleep 0.1
 done
-inside=$(ip netns pids "fpslb-s-$tag" 2>/dev/null; ip netns pids "fpslb-w-$tag" 2>/dev/null) || true
 [[ -n $inside ]] || { echo "link_smoke: the run never started its shards" >&2; exit 1; }
 kill -TERM "$pid"
 rc=0

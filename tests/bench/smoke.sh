@@ -5,7 +5,9 @@
 # side_by_side.py must complete a tiny sync + async matrix with fp32 and
 # bf16 on the wire (no peer, no iperf3: timings are not checked here),
 # printing the sync memory bound per shard; perf_summary.py (the profile
-# helper's report) must group a canned perf report right.
+# helper's report) must group a canned perf report right; push_chunks.py
+# must A/B two sets of shard flags, and shape_bound.py give its known
+# figures.
 #   smoke.sh BUILD_DIR SOURCE_DIR
 set -eu
 build=$1 src=$2
@@ -59,3 +61,22 @@ for want in " 35.00%  kernel TCP copies" " 25.00%  decode / sum kernels" \
   "user 55.0%, kernel 45.0%"; do
   echo "$summary" | grep -qF -- "$want" || { echo "smoke: perf_summary lacks '$want'" >&2; exit 1; }
 done
+# push_chunks.py runs one contender per set of shard flags and reports each
+# one's shard VmHWM.
+chunks=$(/usr/bin/python3 "$src/tests/bench/push_chunks.py" --build "$build" --params 300k \
+  --workers 2 --chunks 8Mi --reps 1 --steps-10m 2 --shard-flags= \
+  --shard-flags=--http2-bdp-probe=true 2>/dev/null)
+echo "$chunks"
+for want in "chunk 8388608: steps/s" "chunk 8388608 --http2-bdp-probe=true: steps/s"; do
+  echo "$chunks" | grep -F -- "$want" | grep -q "shard VmHWM [0-9]* MiB" ||
+    { echo "smoke: push_chunks lacks '$want' with its VmHWM" >&2; exit 1; }
+done
+# shape_bound.py: the 10M model's known figures (0.70 with fp32's 8 MiB
+# chunks; bf16 cut at wire bytes 0.54, at fp32's chunks 0.70).
+shape=$(/usr/bin/python3 "$src/tests/bench/shape_bound.py" --params 10M --workers 2 --chunks 8Mi)
+echo "$shape"
+echo "$shape" | grep -q "10M W2 f32 chunk 8 MiB: .*shape bound sync 0.70" &&
+  echo "$shape" | grep -q "10M W2 bf16 chunk 8 MiB: .*shape bound sync 0.54" &&
+  /usr/bin/python3 "$src/tests/bench/shape_bound.py" --params 10M --workers 2 --chunks 8Mi \
+    --wire bf16 --fp32-chunks | grep -q "shape bound sync 0.70" ||
+  { echo "smoke: shape_bound.py figures changed" >&2; exit 1; }
