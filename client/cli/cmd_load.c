@@ -101,8 +101,8 @@ static void usage(FILE *out) {
           "shards, which must then run --mode sync with --peers; 32Mi (libfactorps'\n"
           "FPS_SPLIT_MIN_BYTES_DEFAULT) balances the 100M models' shard bytes to 5%%.\n"
           "--push-chunk-bytes N pushes each shard's tensors as concurrent calls over chunks\n"
-          "of about N wire bytes (default 8Mi, FPS_PUSH_CHUNK_BYTES_DEFAULT; 0: one call\n"
-          "per shard).\n"
+          "of about N bytes of fp32 gradient, bf16 too (default 8Mi,\n"
+          "FPS_PUSH_CHUNK_BYTES_DEFAULT; 0: one call per shard).\n"
           "--shards defaults to $FACTORPS_SHARDS.\n"
           FPS_CLI_SEC_USAGE);
 }

@@ -69,6 +69,23 @@ class ClientTest(unittest.TestCase):
         with self.assertRaises(factorps.InvalidArgumentError):
             factorps.connect(self.shards.addrs, push_chunk_bytes=-1)
 
+    def test_bf16_cuts_the_chunks_fp32_cuts(self):
+        # push_chunk_bytes counts fp32 bytes whatever the wire dtype: four
+        # 250-element tensors (1000 fp32 bytes each) with a 2000-byte chunk
+        # are two calls per push in fp32 and in bf16 alike (in bf16 wire
+        # bytes they would fit one chunk of 2000 and go as one call).
+        shapes = {f"t{i}": (250,) for i in range(4)}
+        calls = {}
+        for wire in ("f32", "bf16"):
+            shards = Shards(1, mode="sync", workers=1)
+            self.addCleanup(shards.close)
+            c = factorps.connect(shards.addrs, deadline=20, push_chunk_bytes=2000, wire_dtype=wire)
+            self.addCleanup(c.close)
+            c.create([factorps.TensorSpec(n, s, np.zeros(s, np.float32)) for n, s in shapes.items()])
+            c.push_pull({n: np.ones(s, np.float32) for n, s in shapes.items()})
+            calls[wire] = c.stats()[0]["pushes"]
+        self.assertEqual(calls, {"f32": 2, "bf16": 2})
+
     def test_push_pull_matches_reference(self):
         refs = {n: ReferenceAdafactor(s, "torch") for n, s in SHAPES.items()}
         want = dict(self.init)

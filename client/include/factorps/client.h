@@ -147,8 +147,11 @@ typedef struct fps_client_options_s {
                                     refuses a block's Create with
                                     FAILED_PRECONDITION) in sync mode. */
   uint64_t push_chunk_bytes;     /* push_pull cuts a shard's tensors into
-                                    chunks of at least this many wire bytes
-                                    (whole tensors or row blocks; at most
+                                    chunks of at least this many bytes of
+                                    fp32 gradient (4 per element with
+                                    either wire dtype, so bf16 cuts the
+                                    chunks fp32 cuts; whole tensors or row
+                                    blocks; at most
                                     32 chunks per shard), each its own call
                                     with its own push_id, so the shard
                                     applies and answers the first chunks

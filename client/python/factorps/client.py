@@ -860,12 +860,12 @@ def connect(shards, **options):
     SPLIT_MIN_BYTES_DEFAULT and the README's "Split tensors"),
     push_chunk_bytes (None: libfactorps' default, 8 MiB; each push goes to
     each shard as concurrent calls over chunks of its tensors of at least
-    this many bytes, so parameters flow back while gradients still flow up;
-    0: one call per shard; docs/client.md), job_id (None; the job's
-    identity, 1..64 bytes of [A-Za-z0-9._:-], the same for every worker of
-    a job: a shard serving another job, e.g. one that restored another
-    job's checkpoint, refuses create() with FailedPreconditionError naming
-    both).
+    this many bytes of fp32 gradient, in bf16 too, so parameters flow back
+    while gradients still flow up; 0: one call per shard; docs/client.md),
+    job_id (None; the job's identity, 1..64 bytes of [A-Za-z0-9._:-], the
+    same for every worker of a job: a shard serving another job, e.g. one
+    that restored another job's checkpoint, refuses create() with
+    FailedPreconditionError naming both).
     Connection is lazy: an unreachable shard fails the first call; a failed
     TLS handshake raises UnavailableError, a missing or wrong token
     UnauthenticatedError."""
