@@ -4,7 +4,7 @@ bound a chunked push can reach at best, whatever the CPUs do.
 
     /usr/bin/python3 tests/bench/shape_bound.py [--params 10M,100M]
         [--workers 2,4] [--chunks 0,2Mi,4Mi,8Mi] [--wire f32,bf16] [--shards 2]
-        [--fp32-chunks]
+        [--wire-chunks]
 
 A shard applies a tensor only once it has the whole gradient (its factored
 statistics need every row), and in sync only once every worker's gradient is
@@ -13,21 +13,21 @@ This is a fluid model of one step with the tensors `factorps load --model
 peer` uses (the peer's 64 shapes): the client's placement (largest first
 onto the lightest shard) and its chunk plan (libfactorps plan_chunks:
 largest items first, cut at the target, at most 32 chunks per shard, the
-first chunk sent the first one of at most 2 x target; the target counts wire
-bytes, as libfactorps does, or with --fp32-chunks 4 bytes per element
-whatever the wire dtype, so that bf16 cuts the chunks fp32 cuts). Every
-worker x shard flow uploads its chunks back to back, the up link shared
-fairly among the flows still uploading; a chunk's reply (as many bytes as
-its request) may start once every worker's copy is up (sync) or its own is
-(async), the down link shared fairly among the replies in flight. Both
-directions run at the same rate; nothing costs time but bytes on the link.
-Every worker starts its step at the same moment: right for sync, pessimistic
-for async, whose workers drift out of phase so that one's replies overlap
-another's upload (async runs can pass its figure). Printed: the chunks per
-shard, the largest chunk, and upload bytes / step time, the fraction of the
-link's step bound (link_bench.py's "/ bound") this shape allows. Ties of
-equal sizes are broken arbitrarily here (by name in the client), which can
-move a figure by a point.
+first chunk sent the first one of at most 2 x target; the target counts 4
+bytes per element whatever the wire dtype, as libfactorps does, so that bf16
+cuts the chunks fp32 cuts, or wire bytes with --wire-chunks, as it did
+before). Every worker x shard flow uploads its chunks back to back, the up
+link shared fairly among the flows still uploading; a chunk's reply (as many
+bytes as its request) may start once every worker's copy is up (sync) or its
+own is (async), the down link shared fairly among the replies in flight.
+Both directions run at the same rate; nothing costs time but bytes on the
+link. Every worker starts its step at the same moment: right for sync,
+pessimistic for async, whose workers drift out of phase so that one's
+replies overlap another's upload (async runs can pass its figure). Printed:
+the chunks per shard, the largest chunk, and upload bytes / step time, the
+fraction of the link's step bound (link_bench.py's "/ bound") this shape
+allows. Ties of equal sizes are broken arbitrarily here (by name in the
+client), which can move a figure by a point.
 """
 
 import argparse
@@ -108,8 +108,8 @@ def main():
     ap.add_argument("--chunks", default="0,2Mi,4Mi,8Mi")
     ap.add_argument("--wire", default="f32,bf16")
     ap.add_argument("--shards", type=int, default=2)
-    ap.add_argument("--fp32-chunks", action="store_true",
-                    help="chunk targets in fp32 bytes (4 per element) whatever the wire dtype")
+    ap.add_argument("--wire-chunks", action="store_true",
+                    help="chunk targets in wire bytes (libfactorps before it counted fp32 bytes)")
     a = ap.parse_args()
     for n in [count(x) for x in a.params.split(",")]:
         shapes = model_shapes(n)
@@ -120,7 +120,7 @@ def main():
                 for target in [count(x) for x in a.chunks.split(",")]:
                     # The plan cuts at the target in its unit, the link
                     # carries wire bytes.
-                    scale = esz / 4 if a.fp32_chunks else 1
+                    scale = 1 if a.wire_chunks else esz / 4
                     plans = [plan(p, max(1, int(target * scale)) if target else 0) for p in per]
                     upload = w * sum(map(sum, plans))
                     bounds = [upload / step_time(plans, w, sync) for sync in (True, False)]
