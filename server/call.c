@@ -152,8 +152,9 @@ void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec dead
                            grpc_metadata_array *md, grpc_byte_buffer *payload, size_t size,
                            void (*destroy)(fps_call_t *), void (*on_batch)(fps_call_t *, bool),
                            const char *method, const ProtobufCMessageDescriptor *desc,
-                           fps_call_t **out) {
+                           fps_call_t **out, uint64_t *held) {
   *out = NULL;
+  *held = 0;
   fps_call_t *c = fps_calloc(1, size);
   if (!c) {
     grpc_call_cancel_with_status(call, fps_status_from_err(FPS_ENOMEM), "out of memory", NULL);
@@ -179,7 +180,7 @@ void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec dead
                    fps_bb_flatten_why(rc));
   } else {
     char why[FPS_WHY_MAX];
-    rc = fps_wire_unpack(desc, buf, len, srv->cfg.max_bytes, &req, why, sizeof why);
+    rc = fps_wire_unpack_held(desc, buf, len, srv->cfg.max_bytes, &srv->decode, held, &req, why, sizeof why);
     if (rc < 0) fps_call_error(c, rc, "%s: %s", method, why);
   }
   /* protobuf-c copies bytes fields: the flat buffer is not needed after. */

@@ -52,6 +52,9 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
      "most parameter bytes this shard holds (0: half the memory cgroup's limit, or of the physical memory)"},
     {"max-staging-bytes", CFG_U64, OFF(max_staging_bytes), "0", 0, 1.8e19,
      "most bytes of gradient staging and reply snapshots over all calls (0: same as --max-bytes)"},
+    {"max-decode-bytes", CFG_U64, OFF(max_decode_bytes), "0", 0, 1.8e19,
+     "most bytes of requests being decoded and handled over all calls (0: the larger of a quarter of "
+     "--max-bytes and 4x --max-message-bytes)"},
     {"max-concurrent-calls", CFG_U32, OFF(max_concurrent_calls), "4096", 1, 1e6,
      "calls in progress at once, parked sync/ssp pushes included (more: RESOURCE_EXHAUSTED)"},
     {"max-streams-per-connection", CFG_U32, OFF(max_streams_per_connection), "1024", 1, 1e6,
@@ -354,6 +357,13 @@ static int fps__cfg_check(fps_config_t *cfg) {
     FPS_LOG(FPS_LOG_INFO, "--max-bytes %" PRIu64 ": half of %" PRIu64 " bytes (%s)", cfg->max_bytes, lim, src);
   }
   if (cfg->max_staging_bytes == 0) cfg->max_staging_bytes = cfg->max_bytes;
+  if (cfg->max_decode_bytes == 0) {
+    /* Room for the largest message with its values (decoded 1x, held
+     * twice as received while decoded: 3x) and then some; on a large
+     * shard, a quarter of what its parameters may take. */
+    uint64_t four = cfg->max_message_bytes * 4;
+    cfg->max_decode_bytes = cfg->max_bytes / 4 > four ? cfg->max_bytes / 4 : four;
+  }
   if (!*cfg->checkpoint_dir && (cfg->checkpoint_interval > 0 || cfg->require_checkpoint)) {
     FPS_LOG(FPS_LOG_ERROR, "--%s needs --checkpoint-dir",
             cfg->require_checkpoint ? "require-checkpoint" : "checkpoint-interval");

@@ -174,6 +174,7 @@ int main(int argc, char **argv) {
 
   pthread_mutex_init(&srv.calls_mu, NULL);
   pthread_rwlock_init(&srv.batch_gate, NULL);
+  srv.decode.limit = srv.cfg.max_decode_bytes;
   fps_shard_opts_t opts;
   fps_config_shard_opts(&srv.cfg, &opts);
   if (fps_shard_new(&opts, kernels, pool, &srv.shard) < 0) {

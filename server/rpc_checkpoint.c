@@ -138,10 +138,11 @@ void fps_rpc_checkpoint_stop(fps_server_t *srv) {
 void fps_rpc_checkpoint_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                               grpc_metadata_array *md, grpc_byte_buffer *payload) {
   fps_call_t *c;
+  uint64_t held;
   Factorps__V1__CheckpointRequest *req = fps_call_start_unary(srv, call, deadline, md, payload, sizeof(fps_ckpt_call_t),
-      fps__ckpt_call_destroy, NULL, "Checkpoint", &factorps__v1__checkpoint_request__descriptor, &c);
+      fps__ckpt_call_destroy, NULL, "Checkpoint", &factorps__v1__checkpoint_request__descriptor, &c, &held);
   if (!req) return;
-  protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
+  fps_wire_request_free(&srv->decode, &req->base, held);
   fps_ckpt_call_t *cc = (fps_ckpt_call_t *)c;
   if (!*srv->cfg.checkpoint_dir) {
     fps_call_error(c, FPS_ESTATE, "Checkpoint: shard %u was started without --checkpoint-dir", srv->cfg.shard_id);

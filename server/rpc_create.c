@@ -208,9 +208,10 @@ done:
 void fps_rpc_create_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                           grpc_metadata_array *md, grpc_byte_buffer *payload) {
   fps_call_t *c;
+  uint64_t held;
   Factorps__V1__CreateRequest *req = fps_call_start_unary(srv, call, deadline, md, payload, sizeof(fps_create_call_t),
-      fps__create_destroy, NULL, "Create", &factorps__v1__create_request__descriptor, &c);
+      fps__create_destroy, NULL, "Create", &factorps__v1__create_request__descriptor, &c, &held);
   if (!req) return;
   fps__create_run((fps_create_call_t *)c, req);
-  protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
+  fps_wire_request_free(&srv->decode, &req->base, held);
 }

@@ -67,9 +67,10 @@ static int fps__exchange_check(fps_server_t *srv, const Factorps__V1__ExchangeRe
 void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                             grpc_metadata_array *md, grpc_byte_buffer *payload) {
   fps_call_t *c;
+  uint64_t held;
   Factorps__V1__ExchangeRequest *req = fps_call_start_unary(
       srv, call, deadline, md, payload, sizeof(fps_exchange_call_t), fps__exchange_destroy, NULL,
-      "Exchange", &factorps__v1__exchange_request__descriptor, &c);
+      "Exchange", &factorps__v1__exchange_request__descriptor, &c, &held);
   if (!req) return;
   char why[FPS_WHY_MAX];
   /* A peer's token speaks for one shard (--exchange-token-file): it may
@@ -90,7 +91,7 @@ void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
     /* May complete this shard's step of the tensor, on this thread. */
     rc = fps_shard_exchange_receive(srv->shard, &m, why, sizeof why);
   }
-  protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
+  fps_wire_request_free(&srv->decode, &req->base, held);
   if (rc < 0) {
     fps_call_error(c, rc, "%s", why);
     return;

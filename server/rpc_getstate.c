@@ -161,10 +161,11 @@ static void fps__getstate_run(fps_getstate_call_t *gc, const Factorps__V1__GetSt
 void fps_rpc_getstate_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline, grpc_metadata_array *md,
                             grpc_byte_buffer *payload) {
   fps_call_t *c;
+  uint64_t held;
   Factorps__V1__GetStateRequest *req = fps_call_start_unary(
       srv, call, deadline, md, payload, sizeof(fps_getstate_call_t), fps__getstate_destroy, fps__getstate_on_batch,
-      "GetState", &factorps__v1__get_state_request__descriptor, &c);
+      "GetState", &factorps__v1__get_state_request__descriptor, &c, &held);
   if (!req) return;
   fps__getstate_run((fps_getstate_call_t *)c, req);
-  protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
+  fps_wire_request_free(&srv->decode, &req->base, held);
 }

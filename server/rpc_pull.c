@@ -87,9 +87,10 @@ static void fps__pull_run(fps_pull_call_t *pc, const Factorps__V1__PullRequest *
 void fps_rpc_pull_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                         grpc_metadata_array *md, grpc_byte_buffer *payload) {
   fps_call_t *c;
+  uint64_t held;
   Factorps__V1__PullRequest *req = fps_call_start_unary(srv, call, deadline, md, payload, sizeof(fps_pull_call_t),
-      fps__pull_destroy, fps__pull_on_batch, "Pull", &factorps__v1__pull_request__descriptor, &c);
+      fps__pull_destroy, fps__pull_on_batch, "Pull", &factorps__v1__pull_request__descriptor, &c, &held);
   if (!req) return;
   fps__pull_run((fps_pull_call_t *)c, req);
-  protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
+  fps_wire_request_free(&srv->decode, &req->base, held);
 }

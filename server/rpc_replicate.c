@@ -395,15 +395,16 @@ static void fps__rp_on_batch(fps_call_t *c, bool ok) {
     return;
   }
   ProtobufCMessage *msg = NULL;
-  rc = fps_wire_unpack(&factorps__v1__replicate_request__descriptor, flat, len, c->srv->cfg.max_bytes, &msg, why,
-                       sizeof why);
+  uint64_t held;
+  rc = fps_wire_unpack_held(&factorps__v1__replicate_request__descriptor, flat, len, c->srv->cfg.max_bytes,
+                            &c->srv->decode, &held, &msg, why, sizeof why);
   fps_free(flat);
   if (rc < 0) {
     fps__rp_fail(rp, rc, why);
     return;
   }
   int code = fps__rp_message(rp, (Factorps__V1__ReplicateRequest *)msg, why, sizeof why);
-  protobuf_c_message_free_unpacked(msg, &fps_wire_allocator);
+  fps_wire_request_free(&c->srv->decode, msg, held);
   if (code != 0) {
     fps__rp_fail(rp, code, why);
     return;

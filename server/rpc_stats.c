@@ -176,9 +176,10 @@ out:
 void fps_rpc_stats_start(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                          grpc_metadata_array *md, grpc_byte_buffer *payload) {
   fps_call_t *c;
+  uint64_t held;
   Factorps__V1__StatsRequest *req = fps_call_start_unary(srv, call, deadline, md, payload, sizeof(fps_stats_call_t),
-      fps__stats_destroy, NULL, "Stats", &factorps__v1__stats_request__descriptor, &c);
+      fps__stats_destroy, NULL, "Stats", &factorps__v1__stats_request__descriptor, &c, &held);
   if (!req) return;
   fps__stats_run((fps_stats_call_t *)c, req);
-  protobuf_c_message_free_unpacked(&req->base, &fps_wire_allocator);
+  fps_wire_request_free(&srv->decode, &req->base, held);
 }

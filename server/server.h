@@ -84,6 +84,7 @@ typedef struct fps_config_s {
   uint64_t max_tensors;       /* Create beyond this: RESOURCE_EXHAUSTED */
   uint64_t max_bytes;         /* parameter bytes beyond this: RESOURCE_EXHAUSTED */
   uint64_t max_staging_bytes; /* gradient staging + reply snapshots, all calls */
+  uint64_t max_decode_bytes;  /* requests being decoded and handled, all calls (wire.h) */
   uint32_t max_concurrent_calls; /* calls in progress; more: RESOURCE_EXHAUSTED */
   uint32_t max_streams_per_connection; /* HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS */
   char *tls_cert;             /* PEM chain, "" = plaintext (auth.c) */
@@ -185,15 +186,16 @@ int fps_call_begin(fps_call_t *c, fps_server_t *srv, grpc_call *call, gpr_timesp
 /* The start of every unary handler (Create, Pull, Stats, Checkpoint):
  * allocates the handler's call state (`size` bytes, fps_call_t first,
  * zeroed), begins the call and decodes the request with `desc`. Returns the
- * request (free it with protobuf_c_message_free_unpacked and
- * &fps_wire_allocator) and sets *out to the call; on failure the call has
+ * request (free it with fps_wire_request_free(&srv->decode, req, *held):
+ * its decoded size stays reserved in the shard's --max-decode-bytes until
+ * then) and sets *out to the call; on failure the call has
  * been answered or cancelled and NULL is returned. Takes ownership of
  * call, md and payload in every case. */
 void *fps_call_start_unary(fps_server_t *srv, grpc_call *call, gpr_timespec deadline,
                            grpc_metadata_array *md, grpc_byte_buffer *payload, size_t size,
                            void (*destroy)(fps_call_t *), void (*on_batch)(fps_call_t *, bool),
                            const char *method, const ProtobufCMessageDescriptor *desc,
-                           fps_call_t **out);
+                           fps_call_t **out, uint64_t *held);
 /* Starts RECV_MESSAGE into c->recv_buf; on_batch runs on completion. */
 int fps_call_recv(fps_call_t *c);
 /* After a RECV_MESSAGE completed with no message: in gRPC's C core that is
@@ -231,6 +233,15 @@ const char *fps_bb_flatten_why(int rc);
 
 /* ---------------------------------------------------------- the server */
 
+/* Bytes held by requests being decoded and handled, shard-wide: each
+ * request reserves its decoded size (fps_wire_cost()) and its received
+ * bytes before protobuf-c decodes it, and gives them back when the decoded
+ * message is freed (wire.h). Shared by every poller thread: atomic. */
+typedef struct fps_decode_budget_s {
+  _Atomic uint64_t held;
+  uint64_t limit;
+} fps_decode_budget_t;
+
 struct fps_server_s {
   fps_config_t cfg;
   fps_shard_t *shard;               /* the core: every rule and all state */
@@ -242,6 +253,7 @@ struct fps_server_s {
   void *method[FPS_METHOD_COUNT];   /* registered method handles */
   int port;
   atomic_bool shutting_down;
+  fps_decode_budget_t decode;       /* --max-decode-bytes (wire.h) */
   /* Every batch is started under the read side; fps_grpc_stop takes the
    * write side to close it before shutting the queue down, since gRPC
    * aborts on a batch started after grpc_completion_queue_shutdown (a

@@ -280,10 +280,11 @@ static void *fps__wire_alloc_noting(void *data, size_t size) {
  * of its received size or max_bytes; the count stops there, so a hostile
  * request costs the walk of its first part only. */
 static int fps__wire_admit(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, size_t received,
-                           uint64_t max_bytes, char *why, size_t wl) {
+                           uint64_t max_bytes, uint64_t *cost, char *why, size_t wl) {
   uint64_t bound = fps_wire_decode_bound(received);
   uint64_t limit = bound < max_bytes ? bound : max_bytes;
-  if (fps_wire_cost(desc, buf, len, limit) <= limit) return 0;
+  *cost = fps_wire_cost(desc, buf, len, limit);
+  if (*cost <= limit) return 0;
   if (limit == bound)
     snprintf(why, wl,
              "decoding this %zu-byte %s would take more than the %" PRIu64
@@ -295,12 +296,33 @@ static int fps__wire_admit(const ProtobufCMessageDescriptor *desc, const uint8_t
   return FPS_ELIMIT;
 }
 
+int fps_decode_reserve(fps_decode_budget_t *b, uint64_t n, uint64_t *held_by_others) {
+  uint64_t cur = atomic_load(&b->held);
+  do {
+    *held_by_others = cur;
+    if (n > b->limit || cur > b->limit - n) return FPS_ELIMIT;
+  } while (!atomic_compare_exchange_weak(&b->held, &cur, cur + n));
+  return 0;
+}
+
+void fps_decode_release(fps_decode_budget_t *b, uint64_t n) {
+  if (n) atomic_fetch_sub(&b->held, n);
+}
+
 int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, uint64_t max_bytes,
                     ProtobufCMessage **out, char *why, size_t wl) {
+  return fps_wire_unpack_held(desc, buf, len, max_bytes, NULL, NULL, out, why, wl);
+}
+
+int fps_wire_unpack_held(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, uint64_t max_bytes,
+                         fps_decode_budget_t *budget, uint64_t *held, ProtobufCMessage **out, char *why, size_t wl) {
   *out = NULL;
+  if (held) *held = 0;
+  if (budget && !budget->limit) budget = NULL;
   size_t received = len;
+  uint64_t cost = 0;
   /* First, before anything else reads all of it. */
-  int code = max_bytes ? fps__wire_admit(desc, buf, len, received, max_bytes, why, wl) : 0;
+  int code = max_bytes ? fps__wire_admit(desc, buf, len, received, max_bytes, &cost, why, wl) : 0;
   if (code < 0) return code;
   bool repeats = false;
   code = fps__wire_walk(desc, buf, len, 0, &repeats, why, wl);
@@ -318,16 +340,39 @@ int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, 
     len = (size_t)m;
     /* The count above was of the parts: protobuf-c will decode the
      * merged bytes, which are counted again. */
-    code = max_bytes ? fps__wire_admit(desc, buf, len, received, max_bytes, why, wl) : 0;
+    code = max_bytes ? fps__wire_admit(desc, buf, len, received, max_bytes, &cost, why, wl) : 0;
     if (code < 0) {
       fps_free(canon);
       return code;
+    }
+  }
+  /* While protobuf-c decodes, the request is held three ways: decoded,
+   * as received (gRPC's buffer and the caller's flat copy) and merged. */
+  uint64_t wire = 2 * (uint64_t)received + (canon ? len : 0);
+  if (budget) {
+    if (!max_bytes) cost = fps_wire_cost(desc, buf, len, budget->limit);
+    uint64_t others;
+    if (fps_decode_reserve(budget, cost + wire, &others) < 0) {
+      fps_free(canon);
+      snprintf(why, wl,
+               "decoding this %zu-byte %s would hold %" PRIu64 " bytes, beyond what is left of the %" PRIu64
+               "-byte budget for requests being decoded and handled (--max-decode-bytes; %" PRIu64
+               " bytes held by other calls): retry later",
+               received, desc->short_name, cost + wire, budget->limit, others);
+      return FPS_ELIMIT;
     }
   }
   bool oom = false;
   ProtobufCAllocator noting = {fps__wire_alloc_noting, fps__wire_free, &oom};
   *out = protobuf_c_message_unpack(desc, &noting, len, buf);
   fps_free(canon);
+  if (budget) {
+    /* The caller frees its copies of the wire bytes next: what stays is
+     * the decoded message, until fps_wire_request_free(). */
+    fps_decode_release(budget, *out ? wire : cost + wire);
+    if (*out && held) *held = cost;
+    if (*out && !held) fps_decode_release(budget, cost);
+  }
   if (!*out && oom) {
     snprintf(why, wl, "%s: out of memory decoding a %zu-byte message", desc->short_name, len);
     return FPS_ENOMEM;
@@ -337,6 +382,11 @@ int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, 
     return FPS_EPROTO;
   }
   return 0;
+}
+
+void fps_wire_request_free(fps_decode_budget_t *budget, ProtobufCMessage *msg, uint64_t held) {
+  if (msg) protobuf_c_message_free_unpacked(msg, &fps_wire_allocator);
+  if (budget) fps_decode_release(budget, held);
 }
 
 /* --------------------------------- the same checks, on received buffers */

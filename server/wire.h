@@ -40,6 +40,29 @@ extern ProtobufCAllocator fps_wire_allocator;
 int fps_wire_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, uint64_t max_bytes,
                     ProtobufCMessage **out, char *why, size_t why_len);
 
+/* fps_wire_unpack(), holding the request in the shard-wide budget (NULL,
+ * or a limit of 0: none): before protobuf-c decodes it, reserves its
+ * decoded size (fps_wire_cost()) and its received bytes as they are held
+ * while it is decoded (twice, three times if merged); when that does not
+ * fit in what is left, refuses it with FPS_ELIMIT naming the budget
+ * (--max-decode-bytes), nothing decoded. After decoding the received
+ * bytes are given back; *held (its decoded size) stays reserved until
+ * fps_wire_request_free(). On error nothing stays reserved (*held 0). */
+int fps_wire_unpack_held(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len, uint64_t max_bytes,
+                         fps_decode_budget_t *budget, uint64_t *held, ProtobufCMessage **out, char *why,
+                         size_t why_len);
+
+/* Frees a request from fps_wire_unpack_held() (msg may be NULL) and gives
+ * its held bytes back to budget. */
+void fps_wire_request_free(fps_decode_budget_t *budget, ProtobufCMessage *msg, uint64_t held);
+
+/* Reserves n bytes of b: 0, or FPS_ELIMIT when b->held + n would exceed
+ * b->limit (nothing reserved). *held_by_others: what was held then. Safe
+ * from any thread. */
+int fps_decode_reserve(fps_decode_budget_t *b, uint64_t n, uint64_t *held_by_others);
+/* Gives back n bytes reserved with fps_decode_reserve(). */
+void fps_decode_release(fps_decode_budget_t *b, uint64_t n);
+
 /* The most memory decoding a len-byte request may take:
  * FPS_WIRE_COST_RATIO * len + FPS_WIRE_COST_SLACK (wire_cost.h). */
 static inline uint64_t fps_wire_decode_bound(size_t len) {

@@ -92,6 +92,7 @@ static void shard_start(const char *mode, bool checkpoints) {
   }
   pthread_mutex_init(&g_srv.calls_mu, NULL);
   pthread_rwlock_init(&g_srv.batch_gate, NULL);
+  g_srv.decode.limit = g_srv.cfg.max_decode_bytes;
   fps_shard_opts_t opts;
   fps_config_shard_opts(&g_srv.cfg, &opts);
   assert_int_equal(fps_shard_new(&opts, kernels, g_pool, &g_srv.shard), 0);
@@ -135,21 +136,23 @@ static void shard_stop(void) {
 }
 
 /* Waits until the shard has no call left (the last one's reply may still
- * be in flight when the client returns) and no staging bytes in flight (a
- * reply's snapshot is dropped with its call): an idle shard holds none
- * but its tensors' spares. */
+ * be in flight when the client returns), no staging bytes in flight (a
+ * reply's snapshot is dropped with its call) and no request held in the
+ * decode budget (given back on every path, failures included): an idle
+ * shard holds none but its tensors' spares. */
 static void shard_settle(void) {
   const uint64_t tbuf = 0;
   for (int i = 0; i < 2000; i++) {
     pthread_mutex_lock(&g_srv.calls_mu);
     uint64_t n = g_srv.ncalls;
     pthread_mutex_unlock(&g_srv.calls_mu);
-    if (n == 0 && fps_shard_in_flight_bytes(g_srv.shard) == tbuf) return;
+    if (n == 0 && fps_shard_in_flight_bytes(g_srv.shard) == tbuf && atomic_load(&g_srv.decode.held) == 0) return;
     struct timespec ts = {0, 5 * 1000 * 1000};
     nanosleep(&ts, NULL);
   }
-  fail_msg("the shard still has calls or staging bytes (%" PRIu64 ", want %" PRIu64 ") after 10 s",
-           fps_shard_in_flight_bytes(g_srv.shard), tbuf);
+  fail_msg("the shard still has calls, staging bytes (%" PRIu64 ", want %" PRIu64 ") or decode budget held (%" PRIu64
+           ") after 10 s",
+           fps_shard_in_flight_bytes(g_srv.shard), tbuf, (uint64_t)atomic_load(&g_srv.decode.held));
 }
 
 /* ------------------------------------------------------ the shard's state */

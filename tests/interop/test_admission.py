@@ -19,6 +19,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 import time
 import unittest
 
@@ -168,6 +169,106 @@ class DecodeBound(unittest.TestCase):
                   (req.ByteSize() / 2 ** 20, grown / 2 ** 20))
             _, tensors = H.stats(srv.stub)
             self.assertEqual(len(tensors), 20002)
+        finally:
+            srv.stop()
+
+
+def reset_peak_rss(pid):
+    """Sets the shard's VmHWM back to its VmRSS (Linux clear_refs 5);
+    returns VmRSS then."""
+    with open("/proc/%d/clear_refs" % pid, "w") as f:
+        f.write("5")
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+class DecodeBudget(unittest.TestCase):
+    """Each request is within the per-request bound, but concurrent ones
+    decoded together are held in one shard-wide budget (--max-decode-bytes):
+    a request reserves its decoded size and its received bytes before it is
+    decoded and gives them back when its decoded form is freed. CALLS
+    concurrent Creates of TENSORS small tensors (about 6.5x their message
+    size decoded), re-creating tensors the shard already has (so they add
+    no parameters), on as many poller threads: the shard's peak RSS may grow
+    by less than the budget plus the received bytes of every call (held
+    before it can be admitted) plus SLACK; each call is answered OK or
+    RESOURCE_EXHAUSTED naming the budget, at least one of each; the
+    shard's tensors are unchanged. Then, on a shard with the defaults, a
+    Create of one tensor with its values in a 62.5 MiB message passes."""
+
+    CALLS = 12
+    TENSORS = 40000
+    BUDGET = 40 << 20
+    SLACK = 16 << 20
+
+    def test_concurrent_requests_share_one_budget(self):
+        pb, _, grpc = H.stubs()
+        srv = H.Server("--mode", "async", "--threads", str(self.CALLS), "--max-decode-bytes", str(self.BUDGET))
+        try:
+            opt = H.optimizer(lr=1e-3, weight_decay=0.01)
+            req = pb.CreateRequest(shard_count=1, tensors=[
+                pb.TensorCreate(name="model.layers.%d.mlp.up_proj.weight" % i, shape=[4, 8], optimizer=opt)
+                for i in range(self.TENSORS)])
+            body = req.SerializeToString()
+            r = srv.stub.Create(req, timeout=120)
+            self.assertEqual(len(r.tensors), self.TENSORS)
+            _, before = H.stats(srv.stub)
+            rss0 = reset_peak_rss(srv.proc.pid)
+            results = [None] * self.CALLS
+            go = threading.Barrier(self.CALLS)
+
+            def send(i):
+                ch = srv.channel()
+                try:
+                    call = ch.unary_unary("/factorps.v1.ParameterServer/Create")
+                    go.wait()
+                    call(body, timeout=120)
+                    results[i] = ("OK", "")
+                except grpc.RpcError as e:
+                    results[i] = (e.code().name, e.details())
+                finally:
+                    ch.close()
+
+            threads = [threading.Thread(target=send, args=(i,)) for i in range(self.CALLS)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            grown = peak_rss(srv.proc.pid) - rss0
+            bound = self.BUDGET + self.CALLS * 2 * len(body) + self.SLACK
+            codes = [c for c, _ in results]
+            print("%d concurrent Creates of %d tensors (%.2f MiB each), budget %d MiB: %d OK, %d "
+                  "RESOURCE_EXHAUSTED; shard peak RSS +%.1f MiB (bound %.1f MiB)" %
+                  (self.CALLS, self.TENSORS, len(body) / 2 ** 20, self.BUDGET >> 20, codes.count("OK"),
+                   codes.count("RESOURCE_EXHAUSTED"), grown / 2 ** 20, bound / 2 ** 20))
+            for code, details in results:
+                if code != "OK":
+                    self.assertEqual(code, "RESOURCE_EXHAUSTED", details)
+                    self.assertIn("Create: decoding this %d-byte CreateRequest would hold" % len(body), details)
+                    self.assertIn("budget for requests being decoded and handled (--max-decode-bytes", details)
+            self.assertIn("OK", codes)
+            self.assertIn("RESOURCE_EXHAUSTED", codes)
+            self.assertLess(grown, bound, "peak RSS grew %.1f MiB" % (grown / 2 ** 20))
+            _, after = H.stats(srv.stub)
+            self.assertEqual(sorted(after), sorted(before))
+            self.assertTrue(all(after[n].version == before[n].version for n in before))
+        finally:
+            srv.stop()
+
+        # The default budget takes one large Create with its values.
+        srv = H.Server("--mode", "async")
+        try:
+            big = np.random.default_rng(2).standard_normal(4096 * 4000, dtype=np.float32)
+            rss1 = reset_peak_rss(srv.proc.pid)
+            r = H.create(srv.stub, "big", [4096, 4000], init=big, slice_elems=big.size, timeout=120)
+            self.assertTrue(r.tensors[0].ready)
+            print("Create of one [4096, 4000] tensor with its values (%.1f MiB message), default budget: "
+                  "shard peak RSS +%.1f MiB" % (big.nbytes / 2 ** 20, (peak_rss(srv.proc.pid) - rss1) / 2 ** 20))
+            got, _ = H.pull(srv.stub, {"big": [4096, 4000]})
+            np.testing.assert_array_equal(got["big"].reshape(-1), big)
         finally:
             srv.stop()
 

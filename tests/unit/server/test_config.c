@@ -92,10 +92,13 @@ static void defaults(void **state) {
   assert_true(c.lease_ttl == 2);
   assert_string_equal(c.replica_advertise, "");
   /* The derived defaults: threads from the CPUs (at least 2), the memory
-   * limits from the RAM, staging = max-bytes. */
+   * limits from the RAM, staging = max-bytes, the decode budget the larger
+   * of a quarter of max-bytes and 4 largest messages. */
   assert_true(c.threads >= 2);
   assert_true(c.max_bytes > 0);
   assert_int_equal(c.max_staging_bytes, c.max_bytes);
+  uint64_t four = c.max_message_bytes * 4;
+  assert_int_equal(c.max_decode_bytes, c.max_bytes / 4 > four ? c.max_bytes / 4 : four);
   /* Nothing refused: no error line (info lines may say how a derived
    * default was chosen). */
   assert_null(strstr(err, "factorps-server error: "));

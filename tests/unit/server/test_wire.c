@@ -2,7 +2,9 @@
  * types and the core's, on encodings made by protobuf-c itself and on
  * hand-made bytes protobuf-c would not produce (names with NUL, repeated
  * singular fields, truncations), plus allocation failures. */
+#include <pthread.h>
 #include <setjmp.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -494,6 +496,121 @@ static void bb_spans_cover_every_slice(void **state) {
   grpc_shutdown();
 }
 
+/* The shard-wide decode budget: what a request reserves, when it gives it
+ * back (after decoding: its received bytes; at fps_wire_request_free():
+ * its decoded size), and that every refusal and failure leaves nothing
+ * reserved. */
+static void budget_reserves_and_releases(void **state) {
+  (void)state;
+  fps_decode_budget_t b = {.limit = 100};
+  uint64_t others = 7;
+  assert_int_equal(fps_decode_reserve(&b, 60, &others), 0);
+  assert_int_equal(others, 0);
+  assert_int_equal(fps_decode_reserve(&b, 41, &others), FPS_ELIMIT);
+  assert_int_equal(others, 60);
+  assert_int_equal(fps_decode_reserve(&b, 40, &others), 0);
+  assert_int_equal(atomic_load(&b.held), 100);
+  assert_int_equal(fps_decode_reserve(&b, 1, &others), FPS_ELIMIT);
+  assert_int_equal(fps_decode_reserve(&b, UINT64_MAX, &others), FPS_ELIMIT);
+  fps_decode_release(&b, 60);
+  fps_decode_release(&b, 40);
+  assert_int_equal(atomic_load(&b.held), 0);
+
+  size_t len;
+  uint8_t *buf = create_request("layer.0/w", &len);
+  uint64_t cost = fps_wire_cost(CREATE_DESC, buf, len, UINT64_MAX);
+  ProtobufCMessage *m = NULL;
+  char why[512] = "";
+  uint64_t held = 99;
+  b.limit = cost + 2 * len; /* exactly room for one */
+  assert_int_equal(fps_wire_unpack_held(CREATE_DESC, buf, len, UINT64_MAX, &b, &held, &m, why, sizeof why), 0);
+  assert_non_null(m);
+  /* The received bytes are given back after decoding; the decoded size
+   * stays held until the request is freed. */
+  assert_int_equal(held, cost);
+  assert_int_equal(atomic_load(&b.held), cost);
+  fps_wire_request_free(&b, m, held);
+  assert_int_equal(atomic_load(&b.held), 0);
+
+  /* One byte short (another call holds it): refused before decoding,
+   * naming the budget, nothing reserved, nothing allocated. */
+  assert_int_equal(fps_decode_reserve(&b, 1, &others), 0);
+  m = NULL;
+  fps_alloc_fault_arm(0, 0);
+  int rc = fps_wire_unpack_held(CREATE_DESC, buf, len, UINT64_MAX, &b, &held, &m, why, sizeof why);
+  uint64_t calls = fps_alloc_calls();
+  fps_alloc_fault_disarm();
+  assert_int_equal(rc, FPS_ELIMIT);
+  assert_null(m);
+  assert_int_equal(held, 0);
+  assert_int_equal(calls, 0);
+  assert_non_null(strstr(why, "--max-decode-bytes"));
+  assert_non_null(strstr(why, "1 bytes held by other calls"));
+  assert_int_equal(atomic_load(&b.held), 1);
+  fps_decode_release(&b, 1);
+
+  /* Allocation failures at every step: nothing stays reserved. */
+  b.limit = UINT64_MAX / 2;
+  for (uint64_t nth = 1; nth < 64; nth++) {
+    m = NULL;
+    fps_alloc_fault_arm(nth, 0);
+    rc = fps_wire_unpack_held(CREATE_DESC, buf, len, UINT64_MAX, &b, &held, &m, why, sizeof why);
+    fps_alloc_fault_disarm();
+    if (rc == 0) {
+      fps_wire_request_free(&b, m, held);
+      assert_int_equal(atomic_load(&b.held), 0);
+      break;
+    }
+    assert_int_equal(rc, FPS_ENOMEM);
+    assert_int_equal(held, 0);
+    assert_int_equal(atomic_load(&b.held), 0);
+  }
+  /* Malformed (every truncation) and over --max-bytes: nothing reserved. */
+  for (size_t n = 0; n < len; n++) {
+    m = NULL;
+    rc = fps_wire_unpack_held(CREATE_DESC, buf, n, UINT64_MAX, &b, &held, &m, why, sizeof why);
+    fps_wire_request_free(&b, m, held);
+    assert_int_equal(atomic_load(&b.held), 0);
+  }
+  assert_int_equal(fps_wire_unpack_held(CREATE_DESC, buf, len, 100, &b, &held, &m, why, sizeof why), FPS_ELIMIT);
+  assert_int_equal(atomic_load(&b.held), 0);
+  /* A limit of 0 is no budget. */
+  b.limit = 0;
+  assert_int_equal(fps_wire_unpack_held(CREATE_DESC, buf, len, UINT64_MAX, &b, &held, &m, why, sizeof why), 0);
+  assert_int_equal(held, 0);
+  fps_wire_request_free(&b, m, held);
+  assert_int_equal(atomic_load(&b.held), 0);
+  free(buf);
+}
+
+/* Poller threads reserve and release at once: never more than the limit
+ * held, all of it given back (run under TSan by the sanitizer build). */
+#define BUDGET_THREADS 4
+static fps_decode_budget_t budget_shared = {.limit = 1000};
+static atomic_uint_fast64_t budget_max_seen;
+static void *budget_worker(void *arg) {
+  uint64_t n = (uint64_t)(uintptr_t)arg, others;
+  for (int i = 0; i < 20000; i++) {
+    if (fps_decode_reserve(&budget_shared, n, &others) < 0) continue;
+    uint64_t now = atomic_load(&budget_shared.held);
+    uint_fast64_t seen = atomic_load(&budget_max_seen);
+    while (now > seen && !atomic_compare_exchange_weak(&budget_max_seen, &seen, now)) {
+    }
+    fps_decode_release(&budget_shared, n);
+  }
+  return NULL;
+}
+
+static void budget_is_shared_between_threads(void **state) {
+  (void)state;
+  pthread_t t[BUDGET_THREADS];
+  for (uintptr_t i = 0; i < BUDGET_THREADS; i++)
+    assert_int_equal(pthread_create(&t[i], NULL, budget_worker, (void *)(300 + i * 100)), 0);
+  for (int i = 0; i < BUDGET_THREADS; i++) pthread_join(t[i], NULL);
+  assert_int_equal(atomic_load(&budget_shared.held), 0);
+  assert_true(atomic_load(&budget_max_seen) <= 1000);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(unpack_round_trips_a_create),
@@ -502,6 +619,8 @@ int main(void) {
       cmocka_unit_test(unpack_merges_a_repeated_singular_field),
       cmocka_unit_test(unpack_refuses_what_would_decode_too_large),
       cmocka_unit_test(unpack_reports_out_of_memory),
+      cmocka_unit_test(budget_reserves_and_releases),
+      cmocka_unit_test(budget_is_shared_between_threads),
       cmocka_unit_test(hparams_defaults_fields_and_refusals),
       cmocka_unit_test(slice_view_points_into_the_message),
       cmocka_unit_test(check_and_header_of_a_push),
