@@ -16,7 +16,9 @@ median steps/s of each, standby / solo (the issue's target: >= 0.8), and
 the bytes each primary sent its standby per step (factorps_replication_
 sent_bytes_total over the load, which includes the Create's one transfer
 of the initial values, divided by its steps) against the job's bytes per
-step (gradients in + parameters out, all workers). A busy machine slows
+step (gradients in + parameters out, all workers), and the CPU seconds
+per step of each role (primaries, standbys, the load) from /proc over the
+load. A busy machine slows
 both set-ups of a round alike, so read the ratios. Only loopback is used;
 every process started here is stopped on exit.
 """
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -98,6 +101,16 @@ def start(build, tmp, name, args):
     raise RuntimeError(f"{name} wrote no port")
 
 
+def cpu_s(p):
+    """CPU seconds (user + system) process p has used so far."""
+    try:
+        with open(f"/proc/{p.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def metric(mport, name, label=""):
     """The value of metric `name` (the series whose labels include `label`,
     e.g. 'role="primary"'), or None."""
@@ -158,12 +171,16 @@ def run_once(a, tmp, n, w, mode, standby, steps):
     procs, entries, mports = start_job(a.build, tmp, mode, w, standby)
     try:
         sent0 = [metric(m, "factorps_replication_sent_bytes_total") or 0.0 for m in mports]
+        cpu0 = [cpu_s(p) for p in procs]
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         cmd = [os.path.join(a.build, "client", "factorps"), "load", "--shards", ",".join(entries),
                "--model", "peer", "--params", str(n), "--workers", str(w), "--steps",
                str(steps + a.warmup), "--warmup", str(a.warmup), "--mode-hint", mode,
                "--deadline", str(a.deadline)]
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              timeout=3600).stdout
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu1 = [cpu_s(p) for p in procs]
         sent = sum((metric(m, "factorps_replication_sent_bytes_total") or 0.0) - s0
                    for m, s0 in zip(mports, sent0))
     finally:
@@ -174,6 +191,13 @@ def run_once(a, tmp, n, w, mode, standby, steps):
     kv = dict(x.split("=", 1) for x in m.group(0).split()[1:])
     # Steps the load made, Create aside: every worker's (async), or rounds (sync).
     total_steps = (steps + a.warmup) * (w if mode != "sync" else 1)
+    # CPU seconds per step by role over the load (start_job's order: p0
+    # b0 p1 b1 with standbys, s0 s1 without; the load is the only child
+    # reaped meanwhile). Steps here are the load's: rounds (sync) or pushes.
+    d = [y - x for x, y in zip(cpu0, cpu1)]
+    role = {"primary": sum(d[0::2]) if standby else sum(d), "standby": sum(d[1::2]) if standby else 0.0,
+            "load": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)}
+    kv["cpu"] = {k: v / total_steps for k, v in role.items()}
     return float(kv["steps_per_s"]), sent / total_steps, kv
 
 
@@ -221,10 +245,16 @@ def main():
                           f"{' '.join(f'{x[0]:.3f}' for x in res[True])}), x{with_sb / solo:.2f} "
                           f"of solo; replication {extra / 1e6:.1f} MB per step, the job "
                           f"{job / 1e6:.1f} MB per step (x{extra / job:.2f})", flush=True)
+                    cpu = {sb: {k: statistics.median(x[2]["cpu"][k] for x in res[sb])
+                                for k in ("primary", "standby", "load")} for sb in (False, True)}
+                    for sb in (False, True):
+                        print(f"  cpu s/step {'standby' if sb else 'solo   '}: " +
+                              " ".join(f"{k} {v:.4f}" for k, v in cpu[sb].items()), flush=True)
                     results.append({"params": n, "workers": w, "mode": mode, "solo_steps_per_s": solo,
                                     "standby_steps_per_s": with_sb, "ratio": with_sb / solo,
                                     "replication_bytes_per_step": extra,
                                     "job_bytes_per_step": job,
+                                    "cpu_s_per_step": {"solo": cpu[False], "standby": cpu[True]},
                                     "runs": {k and "standby" or "solo": [x[0] for x in v]
                                              for k, v in res.items()}})
     if a.json:
