@@ -5,6 +5,7 @@ interleaved, on loopback.
     /usr/bin/python3 tests/bench/replica_cost.py [--build build] [--reps 3]
         [--params 10M,100M] [--workers 2] [--modes sync,async]
         [--steps-10m 8] [--steps-100m 3] [--warmup 1] [--json OUT]
+        [--base-build OTHER_BUILD]
 
 For every (params, workers, mode) the two set-ups run interleaved, A B A B
 ..., each on fresh shards (S = 2 on 127.0.0.1) with `factorps load --model
@@ -167,8 +168,8 @@ def start_job(build, tmp, mode, w, standby):
         raise
 
 
-def run_once(a, tmp, n, w, mode, standby, steps):
-    procs, entries, mports = start_job(a.build, tmp, mode, w, standby)
+def run_once(a, tmp, n, w, mode, standby, steps, server_build=None):
+    procs, entries, mports = start_job(server_build or a.build, tmp, mode, w, standby)
     try:
         sent0 = [metric(m, "factorps_replication_sent_bytes_total") or 0.0 for m in mports]
         cpu0 = [cpu_s(p) for p in procs]
@@ -214,49 +215,57 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--deadline", type=float, default=300.0, help="of each load call")
     ap.add_argument("--json")
+    ap.add_argument("--base-build", help="another build (e.g. of the base commit) whose factorps-server "
+                    "also runs the standby set-up, interleaved (solo, base, this), for a before/after "
+                    "ratio in one run; the load is --build's")
     a = ap.parse_args()
     a.build = os.path.abspath(a.build)
+    arms = [("solo", False, None), ("standby", True, None)]
+    if a.base_build:
+        arms.insert(1, ("base", True, os.path.abspath(a.base_build)))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in [count(x) for x in a.params.split(",")]:
             steps = a.steps_10m if n < 50_000_000 else a.steps_100m
             for w in [int(x) for x in a.workers.split(",")]:
                 for mode in a.modes.split(","):
-                    res = {False: [], True: []}
+                    res = {name: [] for name, _, _ in arms}
                     t0 = time.time()
                     for r in range(a.reps):
-                        for standby in (False, True):
-                            sps, per_step, kv = run_once(a, tmp, n, w, mode, standby, steps)
-                            res[standby].append((sps, per_step, kv))
-                            log(f"  {n} W{w} {mode} {'standby' if standby else 'solo'}: "
-                                f"{sps:.3f} steps/s")
-                    solo = statistics.median(x[0] for x in res[False])
-                    with_sb = statistics.median(x[0] for x in res[True])
-                    extra = statistics.median(x[1] for x in res[True])
+                        for name, standby, sb in arms:
+                            sps, per_step, kv = run_once(a, tmp, n, w, mode, standby, steps, sb)
+                            res[name].append((sps, per_step, kv))
+                            log(f"  {n} W{w} {mode} {name}: {sps:.3f} steps/s")
+                    sps = {k: statistics.median(x[0] for x in v) for k, v in res.items()}
+                    extra = {k: statistics.median(x[1] for x in v) for k, v in res.items()}
+                    solo = sps["solo"]
                     # The job's own bytes per step: gradients in and
                     # parameters out, 4 bytes each, per push (sync: W per round).
-                    params = int(res[True][0][2]["params"])
+                    params = int(res["standby"][0][2]["params"])
                     job = 8 * params * (w if mode == "sync" else 1)
                     la = os.getloadavg()
                     print(f"{n} W{w} {mode}: {time.time() - t0:.0f} s, load {la[0]:.1f}", flush=True)
                     print(f"  solo    steps/s {solo:.3f} (runs "
-                          f"{' '.join(f'{x[0]:.3f}' for x in res[False])})")
-                    print(f"  standby steps/s {with_sb:.3f} (runs "
-                          f"{' '.join(f'{x[0]:.3f}' for x in res[True])}), x{with_sb / solo:.2f} "
-                          f"of solo; replication {extra / 1e6:.1f} MB per step, the job "
-                          f"{job / 1e6:.1f} MB per step (x{extra / job:.2f})", flush=True)
-                    cpu = {sb: {k: statistics.median(x[2]["cpu"][k] for x in res[sb])
-                                for k in ("primary", "standby", "load")} for sb in (False, True)}
-                    for sb in (False, True):
-                        print(f"  cpu s/step {'standby' if sb else 'solo   '}: " +
-                              " ".join(f"{k} {v:.4f}" for k, v in cpu[sb].items()), flush=True)
+                          f"{' '.join(f'{x[0]:.3f}' for x in res['solo'])})")
+                    for k in res:
+                        if k == "solo":
+                            continue
+                        print(f"  {k:7s} steps/s {sps[k]:.3f} (runs "
+                              f"{' '.join(f'{x[0]:.3f}' for x in res[k])}), x{sps[k] / solo:.2f} "
+                              f"of solo; replication {extra[k] / 1e6:.1f} MB per step, the job "
+                              f"{job / 1e6:.1f} MB per step (x{extra[k] / job:.2f})", flush=True)
+                    cpu = {name: {k: statistics.median(x[2]["cpu"][k] for x in v)
+                                  for k in ("primary", "standby", "load")} for name, v in res.items()}
+                    for name, c in cpu.items():
+                        print(f"  cpu s/step {name:7s}: " + " ".join(f"{k} {v:.4f}" for k, v in c.items()),
+                              flush=True)
                     results.append({"params": n, "workers": w, "mode": mode, "solo_steps_per_s": solo,
-                                    "standby_steps_per_s": with_sb, "ratio": with_sb / solo,
-                                    "replication_bytes_per_step": extra,
-                                    "job_bytes_per_step": job,
-                                    "cpu_s_per_step": {"solo": cpu[False], "standby": cpu[True]},
-                                    "runs": {k and "standby" or "solo": [x[0] for x in v]
-                                             for k, v in res.items()}})
+                                    "standby_steps_per_s": sps["standby"], "ratio": sps["standby"] / solo,
+                                    "base_ratio": sps["base"] / solo if "base" in sps else None,
+                                    "replication_bytes_per_step": extra["standby"],
+                                    "job_bytes_per_step": job, "load_average": la[0],
+                                    "cpu_s_per_step": cpu,
+                                    "runs": {k: [x[0] for x in v] for k, v in res.items()}})
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
