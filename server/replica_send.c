@@ -7,7 +7,8 @@
  * one moment between pushes, with the keys of the pushes they hold,
  * every member of a sync round at once) and sends them as one batch that the standby installs at its
  * commit message: a push is on the standby whole, with its key, or not
- * at all. So both replicas hold the same bits by construction (no
+ * at all. No byte of an image is copied on the way: slices over the
+ * snapshot and over the state copy go to the socket. So both replicas hold the same bits by construction (no
  * second kernel run, no dependence on the kernel variant or thread
  * count), the standby spends a copy instead of an Adafactor step on the
  * same CPUs, and a step costs about the gradient's bytes (fp32 parameters
@@ -38,6 +39,7 @@
  * (and after rec_mu), and core calls (images) are made with it
  * released. */
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,6 +55,7 @@
 #include "peer.h"
 #include "replica.h"
 #include "replica_send.h"
+#include "tsan.h"
 #include "wire.h"
 
 #define FPS_RSEND_METHOD "/factorps.v1.ParameterServer/Replicate"
@@ -327,21 +330,24 @@ static bool fps__rsend_batch(fps_rsend_t *s, grpc_call *call, grpc_op *ops, size
   return ev.type == GRPC_OP_COMPLETE && ev.success;
 }
 
-/* Sends one ReplicateRequest with the next seq; its ack settles `f` (may
- * be NULL; takes it). */
-static bool fps__rsend_msg(fps_rsend_t *s, grpc_call *call, Factorps__V1__ReplicateRequest *m, fps_rflight_t *f,
-                           uint64_t ops) {
+/* The next seq, for a message whose ack settles `f` (may be NULL; takes
+ * it). */
+static uint64_t fps__rsend_next_seq(fps_rsend_t *s, fps_rflight_t *f) {
   pthread_mutex_lock(&s->mu);
-  m->seq = ++s->seq;
+  uint64_t seq = ++s->seq;
   if (f) {
-    f->seq = m->seq;
+    f->seq = seq;
     if (s->flight_last) s->flight_last->next = f;
     else s->flight = f;
     s->flight_last = f;
   }
   fps_metrics_replication_lag_set(s->seq - s->acked);
   pthread_mutex_unlock(&s->mu);
-  grpc_byte_buffer *bb = fps_pack_message(m);
+  return seq;
+}
+
+/* Sends bb (NULL: out of memory; taken either way). */
+static bool fps__rsend_bb(fps_rsend_t *s, grpc_call *call, grpc_byte_buffer *bb, uint64_t ops) {
   if (!bb) return false;
   size_t len = grpc_byte_buffer_length(bb);
   grpc_op op = {.op = GRPC_OP_SEND_MESSAGE};
@@ -350,6 +356,73 @@ static bool fps__rsend_msg(fps_rsend_t *s, grpc_call *call, Factorps__V1__Replic
   grpc_byte_buffer_destroy(bb);
   if (ok) fps_metrics_replication_sent(len, ops);
   return ok;
+}
+
+/* Sends one ReplicateRequest with the next seq; its ack settles `f` (may
+ * be NULL; takes it). */
+static bool fps__rsend_msg(fps_rsend_t *s, grpc_call *call, Factorps__V1__ReplicateRequest *m, fps_rflight_t *f,
+                           uint64_t ops) {
+  m->seq = fps__rsend_next_seq(s, f);
+  return fps__rsend_bb(s, call, fps_pack_message(m), ops);
+}
+
+/* An image's state copy, shared by the slices that send it: freed when
+ * the last of them is dropped (gRPC may hold one after the send
+ * completed, on any thread). */
+typedef struct fps_rstate_s {
+  fps_shard_t *sh;
+  float *buf;
+  uint64_t numel;
+  atomic_int refs;
+} fps_rstate_t;
+
+static void fps__rstate_unref(void *p) {
+  fps_rstate_t *st = p;
+  FPS_TSAN_ACQUIRE(st);
+  if (atomic_fetch_sub(&st->refs, 1) != 1) return;
+  fps_shard_param_buf_free(st->sh, st->buf, st->numel);
+  fps_free(st);
+}
+
+static void fps__rsend_snap_released(void *snap) {
+  FPS_TSAN_ACQUIRE(snap); /* gRPC may drop the slice on any thread */
+  fps_snap_unref(snap);
+}
+
+static void fps__rsend_buf_free(void *p, size_t len) {
+  FPS_TSAN_ACQUIRE(p);
+  (void)len;
+  fps_free(p);
+}
+
+/* One piece of an image as a message whose bytes are not copied: m (no
+ * tensors) and rt (no data) packed into a small buffer with the framing
+ * of rt as m's field 3 and of the data as rt's field 12, then `payload`,
+ * the piece's len bytes as a slice (taken). Protobuf readers take fields
+ * in any order, so the data may come last. NULL on OOM. */
+static grpc_byte_buffer *fps__rsend_piece_bb(const Factorps__V1__ReplicateRequest *m,
+                                             const Factorps__V1__ReplicaTensor *rt, size_t len, grpc_slice payload) {
+  size_t rt_len = protobuf_c_message_get_packed_size(&rt->base);
+  uint8_t dh[16];
+  size_t dhn = len ? fps_wire_put_len_field(dh, 12, len) : 0;
+  size_t m_len = protobuf_c_message_get_packed_size(&m->base);
+  size_t cap = m_len + 16 + rt_len + dhn;
+  uint8_t *h = fps_malloc(cap);
+  if (!h) {
+    grpc_slice_unref(payload);
+    return NULL;
+  }
+  size_t hn = protobuf_c_message_pack(&m->base, h);
+  hn += fps_wire_put_len_field(h + hn, 3, (uint64_t)rt_len + dhn + len);
+  hn += protobuf_c_message_pack(&rt->base, h + hn);
+  memcpy(h + hn, dh, dhn);
+  hn += dhn;
+  FPS_TSAN_RELEASE(h);
+  grpc_slice sl[2] = {grpc_slice_new_with_len(h, hn, fps__rsend_buf_free), payload};
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(sl, len ? 2 : 1);
+  grpc_slice_unref(sl[0]);
+  grpc_slice_unref(sl[1]);
+  return bb;
 }
 
 /* hparams -> AdafactorConfig with every field of the flavor present, so
@@ -382,9 +455,21 @@ static void fps__rsend_config(const fps_adafactor_hparams_t *hp, Factorps__V1__A
 
 /* Sends an image in pieces; with settle, the last piece's ack settles
  * its tensor's track at generation gen (the transfer; the stream's images
- * are settled by their batch's commit). false: the stream failed. */
-static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, const fps_image_t *img, uint64_t gen, bool settle) {
+ * are settled by their batch's commit). No byte of the image is copied
+ * here: the parameters go to the socket from their immutable snapshot,
+ * the state from the image's copy (taken from img, shared by its pieces'
+ * slices). false: the stream failed. */
+static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, fps_image_t *img, uint64_t gen, bool settle) {
   if (!img->params) return true; /* initialising: nothing acknowledged depends on its values yet */
+  fps_rstate_t *st = NULL;
+  if (img->state) {
+    if (!(st = fps_malloc(sizeof *st))) return false;
+    st->sh = s->srv->shard;
+    st->buf = img->state;
+    st->numel = img->total_state;
+    atomic_init(&st->refs, 1); /* this function's */
+    img->state = NULL;
+  }
   Factorps__V1__AdafactorConfig cfg;
   fps__rsend_config(&img->hp, &cfg);
   uint64_t pbytes = img->numel * 4, sbytes = img->total_state * 4, total = pbytes + sbytes;
@@ -392,13 +477,14 @@ static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, const fps_image_t 
   uint64_t off = 0;
   do {
     /* A piece lies in the parameters or in the state, never across. */
-    const uint8_t *base = off < pbytes ? (const uint8_t *)fps_snap_data(img->params) : (const uint8_t *)img->state;
-    uint64_t region_end = off < pbytes ? pbytes : total;
-    uint64_t rel = off < pbytes ? off : off - pbytes;
+    bool in_params = off < pbytes;
+    const uint8_t *base = in_params ? (const uint8_t *)fps_snap_data(img->params)
+                                    : (const uint8_t *)(st ? st->buf : NULL);
+    uint64_t region_end = in_params ? pbytes : total;
+    uint64_t rel = in_params ? off : off - pbytes;
     uint64_t piece = fps__rsend_piece(s->srv);
     uint64_t len = region_end - off < piece ? region_end - off : piece;
     Factorps__V1__ReplicaTensor rt = FACTORPS__V1__REPLICA_TENSOR__INIT;
-    Factorps__V1__ReplicaTensor *rtp = &rt;
     rt.name = (char *)img->name;
     rt.n_shape = img->shape->ndim;
     rt.shape = (uint64_t *)img->shape->dim;
@@ -412,11 +498,16 @@ static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, const fps_image_t 
     rt.state_elements = (uint64_t *)img->n;
     rt.total_bytes = total;
     rt.offset = off;
-    rt.data.data = (uint8_t *)(base ? base + rel : NULL);
-    rt.data.len = len;
-    Factorps__V1__ReplicateRequest m = FACTORPS__V1__REPLICATE_REQUEST__INIT;
-    m.n_tensors = 1;
-    m.tensors = &rtp;
+    grpc_slice payload = grpc_empty_slice();
+    if (len && in_params) {
+      fps_snap_ref(img->params);
+      FPS_TSAN_RELEASE(img->params);
+      payload = grpc_slice_new_with_user_data((void *)(base + rel), len, fps__rsend_snap_released, img->params);
+    } else if (len) {
+      atomic_fetch_add(&st->refs, 1);
+      FPS_TSAN_RELEASE(st);
+      payload = grpc_slice_new_with_user_data((void *)(base + rel), len, fps__rstate_unref, st);
+    }
     off += len;
     fps_rflight_t *f = NULL;
     if (off == total && settle) {
@@ -424,14 +515,19 @@ static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, const fps_image_t 
       if (!f || !(f->track = fps_malloc(sizeof *f->track)) || !(f->gen = fps_malloc(sizeof *f->gen))) {
         if (f) fps_free(f->track);
         fps_free(f);
-        return false;
+        grpc_slice_unref(payload);
+        ok = false;
+        break;
       }
       f->n = 1;
       f->track[0] = img->t;
       f->gen[0] = gen;
     }
-    ok = fps__rsend_msg(s, call, &m, f, off == total ? 1 : 0);
+    Factorps__V1__ReplicateRequest m = FACTORPS__V1__REPLICATE_REQUEST__INIT;
+    m.seq = fps__rsend_next_seq(s, f);
+    ok = fps__rsend_bb(s, call, fps__rsend_piece_bb(&m, &rt, (size_t)len, payload), off == total ? 1 : 0);
   } while (ok && off < total);
+  if (st) fps__rstate_unref(st);
   return ok;
 }
 
