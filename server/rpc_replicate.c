@@ -6,8 +6,10 @@
  * stream for another shard, shard count, mode, worker count or kernel
  * variant, or of an older term than this process has seen, is refused
  * with FAILED_PRECONDITION and changes nothing. Tensor images come in
- * pieces (at most ~4 MiB each) that are assembled here and installed
- * once complete (fps_shard_install: all of a tensor or nothing), and keys
+ * pieces (at most 32 MiB each) whose data is copied once, from the slices
+ * gRPC received it in into the buffers the core adopts (fps__rp_split),
+ * assembled here and installed once complete (fps_shard_install: all of
+ * a tensor or nothing), and keys
  * go into the idempotency window: during the transfer at once (a standby
  * that has not joined is never promoted), after it at the batch's commit,
  * all together, so that what one push changed is here entirely or not at
@@ -59,7 +61,169 @@ typedef struct fps_rp_call_s {
   uint64_t version, total, got, numel;
   float *pbuf;                /* numel floats (fps_shard_param_buf) */
   uint8_t *sbuf;              /* total - 4 numel bytes */
+  fps_wspan_t *spans;         /* the message being read, as gRPC received it */
+  size_t spans_cap;
 } fps_rp_call_t;
+
+/* A message as this handler reads it: everything but the tensors' data
+ * unpacked by protobuf-c from a small copy of those fields' bytes, each
+ * tensor's data left where gRPC received it (a window over its slices):
+ * the data is copied once, into the buffers the core adopts, instead of
+ * three times (flattened, unpacked, then copied in). */
+typedef struct fps_rp_msg_s {
+  Factorps__V1__ReplicateRequest *m; /* m->tensors: t below while in use */
+  size_t nt;
+  Factorps__V1__ReplicaTensor **t;   /* each unpacked on its own */
+  fps_wreader_t *data;               /* t[i]'s data (last occurrence) */
+  uint8_t *rest;                     /* the fields unpacked */
+  fps_decode_budget_t *budget;       /* held: what the decoded parts hold of it */
+  uint64_t held;
+} fps_rp_msg_t;
+
+static void fps__rp_msg_free(fps_rp_msg_t *x) {
+  if (x->m) {
+    x->m->tensors = NULL;
+    x->m->n_tensors = 0;
+    protobuf_c_message_free_unpacked(&x->m->base, &fps_wire_allocator);
+  }
+  for (size_t i = 0; x->t && i < x->nt; i++)
+    if (x->t[i]) protobuf_c_message_free_unpacked(&x->t[i]->base, &fps_wire_allocator);
+  fps_free(x->t);
+  fps_free(x->data);
+  fps_free(x->rest);
+  if (x->held) fps_decode_release(x->budget, x->held);
+  memset(x, 0, sizeof *x);
+}
+
+/* Walks the fields of window r: each field's raw bytes (key and value)
+ * are appended to out (NULL: only counted in *n) unless it is field
+ * `skip` of wire type LEN, whose windows are handed to each_skip. False
+ * if malformed. */
+typedef bool (*fps_rp_skip_fn)(void *arg, fps_wreader_t *sub);
+static bool fps__rp_walk(fps_wreader_t r, uint32_t skip, fps_rp_skip_fn each_skip, void *arg, uint8_t *out,
+                         size_t *n) {
+  while (fps_wr_left(&r) > 0) {
+    fps_wreader_t start = r;
+    uint32_t field;
+    int wt;
+    if (!fps_wr_key(&r, &field, &wt)) return false;
+    if (field == skip && wt == FPS_WT_LEN) {
+      fps_wreader_t sub;
+      uint64_t len;
+      if (!fps_wr_sub(&r, &sub, &len) || !each_skip(arg, &sub)) return false;
+      continue;
+    }
+    if (!fps_wr_skip_value(&r, wt)) return false;
+    uint64_t bytes = fps_wr_left(&start) - fps_wr_left(&r);
+    if (out && !fps_wr_read(&start, out + *n, bytes)) return false;
+    *n += (size_t)bytes;
+  }
+  return true;
+}
+
+/* Tensor pieces one message may carry: the primary puts at most 64 in
+ * one (replica_send.c); the bound keeps the per-piece arrays small. */
+#define FPS_RP_TENSORS_MAX 4096
+
+/* The two passes over a message's tensors: count and size, then copy. */
+typedef struct fps_rp_split_s {
+  fps_rp_msg_t *x;
+  bool fill;
+  size_t i;                   /* tensors so far */
+  size_t rest;                /* their bytes so far (after the message's own) */
+  size_t *off, *len;          /* fill: where each tensor's fields are in x->rest */
+} fps_rp_split_t;
+
+static bool fps__rp_data_each(void *arg, fps_wreader_t *sub) {
+  *(fps_wreader_t *)arg = *sub; /* the last occurrence wins, as protobuf-c reads it */
+  return true;
+}
+
+static bool fps__rp_tensor_each(void *arg, fps_wreader_t *sub) {
+  fps_rp_split_t *sp = arg;
+  size_t n = 0;
+  fps_wreader_t dummy;
+  fps_wreader_t *data = sp->fill ? &sp->x->data[sp->i] : &dummy;
+  fps_wr_init(data, NULL, 0);
+  if (sp->fill) sp->off[sp->i] = sp->rest;
+  if (!fps__rp_walk(*sub, 12, fps__rp_data_each, data, sp->fill ? sp->x->rest + sp->rest : NULL, &n)) return false;
+  if (sp->fill) sp->len[sp->i] = n;
+  sp->rest += n;
+  sp->i++;
+  return true;
+}
+
+/* Splits the message in spans into x (fps__rp_msg_free it, also on
+ * failure), each part within fps_wire_unpack's bound with max_bytes. 0,
+ * FPS_EPROTO, FPS_EINVAL (a bad name), FPS_ELIMIT (fps_wire_unpack) or
+ * FPS_ENOMEM with why. */
+static int fps__rp_split(const fps_wspan_t *spans, size_t nspan, uint64_t max_bytes, fps_decode_budget_t *budget,
+                         fps_rp_msg_t *x, char *why, size_t wl) {
+  memset(x, 0, sizeof *x);
+  fps_wreader_t r;
+  fps_wr_init(&r, spans, nspan);
+  uint64_t total = fps_wr_left(&r);
+  fps_rp_split_t sp = {.x = x};
+  size_t own = 0;
+  if (!fps__rp_walk(r, 3, fps__rp_tensor_each, &sp, NULL, &own)) {
+    snprintf(why, wl, "malformed ReplicateRequest (%" PRIu64 " bytes)", total);
+    return FPS_EPROTO;
+  }
+  x->nt = sp.i;
+  if (x->nt > FPS_RP_TENSORS_MAX) {
+    snprintf(why, wl, "%zu tensor pieces in one message (at most %d)", x->nt, FPS_RP_TENSORS_MAX);
+    return FPS_EINVAL;
+  }
+  size_t *ol = fps_malloc((2 * x->nt + 1) * sizeof *ol);
+  x->rest = fps_malloc(own + sp.rest + 1);
+  x->t = fps_calloc(x->nt + 1, sizeof *x->t);
+  x->data = fps_calloc(x->nt + 1, sizeof *x->data);
+  if (!ol || !x->rest || !x->t || !x->data) {
+    fps_free(ol);
+    snprintf(why, wl, "out of memory for a %" PRIu64 "-byte message", total);
+    return FPS_ENOMEM;
+  }
+  sp = (fps_rp_split_t){.x = x, .fill = true, .rest = own, .off = ol, .len = ol + x->nt};
+  size_t n = 0;
+  (void)fps__rp_walk(r, 3, fps__rp_tensor_each, &sp, x->rest, &n); /* the same walk again */
+  /* The parts are decoded one by one; together they stay within the
+   * bound of the whole message (fps_wire_unpack's, wire.h). */
+  uint64_t bound = fps_wire_decode_bound((size_t)total);
+  uint64_t limit = max_bytes && max_bytes < bound ? max_bytes : bound;
+  uint64_t cost = fps_wire_cost(&factorps__v1__replicate_request__descriptor, x->rest, own, limit);
+  for (size_t i = 0; i < x->nt && cost <= limit; i++)
+    cost += fps_wire_cost(&factorps__v1__replica_tensor__descriptor, x->rest + ol[i], ol[x->nt + i], limit - cost);
+  if (cost > limit) {
+    fps_free(ol);
+    snprintf(why, wl, "decoding this %" PRIu64 "-byte ReplicateRequest would take more than the %" PRIu64
+             " bytes of memory allowed", total, limit);
+    return FPS_ELIMIT;
+  }
+  /* And within what all requests being decoded may hold at once. */
+  uint64_t others = 0;
+  if (fps_decode_reserve(budget, cost, &others) < 0) {
+    fps_free(ol);
+    snprintf(why, wl, "decoding this %" PRIu64 "-byte ReplicateRequest (%" PRIu64 " bytes) would pass the memory "
+             "all requests being decoded may hold (%" PRIu64 " held)", total, cost, others);
+    return FPS_ELIMIT;
+  }
+  x->budget = budget;
+  x->held = cost;
+  ProtobufCMessage *pm = NULL;
+  int rc = fps_wire_unpack(&factorps__v1__replicate_request__descriptor, x->rest, own, max_bytes, &pm, why, wl);
+  if (rc == 0) x->m = (Factorps__V1__ReplicateRequest *)pm;
+  for (size_t i = 0; i < x->nt && rc == 0; i++) {
+    pm = NULL;
+    rc = fps_wire_unpack(&factorps__v1__replica_tensor__descriptor, x->rest + ol[i], ol[x->nt + i], max_bytes, &pm,
+                         why, wl);
+    x->t[i] = (Factorps__V1__ReplicaTensor *)pm;
+  }
+  fps_free(ol);
+  if (rc < 0) return rc;
+  x->m->tensors = x->t;
+  x->m->n_tensors = x->nt;
+  return 0;
+}
 
 static void fps__rp_drop_piece(fps_rp_call_t *rp) {
   fps_free(rp->name);
@@ -123,6 +287,7 @@ static void fps__rp_destroy(fps_call_t *c) {
     fps_replica_publish(c->srv->replica);
   }
   fps__rp_drop_piece(rp);
+  fps_free(rp->spans);
   fps_free(rp);
 }
 
@@ -167,8 +332,9 @@ static int fps__rp_hello(fps_rp_call_t *rp, const Factorps__V1__ReplicateHello *
 }
 
 /* One piece of a tensor image; installs the tensor when it is complete. */
-static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *rt, char *why,
-                                       size_t wl) {
+static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *rt, fps_wreader_t data,
+                          char *why, size_t wl) {
+  uint64_t dlen = fps_wr_left(&data);
   fps_server_t *srv = rp->base.srv;
   const char *name = rt->name ? rt->name : "";
   char sub[FPS_WHY_MAX];
@@ -195,9 +361,9 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
     state += rt->state_elements[k];
   }
   uint64_t total = (numel + state) * 4;
-  if (rt->total_bytes != total || rt->offset > total || rt->data.len > total - rt->offset) {
-    snprintf(why, wl, "tensor '%s': piece [%" PRIu64 ", +%zu) of %" PRIu64 " bytes does not fit its %" PRIu64
-             " bytes of parameters and state", name, rt->offset, rt->data.len, rt->total_bytes, total);
+  if (rt->total_bytes != total || rt->offset > total || dlen > total - rt->offset) {
+    snprintf(why, wl, "tensor '%s': piece [%" PRIu64 ", +%" PRIu64 ") of %" PRIu64 " bytes does not fit its %" PRIu64
+             " bytes of parameters and state", name, rt->offset, dlen, rt->total_bytes, total);
     return FPS_EINVAL;
   }
   if (rt->offset == 0) {
@@ -224,19 +390,18 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
     snprintf(why, wl, "tensor '%s': piece at %" PRIu64 " out of order", name, rt->offset);
     return FPS_EINVAL;
   }
-  /* The parameters' bytes, then the state's (a piece may span both). */
+  /* The parameters' bytes, then the state's (a piece may span both),
+   * straight from the received slices. */
   uint64_t pbytes = numel * 4, off = rt->offset;
-  const uint8_t *src = rt->data.data;
-  size_t left = rt->data.len;
+  uint64_t left = dlen;
   if (left && off < pbytes) {
-    size_t n = pbytes - off < left ? (size_t)(pbytes - off) : left;
-    memcpy((uint8_t *)rp->pbuf + off, src, n);
-    src += n;
+    uint64_t n = pbytes - off < left ? pbytes - off : left;
+    (void)fps_wr_read(&data, (uint8_t *)rp->pbuf + off, n); /* dlen bytes are there */
     off += n;
     left -= n;
   }
-  if (left) memcpy(rp->sbuf + (off - pbytes), src, left);
-  rp->got += rt->data.len;
+  if (left) (void)fps_wr_read(&data, rp->sbuf + (off - pbytes), left);
+  rp->got += dlen;
   if (rp->got < rp->total) return 0;
   fps_image_in_t in = {.name = name, .dims = rt->shape, .ndim = rt->n_shape, .version = rt->version,
                        .step = rt->step, .rms = rt->rms, .last_lr = rt->last_lr,
@@ -283,8 +448,8 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
   return 0;
 }
 
-static int fps__rp_message(fps_rp_call_t *rp, const Factorps__V1__ReplicateRequest *m, char *why,
-                                        size_t wl) {
+static int fps__rp_message(fps_rp_call_t *rp, const fps_rp_msg_t *x, char *why, size_t wl) {
+  const Factorps__V1__ReplicateRequest *m = x->m;
   if (!rp->hello) {
     if (!m->hello) {
       snprintf(why, wl, "the first message must carry the hello");
@@ -308,7 +473,7 @@ static int fps__rp_message(fps_rp_call_t *rp, const Factorps__V1__ReplicateReque
     return FPS_ESTATE;
   }
   for (size_t i = 0; i < m->n_tensors; i++) {
-    int code = fps__rp_tensor(rp, m->tensors[i], why, wl);
+    int code = fps__rp_tensor(rp, m->tensors[i], x->data[i], why, wl);
     if (code != 0) return code;
   }
   for (size_t i = 0; i < m->n_keys; i++) {
@@ -385,26 +550,38 @@ static void fps__rp_on_batch(fps_call_t *c, bool ok) {
   grpc_byte_buffer *bb = c->recv_buf;
   c->recv_buf = NULL;
   uint8_t *flat = NULL;
-  size_t len = 0;
+  size_t len = 0, nspan = 0;
   char why[FPS_WHY_MAX] = "";
-  int rc = fps_bb_flatten(bb, c->srv->cfg.max_message_bytes, &flat, &len);
-  grpc_byte_buffer_destroy(bb);
+  int rc = 0;
+  size_t total = grpc_byte_buffer_length(bb);
+  if (bb->data.raw.compression != GRPC_COMPRESS_NONE) {
+    /* A compressed message is inflated (bounded) into one buffer. */
+    if ((rc = fps_bb_flatten(bb, c->srv->cfg.max_message_bytes, &flat, &len)) == 0) {
+      if (!rp->spans && !(rp->spans = fps_malloc(sizeof *rp->spans))) rc = FPS_ENOMEM;
+      else if (rp->spans_cap == 0) rp->spans_cap = 1;
+      if (rc == 0) {
+        rp->spans[0] = (fps_wspan_t){flat, len};
+        nspan = 1;
+      }
+    }
+  } else if (total > c->srv->cfg.max_message_bytes) {
+    rc = FPS_ELIMIT;
+  } else if ((nspan = fps_wire_bb_spans(bb, &rp->spans, &rp->spans_cap)) == SIZE_MAX) {
+    rc = FPS_ENOMEM;
+  }
   if (rc < 0) {
     snprintf(why, sizeof why, "cannot take a message: %s", fps_bb_flatten_why(rc));
+    fps_free(flat);
+    grpc_byte_buffer_destroy(bb);
     fps__rp_fail(rp, rc, why);
     return;
   }
-  ProtobufCMessage *msg = NULL;
-  uint64_t held;
-  rc = fps_wire_unpack_held(&factorps__v1__replicate_request__descriptor, flat, len, c->srv->cfg.max_bytes,
-                            &c->srv->decode, &held, &msg, why, sizeof why);
+  fps_rp_msg_t x;
+  rc = fps__rp_split(rp->spans, nspan, c->srv->cfg.max_bytes, &c->srv->decode, &x, why, sizeof why);
+  int code = rc < 0 ? rc : fps__rp_message(rp, &x, why, sizeof why);
+  fps__rp_msg_free(&x);
   fps_free(flat);
-  if (rc < 0) {
-    fps__rp_fail(rp, rc, why);
-    return;
-  }
-  int code = fps__rp_message(rp, (Factorps__V1__ReplicateRequest *)msg, why, sizeof why);
-  fps_wire_request_free(&c->srv->decode, msg, held);
+  grpc_byte_buffer_destroy(bb); /* after the data was read from its slices */
   if (code != 0) {
     fps__rp_fail(rp, code, why);
     return;

@@ -388,6 +388,18 @@ class Replica(unittest.TestCase):
                 ([pb.ReplicateRequest(seq=1, hello=pb.ReplicateHello(**dict(hello, term=sb.shard.term - 1)))],
                  "term %d is older than %d" % (sb.shard.term - 1, sb.shard.term)),
             ]
+            # The standby reads a tensor's data where gRPC received it and
+            # unpacks the rest: framing it cannot walk is refused whole.
+            first = pb.ReplicateRequest(seq=1, hello=pb.ReplicateHello(**hello)).SerializeToString()
+            raw = b._channel.stream_stream("/factorps.v1.ParameterServer/Replicate",
+                                           request_serializer=lambda x: x,
+                                           response_deserializer=pb.ReplicateResponse.FromString)
+            for bad in (b"\x1a\x05\x0a\x01w\x62", b"\x1a\x03\x62\x05\x00", b"\x1a\x09\x62\x20ab",
+                        b"\x1a\x7fxy"):
+                with self.assertRaises(self.grpc.RpcError) as cm:
+                    list(raw(iter([first + bad]), timeout=10))
+                self.assertEqual(cm.exception.code(), self.grpc.StatusCode.INVALID_ARGUMENT, bad)
+                self.assertIn("malformed ReplicateRequest", cm.exception.details())
             for msgs, says in cases:
                 with self.assertRaises(self.grpc.RpcError) as cm:
                     list(b.stub.Replicate(iter(msgs), timeout=10))
