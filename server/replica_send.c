@@ -395,36 +395,6 @@ static void fps__rsend_buf_free(void *p, size_t len) {
   fps_free(p);
 }
 
-/* One piece of an image as a message whose bytes are not copied: m (no
- * tensors) and rt (no data) packed into a small buffer with the framing
- * of rt as m's field 3 and of the data as rt's field 12, then `payload`,
- * the piece's len bytes as a slice (taken). Protobuf readers take fields
- * in any order, so the data may come last. NULL on OOM. */
-static grpc_byte_buffer *fps__rsend_piece_bb(const Factorps__V1__ReplicateRequest *m,
-                                             const Factorps__V1__ReplicaTensor *rt, size_t len, grpc_slice payload) {
-  size_t rt_len = protobuf_c_message_get_packed_size(&rt->base);
-  uint8_t dh[16];
-  size_t dhn = len ? fps_wire_put_len_field(dh, 12, len) : 0;
-  size_t m_len = protobuf_c_message_get_packed_size(&m->base);
-  size_t cap = m_len + 16 + rt_len + dhn;
-  uint8_t *h = fps_malloc(cap);
-  if (!h) {
-    grpc_slice_unref(payload);
-    return NULL;
-  }
-  size_t hn = protobuf_c_message_pack(&m->base, h);
-  hn += fps_wire_put_len_field(h + hn, 3, (uint64_t)rt_len + dhn + len);
-  hn += protobuf_c_message_pack(&rt->base, h + hn);
-  memcpy(h + hn, dh, dhn);
-  hn += dhn;
-  FPS_TSAN_RELEASE(h);
-  grpc_slice sl[2] = {grpc_slice_new_with_len(h, hn, fps__rsend_buf_free), payload};
-  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(sl, len ? 2 : 1);
-  grpc_slice_unref(sl[0]);
-  grpc_slice_unref(sl[1]);
-  return bb;
-}
-
 /* hparams -> AdafactorConfig with every field of the flavor present, so
  * the standby's fps_wire_hparams gives back the same struct. */
 static void fps__rsend_config(const fps_adafactor_hparams_t *hp, Factorps__V1__AdafactorConfig *c) {
@@ -453,14 +423,99 @@ static void fps__rsend_config(const fps_adafactor_hparams_t *hp, Factorps__V1__A
 #undef FPS__SET
 }
 
-/* Sends an image in pieces; with settle, the last piece's ack settles
- * its tensor's track at generation gen (the transfer; the stream's images
- * are settled by their batch's commit). No byte of the image is copied
- * here: the parameters go to the socket from their immutable snapshot,
- * the state from the image's copy (taken from img, shared by its pieces'
- * slices). false: the stream failed. */
-static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, fps_image_t *img, uint64_t gen, bool settle) {
-  if (!img->params) return true; /* initialising: nothing acknowledged depends on its values yet */
+/* A message of image pieces being put together: small tensors share one
+ * message (each piece its own ReplicaTensor), a large one is cut across
+ * several, so a batch is as few messages (and acks, and wakeups on both
+ * sides) as the piece size allows. */
+#define FPS_RSEND_PIECES_MAX 64
+typedef struct fps_rmsg_s {
+  size_t np;
+  uint64_t bytes;             /* data bytes so far */
+  uint64_t done;              /* images whose last piece is in it */
+  Factorps__V1__ReplicaTensor rt[FPS_RSEND_PIECES_MAX];
+  Factorps__V1__AdafactorConfig cfg[FPS_RSEND_PIECES_MAX];
+  grpc_slice payload[FPS_RSEND_PIECES_MAX];
+} fps_rmsg_t;
+
+static void fps__rmsg_drop(fps_rmsg_t *q) {
+  for (size_t i = 0; i < q->np; i++) grpc_slice_unref(q->payload[i]);
+  q->np = 0;
+  q->bytes = q->done = 0;
+}
+
+/* The message as a byte buffer whose data is not copied: the framing
+ * (the message's seq, each piece's ReplicaTensor without its data and
+ * the key and length of its data) packed into one small buffer, cut into
+ * a slice before each payload. Protobuf readers take fields in any order,
+ * so the data may come last. Takes the payloads (q is empty after); NULL
+ * on OOM. */
+static grpc_byte_buffer *fps__rmsg_bb(fps_rmsg_t *q, uint64_t seq) {
+  Factorps__V1__ReplicateRequest m = FACTORPS__V1__REPLICATE_REQUEST__INIT;
+  m.seq = seq;
+  size_t cap = protobuf_c_message_get_packed_size(&m.base);
+  for (size_t i = 0; i < q->np; i++) cap += 32 + protobuf_c_message_get_packed_size(&q->rt[i].base);
+  uint8_t *h = fps_malloc(cap);
+  grpc_slice *sl = fps_malloc((2 * q->np + 1) * sizeof *sl);
+  if (!h || !sl) {
+    fps_free(h);
+    fps_free(sl);
+    fps__rmsg_drop(q);
+    return NULL;
+  }
+  grpc_slice hdr = grpc_slice_new_with_len(h, cap, fps__rsend_buf_free);
+  size_t hn = protobuf_c_message_pack(&m.base, h), mark = 0, nsl = 0;
+  for (size_t i = 0; i < q->np; i++) {
+    size_t len = GRPC_SLICE_LENGTH(q->payload[i]);
+    size_t rt_len = protobuf_c_message_get_packed_size(&q->rt[i].base);
+    uint8_t dh[16];
+    size_t dhn = len ? fps_wire_put_len_field(dh, 12, len) : 0;
+    hn += fps_wire_put_len_field(h + hn, 3, (uint64_t)rt_len + dhn + len);
+    hn += protobuf_c_message_pack(&q->rt[i].base, h + hn);
+    memcpy(h + hn, dh, dhn);
+    hn += dhn;
+    sl[nsl++] = grpc_slice_sub(hdr, mark, hn);
+    mark = hn;
+    if (len) sl[nsl++] = q->payload[i]; /* its reference goes to the buffer */
+    else grpc_slice_unref(q->payload[i]);
+  }
+  if (nsl == 0) sl[nsl++] = grpc_slice_sub(hdr, 0, hn);
+  /* After the last write into h: gRPC may free it on another thread. */
+  FPS_TSAN_RELEASE(h);
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(sl, nsl);
+  for (size_t i = 0; i < nsl; i++) grpc_slice_unref(sl[i]);
+  grpc_slice_unref(hdr);
+  fps_free(sl);
+  q->np = 0;
+  q->bytes = q->done = 0;
+  return bb;
+}
+
+/* Sends q (if it holds anything) with the next seq; its ack settles f
+ * (may be NULL; taken). */
+static bool fps__rmsg_flush(fps_rsend_t *s, grpc_call *call, fps_rmsg_t *q, fps_rflight_t *f) {
+  if (q->np == 0 && !f) return true;
+  uint64_t done = q->done;
+  uint64_t seq = fps__rsend_next_seq(s, f);
+  return fps__rsend_bb(s, call, fps__rmsg_bb(q, seq), done);
+}
+
+/* Adds img's pieces to q, sending q whenever it is full; with f, img is
+ * the only image and the message with its last piece is sent at once,
+ * its ack settling f (taken; the transfer: its tensors are settled one by
+ * one; the stream's images are settled by their batch's commit). No byte
+ * of the image is copied: the parameters go to the socket from their
+ * immutable snapshot, the state from the image's copy (taken from img,
+ * shared by its pieces' slices). false: the stream failed. */
+static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, fps_rmsg_t *q, fps_image_t *img, fps_rflight_t *f) {
+  if (!img->params) {
+    /* initialising: nothing acknowledged depends on its values yet */
+    if (f) {
+      fps_free(f->track);
+      fps_free(f->gen);
+      fps_free(f);
+    }
+    return true;
+  }
   fps_rstate_t *st = NULL;
   if (img->state) {
     if (!(st = fps_malloc(sizeof *st))) return false;
@@ -470,34 +525,39 @@ static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, fps_image_t *img, 
     atomic_init(&st->refs, 1); /* this function's */
     img->state = NULL;
   }
-  Factorps__V1__AdafactorConfig cfg;
-  fps__rsend_config(&img->hp, &cfg);
   uint64_t pbytes = img->numel * 4, sbytes = img->total_state * 4, total = pbytes + sbytes;
+  uint64_t budget = fps__rsend_piece(s->srv);
   bool ok = true;
   uint64_t off = 0;
   do {
+    if (q->np == FPS_RSEND_PIECES_MAX || q->bytes >= budget) {
+      if (!(ok = fps__rmsg_flush(s, call, q, NULL))) break;
+    }
     /* A piece lies in the parameters or in the state, never across. */
     bool in_params = off < pbytes;
     const uint8_t *base = in_params ? (const uint8_t *)fps_snap_data(img->params)
                                     : (const uint8_t *)(st ? st->buf : NULL);
     uint64_t region_end = in_params ? pbytes : total;
     uint64_t rel = in_params ? off : off - pbytes;
-    uint64_t piece = fps__rsend_piece(s->srv);
-    uint64_t len = region_end - off < piece ? region_end - off : piece;
-    Factorps__V1__ReplicaTensor rt = FACTORPS__V1__REPLICA_TENSOR__INIT;
-    rt.name = (char *)img->name;
-    rt.n_shape = img->shape->ndim;
-    rt.shape = (uint64_t *)img->shape->dim;
-    rt.config = &cfg;
-    rt.version = img->version;
-    rt.step = img->step;
-    rt.rms = img->rms;
-    rt.last_lr = img->last_lr;
-    rt.last_weight_decay = img->last_weight_decay;
-    rt.n_state_elements = FPS_STATE_KINDS;
-    rt.state_elements = (uint64_t *)img->n;
-    rt.total_bytes = total;
-    rt.offset = off;
+    uint64_t room = budget - q->bytes;
+    uint64_t len = region_end - off < room ? region_end - off : room;
+    Factorps__V1__ReplicaTensor *rt = &q->rt[q->np];
+    Factorps__V1__AdafactorConfig *cfg = &q->cfg[q->np];
+    factorps__v1__replica_tensor__init(rt);
+    fps__rsend_config(&img->hp, cfg);
+    rt->name = (char *)img->name;
+    rt->n_shape = img->shape->ndim;
+    rt->shape = (uint64_t *)img->shape->dim;
+    rt->config = cfg;
+    rt->version = img->version;
+    rt->step = img->step;
+    rt->rms = img->rms;
+    rt->last_lr = img->last_lr;
+    rt->last_weight_decay = img->last_weight_decay;
+    rt->n_state_elements = FPS_STATE_KINDS;
+    rt->state_elements = (uint64_t *)img->n;
+    rt->total_bytes = total;
+    rt->offset = off;
     grpc_slice payload = grpc_empty_slice();
     if (len && in_params) {
       fps_snap_ref(img->params);
@@ -508,31 +568,24 @@ static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, fps_image_t *img, 
       FPS_TSAN_RELEASE(st);
       payload = grpc_slice_new_with_user_data((void *)(base + rel), len, fps__rstate_unref, st);
     }
+    q->payload[q->np++] = payload;
+    q->bytes += len;
     off += len;
-    fps_rflight_t *f = NULL;
-    if (off == total && settle) {
-      f = fps_calloc(1, sizeof *f);
-      if (!f || !(f->track = fps_malloc(sizeof *f->track)) || !(f->gen = fps_malloc(sizeof *f->gen))) {
-        if (f) fps_free(f->track);
-        fps_free(f);
-        grpc_slice_unref(payload);
-        ok = false;
-        break;
-      }
-      f->n = 1;
-      f->track[0] = img->t;
-      f->gen[0] = gen;
-    }
-    Factorps__V1__ReplicateRequest m = FACTORPS__V1__REPLICATE_REQUEST__INIT;
-    m.seq = fps__rsend_next_seq(s, f);
-    ok = fps__rsend_bb(s, call, fps__rsend_piece_bb(&m, &rt, (size_t)len, payload), off == total ? 1 : 0);
-  } while (ok && off < total);
+  } while (off < total);
+  if (ok) q->done++;
+  /* The pieces hold their own references to the state copy. */
   if (st) fps__rstate_unref(st);
+  if (ok && f) return fps__rmsg_flush(s, call, q, f);
+  if (f) {
+    fps_free(f->track);
+    fps_free(f->gen);
+    fps_free(f);
+  }
   return ok;
 }
 
 /* The transfer's image of one tensor. */
-static bool fps__rsend_tensor(fps_rsend_t *s, grpc_call *call, fps_tensor_t *t, uint64_t gen) {
+static bool fps__rsend_tensor(fps_rsend_t *s, grpc_call *call, fps_rmsg_t *q, fps_tensor_t *t, uint64_t gen) {
   char why[FPS_WHY_MAX];
   fps_image_t img;
   int rc = fps_shard_image(s->srv->shard, t, &img, why, sizeof why);
@@ -542,7 +595,17 @@ static bool fps__rsend_tensor(fps_rsend_t *s, grpc_call *call, fps_tensor_t *t, 
     FPS_LOG(FPS_LOG_WARN, "replica: %s; dropping the standby", why);
     return false;
   }
-  bool ok = fps__rsend_image(s, call, &img, gen, true);
+  fps_rflight_t *f = fps_calloc(1, sizeof *f);
+  if (!f || !(f->track = fps_malloc(sizeof *f->track)) || !(f->gen = fps_malloc(sizeof *f->gen))) {
+    if (f) fps_free(f->track);
+    fps_free(f);
+    fps_image_release(s->srv->shard, &img);
+    return false;
+  }
+  f->n = 1;
+  f->track[0] = t;
+  f->gen[0] = gen;
+  bool ok = fps__rsend_image(s, call, q, &img, f);
   fps_image_release(s->srv->shard, &img);
   return ok;
 }
@@ -626,7 +689,7 @@ static void fps__rsend_key_each(void *arg, uint32_t worker, uint64_t id, uint64_
 
 /* Hello, the state transfer, then the changes until the stream fails or
  * is no longer wanted. */
-static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
+static void fps__rsend_run_q(fps_rsend_t *s, grpc_call *call, uint64_t term, fps_rmsg_t *q) {
   fps_server_t *srv = s->srv;
   fps_shard_view_t v;
   const char *simd = "";
@@ -660,7 +723,7 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
     if (j != SIZE_MAX) s->tracks[j].dirty = false; /* this image covers its marks */
     bool want = s->want_term == term;
     pthread_mutex_unlock(&s->mu);
-    ok = want && j != SIZE_MAX && fps__rsend_tensor(s, call, ts[i], gen);
+    ok = want && j != SIZE_MAX && fps__rsend_tensor(s, call, q, ts[i], gen);
   }
   fps_free(ts);
   if (!ok) return;
@@ -741,30 +804,32 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
         ok = false;
       }
     }
-    for (size_t i = 0; i < nd && ok; i++) ok = fps__rsend_image(s, call, &imgs[i], dg[i], false);
+    for (size_t i = 0; i < nd && ok; i++) ok = fps__rsend_image(s, call, q, &imgs[i], NULL);
     /* Tensors of the core's keys that no mark named yet: their state goes
      * with the keys. Their own marks come (the pushes' answers) and settle
      * their tracks with a later image. */
-    for (size_t i = 0; i < nextra && ok; i++) ok = fps__rsend_image(s, call, &extra[i], 0, false);
+    for (size_t i = 0; i < nextra && ok; i++) ok = fps__rsend_image(s, call, q, &extra[i], NULL);
+    if (ok) ok = fps__rmsg_flush(s, call, q, NULL);
+    fps__rmsg_drop(q); /* what a failure left */
     for (size_t i = 0; imgs && i < nd; i++) fps_image_release(srv->shard, &imgs[i]);
     for (size_t i = 0; i < nextra; i++) fps_image_release(srv->shard, &extra[i]);
     fps_free(imgs);
     fps_free(extra);
     /* The core's keys as queued keys (ticket 0: nobody waits on them). */
     for (fps_key_rec_t *k = core_keys; k && ok;) {
-      fps_rqkey_t *q = fps_calloc(1, sizeof *q);
-      if (!q) {
+      fps_rqkey_t *qk = fps_calloc(1, sizeof *qk);
+      if (!qk) {
         ok = false;
         break;
       }
-      q->worker = k->worker;
-      q->id = k->id;
-      q->tensors = k->tensors;
-      q->n = k->n;
-      q->v = k->v;
+      qk->worker = k->worker;
+      qk->id = k->id;
+      qk->tensors = k->tensors;
+      qk->n = k->n;
+      qk->v = k->v;
       k->v = NULL;
-      q->next = keys;
-      keys = q;
+      qk->next = keys;
+      keys = qk;
       had_keys = true;
       k = k->next;
     }
@@ -811,6 +876,16 @@ static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
     }
     if (!ok) return;
   }
+}
+
+static void fps__rsend_run(fps_rsend_t *s, grpc_call *call, uint64_t term) {
+  fps_rmsg_t *q = fps_malloc(sizeof *q);
+  if (!q) return;
+  q->np = 0;
+  q->bytes = q->done = 0;
+  fps__rsend_run_q(s, call, term, q);
+  fps__rmsg_drop(q);
+  fps_free(q);
 }
 
 /* ---------------------------------------------------------- receiving */
