@@ -79,6 +79,8 @@ typedef struct fps_rtrack_s {
   uint64_t gen;               /* marks so far */
   uint64_t acked;             /* the generation the standby acknowledged */
   bool dirty;                 /* marked since its last image was taken */
+  bool mark_known;            /* the last mark named its version: */
+  uint64_t mark_ver;          /* this one */
 } fps_rtrack_t;
 
 /* A call waiting for the ack. */
@@ -244,8 +246,8 @@ static void fps__waits_run(fps_rwait_t *list, int err, const char *why) {
   }
 }
 
-int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, size_t n, const fps_rkey_t *key, fps_rsend_done_fn done,
-                   void *arg) {
+int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, const uint64_t *ver, size_t n, const fps_rkey_t *key,
+                   fps_rsend_done_fn done, void *arg) {
   pthread_mutex_lock(&s->mu);
   if (!s->streaming && s->alone_ok) {
     pthread_mutex_unlock(&s->mu);
@@ -277,17 +279,29 @@ int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, size_t n, const fps_r
     qk = NULL;
   }
   if ((s->joined && (!w || !w->track || !w->gen)) || (key && !qk)) goto nomem;
+  bool marked = false;
   for (size_t k = 0; k < n; k++) {
     size_t j = fps__track_locked(s, t[k]);
     if (j == SIZE_MAX) goto nomem;
-    s->tracks[j].gen++;
-    s->tracks[j].dirty = true;
+    fps_rtrack_t *tr = &s->tracks[j];
+    /* The last mark was for this very version: the image it brings
+     * (taken after it, acknowledged or on its way) holds what this
+     * answer reports. Any other change since (a replace) would have
+     * marked it again. */
+    bool covered = ver && tr->mark_known && tr->mark_ver == ver[k];
+    if (!covered) {
+      tr->gen++;
+      tr->dirty = true;
+      tr->mark_known = ver != NULL;
+      tr->mark_ver = ver ? ver[k] : 0;
+      marked = true;
+    }
     if (w) {
       w->track[w->n] = t[k];
       w->gen[w->n++] = s->tracks[j].gen;
     }
   }
-  s->any_dirty = s->any_dirty || n > 0;
+  s->any_dirty = s->any_dirty || marked;
   if (qk) {
     qk->worker = key->worker;
     qk->id = key->id;
@@ -1074,6 +1088,7 @@ static fps_rwait_t *fps__rsend_reset_locked(fps_rsend_t *s) {
   s->key_acked = s->key_ticket;
   for (size_t j = 0; j < s->cap; j++) {
     s->tracks[j].dirty = false;
+    s->tracks[j].mark_known = false;
     s->tracks[j].acked = s->tracks[j].gen;
   }
   s->any_dirty = false;

@@ -43,8 +43,12 @@ typedef void (*fps_rsend_done_fn)(void *arg, int err, const char *why);
  * go to a standby being brought up), or FPS_EAGAIN (done runs once the
  * joined standby acknowledged them, or when the stream ends: err 0 if
  * the primary goes on alone, FPS_EUNAVAILABLE if it stepped down), or
- * FPS_ENOMEM. Thread-safe; never blocks. */
-int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, size_t n, const fps_rkey_t *key, fps_rsend_done_fn done,
-                   void *arg);
+ * FPS_ENOMEM. ver (may be NULL): the version of each tensor the answer
+ * reports; a tensor whose last mark named that same version is not
+ * marked again (the W members of a sync round answer one after another,
+ * and the image the first one's mark brings covers the others).
+ * Thread-safe; never blocks. */
+int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, const uint64_t *ver, size_t n, const fps_rkey_t *key,
+                   fps_rsend_done_fn done, void *arg);
 
 #endif

@@ -181,7 +181,7 @@ done:
        * tensors this Create made or changed (replica.h). */
       for (size_t i = 0; i < n; i++) ts[i] = out[i].t;
       cc->reply = bb;
-      int wr = fps_replica_ack_wait(srv->replica, ts, n, NULL, fps__create_acked, cc, why, sizeof why);
+      int wr = fps_replica_ack_wait(srv->replica, ts, NULL, n, NULL, fps__create_acked, cc, why, sizeof why);
       if (wr == 0) {
         cc->reply = NULL;
         fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
