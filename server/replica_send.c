@@ -382,11 +382,10 @@ static bool fps__rsend_msg(fps_rsend_t *s, grpc_call *call, Factorps__V1__Replic
 
 /* An image's state copy, shared by the slices that send it: freed when
  * the last of them is dropped (gRPC may hold one after the send
- * completed, on any thread). */
+ * completed, on any thread, as late as its teardown after the shard's:
+ * so it holds nothing of the shard, fps_image_take_state). */
 typedef struct fps_rstate_s {
-  fps_shard_t *sh;
   float *buf;
-  uint64_t numel;
   atomic_int refs;
 } fps_rstate_t;
 
@@ -394,7 +393,7 @@ static void fps__rstate_unref(void *p) {
   fps_rstate_t *st = p;
   FPS_TSAN_ACQUIRE(st);
   if (atomic_fetch_sub(&st->refs, 1) != 1) return;
-  fps_shard_param_buf_free(st->sh, st->buf, st->numel);
+  fps_free(st->buf);
   fps_free(st);
 }
 
@@ -533,11 +532,8 @@ static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, fps_rmsg_t *q, fps
   fps_rstate_t *st = NULL;
   if (img->state) {
     if (!(st = fps_malloc(sizeof *st))) return false;
-    st->sh = s->srv->shard;
-    st->buf = img->state;
-    st->numel = img->total_state;
+    st->buf = fps_image_take_state(s->srv->shard, img);
     atomic_init(&st->refs, 1); /* this function's */
-    img->state = NULL;
   }
   uint64_t pbytes = img->numel * 4, sbytes = img->total_state * 4, total = pbytes + sbytes;
   uint64_t budget = fps__rsend_piece(s->srv);

@@ -260,6 +260,13 @@ void fps_image_release(fps_shard_t *sh, fps_image_t *img) {
   img->params = NULL;
 }
 
+float *fps_image_take_state(fps_shard_t *sh, fps_image_t *img) {
+  float *p = img->state;
+  img->state = NULL;
+  if (p) fps__tbuf_uncharge(sh, (img->total_state ? img->total_state : 1) * sizeof(float)); /* as fps_tbuf_alloc */
+  return p;
+}
+
 int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size_t wl) {
   fps_tensor_t *t = fps_store_find(&sh->store, in->name);
   if (!t) {

@@ -589,6 +589,11 @@ typedef struct fps_image_s {
  * fps_image_release (also after a failure). */
 int fps_shard_image(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *out, char *why, size_t why_len);
 void fps_image_release(fps_shard_t *sh, fps_image_t *img);
+/* Takes img's state copy out of the image and off the staging account
+ * (NULL if it has none): the caller frees it with fps_free, whenever it
+ * likes, even after the shard is gone (a gRPC slice may hold it until
+ * gRPC's own teardown). */
+float *fps_image_take_state(fps_shard_t *sh, fps_image_t *img);
 
 /* A push's key as a standby takes it: worker, push_id, the hash of its
  * tensors and the versions it made (owned by the record), and the tensors
