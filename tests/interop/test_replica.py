@@ -424,6 +424,16 @@ class Replica(unittest.TestCase):
                     list(raw(iter([first + bad]), timeout=10))
                 self.assertEqual(cm.exception.code(), self.grpc.StatusCode.INVALID_ARGUMENT, bad)
                 self.assertIn("malformed ReplicateRequest", cm.exception.details())
+            # Pieces are decoded one by one: their count is bounded, and
+            # together they stay within the whole message's decode bound.
+            with self.assertRaises(self.grpc.RpcError) as cm:
+                list(raw(iter([first + b"\x1a\x00" * 5000]), timeout=10))
+            self.assertEqual(cm.exception.code(), self.grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("5000 tensor pieces in one message (at most 4096)", cm.exception.details())
+            with self.assertRaises(self.grpc.RpcError) as cm:
+                list(raw(iter([first + b"\x1a\x02\x10\x01" * 4000]), timeout=10))
+            self.assertEqual(cm.exception.code(), self.grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self.assertIn("bytes of memory allowed", cm.exception.details())
             for msgs, says in cases:
                 with self.assertRaises(self.grpc.RpcError) as cm:
                     list(b.stub.Replicate(iter(msgs), timeout=10))
