@@ -814,10 +814,30 @@ static void fps__rsend_run_q(fps_rsend_t *s, grpc_call *call, uint64_t term, fps
         ok = false;
       }
     }
-    for (size_t i = 0; i < nd && ok; i++) ok = fps__rsend_image(s, call, q, &imgs[i], NULL);
     /* Tensors of the core's keys that no mark named yet: their state goes
-     * with the keys. Their own marks come (the pushes' answers) and settle
-     * their tracks with a later image. */
+     * with the keys, and counts as a mark of the version imaged, settled
+     * by this batch's commit: the answers that come for that version
+     * (fps_rsend_wait's ver) wait for it instead of imaging them again. */
+    fps_tensor_t **xt = NULL;
+    uint64_t *xg = NULL;
+    size_t nx = 0;
+    if (ok && nextra) {
+      xt = fps_malloc(nextra * sizeof *xt);
+      xg = fps_malloc(nextra * sizeof *xg);
+      pthread_mutex_lock(&s->mu);
+      for (size_t i = 0; xt && xg && i < nextra; i++) {
+        size_t j = extra[i].params ? fps__track_locked(s, extra[i].t) : SIZE_MAX;
+        if (j == SIZE_MAX) continue; /* not marked: an answer for it images it again */
+        fps_rtrack_t *tr = &s->tracks[j];
+        tr->gen++;
+        tr->mark_known = true;
+        tr->mark_ver = extra[i].version;
+        xt[nx] = extra[i].t;
+        xg[nx++] = tr->gen;
+      }
+      pthread_mutex_unlock(&s->mu);
+    }
+    for (size_t i = 0; i < nd && ok; i++) ok = fps__rsend_image(s, call, q, &imgs[i], NULL);
     for (size_t i = 0; i < nextra && ok; i++) ok = fps__rsend_image(s, call, q, &extra[i], NULL);
     if (ok) ok = fps__rmsg_flush(s, call, q, NULL);
     fps__rmsg_drop(q); /* what a failure left */
@@ -850,11 +870,11 @@ static void fps__rsend_run_q(fps_rsend_t *s, grpc_call *call, uint64_t term, fps
       /* The batch takes effect on the standby at once: what one push
        * changed is there entirely or not at all. Its ack settles it. */
       fps_rflight_t *cf = fps_calloc(1, sizeof *cf);
-      if (cf && nd) {
-        cf->track = fps_malloc(nd * sizeof *cf->track);
-        cf->gen = fps_malloc(nd * sizeof *cf->gen);
+      if (cf && nd + nx) {
+        cf->track = fps_malloc((nd + nx) * sizeof *cf->track);
+        cf->gen = fps_malloc((nd + nx) * sizeof *cf->gen);
       }
-      if (!cf || (nd && (!cf->track || !cf->gen))) {
+      if (!cf || (nd + nx && (!cf->track || !cf->gen))) {
         if (cf) {
           fps_free(cf->track);
           fps_free(cf->gen);
@@ -866,7 +886,11 @@ static void fps__rsend_run_q(fps_rsend_t *s, grpc_call *call, uint64_t term, fps
           cf->track[i] = dt[i];
           cf->gen[i] = dg[i];
         }
-        cf->n = nd;
+        for (size_t i = 0; i < nx; i++) {
+          cf->track[nd + i] = xt[i];
+          cf->gen[nd + i] = xg[i];
+        }
+        cf->n = nd + nx;
         cf->key_ticket = ticket;
         Factorps__V1__ReplicateRequest cm = FACTORPS__V1__REPLICATE_REQUEST__INIT;
         cm.commit = true;
@@ -879,6 +903,8 @@ static void fps__rsend_run_q(fps_rsend_t *s, grpc_call *call, uint64_t term, fps
       }
     }
     fps_free(dt);
+    fps_free(xt);
+    fps_free(xg);
     fps_free(dg);
     if (ok && nd == 0 && !had_keys && w != 0) {
       Factorps__V1__ReplicateRequest hb = FACTORPS__V1__REPLICATE_REQUEST__INIT;
