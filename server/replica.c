@@ -49,6 +49,12 @@ void fps_replica_commit_unlock(fps_replica_t *r) { pthread_mutex_unlock(&r->comm
 
 fps_role_t *fps_replica_role(fps_replica_t *r) { return &r->role; }
 
+/* The sender's view of its replica (replica_send.h): replica_send.c
+ * resumes this file through these, never by name. */
+static void fps__replica_publish_cb(void *r) { fps_replica_publish(r); }
+static int fps__replica_set_sync_cb(void *r, bool in_sync) { return fps_replica_set_sync(r, in_sync); }
+static int fps__replica_refusal_cb(void *r, char *why, size_t why_len) { return fps_replica_refusal(r, why, why_len); }
+
 int fps_replica_create(fps_server_t *srv, fps_replica_t **out) {
   *out = NULL;
   fps_replica_t *r = fps_calloc(1, sizeof *r);
@@ -62,7 +68,9 @@ int fps_replica_create(fps_server_t *srv, fps_replica_t **out) {
   if (replicated) {
     const char *self = *srv->cfg.replica_advertise ? srv->cfg.replica_advertise : srv->cfg.listen;
     int rc = fps_lease_open(srv->cfg.lease, srv->cfg.lease_ttl, self, &r->lease);
-    if (rc < 0 || (rc = fps_rsend_create(srv, r, &r->send)) < 0) {
+    fps_rsend_owner_t own = {.arg = r, .role = &r->role, .publish = fps__replica_publish_cb,
+                             .set_sync = fps__replica_set_sync_cb, .refusal = fps__replica_refusal_cb};
+    if (rc < 0 || (rc = fps_rsend_create(srv, &own, &r->send)) < 0) {
       fps_replica_destroy(r);
       return rc;
     }

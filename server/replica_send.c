@@ -115,7 +115,7 @@ typedef struct fps_rqkey_s {
 
 struct fps_rsend_s {
   fps_server_t *srv;
-  fps_replica_t *r;
+  fps_rsend_owner_t own;        /* the replica (replica.c) */
   grpc_channel *ch;
   char *auth_header;
   grpc_metadata auth_md;
@@ -963,8 +963,8 @@ static void fps__rsend_acked(fps_rsend_t *s, grpc_call *call, uint64_t acked) {
   fps_metrics_replication_lag_set(s->seq - s->acked);
   pthread_mutex_unlock(&s->mu);
   if (joined_now) {
-    fps_role_primary_joined(fps_replica_role(s->r), term, true);
-    fps_replica_publish(s->r);
+    fps_role_primary_joined(s->own.role, term, true);
+    s->own.publish(s->own.arg);
     FPS_LOG(FPS_LOG_INFO, "replica: standby %s joined (term %" PRIu64 ")", s->srv->cfg.replica_peer, term);
   }
   fps__waits_run(met, 0, NULL);
@@ -1012,7 +1012,7 @@ static void *fps__rsend_recv_main(void *arg) {
       if (!resp) break;
       uint64_t acked = resp->acked, term = resp->term;
       protobuf_c_message_free_unpacked(&resp->base, &fps_wire_allocator);
-      if (term > s->term && fps_role_fence(fps_replica_role(s->r), term)) break;
+      if (term > s->term && fps_role_fence(s->own.role, term)) break;
       fps__rsend_acked(s, call, acked);
     }
     grpc_metadata_array_destroy(&init_md);
@@ -1036,7 +1036,7 @@ static void *fps__rsend_recv_main(void *arg) {
     grpc_slice_unref(details);
     grpc_metadata_array_destroy(&trail);
     uint64_t newer = got && status == GRPC_STATUS_FAILED_PRECONDITION ? fps__rsend_newer_term(msg) : 0;
-    if (newer && fps_role_fence(fps_replica_role(s->r), newer))
+    if (newer && fps_role_fence(s->own.role, newer))
       FPS_LOG(FPS_LOG_WARN, "replica: the standby has seen term %" PRIu64 ": this primary steps down", newer);
     else if (got && status != GRPC_STATUS_OK && status != GRPC_STATUS_CANCELLED)
       FPS_LOG(FPS_LOG_WARN, "replica: standby %s refused the stream: %s", s->srv->cfg.replica_peer, msg);
@@ -1068,7 +1068,7 @@ static void *fps__rsend_rec_main(void *arg) {
       s->alone_ok = false; /* from now on no answer without the standby */
     }
     pthread_mutex_unlock(&s->mu);
-    if (write && fps_replica_set_sync(s->r, true) < 0) {
+    if (write && s->own.set_sync(s->own.arg, true) < 0) {
       /* Maybe not on record (an etcd write that timed out may still have
        * been applied): tried again at the next ack, and alone_ok stays
        * off, so a stream that ends meanwhile puts "alone" on record
@@ -1173,8 +1173,8 @@ static void *fps__rsend_send_main(void *arg) {
     fps_rwait_t *released = was ? fps__rsend_reset_locked(s) : NULL;
     pthread_mutex_unlock(&s->mu);
     if (was) {
-      fps_role_primary_joined(fps_replica_role(s->r), term, false);
-      fps_replica_publish(s->r);
+      fps_role_primary_joined(s->own.role, term, false);
+      s->own.publish(s->own.arg);
     }
     if (call) grpc_call_unref(call);
     /* No stream (dropped, or none came up): before anything is answered
@@ -1189,7 +1189,7 @@ static void *fps__rsend_send_main(void *arg) {
     char why[512] = "";
     int err = 0;
     if (need) {
-      if (fps_replica_set_sync(s->r, false) < 0) {
+      if (s->own.set_sync(s->own.arg, false) < 0) {
         err = FPS_EUNAVAILABLE;
         snprintf(why, sizeof why, "shard %u lost its standby and cannot record that in its lease; not answering "
                  "alone", s->srv->cfg.shard_id);
@@ -1205,7 +1205,7 @@ static void *fps__rsend_send_main(void *arg) {
     pthread_mutex_lock(&s->mu);
     fps_rwait_t *more = !s->streaming ? fps__waits_take_locked(s, true) : NULL;
     pthread_mutex_unlock(&s->mu);
-    if (err == 0 && (released || more)) err = fps_replica_refusal(s->r, why, sizeof why);
+    if (err == 0 && (released || more)) err = s->own.refusal(s->own.arg, why, sizeof why);
     fps__waits_run(released, err, why);
     fps__waits_run(more, err, why);
     pthread_mutex_lock(&s->mu);
@@ -1227,12 +1227,12 @@ static void *fps__rsend_send_main(void *arg) {
 
 /* ------------------------------------------------------------ control */
 
-int fps_rsend_create(fps_server_t *srv, fps_replica_t *r, fps_rsend_t **out) {
+int fps_rsend_create(fps_server_t *srv, const fps_rsend_owner_t *owner, fps_rsend_t **out) {
   *out = NULL;
   fps_rsend_t *s = fps_calloc(1, sizeof *s);
   if (!s) return FPS_ENOMEM;
   s->srv = srv;
-  s->r = r;
+  s->own = *owner;
   pthread_mutex_init(&s->mu, NULL);
   pthread_mutex_init(&s->rec_mu, NULL);
   pthread_condattr_t ca;

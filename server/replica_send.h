@@ -7,15 +7,25 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "replica.h"
 #include "shard/shard.h"
 
 struct fps_server_s;
-struct fps_replica_s;
 typedef struct fps_rsend_s fps_rsend_t;
 
-/* The sender and its two threads (idle until a stream is wanted). 0,
- * FPS_ENOMEM, or the peer files' errors (printed). */
-int fps_rsend_create(struct fps_server_s *srv, struct fps_replica_s *r, fps_rsend_t **out);
+/* What the sender needs of the replica that owns it (replica.c), handed
+ * over at create so that this file never calls up into replica.c. */
+typedef struct fps_rsend_owner_s {
+  void *arg;                                     /* the replica */
+  fps_role_t *role;                              /* its role machine */
+  void (*publish)(void *arg);                    /* role, term, joined to the metrics */
+  int (*set_sync)(void *arg, bool in_sync);      /* the lease's standby-sync record */
+  int (*refusal)(void *arg, char *why, size_t why_len); /* the gate of worker calls */
+} fps_rsend_owner_t;
+
+/* The sender and its two threads (idle until a stream is wanted); owner is
+ * copied. 0, FPS_ENOMEM, or the peer files' errors (printed). */
+int fps_rsend_create(struct fps_server_s *srv, const fps_rsend_owner_t *owner, fps_rsend_t **out);
 /* Stops the threads, frees everything. NULL is a no-op. */
 void fps_rsend_destroy(fps_rsend_t *s);
 /* This process became primary of `term`: stream to the peer (reconnecting
