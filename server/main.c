@@ -321,6 +321,12 @@ out:
     }
   }
   fps_checkpoint_close(srv.shard);
+  uint64_t peak_buf, peak_staged;
+  fps_shard_staging_peaks(srv.shard, &peak_buf, &peak_staged);
+  /* What memory a run needed beyond its parameters and state, for sizing
+   * --max-staging-bytes and checking the sync memory bound. */
+  FPS_LOG(FPS_LOG_INFO, "staging peak: %.1f MiB of buffers, %.1f MiB of slices staged ahead",
+          (double)peak_buf / 1048576.0, (double)peak_staged / 1048576.0);
   fps_shard_free(srv.shard);
   fps_pool_destroy(pool);
   bool torn_down = fps__grpc_teardown(FPS_TEARDOWN_WAIT_S);

@@ -197,6 +197,9 @@ int fps_shard_init(fps_shard_t *sh, const fps_shard_opts_t *opts, const fps_kern
   sh->ckpt_dir_fd = -1;
   atomic_init(&sh->tbuf_bytes, 0);
   atomic_init(&sh->spare_bytes, 0);
+  atomic_init(&sh->tbuf_peak, 0);
+  atomic_init(&sh->staged_bytes, 0);
+  atomic_init(&sh->staged_peak, 0);
   sh->ssp_clock = fps_calloc(sh->cfg.workers, sizeof *sh->ssp_clock);
   if (!sh->ssp_clock || fps_store_init(&sh->store) < 0 || fps__idem_init(&sh->idem, FPS_IDEM_WINDOW, FPS_IDEM_PER_WORKER) < 0) {
     fps_free(sh->ssp_clock);

@@ -1016,6 +1016,10 @@ struct fps_shard_s {
   atomic_uint_fast64_t tbuf_bytes;  /* bytes in fps_tbuf_alloc buffers,
                                      * the tensors' spares included */
   atomic_uint_fast64_t spare_bytes; /* of which spares (in flight: the rest) */
+  atomic_uint_fast64_t tbuf_peak;   /* tbuf_bytes' high-water mark */
+  atomic_int_fast64_t staged_bytes; /* sync slices staged ahead of lower
+                                     * workers (reduce.c), all pushes */
+  atomic_int_fast64_t staged_peak;  /* staged_bytes' high-water mark */
   pthread_mutex_t spare_mu;         /* a leaf lock: spares, t->spare */
   fps_tensor_t *spares, *spares_last; /* tensors holding a spare, least
                                      * recently kept first (given up in

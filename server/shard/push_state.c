@@ -61,7 +61,20 @@ bool fps__push_release(fps_push_t *p, size_t k) {
 
 uint64_t fps__push_key(const fps_push_t *p) { return p->push_id; }
 
-void fps__push_staged_add(fps_push_t *p, int64_t bytes) { atomic_fetch_add(&p->staged, bytes); }
+void fps__push_staged_add(fps_push_t *p, int64_t bytes) {
+  atomic_fetch_add(&p->staged, bytes);
+  fps_shard_t *sh = p->sh;
+  int64_t now = atomic_fetch_add(&sh->staged_bytes, bytes) + bytes;
+  int64_t peak = atomic_load(&sh->staged_peak);
+  while (now > peak && !atomic_compare_exchange_weak(&sh->staged_peak, &peak, now)) {
+  }
+}
+
+void fps_shard_staging_peaks(fps_shard_t *sh, uint64_t *buffers, uint64_t *staged) {
+  *buffers = atomic_load(&sh->tbuf_peak);
+  int64_t s = atomic_load(&sh->staged_peak);
+  *staged = s > 0 ? (uint64_t)s : 0;
+}
 
 void fps__push_staged_failed(fps_push_t *p, fps_push_entry_t *e) {
   fps_push_entry_t *none = NULL;

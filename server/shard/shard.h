@@ -446,6 +446,10 @@ fps_snap_bf16_t *fps_push_take_bf16(fps_push_t *p, size_t i);
 typedef void (*fps_push_resume_fn)(fps_push_t *p, void *arg);
 void fps_push_set_resume(fps_push_t *p, fps_push_resume_fn fn, void *arg);
 bool fps_push_hold(fps_push_t *p);
+/* High-water marks since start: bytes of tensor-sized buffers counted
+ * against max_staging_bytes (spares included), and of sync slices staged
+ * ahead of lower workers (all workers together). Thread-safe. */
+void fps_shard_staging_peaks(fps_shard_t *sh, uint64_t *buffers, uint64_t *staged);
 
 /* ------------------------------------------------------------ job identity */
 

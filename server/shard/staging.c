@@ -80,7 +80,12 @@ static bool fps__tbuf_reserve(fps_shard_t *sh, uint64_t bytes) {
     do {
       if (cur + bytes < cur) return false;
       if (cur + bytes > max) break;
-      if (atomic_compare_exchange_weak(&sh->tbuf_bytes, &cur, cur + bytes)) return true;
+      if (atomic_compare_exchange_weak(&sh->tbuf_bytes, &cur, cur + bytes)) {
+        uint64_t peak = atomic_load(&sh->tbuf_peak);
+        while (cur + bytes > peak && !atomic_compare_exchange_weak(&sh->tbuf_peak, &peak, cur + bytes)) {
+        }
+        return true;
+      }
     } while (1);
     /* Over: only what is in flight counts against a request (cur and
      * spare are read apart: a spare kept since cur was read may not be

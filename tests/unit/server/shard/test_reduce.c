@@ -707,6 +707,63 @@ static void backpressure_holds_and_resumes(void **unused) {
   free(g);
 }
 
+static void send_to(fps_push_t *p, fps_shard_t *sh, const char *name, const float *g, uint64_t lo, uint64_t hi) {
+  fps_tensor_t *t = fps_store_find(&sh->store, name);
+  fps_slice_t sl = {.dtype = FPS_DTYPE_F32, .shape = t->shape.dim, .n_shape = t->shape.ndim, .offset = lo,
+                    .data = (const uint8_t *)(g + lo), .len = (hi - lo) * 4};
+  char why[FPS_WHY_MAX];
+  int rc = fps_push_slice(p, name, &sl, why, sizeof why);
+  if (rc) fprintf(stderr, "slice: %s\n", why);
+  assert_int_equal(rc, 0);
+}
+
+/* The staging high-water marks (fps_shard_staging_peaks, logged at exit
+ * to check the sync memory bound): a worker's gradient cut into two calls
+ * (the client's push chunks) staging 3 MiB each ahead of worker 0 counts
+ * 6 MiB of slices staged ahead; the buffers' mark adds the two rounds'
+ * sums; both stay when the staging is summed away. */
+static void staging_peaks_count_every_call(void **unused) {
+  (void)unused;
+  static const uint64_t dims[] = {BIG_ROWS, BIG_COLS};
+  float *init = calloc(BIG, sizeof *init), *g = malloc(BIG * sizeof *g);
+  assert_non_null(init);
+  assert_non_null(g);
+  fx_fill(g, BIG, 131);
+  const uint64_t three = (3u << 20) / 4; /* 3 MiB of elements */
+  fps_shard_t sh;
+  fx_shard_with(&sh, FPS_MODE_SYNC, 2, fps_kernels_best(), 256u << 20);
+  assert_int_equal(fx_create(&sh, "big", dims, 2, init), 0);
+  assert_int_equal(fx_create(&sh, "big2", dims, 2, init), 0);
+  uint64_t buf, staged;
+  fps_shard_staging_peaks(&sh, &buf, &staged);
+  assert_int_equal(staged, 0);
+  fx_done_t d[3];
+  fps_push_t *w0 = fx_push_new(&sh, 0, 0, INT64_MAX, &d[0]);
+  fps_push_t *c1 = fx_push_new(&sh, 1, 0, INT64_MAX, &d[1]);
+  fps_push_t *c2 = fx_push_new(&sh, 1, 0, INT64_MAX, &d[2]);
+  send_to(w0, &sh, "big", g, 0, 10);
+  send_to(w0, &sh, "big2", g, 0, 10);
+  send_to(c1, &sh, "big", g, 10, 10 + three);
+  send_to(c2, &sh, "big2", g, 10, 10 + three);
+  fps_shard_staging_peaks(&sh, &buf, &staged);
+  assert_int_equal(staged, three * 8);
+  assert_int_equal(buf, fps_shard_in_flight_bytes(&sh));
+  assert_int_equal(buf, three * 8 + 2 * BIG * 4);
+  send_to(w0, &sh, "big", g, 10, BIG);
+  send_to(w0, &sh, "big2", g, 10, BIG);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 2 * BIG * 4);
+  fps_shard_staging_peaks(&sh, &buf, &staged);
+  assert_int_equal(staged, three * 8);
+  assert_int_equal(buf, three * 8 + 2 * BIG * 4);
+  fps_push_destroy(w0);
+  fps_push_destroy(c1);
+  fps_push_destroy(c2);
+  assert_int_equal(fps_shard_in_flight_bytes(&sh), 0);
+  fx_shard_free(&sh);
+  free(init);
+  free(g);
+}
+
 /* A sync set's tensors of FPS_POOL_MIN_NUMEL_SYNC or more elements are
  * divided by W and stepped on the kernel pool: the parameters are the
  * replay's bits (the replay's async shard has no pool), factored and not. */
@@ -795,6 +852,7 @@ int main(void) {
       cmocka_unit_test(second_push_of_a_worker_and_deadline),
       cmocka_unit_test(no_grad_and_retries),
       cmocka_unit_test(backpressure_holds_and_resumes),
+      cmocka_unit_test(staging_peaks_count_every_call),
       cmocka_unit_test(sync_set_on_the_pool_matches_the_replay),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
