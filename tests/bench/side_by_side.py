@@ -27,8 +27,10 @@ bytes moved (gradients in + parameters out, all workers), and each shard's
 peak RSS (VmHWM, max over the runs). For sync, each factorps shard's peak is
 set against the sync memory bound (docs/shards.md, "Memory: copies of a tensor"):
 1.15 x (its parameters + optimizer state) + its parameter bytes (the
-round's fp32 sum) + W x the largest message in flight (4 MiB) + 64 MiB,
-with the sizes from the shard's Stats.
+round's fp32 sum) + the slices staged ahead of lower workers + 64 MiB,
+with the sizes from the shard's Stats; with chunked pushes (the load's
+default) those are up to (W - 1) x its parameter bytes as sent, with one
+call per shard W x the largest message in flight (4 MiB).
 
 The peer is a measuring tool outside the product: when its folder (default
 ../shared/peers next to the repository, or --peers / $FPS_PEERS_DIR) is
@@ -143,7 +145,7 @@ def run_factorps(build, tmp, n, w, mode, steps, warmup, wire):
         stop(procs)
     try:
         shards = sorted(json.loads(st.stdout)["shards"], key=lambda x: x["shard_id"])
-        bounds = [memory_bound_mib(x["param_bytes"] / MiB, x["state_bytes"] / MiB, w)
+        bounds = [memory_bound_mib(x["param_bytes"] / MiB, x["state_bytes"] / MiB, w, wire=wire)
                   for x in shards]
     except (ValueError, KeyError):
         bounds = []
@@ -159,13 +161,21 @@ MiB = float(1 << 20)
 SHARDS = 2
 
 
-def memory_bound_mib(param_mib, state_mib, workers, message_mib=4.0):
+def memory_bound_mib(param_mib, state_mib, workers, message_mib=4.0, chunked=True, wire="f32"):
     """The sync memory bound for one shard holding param_mib of parameters
     and state_mib of optimizer state: an exact Adafactor step needs the
     round's whole fp32 sum (one more copy of the parameters) before any
-    parameter may change, on top of 1.15 x what the shard holds, W messages
-    in flight and 64 MiB of fixed overhead."""
-    return 1.15 * (param_mib + state_mib) + param_mib + workers * message_mib + 64.0
+    parameter may change, on top of 1.15 x what the shard holds and 64 MiB
+    of fixed overhead. Slices that arrive ahead of the workers below them
+    are staged as received: one call per shard (push_chunk_bytes 0) keeps
+    them near one message per worker (W messages); chunked pushes (the
+    client's default) stage each higher worker's chunks whole while worker
+    0 is behind, up to W - 1 gradients as sent (half in bf16)."""
+    if chunked:
+        ahead = (workers - 1) * param_mib * (0.5 if wire == "bf16" else 1.0)
+    else:
+        ahead = workers * message_mib
+    return 1.15 * (param_mib + state_mib) + param_mib + ahead + 64.0
 
 
 def run_peer(peers, n, w, mode, steps, warmup, channels=None):
