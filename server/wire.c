@@ -180,15 +180,6 @@ static int fps__wire_walk(const ProtobufCMessageDescriptor *d, const uint8_t *p,
   return 0;
 }
 
-static size_t fps__wire_put_varint(uint8_t *o, uint64_t v) {
-  size_t n = 0;
-  do {
-    o[n++] = (uint8_t)((v & 0x7f) | (v > 0x7f ? 0x80 : 0));
-    v >>= 7;
-  } while (v);
-  return n;
-}
-
 /* Writes the canonical form of one message to out (at most n bytes, which
  * is enough: concatenating parts never lengthens them). Returns the bytes
  * written, or -1 on OOM. */
@@ -243,8 +234,7 @@ static ptrdiff_t fps__wire_merge(const ProtobufCMessageDescriptor *d, const uint
       fps_free(canon);
       return -1;
     }
-    o += fps__wire_put_varint(o, ((uint64_t)f.num << 3) | 2);
-    o += fps__wire_put_varint(o, (uint64_t)m);
+    o += fps_wire_put_len_field(o, f.num, (uint64_t)m);
     memcpy(o, canon, (size_t)m);
     o += m;
     fps_free(canon);

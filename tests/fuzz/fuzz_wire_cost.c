@@ -14,36 +14,10 @@
 #include <stdlib.h>
 
 #include "factorps/v1/factorps.pb-c.h"
+#include "../mocks/count_alloc.h"
 #include "wire_cost.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-typedef struct fz_counter_s {
-  uint64_t live, peak;
-} fz_counter_t;
-
-typedef union fz_hdr_u {
-  size_t size;
-  max_align_t align;
-} fz_hdr_t;
-
-static void *fz_alloc(void *data, size_t size) {
-  fz_counter_t *c = data;
-  fz_hdr_t *h = malloc(sizeof *h + size);
-  if (!h) return NULL;
-  h->size = size;
-  c->live += fps_wire_cost_chunk(size);
-  if (c->live > c->peak) c->peak = c->live;
-  return h + 1;
-}
-
-static void fz_free(void *data, void *p) {
-  if (!p) return;
-  fz_counter_t *c = data;
-  fz_hdr_t *h = (fz_hdr_t *)p - 1;
-  c->live -= fps_wire_cost_chunk(h->size);
-  free(h);
-}
 
 static const ProtobufCMessageDescriptor *const fz_requests[] = {
     &factorps__v1__create_request__descriptor,
@@ -62,8 +36,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   data++;
   size--;
   uint64_t cost = fps_wire_cost(d, data, size, UINT64_MAX);
-  fz_counter_t c = {0, 0};
-  ProtobufCAllocator a = {fz_alloc, fz_free, &c};
+  fps_count_t c = {0, 0};
+  ProtobufCAllocator a = {fps_count_alloc, fps_count_free, &c};
   ProtobufCMessage *m = protobuf_c_message_unpack(d, &a, size, data);
   protobuf_c_message_free_unpacked(m, &a);
   /* Stopped past a limit, and only then. */

@@ -19,43 +19,17 @@
 #include <cmocka.h>
 
 #include "factorps/v1/factorps.pb-c.h"
+#include "../../mocks/count_alloc.h"
 #include "wire_cost.h"
+#include "wire_codec.h"
 
 /* ------------------------------------------------- the counting allocator */
-
-typedef struct counter_s {
-  uint64_t live, peak, calls;
-} counter_t;
-
-typedef union hdr_u {
-  size_t size;
-  max_align_t align;
-} hdr_t;
-
-static void *count_alloc(void *data, size_t size) {
-  counter_t *c = data;
-  hdr_t *h = malloc(sizeof *h + size);
-  if (!h) return NULL;
-  h->size = size;
-  c->live += fps_wire_cost_chunk(size);
-  c->calls++;
-  if (c->live > c->peak) c->peak = c->live;
-  return h + 1;
-}
-
-static void count_free(void *data, void *p) {
-  if (!p) return;
-  counter_t *c = data;
-  hdr_t *h = (hdr_t *)p - 1;
-  c->live -= fps_wire_cost_chunk(h->size);
-  free(h);
-}
 
 /* Unpacks with the counting allocator and checks the walker's count
  * covers the peak. Returns the count; *peak the measured peak. */
 static uint64_t covers(const ProtobufCMessageDescriptor *d, const uint8_t *b, size_t n, uint64_t *peak) {
-  counter_t c = {0, 0, 0};
-  ProtobufCAllocator a = {count_alloc, count_free, &c};
+  fps_count_t c = {0, 0};
+  ProtobufCAllocator a = {fps_count_alloc, fps_count_free, &c};
   uint64_t cost = fps_wire_cost(d, b, n, UINT64_MAX);
   ProtobufCMessage *m = protobuf_c_message_unpack(d, &a, n, b);
   protobuf_c_message_free_unpacked(m, &a);
@@ -84,15 +58,6 @@ static uint8_t *pack(const ProtobufCMessage *m, size_t *len) {
   assert_non_null(b);
   assert_int_equal(protobuf_c_message_pack(m, b), *len);
   return b;
-}
-
-static size_t put_varint(uint8_t *o, uint64_t v) {
-  size_t n = 0;
-  do {
-    o[n++] = (uint8_t)((v & 0x7f) | (v > 0x7f ? 0x80 : 0));
-    v >>= 7;
-  } while (v);
-  return n;
 }
 
 /* n copies of the k bytes of unit, in a fresh buffer. */
@@ -296,10 +261,10 @@ static void unknown_fields_and_packed_runs_are_counted(void **state) {
   assert_non_null(b);
   size_t n = 0;
   b[n++] = 0x0a; /* tensors */
-  size_t inner = 1 + put_varint((uint8_t[10]){0}, dims) + dims;
-  n += put_varint(b + n, inner);
+  size_t inner = 1 + fps_wire_varint_len(dims) + dims;
+  n += fps_wire_put_varint(b + n, inner);
   b[n++] = 0x12; /* shape, packed */
-  n += put_varint(b + n, dims);
+  n += fps_wire_put_varint(b + n, dims);
   memset(b + n, 1, dims);
   n += dims;
   cost = covers(CREATE, b, n, &peak);
@@ -312,7 +277,7 @@ static void unknown_fields_and_packed_runs_are_counted(void **state) {
   assert_non_null(b);
   n = 0;
   b[n++] = 0x0a;
-  n += put_varint(b + n, len);
+  n += fps_wire_put_varint(b + n, len);
   memcpy(b + n, dimsb, len);
   n += len;
   cost = covers(CREATE, b, n, &peak);
@@ -333,7 +298,7 @@ static void merges_of_a_repeated_singular_message_are_counted(void **state) {
   assert_non_null(b);
   size_t n = 0;
   b[n++] = 0x0a;
-  n += put_varint(b + n, len);
+  n += fps_wire_put_varint(b + n, len);
   memcpy(b + n, parts, len);
   n += len;
   covers(CREATE, b, n, &peak);
