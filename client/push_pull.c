@@ -443,16 +443,19 @@ static int by_size_desc(const void *a, const void *b) {
 }
 
 /* Cuts one shard's items (n of them, reordered in place) into chunks of
- * at least `target` bytes at `esz` bytes per element (one item may exceed
- * it alone), and writes the number of items of each chunk, in sending
+ * at least `target` bytes of fp32 gradient, whatever the wire dtype (what
+ * a chunk costs a step is its share of the push: the way down waits for a
+ * whole chunk, so bf16, with half the bytes, cuts the same chunks as
+ * fp32, not chunks of twice the share; one item may exceed it alone), and
+ * writes the number of items of each chunk, in sending
  * order, to len[] (room for n), returning the chunk count. Items go
  * largest first so the large replies come back while the rest still
  * uploads; the first chunk sent is the largest one of at most 2 x target
  * bytes, so that the first reply starts early too (a huge tensor first
  * would leave the way down idle while it uploads); the smallest go last,
  * so the tail after the upload is short. `tmp` has room for n items. */
-static size_t plan_chunks(pp_item_t *items, size_t n, uint64_t esz, uint64_t target, pp_item_t *tmp,
-                          size_t *len) {
+static size_t plan_chunks(pp_item_t *items, size_t n, uint64_t target, pp_item_t *tmp, size_t *len) {
+  const uint64_t esz = sizeof(float);
   size_t k = 0;
   uint64_t bytes = 0, total = 0;
   for (size_t i = 0; i < n; i++) total += items[i].numel * esz;
@@ -608,11 +611,7 @@ static int run(fps_client_t *c, pp_job_t *job, const char *const *names, size_t 
     size_t k = 1;
     len[0] = count[s];
     uint64_t chunk = is_push ? c->opts.push_chunk_bytes : 0;
-    /* Chunks count fp32 bytes whatever the wire dtype: what a chunk costs
-     * a step is its share of the push (the way down waits for a whole
-     * chunk), so bf16, with half the bytes, cuts the same chunks as fp32,
-     * not chunks of twice the share. */
-    if (chunk && count[s] > 1) k = plan_chunks(base, count[s], sizeof(float), chunk, sorted, len);
+    if (chunk && count[s] > 1) k = plan_chunks(base, count[s], chunk, sorted, len);
     for (size_t j = 0, off = 0; j < k; off += len[j], j++) {
       pp_call_t *x = &pc[n_calls];
       x->items = base + off;
