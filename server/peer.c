@@ -342,6 +342,7 @@ int fps_peers_send(void *ctx, uint32_t to_shard, const fps_xmsg_t *m, int64_t de
   r.block_index = m->block_index;
   r.phase = (Factorps__V1__ExchangePhase)m->phase;
   r.attempt = m->attempt;
+  r.stamp = m->stamp;
   r.partials.data = (uint8_t *)m->partials;
   r.partials.len = m->len;
   fps_psend_t *s = fps_calloc(1, sizeof *s);

@@ -87,7 +87,8 @@ void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
   if (rc == 0) {
     fps_xmsg_t m = {.name = req->name, .version = req->version, .from_shard = req->from_shard,
                     .shard_count = req->shard_count, .block_index = req->block_index,
-                    .phase = (int)req->phase, .attempt = req->attempt, .partials = req->partials.data, .len = req->partials.len};
+                    .phase = (int)req->phase, .attempt = req->attempt, .partials = req->partials.data, .len = req->partials.len,
+                    .stamp = req->stamp};
     /* May complete this shard's step of the tensor, on this thread. */
     rc = fps_shard_exchange_receive(srv->shard, &m, why, sizeof why);
   }

@@ -901,8 +901,15 @@ void fps__xrec_anchor_flush(fps_shard_t *sh, fps_xanchor_t *list);
 void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t);
 /* A peer's VERSIONS (checked by fps_shard_exchange_receive; no lock held). */
 int fps__xrec_receive(fps_shard_t *sh, fps_tensor_t *t, const fps_xmsg_t *m, char *why, size_t why_len);
+/* The stamp of an Exchange message this shard makes now: wall-clock ns,
+ * strictly increasing (xrecover.c "STAMPS"). */
+uint64_t fps__xrec_stamp(fps_shard_t *sh);
+/* A step message (not VERSIONS) of t from block `block` with `stamp`
+ * arrived: that block's lists made before it are out of date. REQUIRES
+ * t->mu. */
+void fps__xrec_peer_stepped(fps_tensor_t *t, uint32_t block, uint64_t stamp);
 /* The expiry hook's part: blocks whose agreed version waited for a round
- * to end move to it now. */
+ * to end move to it now; blocks still apart announce again. */
 void fps__xrec_tick(fps_shard_t *sh);
 /* At restore (no lock held): t's anchors found on disk. (A new block's
  * first anchor empties its directory: another life's anchors are not
@@ -1074,6 +1081,9 @@ struct fps_shard_s {
   atomic_bool xstopping;            /* shutting down: no new exchange begins */
   atomic_int xrec_pending;          /* split blocks waiting to roll to an
                                      * agreed version (xrecover.c) */
+  atomic_int xrec_apart;            /* split blocks announcing their versions
+                                     * until they agree (xrecover.c) */
+  _Atomic uint64_t xstamp_last;     /* the last Exchange stamp (fps__xrec_stamp) */
   /* async/ssp apply a push's tensors one after the other (push.c) under
    * the read side, and sync applies a whole set and records its members'
    * keys under it (sync.c); a standby's batch of images (replica.c) is

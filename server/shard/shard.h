@@ -530,6 +530,8 @@ typedef struct fps_xmsg_s {
                                 * members carry no push_id */
   const void *partials;
   size_t len;
+  uint64_t stamp;              /* the sender's clock when it made the message
+                                * (xrecover.c "STAMPS"); 0: not known */
 } fps_xmsg_t;
 
 /* How one send ended: err 0 (the peer acknowledged), or FPS_E* with a

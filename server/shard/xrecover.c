@@ -21,7 +21,19 @@
  *            shard the versions it can be restored to: its own and its
  *            anchors'. A shard that gets a peer's list answers with its
  *            own (once per exchange deadline, or at once if that peer's
- *            list was not known yet).
+ *            list was not known yet). Until it holds every list and stands
+ *            at the version they agree on, a block announces again once
+ *            per exchange deadline (the expiry hook, fps__xrec_tick): a
+ *            list lost on its way, or refused by a shard that was starting,
+ *            is sent again, and a peer that lacks ours answers.
+ *   STAMPS   every Exchange message carries its sender's clock
+ *            (fps__xrec_stamp: wall-clock ns, strictly increasing in a
+ *            process, so also across its restarts). A list sent before its
+ *            sender took part in a step is out of date once that step
+ *            applied: a list older than the newest step message from that
+ *            block (or than the list already held) is ignored, so a list
+ *            delivered late cannot move a block back to a version the
+ *            blocks have left.
  *   AGREE    once a shard holds every other block's list, the target is
  *            the newest version in all of them (each shard computes the
  *            same from the same lists). A block not at it loads it from its
@@ -41,6 +53,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "alloc.h"
@@ -66,7 +79,11 @@ typedef struct fps_xrec_s {
   bool *have;                 /* [n_blocks]: that block's list is here */
   uint64_t *list;             /* [n_blocks * FPS_XVERSIONS_MAX] */
   unsigned *nlist;            /* [n_blocks] */
+  uint64_t *list_stamp;       /* [n_blocks]: the held list's stamp */
+  uint64_t *step_stamp;       /* [n_blocks]: the newest stamp of that block's step messages */
   int64_t announced_ns;       /* 0: not since the blocks last agreed */
+  bool apart;                 /* announced, and not yet at the version every list holds:
+                               * announces again (fps__xrec_tick); counted in sh->xrec_apart */
   bool pending;               /* moving to `target` waits for the round */
   uint64_t target;
   bool unagreeable_logged;
@@ -84,10 +101,14 @@ static fps_xrec_t *fps__xrec_get(fps_tensor_t *t) {
   r->have = fps_calloc(sp->n_blocks, sizeof *r->have);
   r->list = fps_calloc((size_t)sp->n_blocks * FPS_XVERSIONS_MAX, sizeof *r->list);
   r->nlist = fps_calloc(sp->n_blocks, sizeof *r->nlist);
-  if (!r->have || !r->list || !r->nlist) {
+  r->list_stamp = fps_calloc(sp->n_blocks, sizeof *r->list_stamp);
+  r->step_stamp = fps_calloc(sp->n_blocks, sizeof *r->step_stamp);
+  if (!r->have || !r->list || !r->nlist || !r->list_stamp || !r->step_stamp) {
     fps_free(r->have);
     fps_free(r->list);
     fps_free(r->nlist);
+    fps_free(r->list_stamp);
+    fps_free(r->step_stamp);
     fps_free(r);
     return NULL;
   }
@@ -102,13 +123,40 @@ void fps__xrec_forget(fps_tensor_t *t) {
   fps_free(r->have);
   fps_free(r->list);
   fps_free(r->nlist);
+  fps_free(r->list_stamp);
+  fps_free(r->step_stamp);
   fps_free(r);
   t->split->rec = NULL;
+}
+
+uint64_t fps__xrec_stamp(fps_shard_t *sh) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  uint64_t now = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+  uint64_t last = atomic_load(&sh->xstamp_last);
+  for (;;) {
+    uint64_t next = now > last ? now : last + 1;
+    if (atomic_compare_exchange_weak(&sh->xstamp_last, &last, next)) return next;
+  }
+}
+
+void fps__xrec_peer_stepped(fps_tensor_t *t, uint32_t block, uint64_t stamp) {
+  fps_xrec_t *r = fps__xrec_get(t);
+  if (r && stamp > r->step_stamp[block]) r->step_stamp[block] = stamp;
+}
+
+/* Marks r apart (announced, not agreed) or not, keeping sh->xrec_apart. */
+static void fps__xrec_set_apart(fps_shard_t *sh, fps_xrec_t *r, bool apart) {
+  if (r->apart == apart) return;
+  r->apart = apart;
+  atomic_fetch_add(&sh->xrec_apart, apart ? 1 : -1);
 }
 
 /* Forgets the peers' lists: the blocks agree (a step applied) or moved. */
 static void fps__xrec_reset(fps_shard_t *sh, fps_xrec_t *r, uint32_t nb) {
   memset(r->have, 0, nb * sizeof *r->have);
+  memset(r->list_stamp, 0, nb * sizeof *r->list_stamp);
+  fps__xrec_set_apart(sh, r, false);
   r->announced_ns = 0;
   r->unagreeable_logged = false;
   if (r->pending) atomic_fetch_sub(&sh->xrec_pending, 1);
@@ -294,6 +342,16 @@ static void fps__xrec_sent(void *arg, int err, const char *msg) {
   if (err) FPS_LOG(FPS_LOG_DEBUG, "VERSIONS not delivered: %s", msg ? msg : fps_strerror(err));
 }
 
+/* Holds every other block's list and stands at the version they agree
+ * on (or no version agrees: announcing again changes nothing until a
+ * peer's list changes, and its announcement brings ours). REQUIRES t->mu. */
+static bool fps__xrec_done_locked(const fps_tensor_t *t, const fps_xrec_t *r) {
+  const fps_tensor_split_t *sp = t->split;
+  for (uint32_t b = 0; b < sp->n_blocks; b++)
+    if (b != sp->block_index && !r->have[b]) return false;
+  return !r->pending;
+}
+
 void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t) {
   if (!t->split || !sh->xsend) return;
   int64_t now = fps_now_ns();
@@ -301,12 +359,16 @@ void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t) {
   uint64_t v[FPS_XVERSIONS_MAX];
   pthread_mutex_lock(&t->mu);
   fps_xrec_t *r = t->ready ? fps__xrec_get(t) : NULL;
+  if (r && !fps__xrec_done_locked(t, r)) fps__xrec_set_apart(sh, r, true);
   if (!r || (r->announced_ns && now - r->announced_ns < window)) {
     pthread_mutex_unlock(&t->mu);
     return;
   }
   r->announced_ns = now;
   unsigned n = fps__own_list(t, r, v);
+  /* Taken with the list, under t->mu: a step message this shard sends
+   * after it has a newer stamp (see STAMPS above). */
+  uint64_t stamp = fps__xrec_stamp(sh);
   pthread_mutex_unlock(&t->mu);
   uint8_t wire[FPS_XVERSIONS_MAX * 8];
   for (unsigned i = 0; i < n; i++)
@@ -316,7 +378,8 @@ void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t) {
     if (b == sp->block_index) continue;
     fps_xmsg_t m = {.name = t->name, .version = v[0], .from_shard = sh->cfg.shard_id,
                     .shard_count = sh->cfg.shard_count, .block_index = sp->block_index,
-                    .phase = FPS_XPHASE_VERSIONS, .attempt = 0, .partials = wire, .len = (size_t)n * 8};
+                    .phase = FPS_XPHASE_VERSIONS, .attempt = 0, .partials = wire, .len = (size_t)n * 8,
+                    .stamp = stamp};
     sh->xsend(sh->xsend_ctx, sp->block_shards[b], &m, fps_clock_after(now, sh->xdeadline > 0 ? sh->xdeadline : 10.0),
               fps__xrec_sent, NULL);
   }
@@ -362,11 +425,13 @@ static void fps__xrec_agree_locked(fps_shard_t *sh, fps_tensor_t *t, fps_xrec_t 
               "(--split-anchor-steps keeps versions to agree on)",
               t->name, text);
     }
+    fps__xrec_set_apart(sh, r, false);
     return;
   }
   if (target == t->version) {
     if (r->pending) atomic_fetch_sub(&sh->xrec_pending, 1);
     r->pending = false;
+    fps__xrec_set_apart(sh, r, false);
     return;
   }
   if (!r->pending) atomic_fetch_add(&sh->xrec_pending, 1);
@@ -479,7 +544,16 @@ int fps__xrec_receive(fps_shard_t *sh, fps_tensor_t *t, const fps_xmsg_t *m, cha
     return FPS_ENOMEM;
   }
   uint32_t b = m->block_index;
+  if (m->stamp && (m->stamp < r->step_stamp[b] || (r->have[b] && m->stamp < r->list_stamp[b]))) {
+    /* Made before that block's latest step message or list: out of date
+     * (STAMPS above). Acknowledged: a resend would be as old. */
+    pthread_mutex_unlock(&t->mu);
+    FPS_LOG(FPS_LOG_DEBUG, "tensor '%s': an out-of-date list of versions from shard %u ignored", t->name,
+            m->from_shard);
+    return 0;
+  }
   bool knew = r->have[b];
+  r->list_stamp[b] = m->stamp;
   memcpy(&r->list[(size_t)b * FPS_XVERSIONS_MAX], v, n * sizeof v[0]);
   r->nlist[b] = n;
   r->have[b] = true;
@@ -494,8 +568,15 @@ int fps__xrec_receive(fps_shard_t *sh, fps_tensor_t *t, const fps_xmsg_t *m, cha
 
 void fps__xrec_tick(fps_shard_t *sh) {
   pthread_rwlock_rdlock(&sh->store.mu);
-  for (fps_tensor_t *t = sh->store.first; t; t = t->next)
-    if (t->split) fps__xrec_move(sh, t);
+  for (fps_tensor_t *t = sh->store.first; t; t = t->next) {
+    if (!t->split) continue;
+    fps__xrec_move(sh, t);
+    pthread_mutex_lock(&t->mu);
+    const fps_xrec_t *r = t->split->rec;
+    bool again = r && r->apart;
+    pthread_mutex_unlock(&t->mu);
+    if (again) fps__xrec_announce(sh, t); /* once per exchange deadline */
+  }
   pthread_rwlock_unlock(&sh->store.mu);
 }
 

@@ -463,7 +463,7 @@ static void fps__xg_send(fps_xgroup_t *g, int phase) {
     fps_xmsg_t m = {.name = x->t->name, .version = x->version, .from_shard = sh->cfg.shard_id,
                     .shard_count = sh->cfg.shard_count, .block_index = x->me, .phase = phase,
                     .attempt = x->attempt, .partials = own ? x->own[phase - 1] : NULL,
-                    .len = own ? x->own_len[phase - 1] : 0};
+                    .len = own ? x->own_len[phase - 1] : 0, .stamp = fps__xrec_stamp(sh)};
     int rc = sh->xsend(sh->xsend_ctx, rec[i].to, &m, g->deadline_ns, fps__xsend_done, &rec[i]);
     if (rc < 0) {
       char cause[128];
@@ -744,7 +744,7 @@ static void fps__xg_advance(fps_xgroup_t *g) {
 /* ------------------------------------------------------------- expiry */
 
 void fps__xstep_expire(fps_shard_t *sh, int64_t now, bool force, const char *reason) {
-  if (!force && atomic_load(&sh->xrec_pending) > 0) fps__xrec_tick(sh);
+  if (!force && (atomic_load(&sh->xrec_pending) > 0 || atomic_load(&sh->xrec_apart) > 0)) fps__xrec_tick(sh);
   for (;;) {
     fps_xgroup_t *hit = NULL;
     pthread_mutex_lock(&sh->xs_mu);
@@ -811,7 +811,7 @@ static void fps__xstep_abort_waiting(fps_shard_t *sh) {
   for (size_t i = 0; i < n; i++) {
     fps_xmsg_t m = {.name = ab[i].t->name, .version = ab[i].version, .from_shard = sh->cfg.shard_id,
                     .shard_count = sh->cfg.shard_count, .block_index = ab[i].block, .phase = FPS_XPHASE_ABORT,
-                    .attempt = ab[i].attempt, .partials = NULL, .len = 0};
+                    .attempt = ab[i].attempt, .partials = NULL, .len = 0, .stamp = fps__xrec_stamp(sh)};
     sh->xsend(sh->xsend_ctx, ab[i].to, &m, fps_clock_after(fps_now_ns(), 1.0), fps__xabort_sent, NULL);
   }
   fps_free(ab);
@@ -907,6 +907,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
              m->from_shard);
     goto out;
   }
+  if (m->stamp) fps__xrec_peer_stepped(t, m->block_index, m->stamp);
   if (m->phase == FPS_XPHASE_ABORT) {
     /* The sender stops before its step of (version, attempt) begins: ours
      * cannot complete (it lacks the sender's partials), so it fails now

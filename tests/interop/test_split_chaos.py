@@ -115,6 +115,7 @@ class Chaos:
             if v is not None and len(set(v)) == 1:
                 return v[0]
             time.sleep(0.05)
+        self.dump_logs()
         raise AssertionError("the blocks did not come back to one version within %d s (last seen %s)" %
                              (bound, last))
 
@@ -178,8 +179,19 @@ class Chaos:
             with self.lock:
                 if self.done_steps >= base + n:
                     return
-            self.t.assertLess(time.monotonic(), until, "training did not go on (%s)" % self.versions())
+            if time.monotonic() >= until:
+                self.dump_logs()
+                self.t.fail("training did not go on (%s)" % self.versions())
             time.sleep(0.02)
+
+    def dump_logs(self):
+        """Every shard's log so far, to find out why a run did not go on."""
+        for b in range(SHARDS):
+            try:
+                log = self.job[b].stderr()
+            except Exception as e:
+                log = repr(e)
+            print("---- shard %d log (last 12000 chars) ----\n%s" % (b, log[-12000:]), file=sys.stderr)
 
     def event(self, i, rnd):
         victim = rnd.randrange(SHARDS)

@@ -169,6 +169,47 @@ class SplitRecover(unittest.TestCase):
             self.assertEqual(version, v + 1)
             self.assertRowsClose(b, rows, want)
 
+    def send_versions(self, to, frm, versions, stamp):
+        """shard `frm`'s VERSIONS list of its block, as its peer sends it."""
+        pb = self.pb
+        self.job.stub(to).Exchange(pb.ExchangeRequest(
+            name="emb", version=versions[0], from_shard=frm, shard_count=SHARDS, block_index=frm,
+            phase=pb.EXCHANGE_PHASE_VERSIONS, partials=b"".join(v.to_bytes(8, "little") for v in versions),
+            stamp=stamp), timeout=10)
+
+    def test_late_versions_list_moves_nothing(self):
+        """The lists of versions the blocks send each other in a recovery
+        carry their sender's clock. A list made before its sender's latest
+        step message (it was on its way while the blocks agreed and stepped
+        on) is out of date and moves nothing; the same lists made later
+        move the block back. Before the stamps, a late list from an earlier
+        recovery moved a block back alone and the job stopped (CI, 2026-12-02)."""
+        self.start()
+        rng = np.random.default_rng(5)
+        p0 = rng.standard_normal(SHAPE).astype(np.float32)
+        self.create(p0)
+        for s in range(4):
+            self.step_all(s, rng.standard_normal(SHAPE).astype(np.float32))
+        self.assertEqual(self.versions(), [4, 4, 4])
+        for frm in (1, 2):  # made long before their step messages
+            self.send_versions(0, frm, [2], stamp=1)
+        time.sleep(1.0)
+        self.assertEqual(self.versions(), [4, 4, 4], "an out-of-date list moved a block")
+        self.assertEqual(H.stats(self.job.stub(0))[1]["emb"].split_lost_steps, 0)
+        now = time.time_ns() + 10**9
+        for frm in (1, 2):  # the same lists, made now: shard 0 goes back to 2
+            self.send_versions(0, frm, [2], stamp=now)
+        until = time.monotonic() + AGREE_SECONDS
+        while H.stats(self.job.stub(0))[1]["emb"].split_lost_steps < 2:
+            self.assertLess(time.monotonic(), until, "shard 0 never moved to the version of the lists")
+            time.sleep(0.05)
+        # Its own anchors still hold 4, as the others' do: they agree on it
+        # again by themselves (its announcement reached them), and the next
+        # step succeeds everywhere.
+        self.assertEqual(self.wait_one_version(), 4)
+        self.step_all(4, rng.standard_normal(SHAPE).astype(np.float32))
+        self.assertEqual(self.versions(), [5, 5, 5])
+
     def test_sigterm_mid_exchange_finishes_everywhere(self):
         """SIGTERM to shard 1 while its block's step waits for block 2's
         partials, which come 0.5 s later: the step finishes (or fails) on
