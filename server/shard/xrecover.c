@@ -34,6 +34,7 @@
  *            block (or than the list already held) is ignored, so a list
  *            delivered late cannot move a block back to a version the
  *            blocks have left.
+ *            A block that moved announces its new list at once.
  *   AGREE    once a shard holds every other block's list, the target is
  *            the newest version in all of them (each shard computes the
  *            same from the same lists). A block not at it loads it from its
@@ -374,6 +375,8 @@ void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t) {
   for (unsigned i = 0; i < n; i++)
     for (int b = 0; b < 8; b++) wire[i * 8 + b] = (uint8_t)(v[i] >> (8 * b));
   const fps_tensor_split_t *sp = t->split; /* the map is fixed */
+  FPS_LOG(FPS_LOG_DEBUG, "tensor '%s': block %u at version %" PRIu64 " sends the versions it can go to", t->name,
+          sp->block_index, v[0]);
   for (uint32_t b = 0; b < sp->n_blocks; b++) {
     if (b == sp->block_index) continue;
     fps_xmsg_t m = {.name = t->name, .version = v[0], .from_shard = sh->cfg.shard_id,
@@ -520,6 +523,10 @@ static void fps__xrec_move(fps_shard_t *sh, fps_tensor_t *t) {
           "from version %" PRIu64 " to it (anchor %s); %" PRIu64 " update%s of this block undone (%" PRIu64
           " in total)",
           t->name, target, sp->block_index, from, path, lost, lost == 1 ? "" : "s", total);
+  /* The others may have decided from other lists (one changed on its
+   * way): this block's new list makes every block check again, and it
+   * announces until it holds every list at the version they agree on. */
+  fps__xrec_announce(sh, t);
 }
 
 int fps__xrec_receive(fps_shard_t *sh, fps_tensor_t *t, const fps_xmsg_t *m, char *why, size_t wl) {

@@ -203,9 +203,11 @@ class SplitRecover(unittest.TestCase):
         while H.stats(self.job.stub(0))[1]["emb"].split_lost_steps < 2:
             self.assertLess(time.monotonic(), until, "shard 0 never moved to the version of the lists")
             time.sleep(0.05)
-        # Its own anchors still hold 4, as the others' do: they agree on it
-        # again by themselves (its announcement reached them), and the next
-        # step succeeds everywhere.
+        # The others' true lists, made later still: its own anchors hold 4,
+        # as theirs do, so it moves forward to 4 (whatever order the lists
+        # came in), and the next step succeeds everywhere.
+        for frm in (1, 2):
+            self.send_versions(0, frm, [4, 3, 2], stamp=now + 10**9)
         self.assertEqual(self.wait_one_version(), 4)
         self.step_all(4, rng.standard_normal(SHAPE).astype(np.float32))
         self.assertEqual(self.versions(), [5, 5, 5])
