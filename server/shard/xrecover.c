@@ -25,7 +25,8 @@
  *            at the version they agree on, a block announces again once
  *            per exchange deadline (the expiry hook, fps__xrec_tick): a
  *            list lost on its way, or refused by a shard that was starting,
- *            is sent again, and a peer that lacks ours answers.
+ *            is sent again, and a peer that lacks ours answers. A block
+ *            that moved (AGREE) announces its new list at once.
  *   STAMPS   every Exchange message carries its sender's clock
  *            (fps__xrec_stamp: wall-clock ns, strictly increasing in a
  *            process, so also across its restarts). A list sent before its
@@ -34,7 +35,6 @@
  *            block (or than the list already held) is ignored, so a list
  *            delivered late cannot move a block back to a version the
  *            blocks have left.
- *            A block that moved announces its new list at once.
  *   AGREE    once a shard holds every other block's list, the target is
  *            the newest version in all of them (each shard computes the
  *            same from the same lists). A block not at it loads it from its
