@@ -465,6 +465,20 @@ def pull(stub, names_shapes, timeout=60, dtype=0):
     return collect(stub.Pull(pb.PullRequest(names=list(names_shapes), dtype=dtype), timeout=timeout), names_shapes)
 
 
+def proc_status_bytes(pid, field):
+    """A size field of /proc/PID/status (VmRSS, VmHWM, ...) in bytes."""
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no %s in /proc/%d/status" % (field, pid))
+
+
+def peak_rss(pid):
+    """The process's peak resident set (VmHWM), bytes."""
+    return proc_status_bytes(pid, "VmHWM")
+
+
 def stats(stub, log=0, timeout=30):
     pb, _, _ = stubs()
     r = stub.Stats(pb.StatsRequest(include_tensors=True, apply_log_limit=log), timeout=timeout)

@@ -33,14 +33,6 @@ STREAMS = 6
 BOUND = 8 << 20
 
 
-def peak_rss(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmHWM")
-
-
 class Unauthenticated(unittest.TestCase):
     def test_stalled_streams_without_token_hold_no_memory(self):
         d = tempfile.mkdtemp(prefix="fps-admission-")
@@ -51,7 +43,7 @@ class Unauthenticated(unittest.TestCase):
         srv = H.Server("--mode", "async", "--auth-token-file", tokens)
         conns = []
         try:
-            rss0 = peak_rss(srv.proc.pid)
+            rss0 = H.peak_rss(srv.proc.pid)
             body = b"\x00" + struct.pack(">I", MESSAGE) + bytes(MESSAGE - 1)  # one byte short
             hdrs = (literal(b":method", b"POST") + literal(b":scheme", b"http") +
                     literal(b":path", b"/factorps.v1.ParameterServer/Create") +
@@ -81,7 +73,7 @@ class Unauthenticated(unittest.TestCase):
             for c in conns:
                 while not c.closed and time.monotonic() < end:
                     c.pump(0.1)
-            grown = peak_rss(srv.proc.pid) - rss0
+            grown = H.peak_rss(srv.proc.pid) - rss0
             print("%d stalled unauthenticated 16 MiB Creates: sent %s bytes, shard peak RSS +%.1f MiB "
                   "(bound %d MiB)" % (STREAMS, sent, grown / 2 ** 20, BOUND >> 20))
             self.assertEqual([c.closed for c in conns], ["trailers"] * STREAMS,
@@ -128,12 +120,12 @@ class DecodeBound(unittest.TestCase):
             w = np.arange(12, dtype=np.float32)
             H.create(srv.stub, "w", [3, 4], init=w)
             before, _ = H.stats(srv.stub)
-            rss0 = peak_rss(srv.proc.pid)
+            rss0 = H.peak_rss(srv.proc.pid)
             for method, what in [("Create", "CreateRequest"), ("Pull", "PullRequest")]:
                 body = b"\x0a\x00" * (self.SIZE // 2)  # empty TensorCreates; empty names
                 with self.assertRaises(grpc.RpcError) as e:
                     self.call(srv, method, body)
-                grown = peak_rss(srv.proc.pid) - rss0
+                grown = H.peak_rss(srv.proc.pid) - rss0
                 print("%s of %d bytes of empty entries: %s %r, shard peak RSS +%.1f MiB (bound %d MiB)" %
                       (method, len(body), e.exception.code(), e.exception.details(), grown / 2 ** 20,
                        self.DECODE_BOUND >> 20))
@@ -151,20 +143,20 @@ class DecodeBound(unittest.TestCase):
             # Normal Creates: 4M values in one 16 MiB message, then 20,000
             # tensors without values in one message.
             big = np.random.default_rng(1).standard_normal(1 << 22, dtype=np.float32)
-            rss1 = peak_rss(srv.proc.pid)
+            rss1 = H.peak_rss(srv.proc.pid)
             r = H.create(srv.stub, "big", [2048, 2048], init=big, slice_elems=big.size)
             self.assertTrue(r.tensors[0].ready)
-            grown = peak_rss(srv.proc.pid) - rss1
+            grown = H.peak_rss(srv.proc.pid) - rss1
             print("Create of one [2048, 2048] tensor with its values (%.1f MiB message): shard peak RSS "
                   "+%.1f MiB" % (big.nbytes / 2 ** 20, grown / 2 ** 20))
             opt = H.optimizer(lr=1e-3, weight_decay=0.01)
             req = pb.CreateRequest(shard_count=1, tensors=[
                 pb.TensorCreate(name="model.layers.%d.mlp.up_proj.weight" % i, shape=[4, 8], optimizer=opt)
                 for i in range(20000)])
-            rss2 = peak_rss(srv.proc.pid)
+            rss2 = H.peak_rss(srv.proc.pid)
             r = srv.stub.Create(req, timeout=120)
             self.assertEqual(len(r.tensors), 20000)
-            grown = peak_rss(srv.proc.pid) - rss2
+            grown = H.peak_rss(srv.proc.pid) - rss2
             print("Create of 20,000 tensors [4, 8] without values (%.2f MiB message): shard peak RSS +%.1f MiB" %
                   (req.ByteSize() / 2 ** 20, grown / 2 ** 20))
             _, tensors = H.stats(srv.stub)
@@ -178,11 +170,7 @@ def reset_peak_rss(pid):
     returns VmRSS then."""
     with open("/proc/%d/clear_refs" % pid, "w") as f:
         f.write("5")
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
+    return H.proc_status_bytes(pid, "VmRSS")
 
 
 class DecodeBudget(unittest.TestCase):
@@ -237,7 +225,7 @@ class DecodeBudget(unittest.TestCase):
                 t.start()
             for t in threads:
                 t.join()
-            grown = peak_rss(srv.proc.pid) - rss0
+            grown = H.peak_rss(srv.proc.pid) - rss0
             # Under ASan (tests/interop/CMakeLists.txt) redzones double
             # the handlers' small allocations: the bound is scaled.
             scale = float(os.environ.get("FPS_RSS_BOUND_SCALE", "1"))
@@ -269,7 +257,7 @@ class DecodeBudget(unittest.TestCase):
             r = H.create(srv.stub, "big", [4096, 4000], init=big, slice_elems=big.size, timeout=120)
             self.assertTrue(r.tensors[0].ready)
             print("Create of one [4096, 4000] tensor with its values (%.1f MiB message), default budget: "
-                  "shard peak RSS +%.1f MiB" % (big.nbytes / 2 ** 20, (peak_rss(srv.proc.pid) - rss1) / 2 ** 20))
+                  "shard peak RSS +%.1f MiB" % (big.nbytes / 2 ** 20, (H.peak_rss(srv.proc.pid) - rss1) / 2 ** 20))
             got, _ = H.pull(srv.stub, {"big": [4096, 4000]})
             np.testing.assert_array_equal(got["big"].reshape(-1), big)
         finally:

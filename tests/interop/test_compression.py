@@ -16,14 +16,6 @@ BOMB = 96 << 20  # inflated size; about 96 KiB of gzip on the wire
 TOKEN = "s3cret-token-for-compression"
 
 
-def peak_rss(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmHWM")
-
-
 class Compression(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -84,20 +76,20 @@ class Compression(unittest.TestCase):
             self.assertEqual(self.stats()[1][name], 0)
 
     def test_gzip_bomb_without_token(self):
-        rss0 = peak_rss(self.srv.proc.pid)
+        rss0 = H.peak_rss(self.srv.proc.pid)
         before = self.stats()
         code, details = self.status("Stats", self.bomb, [], self.grpc.Compression.Gzip)
         self.assertEqual(code, self.grpc.StatusCode.UNAUTHENTICATED, details)
         code, details = self.status("Create", self.bomb, [("authorization", "Bearer wrong")],
                                     self.grpc.Compression.Gzip)
         self.assertEqual(code, self.grpc.StatusCode.UNAUTHENTICATED, details)
-        grown = peak_rss(self.srv.proc.pid) - rss0
+        grown = H.peak_rss(self.srv.proc.pid) - rss0
         print("gzip bomb without token: shard peak RSS +%.1f MiB" % (grown / 2 ** 20))
         self.assertLess(grown, 16 << 20, "peak RSS grew %d MiB" % (grown >> 20))
         self.assertEqual(self.stats(), before)
 
     def test_gzip_bomb_with_token(self):
-        rss0 = peak_rss(self.srv.proc.pid)
+        rss0 = H.peak_rss(self.srv.proc.pid)
         before = self.stats()
         for method in ("Stats", "Create", "Pull"):
             code, details = self.status(method, self.bomb, self.md, self.grpc.Compression.Gzip)
@@ -111,7 +103,7 @@ class Compression(unittest.TestCase):
         ch.close()
         self.assertEqual(cm.exception.code(), self.grpc.StatusCode.RESOURCE_EXHAUSTED, cm.exception.details())
         self.assertIn("inflates to more than --max-message-bytes", cm.exception.details())
-        grown = peak_rss(self.srv.proc.pid) - rss0
+        grown = H.peak_rss(self.srv.proc.pid) - rss0
         print("gzip bomb with token: shard peak RSS +%.1f MiB" % (grown / 2 ** 20))
         self.assertLess(grown, 16 << 20, "peak RSS grew %d MiB" % (grown >> 20))
         (pushes, errors, updates), tensors = self.stats()
