@@ -93,6 +93,17 @@ typedef struct fps_xrec_s {
   uint64_t last_from, last_to;
 } fps_xrec_t;
 
+/* Frees r and what it owns (a partly made one too: fps_calloc'ed). */
+static void fps__xrec_free(fps_xrec_t *r) {
+  for (unsigned i = 0; i < r->nanchor; i++) fps_free(r->path[i]);
+  fps_free(r->have);
+  fps_free(r->list);
+  fps_free(r->nlist);
+  fps_free(r->list_stamp);
+  fps_free(r->step_stamp);
+  fps_free(r);
+}
+
 /* t's recovery record, made on first use. NULL on OOM. REQUIRES t->mu. */
 static fps_xrec_t *fps__xrec_get(fps_tensor_t *t) {
   fps_tensor_split_t *sp = t->split;
@@ -105,12 +116,7 @@ static fps_xrec_t *fps__xrec_get(fps_tensor_t *t) {
   r->list_stamp = fps_calloc(sp->n_blocks, sizeof *r->list_stamp);
   r->step_stamp = fps_calloc(sp->n_blocks, sizeof *r->step_stamp);
   if (!r->have || !r->list || !r->nlist || !r->list_stamp || !r->step_stamp) {
-    fps_free(r->have);
-    fps_free(r->list);
-    fps_free(r->nlist);
-    fps_free(r->list_stamp);
-    fps_free(r->step_stamp);
-    fps_free(r);
+    fps__xrec_free(r);
     return NULL;
   }
   sp->rec = r;
@@ -120,13 +126,7 @@ static fps_xrec_t *fps__xrec_get(fps_tensor_t *t) {
 void fps__xrec_forget(fps_tensor_t *t) {
   fps_xrec_t *r = t->split ? t->split->rec : NULL;
   if (!r) return;
-  for (unsigned i = 0; i < r->nanchor; i++) fps_free(r->path[i]);
-  fps_free(r->have);
-  fps_free(r->list);
-  fps_free(r->nlist);
-  fps_free(r->list_stamp);
-  fps_free(r->step_stamp);
-  fps_free(r);
+  fps__xrec_free(r);
   t->split->rec = NULL;
 }
 
