@@ -87,6 +87,9 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
      "tune glibc malloc for large messages (one arena, no mmap threshold, no trim)"},
     {"http2-bdp-probe", CFG_BOOL, OFF(http2_bdp_probe), "false", 0, 0,
      "let gRPC grow HTTP/2 receive windows to its bandwidth-delay estimate (long links; more memory)"},
+    {"http2-max-frame", CFG_U64, OFF(http2_max_frame), "1048576", 0, 16777215.0,
+     "largest HTTP/2 frame the shard accepts, bytes (SETTINGS_MAX_FRAME_SIZE: clients send their data in "
+     "frames up to this size; 0: HTTP/2's 16384)"},
     {"checkpoint-dir", CFG_STR, OFF(checkpoint_dir), "", 0, 0,
      "directory for durable checkpoints (created if missing; empty: no checkpoints)"},
     {"checkpoint-interval", CFG_DOUBLE, OFF(checkpoint_interval), "0", 0, 1e7,
@@ -389,6 +392,11 @@ static int fps__cfg_check(fps_config_t *cfg) {
   if (cfg->checkpoint_interval > 0 && cfg->checkpoint_interval < 0.01) {
     FPS_LOG(FPS_LOG_ERROR, "--checkpoint-interval must be 0 (off) or at least 0.01 s, not %g",
             cfg->checkpoint_interval);
+    return FPS_EINVAL;
+  }
+  if (cfg->http2_max_frame > 0 && cfg->http2_max_frame < 16384) {
+    FPS_LOG(FPS_LOG_ERROR, "--http2-max-frame must be 0 (HTTP/2's 16384) or 16384..16777215 bytes, not %" PRIu64,
+            cfg->http2_max_frame);
     return FPS_EINVAL;
   }
   return 0;

@@ -100,6 +100,7 @@ typedef struct fps_config_s {
   uint32_t kernel_threads;    /* pool size for large tensors' updates (0: CPUs) */
   int malloc_tune;            /* 1: one arena, no mmap threshold, no trim */
   int http2_bdp_probe;        /* 1: gRPC grows receive windows to its BDP estimate */
+  uint64_t http2_max_frame;   /* largest HTTP/2 frame the shard accepts, bytes (0: gRPC's 16 KiB) */
   char *metrics_listen;       /* HTTP /metrics /healthz /readyz host:port, "" = off */
   char *metrics_port_file;    /* written with the bound metrics port, or "" */
   char *checkpoint_dir;       /* durable checkpoints, "" = off */

@@ -161,20 +161,22 @@ MiB = float(1 << 20)
 SHARDS = 2
 
 
-def memory_bound_mib(param_mib, state_mib, workers, message_mib=4.0, chunked=True, wire="f32"):
+def memory_bound_mib(param_mib, state_mib, workers, message_mib=4.0, frame_mib=1.0, chunked=True,
+                     wire="f32"):
     """The sync memory bound for one shard holding param_mib of parameters
     and state_mib of optimizer state: an exact Adafactor step needs the
     round's whole fp32 sum (one more copy of the parameters) before any
     parameter may change, on top of 1.15 x what the shard holds and 64 MiB
     of fixed overhead. Slices that arrive ahead of the workers below them
     are staged as received: one call per shard (push_chunk_bytes 0) keeps
-    them near one message per worker (W messages); chunked pushes (the
+    them near one message per worker, and gRPC holds at most one HTTP/2
+    frame more (the shard's --http2-max-frame); chunked pushes (the
     client's default) stage each higher worker's chunks whole while worker
     0 is behind, up to W - 1 gradients as sent (half in bf16)."""
     if chunked:
         ahead = (workers - 1) * param_mib * (0.5 if wire == "bf16" else 1.0)
     else:
-        ahead = workers * message_mib
+        ahead = workers * (message_mib + frame_mib)
     return 1.15 * (param_mib + state_mib) + param_mib + ahead + 64.0
 
 

@@ -29,7 +29,7 @@ BAD = {
     "--staleness": "-1", "--deadline": "0", "--max-message-bytes": "1", "--threads": "9999",
     "--kernel-threads": "-2", "--max-tensors": "0", "--max-bytes": "lots",
     "--max-staging-bytes": "1e30", "--apply-log": "nan", "--simd": "sse9",
-    "--malloc-tune": "maybe", "--http2-bdp-probe": "2", "--checkpoint-interval": "-5",
+    "--malloc-tune": "maybe", "--http2-bdp-probe": "2", "--http2-max-frame": "100", "--checkpoint-interval": "-5",
     "--checkpoint-keep": "0", "--max-concurrent-calls": "0", "--exchange-deadline": "0",
     "--log-level": "loud",
     "--listen": "127.0.0.1:99999", "--metrics-listen": "127.0.0.1:70000",

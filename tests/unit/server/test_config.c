@@ -83,6 +83,7 @@ static void defaults(void **state) {
   assert_int_equal(c.max_concurrent_calls, 4096);
   assert_int_equal(c.malloc_tune, 1);
   assert_int_equal(c.http2_bdp_probe, 0);
+  assert_int_equal(c.http2_max_frame, 1u << 20);
   assert_int_equal(c.require_checkpoint, 0);
   assert_true(c.exchange_deadline == 10);
   assert_string_equal(c.tls_cert, "");
@@ -187,6 +188,8 @@ static void bad_values_are_refused(void **state) {
   bad("mode", "SYNC");
   bad("malloc-tune", "maybe");
   bad("http2-bdp-probe", "2");
+  bad("http2-max-frame", "16383"); /* HTTP/2's smallest is 16384 */
+  bad("http2-max-frame", "16777216");
   bad("log-level", "loud");
   bad("listen", "127.0.0.1:65536");
   bad("listen", "127.0.0.1:123456789012345678901");
