@@ -29,7 +29,8 @@
  *            that moved (AGREE) announces its new list at once.
  *   STAMPS   every Exchange message carries its sender's clock
  *            (fps__xrec_stamp: wall-clock ns, strictly increasing in a
- *            process, so also across its restarts). A list sent before its
+ *            process, so also across its restarts; a receiver counts a
+ *            stamp at most 10 s past its own clock). A list sent before its
  *            sender took part in a step is out of date once that step
  *            applied: a list older than the newest step message from that
  *            block (or than the list already held) is ignored, so a list
@@ -141,8 +142,25 @@ uint64_t fps__xrec_stamp(fps_shard_t *sh) {
   }
 }
 
+/* A peer's stamp as this shard keeps it: at most STAMP_AHEAD_NS past its
+ * own clock. A stamp from far in the future (a forged Exchange, a peer
+ * whose clock jumped) would otherwise make every later list of that block
+ * look out of date, and keep its blocks apart for good; bounded, it does
+ * so for at most that long, after which the block's re-announced lists
+ * count again. Peers' clocks that differ by less keep the order of their
+ * messages exactly. */
+#define STAMP_AHEAD_NS (UINT64_C(10) * 1000000000u)
+
+static uint64_t fps__stamp_bounded(uint64_t stamp) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  uint64_t lim = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec + STAMP_AHEAD_NS;
+  return stamp > lim ? lim : stamp;
+}
+
 void fps__xrec_peer_stepped(fps_tensor_t *t, uint32_t block, uint64_t stamp) {
   fps_xrec_t *r = fps__xrec_get(t);
+  stamp = fps__stamp_bounded(stamp);
   if (r && stamp > r->step_stamp[block]) r->step_stamp[block] = stamp;
 }
 
@@ -551,7 +569,8 @@ int fps__xrec_receive(fps_shard_t *sh, fps_tensor_t *t, const fps_xmsg_t *m, cha
     return FPS_ENOMEM;
   }
   uint32_t b = m->block_index;
-  if (m->stamp && (m->stamp < r->step_stamp[b] || (r->have[b] && m->stamp < r->list_stamp[b]))) {
+  uint64_t stamp = m->stamp ? fps__stamp_bounded(m->stamp) : 0;
+  if (stamp && (stamp < r->step_stamp[b] || (r->have[b] && stamp < r->list_stamp[b]))) {
     /* Made before that block's latest step message or list: out of date
      * (STAMPS above). Acknowledged: a resend would be as old. */
     pthread_mutex_unlock(&t->mu);
@@ -560,7 +579,7 @@ int fps__xrec_receive(fps_shard_t *sh, fps_tensor_t *t, const fps_xmsg_t *m, cha
     return 0;
   }
   bool knew = r->have[b];
-  r->list_stamp[b] = m->stamp;
+  r->list_stamp[b] = stamp;
   memcpy(&r->list[(size_t)b * FPS_XVERSIONS_MAX], v, n * sizeof v[0]);
   r->nlist[b] = n;
   r->have[b] = true;

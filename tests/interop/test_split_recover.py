@@ -212,6 +212,38 @@ class SplitRecover(unittest.TestCase):
         self.step_all(4, rng.standard_normal(SHAPE).astype(np.float32))
         self.assertEqual(self.versions(), [5, 5, 5])
 
+    def test_far_future_stamp_holds_lists_back_briefly(self):
+        """A list stamped far in the future (a forged Exchange, or a peer
+        whose clock jumped) counts as at most 10 s past the receiver's
+        clock: the block's true lists, stamped now, count again within
+        that, and the blocks come back to one version. Unbounded, the
+        forged stamp made every later list of that block look out of date
+        and kept the blocks apart for good."""
+        self.start()
+        rng = np.random.default_rng(6)
+        p0 = rng.standard_normal(SHAPE).astype(np.float32)
+        self.create(p0)
+        for s in range(4):
+            self.step_all(s, rng.standard_normal(SHAPE).astype(np.float32))
+        self.assertEqual(self.versions(), [4, 4, 4])
+        self.send_versions(0, 1, [4], stamp=2**63)  # forged: block 1 holds only 4
+        # A recovery to version 2, as blocks 1 and 2 would announce it, the
+        # announcements repeated as the shards repeat theirs.
+        t0 = time.monotonic()
+        while H.stats(self.job.stub(0))[1]["emb"].split_lost_steps < 2:
+            self.assertLess(time.monotonic() - t0, 10 + AGREE_SECONDS,
+                            "block 0 never took block 1's lists after a far-future stamp")
+            for frm in (1, 2):
+                self.send_versions(0, frm, [2], stamp=time.time_ns())
+            time.sleep(0.5)
+        print("block 0 moved to the lists' version %.1f s after the far-future stamp" % (time.monotonic() - t0))
+        stamp = time.time_ns() + 10**9
+        for frm in (1, 2):
+            self.send_versions(0, frm, [4, 3, 2], stamp=stamp)
+        self.assertEqual(self.wait_one_version(), 4)
+        self.step_all(4, rng.standard_normal(SHAPE).astype(np.float32))
+        self.assertEqual(self.versions(), [5, 5, 5])
+
     def test_sigterm_mid_exchange_finishes_everywhere(self):
         """SIGTERM to shard 1 while its block's step waits for block 2's
         partials, which come 0.5 s later: the step finishes (or fails) on
