@@ -401,7 +401,7 @@ int fps_grpc_start(fps_server_t *srv) {
   args[6].value.integer = (int)srv->cfg.max_streams_per_connection;
   /* Larger DATA frames than HTTP/2's 16 KiB: a worker's gradients come in
    * 64x fewer frames at 1 MiB, each parsed and written once, which cut the
-   * workers' CPU per step by 10-20% across a 2.5 Gbit/s link; a frame holds
+   * workers' CPU per step by 7-14% across a 2.5 Gbit/s link; a frame holds
    * the connection for 3.5 ms at that rate (docs/performance.md). */
   size_t nargs = 7;
   if (srv->cfg.http2_max_frame) {

@@ -131,10 +131,15 @@ void fps__xrec_forget(fps_tensor_t *t) {
   t->split->rec = NULL;
 }
 
-uint64_t fps__xrec_stamp(fps_shard_t *sh) {
+/* Wall-clock ns: stamps are compared across a sender's restarts. */
+static uint64_t fps__wall_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
-  uint64_t now = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t fps__xrec_stamp(fps_shard_t *sh) {
+  uint64_t now = fps__wall_ns();
   uint64_t last = atomic_load(&sh->xstamp_last);
   for (;;) {
     uint64_t next = now > last ? now : last + 1;
@@ -152,9 +157,7 @@ uint64_t fps__xrec_stamp(fps_shard_t *sh) {
 #define STAMP_AHEAD_NS (UINT64_C(10) * 1000000000u)
 
 static uint64_t fps__stamp_bounded(uint64_t stamp) {
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  uint64_t lim = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec + STAMP_AHEAD_NS;
+  uint64_t lim = fps__wall_ns() + STAMP_AHEAD_NS;
   return stamp > lim ? lim : stamp;
 }
 
