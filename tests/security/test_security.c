@@ -417,7 +417,19 @@ static void *push_thread(void *arg) {
   p->code = -1;
   if (!c) return NULL;
   fps_tensor_def_t d = def_of("w", NULL);
-  int created = fps_client_create_tensors(c, &d, 1, &st);
+  /* A call that just ended may still hold its slot for a moment (it is
+   * released after its status is sent): the test's own Create, or the
+   * other pusher's. A Create refused for that tries again (bounded). */
+  struct timespec c0, cnow;
+  clock_gettime(CLOCK_MONOTONIC, &c0);
+  int created;
+  for (;;) {
+    created = fps_client_create_tensors(c, &d, 1, &st);
+    clock_gettime(CLOCK_MONOTONIC, &cnow);
+    if (created != FPS_CODE_RESOURCE_EXHAUSTED || cnow.tv_sec - c0.tv_sec >= PUSH_DEADLINE_S / 3) break;
+    struct timespec ts = {0, 5 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
   if (created == 0) {
     float grad[NUMEL] = {0};
     grad[0] = 1;
