@@ -177,6 +177,17 @@ class SplitRecover(unittest.TestCase):
             phase=pb.EXCHANGE_PHASE_VERSIONS, partials=b"".join(v.to_bytes(8, "little") for v in versions),
             stamp=stamp), timeout=10)
 
+    def start_at_version_4(self, seed):
+        """A new job whose split tensor took 4 steps on every block; the
+        generator its gradients came from, for the next ones."""
+        self.start()
+        rng = np.random.default_rng(seed)
+        self.create(rng.standard_normal(SHAPE).astype(np.float32))
+        for s in range(4):
+            self.step_all(s, rng.standard_normal(SHAPE).astype(np.float32))
+        self.assertEqual(self.versions(), [4, 4, 4])
+        return rng
+
     def test_late_versions_list_moves_nothing(self):
         """The lists of versions the blocks send each other in a recovery
         carry their sender's clock. A list made before its sender's latest
@@ -184,13 +195,7 @@ class SplitRecover(unittest.TestCase):
         on) is out of date and moves nothing; the same lists made later
         move the block back. Before the stamps, a late list from an earlier
         recovery moved a block back alone and the job stopped (CI, 2026-12-02)."""
-        self.start()
-        rng = np.random.default_rng(5)
-        p0 = rng.standard_normal(SHAPE).astype(np.float32)
-        self.create(p0)
-        for s in range(4):
-            self.step_all(s, rng.standard_normal(SHAPE).astype(np.float32))
-        self.assertEqual(self.versions(), [4, 4, 4])
+        rng = self.start_at_version_4(5)
         for frm in (1, 2):  # made long before their step messages
             self.send_versions(0, frm, [2], stamp=1)
         time.sleep(1.0)
@@ -219,13 +224,7 @@ class SplitRecover(unittest.TestCase):
         that, and the blocks come back to one version. Unbounded, the
         forged stamp made every later list of that block look out of date
         and kept the blocks apart for good."""
-        self.start()
-        rng = np.random.default_rng(6)
-        p0 = rng.standard_normal(SHAPE).astype(np.float32)
-        self.create(p0)
-        for s in range(4):
-            self.step_all(s, rng.standard_normal(SHAPE).astype(np.float32))
-        self.assertEqual(self.versions(), [4, 4, 4])
+        rng = self.start_at_version_4(6)
         self.send_versions(0, 1, [4], stamp=2**63)  # forged: block 1 holds only 4
         # A recovery to version 2, as blocks 1 and 2 would announce it, the
         # announcements repeated as the shards repeat theirs.
