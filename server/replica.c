@@ -232,10 +232,11 @@ void fps_replica_destroy(fps_replica_t *r) {
   fps_free(r);
 }
 
-int fps_replica_ack_wait(fps_replica_t *r, fps_tensor_t *const *t, const uint64_t *ver, size_t n, const fps_rkey_t *key,
+int fps_replica_ack_wait(fps_replica_t *r, fps_tensor_t *const *t, const uint64_t *ver, const bool *changed, size_t n,
+                         const fps_rkey_t *key,
                          void (*done)(void *arg, int err, const char *why), void *arg, char *why, size_t wl) {
   if (!r || !r->lease) return 0;
   int rc = fps_replica_refusal(r, why, wl);
   if (rc < 0) return rc;
-  return fps_rsend_wait(r->send, t, ver, n, key, done, arg);
+  return fps_rsend_wait(r->send, t, ver, changed, n, key, done, arg);
 }

@@ -148,9 +148,9 @@ void fps_replica_kick(fps_replica_t *r);
  * (solo; no joined standby); FPS_EAGAIN: done(arg, err, why) runs once the
  * standby has them (err 0) or the primary stepped down (FPS_EUNAVAILABLE);
  * FPS_EUNAVAILABLE with why: this process may not acknowledge (standby,
- * lease lost); FPS_ENOMEM. r NULL: 0. ver: as fps_rsend_wait's. */
+ * lease lost); FPS_ENOMEM. r NULL: 0. ver, changed: as fps_rsend_wait's. */
 struct fps_rkey_s;
-int fps_replica_ack_wait(fps_replica_t *r, fps_tensor_t *const *t, const uint64_t *ver, size_t n,
+int fps_replica_ack_wait(fps_replica_t *r, fps_tensor_t *const *t, const uint64_t *ver, const bool *changed, size_t n,
                          const struct fps_rkey_s *key,
                          void (*done)(void *arg, int err, const char *why), void *arg, char *why, size_t why_len);
 

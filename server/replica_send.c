@@ -13,8 +13,9 @@
  * count), the standby spends a copy instead of an Adafactor step on the
  * same CPUs, and a step costs about the gradient's bytes (fp32 parameters
  * plus the factored state, which is small). Marks coalesce: W workers'
- * replies of one sync round wait for one image, and an image taken later
- * covers every mark before it.
+ * replies of one sync round wait for one image, a Create that finds a
+ * tensor ready and unchanged waits for the image already marked, and an
+ * image taken later covers every mark before it.
  *
  * Who waits: a call about to acknowledge registers a wait on the
  * generation it marked for each tensor (and its push's key); the reply
@@ -246,8 +247,8 @@ static void fps__waits_run(fps_rwait_t *list, int err, const char *why) {
   }
 }
 
-int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, const uint64_t *ver, size_t n, const fps_rkey_t *key,
-                   fps_rsend_done_fn done, void *arg) {
+int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, const uint64_t *ver, const bool *changed, size_t n,
+                   const fps_rkey_t *key, fps_rsend_done_fn done, void *arg) {
   pthread_mutex_lock(&s->mu);
   if (!s->streaming && s->alone_ok) {
     pthread_mutex_unlock(&s->mu);
@@ -288,12 +289,13 @@ int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, const uint64_t *ver, 
      * (taken after it, acknowledged or on its way) holds what this
      * answer reports. Any other change since (a replace) would have
      * marked it again. */
-    bool covered = ver && tr->mark_known && tr->mark_ver == ver[k];
+    bool named = ver && ver[k] != FPS_RSEND_UNNAMED;
+    bool covered = named && !(changed && changed[k]) && tr->mark_known && tr->mark_ver == ver[k];
     if (!covered) {
       tr->gen++;
       tr->dirty = true;
-      tr->mark_known = ver != NULL;
-      tr->mark_ver = ver ? ver[k] : 0;
+      tr->mark_known = named;
+      tr->mark_ver = named ? ver[k] : 0;
       marked = true;
     }
     if (w) {
@@ -318,6 +320,13 @@ int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, const uint64_t *ver, 
   if (!w) {
     pthread_mutex_unlock(&s->mu);
     return 0; /* a standby being brought up: it gets them, nobody waits */
+  }
+  if (!marked && !qk && fps__wait_met_locked(s, w)) {
+    /* Covered by marks the standby already acknowledged: no ack is
+     * coming for this wait to ride on. */
+    pthread_mutex_unlock(&s->mu);
+    fps__wait_free(w);
+    return 0;
   }
   w->done = done;
   w->arg = arg;

@@ -47,18 +47,27 @@ typedef struct fps_rkey_s {
  * FPS_EUNAVAILABLE, why), on the sender's threads, with no lock held. */
 typedef void (*fps_rsend_done_fn)(void *arg, int err, const char *why);
 
+/* ver[k] for a tensor whose answer reports no version an image could
+ * cover (a tensor still initialising). */
+#define FPS_RSEND_UNNAMED UINT64_MAX
+
 /* A call is about to acknowledge changes to tensors t[0..n) (applied
  * before this call) and, with key, a push's key: marks them for the
- * stream. Returns 0 (answer now: no standby has joined; the changes still
- * go to a standby being brought up), or FPS_EAGAIN (done runs once the
- * joined standby acknowledged them, or when the stream ends: err 0 if
- * the primary goes on alone, FPS_EUNAVAILABLE if it stepped down), or
- * FPS_ENOMEM. ver (may be NULL): the version of each tensor the answer
- * reports; a tensor whose last mark named that same version is not
- * marked again (the W members of a sync round answer one after another,
- * and the image the first one's mark brings covers the others).
+ * stream. Returns 0 (answer now: no standby has joined, the changes still
+ * going to a standby being brought up; or nothing was marked and the
+ * standby already acknowledged what covers the answer), or FPS_EAGAIN
+ * (done runs once the joined standby acknowledged them, or when the
+ * stream ends: err 0 if the primary goes on alone, FPS_EUNAVAILABLE if it
+ * stepped down), or FPS_ENOMEM. ver (may be NULL: every tensor is marked,
+ * naming no version): the version of each tensor the answer reports; a
+ * tensor whose last mark named that same version is not marked again (the
+ * W members of a sync round answer one after another, and the image the
+ * first one's mark brings covers the others; a Create that finds a ready
+ * tensor unchanged is covered by the mark that made it ready or stepped
+ * it). changed (may be NULL: none): changed[k] marks t[k] whatever the
+ * last mark named (a Create that wrote it), its mark naming ver[k].
  * Thread-safe; never blocks. */
-int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, const uint64_t *ver, size_t n, const fps_rkey_t *key,
-                   fps_rsend_done_fn done, void *arg);
+int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, const uint64_t *ver, const bool *changed, size_t n,
+                   const fps_rkey_t *key, fps_rsend_done_fn done, void *arg);
 
 #endif

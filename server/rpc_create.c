@@ -66,6 +66,8 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
   char job[FPS_CKPT_JOB_MAX + 1] = "";
   uint8_t *reply_buf = NULL;
   fps_tensor_t **ts = NULL; /* the tensors the answer waits on (standby) */
+  uint64_t *vs = NULL;      /* the versions it reports of them */
+  bool *changed = NULL;     /* those this Create wrote */
   size_t reply_cap = 0;
   fps_create_item_t *items = fps_calloc(n ? n : 1, sizeof *items);
   fps_slice_t *inits = fps_calloc(n ? n : 1, sizeof *inits);
@@ -143,7 +145,8 @@ static void fps__create_run(fps_create_call_t *cc, const Factorps__V1__CreateReq
   for (size_t i = 0; i < n; i++) reply_cap += strlen(items[i].name) + 48;
   /* The standby's wait list too: nothing may fail for memory once the
    * shard has changed (the allocation sweep checks it). */
-  if (!(reply_buf = fps_malloc(reply_cap)) || !(ts = fps_malloc((n ? n : 1) * sizeof *ts))) {
+  if (!(reply_buf = fps_malloc(reply_cap)) || !(ts = fps_malloc((n ? n : 1) * sizeof *ts)) ||
+      !(vs = fps_malloc((n ? n : 1) * sizeof *vs)) || !(changed = fps_malloc((n ? n : 1) * sizeof *changed))) {
     rc = FPS_ENOMEM;
     snprintf(why, sizeof why, "Create: out of memory for the reply");
     goto done;
@@ -178,10 +181,18 @@ done:
     } else {
       reply_buf = NULL; /* the slice's now */
       /* With a joined standby, the answer waits until it has the
-       * tensors this Create made or changed (replica.h). */
-      for (size_t i = 0; i < n; i++) ts[i] = out[i].t;
+       * tensors this Create made or changed (replica.h). One that was
+       * ready and stays as it was (every worker's Create after the
+       * first) is covered by the image of its version already marked:
+       * the model is not shipped again per worker. One still
+       * initialising names no version: a later image must bring it. */
+      for (size_t i = 0; i < n; i++) {
+        ts[i] = out[i].t;
+        vs[i] = out[i].ready ? out[i].version : FPS_RSEND_UNNAMED;
+        changed[i] = out[i].changed;
+      }
       cc->reply = bb;
-      int wr = fps_replica_ack_wait(srv->replica, ts, NULL, n, NULL, fps__create_acked, cc, why, sizeof why);
+      int wr = fps_replica_ack_wait(srv->replica, ts, vs, changed, n, NULL, fps__create_acked, cc, why, sizeof why);
       if (wr == 0) {
         cc->reply = NULL;
         fps_call_send(&cc->base, bb, true); /* final: on failure the call is already released */
@@ -196,6 +207,8 @@ done:
   }
   fps_free(reply_buf);
   fps_free(ts);
+  fps_free(vs);
+  fps_free(changed);
   fps_free(items);
   fps_free(state_base);
   fps_free(maps);

@@ -162,7 +162,7 @@ static void fps__pp_finish(fps_pp_call_t *pp) {
     }
     fps_rkey_t key = {.v = vs, .n = (uint32_t)n};
     bool has_key = fps_push_key_info(pp->push, &key.worker, &key.id, &key.tensors);
-    wr = fps_replica_ack_wait(pp->base.srv->replica, ts, vs, n, has_key ? &key : NULL, fps__pp_acked, pp, why,
+    wr = fps_replica_ack_wait(pp->base.srv->replica, ts, vs, NULL, n, has_key ? &key : NULL, fps__pp_acked, pp, why,
                               sizeof why);
   }
   if (ts != small) fps_free(ts);

@@ -712,6 +712,7 @@ again:
     o->initialised = t->ready ? t->numel : t->init.covered;
     pthread_mutex_unlock(&t->mu);
     o->created = lead->is_new && p[i].lead == i;
+    o->changed = lead->is_new || lead->replacing || !lead->was_ready;
   }
 
 done:

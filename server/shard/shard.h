@@ -220,6 +220,8 @@ typedef struct fps_create_info_s {
   bool ready;
   uint64_t initialised;       /* elements with initial values */
   bool created;               /* first item of a tensor this call created */
+  bool changed;               /* this call created, initialised or replaced it
+                               * (false: it was ready and stays as it was) */
 } fps_create_info_t;
 
 /* Create-or-match for n items (several may name one tensor: they must

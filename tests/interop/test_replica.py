@@ -210,31 +210,74 @@ class Replica(unittest.TestCase):
     def test_async_failover(self):
         self.failover("async", 1)
 
+    def push_once_then_stop_standby(self, pair):
+        """Creates the tensors on the pair's primary, waits until its
+        standby joined, pushes once (version 1), then stops the standby
+        (SIGSTOP; the caller sends SIGCONT)."""
+        self.create_all(pair.a.stub)
+        pair.wait_role(pair.a, "primary", joined=True)
+        self.push(pair.a.stub, 0, 0, self.grads(), 1)
+        stop_process(pair.b.proc)
+
+    def held_until_standby_runs(self, pair, call, what):
+        """With the pair's standby stopped, runs call() in a thread: it must
+        not return within 0.7 s; then SIGCONT, and it must. Its result."""
+        import signal
+        import threading
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=call()), daemon=True)
+        try:
+            t.start()
+            t.join(0.7)
+            self.assertTrue(t.is_alive(), "%s was answered while its standby was stopped" % what)
+        finally:
+            pair.b.proc.send_signal(signal.SIGCONT)
+        H.join([t], "%s after SIGCONT" % what)
+        return out["r"]
+
     def test_ack_waits_for_the_standby(self):
         """A push is answered only once the joined standby has it: with the
         standby stopped (SIGSTOP) the answer does not come; once it runs
         again, it does, and the standby holds what was answered."""
-        import signal
+        pair = Pair("--mode", "async")
+        try:
+            a, b = pair.a, pair.b
+            self.push_once_then_stop_standby(pair)
+            r = self.held_until_standby_runs(pair, lambda: self.push(a.stub, 0, 0, self.grads(), 2), "the push")
+            self.assertEqual(r[1]["w"], 2)
+            self.assertEqual(checksums(b), checksums(a))
+        finally:
+            pair.close()
+
+    def test_create_of_a_ready_tensor_is_not_shipped_again(self):
+        """Every worker Creates the model; only the Create that made or
+        changed a tensor waits for the standby to get its image. With the
+        standby stopped (SIGSTOP), a Create that finds the tensors ready
+        and unchanged (with values or without) is answered at once, at
+        their version; a Create of a new tensor is not, until the standby
+        runs again and holds it."""
         import threading
         pair = Pair("--mode", "async")
         try:
             a, b = pair.a, pair.b
-            self.create_all(a.stub)
-            pair.wait_role(a, "primary", joined=True)
-            self.push(a.stub, 0, 0, self.grads(), 1)
+            self.push_once_then_stop_standby(pair)
             out = {}
-            stop_process(b.proc)
-            try:
-                t = threading.Thread(target=lambda: out.update(r=self.push(a.stub, 0, 0, self.grads(), 2)),
-                                     daemon=True)
-                t.start()
-                t.join(0.7)
-                self.assertTrue(t.is_alive(), "the push was answered while its standby was stopped")
-            finally:
-                b.proc.send_signal(signal.SIGCONT)
-            H.join([t], "the push after SIGCONT")
-            self.assertEqual(out["r"][1]["w"], 2)
-            self.assertEqual(checksums(b), checksums(a))
+            again = threading.Thread(target=lambda: out.update(
+                w=H.create(a.stub, "w", SHAPES["w"], self.init["w"], timeout=30),
+                b=H.create(a.stub, "b", SHAPES["b"], timeout=30)), daemon=True)
+            again.start()
+            H.join([again], "a Create of ready tensors while the standby is stopped", seconds=10)
+            for n in SHAPES:
+                info = out[n].tensors[0]
+                self.assertTrue(info.ready and not info.created, info)
+                self.assertEqual(info.version, 1, n)
+            c = self.held_until_standby_runs(
+                pair, lambda: H.create(a.stub, "c", [8, 8], np.ones([8, 8], np.float32), timeout=30),
+                "a new tensor's Create")
+            self.assertTrue(c.tensors[0].created)
+            want = checksums(a)
+            self.assertEqual(sorted(want), ["b", "c", "w"])
+            self.assertEqual(checksums(b), want)
         finally:
             pair.close()
 
