@@ -638,6 +638,27 @@ static void fps__rqkeys_free(fps_rqkey_t *list) {
   }
 }
 
+/* The core's keys (fps_shard_images) put in front of *list as queued
+ * keys (ticket 0: nobody waits on them); frees them. false: out of
+ * memory (what was moved stays on *list). */
+static bool fps__rqkeys_prepend_core(fps_rqkey_t **list, fps_key_rec_t *core) {
+  bool ok = true;
+  for (fps_key_rec_t *k = core; k && ok; k = k->next) {
+    fps_rqkey_t *qk = fps_calloc(1, sizeof *qk);
+    if (!(ok = qk != NULL)) break;
+    qk->worker = k->worker;
+    qk->id = k->id;
+    qk->tensors = k->tensors;
+    qk->n = k->n;
+    qk->v = k->v;
+    k->v = NULL;
+    qk->next = *list;
+    *list = qk;
+  }
+  fps_key_recs_free(core);
+  return ok;
+}
+
 /* The queued keys, in messages of up to FPS_RSEND_KEYS_PER_MSG. */
 static bool fps__rsend_keys(fps_rsend_t *s, grpc_call *call, fps_rqkey_t *list, bool settle) {
   bool ok = true;
@@ -706,6 +727,44 @@ static void fps__rsend_key_each(void *arg, uint32_t worker, uint64_t id, uint64_
   a->last = k;
 }
 
+/* The state transfer's closing cut. A push applied while the transfer
+ * imaged the tensors has its key in the window the transfer sent, naming
+ * versions newer than its tensors' transfer images. One cut between
+ * pushes that names no tensor (fps_shard_images) images every tensor the
+ * pushes applied since the transfer began changed, with their keys, and
+ * goes before transfer_done: a standby that joins holds every key's
+ * tensors at least at the versions the key names, so a retry after a
+ * promotion is never answered from a key whose update it lacks. Part of
+ * the transfer: the standby installs it at once. false: the stream
+ * failed. */
+static bool fps__rsend_transfer_cut(fps_rsend_t *s, grpc_call *call, fps_rmsg_t *q) {
+  fps_image_t none;
+  fps_key_rec_t *core_keys = NULL;
+  fps_image_t *extra = NULL;
+  size_t nextra = 0;
+  char why[FPS_WHY_MAX];
+  if (fps_shard_images(s->srv->shard, NULL, 0, &none, &core_keys, &extra, &nextra, why, sizeof why) < 0) {
+    FPS_LOG(FPS_LOG_WARN, "replica: %s; dropping the standby", why);
+    return false;
+  }
+  bool ok = true;
+  for (size_t i = 0; i < nextra && ok; i++) ok = fps__rsend_image(s, call, q, &extra[i], NULL);
+  if (ok) ok = fps__rmsg_flush(s, call, q, NULL);
+  fps__rmsg_drop(q); /* what a failure left */
+  for (size_t i = 0; i < nextra; i++) fps_image_release(s->srv->shard, &extra[i]);
+  fps_free(extra);
+  fps_rqkey_t *keys = NULL;
+  if (!ok) {
+    fps_key_recs_free(core_keys);
+    return false;
+  }
+  if (!fps__rqkeys_prepend_core(&keys, core_keys)) {
+    fps__rqkeys_free(keys);
+    return false;
+  }
+  return fps__rsend_keys(s, call, keys, true);
+}
+
 /* Hello, the state transfer, then the changes until the stream fails or
  * is no longer wanted. */
 static void fps__rsend_run_q(fps_rsend_t *s, grpc_call *call, uint64_t term, fps_rmsg_t *q) {
@@ -752,7 +811,7 @@ static void fps__rsend_run_q(fps_rsend_t *s, grpc_call *call, uint64_t term, fps
     fps__rqkeys_free(acc.first);
     return;
   }
-  if (!fps__rsend_keys(s, call, acc.first, true)) return;
+  if (!fps__rsend_keys(s, call, acc.first, true) || !fps__rsend_transfer_cut(s, call, q)) return;
   Factorps__V1__ReplicateRequest done = FACTORPS__V1__REPLICATE_REQUEST__INIT;
   done.transfer_done = true;
   fps_rflight_t *f = fps_calloc(1, sizeof *f);
@@ -855,24 +914,11 @@ static void fps__rsend_run_q(fps_rsend_t *s, grpc_call *call, uint64_t term, fps
     fps_free(imgs);
     fps_free(extra);
     /* The core's keys as queued keys (ticket 0: nobody waits on them). */
-    for (fps_key_rec_t *k = core_keys; k && ok;) {
-      fps_rqkey_t *qk = fps_calloc(1, sizeof *qk);
-      if (!qk) {
-        ok = false;
-        break;
-      }
-      qk->worker = k->worker;
-      qk->id = k->id;
-      qk->tensors = k->tensors;
-      qk->n = k->n;
-      qk->v = k->v;
-      k->v = NULL;
-      qk->next = keys;
-      keys = qk;
+    if (core_keys) {
       had_keys = true;
-      k = k->next;
+      if (ok) ok = fps__rqkeys_prepend_core(&keys, core_keys);
+      else fps_key_recs_free(core_keys);
     }
-    fps_key_recs_free(core_keys);
     if (ok && keys) ok = fps__rsend_keys(s, call, keys, false);
     else fps__rqkeys_free(keys);
     if (ok && (nd || had_keys || mark)) {

@@ -281,6 +281,89 @@ class Replica(unittest.TestCase):
         finally:
             pair.close()
 
+    def test_transfer_keys_never_ahead_of_its_images(self):
+        """A push applied while the state transfer runs has its key in the
+        window the transfer sends: by transfer_done the standby must also
+        hold that push's tensor at least at the version the key names, or
+        a retry after a promotion would be answered from a key whose update
+        the standby lacks. A fake standby (this test's Replicate server)
+        reads the transfer slowly while a worker pushes one tensor at a
+        time; every key received before transfer_done is checked against
+        the newest image of its tensor received before it."""
+        import threading
+        from concurrent import futures
+        pb, pbg, grpc = self.pb, self.pbg, self.grpc
+        names = ["t%d" % i for i in range(6)]
+        shape = [512, 1024]
+        got = {"images": {}, "keys": [], "done": False}
+
+        class FakeStandby(pbg.ParameterServerServicer):
+            def Replicate(self, requests, context):
+                term = 0
+                for m in requests:
+                    if m.HasField("hello"):
+                        term = m.hello.term
+                    if not got["done"]:
+                        for t in m.tensors:
+                            if t.offset + len(t.data) == t.total_bytes:  # its last piece
+                                got["images"][t.name] = max(got["images"].get(t.name, 0), t.version)
+                        got["keys"] += [(k.push_id, list(k.versions)) for k in m.keys]
+                        got["done"] = m.transfer_done
+                        if m.tensors:
+                            time.sleep(0.15)  # a slow reader: the pushes go on meanwhile
+                    yield pb.ReplicateResponse(acked=m.seq, term=term)
+
+        fake_port = H.free_ports(1)[0]
+        d = tempfile.mkdtemp(prefix="fps-replica-")
+        a = fake = None
+        stop = threading.Event()
+        try:
+            a = H.Server("--mode", "async", "--replica-peer", "127.0.0.1:%d" % fake_port,
+                         "--lease", "file:" + os.path.join(d, "lease"))
+            rng = np.random.default_rng(9)
+            for n in names:
+                H.create(a.stub, n, shape, (0.3 * rng.standard_normal(shape)).astype(np.float32),
+                         slice_elems=1 << 20)
+            pushed = {}
+
+            def pusher():
+                i = 0
+                while not stop.is_set() and i < 2000:
+                    n = names[i % len(names)]
+                    pushed[1000 + i] = n
+                    g = {n: (shape, rng.standard_normal(shape).astype(np.float32))}
+                    self.push(a.stub, 0, 0, g, 1000 + i)
+                    i += 1
+
+            t = threading.Thread(target=pusher, daemon=True)
+            t.start()
+            time.sleep(0.2)
+            fake = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
+                               options=[("grpc.max_receive_message_length", 1 << 30)])
+            pbg.add_ParameterServerServicer_to_server(FakeStandby(), fake)
+            fake.add_insecure_port("127.0.0.1:%d" % fake_port)
+            fake.start()
+            end = time.monotonic() + 60
+            while not got["done"] and time.monotonic() < end:
+                time.sleep(0.05)
+            stop.set()
+            H.join([t], "the pusher")
+            self.assertTrue(got["done"], "no transfer_done within 60 s")
+            self.assertEqual(sorted(got["images"]), names)
+            during = [(pid, v) for pid, v in got["keys"] if pid in pushed]
+            self.assertTrue(during, "no push was applied before transfer_done")
+            behind = [(pid, pushed[pid], v[0], got["images"][pushed[pid]]) for pid, v in during
+                      if v[0] > got["images"][pushed[pid]]]
+            self.assertEqual(behind, [], "keys (push_id, tensor, key version, image version) ahead of "
+                             "the newest image sent before transfer_done")
+        finally:
+            stop.set()
+            if fake is not None:
+                fake.stop(0)
+            if a is not None:
+                a.kill()
+            shutil.rmtree(d, True)
+
     def test_standby_lost_primary_goes_on(self):
         """A standby that dies is dropped: the primary answers alone."""
         pair = Pair("--mode", "async")
