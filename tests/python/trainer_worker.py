@@ -32,20 +32,6 @@ from factorps.hf import attach, trainer_optimizer  # noqa: E402
 STEPS, SAVE = 4, 2
 
 
-def _cpu_n(storage, location):
-    """Deserializer for a "cpu:N" location. transformers 4.57's Trainer loads
-    optimizer.pt with map_location=args.device, which is torch.device("cpu",
-    rank) in a multi-process CPU job, and torch.load knows only "cpu": the
-    resume fails for any optimizer with tensors in its state (AdamW too), not
-    only factorps'. GPU jobs map to "cuda:N", which torch knows."""
-    if location.startswith("cpu:"):
-        return storage
-    return None
-
-
-torch.serialization.register_package(5, lambda obj: None, _cpu_n)
-
-
 def run(shards, out, resume):
     data = text()
     model = tiny_gpt2(0 if resume is None else 7)

@@ -29,6 +29,7 @@ replaces what they hold) or onto new, empty ones (it creates the tensors
 with it), and training continues from the checkpoint's step.
 """
 
+import math
 from typing import Any, Dict, Tuple
 
 from .torch import RemoteHFAdafactor
@@ -53,10 +54,33 @@ def trainer_optimizer(args: Any, model: Any, **options: Any) -> Tuple[type, Dict
     if optim != "adafactor":
         raise ValueError(f"TrainingArguments(optim={optim!r}): factorps runs Adafactor; use "
                          "optim='adafactor' (transformers' Adafactor, on the shards)")
+    _restore_cpu_n()
     _, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     kwargs = dict(kwargs, names_from=model)
     kwargs.update(options)
     return RemoteHFAdafactor, kwargs
+
+
+_cpu_n_registered = False
+
+
+def _restore_cpu_n() -> None:
+    """Lets torch.load restore storages saved at "cpu:N". transformers 4.57
+    resumes a multi-process CPU job by loading optimizer.pt with
+    map_location=args.device, torch.device("cpu", rank), and torch.load
+    knows only "cpu": the resume would fail (for any optimizer with tensor
+    state). A CPU storage stays where it is; other locations are left to
+    torch (None)."""
+    global _cpu_n_registered
+    if _cpu_n_registered:
+        return
+    import torch
+
+    def restore(storage: Any, location: str) -> Any:
+        return storage if location.startswith("cpu:") else None
+
+    torch.serialization.register_package(5, lambda obj: None, restore)
+    _cpu_n_registered = True
 
 
 def attach(trainer: Any, **options: Any) -> None:
@@ -87,5 +111,41 @@ def attach(trainer: Any, **options: Any) -> None:
                 kw = dict(options)
                 kw.setdefault("grad_scaler", getattr(trainer.accelerator, "scaler", None))
                 attach_model(trainer.model_wrapped, opt, **kw)
+                _measure_without_writing(trainer.accelerator)
 
     trainer.add_callback(_Attach())
+
+
+def _measure_without_writing(accelerator: Any) -> None:
+    """transformers 5 logs every step's gradient norm through
+    `accelerator.clip_grad_norm_(parameters, inf)` even with
+    max_grad_norm=0. That multiplies each gradient by 1.0 in place (and
+    unscales them under a GradScaler): the values stay, but the write moves
+    each gradient's version, and attach() takes that for a gradient changed
+    after backward sent it. With an infinite max_norm nothing is clipped,
+    so this accelerator measures the norm without writing (a GradScaler's
+    scale divided out, as its unscale_ would); a finite max_norm still
+    clips, which attach() refuses at step()."""
+    import torch
+
+    if getattr(accelerator, "_factorps_measures", False):
+        return
+    clip = accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        if not (isinstance(max_norm, (int, float)) and math.isinf(max_norm) and max_norm > 0):
+            return clip(parameters, max_norm, norm_type)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        with torch.no_grad():
+            norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads]),
+                norm_type)
+        scaler = getattr(accelerator, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            norm = norm / scaler.get_scale()
+        return norm
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+    accelerator._factorps_measures = True
