@@ -34,8 +34,11 @@ esac
 if [[ $variant == normal ]]; then
   # The Python suite runs twice: under Debian's torch 1.13 and under the
   # venv's torch 2.13 (scripts/venv.sh creates it, or reuses a complete
-  # one; tests labelled torch2). The sanitizer variants keep Debian's only.
+  # one; tests labelled torch2); the modules that use transformers or
+  # accelerate a third time, under transformers 5 (label hf5). The
+  # sanitizer variants keep Debian's only.
   args+=(-DFPS_TORCH2_PYTHON="$PWD/$(scripts/venv.sh "$dir/venv-torch2")")
+  args+=(-DFPS_HF5_PYTHON="$PWD/$(scripts/venv.sh "$dir/venv-hf5" scripts/venv-hf5.txt)")
 fi
 cmake -S . -B "$dir" "${args[@]}" >/dev/null
 cmake --build "$dir" -j "$jobs"

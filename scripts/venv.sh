@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Creates (or reuses) the test command's second PyTorch world: a virtual
-# environment with the exact versions of scripts/venv-torch2.txt (PyTorch
-# 2.13 CPU, transformers, accelerate, ...), beside Debian's torch 1.13.
-#   scripts/venv.sh [DIR]      DIR defaults to build/venv-torch2
+# Creates (or reuses) one of the test command's PyTorch 2 worlds: a virtual
+# environment with the exact versions of a pin list, beside Debian's torch
+# 1.13. scripts/venv-torch2.txt (the default): PyTorch 2.13 CPU,
+# transformers 4, accelerate, ...; scripts/venv-hf5.txt: the same torch
+# with transformers 5.
+#   scripts/venv.sh [DIR [PINS]]   DIR defaults to build/venv-torch2,
+#                                  PINS to scripts/venv-torch2.txt
 # Prints DIR/bin/python on success, nothing else on stdout.
 #
 # The interpreter is Debian's /usr/bin/python3 (3.11, the ABI of the
@@ -17,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-build/venv-torch2}
-req=scripts/venv-torch2.txt
+req=${2:-scripts/venv-torch2.txt}
 py=/usr/bin/python3
 stamp=$dir/factorps-venv.stamp
 
@@ -31,7 +34,7 @@ echo "venv: creating $dir (pins: $req)" >&2
 start=$SECONDS
 rm -rf "$dir"
 mkdir -p "$(dirname "$dir")"
-log=$(dirname "$dir")/venv-torch2.log
+log=$dir.log
 if ! { "$py" -m venv "$dir" &&
        "$dir/bin/python" -m pip install --no-input --disable-pip-version-check -r "$req" &&
        "$dir/bin/python" -m pip check; } >"$log" 2>&1; then
