@@ -33,15 +33,15 @@ if transformers is not None:
 STEPS, SAVE = 6, 3
 
 
-def _trainer(out, shards, **options):
+def _trainer(out, shards, train_args=(), **options):
     data = text()
     model = tiny_gpt2()
-    args = TrainingArguments(
+    args = TrainingArguments(**dict(dict(
         output_dir=out, optim="adafactor", learning_rate=1e-2, weight_decay=0.01,
         per_device_train_batch_size=4, per_device_eval_batch_size=8, max_steps=STEPS,
         save_steps=SAVE, eval_strategy="steps", eval_steps=SAVE, logging_steps=1,
         report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True,
-        dataloader_num_workers=0, save_only_model=False)
+        dataloader_num_workers=0, save_only_model=False), **dict(train_args)))
     trainer = Trainer(model=model, args=args,
                       train_dataset=Windows(data, 64, 0),
                       eval_dataset=Windows(data, 16, 64 * WINDOW),
@@ -121,6 +121,30 @@ class TrainerTest(unittest.TestCase):
                     self.assertTrue(torch.equal(p.detach(), final[n]), n)
                 self.assertEqual(set(b.optimizer.optimizer._versions.values()), {STEPS})
                 self.assertEqual(b.evaluate()["eval_loss"], a.evaluate()["eval_loss"])
+
+    def test_attach_with_gradient_accumulation(self):
+        """One process, gradient_accumulation_steps=2: the Trainer runs the
+        first micro-batch's backward in accelerator.no_sync(), which without
+        DDP holds nothing back; attach() makes it hold the hooks' pushes, so
+        the summed gradient leaves once. The weights equal a run without
+        attach() bit for bit (same gradients, same shards' update)."""
+        from factorps.hf import attach
+        final = []
+        for attached in (False, True):
+            with ExitStack() as stack:
+                out = stack.enter_context(tempfile.TemporaryDirectory(prefix="fps-trainer-ga-"))
+                shards = stack.enter_context(Shards(1))
+                t = _trainer(out, shards.addrs, train_args=dict(
+                    gradient_accumulation_steps=2, max_grad_norm=0, save_strategy="no",
+                    eval_strategy="no"))
+                stack.callback(_close, t)
+                if attached:
+                    attach(t)
+                self.assertEqual(t.train().global_step, STEPS)
+                self.assertEqual(set(t.optimizer.optimizer._versions.values()), {STEPS})
+                final.append(_values(t.model))
+        for n, p in final[0].items():
+            self.assertTrue(torch.equal(final[1][n], p), n)
 
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_worker.py")

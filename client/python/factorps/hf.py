@@ -21,7 +21,9 @@ Several workers (torchrun): the Trainer wraps the model in
 DistributedDataParallel, whose all-reduce must give way to factorps' DDP hook:
 `attach(trainer)` attaches it when training begins (factorps.torch.attach on
 the wrapped model). The hook sends the gradients as backward makes them, so
-the Trainer's gradient clipping must be off (`max_grad_norm=0`).
+the Trainer's gradient clipping must be off (`max_grad_norm=0`). Gradient
+accumulation works as without attach: the Trainer's no_sync() holds the
+pushes of the earlier micro-batches back, with DDP or without.
 
 Checkpoints (`save_steps`) hold `optimizer.state_dict()`, that is the
 shards' state; `resume_from_checkpoint` loads it, onto the same shards (it
@@ -29,8 +31,9 @@ replaces what they hold) or onto new, empty ones (it creates the tensors
 with it), and training continues from the checkpoint's step.
 """
 
+import contextlib
 import math
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 from .torch import RemoteHFAdafactor
 
@@ -110,10 +113,31 @@ def attach(trainer: Any, **options: Any) -> None:
                 # factorps.torch.attach's grad_scaler).
                 kw = dict(options)
                 kw.setdefault("grad_scaler", getattr(trainer.accelerator, "scaler", None))
-                attach_model(trainer.model_wrapped, opt, **kw)
+                handle = attach_model(trainer.model_wrapped, opt, **kw)
+                _accumulate_through(trainer.accelerator, handle)
                 _measure_without_writing(trainer.accelerator)
 
     trainer.add_callback(_Attach())
+
+
+def _accumulate_through(accelerator: Any, handle: Any) -> None:
+    """With gradient_accumulation_steps > 1 the Trainer runs the earlier
+    micro-batches' backward inside `accelerator.no_sync(model)`, which
+    holds DDP's all-reduce back but, without DDP (one process), does
+    nothing: attach()'s per-parameter hooks would push each micro-batch.
+    The accelerator's no_sync now also enters the handle's no_sync(), so
+    the summed gradient leaves once, with the last micro-batch."""
+    if getattr(accelerator, "_factorps_no_sync", False):
+        return
+    no_sync = accelerator.no_sync
+
+    @contextlib.contextmanager
+    def no_sync_too(model: Any) -> Iterator[None]:
+        with no_sync(model), handle.no_sync():
+            yield
+
+    accelerator.no_sync = no_sync_too
+    accelerator._factorps_no_sync = True
 
 
 def _measure_without_writing(accelerator: Any) -> None:
