@@ -5,7 +5,7 @@ interleaved, on loopback.
     /usr/bin/python3 tests/bench/replica_cost.py [--build build] [--reps 3]
         [--params 10M,100M] [--workers 2] [--modes sync,async]
         [--steps-10m 8] [--steps-100m 3] [--warmup 1] [--json OUT]
-        [--base-build OTHER_BUILD]
+        [--base-build OTHER_BUILD] [--standby-cpus LIST]
 
 For every (params, workers, mode) the two set-ups run interleaved, A B A B
 ..., each on fresh shards (S = 2 on 127.0.0.1) with `factorps load --model
@@ -20,7 +20,10 @@ of the initial values, divided by its steps) against the job's bytes per
 step (gradients in + parameters out, all workers), and the CPU seconds
 per step of each role (primaries, standbys, the load) from /proc over the
 load. A busy machine slows
-both set-ups of a round alike, so read the ratios. Only loopback is used;
+both set-ups of a round alike, so read the ratios. --standby-cpus 1 pins
+the standbys to CPU 1 and everything else (the primaries, the solo shards,
+the load) to the other CPUs, in both set-ups: the standbys as on a host of
+their own, which is what they are for, instead of sharing the job's CPUs. Only loopback is used;
 every process started here is stopped on exit.
 """
 
@@ -79,7 +82,12 @@ def read_int(path):
         return None
 
 
-def start(build, tmp, name, args):
+def pinned(cpus):
+    """A preexec_fn that pins the child to `cpus` (None: no pinning)."""
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+
+def start(build, tmp, name, args, cpus=None):
     """One factorps-server on 127.0.0.1 with metrics: (proc, port, metrics port)."""
     pf, mf = os.path.join(tmp, name + ".port"), os.path.join(tmp, name + ".mport")
     for f in (pf, mf):
@@ -90,7 +98,7 @@ def start(build, tmp, name, args):
     p = subprocess.Popen([os.path.join(build, "server", "factorps-server"), "--listen", listen,
                           "--port-file", pf, "--metrics-listen", "127.0.0.1:0",
                           "--metrics-port-file", mf, "--log-level", "warn", *args],
-                         stdout=lf, stderr=subprocess.STDOUT)
+                         stdout=lf, stderr=subprocess.STDOUT, preexec_fn=pinned(cpus))
     children.append(p)
     for _ in range(1500):
         port, mport = read_int(pf), read_int(mf)
@@ -122,16 +130,17 @@ def metric(mport, name, label=""):
     return None
 
 
-def start_job(build, tmp, mode, w, standby):
+def start_job(build, tmp, mode, w, standby, job_cpus=None, standby_cpus=None):
     """Two shards, each with a standby if `standby`: (procs, entries,
-    metrics ports of the primaries)."""
+    metrics ports of the primaries). The CPUs: of the primaries (or solo
+    shards) and of the standbys, None: any."""
     procs, entries, mports = [], [], []
     try:
         for i in range(2):
             common = ["--shard-id", str(i), "--shard-count", "2", "--mode", mode, "--workers",
                       str(w), "--deadline", "600"]
             if not standby:
-                p, port, mport = start(build, tmp, f"s{i}", ["127.0.0.1:0", *common])
+                p, port, mport = start(build, tmp, f"s{i}", ["127.0.0.1:0", *common], job_cpus)
                 procs.append(p)
                 entries.append(f"127.0.0.1:{port}")
                 mports.append(mport)
@@ -142,7 +151,7 @@ def start_job(build, tmp, mode, w, standby):
                 os.unlink(lease)
             rep = lambda me, other: [f"127.0.0.1:{me}", *common, "--replica-peer",
                                      f"127.0.0.1:{other}", "--lease", "file:" + lease]
-            p, _, mport = start(build, tmp, f"p{i}", rep(a, b))
+            p, _, mport = start(build, tmp, f"p{i}", rep(a, b), job_cpus)
             procs.append(p)
             for _ in range(500):  # the first one takes the lease
                 if metric(mport, "factorps_replica_role", 'role="primary"') == 1:
@@ -150,7 +159,7 @@ def start_job(build, tmp, mode, w, standby):
                 time.sleep(0.02)
             else:
                 raise RuntimeError(f"shard {i}: no primary")
-            s, _, _ = start(build, tmp, f"b{i}", rep(b, a))
+            s, _, _ = start(build, tmp, f"b{i}", rep(b, a), standby_cpus)
             procs.append(s)
             entries.append(f"127.0.0.1:{a}|127.0.0.1:{b}")
             mports.append(mport)
@@ -169,7 +178,8 @@ def start_job(build, tmp, mode, w, standby):
 
 
 def run_once(a, tmp, n, w, mode, standby, steps, server_build=None):
-    procs, entries, mports = start_job(server_build or a.build, tmp, mode, w, standby)
+    procs, entries, mports = start_job(server_build or a.build, tmp, mode, w, standby, a.job_cpus,
+                                       a.standby_cpus)
     try:
         sent0 = [metric(m, "factorps_replication_sent_bytes_total") or 0.0 for m in mports]
         cpu0 = [cpu_s(p) for p in procs]
@@ -179,7 +189,7 @@ def run_once(a, tmp, n, w, mode, standby, steps, server_build=None):
                str(steps + a.warmup), "--warmup", str(a.warmup), "--mode-hint", mode,
                "--deadline", str(a.deadline)]
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             timeout=3600).stdout
+                             timeout=3600, preexec_fn=pinned(a.job_cpus)).stdout
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu1 = [cpu_s(p) for p in procs]
         sent = sum((metric(m, "factorps_replication_sent_bytes_total") or 0.0) - s0
@@ -218,8 +228,16 @@ def main():
     ap.add_argument("--base-build", help="another build (e.g. of the base commit) whose factorps-server "
                     "also runs the standby set-up, interleaved (solo, base, this), for a before/after "
                     "ratio in one run; the load is --build's")
+    ap.add_argument("--standby-cpus", help="CPUs of the standbys (e.g. 1); the rest run on the others")
     a = ap.parse_args()
     a.build = os.path.abspath(a.build)
+    a.job_cpus = None
+    if a.standby_cpus:
+        a.standby_cpus = {int(x) for x in a.standby_cpus.split(",")}
+        a.job_cpus = os.sched_getaffinity(0) - a.standby_cpus
+        if not a.job_cpus or not a.standby_cpus <= os.sched_getaffinity(0):
+            raise SystemExit("replica_cost: --standby-cpus must name CPUs of "
+                             f"{sorted(os.sched_getaffinity(0))} and leave some to the job")
     arms = [("solo", False, None), ("standby", True, None)]
     if a.base_build:
         arms.insert(1, ("base", True, os.path.abspath(a.base_build)))
