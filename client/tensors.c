@@ -6,7 +6,10 @@
  * shard fills an "initialising" tensor from slices). Rounds run all shards
  * in parallel: round r sends each shard its r-th message. Create is
  * idempotent (same name, shape, settings; data for a ready tensor is
- * ignored), so every round is retried on UNAVAILABLE. Tensors whose values
+ * ignored), so every round is retried on UNAVAILABLE. Once a reply calls a
+ * tensor ready (another worker's values came first), the rest of its
+ * values is not sent: a worker joining a running job uploads at most one
+ * message of each tensor. Tensors whose values
  * come from another worker are then polled with value-less Creates, with
  * backoff, until ready or the deadline.
  *
@@ -229,12 +232,28 @@ static void sleep_s(double s) {
   }
 }
 
+/* Moves the cursor past an item a reply already called ready (another
+ * worker's values won): the shard would ignore the rest of its values.
+ * Only the item under the cursor can be one: an item's readiness is known
+ * once a message carried part of it. A replace is never skipped. */
+static void skip_ready(create_shard_t *sh) {
+  const create_job_t *job = sh->job;
+  while (!sh->poll && sh->pos < sh->n && job->ready[sh->defs[sh->pos]] &&
+         !job->defs[job->items[sh->defs[sh->pos]].def].replace) {
+    sh->pos++;
+    sh->seg = 0;
+    sh->off = 0;
+  }
+}
+
 /* Runs rounds until every shard's cursor reached its end. */
 static int run_rounds(fps_client_t *c, create_shard_t *sh, fps__stream_t **run, fps_status_t *st) {
   for (;;) {
     size_t n = 0;
-    for (size_t i = 0; i < c->n_shards; i++)
+    for (size_t i = 0; i < c->n_shards; i++) {
+      skip_ready(&sh[i]);
       if (sh[i].pos < sh[i].n) run[n++] = &sh[i].s;
+    }
     if (!n) return 0;
     int rc = fps__streams_run(c, FPS__METHOD_CREATE, run, n, FPS__RETRY_IDEMPOTENT, st);
     if (rc) return rc;
