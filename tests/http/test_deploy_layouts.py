@@ -85,10 +85,11 @@ for m in $FPS_MOUNTS; do
 done
 mkdir -p /var/lib/fps-ctl && mount --bind "$FPS_CTL" /var/lib/fps-ctl
 mount -o remount,ro,bind /var/lib
-for t in $FPS_TMPFS; do mount -t tmpfs -o size=64m,mode=1777 fps-tmp "$t"; done
 mount -t tmpfs -o mode=0755 fps-bin /usr/local/bin
 touch /usr/local/bin/factorps-server && mount --bind "$FPS_BIN" /usr/local/bin/factorps-server
 mount -o remount,ro,bind /usr/local/bin
+# Last of the host's paths: a tmpfs /tmp hides a tree checked out under it.
+for t in $FPS_TMPFS; do mount -t tmpfs -o size=64m,mode=1777 fps-tmp "$t"; done
 if [ "$FPS_RO" = 1 ]; then mount -o remount,ro,bind /; fi
 cd "$FPS_WORKDIR"
 exec setpriv --reuid="$FPS_UID" --regid="$FPS_GID" --clear-groups --inh-caps=-all \
