@@ -125,15 +125,17 @@ def _accumulate_through(accelerator: Any, handle: Any) -> None:
     micro-batches' backward inside `accelerator.no_sync(model)`, which
     holds DDP's all-reduce back but, without DDP (one process), does
     nothing: attach()'s per-parameter hooks would push each micro-batch.
-    The accelerator's no_sync now also enters the handle's no_sync(), so
-    the summed gradient leaves once, with the last micro-batch."""
+    The accelerator's no_sync now also enters the no_sync() of the handle
+    attached last, so the summed gradient leaves once, with the last
+    micro-batch."""
+    accelerator._factorps_handle = handle
     if getattr(accelerator, "_factorps_no_sync", False):
         return
     no_sync = accelerator.no_sync
 
     @contextlib.contextmanager
     def no_sync_too(model: Any) -> Iterator[None]:
-        with no_sync(model), handle.no_sync():
+        with no_sync(model), accelerator._factorps_handle.no_sync():
             yield
 
     accelerator.no_sync = no_sync_too
