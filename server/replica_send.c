@@ -738,7 +738,7 @@ static void fps__rsend_key_each(void *arg, uint32_t worker, uint64_t id, uint64_
  * the transfer: the standby installs it at once. false: the stream
  * failed. */
 static bool fps__rsend_transfer_cut(fps_rsend_t *s, grpc_call *call, fps_rmsg_t *q) {
-  fps_image_t none;
+  fps_image_t none; /* the images of no named tensor: an empty array */
   fps_key_rec_t *core_keys = NULL;
   fps_image_t *extra = NULL;
   size_t nextra = 0;

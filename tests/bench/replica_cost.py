@@ -23,8 +23,8 @@ load. A busy machine slows
 both set-ups of a round alike, so read the ratios. --standby-cpus 1 pins
 the standbys to CPU 1 and everything else (the primaries, the solo shards,
 the load) to the other CPUs, in both set-ups: the standbys as on a host of
-their own, which is what they are for, instead of sharing the job's CPUs. Only loopback is used;
-every process started here is stopped on exit.
+their own, which is what they are for, instead of sharing the job's CPUs.
+Only loopback is used; every process started here is stopped on exit.
 """
 
 import argparse
