@@ -154,15 +154,7 @@ static void fx_create_blocks(fps_server_t *srv, uint32_t block) {
   req.tensors = tcp;
   req.shard_id = block;
   req.shard_count = 2;
-  size_t len;
-  uint8_t *buf = fz_pack(&req, &len);
-  fz_call_t *c = fz_call_start(srv, FZ_CREATE, buf, len, true);
-  free(buf);
-  if (fz_call_status(c) != 0) {
-    fprintf(stderr, "fuzz_exchange: Create of the blocks failed (%d)\n", fz_call_status(c));
-    abort();
-  }
-  fz_call_finish(c);
+  fz_unary_ok(srv, FZ_CREATE, &req, "fuzz_exchange: the Create of the blocks");
 }
 
 /* Starts worker 0's push of step 0 to the tensors `mask` picks (bit i:
@@ -269,21 +261,6 @@ static void pump(fps_server_t *srv[2]) {
   }
 }
 
-static int write_seed(const char *dir, const char *name, uint8_t flags, uint8_t **msgs, const size_t *lens,
-                      size_t n) {
-  char path[4096];
-  snprintf(path, sizeof path, "%s/%s", dir, name);
-  FILE *f = fopen(path, "wb");
-  if (!f) return -1;
-  fputc(flags, f);
-  for (size_t i = 0; i < n; i++) {
-    fputc((int)(lens[i] & 0xff), f);
-    fputc((int)(lens[i] >> 8), f);
-    fwrite(msgs[i], 1, lens[i], f);
-  }
-  return fclose(f);
-}
-
 /* Message i of to0, unpacked, changed by `how`, repacked. */
 static uint8_t *mutate(size_t i, int how, size_t *len) {
   Factorps__V1__ExchangeRequest *r = factorps__v1__exchange_request__unpack(NULL, to0_len[i], to0[i]);
@@ -346,10 +323,10 @@ int main(int argc, char **argv) {
     char name[64];
     snprintf(name, sizeof name, "step-%02x", flags);
     /* Without ack-at-once the seed's own push sends stay pending. */
-    n += write_seed(argv[1], name, flags, to0, to0_len, nto0) == 0;
+    n += fz_write_seed(argv[1], name, flags, to0, to0_len, nto0) == 0;
     /* No step in flight: the same messages arrive early. */
     snprintf(name, sizeof name, "early-%02x", flags);
-    n += write_seed(argv[1], name, 0, to0, to0_len, nto0) == 0;
+    n += fz_write_seed(argv[1], name, 0, to0, to0_len, nto0) == 0;
     /* Each message twice: the identical retry. */
     uint8_t *twice[2 * MAXMSG];
     size_t twice_len[2 * MAXMSG];
@@ -358,12 +335,12 @@ int main(int argc, char **argv) {
       twice_len[2 * i] = twice_len[2 * i + 1] = to0_len[i];
     }
     snprintf(name, sizeof name, "retry-%02x", flags);
-    n += write_seed(argv[1], name, flags, twice, twice_len, 2 * nto0) == 0;
+    n += fz_write_seed(argv[1], name, flags, twice, twice_len, 2 * nto0) == 0;
     for (int how = 0; how < 13 && nto0; how++) {
       size_t len;
       uint8_t *m = mutate(0, how, &len);
       snprintf(name, sizeof name, "mut%02d-%02x", how, flags);
-      n += write_seed(argv[1], name, flags, &m, &len, 1) == 0;
+      n += fz_write_seed(argv[1], name, flags, &m, &len, 1) == 0;
       free(m);
     }
     for (size_t i = 0; i < nto0; i++) free(to0[i]);

@@ -14,9 +14,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "factorps/v1/factorps.pb-c.h"
 #include "fuzz_server.h"
 #include "metrics.h"
+#include "replica.h"
+#include "replica_send.h"
 #include "simd/kernels.h"
 
 #define FZ_INBOX_MAX 64
@@ -137,6 +140,7 @@ static void fz__check_reply(fz_call_t *c, grpc_byte_buffer *bb) {
     case FZ_CHECKPOINT: m = (ProtobufCMessage *)factorps__v1__checkpoint_response__unpack(NULL, len, buf); break;
     case FZ_GETSTATE: m = (ProtobufCMessage *)factorps__v1__get_state_response__unpack(NULL, len, buf); break;
     case FZ_EXCHANGE: m = (ProtobufCMessage *)factorps__v1__exchange_response__unpack(NULL, len, buf); break;
+    case FZ_REPLICATE: m = (ProtobufCMessage *)factorps__v1__replicate_response__unpack(NULL, len, buf); break;
   }
   if (!m) {
     fprintf(stderr, "fuzz: method %d sent a reply that does not decode (%zu bytes)\n", (int)c->method, len);
@@ -271,6 +275,10 @@ fz_call_t *fz_call_start(fps_server_t *srv, fz_method_t m, const uint8_t *reques
       if (payload) grpc_byte_buffer_destroy(payload);
       fps_rpc_pushpull_start(srv, (grpc_call *)c, deadline, &md);
       break;
+    case FZ_REPLICATE:
+      if (payload) grpc_byte_buffer_destroy(payload);
+      fps_rpc_replicate_start(srv, (grpc_call *)c, deadline, &md);
+      break;
   }
   fz_drain();
   return c;
@@ -321,6 +329,35 @@ void fz_call_finish(fz_call_t *c) {
   free(c);
 }
 
+/* ---------------------------------------- the primary's side, absent */
+
+/* replica_send.c is not linked (CMakeLists.txt): it runs threads and a
+ * channel of its own. A standby only ever receives; these stand in for
+ * what replica.c calls of it. */
+static int fz__rsend_dummy;
+int fps_rsend_create(struct fps_server_s *srv, const fps_rsend_owner_t *owner, fps_rsend_t **out) {
+  (void)srv;
+  (void)owner;
+  *out = (fps_rsend_t *)&fz__rsend_dummy;
+  return 0;
+}
+void fps_rsend_destroy(fps_rsend_t *s) { (void)s; }
+void fps_rsend_stop_stream(fps_rsend_t *s, const char *why) {
+  (void)s;
+  (void)why;
+}
+void fps_rsend_start_stream(fps_rsend_t *s, uint64_t term) {
+  (void)s;
+  fprintf(stderr, "fuzz: a standby was promoted (term %llu) without a lease thread\n", (unsigned long long)term);
+  abort();
+}
+int fps_rsend_wait(fps_rsend_t *s, fps_tensor_t *const *t, const uint64_t *ver, const bool *changed, size_t n,
+                   const fps_rkey_t *key, fps_rsend_done_fn done, void *arg) {
+  (void)s, (void)t, (void)ver, (void)changed, (void)n, (void)key, (void)done, (void)arg;
+  fprintf(stderr, "fuzz: a standby acknowledged a worker call\n");
+  abort();
+}
+
 /* ------------------------------------------------------------ fixture */
 
 uint8_t *fz_pack(const void *msg, size_t *len) {
@@ -329,6 +366,18 @@ uint8_t *fz_pack(const void *msg, size_t *len) {
   if (!p) abort();
   protobuf_c_message_pack(msg, p);
   return p;
+}
+
+void fz_unary_ok(fps_server_t *srv, fz_method_t m, const void *msg, const char *what) {
+  size_t len;
+  uint8_t *buf = fz_pack(msg, &len);
+  fz_call_t *c = fz_call_start(srv, m, buf, len, true);
+  free(buf);
+  if (fz_call_status(c) != GRPC_STATUS_OK) {
+    fprintf(stderr, "fuzz: %s failed (%d): %s\n", what, fz_call_status(c), c->details);
+    abort();
+  }
+  fz_call_finish(c);
 }
 
 static void fz__fixture_tensors(fps_server_t *srv) {
@@ -370,15 +419,7 @@ static void fz__fixture_tensors(fps_server_t *srv) {
   req.tensors = tcp;
   req.shard_id = srv->cfg.shard_id;
   req.shard_count = srv->cfg.shard_count;
-  size_t len;
-  uint8_t *buf = fz_pack(&req, &len);
-  fz_call_t *c = fz_call_start(srv, FZ_CREATE, buf, len, true);
-  free(buf);
-  if (fz_call_status(c) != GRPC_STATUS_OK) {
-    fprintf(stderr, "fuzz: fixture Create failed (%d): %s\n", fz_call_status(c), c->details);
-    abort();
-  }
-  fz_call_finish(c);
+  fz_unary_ok(srv, FZ_CREATE, &req, "the fixture's Create");
 }
 
 static fps_server_t *fz__server_new(int mode, uint32_t workers, uint32_t staleness, uint32_t shard_id,
@@ -418,6 +459,9 @@ static fps_server_t *fz__server_new(int mode, uint32_t workers, uint32_t stalene
   cfg->max_bytes = 64u << 10;
   cfg->max_staging_bytes = 256u << 10;
   cfg->apply_log = 4;
+  /* The decode budget as main.c sets it, from config.c's default for
+   * these limits (the larger of a quarter of --max-bytes and 4 messages). */
+  srv->decode.limit = cfg->max_bytes / 4 > 4 * cfg->max_message_bytes ? cfg->max_bytes / 4 : 4 * cfg->max_message_bytes;
   pthread_mutex_init(&srv->calls_mu, NULL);
   pthread_rwlock_init(&srv->batch_gate, NULL);
   /* The real core; no timer thread is started, so no deadline fires and
@@ -437,6 +481,17 @@ fps_server_t *fz_server_new(int mode, uint32_t workers, uint32_t staleness) {
 fps_server_t *fz_server_new_peer(int mode, uint32_t workers, uint32_t shard_id, uint32_t shard_count,
                                  fps_xsend_fn send, void *ctx) {
   return fz__server_new(mode, workers, 0, shard_id, shard_count, send, ctx);
+}
+
+fps_server_t *fz_server_new_standby(int mode, uint32_t workers) {
+  fps_server_t *srv = fz__server_new(mode, workers, 0, 0, 1, NULL, NULL);
+  fps_free(srv->cfg.replica_peer);
+  fps_free(srv->cfg.lease);
+  /* The lease is opened (the file must exist) but never acquired. */
+  srv->cfg.replica_peer = fps_strdup("127.0.0.1:1");
+  srv->cfg.lease = fps_strdup("file:/dev/null");
+  if (!srv->cfg.replica_peer || !srv->cfg.lease || fps_replica_create(srv, &srv->replica) < 0) abort();
+  return srv;
 }
 
 void fz_server_free(fps_server_t *srv) {
@@ -461,6 +516,7 @@ void fz_server_free(fps_server_t *srv) {
         abort();
       }
     }
+  fps_replica_destroy(srv->replica);
   fps_shard_free(srv->shard);
   fps_config_free(&srv->cfg);
   pthread_mutex_destroy(&srv->calls_mu);
@@ -486,4 +542,19 @@ bool fz_chunk(fz_in_t *in, const uint8_t **p, size_t *len) {
   in->p += l;
   in->n -= l;
   return true;
+}
+
+int fz_write_seed(const char *dir, const char *name, uint8_t flags, uint8_t *const *msgs, const size_t *lens,
+                  size_t n) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "wb");
+  if (!f) return -1;
+  fputc(flags, f);
+  for (size_t i = 0; i < n; i++) {
+    fputc((int)(lens[i] & 0xff), f);
+    fputc((int)(lens[i] >> 8), f);
+    fwrite(msgs[i], 1, lens[i], f);
+  }
+  return fclose(f);
 }

@@ -1,5 +1,6 @@
 /* Shared harness of the gRPC-side fuzz targets (fuzz_create, fuzz_pull,
- * fuzz_stats, fuzz_pushpull, fuzz_ckpt_rpc, fuzz_getstate, fuzz_exchange).
+ * fuzz_stats, fuzz_pushpull, fuzz_ckpt_rpc, fuzz_getstate, fuzz_exchange,
+ * fuzz_replicate).
  *
  * The targets drive the shard's real request path: the method entry points
  * of server/rpc_*.c, the call base of server/grpc_server.c, wire.c's
@@ -28,7 +29,9 @@
 #include "server.h"
 #include "shard/internal.h"
 
-typedef enum fz_method_e { FZ_CREATE, FZ_PUSHPULL, FZ_PULL, FZ_STATS, FZ_CHECKPOINT, FZ_GETSTATE, FZ_EXCHANGE } fz_method_t;
+typedef enum fz_method_e {
+  FZ_CREATE, FZ_PUSHPULL, FZ_PULL, FZ_STATS, FZ_CHECKPOINT, FZ_GETSTATE, FZ_EXCHANGE, FZ_REPLICATE
+} fz_method_t;
 
 typedef struct fz_call_s fz_call_t;
 
@@ -45,12 +48,18 @@ fps_server_t *fz_server_new(int mode, uint32_t workers, uint32_t staleness);
  * accepts row blocks of split tensors (sync mode only). */
 fps_server_t *fz_server_new_peer(int mode, uint32_t workers, uint32_t shard_id, uint32_t shard_count,
                                  fps_xsend_fn send, void *ctx);
+/* The same shard as a standby replica (--replica-peer, a file lease that
+ * is never acquired: no lease thread runs), so that it takes Replicate
+ * streams. The primary's sending side (replica_send.c) is not linked
+ * into the fuzz targets: a standby never sends, and fuzz_server.c's
+ * stand-ins abort if anything tries to. */
+fps_server_t *fz_server_new_standby(int mode, uint32_t workers);
 void fz_server_free(fps_server_t *srv);
 
 /* Starts a call of method m. For the unary methods, request holds the
  * message bytes (NULL: no message at all); the call runs to its end before
- * this returns. For PushPull, request must be NULL: feed it with
- * fz_call_send / fz_call_half_close / fz_call_cancel. */
+ * this returns. For PushPull and Replicate, request must be NULL: feed
+ * them with fz_call_send / fz_call_half_close / fz_call_cancel. */
 fz_call_t *fz_call_start(fps_server_t *srv, fz_method_t m, const uint8_t *request, size_t len, bool has_request);
 /* Client side of a stream: one message, the half-close, a cancel (client
  * gone or deadline). Ignored once the call has ended, or while the server
@@ -69,6 +78,9 @@ void fz_call_finish(fz_call_t *c);
 
 /* Packs a protobuf-c message into a malloc'd buffer. */
 uint8_t *fz_pack(const void *protobuf_c_message, size_t *len);
+/* Runs unary method m with request msg (a protobuf-c message) to its end;
+ * aborts, naming `what`, unless it answered OK. */
+void fz_unary_ok(fps_server_t *srv, fz_method_t m, const void *msg, const char *what);
 
 /* Input helpers: a reader over the fuzz input. */
 typedef struct fz_in_s {
@@ -79,6 +91,12 @@ uint8_t fz_byte(fz_in_t *in);          /* 0 when exhausted */
 /* Next length-prefixed chunk (u16 little-endian length, clipped to what is
  * left). False when the input is exhausted. */
 bool fz_chunk(fz_in_t *in, const uint8_t **p, size_t *len);
+
+/* Writes DIR/NAME as the targets that take a flags byte and messages
+ * read it (fz_chunk): flags, then each message's u16 LE length and bytes.
+ * 0, or -1 if the file cannot be written. */
+int fz_write_seed(const char *dir, const char *name, uint8_t flags, uint8_t *const *msgs, const size_t *lens,
+                  size_t n);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -8,7 +8,7 @@
 #                                       in build-fuzz/fuzz-runs/; prints the
 #                                       executions of each run
 # Targets: fuzz_create fuzz_pull fuzz_stats fuzz_pushpull fuzz_ckpt_rpc fuzz_getstate fuzz_http fuzz_checkpoint
-#          fuzz_wire fuzz_wire_cost fuzz_split_partials fuzz_exchange
+#          fuzz_wire fuzz_wire_cost fuzz_split_partials fuzz_exchange fuzz_replicate
 # Environment: FPS_FUZZ_BUILD (build dir, default build-fuzz), CC (default clang).
 # Exit status: 0 if every run ended without a crash, leak or sanitizer report.
 # A crashing input is left as build-fuzz/fuzz-runs/<target>-crash-*: copy
@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 all=(fuzz_create fuzz_pull fuzz_stats fuzz_pushpull fuzz_ckpt_rpc fuzz_getstate fuzz_http fuzz_checkpoint
-     fuzz_wire fuzz_wire_cost fuzz_split_partials fuzz_exchange)
+     fuzz_wire fuzz_wire_cost fuzz_split_partials fuzz_exchange fuzz_replicate)
 build=${FPS_FUZZ_BUILD:-build-fuzz}
 jobs=1
 ci=0
