@@ -374,7 +374,7 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
     }
     bool over = false;
     rp->name = fps_strdup(name);
-    rp->pbuf = fps_shard_param_buf(srv->shard, numel, &over);
+    rp->pbuf = fps_shard_param_buf(srv->shard, name, numel, &over);
     rp->numel = rp->pbuf ? numel : 0;
     rp->sbuf = fps_malloc(state ? state * 4 : 1);
     if (!rp->name || !rp->pbuf || !rp->sbuf) {

@@ -343,7 +343,9 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
   return 0;
 }
 
-float *fps_shard_param_buf(fps_shard_t *sh, uint64_t numel, bool *over_limit) {
+float *fps_shard_param_buf(fps_shard_t *sh, const char *name, uint64_t numel, bool *over_limit) {
+  fps_tensor_t *t = fps_store_find(&sh->store, name);
+  if (t && t->numel == numel && !t->split) return fps__tbuf_take(sh, t, over_limit);
   return fps_tbuf_alloc(sh, numel, over_limit);
 }
 

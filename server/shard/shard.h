@@ -653,11 +653,14 @@ typedef struct fps_image_in_s {
                                * owns it once install returns 0) */
   const float *state;         /* sum of n[k] floats */
 } fps_image_in_t;
-/* A buffer for numel parameters counted against max_staging_bytes until
- * an install adopts it (fps_image_in_t.params_own); NULL with *over_limit
- * set past the limit, or NULL out of memory. Free an unused one with
- * fps_shard_param_buf_free. */
-float *fps_shard_param_buf(fps_shard_t *sh, uint64_t numel, bool *over_limit);
+/* A buffer for numel parameters of tensor `name` counted against
+ * max_staging_bytes until an install adopts it (fps_image_in_t.params_own);
+ * NULL with *over_limit set past the limit, or NULL out of memory. A
+ * tensor held with numel elements gives its spare (the parameter buffer
+ * its last install retired) when it has one: a standby takes every image
+ * into the same two buffers instead of faulting in fresh pages each time.
+ * Free an unused one with fps_shard_param_buf_free. */
+float *fps_shard_param_buf(fps_shard_t *sh, const char *name, uint64_t numel, bool *over_limit);
 void fps_shard_param_buf_free(fps_shard_t *sh, float *p, uint64_t numel);
 /* 0, or FPS_EEXISTS (held here with another shape, settings or state
  * size), FPS_EUNSUPPORTED (a split block), Create's refusals, FPS_ELIMIT,

@@ -5,7 +5,8 @@
  * in a failover is answered from its key on the promoted standby, not
  * refused as stale), and an async push's key never goes without the state
  * it made, even when the caller did not name that tensor. The last test
- * races cuts against sync rounds (run under TSan too). */
+ * races cuts against sync rounds (run under TSan too). And the standby's
+ * side: an image goes into the buffer the install before it retired. */
 #include <pthread.h>
 #include <sched.h>
 #include <setjmp.h>
@@ -261,11 +262,63 @@ static void cuts_racing_rounds_hold_whole_rounds(void **unused) {
   fx_shard_free(&sh);
 }
 
+/* An image arriving on a standby, installed into buffer p (params_own):
+ * a's values plus k, its version v. */
+static void install_a(fps_shard_t *sh, float *p, float k, uint64_t v) {
+  fps_tensor_t *a = fps_store_find(&sh->store, "a");
+  for (int i = 0; i < NA; i++) p[i] = (float)i + k;
+  float state[NA + NA];
+  memset(state, 0, sizeof state);
+  fps_image_in_t in = {.name = "a", .dims = DA, .ndim = 2, .hp = a->hp, .version = v, .params_own = p, .state = state};
+  in.n[FPS_STATE_ROW] = a->size.row;
+  in.n[FPS_STATE_COL] = a->size.col;
+  in.n[FPS_STATE_VAR] = a->size.var;
+  in.n[FPS_STATE_MOM] = a->size.mom;
+  char why[FPS_WHY_MAX];
+  if (fps_shard_install(sh, &in, why, sizeof why) < 0) fail_msg("fps_shard_install: %s", why);
+  assert_ptr_equal(a->param, p);
+  assert_int_equal(a->version, v);
+}
+
+/* A standby takes each image of a tensor into the buffer the install
+ * before retired (its spare), not a fresh one: two buffers per tensor
+ * however many images arrive, and no staging bytes left behind. */
+static void images_alternate_between_two_buffers(void **unused) {
+  (void)unused;
+  fps_shard_t sh;
+  make_ab(&sh, FPS_MODE_ASYNC, 1);
+  fps_tensor_t *a = fps_store_find(&sh.store, "a");
+  uint64_t staged = atomic_load(&sh.tbuf_bytes);
+  bool over = false;
+  float *first = a->param;
+  float *p1 = fps_shard_param_buf(&sh, "a", NA, &over);
+  assert_non_null(p1);
+  install_a(&sh, p1, 0.5f, 1);
+  float *p2 = fps_shard_param_buf(&sh, "a", NA, &over);
+  assert_ptr_equal(p2, first); /* the buffer install 1 retired */
+  install_a(&sh, p2, 1.5f, 2);
+  float *p3 = fps_shard_param_buf(&sh, "a", NA, &over);
+  assert_ptr_equal(p3, p1);
+  install_a(&sh, p3, 2.5f, 3);
+  assert_float_equal(a->param[NA - 1], (float)(NA - 1) + 2.5f, 0);
+  /* Another size than the tensor's, or a tensor not held: a buffer of
+   * its own, given back unused. */
+  float *q = fps_shard_param_buf(&sh, "a", NA + 1, &over), *r = fps_shard_param_buf(&sh, "new", NA, &over);
+  assert_true(q && q != p2 && r && r != p2);
+  fps_shard_param_buf_free(&sh, q, NA + 1);
+  fps_shard_param_buf_free(&sh, r, NA);
+  /* What stays staged is a's one spare, as after any update. */
+  assert_int_equal(atomic_load(&sh.tbuf_bytes), staged + NA * sizeof(float));
+  assert_int_equal(atomic_load(&sh.spare_bytes), NA * sizeof(float));
+  fx_shard_free(&sh);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(sync_round_keys_travel_with_its_result),
       cmocka_unit_test(async_key_brings_the_tensors_it_changed),
       cmocka_unit_test(cuts_racing_rounds_hold_whole_rounds),
+      cmocka_unit_test(images_alternate_between_two_buffers),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
