@@ -185,13 +185,7 @@ static fz_call_t *fx_push(fps_server_t *srv, uint32_t block, unsigned mask, bool
   req.step = 0;
   req.n_grads = k;
   req.grads = sp;
-  size_t len;
-  uint8_t *buf = fz_pack(&req, &len);
-  fz_call_t *c = fz_call_start(srv, FZ_PUSHPULL, NULL, 0, false);
-  fz_call_send(c, buf, len);
-  fz_call_half_close(c);
-  free(buf);
-  return c;
+  return fz_push_one(srv, &req);
 }
 
 static unsigned fx_mask(uint8_t flags) { return flags & 4 ? 7u : (flags & 3) ? 1u << ((flags & 3) - 1) : 0u; }

@@ -227,12 +227,7 @@ static void fr_push_w(fps_server_t *srv, uint64_t step) {
   req.step = step;
   req.n_grads = 1;
   req.grads = &sp;
-  size_t len;
-  uint8_t *buf = fz_pack(&req, &len);
-  fz_call_t *c = fz_call_start(srv, FZ_PUSHPULL, NULL, 0, false);
-  fz_call_send(c, buf, len);
-  fz_call_half_close(c);
-  free(buf);
+  fz_call_t *c = fz_push_one(srv, &req);
   if (fz_call_status(c) != 0) abort();
   fz_call_finish(c);
 }

@@ -368,6 +368,16 @@ uint8_t *fz_pack(const void *msg, size_t *len) {
   return p;
 }
 
+fz_call_t *fz_push_one(fps_server_t *srv, const void *msg) {
+  size_t len;
+  uint8_t *buf = fz_pack(msg, &len);
+  fz_call_t *c = fz_call_start(srv, FZ_PUSHPULL, NULL, 0, false);
+  fz_call_send(c, buf, len);
+  fz_call_half_close(c);
+  free(buf);
+  return c;
+}
+
 void fz_unary_ok(fps_server_t *srv, fz_method_t m, const void *msg, const char *what) {
   size_t len;
   uint8_t *buf = fz_pack(msg, &len);

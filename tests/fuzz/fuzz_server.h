@@ -78,6 +78,9 @@ void fz_call_finish(fz_call_t *c);
 
 /* Packs a protobuf-c message into a malloc'd buffer. */
 uint8_t *fz_pack(const void *protobuf_c_message, size_t *len);
+/* Starts a PushPull call carrying the one message msg (a protobuf-c
+ * PushPullRequest), half-closed; it may wait (a sync round, an exchange). */
+fz_call_t *fz_push_one(fps_server_t *srv, const void *msg);
 /* Runs unary method m with request msg (a protobuf-c message) to its end;
  * aborts, naming `what`, unless it answered OK. */
 void fz_unary_ok(fps_server_t *srv, fz_method_t m, const void *msg, const char *what);
