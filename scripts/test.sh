@@ -45,7 +45,9 @@ cmake --build "$dir" -j "$jobs"
 if [[ $variant == asan ]]; then
   # A rare leak report from inside OpenSSL at exit (tests/lsan.supp says
   # which); the test processes and the servers they start inherit this.
-  export LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp ${LSAN_OPTIONS:-}"
+  # No spaces: the deploy tests pass sanitizer options through to shards
+  # whose environment is checked to hold none.
+  export LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp${LSAN_OPTIONS:+:$LSAN_OPTIONS}"
 fi
 if [[ $variant == tsan ]]; then
   # Only the concurrency tests (label tsan). Debian's gRPC is not built with
