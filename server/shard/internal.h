@@ -1079,6 +1079,7 @@ struct fps_shard_s {
   pthread_mutex_t xs_mu;
   struct fps_xgroup_s *xgroups;
   atomic_bool xstopping;            /* shutting down: no new exchange begins */
+  atomic_int xaborts_in_flight;     /* ABORTs sent by the drain, not yet done */
   atomic_int xrec_pending;          /* split blocks waiting to roll to an
                                      * agreed version (xrecover.c) */
   atomic_int xrec_apart;            /* split blocks announcing their versions

@@ -66,6 +66,9 @@ typedef struct fps_xpart_s {
   fps_split_partials_t dec;   /* decoded (owns its arrays) */
 } fps_xpart_t;
 
+/* How long the drain gives an ABORT to reach its peer. */
+#define FPS_XABORT_DEADLINE_S 1.0
+
 #define KEPT_ATTEMPTS 2 /* early attempts kept per (version, block, phase) */
 
 /* One block tensor's step in flight (t->split->xs; t->mu). */
@@ -778,8 +781,9 @@ typedef struct fps_xabort_s {
 } fps_xabort_t;
 
 static void fps__xabort_sent(void *arg, int err, const char *msg) {
-  (void)arg;
+  fps_shard_t *sh = arg;
   if (err) FPS_LOG(FPS_LOG_DEBUG, "ABORT not delivered: %s", msg ? msg : fps_strerror(err));
+  atomic_fetch_sub(&sh->xaborts_in_flight, 1);
 }
 
 /* Peers whose partials wait here for a step this shard will now never
@@ -812,7 +816,10 @@ static void fps__xstep_abort_waiting(fps_shard_t *sh) {
     fps_xmsg_t m = {.name = ab[i].t->name, .version = ab[i].version, .from_shard = sh->cfg.shard_id,
                     .shard_count = sh->cfg.shard_count, .block_index = ab[i].block, .phase = FPS_XPHASE_ABORT,
                     .attempt = ab[i].attempt, .partials = NULL, .len = 0, .stamp = fps__xrec_stamp(sh)};
-    sh->xsend(sh->xsend_ctx, ab[i].to, &m, fps_clock_after(fps_now_ns(), 1.0), fps__xabort_sent, NULL);
+    atomic_fetch_add(&sh->xaborts_in_flight, 1);
+    if (sh->xsend(sh->xsend_ctx, ab[i].to, &m, fps_clock_after(fps_now_ns(), FPS_XABORT_DEADLINE_S),
+                  fps__xabort_sent, sh) < 0)
+      atomic_fetch_sub(&sh->xaborts_in_flight, 1);
   }
   fps_free(ab);
 }
@@ -823,7 +830,9 @@ void fps_shard_drain_exchanges(fps_shard_t *sh, double max_seconds) {
   int64_t until = fps_clock_after(fps_now_ns(), max_seconds);
   for (;;) {
     pthread_mutex_lock(&sh->xs_mu);
-    bool idle = sh->xgroups == NULL;
+    /* The ABORTs too: stopping the peers next would cancel them unsent,
+     * and their receivers would wait out their deadline. */
+    bool idle = sh->xgroups == NULL && atomic_load(&sh->xaborts_in_flight) == 0;
     pthread_mutex_unlock(&sh->xs_mu);
     if (idle || fps_now_ns() >= until) return;
     struct timespec ts = {0, 5 * 1000 * 1000};

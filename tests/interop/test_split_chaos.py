@@ -22,7 +22,13 @@ error they wait until every block reports one version and go on from it
 (what factorps.torch does after a restore).
 
 FPS_SPLIT_CHAOS_ROUNDS (default 4) kills of each kind; 20 is the issue's
-count (docs/operations.md has the numbers of a 20 + 20 run)."""
+count (docs/operations.md has the numbers of a 20 + 20 run).
+
+A third run SIGTERMs every shard at once during steps (docker compose down,
+a namespace deleted), FPS_SPLIT_CHAOS_ALL_ROUNDS times (default 5), with a
+long exchange deadline: each shard must exit well within it (a shard that
+stopped before its step began once left a peer waiting the whole
+deadline), and the restarted job comes back to one version as above."""
 import os
 import random
 import shutil
@@ -41,6 +47,9 @@ BOUNDS = [0, 40, 41, 96]  # a one-row block in the middle
 SHARDS = 3
 W = 2
 ROUNDS = int(os.environ.get("FPS_SPLIT_CHAOS_ROUNDS", "4"))
+ALL_ROUNDS = int(os.environ.get("FPS_SPLIT_CHAOS_ALL_ROUNDS", "5"))
+ALL_DEADLINE = 30  # the exchange deadline of the every-shard run
+ALL_STOP_S = 10    # the bound on each shard's exit in it
 AGREE_S = 60       # bound on coming back to one version after an event
 STEPS_AFTER = 3    # steps that must succeed after each event
 
@@ -59,7 +68,8 @@ class Chaos:
         self.pb, self.pbg, self.grpc = H.stubs()
         self.dir = tempfile.mkdtemp(prefix="fps-split-chaos-")
         dirs = [os.path.join(self.dir, "shard%d" % i) for i in range(SHARDS)]
-        self.job = H.Job(SHARDS, "--mode", "sync", "--workers", W, "--exchange-deadline", 2, "--deadline", 5,
+        xdeadline = ALL_DEADLINE if kind == "term_all" else 2
+        self.job = H.Job(SHARDS, "--mode", "sync", "--workers", W, "--exchange-deadline", xdeadline, "--deadline", 5,
                          "--checkpoint-interval", 0.05, "--split-anchor-steps", 2,
                          shard_args=[["--checkpoint-dir", d] for d in dirs])
         self.p0 = np.random.default_rng(7).standard_normal(SHAPE).astype(np.float32)
@@ -207,9 +217,11 @@ class Chaos:
         t0 = time.monotonic()
         if self.kind == "kill":
             self.job.kill(victim)
-        else:
+        elif self.kind == "term":
             rc, _ = self.job[victim].stop()
             self.t.assertEqual(rc, 0)
+        else:
+            return self.stop_all(i)
         self.job.restart(victim)
         v = self.agreed()
         self.wait_steps(STEPS_AFTER)
@@ -224,6 +236,38 @@ class Chaos:
         print("%s %2d: shard %d; versions before %s; agreed on %d; steps undone %d; back in %.2f s" %
               (self.kind, i, victim, {b: x[0] for b, x in before.items()}, v, lost, took), file=sys.stderr)
         return lost, took
+
+    def stop_all(self, i):
+        """SIGTERM to every shard at once; each must exit within ALL_STOP_S
+        (far below the exchange deadline) with status 0. Then all start
+        again and agree on a version."""
+        t0 = time.monotonic()
+        took, errs = {}, []
+
+        def one(b):
+            try:
+                self.job[b].stop()
+                took[b] = time.monotonic() - t0
+            except Exception as e:
+                errs.append("shard %d: %s" % (b, e))
+
+        th = [threading.Thread(target=one, args=(b,)) for b in range(SHARDS)]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(120)
+        self.t.assertEqual(errs, [])
+        slow = {b: round(s, 2) for b, s in took.items() if s >= ALL_STOP_S}
+        self.t.assertEqual(slow, {}, "shards that took %d s or more to stop (exchange deadline %d s)" %
+                           (ALL_STOP_S, ALL_DEADLINE))
+        for b in range(SHARDS):
+            self.job.restart(b)
+        v = self.agreed()
+        self.wait_steps(STEPS_AFTER)
+        back = time.monotonic() - t0
+        print("term_all %2d: stopped in %s s; agreed on %d; back in %.2f s" %
+              (i, [round(took[b], 2) for b in range(SHARDS)], v, back), file=sys.stderr)
+        return 0, back
 
     def replay(self, steps):
         """The final parameters of an unsplit shard given the same steps."""
@@ -267,7 +311,7 @@ class SplitChaos(unittest.TestCase):
             c.wait_steps(5)
             rnd = random.Random(seed)
             lost, times = [], []
-            for i in range(ROUNDS):
+            for i in range(ALL_ROUNDS if kind == "term_all" else ROUNDS):
                 lo, took = c.event(i, rnd)
                 lost.append(lo)
                 times.append(took)
@@ -279,7 +323,7 @@ class SplitChaos(unittest.TestCase):
             final = c.final_params()
             print("%s: %d events, all back to one version; final version %d; steps undone per event %s (total "
                   "%d); back within max %.2f s, median %.2f s" %
-                  (kind, ROUNDS, v, lost, sum(lost), max(times), sorted(times)[len(times) // 2]), file=sys.stderr)
+                  (kind, len(times), v, lost, sum(lost), max(times), sorted(times)[len(times) // 2]), file=sys.stderr)
             want = c.replay(v)
             np.testing.assert_array_equal(final, want.reshape(final.shape))
         finally:
@@ -290,6 +334,9 @@ class SplitChaos(unittest.TestCase):
 
     def test_sigterm_during_steps(self):
         self.run_kind("term", 23)
+
+    def test_sigterm_to_every_shard_at_once(self):
+        self.run_kind("term_all", 24)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,39 @@ class SplitKill(unittest.TestCase):
         self.assertEqual(version, 0)
         np.testing.assert_array_equal(rows, p0.reshape(-1)[BOUNDS[1] * SHAPE[1]:BOUNDS[2] * SHAPE[1]])
 
+    def test_sigterm_before_its_step_begins(self):
+        """SIGTERM to a shard holding a peer's partials for a step it has
+        not begun (its own block's push has not come): it tells the
+        waiting blocks (ABORT) before it stops its peer calls, so their
+        pushes fail UNAVAILABLE at once, not at the exchange deadline, and
+        nothing is applied. A long deadline here (30 s) tells the two apart;
+        the ABORTs used to be cancelled unsent by the stop."""
+        self.job.stop()
+        dirs = [os.path.join(self.dir, "long%d" % i) for i in range(SHARDS)]
+        self.job = H.Job(SHARDS, "--mode", "sync", "--workers", 1, "--exchange-deadline", 30, "--deadline", 60,
+                         shard_args=[["--checkpoint-dir", d] for d in dirs])
+        rng = np.random.default_rng(15)
+        p0 = rng.standard_normal(SHAPE).astype(np.float32)
+        g1 = rng.standard_normal(SHAPE).astype(np.float32)
+        self.create(p0)
+        th, out = self.push_all(0, g1, [1, 2])
+        time.sleep(0.5)  # blocks 1 and 2 begun, their partials kept at shard 0
+        t0 = time.monotonic()
+        rc, _ = self.job[0].stop()
+        self.assertEqual(rc, 0)
+        H.join(th, "the pushes around shard 0's SIGTERM", 60)
+        took = time.monotonic() - t0
+        self.assertLess(took, 10.0, "the waiting blocks failed %.1f s after shard 0's SIGTERM (deadline 30 s)" %
+                        took)
+        for b in (1, 2):
+            self.assertEqual(out[b][0], "error", "block %d's push succeeded without block 0" % b)
+            self.assertEqual(out[b][1], self.grpc.StatusCode.UNAVAILABLE, out[b])
+            self.assertIn("shard 0 is shutting down", out[b][2])
+            version, rows = self.block_state(b)
+            self.assertEqual(version, 0)
+            lo, hi = block_rows(b)
+            np.testing.assert_array_equal(rows, p0.reshape(-1)[lo * SHAPE[1]:hi * SHAPE[1]])
+
 
 if __name__ == "__main__":
     unittest.main()
