@@ -286,6 +286,7 @@ out:
    * block before this shard stops: the peers may already hold our partials
    * and apply. gRPC still serves their Exchange calls meanwhile; no new
    * step begins. Bounded by the exchange deadline. */
+  fps_peers_stopping(peers);
   if (peers && srv.shard) fps_shard_drain_exchanges(srv.shard, srv.cfg.exchange_deadline + 1.0);
   /* Exchanges still in flight fail UNAVAILABLE, so the steps waiting for
    * them fail and answer their calls within the grace period below. */

@@ -88,6 +88,7 @@ struct fps_peers_s {
   pthread_mutex_t mu;
   pthread_cond_t cv;           /* live count dropped (CLOCK_MONOTONIC) */
   bool closed;                 /* stopping: no new call */
+  bool stopping;               /* this shard stops: no retry of UNAVAILABLE */
   bool th_stop;                /* the thread leaves at its next wake-up */
   bool stopped;
   bool abandoned;              /* gRPC kept calls past the stop: cq leaked */
@@ -429,7 +430,7 @@ static void fps__complete(fps_peers_t *p, fps_psend_t *s, bool success) {
   } else if (st == GRPC_STATUS_UNAVAILABLE) {
     snprintf(s->last, sizeof s->last, "%s", detail);
     fps__renew_locked(p, s->to, now);
-    if (now + s->backoff_ns < s->deadline_ns) {
+    if (!p->stopping && now + s->backoff_ns < s->deadline_ns) {
       s->retry_at_ns = now + s->backoff_ns;
       s->backoff_ns = s->backoff_ns * 2 > FPS_PEER_BACKOFF_MAX_NS ? FPS_PEER_BACKOFF_MAX_NS : s->backoff_ns * 2;
       s->waiting = true;
@@ -437,9 +438,10 @@ static void fps__complete(fps_peers_t *p, fps_psend_t *s, bool success) {
     } else {
       err = FPS_EUNAVAILABLE;
       snprintf(msg, sizeof msg,
-               "shard %u (%s) not reachable for Exchange of '%s' within the deadline (%u attempts; last: "
+               "shard %u (%s) not reachable for Exchange of '%s' %s (%u attempts; last: "
                "UNAVAILABLE: %s)%s",
-               s->to, p->addrs[s->to], s->name, s->attempts, s->last,
+               s->to, p->addrs[s->to], s->name, p->stopping ? "while this shard stops" : "within the deadline",
+               s->attempts, s->last,
                p->tls ? "; shard down, or the TLS handshake failed (check --peer-tls-ca, --peer-tls-cert and "
                         "the name in the peer's certificate)"
                       : "");
@@ -479,7 +481,7 @@ static int64_t fps__retries(fps_peers_t *p) {
       if (s->retry_at_ns < next) next = s->retry_at_ns;
       continue;
     }
-    int rc = p->closed ? FPS_EUNAVAILABLE : fps__attempt_locked(p, s);
+    int rc = p->closed || p->stopping ? FPS_EUNAVAILABLE : fps__attempt_locked(p, s);
     if (rc == 0) continue;
     fps__unlink(p, s);
     s->next = failed;
@@ -493,8 +495,9 @@ static int64_t fps__retries(fps_peers_t *p) {
     char msg[1024];
     if (closed) fps__shutdown_msg(p, s, msg, sizeof msg);
     else
-      snprintf(msg, sizeof msg, "shard %u (%s) not reachable for Exchange of '%s' within the deadline (%u "
-               "attempts; last: UNAVAILABLE: %s)", s->to, p->addrs[s->to], s->name, s->attempts, s->last);
+      snprintf(msg, sizeof msg, "shard %u (%s) not reachable for Exchange of '%s' %s (%u attempts; last: "
+               "UNAVAILABLE: %s)", s->to, p->addrs[s->to], s->name,
+               p->stopping ? "while this shard stops" : "within the deadline", s->attempts, s->last);
     s->done(s->arg, FPS_EUNAVAILABLE, msg);
     fps__psend_free(s);
   }
@@ -530,6 +533,16 @@ static fps_peers_t *fps__peers_abandoned;
 static void fps__shutdown_msg(const fps_peers_t *p, const fps_psend_t *s, char *msg, size_t len) {
   snprintf(msg, len, "Exchange of '%s' to shard %u (%s) abandoned: this shard is shutting down", s->name,
            s->to, p->addrs[s->to]);
+}
+
+void fps_peers_stopping(fps_peers_t *p) {
+  if (!p) return;
+  pthread_mutex_lock(&p->mu);
+  p->stopping = true;
+  /* Sends waiting for a retry fail at the thread's next pass. */
+  for (fps_psend_t *s = p->live; s; s = s->next)
+    if (s->waiting) s->retry_at_ns = 0;
+  pthread_mutex_unlock(&p->mu);
 }
 
 void fps_peers_stop(fps_peers_t *p, double wait_s) {

@@ -37,6 +37,14 @@ int fps_peers_create(const fps_config_t *cfg, fps_peers_t **out);
 int fps_peers_send(void *ctx, uint32_t to_shard, const fps_xmsg_t *m, int64_t deadline_ns,
                    fps_xsend_done_fn done, void *arg);
 
+/* This shard is stopping (SIGTERM, before its exchanges drain): a peer
+ * found unreachable (UNAVAILABLE) is not tried again, so the send fails at
+ * once instead of at its deadline. A peer gone that early cannot apply a
+ * step whose partials never reached it, and waiting for one to come back
+ * would only hold the stop (the blocks agree on a version after the
+ * restart). Sends that reach their peer go on as before. */
+void fps_peers_stopping(fps_peers_t *p);
+
 /* Stops sending: later sends are refused, sends waiting for a retry and
  * calls in flight fail with FPS_EUNAVAILABLE ("shutting down"); waits at
  * most wait_s for gRPC to finish the cancelled calls, then stops the

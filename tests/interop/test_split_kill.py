@@ -36,6 +36,7 @@ SHAPE = [7, 5]
 BOUNDS = [0, 2, 3, 7]
 SHARDS = 3
 EXCHANGE_DEADLINE = 3
+LONG_DEADLINE = 30  # long_job()'s
 
 
 def block_rows(b):
@@ -227,6 +228,14 @@ class SplitKill(unittest.TestCase):
         self.assertEqual(version, 0)
         np.testing.assert_array_equal(rows, p0.reshape(-1)[BOUNDS[1] * SHAPE[1]:BOUNDS[2] * SHAPE[1]])
 
+    def long_job(self):
+        """The job again with a 30 s exchange deadline, so that a wait for
+        the deadline cannot pass for a prompt failure."""
+        self.job.stop()
+        dirs = [os.path.join(self.dir, "long%d" % i) for i in range(SHARDS)]
+        self.job = H.Job(SHARDS, "--mode", "sync", "--workers", 1, "--exchange-deadline", LONG_DEADLINE,
+                         "--deadline", 60, shard_args=[["--checkpoint-dir", d] for d in dirs])
+
     def test_sigterm_before_its_step_begins(self):
         """SIGTERM to a shard holding a peer's partials for a step it has
         not begun (its own block's push has not come): it tells the
@@ -234,10 +243,7 @@ class SplitKill(unittest.TestCase):
         pushes fail UNAVAILABLE at once, not at the exchange deadline, and
         nothing is applied. A long deadline here (30 s) tells the two apart;
         the ABORTs used to be cancelled unsent by the stop."""
-        self.job.stop()
-        dirs = [os.path.join(self.dir, "long%d" % i) for i in range(SHARDS)]
-        self.job = H.Job(SHARDS, "--mode", "sync", "--workers", 1, "--exchange-deadline", 30, "--deadline", 60,
-                         shard_args=[["--checkpoint-dir", d] for d in dirs])
+        self.long_job()
         rng = np.random.default_rng(15)
         p0 = rng.standard_normal(SHAPE).astype(np.float32)
         g1 = rng.standard_normal(SHAPE).astype(np.float32)
@@ -259,6 +265,34 @@ class SplitKill(unittest.TestCase):
             self.assertEqual(version, 0)
             lo, hi = block_rows(b)
             np.testing.assert_array_equal(rows, p0.reshape(-1)[lo * SHAPE[1]:hi * SHAPE[1]])
+
+    def test_sigterm_while_a_peer_is_gone(self):
+        """SIGTERM to a shard whose step cannot reach a peer that is gone
+        (SIGKILLed before the step): the stopping shard does not retry the
+        unreachable peer until the exchange deadline; its push fails
+        UNAVAILABLE and it exits 0 within seconds. Nothing is applied."""
+        self.long_job()
+        rng = np.random.default_rng(16)
+        p0 = rng.standard_normal(SHAPE).astype(np.float32)
+        g1 = rng.standard_normal(SHAPE).astype(np.float32)
+        self.create(p0)
+        self.job.kill(0)
+        th, out = self.push_all(0, g1, [1])
+        time.sleep(0.5)  # block 1 begun, its sends to shard 0 refused and retried
+        t0 = time.monotonic()
+        rc, _ = self.job[1].stop()
+        took = time.monotonic() - t0
+        self.assertEqual(rc, 0)
+        self.assertLess(took, 10.0, "shard 1 took %.1f s to stop with shard 0 gone (deadline %d s)" %
+                        (took, LONG_DEADLINE))
+        H.join(th, "block 1's push around its shard's SIGTERM")
+        self.assertEqual(out[1][0], "error", "block 1's push succeeded without block 0")
+        self.assertEqual(out[1][1], self.grpc.StatusCode.UNAVAILABLE, out[1])
+        self.job.restart(1)
+        version, rows = self.block_state(1)
+        self.assertEqual(version, 0)
+        lo, hi = block_rows(1)
+        np.testing.assert_array_equal(rows, p0.reshape(-1)[lo * SHAPE[1]:hi * SHAPE[1]])
 
 
 if __name__ == "__main__":
