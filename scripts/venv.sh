@@ -4,8 +4,12 @@
 # 1.13. scripts/venv-torch2.txt (the default): PyTorch 2.13 CPU,
 # transformers 4, accelerate, ...; scripts/venv-hf5.txt: the same torch
 # with transformers 5.
-#   scripts/venv.sh [DIR [PINS]]   DIR defaults to build/venv-torch2,
-#                                  PINS to scripts/venv-torch2.txt
+#   scripts/venv.sh [DIR [PINS [BASE]]]
+#                                  DIR defaults to build/venv-torch2,
+#                                  PINS to scripts/venv-torch2.txt; BASE, a
+#                                  complete venv of this script, is where
+#                                  DIR's packages start from (hard links),
+#                                  so pip installs only what PINS change
 # Prints DIR/bin/python on success, nothing else on stdout.
 #
 # The interpreter is Debian's /usr/bin/python3 (3.11, the ABI of the
@@ -21,10 +25,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-build/venv-torch2}
 req=${2:-scripts/venv-torch2.txt}
+base=${3:-}
 py=/usr/bin/python3
 stamp=$dir/factorps-venv.stamp
+if [[ -n $base && ! -f $base/factorps-venv.stamp ]]; then
+  echo "venv: $base is not a complete venv of scripts/venv.sh" >&2
+  exit 1
+fi
 
-want=$({ "$py" -c 'import sys; print(sys.version.split()[0])'; grep -v '^#' "$req"; })
+want=$({ "$py" -c 'import sys; print(sys.version.split()[0])'; grep -v '^#' "$req"
+         [[ -z $base ]] || { echo "base:"; cat "$base/factorps-venv.stamp"; }; })
 if [[ -x $dir/bin/python && -f $stamp ]] && [[ $(cat "$stamp") == "$want" ]]; then
   echo "$dir/bin/python"
   exit 0
@@ -35,7 +45,13 @@ start=$SECONDS
 rm -rf "$dir"
 mkdir -p "$(dirname "$dir")"
 log=$dir.log
+site=lib/python$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
+# From BASE: its packages as hard links (one copy of torch on disk, and
+# nothing downloaded twice on a machine that has no local wheels); pip
+# replaces files, never writes into them, so BASE stays as it was.
 if ! { "$py" -m venv "$dir" &&
+       { [[ -z $base ]] || cp -alf "$base/$site/." "$dir/$site/" 2>/dev/null ||
+         cp -af "$base/$site/." "$dir/$site/"; } &&
        "$dir/bin/python" -m pip install --no-input --disable-pip-version-check -r "$req" &&
        "$dir/bin/python" -m pip check; } >"$log" 2>&1; then
   tail -n 30 "$log" >&2
@@ -53,9 +69,14 @@ for line in open(sys.argv[1]):
         have = md.version(name)
         assert have.split("+")[0] == version, f"{name}: {have} installed, {version} pinned"
 import torch, transformers, accelerate  # noqa: E401,F401
-assert torch.version.cuda is None, f"torch {torch.__version__} is a CUDA build"
 print(f"venv: torch {torch.__version__}, transformers {transformers.__version__}, "
       f"accelerate {accelerate.__version__}")
+if torch.version.cuda is not None:
+    # A machine whose pip sees no CPU wheel (a fresh Debian: PyPI has only
+    # the CUDA build) gets this one: it runs on the CPU all the same.
+    print(f"venv: note: torch {torch.__version__} is the CUDA {torch.version.cuda} build (several GB): pip "
+          "found no CPU wheel; for it, point pip at one (PIP_FIND_LINKS=DIR holding "
+          "torch-2.13.0+cpu, or PIP_INDEX_URL=https://download.pytorch.org/whl/cpu) and remove the venv")
 EOF
 echo "$want" >"$stamp"
 echo "venv: ready in $((SECONDS - start)) s" >&2
