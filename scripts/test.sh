@@ -41,9 +41,20 @@ if [[ $variant == normal ]]; then
   # torch is unpacked once (and on a machine without local wheels,
   # downloaded once): one after the other from scratch took 187 s of a
   # CI run.
-  torch2=$(scripts/venv.sh "$dir/venv-torch2")
-  args+=(-DFPS_TORCH2_PYTHON="$PWD/$torch2")
-  args+=(-DFPS_HF5_PYTHON="$PWD/$(scripts/venv.sh "$dir/venv-hf5" scripts/venv-hf5.txt "$dir/venv-torch2")")
+  # Without pip's index (an offline machine, or HTTPS it cannot verify)
+  # the venvs cannot be made: the suite then runs under Debian's torch
+  # alone and says so, unless FPS_REQUIRE_VENVS=1 (CI) makes it an error.
+  if torch2=$(scripts/venv.sh "$dir/venv-torch2") &&
+     hf5=$(scripts/venv.sh "$dir/venv-hf5" scripts/venv-hf5.txt "$dir/venv-torch2"); then
+    args+=(-DFPS_TORCH2_PYTHON="$PWD/$torch2" -DFPS_HF5_PYTHON="$PWD/$hf5")
+  elif [[ ${FPS_REQUIRE_VENVS:-0} == 1 ]]; then
+    echo "test: the PyTorch 2 venvs could not be made (above), and FPS_REQUIRE_VENVS=1" >&2
+    exit 1
+  else
+    echo "test: WARNING: no PyTorch 2 venv (pip could not install its pins, above): the Python" \
+         "tests run under Debian's torch 1.13 only, none under torch 2.13 or transformers 5" >&2
+    args+=(-DFPS_TORCH2_PYTHON= -DFPS_HF5_PYTHON=)
+  fi
 fi
 cmake -S . -B "$dir" "${args[@]}" >/dev/null
 cmake --build "$dir" -j "$jobs"
