@@ -53,6 +53,34 @@ def server_env(extra=None):
     return env
 
 
+def in_netns(ns, *cmd):
+    """argv running cmd inside network namespace ns (one `ip netns add`
+    made). nsenter joins that namespace and nothing else: `ip netns exec`
+    and `ip -n` first make / a slave mount, which fails where / is not a
+    mount point (a chroot, such as a freshly debootstrapped Debian)."""
+    return ["nsenter", "--net=/run/netns/" + ns, *cmd]
+
+
+def ip_argv(*args):
+    """argv of `ip ARGS`, with a leading `-n NS` run through in_netns()."""
+    if len(args) >= 2 and args[0] == "-n":
+        return in_netns(args[1], "ip", *args[2:])
+    return ["ip", *args]
+
+
+def private_mounts_problem():
+    """None if this process can make a mount namespace whose mounts stay
+    its own (`unshare -m --propagation private`); else why not: not root,
+    no unshare(1), or / is not a mount point (a chroot)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return "needs root and unshare(1)"
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True, text=True,
+                       timeout=30)
+    if r.returncode != 0:
+        return "no private mount namespace here (/ is not a mount point, as in a chroot): " + r.stderr.strip()
+    return None
+
+
 def free_ports(n, host="127.0.0.1"):
     """n distinct ports nothing listened on a moment ago (bound at once, then
     closed: another process may still take one before the shard does, so

@@ -77,6 +77,8 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+import fpsproc  # noqa: E402  (tests/fpsproc.py: in_netns)
 PY = "/usr/bin/python3"
 SHARDS = 2
 NET = "192.168.213."       # a /30 inside our own namespaces only
@@ -262,7 +264,7 @@ def stat_delta(a, b):
 # --------------------------------------------------------------------- the link
 
 def ns_exec(ns, *cmd):
-    return ["ip", "netns", "exec", ns, *cmd]
+    return fpsproc.in_netns(ns, *cmd)
 
 
 def pid_alive(pid):
@@ -327,7 +329,11 @@ class Link:
         for ns, dev, addr in ((self.ns_s, DEV_S, ADDR_S), (self.ns_w, DEV_W, ADDR_W)):
             sh(*ns_exec(ns, "ip", "addr", "add", addr + "/30", "dev", dev))
             sh(*ns_exec(ns, "ip", "link", "set", dev, "up"))
-            sh(*ns_exec(ns, "sh", "-c", f"echo {mask} > /sys/class/net/{dev}/queues/rx-0/rps_cpus"))
+            # The namespace's own sysfs (what `ip netns exec` mounts), in a
+            # private mount namespace: /sys is a mount point even in a chroot.
+            sh(*ns_exec(ns, "unshare", "-m", "--propagation", "unchanged", "sh", "-c",
+                        f"mount --make-rprivate /sys && mount -t sysfs fps-sys /sys && "
+                        f"echo {mask} > /sys/class/net/{dev}/queues/rx-0/rps_cpus"))
             sh(*ns_exec(ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
                         f"{self.rate * 1000:.0f}mbit", "burst", "128kb", "limit", "8mb"))
             self.qdiscs.append((ns, dev))
@@ -663,12 +669,22 @@ def cpu_model():
     return "unknown CPU"
 
 
+def git(where, *args):
+    """git's output in `where`, "" if it fails or git is not installed (a
+    source tree without git, a fresh machine)."""
+    try:
+        r = subprocess.run(["git", "-C", where, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           text=True)
+    except OSError:
+        return ""
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
 def default_peers():
     """../shared/peers beside the repository; from a git worktree, beside the
     main checkout (the worktree's common git directory's parent)."""
-    r = subprocess.run(["git", "-C", REPO, "rev-parse", "--path-format=absolute", "--git-common-dir"],
-                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for top in (REPO, os.path.dirname(r.stdout.strip()) if r.returncode == 0 else REPO):
+    common = git(REPO, "rev-parse", "--path-format=absolute", "--git-common-dir")
+    for top in (REPO, os.path.dirname(common) if common else REPO):
         cand = os.path.join(os.path.dirname(top), "shared", "peers")
         if os.path.isdir(cand):
             return cand
@@ -869,11 +885,8 @@ def git_head(build):
                     src = line.split("=", 1)[1].strip()
     except OSError:
         pass
-    r = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE,
-                       stderr=subprocess.DEVNULL, text=True)
-    d = subprocess.run(["git", "-C", src, "status", "--porcelain", "--untracked-files=no"],
-                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    return (r.stdout.strip() or "?") + ("+changes" if d.stdout.strip() else "")
+    rev = git(src, "rev-parse", "--short", "HEAD")
+    return (rev or "?") + ("+changes" if git(src, "status", "--porcelain", "--untracked-files=no") else "")
 
 
 def report(a, contenders, configs, results):

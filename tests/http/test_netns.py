@@ -27,7 +27,7 @@ SUBNET = "10.213.0"
 
 
 def ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30,
+    return subprocess.run(F.fpsproc.ip_argv(*args), capture_output=True, text=True, timeout=30,
                           check=check)
 
 
@@ -100,7 +100,7 @@ class Net:
         ip("-n", ns, "link", "set", "lo", "up")
 
     def exec_prefix(self, node):
-        return ["ip", "netns", "exec", self.ns[node]]
+        return F.fpsproc.in_netns(self.ns[node])
 
     def destroy(self):
         for ns in reversed(self.created):

@@ -168,7 +168,9 @@ class MemoryLimit(unittest.TestCase):
         else:
             fake = ('mount -t tmpfs none /sys/fs/cgroup && mkdir /sys/fs/cgroup/memory /sys/fs/cgroup/unified && '
                     'echo %d > /sys/fs/cgroup/memory/memory.limit_in_bytes' % limit)
-        prefix = ["unshare", "-m", "--propagation", "private", "sh", "-c", fake + ' && exec "$0" "$@"']
+        # /sys, not /, made private: / is not a mount point in a chroot.
+        prefix = ["unshare", "-m", "--propagation", "unchanged", "sh", "-c",
+                  "mount --make-rprivate /sys && " + fake + ' && exec "$0" "$@"']
         import fpsproc
         srv = fpsproc.ShardProcess(("--mode", "async"), prefix=prefix)
         try:

@@ -49,7 +49,7 @@ def _ip(*args, check=True):
     # ip(8) is not built with a sanitizer: not the ASan runtime the ASan
     # build preloads into Python.
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20, env=env)
+    r = subprocess.run(fpsproc.ip_argv(*args), capture_output=True, text=True, timeout=20, env=env)
     if check and r.returncode:
         raise RuntimeError("ip %s: %s" % (" ".join(args), r.stderr.strip()))
     return r
@@ -95,7 +95,7 @@ class Topology:
 
     def prefix(self, node):
         """Runs a command inside node's namespace ("w", "a", "b")."""
-        return ["ip", "netns", "exec", self.ns[node]]
+        return fpsproc.in_netns(self.ns[node])
 
     def cut(self, link):
         for node, dev in self.dev[link]:
