@@ -76,7 +76,7 @@ if torch.version.cuda is not None:
     # the CUDA build) gets this one: it runs on the CPU all the same.
     print(f"venv: note: torch {torch.__version__} is the CUDA {torch.version.cuda} build (several GB): pip "
           "found no CPU wheel; for it, point pip at one (PIP_FIND_LINKS=DIR holding "
-          "torch-2.13.0+cpu, or PIP_INDEX_URL=https://download.pytorch.org/whl/cpu) and remove the venv")
+          f"torch-{torch.__version__.split('+')[0]}+cpu, or PIP_INDEX_URL=https://download.pytorch.org/whl/cpu) and remove the venv")
 EOF
 echo "$want" >"$stamp"
 echo "venv: ready in $((SECONDS - start)) s" >&2

@@ -114,6 +114,18 @@ class SplitKill(unittest.TestCase):
         self.assertEqual(rows.size, (hi - lo) * SHAPE[1])
         return tensors["emb"].version, rows
 
+    def assertUntouched(self, b, p0):
+        """Shard b's block still at version 0 with p0's rows: nothing applied."""
+        version, rows = self.block_state(b)
+        self.assertEqual(version, 0)
+        lo, hi = block_rows(b)
+        np.testing.assert_array_equal(rows, p0.reshape(-1)[lo * SHAPE[1]:hi * SHAPE[1]])
+
+    def assertUnavailable(self, out, b, msg=None):
+        """Block b's push failed UNAVAILABLE."""
+        self.assertEqual(out[b][0], "error", msg or out[b])
+        self.assertEqual(out[b][1], self.grpc.StatusCode.UNAVAILABLE, out[b])
+
     def assertRowsClose(self, b, rows, want):
         lo, hi = block_rows(b)
         w = want.reshape(-1)[lo * SHAPE[1]:hi * SHAPE[1]]
@@ -189,13 +201,9 @@ class SplitKill(unittest.TestCase):
         finally:
             self.job[2].proc.send_signal(signal.SIGCONT)
         for b in (0, 1):
-            self.assertEqual(out[b][0], "error", out[b])
-            self.assertEqual(out[b][1], self.grpc.StatusCode.UNAVAILABLE, out[b])
+            self.assertUnavailable(out, b)
             self.assertIn("shard 2", out[b][2])
-            version, rows = self.block_state(b)
-            self.assertEqual(version, 0)
-            lo, hi = block_rows(b)
-            np.testing.assert_array_equal(rows, p0.reshape(-1)[lo * SHAPE[1]:hi * SHAPE[1]])
+            self.assertUntouched(b, p0)
         th, out = self.push_all(0, g1, range(SHARDS))
         H.join(th, "the retried step's pushes")
         p1 = H.torch_adafactor_step(p0, g1, row, col, None, 1).astype(np.float32)
@@ -222,11 +230,8 @@ class SplitKill(unittest.TestCase):
         self.assertLess(took, 5.0, "shard 0 took %.1f s to exit with a step waiting" % took)
         H.join(th, "the pushes around shard 0's SIGTERM")
         for b in (0, 1):
-            self.assertEqual(out[b][0], "error", "block %d's push succeeded without block 2" % b)
-            self.assertEqual(out[b][1], self.grpc.StatusCode.UNAVAILABLE, out[b])
-        version, rows = self.block_state(1)
-        self.assertEqual(version, 0)
-        np.testing.assert_array_equal(rows, p0.reshape(-1)[BOUNDS[1] * SHAPE[1]:BOUNDS[2] * SHAPE[1]])
+            self.assertUnavailable(out, b, "block %d's push succeeded without block 2" % b)
+        self.assertUntouched(1, p0)
 
     def long_job(self):
         """The job again with a 30 s exchange deadline, so that a wait for
@@ -258,13 +263,9 @@ class SplitKill(unittest.TestCase):
         self.assertLess(took, 10.0, "the waiting blocks failed %.1f s after shard 0's SIGTERM (deadline 30 s)" %
                         took)
         for b in (1, 2):
-            self.assertEqual(out[b][0], "error", "block %d's push succeeded without block 0" % b)
-            self.assertEqual(out[b][1], self.grpc.StatusCode.UNAVAILABLE, out[b])
+            self.assertUnavailable(out, b, "block %d's push succeeded without block 0" % b)
             self.assertIn("shard 0 is shutting down", out[b][2])
-            version, rows = self.block_state(b)
-            self.assertEqual(version, 0)
-            lo, hi = block_rows(b)
-            np.testing.assert_array_equal(rows, p0.reshape(-1)[lo * SHAPE[1]:hi * SHAPE[1]])
+            self.assertUntouched(b, p0)
 
     def test_sigterm_while_a_peer_is_gone(self):
         """SIGTERM to a shard whose step cannot reach a peer that is gone
@@ -286,13 +287,9 @@ class SplitKill(unittest.TestCase):
         self.assertLess(took, 10.0, "shard 1 took %.1f s to stop with shard 0 gone (deadline %d s)" %
                         (took, LONG_DEADLINE))
         H.join(th, "block 1's push around its shard's SIGTERM")
-        self.assertEqual(out[1][0], "error", "block 1's push succeeded without block 0")
-        self.assertEqual(out[1][1], self.grpc.StatusCode.UNAVAILABLE, out[1])
+        self.assertUnavailable(out, 1, "block 1's push succeeded without block 0")
         self.job.restart(1)
-        version, rows = self.block_state(1)
-        self.assertEqual(version, 0)
-        lo, hi = block_rows(1)
-        np.testing.assert_array_equal(rows, p0.reshape(-1)[lo * SHAPE[1]:hi * SHAPE[1]])
+        self.assertUntouched(1, p0)
 
 
 if __name__ == "__main__":
