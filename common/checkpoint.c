@@ -564,8 +564,8 @@ int fps__ckpt_tensor_meta_parse(const char *text, fps_adafactor_hparams_t *hp, u
   else if (strcmp(val[TM_rms], "inf") == 0) r = INFINITY;
   else if (strcmp(val[TM_rms], "-inf") == 0) r = -INFINITY;
   else rms_ok = parse_double(val[TM_rms], &r) == 0 && fabs(r) <= FLT_MAX && (double)(float)r == r;
-  if (fps__ckpt_parse_u64(val[TM_version], version) < 0) bad = TM_version;
-  else if (fps__ckpt_parse_u64(val[TM_step], step) < 0) bad = TM_step;
+  if (fps__ckpt_parse_u64(val[TM_version], version) < 0 || *version > FPS_MAX_STEP) bad = TM_version;
+  else if (fps__ckpt_parse_u64(val[TM_step], step) < 0 || *step > FPS_MAX_STEP) bad = TM_step;
   else if (!rms_ok) bad = TM_rms;
   else if (fps_flavor_parse(val[TM_flavor], &h.flavor) < 0) bad = TM_flavor;
   else if (parse_bool(val[TM_has_lr], &h.has_lr) < 0) bad = TM_has_lr;

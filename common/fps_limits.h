@@ -20,6 +20,12 @@
  * uint64_t and every index in int64_t free of overflow. */
 #define FPS_MAX_NUMEL (UINT64_C(1) << 40)
 
+/* Largest step (and version) a tensor may be created, resumed, loaded or
+ * replicated at. No run gets near it (2^53 steps at one a microsecond
+ * take 285 years), every count below it is exact as a double (Python,
+ * JSON, Prometheus) and a version counted up from it never wraps to 0. */
+#define FPS_MAX_STEP (UINT64_C(1) << 53)
+
 /* gRPC's default receive limit, which a peer that never raised its own
  * holds us to: the client's default max_message_bytes, and what the
  * shard's replies stay under (FPS_REPLY_BUDGET leaves room for framing). */

@@ -282,6 +282,11 @@ static int fps__create_check(fps_shard_t *sh, fps_plan_t *p, size_t i, char *why
     snprintf(why, wl, "tensor '%s': the items naming it in this Create differ in step, rms or replace", name);
     return FPS_EINVAL;
   }
+  if (tc->step > FPS_MAX_STEP) {
+    snprintf(why, wl, "tensor '%s': step %" PRIu64 " is past the largest a tensor may resume at (2^53)", name,
+             tc->step);
+    return FPS_EINVAL;
+  }
   if (tc->n_state && tc->step == 0) {
     snprintf(why, wl, "tensor '%s': init_state needs a step > 0 (a fresh tensor's state is all zeros)", name);
     return FPS_EINVAL;

@@ -268,6 +268,11 @@ float *fps_image_take_state(fps_shard_t *sh, fps_image_t *img) {
 }
 
 int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size_t wl) {
+  if (in->version > FPS_MAX_STEP || in->step > FPS_MAX_STEP) {
+    snprintf(why, wl, "tensor '%s': version %" PRIu64 ", step %" PRIu64 ": past the largest a tensor may hold (2^53)",
+             in->name, in->version, in->step);
+    return FPS_EINVAL;
+  }
   fps_tensor_t *t = fps_store_find(&sh->store, in->name);
   if (!t) {
     /* Created as any Create would (every rule and limit), then filled. */

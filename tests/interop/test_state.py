@@ -297,6 +297,9 @@ class Resume(unittest.TestCase):
                 return pb.StateSlice(kind=kind, offset=offset, data=np.asarray(vals, "<f4").tobytes())
             cases = [
                 (dict(init_state=ok), "init_state needs a step > 0"),
+                # A version counted up from 2^64 - 1 would wrap to 0.
+                (dict(step=2**64 - 1, init_state=ok), "past the largest a tensor may resume at (2^53)"),
+                (dict(step=2**53 + 1, init_state=ok), "past the largest"),
                 (dict(step=1, init_state=[st(pb.STATE_VAR, [1])]), "has no var state"),
                 (dict(step=1, init_state=[st(pb.STATE_MOM, [1])]), "has no mom state"),
                 (dict(step=1, init_state=[st(0, [1])]), "no valid kind"),

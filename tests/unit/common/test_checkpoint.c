@@ -907,6 +907,9 @@ static void m_t_nan(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "lr", "nan"); }
 static void m_t_lr_neg(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "eps2", "-1"); }
 static void m_t_bool(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "maximize", "yes"); }
 static void m_t_step(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "step", "-3"); }
+/* Past FPS_MAX_STEP: a version counted up from it could wrap to 0. */
+static void m_t_step_huge(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "step", "9007199254740993"); }
+static void m_t_version_huge(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "version", "18446744073709551615"); }
 static void m_t_rms_big(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "rms", "1e39"); }
 static void m_t_rms_inexact(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "rms", "0.1"); }
 static void m_t_missing(cJSON *r, cJSON *m) { (void)r, set_tmeta(m, "decay", NULL); }
@@ -992,6 +995,8 @@ static const mutation_t MUTATIONS[] = {
     {"negative eps2", m_t_lr_neg, "invalid hyperparameters"},
     {"bad bool", m_t_bool, "\"maximize\" has a bad value"},
     {"negative step", m_t_step, "\"step\" has a bad value"},
+    {"step past 2^53", m_t_step_huge, "\"step\" has a bad value"},
+    {"version 2^64 - 1", m_t_version_huge, "\"version\" has a bad value"},
     {"rms beyond float", m_t_rms_big, "\"rms\" has a bad value"},
     {"rms not a float", m_t_rms_inexact, "\"rms\" has a bad value"},
     {"missing hparam", m_t_missing, "lacks \"decay\""},
