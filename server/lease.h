@@ -45,6 +45,8 @@ typedef struct fps_lease_ops_s {
    * fps_lease_set_sync / fps_lease_get_sync. */
   int (*set_sync)(fps_lease_t *l, bool in_sync);
   int (*get_sync)(fps_lease_t *l);
+  /* See fps_lease_newest_term. */
+  int (*newest_term)(fps_lease_t *l, uint64_t *term);
 } fps_lease_ops_t;
 
 struct fps_lease_s {
@@ -98,6 +100,17 @@ static inline int fps_lease_get_sync(fps_lease_t *l) {
   return l->ops->get_sync ? l->ops->get_sync(l) : FPS_EUNSUPPORTED;
 }
 
+/* A bound on every term this lease has handed out so far, read from the
+ * service (held or not): file: the counter in the file; etcd: the store's
+ * revision (a term is the revision of the Txn that created the key). A
+ * term above it was never granted: a replica must not believe it (a
+ * forged Replicate hello with term 2^64 - 1 would otherwise outrank every
+ * real primary for good). 0, FPS_EIO (not read; the caller refuses),
+ * FPS_EFORMAT (file: not a counter). Blocks up to the service's call
+ * deadline (etcd: 2 s). */
+static inline int fps_lease_newest_term(fps_lease_t *l, uint64_t *term) {
+  return l->ops->newest_term(l, term);
+}
 /* Releases (if held) and frees. NULL is a no-op. */
 static inline void fps_lease_close(fps_lease_t *l) {
   if (l) l->ops->close(l);

@@ -675,9 +675,34 @@ static int fps__lease_etcd_set_sync(fps_lease_t *base, bool in_sync) {
 
 static int fps__lease_etcd_get_sync(fps_lease_t *base) { return atomic_load(&((fps_lease_etcd_t *)base)->sync); }
 
+/* The store's revision now (a linearizable Range of the key, whose value
+ * is a short address): every term handed out is the revision of an
+ * earlier Txn, so none exceeds it. Any thread (the lease thread's
+ * acquisition may run beside it): it logs, rather than noting. */
+static int fps__lease_etcd_newest_term(fps_lease_t *base, uint64_t *term) {
+  fps_lease_etcd_t *l = (fps_lease_etcd_t *)base;
+  Etcdserverpb__RangeRequest rr = ETCDSERVERPB__RANGE_REQUEST__INIT;
+  rr.key = (ProtobufCBinaryData){l->key_len, (uint8_t *)l->key};
+  ProtobufCMessage *m = NULL;
+  fps_etcd_err_t e;
+  int rc = fps__etcd_call(l, "/etcdserverpb.KV/Range", &rr.base, &etcdserverpb__range_response__descriptor,
+                          fps__etcd_now() + FPS_ETCD_CALL_NS, NULL, &m, &e);
+  if (rc < 0) {
+    FPS_LOG(FPS_LOG_WARN, "lease etcd:%s/%s: reading the store's revision: %s", l->target, l->key, e.detail);
+    return FPS_EIO;
+  }
+  const Etcdserverpb__RangeResponse *r = (const Etcdserverpb__RangeResponse *)m;
+  int64_t rev = r->header ? r->header->revision : 0;
+  fps__etcd_free_msg(m);
+  if (rev <= 0) return FPS_EIO;
+  *term = (uint64_t)rev;
+  return 0;
+}
+
 static const fps_lease_ops_t fps__lease_etcd_ops = {fps__lease_etcd_acquire, fps__lease_etcd_valid,
                                                     fps__lease_etcd_release, fps__lease_etcd_close,
-                                                    fps__lease_etcd_set_sync, fps__lease_etcd_get_sync};
+                                                    fps__lease_etcd_set_sync, fps__lease_etcd_get_sync,
+                                                    fps__lease_etcd_newest_term};
 
 int fps__lease_etcd_open(const char *rest, double ttl_s, const char *holder, fps_lease_t **out) {
   *out = NULL;

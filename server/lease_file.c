@@ -154,9 +154,39 @@ static int fps__lease_file_set_sync(fps_lease_t *base, bool in_sync) {
 
 static int fps__lease_file_get_sync(fps_lease_t *base) { return ((fps_lease_file_t *)base)->sync; }
 
-static const fps_lease_ops_t fps__lease_file_ops = {fps__lease_file_acquire, fps__lease_file_valid,
-                                                    fps__lease_file_release, fps__lease_file_close,
-                                                    fps__lease_file_set_sync, fps__lease_file_get_sync};
+/* The counter as the newest holder wrote it (under its lock, fsynced
+ * before it acted on its term); read without the lock: a holder writes
+ * the whole line with one pwrite. */
+static int fps__lease_file_newest_term(fps_lease_t *base, uint64_t *term) {
+  fps_lease_file_t *l = (fps_lease_file_t *)base;
+  int fd = open(l->path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    FPS_LOG(FPS_LOG_ERROR, "lease file:%s: open: %s", l->path, strerror(errno));
+    return FPS_EIO;
+  }
+  char buf[64];
+  ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+  int e = errno;
+  close(fd);
+  if (n < 0) {
+    FPS_LOG(FPS_LOG_ERROR, "lease file:%s: read: %s", l->path, strerror(e));
+    return FPS_EIO;
+  }
+  buf[n] = 0;
+  *term = 0;
+  if (n == 0) return 0; /* no term granted yet */
+  char *end;
+  errno = 0;
+  unsigned long long u = strtoull(buf, &end, 10);
+  if (errno || end == buf || (*end != ' ' && *end != '\n')) return FPS_EFORMAT;
+  *term = u;
+  return 0;
+}
+
+static const fps_lease_ops_t fps__lease_file_ops = {fps__lease_file_acquire,     fps__lease_file_valid,
+                                                    fps__lease_file_release,     fps__lease_file_close,
+                                                    fps__lease_file_set_sync,    fps__lease_file_get_sync,
+                                                    fps__lease_file_newest_term};
 
 int fps__lease_file_open(const char *rest, fps_lease_t **out) {
   fps_lease_file_t *l = fps_calloc(1, sizeof *l);

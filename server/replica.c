@@ -116,6 +116,28 @@ bool fps_replica_ready(void *arg) {
   return v.joined && v.streaming;
 }
 
+int fps_replica_term_granted(fps_replica_t *r, uint64_t term, char *why, size_t wl) {
+  if (!r || !r->lease) return 0; /* solo: fps_role_hello refuses */
+  /* A term this process has seen came from the lease already (its own
+   * acquisition, or a hello checked here): a primary reconnecting is
+   * never held up by a lease service that is slow to answer. */
+  fps_role_view_t v;
+  fps_role_get(&r->role, &v);
+  if (term <= v.term) return 0;
+  uint64_t newest = 0;
+  int rc = fps_lease_newest_term(r->lease, &newest);
+  if (rc < 0) {
+    snprintf(why, wl, "cannot read the lease (%s) to check term %" PRIu64 ": %s", r->srv->cfg.lease, term,
+             fps_strerror(rc));
+    return FPS_EUNAVAILABLE;
+  }
+  if (term > newest) {
+    snprintf(why, wl, "term %" PRIu64 " was never granted: the lease's newest term is %" PRIu64, term, newest);
+    return FPS_ESTATE;
+  }
+  return 0;
+}
+
 /* A hello of a standby-to-be arrived (rpc_replicate.c calls this through
  * fps_replica_hello_seen): a blocked acquire gives up. */
 void fps_replica_kick(fps_replica_t *r) {
@@ -131,8 +153,11 @@ static void fps__replica_step_down(fps_replica_t *r, const char *why) {
   FPS_LOG(FPS_LOG_WARN, "replica: shard %u steps down from primary (term %" PRIu64 "): %s", r->srv->cfg.shard_id,
           v.term, why);
   fps_rsend_stop_stream(r->send, why);
-  fps_lease_release(r->lease);
+  /* Before the release: an etcd lease's revoke can take its whole call
+   * deadline (2 s) when etcd is the reason the lease was lost, and the
+   * role and /readyz must say "standby" from the moment it is one. */
   fps_replica_publish(r);
+  fps_lease_release(r->lease);
 }
 
 static void *fps__replica_main(void *arg) {

@@ -60,6 +60,7 @@ typedef struct fps_role_s {
   bool streaming;             /* standby: a primary's stream is open now */
   bool contacted;             /* standby: some primary streamed to it since start */
   char primary[256];          /* standby: the primary's address, "" unknown */
+  uint64_t stream;            /* standby: the id of the newest accepted hello's stream */
   uint64_t failovers;         /* promotions of this process */
 } fps_role_t;
 
@@ -69,6 +70,7 @@ typedef struct fps_role_view_s {
   uint64_t term;
   bool joined, streaming, contacted;
   char primary[256];
+  uint64_t stream;
   uint64_t failovers;
 } fps_role_view_t;
 
@@ -86,17 +88,22 @@ int fps_role_promote(fps_role_t *r, uint64_t term);
 bool fps_role_fence(fps_role_t *r, uint64_t term);
 /* The lease is no longer valid: a primary steps down. True if it did. */
 bool fps_role_lease_lost(fps_role_t *r);
-/* A Replicate stream opens with `term` from `primary`: 0 (this process is
- * now that primary's standby, streaming, not joined until the transfer
- * completes; a primary of a lower term stepped down first), FPS_ESTATE
- * with why ("term T is older than U": a lower term; an equal term on a
- * primary; solo). */
-int fps_role_hello(fps_role_t *r, uint64_t term, const char *primary, char *why, size_t why_len);
-/* The stream of `term` completed its transfer (joined) or ended
- * (streaming false; joined stays: what it holds is still the newest
- * state any acknowledgement depended on, unless a later hello comes). */
-void fps_role_standby_joined(fps_role_t *r, uint64_t term);
-void fps_role_stream_ended(fps_role_t *r, uint64_t term);
+/* A Replicate stream opens with `term` from `primary`: 0 and *stream, the
+ * stream's id (this process is now that primary's standby, streaming, not
+ * joined until this stream's transfer completes; a primary of a lower
+ * term stepped down first; an older stream, of this term too, is no longer
+ * the current one), FPS_ESTATE with why ("term T is older than U": a
+ * lower term; an equal term on a primary; solo). */
+int fps_role_hello(fps_role_t *r, uint64_t term, const char *primary, uint64_t *stream, char *why,
+                   size_t why_len);
+/* The stream `stream` completed its transfer (joined) or ended (streaming
+ * false; joined stays: what it holds is still the newest state any
+ * acknowledgement depended on, unless a later hello comes). A stream that
+ * is no longer the current one changes nothing: a primary reconnecting
+ * in the same term must not have its new stream marked ended by the old
+ * one's end. */
+void fps_role_standby_joined(fps_role_t *r, uint64_t stream);
+void fps_role_stream_ended(fps_role_t *r, uint64_t stream);
 /* The primary of `term` has a joined standby (or lost it). */
 void fps_role_primary_joined(fps_role_t *r, uint64_t term, bool joined);
 /* Whether a standby may try to take the lease now. */
@@ -140,6 +147,13 @@ void fps_replica_commit_unlock(fps_replica_t *r);
 /* The primary's standby-sync record in its lease (lease.h): 0 (written,
  * or the backend keeps none), FPS_EIO. */
 int fps_replica_set_sync(fps_replica_t *r, bool in_sync);
+/* A hello's term against the lease (lease.h fps_lease_newest_term): 0
+ * (granted: a term not above the highest this process has seen, or the
+ * lease's newest is at least it; or solo), FPS_ESTATE with why ("term T
+ * was never granted: the lease's newest term is U"), FPS_EUNAVAILABLE
+ * (the lease could not be read). A term above the highest seen blocks up
+ * to the lease service's call deadline. */
+int fps_replica_term_granted(fps_replica_t *r, uint64_t term, char *why, size_t why_len);
 /* A hello arrived: a standby blocked in the lease's acquire gives up. */
 void fps_replica_kick(fps_replica_t *r);
 

@@ -29,6 +29,7 @@ void fps_role_get(fps_role_t *r, fps_role_view_t *out) {
   out->streaming = r->streaming;
   out->contacted = r->contacted;
   memcpy(out->primary, r->primary, sizeof out->primary);
+  out->stream = r->stream;
   out->failovers = r->failovers;
   pthread_mutex_unlock(&r->mu);
 }
@@ -42,6 +43,7 @@ int fps_role_promote(fps_role_t *r, uint64_t term) {
     r->joined = false; /* no standby has joined this term yet */
     r->streaming = false;
     r->primary[0] = 0;
+    r->stream++; /* no stream of the standby it was is current */
     r->failovers++;
     rc = 0;
   }
@@ -56,6 +58,7 @@ static void fps__role_step_down_locked(fps_role_t *r) {
   r->streaming = false;
   r->contacted = true; /* it must take a state transfer before competing */
   r->primary[0] = 0;
+  r->stream++;
 }
 
 bool fps_role_fence(fps_role_t *r, uint64_t term) {
@@ -70,6 +73,7 @@ bool fps_role_fence(fps_role_t *r, uint64_t term) {
        * holds may be older than what that term acknowledged. */
       r->joined = false;
       r->contacted = true;
+      r->stream++; /* the stream of the older term can no longer make it joined */
     }
     r->term = term;
   }
@@ -88,7 +92,7 @@ bool fps_role_lease_lost(fps_role_t *r) {
   return down;
 }
 
-int fps_role_hello(fps_role_t *r, uint64_t term, const char *primary, char *why, size_t wl) {
+int fps_role_hello(fps_role_t *r, uint64_t term, const char *primary, uint64_t *stream, char *why, size_t wl) {
   int rc = 0;
   pthread_mutex_lock(&r->mu);
   if (r->role == FPS_REPLICA_SOLO) {
@@ -109,20 +113,21 @@ int fps_role_hello(fps_role_t *r, uint64_t term, const char *primary, char *why,
     r->contacted = true;
     r->joined = false; /* this stream's transfer decides */
     snprintf(r->primary, sizeof r->primary, "%s", primary && *primary ? primary : "");
+    *stream = ++r->stream;
   }
   pthread_mutex_unlock(&r->mu);
   return rc;
 }
 
-void fps_role_standby_joined(fps_role_t *r, uint64_t term) {
+void fps_role_standby_joined(fps_role_t *r, uint64_t stream) {
   pthread_mutex_lock(&r->mu);
-  if (r->role == FPS_REPLICA_STANDBY && r->term == term && r->streaming) r->joined = true;
+  if (r->role == FPS_REPLICA_STANDBY && r->stream == stream && r->streaming) r->joined = true;
   pthread_mutex_unlock(&r->mu);
 }
 
-void fps_role_stream_ended(fps_role_t *r, uint64_t term) {
+void fps_role_stream_ended(fps_role_t *r, uint64_t stream) {
   pthread_mutex_lock(&r->mu);
-  if (r->role == FPS_REPLICA_STANDBY && r->term == term) r->streaming = false;
+  if (r->role == FPS_REPLICA_STANDBY && r->stream == stream) r->streaming = false;
   pthread_mutex_unlock(&r->mu);
 }
 

@@ -4,8 +4,9 @@
  * One message at a time: receive, check, apply, answer with the highest
  * seq applied, receive the next. The first message must be the hello: a
  * stream for another shard, shard count, mode, worker count or kernel
- * variant, or of an older term than this process has seen, is refused
- * with FAILED_PRECONDITION and changes nothing. Tensor images come in
+ * variant, of an older term than this process has seen, or of a term
+ * its lease never granted, is refused with FAILED_PRECONDITION and
+ * changes nothing. Tensor images come in
  * pieces (at most 32 MiB each) whose data is copied once, from the slices
  * gRPC received it in into the buffers the core adopts (fps__rp_split),
  * assembled here and installed once complete (fps_shard_install: all of
@@ -15,7 +16,10 @@
  * all together, so that what one push changed is here entirely or not at
  * all. transfer_done makes this standby joined.
  * Any malformed message fails the stream (INVALID_ARGUMENT) with nothing
- * of it applied. The stream has no deadline: it lives as long as the
+ * of it applied after the transfer (its batch waits for a commit); in the
+ * transfer, the tensors of the message before the bad one stay installed:
+ * a standby counts as joined, and may be promoted, only once a stream's
+ * transfer is done. The stream has no deadline: it lives as long as the
  * primary keeps it open. */
 #include <inttypes.h>
 #include <stdio.h>
@@ -54,6 +58,7 @@ typedef struct fps_rp_call_s {
   int phase;                  /* RP_* (base.mu) */
   bool hello;                 /* the hello was accepted */
   uint64_t term;
+  uint64_t stream;            /* its id in the role machine */
   uint64_t seq;               /* last seq applied */
   /* The tensor being assembled: its parameters straight into a buffer
    * the core adopts at install (no copy there), its state beside. */
@@ -255,6 +260,21 @@ static void fps__rp_drop_pending(fps_rp_call_t *rp) {
   rp->keys_last = NULL;
 }
 
+/* Whether this stream still speaks for the primary this process is the
+ * standby of: 0, or FPS_ESTATE (a newer term was seen, this process was
+ * promoted, or a newer hello of the same term, a primary reconnecting,
+ * took over: this stream must end so that only one feeds the standby). */
+static int fps__rp_current(fps_rp_call_t *rp, char *why, size_t wl) {
+  fps_role_view_t v;
+  fps_role_get(fps_replica_role(rp->base.srv->replica), &v);
+  if (v.role == FPS_REPLICA_STANDBY && v.term == rp->term && v.stream == rp->stream) return 0;
+  if (v.term != rp->term || v.role != FPS_REPLICA_STANDBY)
+    snprintf(why, wl, "term %" PRIu64 " is older than %" PRIu64, rp->term, v.term);
+  else
+    snprintf(why, wl, "a newer stream of term %" PRIu64 " replaced this one", rp->term);
+  return FPS_ESTATE;
+}
+
 /* The batch since the last commit takes effect: its images, then its
  * keys, with the replica's commit lock held so that a promotion cannot
  * come in between (replica.c). */
@@ -264,12 +284,7 @@ static int fps__rp_commit(fps_rp_call_t *rp, char *why, size_t wl) {
   fps_replica_commit_lock(srv->replica);
   /* Still this stream's standby (a promotion or a newer primary may have
    * come since the message was checked)? */
-  fps_role_view_t v;
-  fps_role_get(fps_replica_role(srv->replica), &v);
-  if (v.role != FPS_REPLICA_STANDBY || v.term != rp->term) {
-    snprintf(why, wl, "term %" PRIu64 " is older than %" PRIu64, rp->term, v.term);
-    rc = FPS_ESTATE;
-  }
+  rc = fps__rp_current(rp, why, wl);
   for (fps_rp_pending_t *p = rp->pending; p && rc == 0; p = p->next)
     if ((rc = fps_shard_install(srv->shard, &p->in, why, wl)) == 0) p->in.params_own = NULL; /* adopted */
   for (fps_rp_key_t *k = rp->keys; k && rc == 0; k = k->next)
@@ -283,7 +298,7 @@ static void fps__rp_destroy(fps_call_t *c) {
   fps_rp_call_t *rp = (fps_rp_call_t *)c;
   fps__rp_drop_pending(rp);
   if (rp->hello) {
-    fps_role_stream_ended(fps_replica_role(c->srv->replica), rp->term);
+    fps_role_stream_ended(fps_replica_role(c->srv->replica), rp->stream);
     fps_replica_publish(c->srv->replica);
   }
   fps__rp_drop_piece(rp);
@@ -321,7 +336,9 @@ static int fps__rp_hello(fps_rp_call_t *rp, const Factorps__V1__ReplicateHello *
   if (have) fps_shard_view_free(&v);
   if (code != 0) return code;
   fps_replica_t *r = srv->replica;
-  if (fps_role_hello(fps_replica_role(r), h->term, h->primary, why, wl) < 0) return FPS_ESTATE;
+  /* A term the lease never granted would outrank every real primary's. */
+  if ((code = fps_replica_term_granted(r, h->term, why, wl)) < 0) return code;
+  if (fps_role_hello(fps_replica_role(r), h->term, h->primary, &rp->stream, why, wl) < 0) return FPS_ESTATE;
   rp->hello = true;
   rp->term = h->term;
   fps_replica_kick(r);
@@ -466,22 +483,29 @@ static int fps__rp_message(fps_rp_call_t *rp, const fps_rp_msg_t *x, char *why, 
     return FPS_EINVAL;
   }
   /* A newer primary's hello (another stream) ends this one's right. */
-  fps_role_view_t v;
-  fps_role_get(fps_replica_role(rp->base.srv->replica), &v);
-  if (v.role != FPS_REPLICA_STANDBY || v.term != rp->term) {
-    snprintf(why, wl, "term %" PRIu64 " is older than %" PRIu64, rp->term, v.term);
-    return FPS_ESTATE;
+  int cur = fps__rp_current(rp, why, wl);
+  if (cur < 0) return cur;
+  /* The message's own checks first, so that a refused message installs
+   * none of its tensors. */
+  if (m->commit && !rp->transferred) {
+    snprintf(why, wl, "a commit before transfer_done");
+    return FPS_EINVAL;
   }
+  if (m->transfer_done && rp->transferred) {
+    snprintf(why, wl, "a second transfer_done");
+    return FPS_EINVAL;
+  }
+  for (size_t i = 0; i < m->n_keys; i++)
+    if (m->keys[i]->push_id == 0 || m->keys[i]->n_versions > UINT16_MAX) {
+      snprintf(why, wl, "a key with push_id 0 or %zu versions", m->keys[i]->n_versions);
+      return FPS_EINVAL;
+    }
   for (size_t i = 0; i < m->n_tensors; i++) {
     int code = fps__rp_tensor(rp, m->tensors[i], x->data[i], why, wl);
     if (code != 0) return code;
   }
   for (size_t i = 0; i < m->n_keys; i++) {
     const Factorps__V1__ReplicaKey *k = m->keys[i];
-    if (k->push_id == 0 || k->n_versions > UINT16_MAX) {
-      snprintf(why, wl, "a key with push_id 0 or %zu versions", k->n_versions);
-      return FPS_EINVAL;
-    }
     /* A full window forgets; the retry is then refused as stale or
      * applied again, as after any forgotten key (shard.h). */
     if (!rp->transferred) {
@@ -505,20 +529,12 @@ static int fps__rp_message(fps_rp_call_t *rp, const fps_rp_msg_t *x, char *why, 
     rp->keys_last = q;
   }
   if (m->commit) {
-    if (!rp->transferred) {
-      snprintf(why, wl, "a commit before transfer_done");
-      return FPS_EINVAL;
-    }
     int rc = fps__rp_commit(rp, why, wl);
     if (rc < 0) return rc;
   }
   if (m->transfer_done) {
-    if (rp->transferred) {
-      snprintf(why, wl, "a second transfer_done");
-      return FPS_EINVAL;
-    }
     rp->transferred = true;
-    fps_role_standby_joined(fps_replica_role(rp->base.srv->replica), rp->term);
+    fps_role_standby_joined(fps_replica_role(rp->base.srv->replica), rp->stream);
     fps_replica_publish(rp->base.srv->replica);
     FPS_LOG(FPS_LOG_INFO, "replica: joined the primary's stream (term %" PRIu64 ")", rp->term);
   }

@@ -404,6 +404,11 @@ class Replica(unittest.TestCase):
             def stream():
                 yield pb.ReplicateRequest(seq=1, hello=hello)
                 release.wait(30)
+            # A real new primary took the lease first (a standby refuses a
+            # term the lease never granted): its counter moves as a new
+            # holder's acquisition moves it.
+            with open(pair.lease, "w") as f:
+                f.write("%d in-sync\n" % (sa.shard.term + 5))
             call = b.stub.Replicate(stream(), timeout=60)
             self.assertEqual(next(call).acked, 1)
             try:
@@ -419,6 +424,72 @@ class Replica(unittest.TestCase):
             finally:
                 release.set()
                 call.cancel()
+        finally:
+            pair.close()
+
+    def test_forged_streams_cannot_wedge_the_pair(self):
+        """Replicate calls from a client that is not the primary (without
+        token files any client may make them: operations.md, security).
+        A hello of a term the lease never granted (term + 1, 2^64 - 1) is
+        refused by both replicas and fences nobody; a message refused for
+        its commit before transfer_done installs none of its tensors; a
+        hello of the current term takes the standby's stream for a moment,
+        but the real primary's next message is refused ("a newer stream of
+        term T replaced this one"), it reconnects, its transfer makes the
+        standby joined again, and a SIGKILL of the primary still fails
+        over. Before, the 2^64 - 1 hello left both replicas standbys for
+        good, and the current-term one left the standby unjoined (never
+        promoted) while the primary kept acknowledging."""
+        pair = Pair("--mode", "async")
+        try:
+            a, b = pair.a, pair.b
+            pb = self.pb
+            self.create_all(a.stub)
+            pair.wait_role(b, "standby", joined=True)
+            sa = pair.wait_role(a, "primary", joined=True)
+            self.push(a.stub, 0, 0, self.grads(), 1)
+            term = sa.shard.term
+            hello = dict(shard_id=0, shard_count=1, term=term, mode=pb.MODE_ASYNC, workers=1, simd=sa.shard.simd,
+                         primary="127.0.0.1:1")
+            for srv in (a, b):
+                for t in (term + 1, 2**64 - 1):
+                    with self.assertRaises(self.grpc.RpcError) as cm:
+                        list(srv.stub.Replicate(iter([pb.ReplicateRequest(
+                            seq=1, hello=pb.ReplicateHello(**dict(hello, term=t)))]), timeout=10))
+                    self.assertEqual(cm.exception.code(), self.grpc.StatusCode.FAILED_PRECONDITION)
+                    self.assertIn("term %d was never granted: the lease's newest term is %d" % (t, term),
+                                  cm.exception.details())
+            sa = pair.wait_role(a, "primary", joined=True)
+            self.assertEqual(sa.shard.term, term)
+            self.assertEqual(H.stats(b.stub)[0].shard.term, term)
+
+            deadline = time.monotonic() + 10
+            while checksums(b) != checksums(a) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            before = checksums(b)
+            self.assertEqual(before, checksums(a))
+            cfg = pb.AdafactorConfig(flavor=pb.FLAVOR_TORCH, lr=0.01, beta2_decay=-0.8, eps1=2.0**-23, eps2=1e-3,
+                                     clip_threshold=1, weight_decay=0, maximize=False)
+            image = pb.ReplicaTensor(name="x", shape=[4], config=cfg, version=1, step=1, state_elements=[0, 0, 4, 0],
+                                     total_bytes=32, data=np.ones(8, "<f4").tobytes())
+            forged = [pb.ReplicateRequest(seq=1, hello=pb.ReplicateHello(**hello)),
+                      pb.ReplicateRequest(seq=2, tensors=[image], commit=True, transfer_done=True)]
+            with self.assertRaises(self.grpc.RpcError) as cm:
+                list(b.stub.Replicate(iter(forged), timeout=10))
+            self.assertEqual(cm.exception.code(), self.grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("a commit before transfer_done", cm.exception.details())
+            self.assertEqual(checksums(b), before)  # no 'x', nothing else changed
+            # The primary's stream was replaced: it reconnects and its
+            # transfer makes the standby joined again.
+            pair.wait_role(b, "standby", joined=True)
+            pair.wait_role(a, "primary", joined=True)
+            r = self.push(a.stub, 0, 1, self.grads(), 2)
+            self.assertEqual(r[1]["w"], 2)
+            a.kill()
+            s = pair.wait_role(b, "primary")
+            self.assertGreater(s.shard.term, term)
+            _, ts = H.stats(b.stub)
+            self.assertEqual({n: t.version for n, t in ts.items()}, {"w": 2, "b": 2})
         finally:
             pair.close()
 

@@ -111,6 +111,10 @@ static void test_second_holder_waits_for_the_first_to_die(void **state) {
   fps_lease_t *l;
   assert_int_equal(fps_lease_open(spec, 2, NULL, &l), 0);
   assert_false(fps_lease_valid(l));
+  /* The newest term granted, read by a replica that does not hold it. */
+  uint64_t newest = 0;
+  assert_int_equal(fps_lease_newest_term(l, &newest), 0);
+  assert_int_equal(newest, t1);
   /* While A lives, B's acquire blocks until its stop flag is set. */
   atomic_bool stop;
   atomic_init(&stop, false);
@@ -187,6 +191,8 @@ static void test_second_holder_waits_for_the_first_to_die(void **state) {
   assert_int_equal(fps_lease_acquire(l, NULL, &t5), 0);
   assert_int_equal(t5, t4 + 2);
   assert_int_equal(fps_lease_get_sync(l), 1);
+  assert_int_equal(fps_lease_newest_term(l, &newest), 0); /* held, with its record */
+  assert_int_equal(newest, t5);
   fps_lease_close(l);
 }
 
@@ -204,6 +210,7 @@ static void test_garbage_counter_refused(void **state) {
   uint64_t t = 0;
   assert_int_equal(fps_lease_acquire(l, NULL, &t), FPS_EFORMAT);
   assert_false(fps_lease_valid(l));
+  assert_int_equal(fps_lease_newest_term(l, &t), FPS_EFORMAT);
   /* The failed try let go of the lock: another process can lock. */
   f = fopen(p, "w");
   fputs("41\n", f);

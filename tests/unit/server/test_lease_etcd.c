@@ -385,6 +385,13 @@ static void test_release_hands_over(void **state) {
   assert_int_equal(b.rc, 0);
   assert_true(fps_lease_valid(b.l));
   assert_true(b.term > a.term);
+  /* No term past the store's revision was granted: read by the holder
+   * and by the replica that lost it alike. */
+  uint64_t newest = 0;
+  assert_int_equal(fps_lease_newest_term(a.l, &newest), 0);
+  assert_true(newest >= b.term);
+  assert_int_equal(fps_lease_newest_term(b.l, &newest), 0);
+  assert_true(newest >= b.term);
   /* A revoke frees the key: one poll, not a TTL. */
   print_message("release to takeover: %.0f ms (TTL %d s)\n", (double)(b.at - released) / MS, TTL_S);
   assert_true(b.at - released < TTL_S * NS / 2);
@@ -650,6 +657,8 @@ static void test_unreachable_and_bad_ttl(void **state) {
   assert_int_equal(a.rc, FPS_ECANCELLED);
   assert_true(a.at - stop < NS);
   assert_false(fps_lease_valid(a.l));
+  uint64_t newest = 0;
+  assert_int_equal(fps_lease_newest_term(a.l, &newest), FPS_EIO); /* within the call deadline */
   fps_lease_close(a.l);
   fps_lease_t *l = (fps_lease_t *)1;
   const double bad[] = {0, -1, 7200, 0.0 / 0.0};

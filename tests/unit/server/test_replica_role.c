@@ -23,7 +23,8 @@ static void solo_never_changes(void **state) {
   assert_false(fps_role_fence(&r, 9));
   assert_false(fps_role_lease_lost(&r));
   assert_false(fps_role_may_compete(&r));
-  assert_int_equal(fps_role_hello(&r, 3, "h:1", why, sizeof why), FPS_ESTATE);
+  uint64_t id = 0;
+  assert_int_equal(fps_role_hello(&r, 3, "h:1", &id, why, sizeof why), FPS_ESTATE);
   assert_non_null(strstr(why, "solo"));
   fps_role_view_t v;
   fps_role_get(&r, &v);
@@ -39,6 +40,7 @@ static void cold_start_then_failover(void **state) {
   fps_role_init(&a, true);
   fps_role_init(&b, true);
   char why[256] = "";
+  uint64_t sb = 0, sa = 0, old = 0;
   /* Both start as standbys that may compete (nobody streamed to them). */
   assert_true(fps_role_may_compete(&a));
   assert_true(fps_role_may_compete(&b));
@@ -49,13 +51,13 @@ static void cold_start_then_failover(void **state) {
   assert_int_equal(fps_role_refusal(&a, 3, why, sizeof why), 0);
   assert_false(fps_role_may_compete(&a));
   /* a streams to b: b stops competing until its transfer completes. */
-  assert_int_equal(fps_role_hello(&b, 1, "10.0.0.5:50051", why, sizeof why), 0);
+  assert_int_equal(fps_role_hello(&b, 1, "10.0.0.5:50051", &sb, why, sizeof why), 0);
   assert_false(fps_role_may_compete(&b));
   assert_int_equal(fps_role_refusal(&b, 3, why, sizeof why), FPS_EUNAVAILABLE);
   assert_string_equal(why, "shard 3 is a standby (term 1); primary: 10.0.0.5:50051");
-  fps_role_standby_joined(&b, 2); /* another term's transfer: ignored */
+  fps_role_standby_joined(&b, sb + 1); /* another stream's transfer: ignored */
   assert_false(fps_role_may_compete(&b));
-  fps_role_standby_joined(&b, 1);
+  fps_role_standby_joined(&b, sb);
   assert_true(fps_role_may_compete(&b));
   fps_role_primary_joined(&a, 1, true);
   fps_role_view_t v;
@@ -63,7 +65,7 @@ static void cold_start_then_failover(void **state) {
   assert_true(v.joined);
   /* a dies: b's stream ends, b keeps its joined state and competes; a
    * term not above the highest seen is refused. */
-  fps_role_stream_ended(&b, 1);
+  fps_role_stream_ended(&b, sb);
   assert_true(fps_role_may_compete(&b));
   assert_int_equal(fps_role_promote(&b, 1), FPS_ESTATE);
   assert_int_equal(fps_role_promote(&b, 2), 0);
@@ -82,15 +84,32 @@ static void cold_start_then_failover(void **state) {
   assert_false(fps_role_may_compete(&a));
   assert_int_equal(fps_role_refusal(&a, 3, why, sizeof why), FPS_EUNAVAILABLE);
   /* An old primary's stream (term 1) is refused by both. */
-  assert_int_equal(fps_role_hello(&a, 1, "x:1", why, sizeof why), FPS_ESTATE);
+  uint64_t none = 0;
+  assert_int_equal(fps_role_hello(&a, 1, "x:1", &none, why, sizeof why), FPS_ESTATE);
   assert_string_equal(why, "term 1 is older than 2");
-  assert_int_equal(fps_role_hello(&b, 1, "x:1", why, sizeof why), FPS_ESTATE);
+  assert_int_equal(fps_role_hello(&b, 1, "x:1", &none, why, sizeof why), FPS_ESTATE);
   assert_string_equal(why, "term 1 is older than 2");
   /* A primary never takes a stream of its own term. */
-  assert_int_equal(fps_role_hello(&b, 2, "x:1", why, sizeof why), FPS_ESTATE);
+  assert_int_equal(fps_role_hello(&b, 2, "x:1", &none, why, sizeof why), FPS_ESTATE);
+  assert_int_equal(none, 0);
   /* b streams to a: a rejoins. */
-  assert_int_equal(fps_role_hello(&a, 2, "b:1", why, sizeof why), 0);
-  fps_role_standby_joined(&a, 2);
+  assert_int_equal(fps_role_hello(&a, 2, "b:1", &sa, why, sizeof why), 0);
+  fps_role_standby_joined(&a, sa);
+  assert_true(fps_role_may_compete(&a));
+  /* b reconnects in the same term while a's handler of the old stream
+   * still runs: the new stream is the current one; the old one's end (or
+   * a transfer_done it still carried) changes nothing of the new one. */
+  old = sa;
+  assert_int_equal(fps_role_hello(&a, 2, "b:1", &sa, why, sizeof why), 0);
+  assert_true(sa != old);
+  assert_false(fps_role_may_compete(&a)); /* the new stream's transfer first */
+  fps_role_standby_joined(&a, old);
+  assert_false(fps_role_may_compete(&a));
+  fps_role_stream_ended(&a, old);
+  fps_role_get(&a, &v);
+  assert_true(v.streaming);
+  assert_int_equal(v.stream, sa);
+  fps_role_standby_joined(&a, sa);
   assert_true(fps_role_may_compete(&a));
   fps_role_destroy(&a);
   fps_role_destroy(&b);
@@ -102,7 +121,8 @@ static void newer_hello_steps_a_primary_down(void **state) {
   fps_role_init(&r, true);
   char why[256];
   assert_int_equal(fps_role_promote(&r, 4), 0);
-  assert_int_equal(fps_role_hello(&r, 7, "new:1", why, sizeof why), 0);
+  uint64_t id = 0;
+  assert_int_equal(fps_role_hello(&r, 7, "new:1", &id, why, sizeof why), 0);
   fps_role_view_t v;
   fps_role_get(&r, &v);
   assert_int_equal(v.role, FPS_REPLICA_STANDBY);
@@ -114,9 +134,12 @@ static void newer_hello_steps_a_primary_down(void **state) {
   assert_false(fps_role_lease_lost(&r));
   /* A standby that hears of a newer term than its stream's is no longer
    * joined: what it holds may be behind that term. */
-  fps_role_standby_joined(&r, 7);
+  fps_role_standby_joined(&r, id);
   assert_true(fps_role_may_compete(&r));
   assert_false(fps_role_fence(&r, 9));
+  assert_false(fps_role_may_compete(&r));
+  /* Nor can that stream's later transfer_done make it joined again. */
+  fps_role_standby_joined(&r, id);
   assert_false(fps_role_may_compete(&r));
   fps_role_destroy(&r);
 }
