@@ -275,6 +275,21 @@ static int plan_items(fps_client_t *c, fps__tensor_list_t *list, const fps_tenso
   size_t *first = fps_malloc((n + 1) * sizeof *first);
   int rc = FPS_ENOMEM;
   if (!b || !first || fps__placement_split(list->t, n, S, smb, b, first, NULL)) goto done;
+  /* A tensor the client's list already places whole (an earlier Create, or
+   * fps_client_discover: where the shards hold it), with the same shape,
+   * stays on its shard: a tensor added to the job later (a parameter group,
+   * a parameter unfrozen) must not move the others, whose state lives where
+   * they are. The others keep the plan's places, so workers that agree on
+   * where the existing tensors are agree on the new ones too. */
+  for (size_t i = 0; i < n; i++) {
+    fps__tensor_t *t = &list->t[i];
+    const fps__tensor_t *old = fps__tensor_list_find(&c->tensors, t->name);
+    if (first[i + 1] - first[i] != 1 || !old || old->blocks || old->shard < 0 || (size_t)old->shard >= S ||
+        old->ndim != t->ndim || memcmp(old->shape, t->shape, t->ndim * sizeof *t->shape) != 0)
+      continue;
+    b[first[i]].shard = old->shard;
+    t->shard = old->shard;
+  }
   size_t n_split = 0, n_bounds = 0;
   for (size_t i = 0; i < n; i++)
     if (first[i + 1] - first[i] > 1) {

@@ -233,6 +233,35 @@ class RemoteTest(unittest.TestCase):
         _, versions = opt.client.pull(want_params=False)
         self.assertEqual(sorted(versions.values()), [1, 2, 2])
 
+    def test_tensors_stay_where_their_state_is_when_a_group_is_added(self):
+        # Shapes whose largest-first placement on 2 shards changes once a
+        # 3 x 3 tensor joins (the 8-element bias would move to the other
+        # shard, and be created there afresh: state lost, the old copy left
+        # behind, with 2 workers a job that could not go on). The tensors
+        # the shards hold stay where they are; the new one goes where the
+        # plan puts it.
+        g = torch.Generator().manual_seed(4)
+        shapes = {"a.w": (8, 6), "b.w": (3, 8), "c.w": (3, 8), "a.b": (8,), "b.b": (3,), "c.b": (3,)}
+        named = [(n, torch.nn.Parameter(torch.randn(*s, generator=g))) for n, s in shapes.items()]
+        extra = torch.nn.Parameter(torch.ones(3, 3))
+
+        def step(ps):
+            for p in ps:
+                p.grad = torch.ones_like(p)
+            opt.step()
+        opt = self.opt(named)
+        for _ in range(3):
+            step([p for _, p in named])
+        where = {n: opt.client.shard_of(n) for n in shapes}
+        opt.add_param_group({"params": [("extra", extra)]})
+        for _ in range(2):
+            step([p for _, p in named] + [extra])
+        self.assertEqual({n: opt.client.shard_of(n) for n in shapes}, where)
+        _, versions = opt.client.pull(want_params=False)
+        self.assertEqual(versions, {**{n: 5 for n in shapes}, "extra": 2})
+        self.assertEqual([float(opt.state[p]["step"]) for _, p in named], [5.0] * len(named))
+        self.assertEqual(sum(s["tensors"] for s in opt.client.stats()), len(shapes) + 1)  # each held once
+
     def test_a_second_run_on_live_shards(self):
         ps = _params()
         opt = self.opt(ps)

@@ -292,7 +292,12 @@ FPS_EXTERN void fps_client_destroy(fps_client_t *c);
  * their order): tensors are sorted by size in bytes, largest first, ties by
  * name (strcmp order); each in turn goes to the shard with the fewest bytes
  * so far, ties to the lowest shard index. The heaviest shard thus exceeds
- * the lightest by at most the largest tensor. With split_min_bytes > 0,
+ * the lightest by at most the largest tensor. But a tensor this client's
+ * list already places whole, with the same shape (an earlier create, or
+ * fps_client_discover(): where the shards hold it), stays on that shard:
+ * a tensor added to a running job must not move the others away from
+ * their state (call fps_client_discover() first in a process that has no
+ * list yet). With split_min_bytes > 0,
  * fps_client_placement_plan()'s placement: tensors of at least that size
  * are cut into row blocks (see "Split tensors"); a replace must then fit
  * one message per block.

@@ -592,6 +592,18 @@ class _RemoteAdafactorBase(Optimizer):
                     f", e.g. '{some[0]}' at version {existing[some[0]]['version']}); pass "
                     "on_existing='adopt' to continue from them, 'overwrite' to replace them, "
                     "or another namespace= for a separate job")
+        if self.worker_id != 0 and self.client.shard_count > 1:
+            # Where the shards hold this job's tensors already (worker 0's
+            # holds() above asked too): create() keeps them there, so a group
+            # added or a parameter unfrozen since the first step, or a worker
+            # restarted into a running job, moves no tensor away from its
+            # state, and every worker places the new ones alike. A split
+            # tensor worker 0 is still creating can look incomplete: then
+            # the plan alone places (it did so for worker 0 as well).
+            try:
+                self.client.discover()
+            except DataLossError:
+                pass
         specs = []
         for g in self.param_groups:
             cfg = self._wire_config(g)
