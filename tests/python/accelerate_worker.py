@@ -49,7 +49,7 @@ def run(accelerator, shards, seed, ckpt, resume):
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     attach = getattr(sys.modules["factorps.torch"], "attach", None)
     if attach is not None:  # gradients go to the shards instead of DDP's all-reduce
-        attach(model, opt.optimizer)
+        attach(model, opt)  # what prepare() returned: attach takes its factorps optimizer
     first = 0
     if resume:
         accelerator.load_state(ckpt)

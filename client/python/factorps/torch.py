@@ -1523,6 +1523,11 @@ def attach(model: torch.nn.Module, optimizer: _RemoteAdafactorBase, *,
     does); one found after finite buckets left makes step() raise
     FloatingPointError on every worker (those tensors were updated, the rest
     skipped: workers and shards still agree)."""
+    # Accelerate's prepare() wraps the optimizer (AcceleratedOptimizer);
+    # the factorps one is its .optimizer.
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(optimizer, _RemoteAdafactorBase) and isinstance(inner, _RemoteAdafactorBase):
+        optimizer = inner
     if not isinstance(optimizer, _RemoteAdafactorBase):
         raise TypeError(f"attach() needs a factorps optimizer, not {type(optimizer).__name__}")
     if optimizer._overlap is not None:
