@@ -127,6 +127,6 @@ void fps_checkpoint_ahead_hint(const fps_tensor_t *t, char *buf, size_t len) {
   snprintf(buf + n, len - n,
            "; this shard restarted and restored the tensor from checkpoint %" PRIu64 " at version %" PRIu64
            ": pull this shard's tensors, take their versions as the step and push again"
-           " (see Checkpoints and recovery in the README)",
+           " (see docs/operations.md, Checkpoints and recovery)",
            t->restored_seq, t->restored_version);
 }
