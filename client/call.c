@@ -654,6 +654,15 @@ int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *
       engines = NULL; /* gRPC's now */
       break;
     }
+    /* A stream refused for good (any failure but UNAVAILABLE) fails the
+     * call whatever the others do: retrying them would only apply parts of
+     * a call that fails, or wait again for nothing (a split block's peer
+     * waits out its exchange deadline, UNAVAILABLE, for partials that the
+     * refusing shard never sends: six retries of that took a minute). */
+    int refused = 0;
+    for (size_t i = 0; i < n; i++)
+      refused |= streams[i]->code != FPS_CODE_OK && streams[i]->code != FPS_CODE_UNAVAILABLE;
+    if (refused) break;
     /* A stream that failed UNAVAILABLE goes to its shard's next replica at
      * once: with a standby that is where the primary went. Only a full
      * round over the replicas (the only one, without standbys) waits for
@@ -679,11 +688,14 @@ int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *
   fps_free(engines);
 
   /* Report the failing stream of the lowest shard index, so the message
-   * does not depend on which shard happened to answer first. */
+   * does not depend on which shard happened to answer first; a refusal
+   * before an UNAVAILABLE (which may only be a consequence of it, above). */
   const fps__stream_t *worst = NULL;
   for (size_t i = 0; i < n; i++) {
     const fps__stream_t *s = streams[i];
-    if (s->code != FPS_CODE_OK && (!worst || s->shard < worst->shard)) worst = s;
+    if (s->code == FPS_CODE_OK) continue;
+    const int firm = s->code != FPS_CODE_UNAVAILABLE, worst_firm = worst && worst->code != FPS_CODE_UNAVAILABLE;
+    if (!worst || firm > worst_firm || (firm == worst_firm && s->shard < worst->shard)) worst = s;
   }
   if (!worst) {
     fps__status_ok(st);

@@ -222,8 +222,10 @@ struct fps__stream_s {
  * completion: the gRPC status, or a local failure, lands in each stream's
  * code/msg. Retries per `retry` and the client's options, all within one
  * deadline of opts.deadline_seconds: on the shard's next replica at once,
- * with backoff after each round over all of them (max_retries rounds). Fills `st` with the
- * first failing stream (by shard index) and returns its code, or 0. */
+ * with backoff after each round over all of them (max_retries rounds), and
+ * none once any stream failed otherwise than UNAVAILABLE (the call fails
+ * anyway). Fills `st` with the first failing stream by shard index (one
+ * failing otherwise than UNAVAILABLE first) and returns its code, or 0. */
 int fps__streams_run(fps_client_t *c, const char *method, fps__stream_t *const *streams, size_t n,
                      fps__retry_t retry, fps_status_t *st);
 /* Records a local failure of a stream; returns `code`. */

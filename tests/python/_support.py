@@ -105,14 +105,17 @@ class Shards:
         self.ports[i] = sp.port
         self.metrics_ports[i] = sp.metrics_port
 
-    def rpc_count(self, method):
-        """Calls of `method` ("GetState", "PushPull", ...) all shards
-        answered so far, whatever their code: the sum of their
-        factorps_rpc_requests_total{method=...} (needs metrics=True)."""
+    def rpc_count(self, method, shards=None):
+        """Calls of `method` ("GetState", "PushPull", ...) the shards
+        (all, or the indices in `shards`) answered so far, whatever their
+        code: the sum of their factorps_rpc_requests_total{method=...}
+        (needs metrics=True)."""
         import http.client
         import re
         total = 0
-        for port in self.metrics_ports:
+        for i, port in enumerate(self.metrics_ports):
+            if shards is not None and i not in shards:
+                continue
             c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
             try:
                 c.request("GET", "/metrics")

@@ -155,6 +155,36 @@ class SplitRoutingTest(unittest.TestCase):
                 self.assertIn("tensor 'mat' block 1", str(cm.exception))
                 self.assertIn("shard 1", str(cm.exception))
 
+    def test_a_refused_block_shard_ends_the_push(self):
+        """A block shard restarted from an older checkpoint refuses the next
+        push (FAILED_PRECONDITION); the other block's shard waits out its
+        exchange deadline for partials that never come (UNAVAILABLE).
+        libfactorps retried that shard up to max_retries times, an exchange
+        deadline each (a minute with the defaults), for a call that had
+        failed; now the refusal ends the call after one attempt, and it is
+        what the call reports."""
+        with Shards(2, peers=True, checkpoint=3600, extra=["--exchange-deadline", "2"], metrics=True) as s, \
+                factorps.connect(s.addrs, split_min_bytes=1024, deadline=60) as c:
+            rng = np.random.default_rng(3)
+            c.create([factorps.TensorSpec("emb", (64, 16), init=rng.standard_normal((64, 16)).astype(np.float32)),
+                      factorps.TensorSpec("b", (16,), init=np.zeros(16, np.float32))])
+            self.assertEqual(len(c.blocks("emb")), 2)
+            grads = {"emb": np.ones((64, 16), np.float32), "b": np.ones(16, np.float32)}
+            for _ in range(2):
+                c.push_pull(grads)
+            c.checkpoint()  # every block and tensor at version 2
+            for _ in range(2):
+                c.push_pull(grads)  # version 4, not in the checkpoint
+            gone = c.shard_of("b")
+            other = 1 - gone
+            s.restart(gone)  # back at version 2, 'b' with it
+            c.stats()  # the channel to the new process is up (its first call could fail locally)
+            before = s.rpc_count("PushPull", shards=[other])
+            with self.assertRaises(factorps.FailedPreconditionError) as cm:
+                c.push_pull(grads)
+            self.assertIn(f"shard {gone}", str(cm.exception))
+            self.assertEqual(s.rpc_count("PushPull", shards=[other]) - before, 1)
+
     def test_shard_without_peers_refuses_a_block(self):
         with Shards(2) as s, factorps.connect(s.addrs, split_min_bytes=16, deadline=20) as c:
             with self.assertRaises(factorps.FailedPreconditionError) as cm:

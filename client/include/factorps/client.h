@@ -28,7 +28,11 @@
  *   shard already applied (its reply was lost) gets the versions that push
  *   made and the current params (proto: PushPullRequest.push_id; the shard
  *   remembers each worker's last 4,096 keys). Other errors are reported, never
- *   repeated; fps_push_args_t.push_id lets a caller retry those itself.
+ *   repeated; fps_push_args_t.push_id lets a caller retry those itself. A
+ *   call to several shards that one of them refused otherwise than
+ *   UNAVAILABLE retries none of the others (it fails anyway; the blocks of
+ *   a split tensor on the other shards would only wait out their exchange
+ *   deadline again) and reports that refusal.
  * - Standby replicas: a shard's address may list its replicas, "a:p|b:p"
  *   (see fps_client_create()). A call that fails UNAVAILABLE on one (a
  *   standby refuses worker calls so; a dead or unreachable process) is
