@@ -237,7 +237,10 @@ int main(int argc, char **argv) {
     goto out;
   }
   if (fps_grpc_start(&srv) < 0) {
-    exit_code = 1;
+    /* Bad TLS files or token files (no security was set up: srv.auth is
+     * still NULL) are bad flags, exit 2 like the peers' files; a listen
+     * address gRPC cannot bind (a port in use) is 1. */
+    exit_code = srv.auth ? 1 : 2;
     goto out;
   }
   if (srv.cfg.port_file && *srv.cfg.port_file && fps__write_port_file(srv.cfg.port_file, srv.port) < 0) {

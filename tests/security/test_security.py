@@ -321,9 +321,16 @@ class Roles(unittest.TestCase):
                              "--exchange-token-file", bad)
                 self.assertIn("--exchange-token-file", cm.exception.err)
                 self.assertIn(words, cm.exception.err)
+                self.assertEqual(cm.exception.code, 2)
+        # Bad flags exit 2, like the peers' files (these exited 1).
         with self.assertRaises(H.ServerExited) as cm:
             H.Server("--admin-token-file", self.files["admins"])
         self.assertIn("needs --auth-token-file", cm.exception.err)
+        self.assertEqual(cm.exception.code, 2)
+        with self.assertRaises(H.ServerExited) as cm:
+            H.Server("--auth-token-file", os.path.join(self.dir, "missing"))
+        self.assertIn("--auth-token-file", cm.exception.err)
+        self.assertEqual(cm.exception.code, 2)
 
 
 @unittest.skipUnless(os.environ.get("FACTORPS_LIB"), "FACTORPS_LIB not set (sanitizer build)")
