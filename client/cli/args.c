@@ -189,5 +189,13 @@ int fps_cli_connect(const char *cmd, const char *shards, fps_cli_sec_t *sec, dou
   o.deadline_seconds = deadline;
   if (max_retries >= 0) o.max_retries = max_retries;
   *c = fps_client_create((const char *const *)*addrs, *n, &o, status);
-  return *c ? 0 : 1;
+  if (*c) return 0;
+  if (status->code == FPS_CODE_INVALID_ARGUMENT) {
+    /* An address, TLS option or job id the client refuses: a bad flag. */
+    fprintf(stderr, "factorps %s: %s: %s\n", cmd, fps_code_name(status->code), status->message);
+    fps_cli_split_free(*addrs);
+    *addrs = NULL;
+    return 2;
+  }
+  return 1;
 }

@@ -85,7 +85,8 @@ void fps_cli_sec_free(fps_cli_sec_t *s);
  * *addrs (free with fps_cli_split_free; NULL on a usage error), loads the
  * TLS/token files and creates the client with `deadline` and, if
  * max_retries >= 0, that many retries. Returns 0; 2 after printing a usage
- * problem; or 1 with *status saying why the client could not be created. */
+ * problem (a client refused as INVALID_ARGUMENT: an address, TLS option or
+ * job id); or 1 with *status saying why the client could not be created. */
 int fps_cli_connect(const char *cmd, const char *shards, fps_cli_sec_t *sec, double deadline,
                     int max_retries, char ***addrs, size_t *n, fps_client_t **c,
                     fps_status_t *status);

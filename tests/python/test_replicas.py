@@ -81,6 +81,14 @@ class ReplicaEntryTest(unittest.TestCase):
                                                           r"replica 'x:1' twice"):
             factorps.connect([self.shards.addrs[0], "x:1|x:1"])
 
+    @unittest.skipUnless(CLI, "FACTORPS_CLI not set (run through ctest)")
+    def test_cli_bad_entry_is_a_usage_error(self):
+        # Exit 2 like any bad flag (it was 1, as for a shard that is down).
+        for entry in ("|", "x:1|x:1"):
+            r = subprocess.run([CLI, "stats", "--shards", entry], capture_output=True, text=True, timeout=30)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("factorps stats: INVALID_ARGUMENT: shard 0: address", r.stderr)
+
     def test_torch_from_the_environment(self):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
         env["FACTORPS_SHARDS"] = ",".join(self.entries)
