@@ -57,12 +57,27 @@ static int verify(int argc, char **argv) {
         if (fps_cli_u64(optarg, "--shard-count", 1, 65536, &count)) return 2;
         have_count = 1;
         break;
-      case 'm': mode = optarg; break;
+      case 'm':
+        mode = optarg;
+        if (strcmp(mode, "sync") && strcmp(mode, "async") && strcmp(mode, "ssp")) {
+          fprintf(stderr, "factorps checkpoint verify: --mode must be sync, async or ssp, not '%s'\n", mode);
+          return 2;
+        }
+        break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
   }
-  if (optind + 1 != argc || have_id != have_count || (have_id && id >= count)) {
+  if (have_id != have_count) {
+    fprintf(stderr, "factorps checkpoint verify: --shard-id and --shard-count go together\n");
+    return 2;
+  }
+  if (have_id && id >= count) {
+    fprintf(stderr, "factorps checkpoint verify: --shard-id %llu must be below --shard-count %llu\n",
+            (unsigned long long)id, (unsigned long long)count);
+    return 2;
+  }
+  if (optind + 1 != argc) {
     usage(stderr);
     return 2;
   }

@@ -262,6 +262,13 @@ class Checkpoints(unittest.TestCase):
                 self.assertEqual(rc, 1, out)  # placement mismatch is a bad file for that shard
                 rc, out = verify(ck.ckdir(i), "--mode", "sync")
                 self.assertEqual(rc, 1, out)
+            # Bad flags are usage errors (exit 2, saying which), not bad files.
+            for args, says in [(("--mode", "weird"), "--mode must be sync, async or ssp, not 'weird'"),
+                               (("--shard-id", "5", "--shard-count", "2"), "--shard-id 5 must be below --shard-count 2"),
+                               (("--shard-id", "1"), "--shard-id and --shard-count go together")]:
+                rc, out = verify(ck.ckdir(0), *args)
+                self.assertEqual(rc, 2, out)
+                self.assertIn(says, out)
         with CkptShards(1) as empty:
             p = subprocess.run([CLI, "checkpoint", "--shards", empty.addrs[0]], capture_output=True,
                                text=True, timeout=60, stdin=subprocess.DEVNULL)
