@@ -270,7 +270,7 @@ static int fps__cfg_check_peers(const fps_config_t *cfg) {
     char entry[1025];
     memcpy(entry, p, len);
     entry[len] = '\0';
-    if (fps__cfg_check_port("peers", entry, false) < 0) return FPS_EINVAL;
+    if (fps__cfg_check_port("peers", entry, true) < 0) return FPS_EINVAL;
     n++;
     if (!e) break;
     p = e;

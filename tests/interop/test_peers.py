@@ -36,6 +36,8 @@ class Flags(unittest.TestCase):
                      "--peers lists 3 addresses")
         self.refused(["--shard-count", 3, "--peers", "127.0.0.1:1,,127.0.0.1:3"], "--peers entry 1 is empty")
         self.refused(["--shard-count", 2, "--peers", "127.0.0.1:1,"], "--peers entry 1 is empty")
+        # Dialled, so each needs its port (gRPC would dial 443), as --replica-peer does.
+        self.refused(["--shard-count", 2, "--peers", "a,b"], "--peers 'a' must be host:port")
 
     def test_peer_flags_need_peers(self):
         for flag in ("--peer-tls-ca", "--peer-tls-cert", "--peer-tls-key", "--peer-tls-server-name",
