@@ -2,6 +2,7 @@
 names, creation and start-up, None gradients, closures, state_dict, new
 parameter groups, and what it refuses."""
 
+import copy
 import inspect
 import os
 import pydoc
@@ -136,7 +137,8 @@ class RemoteTest(unittest.TestCase):
         self.addCleanup(self.shards.close)
 
     def opt(self, params, **kw):
-        o = RemoteAdafactor(params, shards=self.shards.addrs, deadline=10, **kw)
+        kw.setdefault("deadline", 10)
+        o = RemoteAdafactor(params, shards=self.shards.addrs, **kw)
         self.addCleanup(o.close)
         return o
 
@@ -261,6 +263,38 @@ class RemoteTest(unittest.TestCase):
         self.assertEqual(versions, {**{n: 5 for n in shapes}, "extra": 2})
         self.assertEqual([float(opt.state[p]["step"]) for _, p in named], [5.0] * len(named))
         self.assertEqual(sum(s["tensors"] for s in opt.client.stats()), len(shapes) + 1)  # each held once
+
+    def test_a_shard_that_lost_its_tensors_says_so(self):
+        ps = _params()
+        opt = self.opt(ps)
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        saved = copy.deepcopy(opt.state_dict())
+        for i in range(2):
+            self.shards.restart(i)  # no checkpoint: they come back empty
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        with self.assertRaisesRegex(factorps.NotFoundError, r"restarted without a checkpoint .*"
+                                    r"load_state_dict\(\), then step\(\)"):
+            opt.step()
+        # What the message says to do puts them back.
+        opt.load_state_dict(saved)
+        opt.step()
+        self.assertEqual(opt.remote_step, 2)
+
+    def test_recovery_timeout_is_named(self):
+        ps = _params()
+        opt = self.opt(ps, recovery_timeout=1.0, deadline=1.0)
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        for i in range(2):
+            self.shards.kill(i)  # never back
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        with self.assertRaisesRegex(factorps.UnavailableError, r"still failing after recovery_timeout=1 s"):
+            opt.step()
 
     def test_a_second_run_on_live_shards(self):
         ps = _params()

@@ -106,7 +106,7 @@ from torch.optim import Optimizer
 from .client import Client, TensorSpec, state_sizes
 from .overlap import Overlap, _WeakIdSet, check_ddp
 from .errors import (AbortedError, AlreadyExistsError, DataLossError, DeadlineExceededError, Error,
-                     FailedPreconditionError, UnavailableError)
+                     FailedPreconditionError, NotFoundError, UnavailableError)
 
 __all__ = ["RemoteAdafactor", "RemoteHFAdafactor", "attach"]
 
@@ -1132,6 +1132,12 @@ class _RemoteAdafactorBase(Optimizer):
             try:
                 versions = self._push_once(pending, grads, settings, out)
             except Error as e:
+                if isinstance(e, NotFoundError) and self._created:
+                    raise NotFoundError(
+                        f"{e.message}; this optimizer created it there before: the shard "
+                        "restarted without a checkpoint (no --checkpoint-dir) and lost its "
+                        "tensors. Resume from a saved optimizer state_dict (load_state_dict(), "
+                        "then step()) to put them back", shard=e.shard) from e
                 if not self._recoverable(e):
                     raise
                 if first_error is None:
@@ -1139,7 +1145,7 @@ class _RemoteAdafactorBase(Optimizer):
                 log.debug("worker %d: push of %d tensors failed: %s", self.worker_id,
                           len(pending), e)
                 if time.monotonic() >= give_up:
-                    raise
+                    raise self._gave_up(e) from e
                 pending = self._resync(pending, e, out, lost, give_up)
                 if not pending:
                     break
@@ -1159,6 +1165,11 @@ class _RemoteAdafactorBase(Optimizer):
             else:
                 log.warning("factorps: recovered from %s; no update lost", first_error)
 
+    def _gave_up(self, e: Error) -> Error:
+        """The error step() raises once recovery_timeout has passed."""
+        return type(e)(f"{e.message} (still failing after recovery_timeout={self.recovery_timeout:g} s)",
+                       shard=e.shard)
+
     def _partner_gone(self, e: Error) -> bool:
         return isinstance(e, DeadlineExceededError) and "waiting for worker" in e.message
 
@@ -1174,9 +1185,10 @@ class _RemoteAdafactorBase(Optimizer):
                 break
             except Error as pe:
                 log.debug("worker %d: resync pull failed: %s", self.worker_id, pe)
-                if not isinstance(pe, (UnavailableError, DeadlineExceededError)) or \
-                        time.monotonic() >= give_up:
+                if not isinstance(pe, (UnavailableError, DeadlineExceededError)):
                     raise
+                if time.monotonic() >= give_up:
+                    raise self._gave_up(pe) from pe
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)
         redo = []
