@@ -69,6 +69,23 @@ static int fps__lease_file_lock_once(fps_lease_file_t *l, bool *got) {
   return 0;
 }
 
+/* Parses the record of buf (n bytes, NUL-terminated): "<term>\n",
+ * "<term> in-sync\n" or "<term> alone\n"; an empty file is term 0, in
+ * sync. 0 with *term and *sync (1 in sync, 0 alone), or FPS_EFORMAT. */
+static int fps__lease_file_parse(const char *buf, ssize_t n, uint64_t *term, int *sync) {
+  *term = 0;
+  *sync = 1;
+  if (n == 0) return 0;
+  char *end;
+  errno = 0;
+  unsigned long long u = strtoull(buf, &end, 10);
+  if (!strcmp(end, " alone\n")) *sync = 0, end += strlen(end);
+  else if (!strcmp(end, " in-sync\n")) end += strlen(end);
+  if (errno || end == buf || (*end && *end != '\n') || u >= UINT64_MAX) return FPS_EFORMAT;
+  *term = u;
+  return 0;
+}
+
 /* Reads the counter, writes counter + 1, fsyncs. REQUIRES: the lock. */
 static int fps__lease_file_bump(fps_lease_file_t *l, uint64_t *term) {
   char buf[64];
@@ -76,21 +93,11 @@ static int fps__lease_file_bump(fps_lease_file_t *l, uint64_t *term) {
   if (n < 0) goto io;
   buf[n] = 0;
   uint64_t old = 0;
-  if (n > 0) {
-    char *end;
-    errno = 0;
-    unsigned long long u = strtoull(buf, &end, 10);
-    l->sync = 1;
-    if (!strcmp(end, " alone\n")) l->sync = 0, end += strlen(end);
-    else if (!strcmp(end, " in-sync\n")) end += strlen(end);
-    if (errno || end == buf || (*end && *end != '\n') || u >= UINT64_MAX) {
-      FPS_LOG(FPS_LOG_ERROR, "lease file:%s: holds '%.*s', not a term counter: refusing to guess a term", l->path,
-              (int)n, buf);
-      return FPS_EFORMAT;
-    }
-    old = u;
+  if (fps__lease_file_parse(buf, n, &old, &l->sync) < 0) {
+    FPS_LOG(FPS_LOG_ERROR, "lease file:%s: holds '%.*s', not a term counter: refusing to guess a term", l->path,
+            (int)n, buf);
+    return FPS_EFORMAT;
   }
-  if (n == 0) l->sync = 1;
   /* The record stays as the predecessor left it until we write ours. */
   int len = snprintf(buf, sizeof buf, "%" PRIu64 "%s\n", old + 1, l->sync ? " in-sync" : " alone");
   if (pwrite(l->fd, buf, (size_t)len, 0) != len || ftruncate(l->fd, len) < 0 || fsync(l->fd) < 0) goto io;
@@ -173,14 +180,8 @@ static int fps__lease_file_newest_term(fps_lease_t *base, uint64_t *term) {
     return FPS_EIO;
   }
   buf[n] = 0;
-  *term = 0;
-  if (n == 0) return 0; /* no term granted yet */
-  char *end;
-  errno = 0;
-  unsigned long long u = strtoull(buf, &end, 10);
-  if (errno || end == buf || (*end != ' ' && *end != '\n')) return FPS_EFORMAT;
-  *term = u;
-  return 0;
+  int sync;
+  return fps__lease_file_parse(buf, n, term, &sync); /* empty: no term granted yet */
 }
 
 static const fps_lease_ops_t fps__lease_file_ops = {fps__lease_file_acquire,     fps__lease_file_valid,

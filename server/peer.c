@@ -260,6 +260,7 @@ fail:
 /* ------------------------------------------------------------- sends */
 
 static void fps__shutdown_msg(const fps_peers_t *p, const fps_psend_t *s, char *msg, size_t len);
+static void fps__unreachable_msg(const fps_peers_t *p, const fps_psend_t *s, bool stopping, char *msg, size_t len);
 
 static void fps__psend_free(fps_psend_t *s) {
   grpc_slice_unref(s->req);
@@ -437,14 +438,7 @@ static void fps__complete(fps_peers_t *p, fps_psend_t *s, bool success) {
       final = false;
     } else {
       err = FPS_EUNAVAILABLE;
-      snprintf(msg, sizeof msg,
-               "shard %u (%s) not reachable for Exchange of '%s' %s (%u attempts; last: "
-               "UNAVAILABLE: %s)%s",
-               s->to, p->addrs[s->to], s->name, p->stopping ? "while this shard stops" : "within the deadline",
-               s->attempts, s->last,
-               p->tls ? "; shard down, or the TLS handshake failed (check --peer-tls-ca, --peer-tls-cert and "
-                        "the name in the peer's certificate)"
-                      : "");
+      fps__unreachable_msg(p, s, p->stopping, msg, sizeof msg);
     }
   } else if (st == GRPC_STATUS_DEADLINE_EXCEEDED) {
     err = FPS_ETIMEOUT;
@@ -487,17 +481,14 @@ static int64_t fps__retries(fps_peers_t *p) {
     s->next = failed;
     failed = s;
   }
-  bool closed = p->closed;
+  bool closed = p->closed, stopping = p->stopping;
   pthread_mutex_unlock(&p->mu);
   while (failed) {
     fps_psend_t *s = failed;
     failed = s->next;
     char msg[1024];
     if (closed) fps__shutdown_msg(p, s, msg, sizeof msg);
-    else
-      snprintf(msg, sizeof msg, "shard %u (%s) not reachable for Exchange of '%s' %s (%u attempts; last: "
-               "UNAVAILABLE: %s)", s->to, p->addrs[s->to], s->name,
-               p->stopping ? "while this shard stops" : "within the deadline", s->attempts, s->last);
+    else fps__unreachable_msg(p, s, stopping, msg, sizeof msg);
     s->done(s->arg, FPS_EUNAVAILABLE, msg);
     fps__psend_free(s);
   }
@@ -533,6 +524,17 @@ static fps_peers_t *fps__peers_abandoned;
 static void fps__shutdown_msg(const fps_peers_t *p, const fps_psend_t *s, char *msg, size_t len) {
   snprintf(msg, len, "Exchange of '%s' to shard %u (%s) abandoned: this shard is shutting down", s->name,
            s->to, p->addrs[s->to]);
+}
+
+/* A send that found its peer UNAVAILABLE until its deadline, or until
+ * this shard began stopping. */
+static void fps__unreachable_msg(const fps_peers_t *p, const fps_psend_t *s, bool stopping, char *msg, size_t len) {
+  snprintf(msg, len, "shard %u (%s) not reachable for Exchange of '%s' %s (%u attempts; last: UNAVAILABLE: %s)%s",
+           s->to, p->addrs[s->to], s->name, stopping ? "while this shard stops" : "within the deadline", s->attempts,
+           s->last,
+           p->tls ? "; shard down, or the TLS handshake failed (check --peer-tls-ca, --peer-tls-cert and the name in "
+                    "the peer's certificate)"
+                  : "");
 }
 
 void fps_peers_stopping(fps_peers_t *p) {

@@ -56,6 +56,12 @@ int fps_cli_u64(const char *s, const char *what, unsigned long long lo, unsigned
   return 0;
 }
 
+int fps_cli_mode(const char *s, const char *what) {
+  if (!strcmp(s, "sync") || !strcmp(s, "async") || !strcmp(s, "ssp")) return 0;
+  fprintf(stderr, "factorps: %s must be sync, async or ssp, not '%s'\n", what, s);
+  return -1;
+}
+
 int fps_cli_double(const char *s, const char *what, double lo, double hi, double *out) {
   char *end;
   errno = 0;

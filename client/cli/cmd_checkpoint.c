@@ -58,11 +58,8 @@ static int verify(int argc, char **argv) {
         have_count = 1;
         break;
       case 'm':
+        if (fps_cli_mode(optarg, "--mode")) return 2;
         mode = optarg;
-        if (strcmp(mode, "sync") && strcmp(mode, "async") && strcmp(mode, "ssp")) {
-          fprintf(stderr, "factorps checkpoint verify: --mode must be sync, async or ssp, not '%s'\n", mode);
-          return 2;
-        }
         break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;

@@ -362,10 +362,7 @@ int fps_cli_load(int argc, char **argv) {
         if (fps_cli_u64(optarg, "--warmup", 0, 1000000, &cfg.warmup)) return 2;
         break;
       case 'm':
-        if (strcmp(optarg, "sync") && strcmp(optarg, "async") && strcmp(optarg, "ssp")) {
-          fprintf(stderr, "factorps load: --mode-hint must be sync, async or ssp\n");
-          return 2;
-        }
+        if (fps_cli_mode(optarg, "--mode-hint")) return 2;
         cfg.mode_hint = optarg;
         break;
       case 't': cfg.processes = 0; break;

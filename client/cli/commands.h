@@ -31,6 +31,9 @@ void fps_cli_split_free(char **v);
 int fps_cli_u64(const char *s, const char *what, unsigned long long lo, unsigned long long hi,
                 unsigned long long *out);
 int fps_cli_double(const char *s, const char *what, double lo, double hi, double *out);
+/* A consistency mode name: 0 for sync, async or ssp; -1 (after printing
+ * `what`) otherwise. */
+int fps_cli_mode(const char *s, const char *what);
 /* Parses a count with an optional k/M/G suffix (decimal: 10M = 10000000). */
 int fps_cli_count(const char *s, const char *what, unsigned long long *out);
 /* Parses a byte count, 0 allowed, with an optional k/M/G (10^3..) or
