@@ -34,7 +34,7 @@ typedef struct fps_cfg_entry_s {
 #define OFF(f) offsetof(fps_config_t, f)
 static const fps_cfg_entry_t fps__cfg_table[] = {
     {"listen", CFG_STR, OFF(listen), "127.0.0.1:50051", 0, 0,
-     "gRPC listen address host:port (port 0: pick a free port)"},
+     "gRPC listen address host:port (port 0: pick a free port) or unix:PATH"},
     {"shard-id", CFG_U32, OFF(shard_id), "0", 0, 65535, "this shard's index, 0 .. shard-count-1"},
     {"shard-count", CFG_U32, OFF(shard_count), "1", 1, 65536, "number of shards in the job"},
     {"mode", CFG_MODE, OFF(mode), "sync", 0, 0, "consistency mode: sync, async or ssp"},
@@ -223,17 +223,18 @@ static void fps__cfg_usage(FILE *f) {
 
 /* The port of a host:port address, when it is one: gRPC takes the port
  * modulo 2^16 (127.0.0.1:99999 binds 34463), so an out-of-range port is a
- * bad value here, not a silently different port. Addresses whose tail is
- * not a decimal port (unix:..., a bare name) are left to gRPC. With
- * `need_port` (the metrics endpoint, which only takes host:port) the tail
- * must be a port. 0 or FPS_EINVAL with a message naming the flag. */
-static int fps__cfg_check_port(const char *flag, const char *addr, bool need_port) {
+ * bad value here, not a silently different port. Unix socket addresses
+ * (unix:PATH, unix-abstract:NAME) are left to gRPC when `unix_ok` (the
+ * gRPC listen address); anything else must end in a port. 0 or FPS_EINVAL
+ * with a message naming the flag. */
+static int fps__cfg_check_port(const char *flag, const char *addr, bool unix_ok) {
+  if (unix_ok && (!strncmp(addr, "unix:", 5) || !strncmp(addr, "unix-abstract:", 14))) return 0;
   const char *colon = strrchr(addr, ':');
   const char *d = colon ? colon + 1 : "";
   size_t nd = strspn(d, "0123456789");
   if (!colon || !*d || d[nd]) {
-    if (!need_port) return 0;
-    FPS_LOG(FPS_LOG_ERROR, "--%s '%s' must be host:port (a port 0..65535)", flag, addr);
+    FPS_LOG(FPS_LOG_ERROR, "--%s '%s' must be host:port (a port 0..65535)%s", flag, addr,
+            unix_ok ? " or unix:PATH" : "");
     return FPS_EINVAL;
   }
   if (nd > 5 || strtoul(d, NULL, 10) > 65535) {
@@ -270,7 +271,7 @@ static int fps__cfg_check_peers(const fps_config_t *cfg) {
     char entry[1025];
     memcpy(entry, p, len);
     entry[len] = '\0';
-    if (fps__cfg_check_port("peers", entry, true) < 0) return FPS_EINVAL;
+    if (fps__cfg_check_port("peers", entry, false) < 0) return FPS_EINVAL;
     n++;
     if (!e) break;
     p = e;
@@ -314,8 +315,8 @@ static int fps__cfg_check_replica(const fps_config_t *cfg) {
     FPS_LOG(FPS_LOG_ERROR, "--lease %s", why);
     return FPS_EINVAL;
   }
-  if (fps__cfg_check_port("replica-peer", cfg->replica_peer, true) < 0) return FPS_EINVAL;
-  if (*cfg->replica_advertise && fps__cfg_check_port("replica-advertise", cfg->replica_advertise, true) < 0)
+  if (fps__cfg_check_port("replica-peer", cfg->replica_peer, false) < 0) return FPS_EINVAL;
+  if (*cfg->replica_advertise && fps__cfg_check_port("replica-advertise", cfg->replica_advertise, false) < 0)
     return FPS_EINVAL;
   if (*cfg->peers) {
     FPS_LOG(FPS_LOG_ERROR, "--replica-peer cannot be combined with --peers: split tensors are not "
@@ -335,8 +336,8 @@ static int fps__cfg_check(fps_config_t *cfg) {
     FPS_LOG(FPS_LOG_ERROR, "--listen must not be empty");
     return FPS_EINVAL;
   }
-  if (fps__cfg_check_port("listen", cfg->listen, false) < 0) return FPS_EINVAL;
-  if (*cfg->metrics_listen && fps__cfg_check_port("metrics-listen", cfg->metrics_listen, true) < 0)
+  if (fps__cfg_check_port("listen", cfg->listen, true) < 0) return FPS_EINVAL;
+  if (*cfg->metrics_listen && fps__cfg_check_port("metrics-listen", cfg->metrics_listen, false) < 0)
     return FPS_EINVAL;
   const char *lv[] = {"error", "warn", "info", "debug"};
   int level = -1;

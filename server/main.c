@@ -249,12 +249,13 @@ int main(int argc, char **argv) {
     goto out;
   }
   {
-    /* The listen address with the bound port (port 0 picks one). */
-    char host[512];
-    snprintf(host, sizeof host, "%s", srv.cfg.listen);
-    char *colon = strrchr(host, ':');
-    if (colon) *colon = 0;
-    printf("factorps-server: listening on %s:%d (shard %u of %u, mode %s, workers %u, simd %s)\n", host, srv.port,
+    /* The listen address with the bound port (port 0 picks one); a
+     * unix:PATH address has no port and is printed as given. */
+    char where[512];
+    snprintf(where, sizeof where, "%s", srv.cfg.listen);
+    char *colon = strrchr(where, ':');
+    if (colon && strncmp(where, "unix", 4)) snprintf(colon, sizeof where - (size_t)(colon - where), ":%d", srv.port);
+    printf("factorps-server: listening on %s (shard %u of %u, mode %s, workers %u, simd %s)\n", where,
            srv.cfg.shard_id, srv.cfg.shard_count, fps_mode_name(srv.cfg.mode), srv.cfg.workers,
            fps_kernels_name(kernels));
     fflush(stdout);

@@ -14,7 +14,9 @@ factorps-server:
 """
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import unittest
 
 import fpsharness as H
@@ -129,6 +131,7 @@ class Flags(unittest.TestCase):
             (["--tls-client-ca", "ca.pem"], "--tls-cert"),
             (["--metrics-listen", "nohost"], "host:port"),
             (["--listen", "127.0.0.1:123456789012345678901"], "out of range"),
+            (["--listen", "bogus"], "host:port"),
             (["--shard-count", "2", "--peers", "127.0.0.1:5000,127.0.0.1:65536"], "--peers"),
         ]
         for args, word in cases:
@@ -143,6 +146,20 @@ class Flags(unittest.TestCase):
             H.stats(srv.stub)
         finally:
             srv.stop()
+
+    def test_a_unix_socket_listens(self):
+        """--listen unix:PATH (no port) serves, and says where."""
+        _, pbg, grpc = H.stubs()
+        d = tempfile.mkdtemp(prefix="fps-unix-")
+        sock = "unix:" + os.path.join(d, "shard.sock")
+        srv = H.Server(listen=sock)
+        try:
+            self.assertIn("listening on %s (" % sock, srv.line)
+            with grpc.insecure_channel(sock) as ch:
+                H.stats(pbg.ParameterServerStub(ch))
+        finally:
+            srv.stop()
+            shutil.rmtree(d, ignore_errors=True)
 
 
 class MemoryLimit(unittest.TestCase):
