@@ -107,6 +107,7 @@ static const char *reason(int status) {
     case 414: return "URI Too Long";
     case 431: return "Request Header Fields Too Large";
     case 503: return "Service Unavailable";
+    case 505: return "HTTP Version Not Supported";
     default: return "Internal Server Error";
   }
 }
@@ -238,6 +239,14 @@ static bool target_path(conn_t *c) {
  * the parser: nothing after the headers is ever needed. */
 static int on_headers_complete(http_parser *p) {
   conn_t *c = p->data;
+  /* HTTP/1.x only. A request line without a version (HTTP/0.9) does not
+   * follow RFC 9112's grammar: 400. A 2.0 or later one is well formed but
+   * not spoken here (h2 needs its preface): 505. */
+  if (p->http_major != 1) {
+    c->status = p->http_major == 0 ? 400 : 505;
+    http_parser_pause(p, 1);
+    return 0;
+  }
   if (!target_path(c)) {
     c->status = 400;
     http_parser_pause(p, 1);

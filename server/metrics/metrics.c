@@ -59,7 +59,7 @@ static const char *const restore_names[] = {
 
 /* HTTP statuses the endpoint can answer with; anything else is counted as
  * the last entry. */
-static const int http_codes[] = {200, 400, 404, 405, 408, 413, 414, 431, 500, 503};
+static const int http_codes[] = {200, 400, 404, 405, 408, 413, 414, 431, 505, 500, 503};
 enum { NHTTP = sizeof http_codes / sizeof http_codes[0] };
 
 /* Label dimensions of a family, and how many series each has. */

@@ -189,6 +189,18 @@ class HttpTest(unittest.TestCase):
             self.assertEqual(st, 400, bad)
         self.assertStillServing()
 
+    def test_only_http_1(self):
+        # HTTP/0.9 (no version) is not RFC 9112's grammar; 2.0 and later are
+        # versions this endpoint does not speak. Neither gets a metrics page.
+        self.assertEqual(self.shard.raw(b"GET /metrics\r\n\r\n")[0], 400)
+        for version in (b"2.0", b"3.0"):
+            st, _, body = self.shard.raw(b"GET /metrics HTTP/" + version + b"\r\nHost: x\r\n\r\n")
+            self.assertEqual(st, 505, version)
+            self.assertEqual(body, b"HTTP Version Not Supported\n")
+        self.assertEqual(self.shard.raw(b"GET /healthz HTTP/1.0\r\n\r\n")[0], 200)
+        self.assertEqual(self.responses(505), 2)
+        self.assertStillServing()
+
     def responses(self, code):
         _, _, body = self.shard.get("/metrics")
         return metric_value(body.decode(), "factorps_http_responses_total", {"code": str(code)}) or 0
@@ -258,7 +270,7 @@ class HttpTest(unittest.TestCase):
                 except (BrokenPipeError, ConnectionResetError):
                     st = None
             seen.add(st)
-        self.assertEqual(seen - {None, 200, 400, 404, 405, 413, 414, 431}, set(), seen)
+        self.assertEqual(seen - {None, 200, 400, 404, 405, 413, 414, 431, 505}, set(), seen)
         self.assertIn(400, seen)
         self.assertStillServing()
 
