@@ -917,11 +917,20 @@ void fps__xrec_tick(fps_shard_t *sh);
 void fps__xrec_restored(fps_shard_t *sh, fps_tensor_t *t);
 /* Updates t's block undid by moving to agreed versions (Stats). REQUIRES t->mu. */
 uint64_t fps__xrec_lost_steps(const fps_tensor_t *t);
+/* A replace started a new history: the peers' lists, the refusal of
+ * fps__xrec_refuse and the anchors of the old one no longer apply (the
+ * next anchor empties the directory). REQUIRES t->mu. */
+void fps__xrec_new_history(fps_shard_t *sh, fps_tensor_t *t);
 /* Frees t->split->rec (teardown). */
 void fps__xrec_forget(fps_tensor_t *t);
 /* The hint appended to "ahead of shard" / "stale push" for a block that
  * rolled to an agreed version. */
 void fps__xrec_hint(const fps_tensor_t *t, char *buf, size_t len);
+/* True, with the blocks' versions in `why`, while t's blocks are known to
+ * stand apart with no version held by all of them: a step of t could
+ * never complete (the peers' partials are of another version), so it is
+ * refused at once rather than at the exchange deadline. REQUIRES t->mu. */
+bool fps__xrec_refuse(const fps_tensor_t *t, char *why, size_t len);
 
 /* ----------------------------------------------------- xstep.c */
 

@@ -485,6 +485,17 @@ static fps_push_entry_t *fps__push_new_entry(fps_push_t *p, fps_tensor_t *t, uin
   /* A retry of an applied push is answered at the commit, whatever the
    * tensor's version is now. */
   bool retry = p->push_id != 0 && fps__idem_applied(&sh->idem, p->worker_id, p->push_id);
+  if (sh->cfg.mode == FPS_MODE_SYNC && t->split && !retry) {
+    /* Blocks apart for good: before "ahead"/"stale", whose hint (pull,
+     * push again) cannot help. */
+    pthread_mutex_lock(&t->mu);
+    bool apart = fps__xrec_refuse(t, why, wl);
+    pthread_mutex_unlock(&t->mu);
+    if (apart) {
+      *rc = FPS_ESTATE;
+      return NULL;
+    }
+  }
   if (sh->cfg.mode == FPS_MODE_SYNC && step != version && !retry) {
     snprintf(why, wl,
              step < version

@@ -475,6 +475,8 @@ int fps__sync_join(fps_shard_t *sh, fps_push_entry_t **e, size_t n, uint32_t wor
                "tensor '%s': step %" PRIu64 " is being applied with the other shards of the split tensor "
                "(exchanging partials); worker %u's push is not counted, retry",
                t->name, t->version, worker_id);
+    } else if (fps__xrec_refuse(t, why, why_len)) {
+      code = FPS_ESTATE;
     } else if (step < t->version) {
       code = FPS_ESTALE;
       snprintf(why, why_len,

@@ -88,7 +88,8 @@ typedef struct fps_xrec_s {
                                * announces again (fps__xrec_tick); counted in sh->xrec_apart */
   bool pending;               /* moving to `target` waits for the round */
   uint64_t target;
-  bool unagreeable_logged;
+  bool unagreeable;           /* every list is here and no version is in all of them:
+                               * logged once, steps refused (fps__xrec_refuse) */
   uint64_t recoveries;        /* times this block moved to an agreed version */
   uint64_t lost_steps;        /* updates that undid, in total */
   uint64_t last_from, last_to;
@@ -180,9 +181,18 @@ static void fps__xrec_reset(fps_shard_t *sh, fps_xrec_t *r, uint32_t nb) {
   memset(r->list_stamp, 0, nb * sizeof *r->list_stamp);
   fps__xrec_set_apart(sh, r, false);
   r->announced_ns = 0;
-  r->unagreeable_logged = false;
+  r->unagreeable = false;
   if (r->pending) atomic_fetch_sub(&sh->xrec_pending, 1);
   r->pending = false;
+}
+
+void fps__xrec_new_history(fps_shard_t *sh, fps_tensor_t *t) {
+  fps_xrec_t *r = t->split ? t->split->rec : NULL;
+  if (!r) return;
+  fps__xrec_reset(sh, r, t->split->n_blocks);
+  for (unsigned i = 0; i < r->nanchor; i++) fps_free(r->path[i]);
+  r->nanchor = 0;
+  r->dir_owned = false; /* the next anchor empties the directory first */
 }
 
 /* <checkpoint-dir>/anchors (sub false) or its directory for t. */
@@ -411,6 +421,28 @@ void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t) {
 
 /* With every other block's list here: the newest version in all of them,
  * set as the pending target if t is not at it. REQUIRES t->mu. */
+/* "tensor 'x': its blocks stand at different versions ..." with every
+ * block's list. REQUIRES t->mu and every list held. */
+static void fps__xrec_apart_text(const fps_tensor_t *t, const fps_xrec_t *r, char *buf, size_t len) {
+  const fps_tensor_split_t *sp = t->split;
+  uint64_t own[FPS_XVERSIONS_MAX];
+  char one[256];
+  fps__list_text(own, fps__own_list(t, r, own), one, sizeof one);
+  size_t k = (size_t)snprintf(buf, len,
+                              "tensor '%s': its blocks stand at different versions and no version is held by every "
+                              "block (this block %s",
+                              t->name, one);
+  for (uint32_t b = 0; b < sp->n_blocks && k < len; b++) {
+    if (b == sp->block_index) continue;
+    fps__list_text(&r->list[(size_t)b * FPS_XVERSIONS_MAX], r->nlist[b], one, sizeof one);
+    k += (size_t)snprintf(buf + k, len - k, ", shard %u %s", sp->block_shards[b], one);
+  }
+  if (k < len)
+    snprintf(buf + k, len - k,
+             "): its steps are refused until it is created again or restored from a job checkpoint "
+             "(--split-anchor-steps keeps versions to agree on)");
+}
+
 static void fps__xrec_agree_locked(fps_shard_t *sh, fps_tensor_t *t, fps_xrec_t *r) {
   const fps_tensor_split_t *sp = t->split;
   for (uint32_t b = 0; b < sp->n_blocks; b++)
@@ -433,25 +465,16 @@ static void fps__xrec_agree_locked(fps_shard_t *sh, fps_tensor_t *t, fps_xrec_t 
     }
   }
   if (!found) {
-    if (!r->unagreeable_logged) {
-      r->unagreeable_logged = true;
-      char text[1024], one[256];
-      fps__list_text(own, n, one, sizeof one);
-      size_t k = (size_t)snprintf(text, sizeof text, "this block %s", one);
-      for (uint32_t b = 0; b < sp->n_blocks && k < sizeof text; b++) {
-        if (b == sp->block_index) continue;
-        fps__list_text(&r->list[(size_t)b * FPS_XVERSIONS_MAX], r->nlist[b], one, sizeof one);
-        k += (size_t)snprintf(text + k, sizeof text - k, ", shard %u %s", sp->block_shards[b], one);
-      }
-      FPS_LOG(FPS_LOG_ERROR,
-              "tensor '%s': its blocks stand at different versions and no version is held by every block "
-              "(%s): its steps are refused until it is created again or restored from a job checkpoint "
-              "(--split-anchor-steps keeps versions to agree on)",
-              t->name, text);
+    if (!r->unagreeable) {
+      r->unagreeable = true;
+      char text[1024];
+      fps__xrec_apart_text(t, r, text, sizeof text);
+      FPS_LOG(FPS_LOG_ERROR, "%s", text);
     }
     fps__xrec_set_apart(sh, r, false);
     return;
   }
+  r->unagreeable = false;
   if (target == t->version) {
     if (r->pending) atomic_fetch_sub(&sh->xrec_pending, 1);
     r->pending = false;
@@ -624,6 +647,13 @@ void fps__xrec_hint(const fps_tensor_t *t, char *buf, size_t len) {
            "; the split tensor's blocks agreed on version %" PRIu64 " (this block came from version %" PRIu64
            ", %" PRIu64 " update%s undone in total): pull it, take its version as the step and push again",
            r->last_to, r->last_from, r->lost_steps, r->lost_steps == 1 ? "" : "s");
+}
+
+bool fps__xrec_refuse(const fps_tensor_t *t, char *why, size_t len) {
+  const fps_xrec_t *r = t->split ? t->split->rec : NULL;
+  if (!r || !r->unagreeable) return false;
+  fps__xrec_apart_text(t, r, why, len);
+  return true;
 }
 
 uint64_t fps__xrec_lost_steps(const fps_tensor_t *t) {

@@ -185,6 +185,47 @@ class SplitRoutingTest(unittest.TestCase):
             self.assertIn(f"shard {gone}", str(cm.exception))
             self.assertEqual(s.rpc_count("PushPull", shards=[other]) - before, 1)
 
+    def test_blocks_apart_for_good_are_refused_at_once(self):
+        """Without anchors, a block shard restarted one step behind leaves
+        the blocks at versions no block can go back to. The shards learn it
+        from each other's version lists, and both then refused steps: the
+        restarted one at once, the other only after its exchange deadline,
+        waiting for partials that could never come (30 s here, per push).
+        Now both refuse at once, naming every block's versions, and a
+        replace of the tensor (a new history) lets it train again."""
+        import time
+        with Shards(2, peers=True, checkpoint=3600, metrics=True,
+                    extra=["--exchange-deadline", "30", "--split-anchor-steps", "0"]) as s, \
+                factorps.connect(s.addrs, split_min_bytes=1024, deadline=60) as c:
+            init = np.random.default_rng(4).standard_normal((64, 16)).astype(np.float32)
+            c.create([factorps.TensorSpec("emb", (64, 16), init=init)])
+            self.assertEqual(len(c.blocks("emb")), 2)
+            grads = {"emb": np.ones((64, 16), np.float32)}
+            for _ in range(2):
+                c.push_pull(grads)
+            c.checkpoint()  # both blocks at version 2
+            c.push_pull(grads)  # version 3, not in the checkpoint
+            s.restart(0)  # block 0 back at version 2
+            apart = "no version is held by every block"
+            end = time.monotonic() + 20
+            while not all(apart in s.log(i) for i in range(2)) and time.monotonic() < end:
+                time.sleep(0.05)
+            self.assertTrue(all(apart in s.log(i) for i in range(2)), s.log(0) + s.log(1))
+            before = s.rpc_count("PushPull")
+            t0 = time.monotonic()
+            with self.assertRaises(factorps.FailedPreconditionError) as cm:
+                c.push_pull(grads)
+            # Far below the 30 s exchange deadline: nobody waited for it.
+            self.assertLess(time.monotonic() - t0, 15)
+            self.assertIn(apart, str(cm.exception))
+            self.assertRegex(str(cm.exception), r"this block \[[23]\], shard [01] \[[23]\]")
+            # At most one call per shard (the first refusal may cancel the
+            # other), no retries.
+            self.assertIn(s.rpc_count("PushPull") - before, (1, 2))
+            c.create([factorps.TensorSpec("emb", (64, 16), init=init, replace=True)])
+            _, versions = c.push_pull(grads, step=0)
+            self.assertEqual(versions["emb"], 1)
+
     def test_shard_without_peers_refuses_a_block(self):
         with Shards(2) as s, factorps.connect(s.addrs, split_min_bytes=16, deadline=20) as c:
             with self.assertRaises(factorps.FailedPreconditionError) as cm:
