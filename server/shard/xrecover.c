@@ -69,6 +69,7 @@ struct fps_xanchor_s {
   fps_tensor_t *t;
   uint64_t version;
   bool fresh;                 /* the block's first anchor: its directory is emptied first */
+  uint64_t history;           /* the block's history (fps_xrec_t) when it was taken */
   fps_ckpt_snapshot_t *snap;
   struct fps_xanchor_s *next;
 };
@@ -78,6 +79,7 @@ typedef struct fps_xrec_s {
   char *path[ANCHORS_KEEP];   /* their files */
   unsigned nanchor;
   bool dir_owned;             /* the directory is this life's (emptied or scanned) */
+  uint64_t history;           /* replaces so far (fps__xrec_new_history) */
   bool *have;                 /* [n_blocks]: that block's list is here */
   uint64_t *list;             /* [n_blocks * FPS_XVERSIONS_MAX] */
   unsigned *nlist;            /* [n_blocks] */
@@ -190,9 +192,15 @@ void fps__xrec_new_history(fps_shard_t *sh, fps_tensor_t *t) {
   fps_xrec_t *r = t->split ? t->split->rec : NULL;
   if (!r) return;
   fps__xrec_reset(sh, r, t->split->n_blocks);
-  for (unsigned i = 0; i < r->nanchor; i++) fps_free(r->path[i]);
+  /* Off the disk too: a restart would find them, and every block's
+   * restart the same old versions, which would then agree. */
+  for (unsigned i = 0; i < r->nanchor; i++) {
+    unlink(r->path[i]);
+    fps_free(r->path[i]);
+  }
   r->nanchor = 0;
   r->dir_owned = false; /* the next anchor empties the directory first */
+  r->history++;         /* an old anchor still being written is dropped */
 }
 
 /* <checkpoint-dir>/anchors (sub false) or its directory for t. */
@@ -252,6 +260,7 @@ void fps__xrec_applied_locked(fps_shard_t *sh, fps_tensor_t *t, fps_xanchor_t **
   a->t = t;
   a->version = t->version;
   a->fresh = !r->dir_owned;
+  a->history = r->history;
   r->dir_owned = true;
   a->next = *list;
   *list = a;
@@ -296,12 +305,17 @@ void fps__xrec_anchor_flush(fps_shard_t *sh, fps_xanchor_t *list) {
     } else {
       pthread_mutex_lock(&a->t->mu);
       fps_xrec_t *r = a->t->split->rec;
-      if (r->nanchor == ANCHORS_KEEP) fps_free(r->path[ANCHORS_KEEP - 1]);
-      else r->nanchor++;
-      memmove(&r->anchor[1], &r->anchor[0], (r->nanchor - 1) * sizeof r->anchor[0]);
-      memmove(&r->path[1], &r->path[0], (r->nanchor - 1) * sizeof r->path[0]);
-      r->anchor[0] = a->version;
-      r->path[0] = path;
+      if (r->history != a->history) { /* replaced meanwhile: of no version now */
+        unlink(path);
+        fps_free(path);
+      } else {
+        if (r->nanchor == ANCHORS_KEEP) fps_free(r->path[ANCHORS_KEEP - 1]);
+        else r->nanchor++;
+        memmove(&r->anchor[1], &r->anchor[0], (r->nanchor - 1) * sizeof r->anchor[0]);
+        memmove(&r->path[1], &r->path[0], (r->nanchor - 1) * sizeof r->path[0]);
+        r->anchor[0] = a->version;
+        r->path[0] = path;
+      }
       pthread_mutex_unlock(&a->t->mu);
     }
     fps_ckpt_snapshot_destroy(a->snap);

@@ -226,6 +226,33 @@ class SplitRoutingTest(unittest.TestCase):
             _, versions = c.push_pull(grads, step=0)
             self.assertEqual(versions["emb"], 1)
 
+    def test_a_replace_drops_the_old_anchors(self):
+        """A replace starts the tensor's history again, so the anchors of
+        the old one (versions the blocks could agree on after a crash) go,
+        from the disk too: otherwise shards restarted later would find the
+        same old versions on every block and roll back into the old
+        history. An anchor after the replace is of the new history."""
+        with Shards(2, peers=True, checkpoint=3600, extra=["--split-anchor-steps", "1"]) as s, \
+                factorps.connect(s.addrs, split_min_bytes=1024, deadline=60) as c:
+            init = np.random.default_rng(5).standard_normal((64, 16)).astype(np.float32)
+            c.create([factorps.TensorSpec("emb", (64, 16), init=init)])
+            grads = {"emb": np.ones((64, 16), np.float32)}
+            for _ in range(3):
+                c.push_pull(grads)
+
+            def anchors():
+                found = []
+                for i in range(2):
+                    for root, _, files in os.walk(os.path.join(s.dir, f"ckpt{i}", "anchors")):
+                        found += [f for f in files if f.startswith("ckpt-")]
+                return found
+
+            self.assertEqual(len(anchors()), 6)  # versions 1, 2, 3 on both shards
+            c.create([factorps.TensorSpec("emb", (64, 16), init=init, replace=True)])
+            self.assertEqual(anchors(), [])
+            c.push_pull(grads, step=0)
+            self.assertEqual(len(anchors()), 2)  # version 1 of the new history
+
     def test_shard_without_peers_refuses_a_block(self):
         with Shards(2) as s, factorps.connect(s.addrs, split_min_bytes=16, deadline=20) as c:
             with self.assertRaises(factorps.FailedPreconditionError) as cm:
