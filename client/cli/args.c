@@ -47,12 +47,26 @@ int fps_cli_u64(const char *s, const char *what, unsigned long long lo, unsigned
   char *end;
   errno = 0;
   unsigned long long v = strtoull(s, &end, 10);
-  if (errno || end == s || *end || s[0] == '-' || v < lo || v > hi) {
+  /* A digit first: strtoull would skip spaces and take " -1" as 2^64-1. */
+  if (errno || !(s[0] >= '0' && s[0] <= '9') || *end || v < lo || v > hi) {
     fprintf(stderr, "factorps: %s must be an integer in [%llu, %llu], not '%s'\n", what, lo, hi,
             s);
     return -1;
   }
   *out = v;
+  return 0;
+}
+
+int fps_cli_operands(const char *cmd, int argc, char **argv, int first, int min, int max, const char *what) {
+  int n = argc - first;
+  if (n < min) {
+    fprintf(stderr, "factorps %s: missing %s\n", cmd, what);
+    return -1;
+  }
+  if (n > max) {
+    fprintf(stderr, "factorps %s: unexpected argument '%s'\n", cmd, argv[first + max]);
+    return -1;
+  }
   return 0;
 }
 

@@ -74,7 +74,7 @@ static int verify(int argc, char **argv) {
             (unsigned long long)id, (unsigned long long)count);
     return 2;
   }
-  if (optind + 1 != argc) {
+  if (fps_cli_operands("checkpoint verify", argc, argv, optind, 1, 1, "the checkpoint DIR")) {
     usage(stderr);
     return 2;
   }
@@ -304,13 +304,13 @@ int fps_cli_checkpoint(int argc, char **argv) {
         return 2;
     }
   }
+  if (fps_cli_operands("checkpoint", argc, argv, optind, 0, 0, "")) {
+    usage(stderr);
+    return 2;
+  }
   if (!shards) {
     fprintf(stderr, "factorps %s: no shards: pass --shards HOST:PORT[,...] or set FACTORPS_SHARDS\n",
             "checkpoint");
-    return 2;
-  }
-  if (optind != argc) {
-    usage(stderr);
     return 2;
   }
   int crc = fps_cli_connect("checkpoint", shards, &sec, deadline, 2, &addrs, &n, &c, &status);

@@ -59,6 +59,7 @@ typedef struct load_cfg_s {
 
 typedef struct load_result_s {
   int ok;
+  int bad_options;                     /* the client refused the options: exit 2 */
   double t_start, t_end;               /* CLOCK_MONOTONIC of the timed steps */
   double bytes;                        /* pushed + received in the timed steps */
   char error[FPS_STATUS_MESSAGE_MAX + 64];
@@ -165,7 +166,11 @@ static void worker_run(worker_t *w) {
   o.wire_dtype = cfg->wire_dtype;
   o.split_min_bytes = cfg->split_min_bytes;
   o.push_chunk_bytes = cfg->push_chunk_bytes;
-  if (!(c = fps_client_create((const char *const *)cfg->addrs, cfg->n_shards, &o, &st))) goto fail;
+  if (!(c = fps_client_create((const char *const *)cfg->addrs, cfg->n_shards, &o, &st))) {
+    /* An address, TLS option, token or job id it refuses: a bad flag. */
+    w->res.bad_options = st.code == FPS_CODE_INVALID_ARGUMENT;
+    goto fail;
+  }
   if (fps_client_create_tensors(c, defs, n, &st)) goto fail;
   for (unsigned long long s = 0; s < cfg->steps; s++) {
     if (s == cfg->warmup) w->res.t_start = now_s();
@@ -410,13 +415,13 @@ int fps_cli_load(int argc, char **argv) {
         return 2;
     }
   }
+  if (fps_cli_operands("load", argc, argv, optind, 0, 0, "")) {
+    usage(stderr);
+    return 2;
+  }
   if (!shards) {
     fprintf(stderr, "factorps %s: no shards: pass --shards HOST:PORT[,...] or set FACTORPS_SHARDS\n",
             "load");
-    return 2;
-  }
-  if (optind != argc) {
-    usage(stderr);
     return 2;
   }
   if (cfg.worker_id >= (long)cfg.workers) {
@@ -445,9 +450,12 @@ int fps_cli_load(int argc, char **argv) {
   }
   {
     fps_cli_model_t m;
-    if (cfg.model_peer ? fps_cli_model_peer(&m, cfg.params, cfg.peer_tensors, "factorps load")
-                       : fps_cli_model_gpt(&m, cfg.params, "factorps load"))
+    int mrc = cfg.model_peer ? fps_cli_model_peer(&m, cfg.params, cfg.peer_tensors, "factorps load")
+                             : fps_cli_model_gpt(&m, cfg.params, "factorps load");
+    if (mrc) {
+      rc = mrc;
       goto done;
+    }
     cfg.defs = m.defs;
     cfg.names = m.names;
     cfg.n_tensors = m.n_tensors;
@@ -490,6 +498,7 @@ int fps_cli_load(int argc, char **argv) {
   for (unsigned i = 0; i < nrun; i++) {
     if (!ws[i].res.ok) {
       fprintf(stderr, "factorps load: %s\n", ws[i].res.error);
+      if (ws[i].res.bad_options) rc = 2;
       goto done;
     }
     t0 = ws[i].res.t_start < t0 ? ws[i].res.t_start : t0;

@@ -87,9 +87,9 @@ int fps_cli_plan(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  if (peer ? fps_cli_model_peer(&m, params, tensors, "factorps plan")
-           : fps_cli_model_gpt(&m, params, "factorps plan"))
-    return 1;
+  int mrc = peer ? fps_cli_model_peer(&m, params, tensors, "factorps plan")
+                 : fps_cli_model_gpt(&m, params, "factorps plan");
+  if (mrc) return mrc;
   const size_t S = (size_t)shards;
   fps_status_t st;
   size_t nb = 0;
@@ -118,8 +118,9 @@ int fps_cli_plan(int argc, char **argv) {
     if (e - k > 1) {
       const fps_tensor_def_t *d = &m.defs[blocks[k].tensor];
       split_tensors++;
-      printf("split %s [%llu, %llu]:", d->name, (unsigned long long)d->shape[0],
-             (unsigned long long)d->shape[1]);
+      printf("split %s [", d->name);
+      for (uint32_t i = 0; i < d->ndim; i++) printf("%s%llu", i ? ", " : "", (unsigned long long)d->shape[i]);
+      printf("]:");
       for (size_t b = k; b < e; b++)
         printf(" shard %d rows [%llu, %llu)", blocks[b].shard, (unsigned long long)blocks[b].row_lo,
                (unsigned long long)blocks[b].row_hi);

@@ -106,19 +106,28 @@ int fps_cli_pull(int argc, char **argv) {
         return 2;
     }
   }
+  if (fps_cli_operands("pull", argc, argv, optind, 1, argc, "the NAME of a tensor to pull")) {
+    usage(stderr);
+    return 2;
+  }
   if (!shards) {
     fprintf(stderr, "factorps %s: no shards: pass --shards HOST:PORT[,...] or set FACTORPS_SHARDS\n",
             "pull");
-    return 2;
-  }
-  if (optind >= argc) {
-    usage(stderr);
     return 2;
   }
   int crc = fps_cli_connect("pull", shards, &sec, deadline, -1, &addrs, &n, &c, &status);
   if (crc == 2) return 2;
   if (crc) goto fail;
   if (fps_client_discover(c, NULL, &status)) goto fail;
+  /* Every name first: --out is not emptied for a pull that cannot be. */
+  for (int a = optind; a < argc; a++) {
+    uint32_t ndim;
+    uint64_t shape[FPS_CLIENT_MAX_DIMS];
+    if (fps_client_tensor_shape(c, argv[a], &ndim, shape)) {
+      fprintf(stderr, "factorps pull: no shard holds tensor '%s'\n", argv[a]);
+      goto done;
+    }
+  }
   if (out_path && !(out = fopen(out_path, "wb"))) {
     perror(out_path);
     goto done;
@@ -127,10 +136,7 @@ int fps_cli_pull(int argc, char **argv) {
     const char *name = argv[a];
     uint32_t ndim;
     uint64_t shape[FPS_CLIENT_MAX_DIMS], numel = 1, version;
-    if (fps_client_tensor_shape(c, name, &ndim, shape)) {
-      fprintf(stderr, "factorps pull: no shard holds tensor '%s'\n", name);
-      goto done;
-    }
+    fps_client_tensor_shape(c, name, &ndim, shape); /* held: checked above */
     for (uint32_t d = 0; d < ndim; d++) numel *= shape[d];
     fps_free(buf);
     if (!(buf = fps_malloc(numel * sizeof *buf))) {

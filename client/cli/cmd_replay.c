@@ -42,12 +42,8 @@ int fps_cli_replay(int argc, char **argv) {
       case 's': simd = optarg; break;
       case 'c': filter = optarg; break;
       case 't': {
-        char *end;
-        unsigned long v = strtoul(optarg, &end, 10);
-        if (end == optarg || *end || v < 1 || v > 256) {
-          fprintf(stderr, "factorps replay: --threads must be 1..256, got '%s'\n", optarg);
-          return 2;
-        }
+        unsigned long long v;
+        if (fps_cli_u64(optarg, "--threads", 1, 256, &v)) return 2;
         threads = (unsigned)v;
         break;
       }
@@ -55,7 +51,7 @@ int fps_cli_replay(int argc, char **argv) {
       default: replay_usage(stderr); return 2;
     }
   }
-  if (argc - optind != 2) {
+  if (fps_cli_operands("replay", argc, argv, optind, 2, 2, "VECTORS_DIR and OUT_DIR")) {
     replay_usage(stderr);
     return 2;
   }

@@ -172,13 +172,13 @@ int fps_cli_stats(int argc, char **argv) {
         return 2;
     }
   }
+  if (fps_cli_operands("stats", argc, argv, optind, 0, 0, "")) {
+    usage(stderr);
+    return 2;
+  }
   if (!shards) {
     fprintf(stderr, "factorps %s: no shards: pass --shards HOST:PORT[,...] or set FACTORPS_SHARDS\n",
             "stats");
-    return 2;
-  }
-  if (optind != argc) {
-    usage(stderr);
     return 2;
   }
   int crc = fps_cli_connect("stats", shards, &sec, deadline, 2, &addrs, &n, &c, &status);

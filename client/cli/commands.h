@@ -31,6 +31,10 @@ void fps_cli_split_free(char **v);
 int fps_cli_u64(const char *s, const char *what, unsigned long long lo, unsigned long long hi,
                 unsigned long long *out);
 int fps_cli_double(const char *s, const char *what, double lo, double hi, double *out);
+/* The operands after the options, argv[first..argc): 0 if there are
+ * min..max of them; else -1 after printing "factorps CMD: missing WHAT" or
+ * "... unexpected argument 'X'". */
+int fps_cli_operands(const char *cmd, int argc, char **argv, int first, int min, int max, const char *what);
 /* A consistency mode name: 0 for sync, async or ssp; -1 (after printing
  * `what`) otherwise. */
 int fps_cli_mode(const char *s, const char *what);

@@ -45,7 +45,7 @@ int fps_cli_model_gpt(fps_cli_model_t *m, unsigned long long params, const char 
   if (layers * per_layer + d + d > n) {
     fprintf(stderr, "%s: --params %llu is too small for a model (need >= %llu)\n",
             prog, (unsigned long long)n, (unsigned long long)(per_layer + 2 * d));
-    return -1;
+    return 2;
   }
   uint64_t vocab = (n - layers * per_layer - d) / d;
   size_t cap = 2 + 6 * layers;
@@ -54,7 +54,7 @@ int fps_cli_model_gpt(fps_cli_model_t *m, unsigned long long params, const char 
   if (!m->defs || !m->names) {
     fprintf(stderr, "%s: out of memory for the model\n", prog);
     fps_cli_model_free(m);
-    return -1;
+    return 1;
   }
   char name[64];
   def_add(m, "embed.tok", 2, vocab, d);
@@ -89,7 +89,7 @@ int fps_cli_model_peer(fps_cli_model_t *m, unsigned long long params, unsigned l
   if (k < 7 || k > 6 * 512 + 1) {
     fprintf(stderr, "%s: --model peer needs --tensors in [7, 3073], not %llu\n",
             prog, (unsigned long long)k);
-    return -1;
+    return 2;
   }
   uint64_t layers = (k - 1) / 6, extra = k - 1 - 6 * layers;
   uint64_t h = (uint64_t)floor(sqrt(0.88 * (double)n / (double)(12 * layers)) / 64.0) * 64;
@@ -101,7 +101,7 @@ int fps_cli_model_peer(fps_cli_model_t *m, unsigned long long params, unsigned l
   if (!m->defs || !m->names) {
     fprintf(stderr, "%s: out of memory for the model\n", prog);
     fps_cli_model_free(m);
-    return -1;
+    return 1;
   }
   char name[64];
   def_add(m, "embed", 2, vocab, h);

@@ -14,8 +14,9 @@ typedef struct fps_cli_model_s {
   uint64_t total;                      /* elements */
 } fps_cli_model_t;
 
-/* The GPT-like stack of about `params` parameters (see models.c). 0, or -1
- * after printing "<prog>: ..." to stderr. Free with fps_cli_model_free(). */
+/* The GPT-like stack of about `params` parameters (see models.c). 0, or
+ * the exit code after printing "<prog>: ..." to stderr: 2 for sizes no
+ * model has, 1 out of memory. Free with fps_cli_model_free(). */
 int fps_cli_model_gpt(fps_cli_model_t *m, unsigned long long params, const char *prog);
 /* The torch.distributed.rpc peer benchmark's shapes, `tensors` (7..3073)
  * tensors. As fps_cli_model_gpt(). */
