@@ -72,10 +72,25 @@ static void fps__ckpt_rejected(void *ctx, const char *path, int err, const char 
   if (err != FPS_EFORMAT && err != FPS_ESTATE) return;
   const char *base = strrchr(path, '/');
   base = base ? base + 1 : path;
-  char aside[FPS_CKPT_PATH_MAX + 16], to[FPS_CKPT_PATH_MAX + 300];
+  char aside[FPS_CKPT_PATH_MAX + 16], to[FPS_CKPT_PATH_MAX + 320];
   snprintf(aside, sizeof aside, "%s/unloaded", sh->cfg.checkpoint_dir);
+  if (mkdir(aside, 0700) < 0 && errno != EEXIST) {
+    FPS_LOG(FPS_LOG_WARN, "cannot move %s to %s/ (%s): pruning may delete it", path, aside, strerror(errno));
+    return;
+  }
+  /* Never over a file set aside before (another restart's, under the same
+   * name: the shard numbers its files from 1 again in an emptied
+   * directory): ckpt-00000001-2.safetensors and so on. The directory lock
+   * keeps other shards out, so a name seen free stays free. */
+  const char *ext = strrchr(base, '.');
+  int stem = ext ? (int)(ext - base) : (int)strlen(base);
+  struct stat st;
   snprintf(to, sizeof to, "%s/%s", aside, base);
-  if ((mkdir(aside, 0700) < 0 && errno != EEXIST) || rename(path, to) < 0) {
+  for (unsigned k = 2; lstat(to, &st) == 0 && k < 100000; k++)
+    snprintf(to, sizeof to, "%s/%.*s-%u%s", aside, stem, base, k, ext ? ext : "");
+  bool taken = lstat(to, &st) == 0;
+  if (taken) errno = EEXIST;
+  if (taken || rename(path, to) < 0) {
     FPS_LOG(FPS_LOG_WARN, "cannot move %s to %s/ (%s): pruning may delete it", path, aside, strerror(errno));
     return;
   }

@@ -203,6 +203,40 @@ class Checkpoints(unittest.TestCase):
             rc, out = verify(os.path.join(ck.ckdir(0), "unloaded"))
             self.assertEqual(rc, 0, out)
 
+    def test_a_second_set_aside_keeps_the_first(self):
+        # Wrong flag, then the right one: the shard started empty under the
+        # wrong mode numbers its files from 1 again, and the right restart
+        # set those aside under the same names, over the job's own files in
+        # unloaded/ (rename replaces): the trained state was gone. Now the
+        # second file takes the next free name.
+        with CkptShards(1) as ck:
+            mode = ck.mode
+            c = connect(ck.addrs)
+            push(c, 0)
+            c.checkpoint()
+            c.close()
+            ck.kill(0)
+            (f1,) = ck.files(0)
+            with open(f1, "rb") as f:
+                trained = f.read()
+            ck.mode = "async" if mode != "async" else "sync"
+            ck.start(0)
+            c = connect(ck.addrs)
+            push(c, 0)
+            c.checkpoint()  # ckpt-00000001 again, of the wrong mode
+            c.close()
+            ck.kill(0)
+            (f2,) = ck.files(0)
+            self.assertEqual(os.path.basename(f2), os.path.basename(f1))
+            ck.mode = mode
+            ck.start(0)
+            unloaded = os.path.join(ck.ckdir(0), "unloaded")
+            self.assertEqual(sorted(os.listdir(unloaded)),
+                             ["ckpt-00000001-2.safetensors", "ckpt-00000001.safetensors"])
+            with open(os.path.join(unloaded, "ckpt-00000001.safetensors"), "rb") as f:
+                self.assertEqual(f.read(), trained)
+            self.assertRegex(ck.log(0), r"moved \S*ckpt-0+1\.safetensors to \S*unloaded/ckpt-0+1-2\.safetensors")
+
     def test_require_checkpoint_refuses_to_start(self):
         with CkptShards(1) as ck:
             c = connect(ck.addrs)
