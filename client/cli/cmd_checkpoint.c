@@ -96,6 +96,15 @@ static int verify(int argc, char **argv) {
       snprintf(e[i].why, sizeof e[i].why, "written in mode %s, not %s", e[i].info.shard.mode, mode);
     }
     if (st == 0) {
+      /* The values too, as a shard loading it checks them (weights and
+       * momentum finite, second moments finite and >= 0): a file whose
+       * digests were recomputed over a NaN verifies byte for byte. One
+       * file in memory at a time. */
+      fps_ckpt_t *ck = NULL;
+      st = fps_ckpt_load_file(e[i].path, have_id ? &ex : NULL, &ck, e[i].why, sizeof e[i].why);
+      fps_ckpt_destroy(ck);
+    }
+    if (st == 0) {
       printf("ok   %s  sequence %llu  shard %u/%u  mode %s  %llu tensors (%llu row blocks)  %llu bytes  "
              "created %s%s%s\n",
              e[i].path, (unsigned long long)e[i].info.seq, e[i].info.shard.shard_id,

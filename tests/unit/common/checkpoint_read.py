@@ -3,7 +3,11 @@
 writes one the C loader accepts: the format (common/checkpoint.h) is usable
 without factorps.
 
-Usage: checkpoint_read.py PATH/TO/ckpt_sample
+With the CLI as a second argument, `factorps checkpoint verify` is run on
+what Python wrote: ok as written, BAD (not finite) with a NaN weight whose
+digests were recomputed, as the shard's loader refuses it.
+
+Usage: checkpoint_read.py PATH/TO/ckpt_sample [PATH/TO/factorps]
 """
 import hashlib
 import json
@@ -190,6 +194,24 @@ def main():
         if r.returncode != 0:
             fail("C loader rejected the Python-written file: " + r.stderr + r.stdout)
         print(r.stdout.strip())
+
+        if len(sys.argv) > 2:
+            cli = sys.argv[2]
+            r = subprocess.run([cli, "checkpoint", "verify", d], capture_output=True, text=True)
+            if r.returncode != 0:
+                fail("verify refused the Python-written file: " + r.stdout + r.stderr)
+            # Right digests over a NaN weight: verify says BAD, as the
+            # shard's loader would skip it (it said ok, byte for byte).
+            bad_dir = os.path.join(d, "nan")
+            os.mkdir(bad_dir)
+            arr_nan = {k: np.array(v) for k, v in arr.items()}
+            first = next(k for k in header if "/" not in k)
+            arr_nan[first].reshape(-1)[0] = np.nan
+            write(os.path.join(bad_dir, "ckpt-00000002.safetensors"), header, meta2, arr_nan, list(header))
+            r = subprocess.run([cli, "checkpoint", "verify", bad_dir], capture_output=True, text=True)
+            if r.returncode != 1 or "not finite" not in r.stdout:
+                fail("verify of a NaN weight: exit %d: %s" % (r.returncode, r.stdout + r.stderr))
+            print("verify: ok as written, BAD with a NaN weight")
 
         # One flipped data bit: C must reject it as corrupted.
         with open(out, "r+b") as f:
