@@ -243,15 +243,18 @@ static int on_slice(void *ctx, const fps_wire_tslice_t *sl) {
   if (sl->dtype != FACTORPS__V1__DTYPE__DTYPE_F32 && sl->dtype != FACTORPS__V1__DTYPE__DTYPE_BF16)
     return fps__stream_fail(&pc->s, FPS_CODE_INTERNAL, "tensor '%s': reply dtype %d, not f32 or bf16",
                             t->name, (int)sl->dtype);
+  /* The shape first: a client whose list names another shape (a Create
+   * that failed, ALREADY_EXISTS, still replaced the list) is told so,
+   * whichever of the two is larger. */
+  if (sl->n_shape != t->ndim || memcmp(sl->shape, t->shape, t->ndim * sizeof *t->shape) != 0)
+    return fps__stream_fail(&pc->s, FPS_CODE_FAILED_PRECONDITION,
+                            "tensor '%s': the shard's shape differs from the client's", t->name);
   const size_t esz = fps_dtype_size(sl->dtype);
   if (sl->data_len % esz || sl->offset > it->numel || sl->data_len / esz > it->numel - sl->offset)
     return fps__stream_fail(&pc->s, FPS_CODE_INTERNAL,
                             "tensor '%s'%s: reply slice [%llu, +%llu bytes) outside %llu elements",
                             t->name, t->blocks ? " (a row block)" : "", (unsigned long long)sl->offset,
                             (unsigned long long)sl->data_len, (unsigned long long)it->numel);
-  if (sl->n_shape != t->ndim || memcmp(sl->shape, t->shape, t->ndim * sizeof *t->shape) != 0)
-    return fps__stream_fail(&pc->s, FPS_CODE_FAILED_PRECONDITION,
-                            "tensor '%s': the shard's shape differs from the client's", t->name);
   /* Straight from gRPC's buffers into the caller's array: one pass (bf16
    * with non-temporal stores: the array is not read again this call). */
   float *dst = job->params[it->idx];

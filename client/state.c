@@ -88,6 +88,31 @@ static int st_reply(fps__stream_t *s, const uint8_t *data, size_t len) {
   int rc = 0, code;
   Factorps__V1__GetStateResponse *m = fps__unpack(&factorps__v1__get_state_response__descriptor, data, len, &code);
   if (!m) return fps__stream_fail(s, code, "%s GetStateResponse (%zu bytes)", fps__unpack_why(code), len);
+  /* The sizes first: a client whose list names another shape is told
+   * so (FAILED_PRECONDITION), not that a slice is out of bounds. */
+  for (size_t i = 0; i < m->n_tensors && !rc; i++) {
+    const Factorps__V1__TensorState *ts = m->tensors[i];
+    st_item_t *it = ts->name ? find(sh, ts->name) : NULL;
+    if (!it) {
+      rc = fps__stream_fail(s, FPS_CODE_INTERNAL, "reply carries the state of tensor '%.256s', not asked for",
+                            ts->name ? ts->name : "");
+      break;
+    }
+    uint64_t n[K_N] = {ts->row_elements, ts->col_elements, ts->var_elements, ts->mom_elements};
+    for (int k = 0; k < K_N; k++)
+      if (n[k] > it->max[k] || (k != K_MOM && n[k] != it->max[k])) {
+        rc = fps__stream_fail(s, FPS_CODE_FAILED_PRECONDITION,
+                              "tensor '%s': the shard's state sizes (row %llu, col %llu, var %llu, mom %llu) do "
+                              "not fit the client's shape",
+                              it->t->name, (unsigned long long)n[0], (unsigned long long)n[1],
+                              (unsigned long long)n[2], (unsigned long long)n[3]);
+        break;
+      }
+    it->info = (fps_tensor_state_t){ts->version, ts->step, ts->rms, ts->lr, ts->weight_decay,
+                                    n[K_ROW], n[K_COL], n[K_VAR], n[K_MOM]};
+    memcpy(it->want, n, sizeof n);
+    it->have_info = 1;
+  }
   for (size_t i = 0; i < m->n_slices && !rc; i++) {
     const Factorps__V1__StateSlice *sl = m->slices[i];
     st_item_t *it = sl->name ? find(sh, sl->name) : NULL;
@@ -111,29 +136,6 @@ static int st_reply(fps__stream_t *s, const uint8_t *data, size_t len) {
     else if (arr && arr[it->idx])
       memcpy(arr[it->idx] + it->dst[k] + sl->offset, sl->data.data, sl->data.len);
     it->got[k] += cnt;
-  }
-  for (size_t i = 0; i < m->n_tensors && !rc; i++) {
-    const Factorps__V1__TensorState *ts = m->tensors[i];
-    st_item_t *it = ts->name ? find(sh, ts->name) : NULL;
-    if (!it) {
-      rc = fps__stream_fail(s, FPS_CODE_INTERNAL, "reply carries the state of tensor '%.256s', not asked for",
-                            ts->name ? ts->name : "");
-      break;
-    }
-    uint64_t n[K_N] = {ts->row_elements, ts->col_elements, ts->var_elements, ts->mom_elements};
-    for (int k = 0; k < K_N; k++)
-      if (n[k] > it->max[k] || (k != K_MOM && n[k] != it->max[k])) {
-        rc = fps__stream_fail(s, FPS_CODE_FAILED_PRECONDITION,
-                              "tensor '%s': the shard's state sizes (row %llu, col %llu, var %llu, mom %llu) do "
-                              "not fit the client's shape",
-                              it->t->name, (unsigned long long)n[0], (unsigned long long)n[1],
-                              (unsigned long long)n[2], (unsigned long long)n[3]);
-        break;
-      }
-    it->info = (fps_tensor_state_t){ts->version, ts->step, ts->rms, ts->lr, ts->weight_decay,
-                                    n[K_ROW], n[K_COL], n[K_VAR], n[K_MOM]};
-    memcpy(it->want, n, sizeof n);
-    it->have_info = 1;
   }
   factorps__v1__get_state_response__free_unpacked(m, &fps__pb_allocator);
   return rc;

@@ -122,6 +122,20 @@ class ShardErrorsTest(unittest.TestCase):
                          factorps.TensorSpec("b", (3,), np.zeros(3))])
             np.testing.assert_array_equal(run2.pull(["w"])[0]["w"], self.w0)
 
+    def test_a_refused_shape_reads_as_a_precondition(self):
+        # A Create refused (ALREADY_EXISTS) still sets the client's list, so
+        # reads then name a shape the shard does not hold. Smaller than the
+        # shard's, they reported INTERNAL ("reply slice ... outside"), larger
+        # FAILED_PRECONDITION; both say now that the shapes differ.
+        for shape in ((2,), (5, 3)):
+            with self.subTest(shape=shape), factorps.connect(self.shards.addrs, deadline=10) as other:
+                with self.assertRaises(factorps.AlreadyExistsError):
+                    other.create([factorps.TensorSpec("w", shape, np.ones(shape))])
+                with self.assertRaisesRegex(factorps.FailedPreconditionError, "differs from the client's"):
+                    other.pull(["w"])
+                with self.assertRaisesRegex(factorps.FailedPreconditionError, "not fit the client's shape"):
+                    other.get_state(["w"])
+
     def test_nonfinite_gradients_change_nothing(self):
         for bad in (math.nan, math.inf, -math.inf):
             g = np.ones((4, 3), np.float32)
