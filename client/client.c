@@ -426,7 +426,8 @@ int fps_client_tensor_shape(const fps_client_t *c, const char *name, uint32_t *n
 int fps_client_tensor_blocks(const fps_client_t *c, const char *name, fps_block_t *blocks,
                              size_t cap) {
   int n = -1;
-  if (!c || !name || (cap && !blocks)) return -1;
+  if (!c || !name) return -1;
+  if (!blocks) cap = 0; /* only the count, whatever cap says */
   pthread_rwlock_rdlock((pthread_rwlock_t *)&c->lock);
   const fps__tensor_t *t = fps__tensor_list_find(&c->tensors, name);
   if (t) {

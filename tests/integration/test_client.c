@@ -546,7 +546,14 @@ static void test_placement_deterministic_balanced(void **state) {
     fps_tensor_stats_t ts;
     assert_code(fps_client_tensor_stats(a, names[i], &ts, NULL, 0, NULL, &st), 0, st);
     assert_int_equal(ts.shard, s);
+    /* A whole tensor is one block; NULL asks for the count alone, whatever
+     * cap says (-1 is kept for an unknown name). */
+    fps_block_t blk;
+    assert_int_equal(fps_client_tensor_blocks(a, names[i], &blk, 1), 1);
+    assert_int_equal(blk.shard, s);
+    assert_int_equal(fps_client_tensor_blocks(a, names[i], NULL, 1), 1);
   }
+  assert_int_equal(fps_client_tensor_blocks(a, "nope", NULL, 0), -1);
   uint64_t hi = load[0] > load[1] ? load[0] : load[1], lo = load[0] > load[1] ? load[1] : load[0];
   assert_true(hi - lo <= biggest);
   /* Stats agrees: each shard holds its share. */

@@ -551,11 +551,12 @@ FPS_EXTERN int fps_client_tensor_shape(const fps_client_t *c, const char *name, 
                                        uint64_t *shape);
 
 /* The row blocks tensor `name` is placed in (from the tensor list, as
- * fps_client_shard_of): up to `cap` of them into `blocks` (may be NULL with
- * cap 0), in row order; a whole tensor is one block of all its rows. The
- * blocks' `tensor` field is the tensor's index in the client's list, sorted
- * by name. Returns the tensor's block count (also when cap is smaller), or
- * -1 if the name is unknown. Thread-safe as fps_client_shard_of(). */
+ * fps_client_shard_of): up to `cap` of them into `blocks` (NULL: none, only
+ * the count), in row order; a whole tensor is one block of all its rows.
+ * The blocks' `tensor` field is the tensor's index in the client's list,
+ * sorted by name. Returns the tensor's block count (also when cap is
+ * smaller), or -1 if the name is unknown (or c or name is NULL).
+ * Thread-safe as fps_client_shard_of(). */
 FPS_EXTERN int fps_client_tensor_blocks(const fps_client_t *c, const char *name,
                                         fps_block_t *blocks, size_t cap);
 
