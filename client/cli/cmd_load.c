@@ -48,7 +48,7 @@ typedef struct load_cfg_s {
   unsigned long long split_min_bytes;  /* --split-min-bytes (0: never split) */
   unsigned long long push_chunk_bytes; /* --push-chunk-bytes (0: one call per shard) */
   fps_cli_sec_t sec;                   /* TLS and token options */
-  int processes;
+  int processes;                       /* 1: --processes, 0: threads */
   long worker_id;                      /* -1: run all W workers; else only this one */
   /* The model. */
   fps_tensor_def_t *defs;
@@ -342,7 +342,8 @@ int fps_cli_load(int argc, char **argv) {
                                            {NULL, 0, NULL, 0}};
   load_cfg_t cfg = {.workers = 2, .params = 10000000, .steps = 20, .warmup = 1, .deadline = 120,
                     .max_message = 4u << 20, .worker_id = -1, .wire_dtype = FPS_WIRE_F32,
-                    .peer_tensors = 64, .push_chunk_bytes = FPS_PUSH_CHUNK_BYTES_DEFAULT};
+                    .peer_tensors = 64, .push_chunk_bytes = FPS_PUSH_CHUNK_BYTES_DEFAULT,
+                    .processes = -1 /* neither flag yet */};
   const char *shards = fps_cli_env_shards();
   unsigned long long v;
   int opt, rc = 1;
@@ -370,8 +371,14 @@ int fps_cli_load(int argc, char **argv) {
         if (fps_cli_mode(optarg, "--mode-hint")) return 2;
         cfg.mode_hint = optarg;
         break;
-      case 't': cfg.processes = 0; break;
-      case 'p': cfg.processes = 1; break;
+      case 't':
+      case 'p':
+        if (cfg.processes != -1 && cfg.processes != (opt == 'p')) {
+          fprintf(stderr, "factorps load: --threads and --processes exclude each other\n");
+          return 2;
+        }
+        cfg.processes = opt == 'p';
+        break;
       case 'd':
         if (fps_cli_double(optarg, "--deadline", 0.001, 86400, &cfg.deadline)) return 2;
         break;
@@ -415,6 +422,7 @@ int fps_cli_load(int argc, char **argv) {
         return 2;
     }
   }
+  if (cfg.processes == -1) cfg.processes = 0;
   if (fps_cli_operands("load", argc, argv, optind, 0, 0, "")) {
     usage(stderr);
     return 2;

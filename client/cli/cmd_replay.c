@@ -98,12 +98,15 @@ int fps_cli_replay(int argc, char **argv) {
   }
   fps_golden_list_free(names, n);
   fps_pool_destroy(pool);
+  if (done + failed == 0) {
+    if (filter && n)
+      fprintf(stderr, "factorps replay: no case of the %zu in %s matches --case '%s'\n", n, vec_dir, filter);
+    else
+      fprintf(stderr, "factorps replay: no cases found in %s\n", vec_dir);
+    return 1;
+  }
   printf("replayed %zu case(s) with %s kernels into %s", done, fps_kernels_name(k), out_dir);
   if (failed) printf(", %zu failed", failed);
   printf("\n");
-  if (done + failed == 0) {
-    fprintf(stderr, "factorps replay: no cases found in %s\n", vec_dir);
-    return 1;
-  }
   return failed ? 1 : 0;
 }

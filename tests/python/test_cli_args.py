@@ -9,7 +9,9 @@ run. Found by an audit of the CLI as a careless user would call it:
 - a number with a leading space, " -1", wrapped to 2^64-1 and ran;
 - an extra or missing operand printed the usage without saying which;
 - `pull --out FILE` emptied FILE before finding that a name was unknown;
-- `plan` printed a split 1-D tensor's shape as [N, 0].
+- `plan` printed a split 1-D tensor's shape as [N, 0];
+- `load --threads --processes` took the last; `replay --case` matching
+  nothing said the directory held no cases, after "replayed 0 case(s)".
 """
 import os
 import subprocess
@@ -39,6 +41,8 @@ class CliArgsTest(unittest.TestCase):
         self.assertUsage(run("checkpoint", "verify"), "missing the checkpoint DIR")
         self.assertUsage(run("replay"), "missing VECTORS_DIR and OUT_DIR")
         self.assertUsage(run("replay", "a", "b", "c"), "unexpected argument 'c'")
+        self.assertUsage(run("load", "--shards", "127.0.0.1:1", "--threads", "--processes"),
+                         "--threads and --processes exclude each other")
 
     def test_numbers(self):
         self.assertUsage(run("plan", "--shard-count", " -18446744073709551612", "--params", "1M"),
@@ -47,6 +51,14 @@ class CliArgsTest(unittest.TestCase):
         for cmd in ("plan", "load"):
             args = ["--shard-count", "4"] if cmd == "plan" else ["--shards", "127.0.0.1:1"]
             self.assertUsage(run(cmd, *args, "--params", "1"), "--params 1 is too small for a model")
+
+    def test_replay_names_a_case_filter_that_matches_nothing(self):
+        vectors = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vectors", "adafactor")
+        with tempfile.TemporaryDirectory() as out:
+            r = run("replay", vectors, out, "--case", "zzz")
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertRegex(r.stderr, r"no case of the \d+ in \S+ matches --case 'zzz'")
+        self.assertEqual(r.stdout, "")  # no "replayed 0 case(s)" line
 
     def test_plan_prints_every_dimension(self):
         r = run("plan", "--shard-count", "4", "--split-min-bytes", "1Ki")
