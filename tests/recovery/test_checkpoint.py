@@ -42,6 +42,19 @@ def push(c, k):
     return {n: np.array(p) for n, p in params.items()}, dict(versions)
 
 
+def one_checkpoint_then_kill(ck):
+    """Shard 0 of `ck` pushes once, checkpoints and is SIGKILLed: returns
+    its one checkpoint file's path and bytes."""
+    c = connect(ck.addrs)
+    push(c, 0)
+    c.checkpoint()
+    c.close()
+    ck.kill(0)
+    (path,) = ck.files(0)
+    with open(path, "rb") as f:
+        return path, f.read()
+
+
 def wait_exit(proc, timeout=30):
     try:
         return proc.wait(timeout)
@@ -179,14 +192,7 @@ class Checkpoints(unittest.TestCase):
         # checkpoints and then pruned them after --checkpoint-keep writes:
         # the trained state was gone. Now they are moved into unloaded/.
         with CkptShards(1) as ck:
-            c = connect(ck.addrs)
-            push(c, 0)
-            c.checkpoint()
-            c.close()
-            ck.kill(0)
-            (f1,) = ck.files(0)
-            with open(f1, "rb") as f:
-                before = f.read()
+            f1, before = one_checkpoint_then_kill(ck)
             ck.mode = "async" if ck.mode != "async" else "sync"
             ck.ckpt = ["--checkpoint-keep", "1"]
             ck.start(0)
@@ -211,22 +217,10 @@ class Checkpoints(unittest.TestCase):
         # second file takes the next free name.
         with CkptShards(1) as ck:
             mode = ck.mode
-            c = connect(ck.addrs)
-            push(c, 0)
-            c.checkpoint()
-            c.close()
-            ck.kill(0)
-            (f1,) = ck.files(0)
-            with open(f1, "rb") as f:
-                trained = f.read()
+            f1, trained = one_checkpoint_then_kill(ck)
             ck.mode = "async" if mode != "async" else "sync"
             ck.start(0)
-            c = connect(ck.addrs)
-            push(c, 0)
-            c.checkpoint()  # ckpt-00000001 again, of the wrong mode
-            c.close()
-            ck.kill(0)
-            (f2,) = ck.files(0)
+            f2, _ = one_checkpoint_then_kill(ck)  # ckpt-00000001 again, of the wrong mode
             self.assertEqual(os.path.basename(f2), os.path.basename(f1))
             ck.mode = mode
             ck.start(0)
