@@ -176,6 +176,73 @@ def _model():
 
 
 @need_server
+@need_server
+class BindingInputTest(unittest.TestCase):
+    """What the binding must refuse itself, as InvalidArgumentError, before
+    a pointer or an integer reaches C: an audit of the package as a careless
+    caller uses it found values that ctypes wrapped (worker_id 2^32 pushed
+    as worker 0), names cut at a NUL, a lazily negated torch view read
+    sign-flipped, an int32 `out` cut silently, an expanded `out` failing
+    only after the push was applied, a typo in `settings` ignored, and
+    built-in exceptions where the binding's classes were promised."""
+
+    def setUp(self):
+        self.shards = Shards(1, mode="async")
+        self.addCleanup(self.shards.close)
+        self.c = factorps.connect(self.shards.addrs, deadline=10)
+        self.addCleanup(self.c.close)
+        self.c.create([factorps.TensorSpec("w", (2,), np.ones(2, np.float32))])
+
+    def test_refused_before_c(self):
+        bad = {
+            "connect worker_id 2^32": lambda: factorps.connect(self.shards.addrs, worker_id=2 ** 32),
+            "connect max_retries 2^32": lambda: factorps.connect(self.shards.addrs, max_retries=2 ** 32),
+            "connect max_message_bytes 2^70": lambda: factorps.connect(self.shards.addrs, max_message_bytes=2 ** 70),
+            "connect None": lambda: factorps.connect(None),
+            "job_id with NUL": lambda: factorps.connect(self.shards.addrs, job_id="a\0b"),
+            "name with NUL": lambda: self.c.push_pull({"w\0x": np.ones(2)}),
+            "name with a surrogate": lambda: self.c.create([factorps.TensorSpec("\ud800", (2,))]),
+            "shape as a str": lambda: self.c.create([factorps.TensorSpec("s", "12")]),
+            "shape of floats": lambda: self.c.create([factorps.TensorSpec("f", (2.7, 4))]),
+            "shape past 2^63": lambda: self.c.create([factorps.TensorSpec("h", (2 ** 64 + 2,))]),
+            "optimizer as a str": lambda: self.c.create([factorps.TensorSpec("o", (2,), optimizer="torch")]),
+            "object init": lambda: self.c.create([factorps.TensorSpec("x", (2,), np.array([1, None]))]),
+            "complex gradient": lambda: self.c.push_pull({"w": np.ones(2, np.complex64)}),
+            "step 2^64+1": lambda: self.c.push_pull({"w": np.ones(2)}, step=2 ** 64 + 1),
+            "num_workers 2^32+1": lambda: self.c.push_pull({"w": np.ones(2)}, num_workers=2 ** 32 + 1),
+            "settings of a tensor not pushed": lambda: self.c.push_pull({"w": np.ones(2)},
+                                                                          settings={"W": {"lr": 0.0}}),
+            "settings not a dict": lambda: self.c.push_pull({"w": np.ones(2)}, settings={"w": 0.1}),
+            "out of a tensor not pushed": lambda: self.c.push_pull({"w": np.ones(2)},
+                                                                     out={"W": np.empty(2, np.float32)}),
+            "int32 out": lambda: self.c.push_pull({"w": np.ones(2)}, out={"w": np.empty(2, np.int32)}),
+            "expanded torch out": lambda: self.c.push_pull({"w": np.ones(2)},
+                                                            out={"w": torch.zeros(1).expand(2)}),
+            "meta torch out": lambda: self.c.pull(["w"], out={"w": torch.empty(2, device="meta")}),
+            "sparse gradient": lambda: self.c.push_pull({"w": torch.ones(2).to_sparse()}),
+        }
+        for what, call in bad.items():
+            with self.subTest(what):
+                with self.assertRaises(factorps.InvalidArgumentError):
+                    call()
+        # Nothing of that was applied.
+        self.assertEqual(self.c.pull(["w"])[1]["w"], 0)
+
+    def test_a_negated_view_is_read_as_its_values(self):
+        x = torch.tensor([1 + 2j, 3 + 4j]).conj().imag  # [-2, -4], lazily negated
+        self.c.create([factorps.TensorSpec("n", (2,), init=x)])
+        np.testing.assert_array_equal(self.c.pull(["n"])[0]["n"], [-2.0, -4.0])
+        out = torch.tensor([1 + 0j, 1 + 0j]).conj().imag  # written through a negated view
+        self.c.pull(["n"], out={"n": out})
+        np.testing.assert_array_equal(out.resolve_neg().numpy(), [-2.0, -4.0])
+
+    def test_a_closed_client_is_a_failed_precondition(self):
+        c = factorps.connect(self.shards.addrs)
+        c.close()
+        with self.assertRaisesRegex(factorps.FailedPreconditionError, "client is closed"):
+            c.pull(["w"])
+
+
 class RestartTest(unittest.TestCase):
     """A shard dies or restarts in the middle of training: the worker gets a
     clear error in bounded time (never a hang)."""

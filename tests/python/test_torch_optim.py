@@ -339,6 +339,66 @@ class RemoteTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             opt.load_state_dict({"state": {}, "param_groups": []})
 
+    def test_load_state_dict_refuses_values_the_shards_would(self):
+        # A NaN or negative second moment, or a step past 2^53, was accepted
+        # here; the next step() then had one shard take its tensors and
+        # another refuse them: the model at two versions, every step failing.
+        ps = _params()
+        opt = self.opt(ps)
+        for _ in range(2):
+            for p in ps:
+                p.grad = torch.ones_like(p)
+            opt.step()
+        sd = opt.state_dict()
+        key = next(k for k in sd["state"][0] if k.endswith("row_var") or k == "exp_avg_sq_row")
+        for bad, words in ((float("nan"), "not finite"), (-1.0, "cannot be negative")):
+            broken = copy.deepcopy(sd)
+            broken["state"][0][key].view(-1)[0] = bad
+            with self.assertRaisesRegex(ValueError, words):
+                opt.load_state_dict(broken)
+        broken = copy.deepcopy(sd)
+        broken["state"][0]["step"] = torch.tensor(2.0 ** 60)
+        with self.assertRaisesRegex(ValueError, r"0\.\.2\^53"):
+            opt.load_state_dict(broken)
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()  # nothing changed: training goes on
+        self.assertEqual(opt.remote_step, 3)
+
+    def test_frozen_after_a_step_then_unfrozen(self):
+        # Freezing a parameter after it travelled, then unfreezing it (staged
+        # fine-tuning), made every later step() raise KeyError.
+        p = torch.nn.Parameter(torch.ones(3))
+        q = torch.nn.Parameter(torch.ones(3))
+        opt = self.opt([("p", p), ("q", q)], lr=0.1)
+        p.grad, q.grad = torch.ones(3), torch.ones(3)
+        opt.step()
+        q.requires_grad_(False)
+        q.grad = None
+        p.grad = torch.ones(3)
+        opt.step()
+        q_frozen = q.detach().clone()
+        q.requires_grad_(True)
+        for _ in range(2):
+            p.grad, q.grad = torch.ones(3), torch.ones(3)
+            opt.step()
+        self.assertTrue(bool((q.detach() < q_frozen).all()), q)
+        # A change made while frozen is written to the shards, as any local
+        # change is.
+        q.requires_grad_(False)
+        with torch.no_grad():
+            q.fill_(5.0)
+        q.requires_grad_(True)
+        p.grad, q.grad = torch.ones(3), torch.zeros(3)
+        opt.step()
+        params, _ = opt.client.pull(["q"])
+        np.testing.assert_allclose(params["q"], 5.0, atol=0.01)
+
+    def test_recovery_timeout_must_be_a_number(self):
+        for bad in (float("nan"), float("inf"), -1.0):
+            with self.assertRaisesRegex(ValueError, "recovery_timeout"):
+                RemoteAdafactor(_params(), shards=self.shards.addrs, recovery_timeout=bad)
+
     def test_num_workers_must_match_the_shards(self):
         opt = self.opt(_params(), num_workers=2, worker_id=0)  # shards run 1 worker
         with self.assertRaisesRegex(factorps.FailedPreconditionError, "num_workers=2"):

@@ -13,13 +13,14 @@ torch tensor, is passed by pointer (no copy), in and out. Anything else
 """
 
 import ctypes
+import operator
 import threading
 from collections import OrderedDict
 
 import numpy as np
 
 from . import _lib
-from .errors import Error, InvalidArgumentError, NotFoundError, error_for
+from .errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, error_for
 
 # The optimizer fields of the wire contract (AdafactorConfig), by flavor.
 # A value of None means "absent": the shard uses the flavor's upstream default.
@@ -45,15 +46,42 @@ def _is_torch(x):
     return t is not None and isinstance(x, t.Tensor)
 
 
-def _shape_tuple(shape, what):
+def _cstr(value, what):
+    """`value` as the C string the library gets: a str without NUL (C
+    would end it there) that encodes to UTF-8."""
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"{what} must be a str, not {type(value).__name__}")
+    if "\0" in value:
+        raise InvalidArgumentError(f"{what} {value!r} holds a NUL character")
     try:
-        out = tuple(int(s) for s in shape)
+        return value.encode()
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(f"{what} {value!r} is not valid Unicode: {e.reason}") from None
+
+
+def _uint(value, what, bits, lo=0):
+    """`value` as an int in lo..2^bits-1: a float, a str or a value past the
+    C field would be truncated or wrapped by ctypes."""
+    try:
+        v = operator.index(value)
     except TypeError:
+        raise InvalidArgumentError(f"{what} must be an int, not {value!r}") from None
+    if isinstance(value, bool) or not lo <= v < 1 << bits:
+        raise InvalidArgumentError(f"{what} must be an int in {lo}..2^{bits}-1, got {value!r}")
+    return v
+
+
+def _shape_tuple(shape, what):
+    if isinstance(shape, (str, bytes)):
         raise InvalidArgumentError(f"{what}: shape must be a sequence of ints, not {shape!r}")
+    try:
+        out = tuple(operator.index(s) for s in shape)
+    except TypeError:
+        raise InvalidArgumentError(f"{what}: shape must be a sequence of ints, not {shape!r}") from None
     if len(out) > _lib.MAX_DIMS:
         raise InvalidArgumentError(f"{what}: {len(out)} dims, at most {_lib.MAX_DIMS} supported")
-    if any(s < 1 for s in out):
-        raise InvalidArgumentError(f"{what}: every dim must be >= 1, got {out}")
+    if any(s < 1 or s >= 1 << 63 for s in out):
+        raise InvalidArgumentError(f"{what}: every dim must be in 1..2^63-1, got {out}")
     return out
 
 
@@ -78,13 +106,25 @@ class _In:
         if _is_torch(x):
             torch = _torch_module()
             t = x.detach()
+            if t.is_sparse or t.device.type == "meta" or t.is_complex():
+                raise InvalidArgumentError(
+                    f"tensor '{name}': {role} must be a dense real tensor with values, not "
+                    f"{'sparse' if t.is_sparse else t.device.type if t.device.type == 'meta' else t.dtype}")
             _check_shape(name, t.shape, shape, role)
+            # A lazily negated view (x.conj().imag) holds the values before
+            # the negation: resolve it, or the raw bytes go out sign-flipped.
+            if getattr(t, "is_neg", lambda: False)():
+                t = t.resolve_neg()
             if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()):
                 t = t.to(device="cpu", dtype=torch.float32).contiguous()
             self.keep = t
             self.ptr = ctypes.cast(t.data_ptr(), _lib.c_float_p)
             return
         a = np.asarray(x)
+        if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer) or
+                a.dtype == np.bool_):
+            raise InvalidArgumentError(f"tensor '{name}': {role} must hold real numbers, not "
+                                       f"{a.dtype}")
         _check_shape(name, a.shape, shape, role)
         a = np.ascontiguousarray(a, dtype=np.float32)  # no copy if already so
         self.keep = a
@@ -103,8 +143,18 @@ class _Out:
         elif _is_torch(x):
             torch = _torch_module()
             _check_shape(name, x.shape, shape, "output")
+            # Checked before the call, not at the copy back after it (the
+            # push would then be applied and reported as failed).
+            if not x.is_floating_point() or x.is_sparse or x.device.type == "meta":
+                raise InvalidArgumentError(
+                    f"tensor '{name}': output must be a dense floating-point tensor with "
+                    f"storage, not {'sparse' if x.is_sparse else x.dtype} on {x.device.type}")
+            if any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+                raise InvalidArgumentError(f"tensor '{name}': output has overlapping elements "
+                                           "(an expanded view); pass a tensor of its own")
             self.result = x
-            if x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
+            if (x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and
+                    not getattr(x, "is_neg", lambda: False)()):
                 self.buf = x
             else:
                 self.buf = torch.empty(shape, dtype=torch.float32)
@@ -117,6 +167,9 @@ class _Out:
                     f"tensor '{name}': output must be a numpy array or torch tensor, "
                     f"not {type(x).__name__}")
             _check_shape(name, x.shape, shape, "output")
+            if not np.issubdtype(x.dtype, np.floating):
+                raise InvalidArgumentError(f"tensor '{name}': output must be a floating-point "
+                                           f"array, not {x.dtype} (values would be cut)")
             self.result = x
             if x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable:
                 self.buf = x
@@ -157,6 +210,9 @@ def optimizer_config(flavor="torch", **hparams):
 
 
 def _fill_optim(cfg, optim, name):
+    if optim is not None and not isinstance(optim, dict):
+        raise InvalidArgumentError(f"tensor '{name}': optimizer must be a dict (optimizer_config(...)), "
+                                   f"not {optim!r}")
     optim = dict(optim or {"flavor": "torch"})
     flavor = optim.pop("flavor", "torch")
     optim = optimizer_config(flavor, **optim)
@@ -233,6 +289,12 @@ class Client:
 
     Thread-safe like libfactorps: several threads may call push_pull/pull/stats
     at once; close() waits for calls in flight.
+
+    Not fork-safe: gRPC's threads do not survive fork(), so a Client used in
+    a forked child breaks the parent's for good; connect in the child (fork
+    DataLoader workers that never touch the client are fine). A call runs
+    in C: Ctrl-C (KeyboardInterrupt) is raised when it returns, at most
+    `deadline` seconds later.
     """
 
     def __init__(self, shards, *, worker_id=0, deadline=60.0, max_retries=5, backoff=0.1,
@@ -241,11 +303,16 @@ class Client:
                  split_min_bytes=0, push_chunk_bytes=None, job_id=None):
         if isinstance(shards, str):
             shards = [s for s in shards.split(",") if s.strip()]
-        shards = [str(s).strip() for s in shards]
+        try:
+            shards = [str(s).strip() for s in shards]
+        except TypeError:
+            raise InvalidArgumentError(f"connect: shards must be a list of addresses or a "
+                                       f"comma-separated str, not {shards!r}") from None
         if not shards:
             raise InvalidArgumentError("connect: need at least one shard address")
-        if int(worker_id) < 0:
-            raise InvalidArgumentError(f"connect: worker_id must be >= 0, got {worker_id}")
+        worker_id = _uint(worker_id, "connect: worker_id", 32)
+        max_retries = _uint(max_retries, "connect: max_retries", 31)
+        max_message_bytes = _uint(max_message_bytes, "connect: max_message_bytes", 64)
         wire = {"f32": 1, "fp32": 1, "float32": 1, "bf16": 2, "bfloat16": 2}.get(
             str(wire_dtype).lower())
         if wire is None:
@@ -284,12 +351,13 @@ class Client:
             opts.push_chunk_bytes = push_chunk_bytes
         self.split_min_bytes = split_min_bytes
         # Keep the encoded strings alive as long as the options struct.
-        self._opt_strings = [None if v is None else str(v).encode()
-                             for v in (tls_ca_file, tls_cert_file, tls_key_file, auth_token,
-                                       tls_server_name, job_id)]
+        self._opt_strings = [None if v is None else _cstr(str(v), "connect: " + what)
+                             for v, what in ((tls_ca_file, "tls_ca_file"), (tls_cert_file, "tls_cert_file"),
+                                             (tls_key_file, "tls_key_file"), (auth_token, "auth_token"),
+                                             (tls_server_name, "tls_server_name"), (job_id, "job_id"))]
         (opts.tls_ca_file, opts.tls_cert_file, opts.tls_key_file,
          opts.auth_token, opts.tls_server_name, opts.job_id) = self._opt_strings
-        addrs = (ctypes.c_char_p * len(shards))(*[s.encode() for s in shards])
+        addrs = (ctypes.c_char_p * len(shards))(*[_cstr(s, "connect: shard address") for s in shards])
         st = _lib.Status()
         handle = self._lib.fps_client_create(addrs, len(shards), ctypes.byref(opts),
                                              ctypes.byref(st))
@@ -308,7 +376,7 @@ class Client:
             while self._exclusive or (exclusive and self._inflight):
                 self._cv.wait()
             if self._closed:
-                raise Error("client is closed", code=9)
+                raise FailedPreconditionError("client is closed")
             self._inflight += 1
             if exclusive:
                 self._exclusive = True
@@ -335,11 +403,9 @@ class Client:
     def _shape_of(self, name, h):
         """The shape the library will read `name` with, asked from the
         library itself (its tensor list is what counts)."""
-        if not isinstance(name, str):
-            raise InvalidArgumentError(f"tensor names are str, not {type(name).__name__}")
         ndim = ctypes.c_uint32()
         dims = (ctypes.c_uint64 * _lib.MAX_DIMS)()
-        if self._lib.fps_client_tensor_shape(h, name.encode(), ctypes.byref(ndim), dims) == 0:
+        if self._lib.fps_client_tensor_shape(h, _cstr(name, "tensor name"), ctypes.byref(ndim), dims) == 0:
             return tuple(int(dims[i]) for i in range(ndim.value))
         raise NotFoundError(f"tensor '{name}' is not in this client's tensor list "
                             "(call create() first)")
@@ -391,7 +457,7 @@ class Client:
                 raise InvalidArgumentError(f"create: tensor '{t.name}' listed twice")
             shape = _shape_tuple(t.shape, f"tensor '{t.name}'")
             shapes[t.name] = shape
-            name = t.name.encode()
+            name = _cstr(t.name, "create: tensor name")
             keep.append(name)
             d.name = name
             d.ndim = len(shape)
@@ -405,9 +471,14 @@ class Client:
             if t.step or t.state or t.replace:
                 keep += self._fill_resume(d, t, shape)
         # If the call fails, C's tensor list is unknown: allow no push until
-        # a create succeeds, rather than validate against stale shapes.
-        self._shapes = OrderedDict()
-        self._call(self._lib.fps_client_create_tensors, defs, len(specs), exclusive=True)
+        # a create succeeds, rather than validate against stale shapes. (The
+        # list is swapped, never emptied while the call runs: other threads'
+        # calls read it.)
+        try:
+            self._call(self._lib.fps_client_create_tensors, defs, len(specs), exclusive=True)
+        except BaseException:
+            self._shapes = OrderedDict()
+            raise
         self._shapes = shapes
         self._has_mom = {t.name: (t.optimizer or {}).get("flavor") == "hf"
                          and (t.optimizer or {}).get("beta1") is not None for t in specs}
@@ -417,9 +488,7 @@ class Client:
         """Sets the resume/replace fields of one fps_tensor_def_t; returns the
         buffers to keep alive."""
         keep = []
-        step = int(t.step or 0)
-        if step < 0:
-            raise InvalidArgumentError(f"tensor '{t.name}': step must be >= 0, got {step}")
+        step = _uint(t.step or 0, f"tensor '{t.name}': step", 64)
         if (t.state or t.replace) and t.init is None:
             raise InvalidArgumentError(f"tensor '{t.name}': a state or replace needs init values")
         state = dict(t.state or {})
@@ -454,7 +523,7 @@ class Client:
         """The shard index `name` is placed on (the library's placement), or -1."""
         h = self._enter()
         try:
-            return self._lib.fps_client_shard_of(h, str(name).encode())
+            return self._lib.fps_client_shard_of(h, _cstr(name, "tensor name"))
         finally:
             self._leave()
 
@@ -466,18 +535,21 @@ class Client:
         fn = self._lib.fps_client_tensor_blocks
         h = self._enter()
         try:
-            n = fn(h, str(name).encode(), None, 0)
+            n = fn(h, _cstr(name, "tensor name"), None, 0)
             if n < 0:
                 raise NotFoundError(f"tensor '{name}' is not in this client's tensor list")
             arr = (_lib.Block * n)()
-            fn(h, str(name).encode(), arr, n)
+            fn(h, _cstr(name, "tensor name"), arr, n)
         finally:
             self._leave()
         return [(int(b.shard), int(b.row_lo), int(b.row_hi)) for b in arr]
 
     def discover(self):
         """Replaces the tensor list with the tensors the shards hold, so that a
-        tool that did not create them can pull them. Returns how many."""
+        tool that did not create them can pull them by name (pull(names),
+        get_state(names)). Returns how many. tensors() and the name-less
+        defaults of pull() and get_state() list what create() registered,
+        which is nothing after discover()."""
         fn = self._lib.fps_client_discover
         found = ctypes.c_size_t()
         self._shapes = OrderedDict()
@@ -513,7 +585,7 @@ class Client:
         cap = max(0, int(log))
         recs = (_lib.ApplyRecord * max(cap, 1))()
         got = ctypes.c_size_t()
-        self._call(fn, str(name).encode(), ctypes.byref(ts), recs if cap else None, cap,
+        self._call(fn, _cstr(name, "tensor name"), ctypes.byref(ts), recs if cap else None, cap,
                    ctypes.byref(got))
         d = {}
         for field, _ in _lib.TensorStats._fields_:
@@ -559,6 +631,17 @@ class Client:
             raise InvalidArgumentError("push_pull: no gradients")
         out = dict(self._items(out, "push_pull out"))
         settings = dict(settings or {})
+        pushed = {name for name, _ in items}
+        for what, keys in (("settings", settings), ("out", out)):
+            stray = sorted(str(k) for k in keys if k not in pushed)
+            if stray:
+                # A typo would otherwise apply the defaults (settings) or
+                # drop the values (out) without a word.
+                raise InvalidArgumentError(f"push_pull: {what} names tensor(s) {stray} this call "
+                                           f"does not push")
+        for name, s_ in settings.items():
+            if not isinstance(s_, dict):
+                raise InvalidArgumentError(f"tensor '{name}': settings must be a dict, not {s_!r}")
         if expect_mode not in MODES:
             raise InvalidArgumentError(f"push_pull: expect_mode must be one of "
                                        f"{sorted(m for m in MODES if m)} or None, not "
@@ -577,15 +660,16 @@ class Client:
         versions = (ctypes.c_uint64 * n)()
         per = (_lib.TensorPush * n)() if extended else None
         keep, outs = [], []
-        if step is None:
-            step = self.step
-        wid = self.worker_id if worker_id is None else int(worker_id)
+        step = _uint(self.step if step is None else step, "push_pull: step", 64)
+        wid = _uint(self.worker_id if worker_id is None else worker_id, "push_pull: worker_id", 32)
+        if num_workers is not None:
+            num_workers = _uint(num_workers, "push_pull: num_workers", 32)
         st = _lib.Status()
         h = self._enter()
         try:
             for i, (name, g) in enumerate(items):
                 shape = self._shape_of(name, h)
-                bname = name.encode()
+                bname = _cstr(name, "tensor name")
                 keep.append(bname)
                 names[i] = bname
                 s = settings.get(name) or {}
@@ -646,7 +730,7 @@ class Client:
         p.skip_step = int(bool(s.get("skip_step")))
         if s.get("step") is not None:
             p.has_step = 1
-            p.step = int(s["step"])
+            p.step = _uint(s["step"], f"tensor '{name}': settings step", 64)
 
     def get_state(self, names=None):
         """Reads the Adafactor state of `names` (default: every tensor of the
@@ -673,7 +757,7 @@ class Client:
             unknown = False
             for i, name in enumerate(names):
                 shape = self._shape_of(name, h)
-                b = name.encode()
+                b = _cstr(name, "tensor name")
                 keep.append(b)
                 cnames[i] = b
                 has_mom = self._has_mom.get(name)
@@ -735,7 +819,7 @@ class Client:
         try:
             for i, name in enumerate(names):
                 shape = self._shape_of(name, h)
-                b = name.encode()
+                b = _cstr(name, "tensor name")
                 keep.append(b)
                 cnames[i] = b
                 if want_params:
@@ -821,7 +905,7 @@ def placement_plan(tensors, shard_count, split_min_bytes=0):
     keep = []
     for i, (name, shape) in enumerate(items):
         shape = _shape_tuple(shape, f"tensor '{name}'")
-        b = str(name).encode()
+        b = _cstr(name, "tensor name")
         keep.append(b)
         defs[i].name = b
         defs[i].ndim = len(shape)

@@ -373,6 +373,10 @@ class _RemoteAdafactorBase(Optimizer):
         self.deadline = float(deadline)
         self.recovery_timeout = float(self.deadline if recovery_timeout is None
                                       else recovery_timeout)
+        if not (math.isfinite(self.recovery_timeout) and self.recovery_timeout >= 0):
+            # NaN would never compare as passed: step() would retry for good.
+            raise ValueError(f"recovery_timeout must be a finite number of seconds >= 0, "
+                             f"got {recovery_timeout!r}")
         self._names: Dict[int, str] = {}      # id(param) -> tensor name on the shards
         self._names_from = _name_map(names_from)  # id(param) -> model name, for bare tensors
         self._travel: set = set()             # id(param) of the tensors setup() created
@@ -385,6 +389,9 @@ class _RemoteAdafactorBase(Optimizer):
         self._dirty = False                   # a push failed: re-read values and versions
         self._restored = False                # a shard went back to a checkpoint
         self._pool: Optional[ThreadPoolExecutor] = None
+        # Every parameter that travelled, frozen since or not: one frozen
+        # after a step and unfrozen later is compared with its value when it
+        # last travelled (a change made meanwhile is written like any other).
         self._prints: Dict[int, Tuple[int, int, float]] = {}
         self._loaded: Optional[Dict[Tensor, Dict[str, Any]]] = None
         self._state_cache: Optional[Dict[Tensor, Dict[str, Any]]] = None
@@ -641,7 +648,7 @@ class _RemoteAdafactorBase(Optimizer):
         self._forget_state()
         self._scalars, self._scalars_pre = {}, {}
         self._fixed = [{k: g[k] for k in self._FIXED} for g in self.param_groups]
-        self._prints = {id(p): _fingerprint(p) for p in params}
+        self._prints.update({id(p): _fingerprint(p) for p in params})
         self._travel = {id(p) for p in params}
         self._created = True
         if gone:
@@ -1023,7 +1030,7 @@ class _RemoteAdafactorBase(Optimizer):
             raise
         finally:
             self._forget_state()
-            self._prints = {id(p): _fingerprint(p) for p in self._live()}
+            self._prints.update({id(p): _fingerprint(p) for p in self._live()})
         # sync: a round another worker skipped leaves the versions where
         # they were.
         self.last_step_skipped = bool(found_inf) or bool(
@@ -1070,7 +1077,7 @@ class _RemoteAdafactorBase(Optimizer):
         names = [self._names[id(p)] for p in params]
         _, versions = self.client.pull(names, out=dict(zip(names, params)))
         self._versions.update(versions)
-        self._prints = {id(p): _fingerprint(p) for p in params}
+        self._prints.update({id(p): _fingerprint(p) for p in params})
         self._dirty = False
 
     def _push_once(self, names: List[str], grads: Dict[str, Optional[Tensor]],
@@ -1569,9 +1576,16 @@ def _check_state(name: str, st: Dict[str, Any], want: Dict[str, List[int]],
                          f"needs {sorted(need)} (missing {sorted(need - have)}, unexpected "
                          f"{sorted(have - need)})")
     step = st["step"]
-    step_f = float(step.item() if isinstance(step, Tensor) else step)
-    if not (step_f >= 0 and step_f == int(step_f)):
-        raise ValueError(f"tensor '{name}': step must be a whole number >= 0, got {step_f}")
+    if isinstance(step, Tensor) and step.numel() != 1:
+        raise ValueError(f"tensor '{name}': step must be one number, got a tensor of shape "
+                         f"{list(step.shape)}")
+    try:
+        step_f = float(step.item() if isinstance(step, Tensor) else step)
+    except (TypeError, ValueError):
+        raise ValueError(f"tensor '{name}': step must be a number, got {step!r}") from None
+    # At most 2^53 (the shards' bound: a version counted from it stays exact).
+    if not (0 <= step_f <= 2 ** 53 and step_f == int(step_f)):
+        raise ValueError(f"tensor '{name}': step must be a whole number in 0..2^53, got {step_f}")
     arrays = {}
     for key, shape in want.items():
         t = st[key]
@@ -1581,10 +1595,21 @@ def _check_state(name: str, st: Dict[str, Any], want: Dict[str, List[int]],
         if list(t.shape) != list(shape):
             raise ValueError(f"tensor '{name}': state '{key}' has shape {list(t.shape)}, this "
                              f"parameter needs {list(shape)}")
-        arrays[kinds[key]] = t.detach().to(device="cpu", dtype=torch.float32).contiguous() \
-            .reshape(-1).numpy()
+        a = t.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1).numpy()
+        # What the shards would refuse, refused here, before anything
+        # changes: a Create refused on one shard after another took its
+        # tensors would leave the model at two versions.
+        moment = kinds[key] != "mom"
+        bad = ~np.isfinite(a) | ((a < 0) if moment else False)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"tensor '{name}': state '{key}' element {i} is {a[i]} "
+                             f"({'a second moment cannot be negative' if np.isfinite(a[i]) else 'not finite'})")
+        arrays[kinds[key]] = a
     rms = 0.0
     if rms_key is not None:
         r = st[rms_key]
         rms = float(r.item() if isinstance(r, Tensor) else r)
+        if not math.isfinite(rms) or rms < 0:
+            raise ValueError(f"tensor '{name}': {rms_key} must be finite and >= 0, got {rms}")
     return int(step_f), arrays, rms
