@@ -433,8 +433,6 @@ void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t) {
   }
 }
 
-/* With every other block's list here: the newest version in all of them,
- * set as the pending target if t is not at it. REQUIRES t->mu. */
 /* "tensor 'x': its blocks stand at different versions ..." with every
  * block's list. REQUIRES t->mu and every list held. */
 static void fps__xrec_apart_text(const fps_tensor_t *t, const fps_xrec_t *r, char *buf, size_t len) {
@@ -457,6 +455,8 @@ static void fps__xrec_apart_text(const fps_tensor_t *t, const fps_xrec_t *r, cha
              "(--split-anchor-steps keeps versions to agree on)");
 }
 
+/* With every other block's list here: the newest version in all of them,
+ * set as the pending target if t is not at it. REQUIRES t->mu. */
 static void fps__xrec_agree_locked(fps_shard_t *sh, fps_tensor_t *t, fps_xrec_t *r) {
   const fps_tensor_split_t *sp = t->split;
   for (uint32_t b = 0; b < sp->n_blocks; b++)
