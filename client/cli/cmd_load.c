@@ -175,7 +175,10 @@ static void worker_run(worker_t *w) {
   for (unsigned long long s = 0; s < cfg->steps; s++) {
     if (s == cfg->warmup) w->res.t_start = now_s();
     double t0 = now_s();
-    if (fps_client_push_pull(c, w->id, s, names, grads, params, versions, n, &st)) goto fail;
+    /* num_workers: sync/ssp shards of another --workers say so at once,
+     * rather than as a stale push on the next run. */
+    const fps_push_args_t args = {.worker_id = w->id, .num_workers = cfg->workers, .step = s};
+    if (fps_client_push_pull_ex(c, &args, names, grads, NULL, params, versions, n, &st)) goto fail;
     if (s >= cfg->warmup) w->lat[s - cfg->warmup] = now_s() - t0;
   }
   w->res.t_end = now_s();

@@ -10,6 +10,7 @@ run. Found by an audit of the CLI as a careless user would call it:
 - an extra or missing operand printed the usage without saying which;
 - `pull --out FILE` emptied FILE before finding that a name was unknown;
 - `plan` printed a split 1-D tensor's shape as [N, 0];
+- `load` did not tell the shards its worker count;
 - `load --threads --processes` took the last; `replay --case` matching
   nothing said the directory held no cases, after "replayed 0 case(s)".
 """
@@ -77,6 +78,15 @@ class CliArgsTest(unittest.TestCase):
             r = run("load", "--shards", a + "|" + a, "--workers", "1", "--params", "100k", "--steps", "2")
             self.assertUsage(r, "twice")
             self.assertEqual(run(*base).returncode, 0)  # the same, without them, runs
+
+    @need_server
+    def test_load_names_a_worker_count_the_shards_do_not_run(self):
+        # It did not pass num_workers: a wrong --workers showed as a stale
+        # push on the next run (or a round that never filled).
+        with Shards(1, mode="sync", workers=1) as s:
+            r = run("load", "--shards", s.addrs[0], "--workers", "2", "--params", "1k", "--steps", "2")
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("says the job has 2 workers, but this sync shard expects 1", r.stderr)
 
     @need_server
     def test_pull_out_is_kept_for_an_unknown_name(self):
