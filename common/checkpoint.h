@@ -426,6 +426,12 @@ typedef struct fps_ckpt_entry_s {
  * fps_ckpt_list_free()); FPS_ENOTFOUND (no DIR); FPS_EIO; FPS_ENOMEM. */
 int fps_ckpt_list(const char *dir, const fps_ckpt_expect_t *expect, fps_ckpt_entry_t **out,
                   size_t *n);
+/* fps_ckpt_list() that also checks every file's values as
+ * fps_ckpt_load_file() does (FPS_EFORMAT naming the tensor, array and
+ * element), reading each file once and holding one file's contents at a
+ * time (`factorps checkpoint verify`). */
+int fps_ckpt_list_values(const char *dir, const fps_ckpt_expect_t *expect, fps_ckpt_entry_t **out,
+                         size_t *n);
 void fps_ckpt_list_free(fps_ckpt_entry_t *entries);
 
 #endif

@@ -772,8 +772,20 @@ int fps_ckpt_load_newest(const char *dir, const fps_ckpt_expect_t *expect,
   return rc;
 }
 
-int fps_ckpt_list(const char *dir, const fps_ckpt_expect_t *expect, fps_ckpt_entry_t **out,
-                  size_t *n) {
+/* Verifies one file for a listing: with `values`, by loading it (the
+ * values checked as the loader checks them; one read of the file). */
+static int list_verify(const char *path, const fps_ckpt_expect_t *expect, bool values, fps_ckpt_info_t *info,
+                       char *why, size_t why_len) {
+  if (!values) return fps_ckpt_verify_file(path, expect, info, why, why_len);
+  fps_ckpt_t *c = NULL;
+  int rc = fps_ckpt_load_file(path, expect, &c, why, why_len);
+  if (rc == 0) *info = c->info;
+  fps_ckpt_destroy(c);
+  return rc;
+}
+
+static int list_dir(const char *dir, const fps_ckpt_expect_t *expect, bool values, fps_ckpt_entry_t **out,
+                    size_t *n) {
   if (!out || !n) return FPS_EINVAL;
   *out = NULL;
   *n = 0;
@@ -793,12 +805,20 @@ int fps_ckpt_list(const char *dir, const fps_ckpt_expect_t *expect, fps_ckpt_ent
       snprintf(e[i].why, sizeof e[i].why, "path too long");
       continue;
     }
-    e[i].status = fps_ckpt_verify_file(e[i].path, expect, &e[i].info, e[i].why, sizeof e[i].why);
+    e[i].status = list_verify(e[i].path, expect, values, &e[i].info, e[i].why, sizeof e[i].why);
   }
   fps_free(f);
   *out = e;
   *n = nf;
   return 0;
+}
+
+int fps_ckpt_list(const char *dir, const fps_ckpt_expect_t *expect, fps_ckpt_entry_t **out, size_t *n) {
+  return list_dir(dir, expect, false, out, n);
+}
+
+int fps_ckpt_list_values(const char *dir, const fps_ckpt_expect_t *expect, fps_ckpt_entry_t **out, size_t *n) {
+  return list_dir(dir, expect, true, out, n);
 }
 
 void fps_ckpt_list_free(fps_ckpt_entry_t *entries) { fps_free(entries); }

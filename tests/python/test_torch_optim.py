@@ -26,6 +26,14 @@ def _params():
             torch.nn.Parameter(torch.randn(3, generator=g))]
 
 
+def _steps(opt, ps, n=1):
+    """n steps of opt with every gradient of ps all ones."""
+    for _ in range(n):
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+
+
 class ArgumentsTest(unittest.TestCase):
     def setUp(self):
         # The launcher defaults read these; the tests set them explicitly.
@@ -299,10 +307,7 @@ class RemoteTest(unittest.TestCase):
     def test_a_second_run_on_live_shards(self):
         ps = _params()
         opt = self.opt(ps)
-        for _ in range(3):
-            for p in ps:
-                p.grad = torch.ones_like(p)
-            opt.step()
+        _steps(opt, ps, 3)
         trained = [p.detach().clone() for p in ps]
 
         # "Run 2": a fresh model (other initial values) and optimizer. The
@@ -345,10 +350,7 @@ class RemoteTest(unittest.TestCase):
         # another refuse them: the model at two versions, every step failing.
         ps = _params()
         opt = self.opt(ps)
-        for _ in range(2):
-            for p in ps:
-                p.grad = torch.ones_like(p)
-            opt.step()
+        _steps(opt, ps, 2)
         sd = opt.state_dict()
         key = next(k for k in sd["state"][0] if k.endswith("row_var") or k == "exp_avg_sq_row")
         for bad, words in ((float("nan"), "not finite"), (-1.0, "cannot be negative")):
@@ -360,9 +362,7 @@ class RemoteTest(unittest.TestCase):
         broken["state"][0]["step"] = torch.tensor(2.0 ** 60)
         with self.assertRaisesRegex(ValueError, r"0\.\.2\^53"):
             opt.load_state_dict(broken)
-        for p in ps:
-            p.grad = torch.ones_like(p)
-        opt.step()  # nothing changed: training goes on
+        _steps(opt, ps)  # nothing changed: training goes on
         self.assertEqual(opt.remote_step, 3)
 
     def test_frozen_after_a_step_then_unfrozen(self):

@@ -317,17 +317,9 @@ class Client:
             str(wire_dtype).lower())
         if wire is None:
             raise InvalidArgumentError(f"connect: wire_dtype must be 'f32' or 'bf16', got {wire_dtype!r}")
-        if isinstance(split_min_bytes, bool) or not isinstance(split_min_bytes, int) or \
-                not 0 <= split_min_bytes < 1 << 64:
-            raise InvalidArgumentError(
-                f"connect: split_min_bytes must be an int in 0..2^64-1 (0: never split), "
-                f"got {split_min_bytes!r}")
-        if push_chunk_bytes is not None and (
-                isinstance(push_chunk_bytes, bool) or not isinstance(push_chunk_bytes, int) or
-                not 0 <= push_chunk_bytes < 1 << 64):
-            raise InvalidArgumentError(
-                f"connect: push_chunk_bytes must be an int in 0..2^64-1 (0: one call per "
-                f"shard), got {push_chunk_bytes!r}")
+        split_min_bytes = _uint(split_min_bytes, "connect: split_min_bytes (0: never split)", 64)
+        if push_chunk_bytes is not None:
+            push_chunk_bytes = _uint(push_chunk_bytes, "connect: push_chunk_bytes (0: one call per shard)", 64)
         self._lib = _lib.load()
         self.shards = list(shards)
         self.worker_id = int(worker_id)
@@ -646,10 +638,8 @@ class Client:
             raise InvalidArgumentError(f"push_pull: expect_mode must be one of "
                                        f"{sorted(m for m in MODES if m)} or None, not "
                                        f"{expect_mode!r}")
-        if push_id is not None and (isinstance(push_id, bool) or not isinstance(push_id, int) or
-                                    not 0 < push_id < 1 << 64):
-            raise InvalidArgumentError(f"push_pull: push_id must be an int in 1..2^64-1, not "
-                                       f"{push_id!r}")
+        if push_id is not None:
+            push_id = _uint(push_id, "push_pull: push_id", 64, lo=1)
         extended = (bool(settings) or num_workers is not None or expect_mode is not None or
                     push_id is not None)
         fn_ex = self._lib.fps_client_push_pull_ex if extended else None
