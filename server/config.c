@@ -101,7 +101,8 @@ static const fps_cfg_entry_t fps__cfg_table[] = {
      "the job this shard serves (kept in its checkpoints; another job's are not restored; "
      "empty: the restored checkpoint's, else the first Create's)"},
     {"peers", CFG_STR, OFF(peers), "", 0, 0,
-     "every shard's host:port by --shard-id, comma-separated (split tensors; our own entry unused)"},
+     "every shard's host:port by --shard-id, comma-separated (split tensors; our own entry unused); "
+     "A|B names a shard's two replicas"},
     {"peer-tls-ca", CFG_STR, OFF(peer_tls_ca), "", 0, 0, "PEM CA bundle: call peers over TLS, verified by it"},
     {"peer-tls-cert", CFG_STR, OFF(peer_tls_cert), "", 0, 0,
      "PEM client certificate this shard presents to peers (their --tls-client-ca)"},
@@ -271,7 +272,16 @@ static int fps__cfg_check_peers(const fps_config_t *cfg) {
     char entry[1025];
     memcpy(entry, p, len);
     entry[len] = '\0';
+    /* A shard with a standby: both replicas, "A|B". */
+    char *bar = strchr(entry, '|');
+    if (bar) *bar = '\0';
+    if ((bar && (strchr(bar + 1, '|') || !bar[1] || bar == entry))) {
+      FPS_LOG(FPS_LOG_ERROR, "--peers entry %u names %s: a shard's entry is host:port, or A|B for its two "
+              "replicas", n, bar == entry || !bar[1] ? "an empty replica" : "more than two replicas");
+      return FPS_EINVAL;
+    }
     if (fps__cfg_check_port("peers", entry, false) < 0) return FPS_EINVAL;
+    if (bar && fps__cfg_check_port("peers", bar + 1, false) < 0) return FPS_EINVAL;
     n++;
     if (!e) break;
     p = e;
@@ -294,8 +304,7 @@ static int fps__cfg_check_peers(const fps_config_t *cfg) {
 }
 
 /* --replica-peer, --lease, --lease-ttl, --replica-advertise: both or
- * neither of the first two, shapes of the values; split tensors (--peers)
- * are not replicated yet, so the two cannot be combined. */
+ * neither of the first two, shapes of the values. */
 static int fps__cfg_check_replica(const fps_config_t *cfg) {
   if (!*cfg->replica_peer) {
     const char *need = *cfg->lease ? "lease" : *cfg->replica_advertise ? "replica-advertise" : NULL;
@@ -318,11 +327,6 @@ static int fps__cfg_check_replica(const fps_config_t *cfg) {
   if (fps__cfg_check_port("replica-peer", cfg->replica_peer, false) < 0) return FPS_EINVAL;
   if (*cfg->replica_advertise && fps__cfg_check_port("replica-advertise", cfg->replica_advertise, false) < 0)
     return FPS_EINVAL;
-  if (*cfg->peers) {
-    FPS_LOG(FPS_LOG_ERROR, "--replica-peer cannot be combined with --peers: split tensors are not "
-            "replicated to a standby yet (docs/shards.md \"Standby replicas\")");
-    return FPS_EINVAL;
-  }
   return 0;
 }
 

@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
@@ -48,6 +49,8 @@ typedef struct fps_psend_s fps_psend_t;
 struct fps_psend_s {
   fps_peers_t *p;
   uint32_t to;
+  uint32_t alt;                /* which of the peer's replicas this attempt calls */
+  uint32_t flips;              /* replicas tried since the last backoff */
   uint32_t attempts;
   char *name;                  /* the tensor, for messages */
   grpc_slice req;              /* the packed ExchangeRequest, every attempt */
@@ -71,9 +74,13 @@ struct fps_psend_s {
 
 struct fps_peers_s {
   uint32_t self, n;
-  char **addrs;                /* [n]; addrs[self] unused */
-  grpc_channel **ch;           /* [n]; ch[self] NULL */
-  int64_t *failing_since;      /* [n] ns, 0: not failing */
+  char **addrs;                /* [n] the --peers entries ("A" or "A|B"); addrs[self] unused */
+  char **alt_addr;             /* [2n]: entry i's replicas at 2i, 2i + 1 (NULL: none) */
+  uint32_t *nalt;              /* [n]: 1, or 2 for a shard with a standby */
+  uint32_t *cur;               /* [n]: the replica that answered last */
+  grpc_channel **ch;           /* [2n], as alt_addr; self's NULL */
+  int64_t *failing_since;      /* [2n] ns, 0: not failing */
+  size_t max_reply;            /* an answer's bytes at most (--max-message-bytes) */
   grpc_channel_credentials *creds;
   grpc_arg argv[6];
   grpc_channel_args args;
@@ -193,9 +200,14 @@ int fps_peers_create(const fps_config_t *cfg, fps_peers_t **out) {
   pthread_cond_init(&p->cv, &ca);
   pthread_condattr_destroy(&ca);
   p->addrs = fps_calloc(p->n, sizeof *p->addrs);
-  p->ch = fps_calloc(p->n, sizeof *p->ch);
-  p->failing_since = fps_calloc(p->n, sizeof *p->failing_since);
-  if (!p->addrs || !p->ch || !p->failing_since) goto fail;
+  p->alt_addr = fps_calloc(2 * (size_t)p->n, sizeof *p->alt_addr);
+  p->nalt = fps_calloc(p->n, sizeof *p->nalt);
+  p->cur = fps_calloc(p->n, sizeof *p->cur);
+  p->ch = fps_calloc(2 * (size_t)p->n, sizeof *p->ch);
+  p->failing_since = fps_calloc(2 * (size_t)p->n, sizeof *p->failing_since);
+  if (!p->addrs || !p->alt_addr || !p->nalt || !p->cur || !p->ch || !p->failing_since) goto fail;
+  p->max_reply = cfg->max_message_bytes && cfg->max_message_bytes < INT32_MAX ? (size_t)cfg->max_message_bytes
+                                                                              : (size_t)INT32_MAX;
   const char *s = cfg->peers;
   for (uint32_t i = 0; i < p->n; i++) {
     const char *e = strchr(s, ',');
@@ -204,6 +216,17 @@ int fps_peers_create(const fps_config_t *cfg, fps_peers_t **out) {
     memcpy(p->addrs[i], s, len);
     p->addrs[i][len] = 0;
     s = e ? e + 1 : s + len;
+    /* "A|B": the shard's two replicas (config.c checked the shape). */
+    const char *bar = strchr(p->addrs[i], '|');
+    size_t l0 = bar ? (size_t)(bar - p->addrs[i]) : len;
+    if (!(p->alt_addr[2 * i] = fps_malloc(l0 + 1))) goto fail;
+    memcpy(p->alt_addr[2 * i], p->addrs[i], l0);
+    p->alt_addr[2 * i][l0] = 0;
+    p->nalt[i] = 1;
+    if (bar) {
+      if (!(p->alt_addr[2 * i + 1] = fps_strdup(bar + 1))) goto fail;
+      p->nalt[i] = 2;
+    }
   }
   if (*cfg->peer_token_file) {
     if ((rc = fps__peer_token(cfg->peer_token_file, &p->auth_header)) < 0) goto fail;
@@ -226,9 +249,10 @@ int fps_peers_create(const fps_config_t *cfg, fps_peers_t **out) {
                           .value.integer = 1000};
   p->argv[3] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
                           .value.integer = -1};
-  /* The reply is empty; a peer's status message is small. */
+  /* A reply may bring a peer's partials (ExchangeResponse): as large as
+   * the requests this shard takes. */
   p->argv[4] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
-                          .value.integer = 1 << 20};
+                          .value.integer = (int)p->max_reply};
   size_t nargs = 5;
   if (*cfg->peer_tls_server_name) {
     if (!(p->server_name = fps_strdup(cfg->peer_tls_server_name))) goto fail;
@@ -238,11 +262,12 @@ int fps_peers_create(const fps_config_t *cfg, fps_peers_t **out) {
   p->args = (grpc_channel_args){.num_args = nargs, .args = p->argv};
   for (uint32_t i = 0; i < p->n; i++) {
     if (i == p->self) continue;
-    if (!(p->ch[i] = grpc_channel_create(p->addrs[i], p->creds, &p->args))) {
-      FPS_LOG(FPS_LOG_ERROR, "--peers entry %u '%s': cannot make a channel to it", i, p->addrs[i]);
-      rc = FPS_EINVAL;
-      goto fail;
-    }
+    for (uint32_t k = 0; k < p->nalt[i]; k++)
+      if (!(p->ch[2 * i + k] = grpc_channel_create(p->alt_addr[2 * i + k], p->creds, &p->args))) {
+        FPS_LOG(FPS_LOG_ERROR, "--peers entry %u '%s': cannot make a channel to it", i, p->alt_addr[2 * i + k]);
+        rc = FPS_EINVAL;
+        goto fail;
+      }
   }
   if (!(p->cq = grpc_completion_queue_create_for_next(NULL))) goto fail;
   if (pthread_create(&p->th, NULL, fps__peer_main, p) != 0) goto fail;
@@ -291,7 +316,7 @@ static int fps__attempt_locked(fps_peers_t *p, fps_psend_t *s) {
   int64_t left = s->deadline_ns - fps_now_ns();
   if (left <= 0) return FPS_ETIMEOUT;
   gpr_timespec dl = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_nanos(left, GPR_TIMESPAN));
-  s->call = grpc_channel_create_call(p->ch[s->to], NULL, GRPC_PROPAGATE_DEFAULTS, p->cq,
+  s->call = grpc_channel_create_call(p->ch[2 * s->to + s->alt], NULL, GRPC_PROPAGATE_DEFAULTS, p->cq,
                                      grpc_slice_from_static_string(FPS_PEER_METHOD), NULL, dl, NULL);
   if (!s->call) return FPS_EIO;
   grpc_metadata_array_init(&s->init_md);
@@ -345,6 +370,7 @@ int fps_peers_send(void *ctx, uint32_t to_shard, const fps_xmsg_t *m, int64_t de
   r.phase = (Factorps__V1__ExchangePhase)m->phase;
   r.attempt = m->attempt;
   r.stamp = m->stamp;
+  r.want = m->want;
   r.partials.data = (uint8_t *)m->partials;
   r.partials.len = m->len;
   fps_psend_t *s = fps_calloc(1, sizeof *s);
@@ -363,6 +389,7 @@ int fps_peers_send(void *ctx, uint32_t to_shard, const fps_xmsg_t *m, int64_t de
   s->done = done;
   s->arg = arg;
   pthread_mutex_lock(&p->mu);
+  s->alt = p->cur[to_shard]; /* the replica that answered last */
   int rc = p->closed ? FPS_EUNAVAILABLE : fps__attempt_locked(p, s);
   if (rc == 0) fps__link(p, s);
   pthread_mutex_unlock(&p->mu);
@@ -389,11 +416,36 @@ static void fps__renew_locked(fps_peers_t *p, uint32_t to, int64_t now) {
     return;
   }
   if (now - p->failing_since[to] < FPS_PEER_RENEW_NS) return;
-  grpc_channel *fresh = grpc_channel_create(p->addrs[to], p->creds, &p->args);
+  grpc_channel *fresh = grpc_channel_create(p->alt_addr[to], p->creds, &p->args);
   if (!fresh) return;
   grpc_channel_destroy(p->ch[to]);
   p->ch[to] = fresh;
   p->failing_since[to] = 0;
+}
+
+/* The peer's answer (ExchangeResponse) into *r: its partials copied. A
+ * reply that does not parse counts as empty (OK without anything). */
+static void fps__reply(const fps_peers_t *p, grpc_byte_buffer *bb, fps_xreply_t *r) {
+  memset(r, 0, sizeof *r);
+  if (!bb) return;
+  grpc_byte_buffer_reader rd;
+  if (!grpc_byte_buffer_reader_init(&rd, bb)) return;
+  grpc_slice all = grpc_byte_buffer_reader_readall(&rd);
+  grpc_byte_buffer_reader_destroy(&rd);
+  size_t n = GRPC_SLICE_LENGTH(all);
+  Factorps__V1__ExchangeResponse *m =
+      n && n <= p->max_reply
+          ? factorps__v1__exchange_response__unpack(NULL, n, GRPC_SLICE_START_PTR(all))
+          : NULL;
+  grpc_slice_unref(all);
+  if (!m) return;
+  r->applied = m->applied;
+  r->committed = m->committed;
+  if (m->partials.len && (r->partials = fps_malloc(m->partials.len))) {
+    memcpy(r->partials, m->partials.data, m->partials.len);
+    r->len = m->partials.len;
+  }
+  factorps__v1__exchange_response__free_unpacked(m, NULL);
 }
 
 /* One attempt's completion (the peers' thread): retry, or the outcome. */
@@ -406,11 +458,12 @@ static void fps__complete(fps_peers_t *p, fps_psend_t *s, bool success) {
   s->call = NULL;
   grpc_byte_buffer_destroy(s->send_bb);
   s->send_bb = NULL;
-  if (s->recv_bb) grpc_byte_buffer_destroy(s->recv_bb);
+  grpc_status_code st = success ? s->status : GRPC_STATUS_UNAVAILABLE;
+  fps_xreply_t reply = {0};
+  grpc_byte_buffer *answer = s->recv_bb; /* read below if OK */
   s->recv_bb = NULL;
   grpc_metadata_array_destroy(&s->init_md);
   grpc_metadata_array_destroy(&s->trail_md);
-  grpc_status_code st = success ? s->status : GRPC_STATUS_UNAVAILABLE;
   if (success) fps__details(s, detail, sizeof detail);
   else snprintf(detail, sizeof detail, "the call failed in the transport");
   grpc_slice_unref(s->details);
@@ -420,20 +473,31 @@ static void fps__complete(fps_peers_t *p, fps_psend_t *s, bool success) {
   if (s->orphaned) {
     /* A stop gave up on this call and answered for it already. */
     pthread_mutex_unlock(&p->mu);
+    if (answer) grpc_byte_buffer_destroy(answer);
     return;
   }
   int64_t now = fps_now_ns();
   if (st == GRPC_STATUS_OK) {
-    p->failing_since[s->to] = 0;
+    p->failing_since[2 * s->to + s->alt] = 0;
+    p->cur[s->to] = s->alt; /* the next sends start here */
   } else if (p->closed) {
     err = FPS_EUNAVAILABLE;
     fps__shutdown_msg(p, s, msg, sizeof msg);
   } else if (st == GRPC_STATUS_UNAVAILABLE) {
     snprintf(s->last, sizeof s->last, "%s", detail);
-    fps__renew_locked(p, s->to, now);
-    if (!p->stopping && now + s->backoff_ns < s->deadline_ns) {
-      s->retry_at_ns = now + s->backoff_ns;
-      s->backoff_ns = s->backoff_ns * 2 > FPS_PEER_BACKOFF_MAX_NS ? FPS_PEER_BACKOFF_MAX_NS : s->backoff_ns * 2;
+    fps__renew_locked(p, 2 * s->to + s->alt, now);
+    /* A shard with a standby: the other replica at once (a standby
+     * answers UNAVAILABLE, a dead primary fails in the transport); the
+     * backoff only once both were tried. */
+    bool flip = p->nalt[s->to] == 2 && ++s->flips < 2;
+    if (p->nalt[s->to] == 2) s->alt ^= 1;
+    int64_t wait = flip ? 0 : s->backoff_ns;
+    if (!p->stopping && now + wait < s->deadline_ns) {
+      s->retry_at_ns = now + wait;
+      if (!flip) {
+        s->flips = 0;
+        s->backoff_ns = s->backoff_ns * 2 > FPS_PEER_BACKOFF_MAX_NS ? FPS_PEER_BACKOFF_MAX_NS : s->backoff_ns * 2;
+      }
       s->waiting = true;
       final = false;
     } else {
@@ -456,8 +520,14 @@ static void fps__complete(fps_peers_t *p, fps_psend_t *s, bool success) {
   }
   if (final) fps__unlink(p, s);
   pthread_mutex_unlock(&p->mu);
-  if (!final) return;
-  s->done(s->arg, err, err ? msg : NULL);
+  if (final && !err) fps__reply(p, answer, &reply); /* OK: what the peer answered */
+  if (answer) grpc_byte_buffer_destroy(answer);
+  if (!final) {
+    fps_xreply_free(&reply);
+    return;
+  }
+  s->done(s->arg, err, err ? msg : NULL, err ? NULL : &reply);
+  fps_xreply_free(&reply);
   fps__psend_free(s);
 }
 
@@ -489,7 +559,7 @@ static int64_t fps__retries(fps_peers_t *p) {
     char msg[1024];
     if (closed) fps__shutdown_msg(p, s, msg, sizeof msg);
     else fps__unreachable_msg(p, s, stopping, msg, sizeof msg);
-    s->done(s->arg, FPS_EUNAVAILABLE, msg);
+    s->done(s->arg, FPS_EUNAVAILABLE, msg, NULL);
     fps__psend_free(s);
   }
   return next;
@@ -575,7 +645,7 @@ void fps_peers_stop(fps_peers_t *p, double wait_s) {
     waiting = s->next;
     char msg[512];
     fps__shutdown_msg(p, s, msg, sizeof msg);
-    s->done(s->arg, FPS_EUNAVAILABLE, msg);
+    s->done(s->arg, FPS_EUNAVAILABLE, msg, NULL);
     fps__psend_free(s);
   }
   struct timespec until;
@@ -605,7 +675,7 @@ void fps_peers_stop(fps_peers_t *p, double wait_s) {
   for (fps_psend_t *s = orphans; s; s = s->next) {
     char msg[512];
     fps__shutdown_msg(p, s, msg, sizeof msg);
-    s->done(s->arg, FPS_EUNAVAILABLE, msg);
+    s->done(s->arg, FPS_EUNAVAILABLE, msg, NULL);
   }
   /* Nothing in flight (or abandoned): the thread drains the queue to
    * SHUTDOWN, or leaves at its next wake-up. */
@@ -629,12 +699,17 @@ void fps_peers_destroy(fps_peers_t *p) {
     grpc_completion_queue_destroy(p->cq);
   }
   if (p->ch)
-    for (uint32_t i = 0; i < p->n; i++)
+    for (uint32_t i = 0; i < 2 * p->n; i++)
       if (p->ch[i]) grpc_channel_destroy(p->ch[i]);
   if (p->creds) grpc_channel_credentials_release(p->creds);
   if (p->addrs)
     for (uint32_t i = 0; i < p->n; i++) fps_free(p->addrs[i]);
+  if (p->alt_addr)
+    for (uint32_t i = 0; i < 2 * p->n; i++) fps_free(p->alt_addr[i]);
   fps_free(p->addrs);
+  fps_free(p->alt_addr);
+  fps_free(p->nalt);
+  fps_free(p->cur);
   fps_free(p->ch);
   fps_free(p->failing_since);
   fps_free(p->server_name);

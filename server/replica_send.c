@@ -457,10 +457,25 @@ typedef struct fps_rmsg_s {
   Factorps__V1__ReplicaTensor rt[FPS_RSEND_PIECES_MAX];
   Factorps__V1__AdafactorConfig cfg[FPS_RSEND_PIECES_MAX];
   grpc_slice payload[FPS_RSEND_PIECES_MAX];
+  /* A split block's map (views into its tensor, constant) and, on its
+   * first piece, its last step (the partials owned here until packed). */
+  Factorps__V1__SplitBlock sb[FPS_RSEND_PIECES_MAX];
+  Factorps__V1__ReplicaSplitStep ss[FPS_RSEND_PIECES_MAX];
+  ProtobufCBinaryData ssp[FPS_RSEND_PIECES_MAX][2];
+  uint8_t *own[FPS_RSEND_PIECES_MAX][2];
 } fps_rmsg_t;
+
+static void fps__rmsg_free_own(fps_rmsg_t *q) {
+  for (size_t i = 0; i < q->np; i++)
+    for (int k = 0; k < 2; k++) {
+      fps_free(q->own[i][k]);
+      q->own[i][k] = NULL;
+    }
+}
 
 static void fps__rmsg_drop(fps_rmsg_t *q) {
   for (size_t i = 0; i < q->np; i++) grpc_slice_unref(q->payload[i]);
+  fps__rmsg_free_own(q);
   q->np = 0;
   q->bytes = q->done = 0;
 }
@@ -507,6 +522,7 @@ static grpc_byte_buffer *fps__rmsg_bb(fps_rmsg_t *q, uint64_t seq) {
   for (size_t i = 0; i < nsl; i++) grpc_slice_unref(sl[i]);
   grpc_slice_unref(hdr);
   fps_free(sl);
+  fps__rmsg_free_own(q); /* packed into h */
   q->np = 0;
   q->bytes = q->done = 0;
   return bb;
@@ -563,6 +579,7 @@ static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, fps_rmsg_t *q, fps
     Factorps__V1__ReplicaTensor *rt = &q->rt[q->np];
     Factorps__V1__AdafactorConfig *cfg = &q->cfg[q->np];
     factorps__v1__replica_tensor__init(rt);
+    q->own[q->np][0] = q->own[q->np][1] = NULL;
     fps__rsend_config(&img->hp, cfg);
     rt->name = (char *)img->name;
     rt->n_shape = img->shape->ndim;
@@ -577,6 +594,32 @@ static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, fps_rmsg_t *q, fps
     rt->state_elements = (uint64_t *)img->n;
     rt->total_bytes = total;
     rt->offset = off;
+    if (img->is_split) {
+      Factorps__V1__SplitBlock *sb = &q->sb[q->np];
+      factorps__v1__split_block__init(sb);
+      sb->block_index = img->split.block_index;
+      sb->n_bounds = img->split.n_bounds;
+      sb->bounds = (uint64_t *)img->split.bounds;
+      sb->n_block_shards = img->split.n_block_shards;
+      sb->block_shards = (uint32_t *)img->split.block_shards;
+      sb->shard_count = img->split.shard_count;
+      rt->split = sb;
+    }
+    if (img->is_split && img->xapplied && off == 0) {
+      Factorps__V1__ReplicaSplitStep *ss = &q->ss[q->np];
+      factorps__v1__replica_split_step__init(ss);
+      ss->version = img->xversion;
+      ss->attempt = img->xattempt;
+      int n = img->xown[1] ? 2 : img->xown[0] ? 1 : 0;
+      for (int k = 0; k < n; k++) {
+        q->own[q->np][k] = img->xown[k]; /* the message's now */
+        q->ssp[q->np][k] = (ProtobufCBinaryData){.len = img->xown_len[k], .data = img->xown[k]};
+        img->xown[k] = NULL;
+      }
+      ss->n_partials = (size_t)n;
+      ss->partials = q->ssp[q->np];
+      rt->split_step = ss;
+    }
     grpc_slice payload = grpc_empty_slice();
     if (len && in_params) {
       fps_snap_ref(img->params);

@@ -78,6 +78,7 @@ void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
   fps_ident_t id;
   fps_auth_call_ident(c, &id);
   int rc = 0;
+  fps_xreply_t reply = {0};
   if (id.peer_shard >= 0 && (int64_t)req->from_shard != id.peer_shard) {
     rc = FPS_EPERM;
     snprintf(why, sizeof why, "Exchange: from_shard %u, but this call's peer token is shard %" PRId64 "'s",
@@ -88,9 +89,9 @@ void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
     fps_xmsg_t m = {.name = req->name, .version = req->version, .from_shard = req->from_shard,
                     .shard_count = req->shard_count, .block_index = req->block_index,
                     .phase = (int)req->phase, .attempt = req->attempt, .partials = req->partials.data, .len = req->partials.len,
-                    .stamp = req->stamp};
+                    .stamp = req->stamp, .want = req->want};
     /* May complete this shard's step of the tensor, on this thread. */
-    rc = fps_shard_exchange_receive(srv->shard, &m, why, sizeof why);
+    rc = fps_shard_exchange_receive(srv->shard, &m, &reply, why, sizeof why);
   }
   fps_wire_request_free(&srv->decode, &req->base, held);
   if (rc < 0) {
@@ -98,7 +99,12 @@ void fps_rpc_exchange_start(fps_server_t *srv, grpc_call *call, gpr_timespec dea
     return;
   }
   Factorps__V1__ExchangeResponse resp = FACTORPS__V1__EXCHANGE_RESPONSE__INIT;
+  resp.applied = reply.applied;
+  resp.committed = reply.committed;
+  resp.partials.data = reply.partials;
+  resp.partials.len = reply.len;
   grpc_byte_buffer *bb = fps_pack_message(&resp);
+  fps_xreply_free(&reply);
   if (!bb) fps_call_error(c, FPS_ENOMEM, "Exchange: out of memory packing the reply");
   else fps_call_send(c, bb, true); /* final: on failure the call is already released */
 }

@@ -32,6 +32,100 @@
 
 enum { RP_RECV, RP_SEND, RP_DONE };
 
+/* A split block's map and last step as an image brings them (owned). */
+typedef struct fps_rp_block_s {
+  fps_split_map_t map;        /* points into bounds, shards */
+  uint64_t *bounds;
+  uint32_t *shards;
+  bool applied;
+  uint64_t version, attempt;
+  uint8_t *own[2];
+  size_t own_len[2];
+} fps_rp_block_t;
+
+static void fps__rp_block_free(fps_rp_block_t *b) {
+  if (!b) return;
+  fps_free(b->bounds);
+  fps_free(b->shards);
+  fps_free(b->own[0]);
+  fps_free(b->own[1]);
+  fps_free(b);
+}
+
+/* The map a piece names, as a view into the message. */
+static void fps__rp_map_view(const Factorps__V1__SplitBlock *sb, fps_split_map_t *m) {
+  *m = (fps_split_map_t){.block_index = sb->block_index, .bounds = sb->bounds, .n_bounds = sb->n_bounds,
+                         .block_shards = sb->block_shards, .n_block_shards = sb->n_block_shards,
+                         .shard_count = sb->shard_count};
+}
+
+/* rt's block (map, and its last step from the first piece) copied; *out
+ * NULL for a whole tensor. 0, FPS_EINVAL or FPS_ENOMEM with why. */
+static int fps__rp_block_take(const Factorps__V1__ReplicaTensor *rt, const char *name, fps_rp_block_t **out,
+                              char *why, size_t wl) {
+  *out = NULL;
+  if (!rt->split) {
+    if (rt->split_step) {
+      snprintf(why, wl, "tensor '%s': split_step without split", name);
+      return FPS_EINVAL;
+    }
+    return 0;
+  }
+  const Factorps__V1__SplitBlock *sb = rt->split;
+  const Factorps__V1__ReplicaSplitStep *ss = rt->split_step;
+  if (ss && ss->n_partials > 2) {
+    snprintf(why, wl, "tensor '%s': split_step carries %zu partials (at most STATS and U2)", name, ss->n_partials);
+    return FPS_EINVAL;
+  }
+  for (size_t i = 0; ss && i < ss->n_partials; i++) {
+    char sub[512];
+    if (fps_shard_exchange_payload_check((int)i + 1, ss->partials[i].data, ss->partials[i].len, sub, sizeof sub) <
+        0) {
+      snprintf(why, wl, "tensor '%s': split_step partials %zu: %s", name, i, sub);
+      return FPS_EINVAL;
+    }
+  }
+  fps_rp_block_t *b = fps_calloc(1, sizeof *b);
+  if (!b || !(b->bounds = fps_malloc((sb->n_bounds ? sb->n_bounds : 1) * sizeof *b->bounds)) ||
+      !(b->shards = fps_malloc((sb->n_block_shards ? sb->n_block_shards : 1) * sizeof *b->shards)))
+    goto oom;
+  if (sb->n_bounds) memcpy(b->bounds, sb->bounds, sb->n_bounds * sizeof *b->bounds);
+  if (sb->n_block_shards) memcpy(b->shards, sb->block_shards, sb->n_block_shards * sizeof *b->shards);
+  fps__rp_map_view(sb, &b->map);
+  b->map.bounds = b->bounds;
+  b->map.block_shards = b->shards;
+  if (ss) {
+    b->applied = true;
+    b->version = ss->version;
+    b->attempt = ss->attempt;
+    for (size_t i = 0; i < ss->n_partials; i++) {
+      if (!ss->partials[i].len) continue;
+      if (!(b->own[i] = fps_malloc(ss->partials[i].len))) goto oom;
+      memcpy(b->own[i], ss->partials[i].data, ss->partials[i].len);
+      b->own_len[i] = ss->partials[i].len;
+    }
+  }
+  *out = b;
+  return 0;
+oom:
+  fps__rp_block_free(b);
+  snprintf(why, wl, "tensor '%s': out of memory", name);
+  return FPS_ENOMEM;
+}
+
+/* The image's block fields from b (NULL: whole). */
+static void fps__rp_block_in(const fps_rp_block_t *b, fps_image_in_t *in) {
+  if (!b) return;
+  in->split = &b->map;
+  in->xapplied = b->applied;
+  in->xversion = b->version;
+  in->xattempt = b->attempt;
+  for (int i = 0; i < 2; i++) {
+    in->xown[i] = b->own[i];
+    in->xown_len[i] = b->own_len[i];
+  }
+}
+
 /* A complete image received after the transfer, waiting for its commit. */
 typedef struct fps_rp_pending_s {
   fps_image_in_t in;          /* in.params_own: its parameter buffer */
@@ -39,6 +133,7 @@ typedef struct fps_rp_pending_s {
   uint64_t *dims;
   uint64_t numel;
   uint8_t *sbuf;              /* its state */
+  fps_rp_block_t *block;      /* a split block's (in.split points into it) */
   struct fps_rp_pending_s *next;
 } fps_rp_pending_t;
 
@@ -66,6 +161,7 @@ typedef struct fps_rp_call_s {
   uint64_t version, total, got, numel;
   float *pbuf;                /* numel floats (fps_shard_param_buf) */
   uint8_t *sbuf;              /* total - 4 numel bytes */
+  fps_rp_block_t *block;      /* a split block's map and last step, NULL: whole */
   fps_wspan_t *spans;         /* the message being read, as gRPC received it */
   size_t spans_cap;
 } fps_rp_call_t;
@@ -234,6 +330,8 @@ static void fps__rp_drop_piece(fps_rp_call_t *rp) {
   fps_free(rp->name);
   fps_shard_param_buf_free(rp->base.srv->shard, rp->pbuf, rp->numel);
   fps_free(rp->sbuf);
+  fps__rp_block_free(rp->block);
+  rp->block = NULL;
   rp->name = NULL;
   rp->pbuf = NULL;
   rp->sbuf = NULL;
@@ -248,6 +346,7 @@ static void fps__rp_drop_pending(fps_rp_call_t *rp) {
     fps_free(p->dims);
     fps_shard_param_buf_free(rp->base.srv->shard, p->in.params_own, p->numel);
     fps_free(p->sbuf);
+    fps__rp_block_free(p->block);
     fps_free(p);
   }
   rp->pending_last = NULL;
@@ -365,6 +464,16 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
     snprintf(why, wl, "%s", sub);
     return FPS_EINVAL;
   }
+  if (rt->split) { /* a row block: the bytes are the block's */
+    fps_split_map_t map;
+    fps__rp_map_view(rt->split, &map);
+    int rc = fps_shard_block_numel(name, &shape, &map, srv->cfg.shard_id, srv->cfg.shard_count, &numel, sub,
+                                   sizeof sub);
+    if (rc < 0) {
+      snprintf(why, wl, "%s", sub);
+      return rc;
+    }
+  }
   if (rt->n_state_elements != FPS_STATE_KINDS) {
     snprintf(why, wl, "tensor '%s': %zu state sizes (expected %d)", name, rt->n_state_elements, FPS_STATE_KINDS);
     return FPS_EINVAL;
@@ -402,7 +511,12 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
     }
     rp->total = total;
     rp->version = rt->version;
-  } else if (!rp->name || strcmp(rp->name, name) != 0 || rp->version != rt->version || rp->total != total ||
+    int rc = fps__rp_block_take(rt, name, &rp->block, why, wl);
+    if (rc < 0) {
+      fps__rp_drop_piece(rp);
+      return rc;
+    }
+  } else if (!rp->name || strcmp(rp->name, name) != 0 || !rp->block != !rt->split || rp->version != rt->version || rp->total != total ||
              rp->got != rt->offset) {
     snprintf(why, wl, "tensor '%s': piece at %" PRIu64 " out of order", name, rt->offset);
     return FPS_EINVAL;
@@ -425,6 +539,7 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
                        .last_weight_decay = rt->last_weight_decay,
                        .params_own = rp->pbuf, .state = (const float *)rp->sbuf};
   for (int k = 0; k < FPS_STATE_KINDS; k++) in.n[k] = rt->state_elements[k];
+  fps__rp_block_in(rp->block, &in);
   if (fps_wire_hparams(name, rt->config, &in.hp, sub, sizeof sub) < 0) {
     fps__rp_drop_piece(rp);
     snprintf(why, wl, "%s", sub);
@@ -445,7 +560,9 @@ static int fps__rp_tensor(fps_rp_call_t *rp, const Factorps__V1__ReplicaTensor *
     p->name = rp->name;
     p->numel = rp->numel;
     p->sbuf = rp->sbuf;
+    p->block = rp->block;
     p->in.name = p->name;
+    rp->block = NULL;
     rp->name = NULL;
     rp->pbuf = NULL; /* p->in.params_own now */
     rp->sbuf = NULL;

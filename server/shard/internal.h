@@ -852,6 +852,13 @@ typedef struct fps_xmail_s {
    * COMMIT's acknowledgement was lost retries it and is answered OK. */
   bool applied;
   uint64_t applied_version, applied_attempt;
+  /* That step's own partials per phase (STATS, U2; NULL: none), for a
+   * peer that lacks them (fps_xreply_t) and for the standby's image. */
+  uint8_t *own[2];
+  size_t own_len[2];
+  /* The step came in a standby's image (replica.c): no peer partials of
+   * it are kept, so a retry of its attempt is matched by attempt alone. */
+  bool imaged;
 } fps_xmail_t;
 
 /* Frees sp->mail and everything kept (teardown). */
@@ -860,6 +867,10 @@ void fps__xmail_free(fps_tensor_split_t *sp);
  * to an agreed one (xrecover.c), so none of it belongs to its history.
  * No step may be in flight. */
 void fps__xmail_reset(fps_tensor_split_t *sp);
+/* Records the step from `version` (attempt) as the last applied, taking
+ * its own partials own[0..1] (NULL: none; the pointers are cleared). */
+void fps__xmail_applied(fps_xmail_t *ml, uint64_t version, uint64_t attempt, uint8_t *own[2],
+                        const size_t own_len[2], bool imaged);
 /* Drops kept partials the block no longer needs at version v: early ones
  * before v, and those of steps before v - 1. */
 void fps__xmail_prune(fps_tensor_split_t *sp, uint64_t v);

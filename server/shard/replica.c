@@ -41,9 +41,9 @@ static int fps__image_prep(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *o, cha
   o->n[FPS_STATE_VAR] = t->size.var;
   o->n[FPS_STATE_MOM] = t->size.mom;
   o->total_state = t->size.elements;
-  if (t->split) {
-    snprintf(why, wl, "tensor '%s' is a block of a split tensor: blocks are not replicated", t->name);
-    return FPS_EUNSUPPORTED;
+  if (t->split) { /* the map is constant */
+    o->is_split = true;
+    fps_shard_split_map_of(t->split, &o->split);
   }
   if (o->total_state) {
     bool over = false;
@@ -74,6 +74,35 @@ static void fps__image_fill_locked(fps_tensor_t *t, fps_image_t *o) {
   o->rms = t->st.rms;
   o->last_lr = t->last_lr;
   o->last_weight_decay = t->last_weight_decay;
+  if (!t->split) return;
+  const fps_tensor_split_t *sp = t->split;
+  o->step = sp->st.step;
+  o->rms = sp->st.rms;
+  /* The step that made this version, if it was one (not a restore, an
+   * agreed version or a Create): small copies, under the lock. */
+  const fps_xmail_t *ml = sp->mail;
+  if (!ml || !ml->applied || ml->applied_version + 1 != t->version) return;
+  o->xapplied = true;
+  o->xversion = ml->applied_version;
+  o->xattempt = ml->applied_attempt;
+  for (int i = 0; i < 2; i++) {
+    if (!ml->own[i] || !ml->own_len[i]) continue;
+    if (!(o->xown[i] = fps_malloc(ml->own_len[i]))) {
+      o->oom = true;
+      continue;
+    }
+    memcpy(o->xown[i], ml->own[i], ml->own_len[i]);
+    o->xown_len[i] = ml->own_len[i];
+  }
+}
+
+/* After the locks: a split block's step record that could not be copied
+ * fails the image (a standby without it could not answer its peers'
+ * retries of that step). */
+static int fps__image_check(const fps_image_t *o, char *why, size_t wl) {
+  if (!o->oom) return 0;
+  snprintf(why, wl, "tensor '%s': out of memory copying its last step's partials for the standby", o->name);
+  return FPS_ENOMEM;
 }
 
 int fps_shard_image(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *out, char *why, size_t wl) {
@@ -82,6 +111,10 @@ int fps_shard_image(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *out, char *wh
   pthread_mutex_lock(&t->mu);
   fps__image_fill_locked(t, out);
   pthread_mutex_unlock(&t->mu);
+  if ((rc = fps__image_check(out, why, wl)) < 0) {
+    fps_image_release(sh, out);
+    return rc;
+  }
   if (!out->params) {
     fps_image_release(sh, out);
     snprintf(why, wl, "tensor '%s' is still initialising", t->name);
@@ -194,6 +227,14 @@ int fps_shard_images(fps_shard_t *sh, fps_tensor_t *const *t, size_t n, fps_imag
   pthread_rwlock_unlock(&sh->apply_gate);
   if (all != order) fps_free(all);
   fps_free(order);
+  for (size_t i = 0; i < n + ne && rc == 0; i++) rc = fps__image_check(i < n ? &out[i] : &ex[i - n], why, wl);
+  if (rc < 0) {
+    fps_key_recs_free(kl);
+    for (size_t i = 0; i < ne; i++) fps_image_release(sh, &ex[i]);
+    fps_free(ex);
+    for (size_t i = 0; i < n; i++) fps_image_release(sh, &out[i]);
+    return rc;
+  }
   *keys = kl;
   *extra = ex;
   *nextra = ne;
@@ -256,6 +297,10 @@ void fps__repl_key_applied(fps_shard_t *sh, const fps_push_t *p) {
 void fps_image_release(fps_shard_t *sh, fps_image_t *img) {
   if (img->state) fps_tbuf_free(sh, img->state, img->total_state);
   img->state = NULL;
+  for (int i = 0; i < 2; i++) {
+    fps_free(img->xown[i]);
+    img->xown[i] = NULL;
+  }
   fps_snap_unref(img->params);
   img->params = NULL;
 }
@@ -276,7 +321,8 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
   fps_tensor_t *t = fps_store_find(&sh->store, in->name);
   if (!t) {
     /* Created as any Create would (every rule and limit), then filled. */
-    fps_create_item_t item = {.name = in->name, .dims = in->dims, .ndim = in->ndim, .hp = in->hp};
+    fps_create_item_t item = {.name = in->name, .dims = in->dims, .ndim = in->ndim, .hp = in->hp,
+                              .split = in->split};
     fps_create_info_t info;
     uint64_t received = 0;
     int rc = fps_shard_create(sh, sh->cfg.shard_id, sh->cfg.shard_count, &item, 1, &info, &received, why, wl);
@@ -284,8 +330,23 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
     t = info.t;
   }
   if (t->split) {
-    snprintf(why, wl, "tensor '%s' is a split block here: blocks are not replicated", in->name);
-    return FPS_EUNSUPPORTED;
+    /* A demoted primary's step still in flight: it settles (within its
+     * exchange deadline) before the new primary's image replaces the
+     * block; the stream is tried again meanwhile. (A standby begins no
+     * step, so none can begin after this check.) */
+    pthread_mutex_lock(&t->mu);
+    bool busy = t->split->xs != NULL;
+    pthread_mutex_unlock(&t->mu);
+    if (busy) {
+      snprintf(why, wl, "tensor '%s': a step of this block is still in flight here", in->name);
+      return FPS_EUNAVAILABLE;
+    }
+  }
+  if (t->split || in->split) {
+    fps_split_map_t have;
+    if (t->split) fps_shard_split_map_of(t->split, &have);
+    int rc = fps_shard_split_match(in->name, t->split ? &have : NULL, in->split, why, wl);
+    if (rc < 0) return rc;
   }
   /* Create-or-match's rules decide whether the image fits the tensor held. */
   fps_shape_t shape;
@@ -299,16 +360,42 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
              in->name);
     return FPS_EEXISTS;
   }
+  /* A block's last step record, copied before the lock. */
+  uint8_t *own[2] = {NULL, NULL};
+  size_t own_len[2] = {0, 0};
+  fps_xmail_t *mail = NULL;
+  if (t->split) {
+    bool oom = !(mail = fps_calloc(1, sizeof *mail));
+    for (int i = 0; i < 2 && !oom && in->xapplied; i++)
+      if (in->xown[i] && in->xown_len[i]) {
+        if ((own[i] = fps_malloc(in->xown_len[i]))) memcpy(own[i], in->xown[i], in->xown_len[i]);
+        else oom = true;
+        own_len[i] = in->xown_len[i];
+      }
+    if (oom) {
+      fps_free(mail);
+      fps_free(own[0]);
+      fps_free(own[1]);
+      snprintf(why, wl, "tensor '%s': out of memory", in->name);
+      return FPS_ENOMEM;
+    }
+  }
   bool over = false;
   fps_snap_t *nb;
   if (in->params_own) {
     /* The received buffer itself becomes the parameters. */
     if (!(nb = fps_malloc(sizeof *nb))) {
+      fps_free(mail);
+      fps_free(own[0]);
+      fps_free(own[1]);
       snprintf(why, wl, "tensor '%s': out of memory", in->name);
       return FPS_ENOMEM;
     }
   } else {
     if (!(nb = fps__pbuf_new_staged(sh, t, &over))) {
+      fps_free(mail);
+      fps_free(own[0]);
+      fps_free(own[1]);
       snprintf(why, wl, "tensor '%s': %s", in->name, over ? "past --max-staging-bytes" : "out of memory");
       return over ? FPS_ELIMIT : FPS_ENOMEM;
     }
@@ -330,8 +417,25 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
     if (in->n[k]) memcpy(dst[k], src, in->n[k] * sizeof(float));
     src += in->n[k];
   }
-  t->st.step = in->step;
-  t->st.rms = (float)in->rms;
+  fps_xanchor_t *anchors = NULL;
+  if (t->split) {
+    fps_tensor_split_t *sp = t->split;
+    sp->st.step = in->step;
+    sp->st.rms = (float)in->rms;
+    /* What the Exchange kept belongs to the primary's past: the block
+     * holds only the step that made this version. */
+    if (!sp->mail) {
+      sp->mail = mail;
+      mail = NULL;
+    } else {
+      fps__xmail_reset(sp);
+    }
+    if (in->xapplied && in->xversion + 1 == in->version)
+      fps__xmail_applied(sp->mail, in->xversion, in->xattempt, own, own_len, true);
+  } else {
+    t->st.step = in->step;
+    t->st.rms = (float)in->rms;
+  }
   t->version = in->version;
   nb->version = in->version;
   t->last_lr = in->last_lr;
@@ -342,7 +446,14 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
     for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
   }
   t->init_gen++;
+  /* A standby keeps anchors too, at the versions its primary does: once
+   * promoted, it has versions its peers can agree on (xrecover.c). */
+  if (t->split) fps__xrec_applied_locked(sh, t, &anchors);
   pthread_mutex_unlock(&t->mu);
+  fps_free(mail);
+  fps_free(own[0]);
+  fps_free(own[1]);
+  if (anchors) fps__xrec_anchor_flush(sh, anchors);
   fps__pbuf_retire(sh, t, old); /* readers may still hold it */
   atomic_fetch_add(&sh->changes, 1);
   return 0;

@@ -534,13 +534,30 @@ typedef struct fps_xmsg_s {
   size_t len;
   uint64_t stamp;              /* the sender's clock when it made the message
                                 * (xrecover.c "STAMPS"); 0: not known */
+  bool want;                   /* the sender lacks the receiver's own
+                                * partials (or COMMIT) of this phase */
 } fps_xmsg_t;
 
-/* How one send ended: err 0 (the peer acknowledged), or FPS_E* with a
- * message naming the peer and the cause (FPS_EUNAVAILABLE: not reachable
- * within the deadline; otherwise the peer's refusal translated). Called
+/* What an OK Exchange answers (ExchangeResponse): the step of the
+ * message's (version, attempt) applied on the receiver; with the
+ * message's `want`, the receiver's own partials of that phase (STATS/U2;
+ * owned: fps_free) or, for a COMMIT, that it committed, when the sender
+ * should have had them already (the receiver's send of them to it was
+ * acknowledged, or the step applied): a standby promoted in the middle of
+ * a step lacks what went to its predecessor. */
+typedef struct fps_xreply_s {
+  bool applied;
+  bool committed;
+  uint8_t *partials;
+  size_t len;
+} fps_xreply_t;
+
+/* How one send ended: err 0 (the peer acknowledged; reply is its answer,
+ * valid during the call), or FPS_E* with a message naming the peer and
+ * the cause (FPS_EUNAVAILABLE: not reachable within the deadline;
+ * otherwise the peer's refusal translated; reply NULL). Called
  * exactly once per accepted send, on any thread, with no core lock held. */
-typedef void (*fps_xsend_done_fn)(void *arg, int err, const char *msg);
+typedef void (*fps_xsend_done_fn)(void *arg, int err, const char *msg, const fps_xreply_t *reply);
 
 /* The sender: copies what it needs of *m (m is only valid during the
  * call), sends it to shard `to_shard`, retrying transient failures until
@@ -565,8 +582,12 @@ void fps_shard_set_exchange(fps_shard_t *sh, fps_xsend_fn send, void *ctx, doubl
  * FPS_EEXISTS (different partials for a (version, block, phase, attempt)
  * already received; an identical retry is 0), FPS_EINVAL, FPS_ENOMEM; `why` names
  * the tensor, the sender and the problem. Kept partials may complete this
- * shard's step on the calling thread (its pushes resolved before return). */
-int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, size_t why_len);
+ * shard's step on the calling thread (its pushes resolved before return).
+ * On 0, *reply (may be NULL) gets the answer; free it with
+ * fps_xreply_free. */
+int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, fps_xreply_t *reply, char *why,
+                               size_t why_len);
+void fps_xreply_free(fps_xreply_t *reply);
 
 /* ------------------------------------------------------------ replicas */
 
@@ -591,9 +612,20 @@ typedef struct fps_image_s {
   double rms, last_lr, last_weight_decay;
   fps_snap_t *params;         /* numel floats */
   float *state;               /* total_state floats (staging), or NULL */
+  /* A row block of a split tensor (numel and n are the block's; shape is
+   * the whole tensor's): its map (a view into the tensor, constant) and
+   * its last step applied when that step made `version` (the Exchange a
+   * promoted standby must answer as the primary would: xstep.c). */
+  bool is_split;
+  fps_split_map_t split;
+  bool xapplied;
+  uint64_t xversion, xattempt;
+  uint8_t *xown[2];           /* owned copies: STATS, U2 (NULL: none) */
+  size_t xown_len[2];
+  bool oom;                   /* copying xown failed */
 } fps_image_t;
-/* 0, FPS_ESTATE (still initialising), FPS_EUNSUPPORTED (a split block),
- * FPS_ELIMIT / FPS_ENOMEM (the state copy), with why. Release with
+/* 0, FPS_ESTATE (still initialising), FPS_ELIMIT / FPS_ENOMEM (the state
+ * copy), with why. Release with
  * fps_image_release (also after a failure). */
 int fps_shard_image(fps_shard_t *sh, fps_tensor_t *t, fps_image_t *out, char *why, size_t why_len);
 void fps_image_release(fps_shard_t *sh, fps_image_t *img);
@@ -652,7 +684,19 @@ typedef struct fps_image_in_s {
                                * becomes the parameters (no copy; the core
                                * owns it once install returns 0) */
   const float *state;         /* sum of n[k] floats */
+  /* A row block of a split tensor (NULL: whole): its map, and its last
+   * step applied (fps_image_t's xapplied ...; copied in). */
+  const fps_split_map_t *split;
+  bool xapplied;
+  uint64_t xversion, xattempt;
+  const uint8_t *xown[2];
+  size_t xown_len[2];
 } fps_image_in_t;
+/* The elements of the row block `map` places on this shard (shard_id of
+ * shard_count) of a tensor of `shape` (validated): 0, or the map's
+ * refusals (fps_shard_split_check's FPS_ESTATE / FPS_EINVAL) with why. */
+int fps_shard_block_numel(const char *name, const fps_shape_t *shape, const fps_split_map_t *map,
+                          uint32_t shard_id, uint32_t shard_count, uint64_t *numel, char *why, size_t why_len);
 /* A buffer for numel parameters of tensor `name` counted against
  * max_staging_bytes until an install adopts it (fps_image_in_t.params_own);
  * NULL with *over_limit set past the limit, or NULL out of memory. A

@@ -144,6 +144,18 @@ int fps_shard_split_match(const char *name, const fps_split_map_t *have, const f
   return FPS_EEXISTS;
 }
 
+int fps_shard_block_numel(const char *name, const fps_shape_t *shape, const fps_split_map_t *map,
+                          uint32_t shard_id, uint32_t shard_count, uint64_t *numel, char *why, size_t why_len) {
+  uint64_t lo = 0, hi = 0;
+  int rc = fps_shard_split_check(name, shape, map, shard_id, shard_count, &lo, &hi, why, why_len);
+  if (rc < 0) return rc;
+  /* Rows of the last two dimensions' matrices, all batches in a row
+   * (proto SplitBlock); a 0-D or 1-D tensor's rows are its elements. */
+  uint64_t cols = shape->ndim >= 2 ? shape->dim[shape->ndim - 1] : 1;
+  *numel = (hi - lo) * cols;
+  return 0;
+}
+
 void fps_shard_split_map_of(const fps_tensor_split_t *s, fps_split_map_t *out) {
   *out = (fps_split_map_t){.block_index = s->block_index,
                            .bounds = s->bounds,

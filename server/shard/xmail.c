@@ -20,6 +20,21 @@ static void fps__xmail_drop_all(fps_xmail_t *ml) {
     n = k->next;
     fps__xkept_free(k);
   }
+  for (int i = 0; i < 2; i++) fps_free(ml->own[i]);
+}
+
+void fps__xmail_applied(fps_xmail_t *ml, uint64_t version, uint64_t attempt, uint8_t *own[2],
+                        const size_t own_len[2], bool imaged) {
+  ml->applied = true;
+  ml->applied_version = version;
+  ml->applied_attempt = attempt;
+  ml->imaged = imaged;
+  for (int i = 0; i < 2; i++) {
+    fps_free(ml->own[i]);
+    ml->own[i] = own[i];
+    ml->own_len[i] = own[i] ? own_len[i] : 0;
+    own[i] = NULL;
+  }
 }
 
 void fps__xmail_free(fps_tensor_split_t *sp) {

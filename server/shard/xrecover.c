@@ -383,7 +383,8 @@ void fps__xrec_restored(fps_shard_t *sh, fps_tensor_t *t) {
 
 /* ----------------------------------------------------------- agreeing */
 
-static void fps__xrec_sent(void *arg, int err, const char *msg) {
+static void fps__xrec_sent(void *arg, int err, const char *msg, const fps_xreply_t *reply) {
+  (void)reply;
   (void)arg;
   if (err) FPS_LOG(FPS_LOG_DEBUG, "VERSIONS not delivered: %s", msg ? msg : fps_strerror(err));
 }

@@ -421,9 +421,34 @@ fail:
 
 static void fps__xg_advance(fps_xgroup_t *g);
 
-static void fps__xsend_done(void *arg, int err, const char *msg) {
+/* What a peer's answer brought that it had sent before (fps_xreply_t):
+ * taken as if it had arrived now, through the same checks. */
+static void fps__xsend_echo(fps_xsendrec_t *rec, const fps_xreply_t *r) {
+  fps_shard_t *sh = rec->g->sh;
+  const struct fps_xstep_s *x = rec->x;
+  const fps_tensor_split_t *sp = x->t->split; /* the map is constant */
+  uint32_t b = 0;
+  while (b < sp->n_blocks && sp->block_shards[b] != rec->to) b++;
+  int phase = r->len ? rec->phase : (r->applied || r->committed) ? FPS_XPHASE_COMMIT : 0;
+  if (b == sp->n_blocks || !phase || (phase == FPS_XPHASE_COMMIT && !x->g->commit)) return;
+  fps_xmsg_t m = {.name = x->t->name, .version = x->version, .from_shard = rec->to,
+                  .shard_count = sh->cfg.shard_count, .block_index = b, .phase = phase,
+                  .attempt = x->attempt, .partials = r->partials, .len = r->len};
+  char why[512];
+  if (phase != FPS_XPHASE_COMMIT &&
+      fps_shard_exchange_payload_check(phase, m.partials, m.len, why, sizeof why) < 0) {
+    FPS_LOG(FPS_LOG_WARN, "tensor '%s': shard %u answered with partials that are not valid: %s", x->t->name,
+            rec->to, why);
+    return;
+  }
+  int rc = fps_shard_exchange_receive(sh, &m, NULL, why, sizeof why);
+  if (rc < 0) FPS_LOG(FPS_LOG_DEBUG, "tensor '%s': the partials shard %u answered with: %s", x->t->name, rec->to, why);
+}
+
+static void fps__xsend_done(void *arg, int err, const char *msg, const fps_xreply_t *reply) {
   fps_xsendrec_t *rec = arg;
   fps_xgroup_t *g = rec->g;
+  if (!err && reply && (reply->len || reply->applied || reply->committed)) fps__xsend_echo(rec, reply);
   pthread_mutex_lock(&g->mu);
   rec->state = err ? 3 : 2;
   if (!g->over) {
@@ -463,15 +488,25 @@ static void fps__xg_send(fps_xgroup_t *g, int phase) {
     pthread_mutex_unlock(&g->mu);
     if (stop) break; /* failed meanwhile: the rest need not go */
     bool own = phase <= NPHASE; /* COMMIT carries nothing */
+    /* Whether we still lack that peer's own of this phase: if it should
+     * have reached us already, its answer brings it (a standby promoted
+     * mid-step lacks what went to its predecessor). */
+    const fps_tensor_split_t *sp = x->t->split;
+    uint32_t b = 0;
+    while (b < sp->n_blocks && sp->block_shards[b] != rec[i].to) b++;
+    pthread_mutex_lock(&x->t->mu);
+    bool want = b < sp->n_blocks &&
+                (own ? !x->part[(size_t)(phase - 1) * x->nb + b].wire : !x->committed[b]);
+    pthread_mutex_unlock(&x->t->mu);
     fps_xmsg_t m = {.name = x->t->name, .version = x->version, .from_shard = sh->cfg.shard_id,
                     .shard_count = sh->cfg.shard_count, .block_index = x->me, .phase = phase,
                     .attempt = x->attempt, .partials = own ? x->own[phase - 1] : NULL,
-                    .len = own ? x->own_len[phase - 1] : 0, .stamp = fps__xrec_stamp(sh)};
+                    .len = own ? x->own_len[phase - 1] : 0, .stamp = fps__xrec_stamp(sh), .want = want};
     int rc = sh->xsend(sh->xsend_ctx, rec[i].to, &m, g->deadline_ns, fps__xsend_done, &rec[i]);
     if (rc < 0) {
       char cause[128];
       snprintf(cause, sizeof cause, "the send was refused at once (%s)", fps_strerror(rc));
-      fps__xsend_done(&rec[i], rc, cause);
+      fps__xsend_done(&rec[i], rc, cause, NULL);
     }
   }
   pthread_mutex_lock(&g->mu);
@@ -575,9 +610,12 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
     }
     x->t->round.prep.split = x->step;
     x->step = NULL;
-    sp->mail->applied = true;
-    sp->mail->applied_version = x->version;
-    sp->mail->applied_attempt = x->attempt;
+    size_t own_len[2] = {x->own_len[0], x->u2 ? x->own_len[1] : 0};
+    if (!x->u2) { /* allocated at start, never written */
+      fps_free(x->own[1]);
+      x->own[1] = NULL;
+    }
+    fps__xmail_applied(sp->mail, x->version, x->attempt, x->own, own_len, false);
     /* Kept for peers whose acknowledgement was lost: they retry these.
      * (The mail exists: the step was started with it.) */
     for (uint32_t j = 0; sp->mail && j < NPHASE * x->nb; j++) {
@@ -780,7 +818,8 @@ typedef struct fps_xabort_s {
   uint32_t to, block;
 } fps_xabort_t;
 
-static void fps__xabort_sent(void *arg, int err, const char *msg) {
+static void fps__xabort_sent(void *arg, int err, const char *msg, const fps_xreply_t *reply) {
+  (void)reply;
   fps_shard_t *sh = arg;
   if (err) FPS_LOG(FPS_LOG_DEBUG, "ABORT not delivered: %s", msg ? msg : fps_strerror(err));
   atomic_fetch_sub(&sh->xaborts_in_flight, 1);
@@ -846,8 +885,54 @@ static bool fps__same(const uint8_t *a, size_t alen, const void *b, size_t blen)
   return alen == blen && memcmp(a, b, alen) == 0;
 }
 
-int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, size_t wl) {
+void fps_xreply_free(fps_xreply_t *r) {
+  if (!r) return;
+  fps_free(r->partials);
+  memset(r, 0, sizeof *r);
+}
+
+/* Our send of `phase` of x to shard `to` was acknowledged. REQUIRES t->mu
+ * (x is the step in flight; its group's lock is taken here). */
+static bool fps__xsent_acked(struct fps_xstep_s *x, int phase, uint32_t to) {
+  fps_xgroup_t *g = x->g;
+  bool acked = false;
+  pthread_mutex_lock(&g->mu);
+  const fps_xsendrec_t *rec = g->rec + (size_t)(phase - 1) * g->nsend;
+  for (size_t i = 0; i < g->nsend; i++)
+    if (rec[i].x == x && rec[i].to == to) acked = rec[i].state == 2;
+  pthread_mutex_unlock(&g->mu);
+  return acked;
+}
+
+/* The answer to m beyond OK (fps_xreply_t): whether its step applied
+ * here, and what the sender lacks of ours that it should have had. x: our
+ * step of m's (version, attempt) in flight, or NULL. REQUIRES t->mu. */
+static int fps__xreply_fill(const fps_tensor_split_t *sp, struct fps_xstep_s *x, const fps_xmsg_t *m,
+                            fps_xreply_t *r) {
+  if (!r) return 0;
+  const fps_xmail_t *ml = sp->mail;
+  bool applied = !x && m->attempt && ml && ml->applied && ml->applied_version == m->version &&
+                 ml->applied_attempt == m->attempt;
+  r->applied = applied;
+  if (!m->want || (!applied && !(x && fps__xsent_acked(x, m->phase, m->from_shard)))) return 0;
+  if (m->phase == FPS_XPHASE_COMMIT) {
+    r->committed = true;
+    return 0;
+  }
+  if (m->phase != FPS_SPLIT_PHASE_STATS && m->phase != FPS_SPLIT_PHASE_U2) return 0;
+  int i = m->phase - 1;
+  const uint8_t *own = applied ? ml->own[i] : x->own[i];
+  size_t len = applied ? ml->own_len[i] : x->own_len[i];
+  if (!own || !len || (m->phase == FPS_SPLIT_PHASE_U2 && !applied && !x->u2)) return 0;
+  if (!(r->partials = fps_malloc(len))) return FPS_ENOMEM;
+  memcpy(r->partials, own, len);
+  r->len = len;
+  return 0;
+}
+
+int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, fps_xreply_t *reply, char *why, size_t wl) {
   const char *name = m->name ? m->name : "";
+  if (reply) memset(reply, 0, sizeof *reply);
   char sub[512];
   /* The checks that need no tensor, in the proto's order. */
   if (fps_shard_name_check(name, sub, sizeof sub) < 0) {
@@ -944,7 +1029,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
     const struct fps_xmail_s *ml = sp->mail;
     if (ml && ml->applied && ml->applied_version == m->version && ml->applied_attempt == m->attempt &&
         m->version + 1 == v) {
-      rc = 0; /* that step applied here: the sender's retry */
+      rc = fps__xreply_fill(sp, NULL, m, reply); /* that step applied here: the sender's retry */
       goto out;
     }
     struct fps_xstep_s *cx =
@@ -964,10 +1049,12 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
                sp->xs ? sp->xs->attempt : 0, m->version == v ? "; retry" : "; nothing is applied");
       goto out;
     }
-    if (cx->committed[m->block_index]) { /* a retry */
-      rc = 0;
+    if ((rc = fps__xreply_fill(sp, cx, m, reply)) < 0) {
+      snprintf(why, wl, "Exchange of tensor '%s': out of memory", name);
       goto out;
     }
+    if (cx->committed[m->block_index]) /* a retry */
+      goto out;
     cx->committed[m->block_index] = true;
     fps_xgroup_t *cg = cx->g;
     pthread_mutex_lock(&cg->mu);
@@ -983,8 +1070,14 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
      * acknowledgement was lost): the same bytes are answered OK. */
     fps_xkept_t *k =
         m->version + 1 == v ? fps__xmail_find(sp, m->version, m->block_index, m->phase, m->attempt, true) : NULL;
-    if (k && fps__same(k->wire, k->len, m->partials, m->len)) {
-      rc = 0;
+    /* A step that came in a standby's image kept no peer partials: its
+     * attempt (the same push_ids, so the same gradients) must match. */
+    const fps_xmail_t *ml = sp->mail;
+    bool imaged = !k && m->version + 1 == v && m->attempt && ml && ml->imaged && ml->applied &&
+                  ml->applied_version == m->version && ml->applied_attempt == m->attempt;
+    if ((k && fps__same(k->wire, k->len, m->partials, m->len)) || imaged) {
+      if ((rc = fps__xreply_fill(sp, NULL, m, reply)) < 0)
+        snprintf(why, wl, "Exchange of tensor '%s': out of memory", name);
       goto out;
     }
     rc = FPS_ESTATE;
@@ -1044,8 +1137,9 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
   if ((had && had->wire) || kept) {
     bool same = had && had->wire ? fps__same(had->wire, had->len, m->partials, m->len)
                                  : fps__same(kept->wire, kept->len, m->partials, m->len);
-    rc = same ? 0 : FPS_EEXISTS;
-    if (!same)
+    rc = same ? fps__xreply_fill(sp, x, m, reply) : FPS_EEXISTS;
+    if (rc == FPS_ENOMEM) snprintf(why, wl, "Exchange of tensor '%s': out of memory", name);
+    else if (!same)
       snprintf(why, wl,
                "Exchange of tensor '%s' from shard %u: different %s partials of block %u for the step from "
                "version %" PRIu64 " (%s) were already received",
@@ -1118,6 +1212,14 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
     rc = 0;
     goto out;
   }
+  /* Before the partials complete the step (and its own move to the mail). */
+  if (fps__xreply_fill(sp, x, m, reply) < 0) {
+    fps_free(wire);
+    fps_split_partials_free(&dec);
+    rc = FPS_ENOMEM;
+    snprintf(why, wl, "Exchange of tensor '%s': out of memory", name);
+    goto out;
+  }
   fps_xpart_t *p = &x->part[(size_t)(m->phase - 1) * x->nb + m->block_index];
   p->wire = wire;
   p->len = m->len;
@@ -1134,6 +1236,7 @@ int fps_shard_exchange_receive(fps_shard_t *sh, const fps_xmsg_t *m, char *why, 
   return 0;
 out:
   pthread_mutex_unlock(&t->mu);
+  if (rc < 0) fps_xreply_free(reply);
   if (behind) fps__xrec_announce(sh, t);
   return rc;
 }

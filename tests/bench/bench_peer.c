@@ -33,7 +33,8 @@ typedef struct waiter_s {
   int bad;
 } waiter_t;
 
-static void on_done(void *arg, int err, const char *msg) {
+static void on_done(void *arg, int err, const char *msg, const fps_xreply_t *reply) {
+  (void)reply;
   waiter_t *w = arg;
   pthread_mutex_lock(&w->mu);
   if (err != FPS_ENOTFOUND) {

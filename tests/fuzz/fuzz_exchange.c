@@ -73,7 +73,7 @@ static int fx_send(void *ctx, uint32_t to, const fps_xmsg_t *m, int64_t deadline
   uint32_t from = *(const uint32_t *)ctx;
   if (to >= 2 || to == from) abort(); /* the core sends only to the map's other shard */
   if (ack_at_once) {
-    done(arg, 0, "");
+    done(arg, 0, "", NULL);
     return 0;
   }
   if (nsends == MAXSENDS) return FPS_EUNAVAILABLE;
@@ -100,7 +100,7 @@ static void fx_resolve_all(int err) {
   while (nsends) {
     fx_send_t s = sends[--nsends];
     free(s.req);
-    s.done(s.arg, err, err ? "peer shard 1 did not answer within the deadline" : "");
+    s.done(s.arg, err, err ? "peer shard 1 did not answer within the deadline" : "", NULL);
   }
   fz_drain();
 }
@@ -250,7 +250,7 @@ static void pump(fps_server_t *srv[2]) {
     int st = fz_call_status(c);
     fz_call_finish(c);
     free(s.req);
-    s.done(s.arg, st == 0 ? 0 : FPS_ESTATE, st == 0 ? "" : "refused");
+    s.done(s.arg, st == 0 ? 0 : FPS_ESTATE, st == 0 ? "" : "refused", NULL);
     fz_drain();
   }
 }

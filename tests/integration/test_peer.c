@@ -67,7 +67,8 @@ static void outcome_init(outcome_t *o) {
   pthread_cond_init(&o->cv, NULL);
 }
 
-static void on_done(void *arg, int err, const char *msg) {
+static void on_done(void *arg, int err, const char *msg, const fps_xreply_t *reply) {
+  (void)reply;
   outcome_t *o = arg;
   /* In the test's log: what a shard would report for this send. */
   fprintf(stderr, "done: %s%s%s\n", fps_err_name(err), msg ? ": " : "", msg ? msg : "");
@@ -362,6 +363,38 @@ static void test_peer_down(void **state) {
   fps_peers_destroy(p);
 }
 
+/* A peer shard with a standby, "A|B": a replica that cannot be reached
+ * (a dead port here, as a killed primary; a standby answers UNAVAILABLE)
+ * is left for the other within the same deadline, in either order, and
+ * both down is UNAVAILABLE naming the entry. */
+static void test_peer_replicas(void **state) {
+  (void)state;
+  fps_test_server_t r;
+  receiver(&r, NULL);
+  char dead[64], entry[160];
+  snprintf(dead, sizeof dead, "127.0.0.1:%d", fps_test_dead_port());
+  for (int order = 0; order < 2; order++) {
+    snprintf(entry, sizeof entry, "%s|%s", order ? r.addr : dead, order ? dead : r.addr);
+    fps_peers_t *p = sender(entry, 10, NULL);
+    for (int k = 0; k < 2; k++) { /* the second starts at the replica that answered */
+      outcome_t o;
+      send_wait(p, "emb.weight", 10, &o);
+      assert_err(&o, FPS_ENOTFOUND, "'emb.weight' from shard 0"); /* delivered */
+      assert_err(&o, FPS_ENOTFOUND, entry);
+      assert_int_equal(o.calls, 1);
+    }
+    fps_peers_destroy(p);
+  }
+  assert_int_equal(fps_test_server_stop(&r), 0);
+  snprintf(entry, sizeof entry, "%s|%s", dead, r.addr); /* both down now */
+  fps_peers_t *p = sender(entry, 1, NULL);
+  outcome_t o;
+  send_wait(p, "w", 1, &o);
+  assert_err(&o, FPS_EUNAVAILABLE, entry);
+  assert_err(&o, FPS_EUNAVAILABLE, "attempts");
+  fps_peers_destroy(p);
+}
+
 /* A peer that comes up during the deadline: the retries reach it. */
 static void test_peer_comes_back(void **state) {
   (void)state;
@@ -503,6 +536,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_token, teardown),
       cmocka_unit_test_teardown(test_mtls_and_token, teardown),
       cmocka_unit_test_teardown(test_peer_down, teardown),
+      cmocka_unit_test_teardown(test_peer_replicas, teardown),
       cmocka_unit_test_teardown(test_peer_comes_back, teardown),
       cmocka_unit_test_teardown(test_peer_never_answers, teardown),
       cmocka_unit_test_teardown(test_stop_with_sends_in_flight, teardown),

@@ -53,9 +53,12 @@ typedef struct qmsg_s {
   struct qmsg_s *next;
 } qmsg_t;
 
-static fps_shard_t core[MAXS];
+static fps_shard_t core[MAXS + 1]; /* core[MAXS]: a standby's, when a test makes one */
 static uint32_t ncores;
-static uint32_t node_id[MAXS];
+static uint32_t node_id[MAXS + 1];
+/* Which core serves each shard id (a standby replica taking over: the
+ * identity otherwise). */
+static uint32_t route[MAXS];
 /* [from][to]; atomic: the tests change links while the pump and the
  * cores' threads read them. */
 static _Atomic int link_mode[MAXS][MAXS];
@@ -129,12 +132,13 @@ static void *pump_main(void *u) {
     int mode = link_mode[q->from][q->to];
     pthread_mutex_unlock(&qmu);
     char why[FPS_WHY_MAX] = "";
+    fps_xreply_t reply = {0};
     int rc;
     if (mode == LINK_PEER_ERR) {
       rc = FPS_ESTATE;
       snprintf(why, sizeof why, "peer shard %u refused: test refusal", q->to);
     } else {
-      rc = fps_shard_exchange_receive(&core[q->to], &q->m, why, sizeof why);
+      rc = fps_shard_exchange_receive(&core[route[q->to]], &q->m, &reply, why, sizeof why);
     }
     /* The answers to the step's own messages (the blocks' VERSIONS after
      * a failure, xrecover.c, are not what these tests look at). */
@@ -144,13 +148,15 @@ static void *pump_main(void *u) {
     }
     if (rc == 0 && q->retries > 0) {
       /* The acknowledgement is lost: the sender's transport retries. */
+      fps_xreply_free(&reply);
       q->retries--;
       pthread_mutex_lock(&qmu);
       q_push_locked(q);
       pump_busy = false;
       continue;
     }
-    q->done(q->arg, rc, why);
+    q->done(q->arg, rc, why, rc == 0 ? &reply : NULL);
+    fps_xreply_free(&reply);
     qmsg_free(q);
     pthread_mutex_lock(&qmu);
     pump_busy = false;
@@ -175,7 +181,7 @@ static void net_release(int err) {
   while (h) {
     qmsg_t *n = h->next;
     if (err) {
-      h->done(h->arg, err, "the peer did not answer within the deadline");
+      h->done(h->arg, err, "the peer did not answer within the deadline", NULL);
       qmsg_free(h);
     } else {
       pthread_mutex_lock(&qmu);
@@ -207,6 +213,7 @@ static void cores_up(uint32_t n, uint32_t W) {
                           .max_staging_bytes = 64u << 20, .apply_log = 8, .checkpoint_dir = ""};
     assert_int_equal(fps_shard_init(&core[i], &o, k, NULL), 0);
     node_id[i] = i;
+    route[i] = i;
     fps_shard_set_exchange(&core[i], net_send, &node_id[i], XDEADLINE_S);
   }
   pump_stop = false;
@@ -336,7 +343,7 @@ static void ref_init(ref_t *r, const fps_shape_t *shape, const fps_adafactor_hpa
 
 /* One step of every block with the whole gradient g (the mean). */
 static void ref_step(ref_t *r, const fps_adafactor_hparams_t *hp, uint32_t nb, const float *g) {
-  fps_split_step_t *s[MAXS];
+  fps_split_step_t *s[MAXS] = {0};
   fps_split_partials_t parts[MAXS];
   for (uint32_t b = 0; b < nb; b++) {
     uint64_t off = r->g[b].row_lo * r->g[b].cols;
@@ -364,8 +371,9 @@ static void ref_free(ref_t *r, uint32_t nb) {
 
 /* Core b's block of `name` equals the reference's bit for bit (params,
  * state, step, RMS, version). */
-static void expect_block_equals_ref(uint32_t b, const char *name, const ref_t *r, uint64_t version) {
-  fps_tensor_t *t = find(&core[b], name);
+static void expect_block_on_equals_ref(fps_shard_t *sh, uint32_t b, const char *name, const ref_t *r,
+                                      uint64_t version) {
+  fps_tensor_t *t = find(sh, name);
   pthread_mutex_lock(&t->mu);
   const fps_split_state_t *a = &t->split->st, *e = &r->st[b];
   const fps_split_geom_t *g = &r->g[b];
@@ -381,6 +389,10 @@ static void expect_block_equals_ref(uint32_t b, const char *name, const ref_t *r
   assert_int_equal(a->step, e->step);
   assert_memory_equal(&a->rms, &e->rms, sizeof(float));
   pthread_mutex_unlock(&t->mu);
+}
+
+static void expect_block_equals_ref(uint32_t b, const char *name, const ref_t *r, uint64_t version) {
+  expect_block_on_equals_ref(&core[b], b, name, r, version);
 }
 
 /* ------------------------------------------------ tolerance vs unsplit */
@@ -927,7 +939,7 @@ static void receive_checks_in_order(void **u) {
     x = m;                                                                       \
     mod;                                                                         \
     why[0] = 0;                                                                  \
-    int rc_ = fps_shard_exchange_receive(&core[0], &x, why, sizeof why);         \
+    int rc_ = fps_shard_exchange_receive(&core[0], &x, NULL, why, sizeof why);         \
     if (rc_ != (code)) print_error("got %d (%s), want %d\n", rc_, why, (code));  \
     assert_int_equal(rc_, (code));                                               \
     expect_in(why, (needle));                                                    \
@@ -1294,7 +1306,7 @@ static void forged_partials_evict_nothing(void **u) {
   for (uint64_t a = 0xf00d0001; a <= 0xf00d0002; a++) {
     fps_xmsg_t m = {.name = "e", .version = 0, .from_shard = 1, .shard_count = 2, .block_index = 1,
                     .phase = FPS_SPLIT_PHASE_STATS, .attempt = a, .partials = buf, .len = len};
-    int rc = fps_shard_exchange_receive(&core[0], &m, why, sizeof why);
+    int rc = fps_shard_exchange_receive(&core[0], &m, NULL, why, sizeof why);
     if (rc == FPS_EUNAVAILABLE) refused++;
   }
   /* The real attempt's partials plus one made-up attempt fill the room;
@@ -1367,14 +1379,14 @@ static void dead_attempt_partials_refused(void **u) {
   expect_in(hex, "(a hash of its pushes' push_ids)");
   m.attempt = strtoull(hex + 8, NULL, 16);
   assert_true(m.attempt != 0);
-  assert_int_equal(fps_shard_exchange_receive(&core[0], &m, why, sizeof why), 0);
+  assert_int_equal(fps_shard_exchange_receive(&core[0], &m, NULL, why, sizeof why), 0);
   /* Partials of some other attempt of step 0 are kept (acknowledged) for a
    * step of that attempt; 2 attempts are kept (A and 1), a third waits
    * (UNAVAILABLE) and evicts nothing. */
   for (uint64_t a = 1; a <= 3; a++) {
     fps_xmsg_t o = m;
     o.attempt = a;
-    assert_int_equal(fps_shard_exchange_receive(&core[0], &o, why, sizeof why), a <= 1 ? 0 : FPS_EUNAVAILABLE);
+    assert_int_equal(fps_shard_exchange_receive(&core[0], &o, NULL, why, sizeof why), a <= 1 ? 0 : FPS_EUNAVAILABLE);
   }
   expect_in(why, "2 other attempts of block 2's STATS partials for the step from version 0 already wait here");
   fps_tensor_t *t0 = find(&core[0], "e");
@@ -1449,6 +1461,98 @@ static void failed_attempt_retried(void **u) {
   scen_down(&s);
 }
 
+/* A standby replica of shard 0 (core[MAXS]) holding core[0]'s block "e"
+ * as the primary ships it (fps_shard_image, fps_shard_install). */
+static fps_shard_t *standby_of_0(const scen_t *s) {
+  const fps_kernels_t *k;
+  char why[FPS_WHY_MAX];
+  assert_int_equal(fps_kernels_by_name("auto", &k, why, sizeof why), 0);
+  fps_shard_t *sb = &core[MAXS];
+  fps_shard_opts_t o = {.shard_id = 0, .shard_count = s->nb, .mode = FPS_MODE_SYNC, .workers = scen_workers,
+                        .deadline = FX_DEADLINE_S, .max_tensors = 64, .max_bytes = 64u << 20,
+                        .max_staging_bytes = 64u << 20, .apply_log = 8, .checkpoint_dir = ""};
+  assert_int_equal(fps_shard_init(sb, &o, k, NULL), 0);
+  node_id[MAXS] = 0;
+  fps_shard_set_exchange(sb, net_send, &node_id[MAXS], XDEADLINE_S);
+  fps_image_t img;
+  int rc = fps_shard_image(&core[0], find(&core[0], "e"), &img, why, sizeof why);
+  if (rc) print_error("image: %s\n", why);
+  assert_int_equal(rc, 0);
+  assert_true(img.is_split);
+  fps_image_in_t in = {.name = img.name, .dims = img.shape->dim, .ndim = img.shape->ndim, .hp = img.hp,
+                       .version = img.version, .step = img.step, .rms = img.rms, .last_lr = img.last_lr,
+                       .last_weight_decay = img.last_weight_decay, .params = fps_snap_data(img.params),
+                       .state = img.state, .split = &img.split, .xapplied = img.xapplied,
+                       .xversion = img.xversion, .xattempt = img.xattempt};
+  for (int i = 0; i < FPS_STATE_KINDS; i++) in.n[i] = img.n[i];
+  for (int i = 0; i < 2; i++) {
+    in.xown[i] = img.xown[i];
+    in.xown_len[i] = img.xown_len[i];
+  }
+  rc = fps_shard_install(sb, &in, why, sizeof why);
+  if (rc) print_error("install: %s\n", why);
+  assert_int_equal(rc, 0);
+  fps_image_release(&core[0], &img);
+  return sb;
+}
+
+/* Shard 0's primary dies during a step that applied on it and on every
+ * peer, before its result reached its standby: the standby, promoted,
+ * holds version 0 while the peers hold 1. The worker's retry (the same
+ * push_id, so the same attempt) reaches the standby alone (the peers
+ * answered theirs); the peers answer its partials (and COMMIT) with their
+ * own of that step, which went to the dead primary, and the standby
+ * applies the step bit for bit. Before fps_xreply_t it waited for them
+ * until the exchange deadline, and the blocks then rolled back. 2 and 3
+ * blocks (the COMMIT round), with and without the U2 phase. */
+static void standby_promoted_mid_step(void **u) {
+  (void)u;
+  for (int c = 0; c < 4; c++) {
+    scen_t s;
+    scen_up(&s, c < 2 ? 2 : 3, c % 2 == 1);
+    fps_shard_t *sb = standby_of_0(&s);
+    expect_block_on_equals_ref(sb, 0, "e", &s.r, 0);
+    wpush_t wp[MAXS];
+    ref_step(&s.r, &s.hp, s.nb, s.g);
+    push_all_id(&s, wp, 0, 77, s.g);
+    net_idle();
+    expect_all_ok(&s, wp, 1);
+    route[0] = MAXS; /* the primary is gone; its standby serves shard 0 */
+    wpush_t w;
+    char why[FPS_WHY_MAX];
+    w.p = fx_push_new(sb, 0, 0, INT64_MAX, &w.d);
+    assert_int_equal(fps_push_set_id(w.p, 77, why, sizeof why), 0);
+    assert_int_equal(fx_push_grad(w.p, "e", s.g, s.r.g[0].block_numel, 1, NULL), 0);
+    w.rc = fps_push_commit(w.p, w.why, sizeof w.why);
+    net_idle();
+    int rc = push_result(&w, why, sizeof why);
+    if (rc) print_error("case %d: %s\n", c, why);
+    assert_int_equal(rc, 0);
+    push_end(&w);
+    expect_block_on_equals_ref(sb, 0, "e", &s.r, 1);
+    /* And the job goes on from there, the standby in the primary's place. */
+    ref_step(&s.r, &s.hp, s.nb, s.g);
+    for (uint32_t b = 0; b < s.nb; b++) {
+      wp[b].p = fx_push_new(b ? &core[b] : sb, 0, 1, INT64_MAX, &wp[b].d);
+      assert_int_equal(fps_push_set_id(wp[b].p, 78, why, sizeof why), 0);
+      assert_int_equal(fx_push_grad(wp[b].p, "e", s.g + s.r.g[b].row_lo * SC, s.r.g[b].block_numel, 1, NULL), 0);
+      wp[b].rc = fps_push_commit(wp[b].p, wp[b].why, sizeof wp[b].why);
+    }
+    net_idle();
+    for (uint32_t b = 0; b < s.nb; b++) {
+      rc = push_result(&wp[b], why, sizeof why);
+      if (rc) print_error("case %d, core %u: %s\n", c, b, why);
+      assert_int_equal(rc, 0);
+      push_end(&wp[b]);
+      expect_block_on_equals_ref(b ? &core[b] : sb, b, "e", &s.r, 2);
+    }
+    net_release(FPS_EUNAVAILABLE);
+    net_idle();
+    fps_shard_destroy(sb);
+    scen_down(&s);
+  }
+}
+
 int main(int argc, char **argv) {
   /* "golden": only the golden cases (their own ctest entry, not run under
    * TSan: 246 runs of real math dominate its time, and the scenarios
@@ -1475,6 +1579,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(dead_attempt_partials_refused),
       cmocka_unit_test(failed_attempt_retried),
       cmocka_unit_test(forged_partials_evict_nothing),
+      cmocka_unit_test(standby_promoted_mid_step),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
