@@ -66,6 +66,7 @@ struct fps__stream_engine_s {
   int started;                       /* its gate has begun */
   engine_t *succ;                    /* the engine held until this one sent all */
   int retryable;                     /* this attempt may be repeated */
+  int delayed;                       /* its gate waits for a backoff (gate_after) */
   int local_code;                    /* local failure, beats the status */
   int sending_done;                  /* close sent, or sending abandoned */
   grpc_byte_buffer *send_bb;         /* message in flight */
@@ -242,6 +243,18 @@ static void call_start(engine_t *e) {
   produce(e); /* pipelining: pack message 2 while message 1 goes out */
 }
 
+/* The gate of an attempt that must wait for a backoff first: a watch of
+ * the replica's channel that ends at `until` (or earlier, at a change of
+ * state), after which gate_event begins the gate. */
+static void gate_after(engine_t *e, gpr_timespec until) {
+  pthread_mutex_lock(&e->c->chan_mu);
+  grpc_connectivity_state st = fps__channel_state_locked(e->c, e->s->shard, e->s->replica);
+  grpc_channel_watch_connectivity_state(replica_of(e)->channel, st, until, e->cq, &e->tags[TAG_GATE]);
+  pthread_mutex_unlock(&e->c->chan_mu);
+  e->pending[TAG_GATE] = 1;
+  e->delayed = 1;
+}
+
 static void gate_watch(engine_t *e, grpc_connectivity_state st) {
   pthread_mutex_lock(&e->c->chan_mu);
   grpc_channel_watch_connectivity_state(replica_of(e)->channel, st, e->deadline, e->cq,
@@ -288,6 +301,11 @@ static void gate_begin(engine_t *e) {
 
 static void gate_event(engine_t *e, int success) {
   e->pending[TAG_GATE] = 0;
+  if (e->delayed) { /* its backoff is over */
+    e->delayed = 0;
+    gate_begin(e);
+    return;
+  }
   if (!success) {
     fps__stream_fail(e->s, FPS_CODE_DEADLINE_EXCEEDED, "not connected to %s within the deadline",
                      replica_of(e)->addr);
@@ -488,11 +506,48 @@ static void sleep_seconds(double s) {
   }
 }
 
+static int stream_next_replica(const fps_client_t *c, fps__stream_t *s, int *round_done);
+
+/* A finished engine whose stream failed UNAVAILABLE on a shard with
+ * standbys starts again on the shard's next replica inside this attempt:
+ * the other shards' calls may wait for this one (a split tensor's blocks
+ * step together, so a block shard's call waits for the partials of the
+ * block whose primary died) and must not wait for their own end first.
+ * At once within a round over the replicas; a new round after the
+ * backoff (as fps__streams_run's: initial, doubling, at most 5 s), on
+ * this stream's own timer. 1 if started again. */
+static int engine_failover(engine_t *e) {
+  fps__stream_t *s = e->s;
+  const int nr = (int)e->c->shards[s->shard].n;
+  if (nr < 2 || !e->retryable || s->code != FPS_CODE_UNAVAILABLE) return 0;
+  gpr_timespec now = gpr_now(GPR_CLOCK_MONOTONIC), end = gpr_convert_clock_type(e->deadline, GPR_CLOCK_MONOTONIC);
+  if (gpr_time_cmp(now, end) >= 0) return 0;
+  int round_done = 0;
+  if (!stream_next_replica(e->c, s, &round_done)) return 0;
+  double wait = 0;
+  if (round_done) {
+    wait = e->c->opts.backoff_initial_seconds;
+    for (int r = s->attempts / nr; r > 1 && wait < 5.0; r--) wait *= 2;
+    if (wait > 5.0) wait = 5.0;
+  }
+  gpr_timespec until = gpr_time_add(now, gpr_time_from_nanos((int64_t)(wait * 1e9), GPR_TIMESPAN));
+  if (gpr_time_cmp(until, end) >= 0) return 0;
+  if (s->ops->reset) s->ops->reset(s);
+  engine_t *succ = e->succ;
+  engine_init(e, e->c, s, e->method, e->deadline, e->cq);
+  e->succ = succ;
+  e->started = 1;
+  if (wait > 0) gate_after(e, until);
+  else gate_begin(e);
+  return 1;
+}
+
 /* Records finished engines in `*active` and starts the engines held
  * behind `e` once it has sent everything (or ended). */
 static void engine_settle(engine_t *e, fps__retry_t retry, size_t *active) {
   while (e) {
     engine_finish(e, retry);
+    if (e->finished && !e->counted && engine_failover(e)) continue; /* settled again: it may fail at once */
     if (e->finished && !e->counted) {
       e->counted = 1;
       (*active)--;
