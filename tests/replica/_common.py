@@ -6,6 +6,8 @@ the full counts are one variable away:
     FPS_REPLICA_FULL=1 ctest -L replica     (20 kills per mode, 10 cuts each)
 or FPS_REPLICA_KILLS=N / FPS_REPLICA_CUTS=N. Each test prints its numbers
 ("replica-result: ...") to stdout; docs/operations.md records a full run.
+To read a run's logs: FPS_REPLICA_KEEP=1 keeps its files, FPS_REPLICA_LOG=debug
+sets the servers' --log-level.
 """
 import os
 import random
@@ -111,11 +113,11 @@ def wait_in_sync(tc, pair, timeout=30):
     return a, b
 
 
-def kill_loop(tc, mode, kills, rng):
+def kill_loop(tc, mode, kills, rng, **pair_args):
     """Trains with 2 workers and SIGKILLs the primary `kills` times; each
     time the killed process comes back as the standby. Returns (pair,
-    steps, stalls)."""
-    pair = Pair(mode)
+    steps, stalls, final). pair_args: Pair's (a shard of a larger job)."""
+    pair = Pair(mode, **pair_args)
     tc.addCleanup(pair.close)
     final = os.path.join(pair.dir, "final.npz")
     pair.start_workers(seed=SEED, final=final)

@@ -112,10 +112,16 @@ class Topology:
 
 class Pair:
     """Replicas 0 and 1 of shard 0 (of 1) in `mode` for `workers` workers,
-    each with its monitor. Replica 0 starts first and so takes the lease."""
+    each with its monitor. Replica 0 starts first and so takes the lease.
+    A shard of a larger job (loopback only): shard_count, the replicas'
+    `ports` (picked by the caller, who also needs them for --peers in
+    `extra`), `rest` (the other shards' entries, after this one in the
+    workers' --shards) and `worker_args` (more _worker.py flags)."""
 
-    def __init__(self, mode, workers=2, topo=None, extra=()):
+    def __init__(self, mode, workers=2, topo=None, extra=(), shard_count=1, ports=None, rest=(),
+                 worker_args=()):
         self.mode, self.workers, self.topo, self.extra = mode, workers, topo, list(extra)
+        self.shard_count, self.worker_args = shard_count, [str(a) for a in worker_args]
         self.dir = tempfile.mkdtemp(prefix="fps-replica-")
         self.lease = os.path.join(self.dir, "lease")
         self.procs = [None, None]
@@ -123,7 +129,7 @@ class Pair:
         self.workers_procs = []
         self.stop_file = os.path.join(self.dir, "stop")
         if topo is None:
-            self.ports = fpsproc.free_ports(2)
+            self.ports = list(ports) if ports else fpsproc.free_ports(2)
             self.listen = ["127.0.0.1:%d" % p for p in self.ports]
             self.worker_addr = list(self.listen)
             self.peer_addr = list(self.listen)
@@ -134,6 +140,7 @@ class Pair:
             self.peer_addr = ["10.77.3.1:%d" % PORT, "10.77.3.2:%d" % PORT]
             self.local_addr = ["127.0.0.1:%d" % PORT] * 2
         self.entry = "|".join(self.worker_addr)
+        self.shards = ",".join([self.entry, *rest])
         try:
             for i in (0, 1):
                 self.start(i)
@@ -163,10 +170,10 @@ class Pair:
     def start(self, i):
         """Starts replica i (again, after a kill: on its own address)."""
         metrics = "127.0.0.1:0" if self.topo is None else None
-        args = ["--shard-id", "0", "--shard-count", "1", "--mode", self.mode,
+        args = ["--shard-id", "0", "--shard-count", str(self.shard_count), "--mode", self.mode,
                 "--workers", str(self.workers), "--replica-peer", self.peer_addr[1 - i],
                 "--replica-advertise", self.worker_addr[i], "--lease", "file:" + self.lease,
-                "--log-level", "info", *self.extra]
+                "--log-level", os.environ.get("FPS_REPLICA_LOG", "info"), *self.extra]
         end = time.monotonic() + 20
         while True:
             try:
@@ -219,9 +226,10 @@ class Pair:
         for w in range(self.workers):
             log = os.path.join(self.dir, "worker%d.jsonl" % w)
             self.worker_logs.append(log)
-            cmd = [*prefix, PY, os.path.join(HERE, "_worker.py"), "--shards", self.entry,
+            cmd = [*prefix, PY, os.path.join(HERE, "_worker.py"), "--shards", self.shards,
                    "--worker", str(w), "--workers", str(self.workers), "--mode", self.mode,
-                   "--seed", str(seed), "--log", log, "--deadline", str(deadline)]
+                   "--seed", str(seed), "--log", log, "--deadline", str(deadline),
+                   *self.worker_args]
             cmd += ["--steps", str(steps)] if steps is not None else ["--stop-file", self.stop_file]
             if final:
                 cmd += ["--final", final]

@@ -4,6 +4,7 @@ gradients to one replicated shard and logs every acknowledgement.
 
     _worker.py --shards ENTRY --worker W --workers N --mode sync|async
                --log PATH [--steps S | --stop-file PATH] [--final PATH]
+               [--split-min-bytes N]
 
 Each push has its own idempotency key, kept until the push is
 acknowledged: a push that raised (its outcome unknown: a deadline during
@@ -14,7 +15,9 @@ processes of the machine), "v" (versions), "tries"} and one per failed
 attempt {"w", "step", "t", "err"}. With --stop-file the worker runs until
 that file holds a step count and stops there (in sync every worker must
 stop at the same step). --final: worker 0 pulls every tensor at the end
-and writes them (np.savez) there.
+and writes them (np.savez) there. --split-min-bytes: connect's
+split_min_bytes (tensors at least that big are split into row blocks over
+the shards; 0, the default: never).
 """
 import argparse
 import json
@@ -67,10 +70,11 @@ def main():
     ap.add_argument("--final")
     ap.add_argument("--deadline", type=float, default=5.0)
     ap.add_argument("--run-seconds", type=float, default=600.0)
+    ap.add_argument("--split-min-bytes", type=int, default=0)
     a = ap.parse_args()
     end = time.monotonic() + a.run_seconds
     c = factorps.connect(a.shards, worker_id=a.worker, deadline=a.deadline, max_retries=5,
-                         backoff=0.05)
+                         backoff=0.05, split_min_bytes=a.split_min_bytes)
     init = init_values(a.seed)
     specs = [factorps.TensorSpec(n, s, init[n]) for n, s in SHAPES.items()]
     while True:  # the shard may be failing over while the job starts
