@@ -487,9 +487,14 @@ int fps_cli_load(int argc, char **argv) {
     ws[i].id = first + i;
     ws[i].lat = all + (size_t)i * n_lat;
   }
-  printf("factorps load: %zu shard(s), %u worker %s, %llu parameters in %zu tensors "
+  char who[64]; /* what this process runs */
+  if (cfg.worker_id >= 0)
+    snprintf(who, sizeof who, "worker %ld of %u", cfg.worker_id, cfg.workers);
+  else
+    snprintf(who, sizeof who, "%u worker %s", cfg.workers, cfg.processes ? "processes" : "threads");
+  printf("factorps load: %zu shard(s), %s, %llu parameters in %zu tensors "
          "(%.1f MB), %llu steps (%llu warm-up), %s on the wire\n",
-         cfg.n_shards, cfg.workers, cfg.processes ? "processes" : "threads",
+         cfg.n_shards, who,
          (unsigned long long)cfg.total, cfg.n_tensors, (double)cfg.total * 4 / 1e6, cfg.steps,
          cfg.warmup, cfg.wire_dtype == FPS_WIRE_BF16 ? "bf16" : "f32");
   fflush(stdout);

@@ -89,6 +89,25 @@ class CliArgsTest(unittest.TestCase):
             self.assertIn("says the job has 2 workers, but this sync shard expects 1", r.stderr)
 
     @need_server
+    def test_load_with_a_worker_id_says_which_worker_it_runs(self):
+        # It printed "2 worker threads" for the one worker it ran.
+        with Shards(1, mode="sync", workers=2) as s:
+            cmd = [CLI, "load", "--shards", s.addrs[0], "--workers", "2", "--params", "1k", "--steps", "2"]
+            procs = [subprocess.Popen(cmd + ["--worker-id", str(w)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for w in (0, 1)]
+            try:
+                outs = [p.communicate(timeout=60) for p in procs]
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+            for w, (p, (out, err)) in enumerate(zip(procs, outs)):
+                self.assertEqual(p.returncode, 0, err)
+                self.assertIn("1 shard(s), worker %d of 2," % w, out)
+                self.assertNotIn("worker threads", out)
+
+    @need_server
     def test_pull_out_is_kept_for_an_unknown_name(self):
         with Shards(1, mode="async") as s, tempfile.TemporaryDirectory() as d:
             self.assertEqual(run("load", "--shards", s.addrs[0], "--workers", "1", "--params", "1k",
