@@ -25,7 +25,9 @@
  * replica, the one that answered the shard's last call first; an attempt
  * that failed UNAVAILABLE (a standby's refusal, a dead process) is retried
  * on the next replica at once, and only a full round over the replicas
- * waits for the backoff (fps__streams_run). */
+ * waits for the backoff. Each stream is retried on its own, while the
+ * other shards' streams still run (engine_failover): a split tensor's
+ * block shards hold their calls until every block steps. */
 #include <errno.h>
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
@@ -67,6 +69,7 @@ struct fps__stream_engine_s {
   engine_t *succ;                    /* the engine held until this one sent all */
   int retryable;                     /* this attempt may be repeated */
   int delayed;                       /* its gate waits for a backoff (gate_after) */
+  int *refused;                      /* the attempt's: a stream failed for good */
   int local_code;                    /* local failure, beats the status */
   int sending_done;                  /* close sent, or sending abandoned */
   grpc_byte_buffer *send_bb;         /* message in flight */
@@ -469,7 +472,20 @@ static void engine_finish(engine_t *e, fps__retry_t retry) {
         s->msg[n] = '\0';
         if (!n && e->error_string) snprintf(s->msg, sizeof s->msg, "%s", e->error_string);
       }
-      if (e->status == GRPC_STATUS_UNAVAILABLE && retry == FPS__RETRY_IDEMPOTENT)
+      /* A call the shard's side cancelled (not this client: that sets
+       * local_code) is one a stopping shard dropped: gRPC cancels the calls
+       * still open when a server shuts down. For an idempotent call that is
+       * as retryable as UNAVAILABLE, and reported so. */
+      if (e->status == GRPC_STATUS_CANCELLED && retry == FPS__RETRY_IDEMPOTENT) {
+        s->code = FPS_CODE_UNAVAILABLE;
+        static const char why[] = "the call was cancelled by the shard's side (a shard stopping): ";
+        const size_t wl = sizeof why - 1, keep = strnlen(s->msg, sizeof s->msg - 1 - wl);
+        memmove(s->msg + wl, s->msg, keep);
+        memcpy(s->msg, why, wl);
+        s->msg[wl + keep] = '\0';
+      }
+      if ((e->status == GRPC_STATUS_UNAVAILABLE || e->status == GRPC_STATUS_CANCELLED) &&
+          retry == FPS__RETRY_IDEMPOTENT)
         e->retryable = 1;
       /* The replica that answered is where the shard's next calls start.
        * Not from Stats, which standbys answer too. */
@@ -508,18 +524,20 @@ static void sleep_seconds(double s) {
 
 static int stream_next_replica(const fps_client_t *c, fps__stream_t *s, int *round_done);
 
-/* A finished engine whose stream failed UNAVAILABLE on a shard with
- * standbys starts again on the shard's next replica inside this attempt:
- * the other shards' calls may wait for this one (a split tensor's blocks
- * step together, so a block shard's call waits for the partials of the
- * block whose primary died) and must not wait for their own end first.
- * At once within a round over the replicas; a new round after the
- * backoff (as fps__streams_run's: initial, doubling, at most 5 s), on
- * this stream's own timer. 1 if started again. */
+/* A finished engine whose stream failed UNAVAILABLE starts again inside
+ * this attempt, on its shard's next replica if it has standbys: the other
+ * shards' calls may wait for this one (a split tensor's blocks step
+ * together, so a block shard's call waits for the partials of the block
+ * whose primary died, or whose step failed there) and must not wait for
+ * their own end first. At once within a round over the replicas; a new
+ * round (every attempt without standbys) after the backoff (as
+ * fps__streams_run's: initial, doubling, at most 5 s), on this stream's
+ * own timer. Not once a stream of the attempt failed for good: the call
+ * fails then, whatever the others do. 1 if started again. */
 static int engine_failover(engine_t *e) {
   fps__stream_t *s = e->s;
   const int nr = (int)e->c->shards[s->shard].n;
-  if (nr < 2 || !e->retryable || s->code != FPS_CODE_UNAVAILABLE) return 0;
+  if (*e->refused || !e->retryable || s->code != FPS_CODE_UNAVAILABLE) return 0;
   gpr_timespec now = gpr_now(GPR_CLOCK_MONOTONIC), end = gpr_convert_clock_type(e->deadline, GPR_CLOCK_MONOTONIC);
   if (gpr_time_cmp(now, end) >= 0) return 0;
   int round_done = 0;
@@ -534,8 +552,10 @@ static int engine_failover(engine_t *e) {
   if (gpr_time_cmp(until, end) >= 0) return 0;
   if (s->ops->reset) s->ops->reset(s);
   engine_t *succ = e->succ;
+  int *refused = e->refused;
   engine_init(e, e->c, s, e->method, e->deadline, e->cq);
   e->succ = succ;
+  e->refused = refused;
   e->started = 1;
   if (wait > 0) gate_after(e, until);
   else gate_begin(e);
@@ -547,6 +567,8 @@ static int engine_failover(engine_t *e) {
 static void engine_settle(engine_t *e, fps__retry_t retry, size_t *active) {
   while (e) {
     engine_finish(e, retry);
+    if (e->finished && !e->counted && e->s->code != FPS_CODE_OK && e->s->code != FPS_CODE_UNAVAILABLE)
+      *e->refused = 1;
     if (e->finished && !e->counted && engine_failover(e)) continue; /* settled again: it may fail at once */
     if (e->finished && !e->counted) {
       e->counted = 1;
@@ -592,7 +614,11 @@ static int run_attempt(fps_client_t *c, const char *method, fps__stream_t **run,
                         gpr_timespec deadline, fps__retry_t retry, engine_t *engines) {
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
   size_t active = n;
-  for (size_t i = 0; i < n; i++) engine_init(&engines[i], c, run[i], method, deadline, cq);
+  int refused = 0; /* a stream failed for good: none starts again (engine_failover) */
+  for (size_t i = 0; i < n; i++) {
+    engine_init(&engines[i], c, run[i], method, deadline, cq);
+    engines[i].refused = &refused;
+  }
   /* A stream whose `after` runs in this attempt waits for it (its engine
    * is known by now: engine_init set s->e); one that already succeeded in
    * an earlier attempt holds nothing back. */
