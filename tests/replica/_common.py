@@ -11,6 +11,7 @@ sets the servers' --log-level.
 """
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -113,10 +114,11 @@ def wait_in_sync(tc, pair, timeout=30):
     return a, b
 
 
-def kill_loop(tc, mode, kills, rng, **pair_args):
-    """Trains with 2 workers and SIGKILLs the primary `kills` times; each
-    time the killed process comes back as the standby. Returns (pair,
-    steps, stalls, final). pair_args: Pair's (a shard of a larger job)."""
+def kill_loop(tc, mode, kills, rng, sig=signal.SIGKILL, **pair_args):
+    """Trains with 2 workers and SIGKILLs (or `sig`s) the primary `kills`
+    times; each time the stopped process comes back as the standby.
+    Returns (pair, steps, stalls, final). pair_args: Pair's (a shard of a
+    larger job)."""
     pair = Pair(mode, **pair_args)
     tc.addCleanup(pair.close)
     final = os.path.join(pair.dir, "final.npz")
@@ -129,7 +131,7 @@ def kill_loop(tc, mode, kills, rng, **pair_args):
         pair.wait(lambda: pair.joined(p), 60, "the standby to join (kill %d)" % k)
         pair.wait_progress(2, 60)
         time.sleep(rng.uniform(0.0, 0.15))
-        kill_times.append(pair.kill(p))
+        kill_times.append(pair.kill(p, sig))
         pair.wait(lambda: pair.role(1 - p) == "primary", 10,
                   "replica %d promoted after kill %d" % (1 - p, k))
         pair.wait_progress(2, 60, "training to go on after kill %d" % k)

@@ -1,15 +1,17 @@
 """Standby replicas for a shard that holds row blocks of split tensors:
-SIGKILL of the primary during 2-worker sync training of a split job.
+SIGKILL (and SIGTERM) of the primary during 2-worker sync training of a
+split job.
 
 The job has 2 shards, each started with --peers (shard-id order, shard 0's
 entry "A|B": both its replicas). Shard 0 is a primary + standby pair
 (--replica-peer, --lease file:), shard 1 runs solo. The workers
 (_worker.py, split_min_bytes = SPLIT_MIN_BYTES) list "A|B,C"; the largest
 tensor, emb [256, 64], is split into one row block per shard, the others
-are whole. The primary of shard 0 is SIGKILLed at random moments KILLS
-times (_common.py); each time the standby takes over, training goes on,
-and the killed process comes back and joins as the standby before the
-next kill (kill_loop). Afterwards:
+are whole. The primary of shard 0 is SIGKILLed (test_kill_...) or
+SIGTERMed (test_sigterm_...) at random moments KILLS times (_common.py);
+each time the standby takes over, training goes on, and the stopped
+process comes back and joins as the standby before the next stop
+(kill_loop). Afterwards:
 - every push acknowledged once, push s of every worker at version s + 1
   of every tensor (split ones included);
 - the parameters are bit for bit those of the same split job run
@@ -25,6 +27,7 @@ bit-identical to one unsplit shard, docs/shards.md); it needs no standby."""
 import os
 import random
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -130,7 +133,8 @@ class SplitStandbyTest(unittest.TestCase):
         check_bit_identical(self, got, reference_run("sync", W, steps))
         report("split_job", steps=steps, split=SPLIT, unsplit="bit-identical")
 
-    def test_kill_primary_of_split_shard(self):
+    def stop_primary_loop(self, sig, name):
+        """KILLS stops of shard 0's primary by `sig`, and the checks above."""
         d = tempfile.mkdtemp(prefix="fps-split-standby-")
         self.addCleanup(_rmtree, d)
         ports = fpsproc.free_ports(SHARDS + 1)  # shard 0's replicas, shard 1
@@ -139,7 +143,7 @@ class SplitStandbyTest(unittest.TestCase):
         shard1 = start_shard(self, 1, ports[2], peers, d, "shard1")
         try:
             pair, steps, stalls, final = kill_loop(
-                self, "sync", KILLS, random.Random(3), shard_count=SHARDS, ports=ports[:2],
+                self, "sync", KILLS, random.Random(3), sig=sig, shard_count=SHARDS, ports=ports[:2],
                 rest=[c], extra=["--peers", peers],
                 worker_args=["--split-min-bytes", SPLIT_MIN_BYTES])
         except fpsproc.ServerExited as e:
@@ -164,7 +168,7 @@ class SplitStandbyTest(unittest.TestCase):
             self.assertEqual(cl.stats()[0]["replica_role"], "solo", "shard 1")
         finally:
             cl.close()
-        report("split_kill_sync", kills=len(stalls), steps=steps,
+        report(name, kills=len(stalls), steps=steps,
                blocks=",".join("%d-%d" % r for r in rows),
                first_step_after_kill=summary(stalls).replace(" ", "_"))
         if stalls:  # none with FPS_REPLICA_KILLS=0
@@ -172,6 +176,14 @@ class SplitStandbyTest(unittest.TestCase):
             self.assertLess(med, MEDIAN_STALL, "median stall after a kill: %s" % summary(stalls))
             self.assertLess(max(stalls), MAX_STALL, "stall after a kill: %s" % summary(stalls))
 
+
+    def test_kill_primary_of_split_shard(self):
+        self.stop_primary_loop(signal.SIGKILL, "split_kill_sync")
+
+    def test_sigterm_primary_of_split_shard(self):
+        """SIGTERM: the primary hands the lease over first and then drains
+        its split steps in flight (docs/operations.md); the same checks."""
+        self.stop_primary_loop(signal.SIGTERM, "split_sigterm_sync")
 
 if __name__ == "__main__":
     unittest.main()
