@@ -273,8 +273,11 @@ int main(int argc, char **argv) {
     exit_code = 1;
     goto out;
   }
-  /* Restored split blocks compare versions with their peers (xrecover.c). */
-  if (peers) fps_shard_recover_start(srv.shard);
+  /* Restored split blocks compare versions with their peers (xrecover.c).
+   * A replica does so only once it is primary without ever having taken a
+   * primary's state (replica.c): a standby's restored blocks are replaced
+   * by its primary's, and their versions must not move the peers. */
+  if (peers && !*srv.cfg.replica_peer) fps_shard_recover_start(srv.shard);
   for (;;) {
     int sig = 0;
     if (sigwait(&sigs, &sig) == 0 && (sig == SIGTERM || sig == SIGINT)) {

@@ -206,6 +206,8 @@ static void *fps__replica_main(void *arg) {
     bool recorded = fps_replica_set_sync(r, false) == 0;
     /* Not between two installs of a batch being committed. */
     pthread_mutex_lock(&r->commit_mu);
+    fps_role_view_t before;
+    fps_role_get(&r->role, &before);
     bool promoted = recorded && fps_role_may_compete(&r->role) && fps_role_promote(&r->role, term) == 0;
     pthread_mutex_unlock(&r->commit_mu);
     if (promoted && rec == 0) {
@@ -226,6 +228,10 @@ static void *fps__replica_main(void *arg) {
             r->srv->cfg.replica_peer);
     fps_replica_publish(r);
     fps_rsend_start_stream(r->send, term);
+    /* A cold start (no primary ever sent this process its state): its
+     * split blocks are its checkpoint's, and compare versions with their
+     * peers as a solo shard's do at start (main.c, xrecover.c). */
+    if (!before.contacted) fps_shard_recover_start(r->srv->shard);
   }
   return NULL;
 }

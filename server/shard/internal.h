@@ -856,8 +856,10 @@ typedef struct fps_xmail_s {
    * peer that lacks them (fps_xreply_t) and for the standby's image. */
   uint8_t *own[2];
   size_t own_len[2];
-  /* The step came in a standby's image (replica.c): no peer partials of
-   * it are kept, so a retry of its attempt is matched by attempt alone. */
+  /* The block's state came in a standby's image (replica.c) and has not
+   * stepped since: the step above (if any) kept no peer partials, so a
+   * retry of its attempt is matched by attempt alone, and the block sends
+   * no versions on its own (xrecover.c). */
   bool imaged;
 } fps_xmail_t;
 

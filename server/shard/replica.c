@@ -432,6 +432,7 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
     }
     if (in->xapplied && in->xversion + 1 == in->version)
       fps__xmail_applied(sp->mail, in->xversion, in->xattempt, own, own_len, true);
+    sp->mail->imaged = true; /* until the block's own next step */
   } else {
     t->st.step = in->step;
     t->st.rms = (float)in->rms;

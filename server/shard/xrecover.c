@@ -399,12 +399,24 @@ static bool fps__xrec_done_locked(const fps_tensor_t *t, const fps_xrec_t *r) {
   return !r->pending;
 }
 
-void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t) {
+/* Sends this block's list to every other block's shard: on its own
+ * initiative (announce), or to answer a peer's list (answer). A block
+ * whose state came in a standby's image and has not stepped since sends
+ * none on its own: its peers may be one step ahead (the step its primary
+ * died in), and the workers' retry lets it complete that step with them
+ * (xstep.c, fps_xreply_t); a list would make the blocks agree on an older
+ * anchor instead. It still answers a peer that asks (a peer in recovery
+ * needs every list). */
+static void fps__xrec_send_list(fps_shard_t *sh, fps_tensor_t *t, bool answer) {
   if (!t->split || !sh->xsend) return;
   int64_t now = fps_now_ns();
   int64_t window = (int64_t)((sh->xdeadline > 0 ? sh->xdeadline : 10.0) * 1e9);
   uint64_t v[FPS_XVERSIONS_MAX];
   pthread_mutex_lock(&t->mu);
+  if (!answer && t->split->mail && t->split->mail->imaged) {
+    pthread_mutex_unlock(&t->mu);
+    return;
+  }
   fps_xrec_t *r = t->ready ? fps__xrec_get(t) : NULL;
   if (r && !fps__xrec_done_locked(t, r)) fps__xrec_set_apart(sh, r, true);
   if (!r || (r->announced_ns && now - r->announced_ns < window)) {
@@ -433,6 +445,8 @@ void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t) {
               fps__xrec_sent, NULL);
   }
 }
+
+void fps__xrec_announce(fps_shard_t *sh, fps_tensor_t *t) { fps__xrec_send_list(sh, t, false); }
 
 /* "tensor 'x': its blocks stand at different versions ..." with every
  * block's list. REQUIRES t->mu and every list held. */
@@ -628,7 +642,7 @@ int fps__xrec_receive(fps_shard_t *sh, fps_tensor_t *t, const fps_xmsg_t *m, cha
   bool pending = r->pending;
   if (!knew) r->announced_ns = 0; /* a peer that does not know ours yet */
   pthread_mutex_unlock(&t->mu);
-  fps__xrec_announce(sh, t);
+  fps__xrec_send_list(sh, t, true);
   if (pending) fps__xrec_move(sh, t);
   return 0;
 }

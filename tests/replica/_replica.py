@@ -119,8 +119,12 @@ class Pair:
     workers' --shards) and `worker_args` (more _worker.py flags)."""
 
     def __init__(self, mode, workers=2, topo=None, extra=(), shard_count=1, ports=None, rest=(),
-                 worker_args=()):
+                 worker_args=(), checkpoint_interval=None):
         self.mode, self.workers, self.topo, self.extra = mode, workers, topo, list(extra)
+        # Each replica's own --checkpoint-dir (in self.dir) with this
+        # --checkpoint-interval: a restarted replica then restores its own
+        # older state before it takes its primary's.
+        self.checkpoint_interval = checkpoint_interval
         self.shard_count, self.worker_args = shard_count, [str(a) for a in worker_args]
         self.dir = tempfile.mkdtemp(prefix="fps-replica-")
         self.lease = os.path.join(self.dir, "lease")
@@ -174,6 +178,9 @@ class Pair:
                 "--workers", str(self.workers), "--replica-peer", self.peer_addr[1 - i],
                 "--replica-advertise", self.worker_addr[i], "--lease", "file:" + self.lease,
                 "--log-level", os.environ.get("FPS_REPLICA_LOG", "info"), *self.extra]
+        if self.checkpoint_interval is not None:
+            args += ["--checkpoint-dir", os.path.join(self.dir, "ckpt%d" % i),
+                     "--checkpoint-interval", str(self.checkpoint_interval)]
         end = time.monotonic() + 20
         while True:
             try:

@@ -11,7 +11,11 @@ are whole. The primary of shard 0 is SIGKILLed (test_kill_...) or
 SIGTERMed (test_sigterm_...) at random moments KILLS times (_common.py);
 each time the standby takes over, training goes on, and the stopped
 process comes back and joins as the standby before the next stop
-(kill_loop). Afterwards:
+(kill_loop). Each replica of shard 0 keeps its own
+checkpoints (every 0.05 s, split anchors every 10 versions), so a
+restarted one restores its own older blocks before it takes its
+primary's: it must not send shard 1 their versions (which would roll
+shard 1's block back). Afterwards:
 - every push acknowledged once, push s of every worker at version s + 1
   of every tensor (split ones included);
 - the parameters are bit for bit those of the same split job run
@@ -144,7 +148,7 @@ class SplitStandbyTest(unittest.TestCase):
         try:
             pair, steps, stalls, final = kill_loop(
                 self, "sync", KILLS, random.Random(3), sig=sig, shard_count=SHARDS, ports=ports[:2],
-                rest=[c], extra=["--peers", peers],
+                rest=[c], extra=["--peers", peers], checkpoint_interval=0.05,
                 worker_args=["--split-min-bytes", SPLIT_MIN_BYTES])
         except fpsproc.ServerExited as e:
             self.fail("a replica of shard 0 of the split job (--replica-peer with --peers %s) "

@@ -1496,6 +1496,15 @@ static fps_shard_t *standby_of_0(const scen_t *s) {
   return sb;
 }
 
+/* Worker 0 pushes block b of "e" at step with push_id id to sh. */
+static void push_block_id(scen_t *s, fps_shard_t *sh, uint32_t b, uint64_t step, uint64_t id, wpush_t *w) {
+  char why[FPS_WHY_MAX];
+  w->p = fx_push_new(sh, 0, step, INT64_MAX, &w->d);
+  assert_int_equal(fps_push_set_id(w->p, id, why, sizeof why), 0);
+  assert_int_equal(fx_push_grad(w->p, "e", s->g + s->r.g[b].row_lo * SC, s->r.g[b].block_numel, 1, NULL), 0);
+  w->rc = fps_push_commit(w->p, w->why, sizeof w->why);
+}
+
 /* Shard 0's primary dies during a step that applied on it and on every
  * peer, before its result reached its standby: the standby, promoted,
  * holds version 0 while the peers hold 1. The worker's retry (the same
@@ -1520,10 +1529,7 @@ static void standby_promoted_mid_step(void **u) {
     route[0] = MAXS; /* the primary is gone; its standby serves shard 0 */
     wpush_t w;
     char why[FPS_WHY_MAX];
-    w.p = fx_push_new(sb, 0, 0, INT64_MAX, &w.d);
-    assert_int_equal(fps_push_set_id(w.p, 77, why, sizeof why), 0);
-    assert_int_equal(fx_push_grad(w.p, "e", s.g, s.r.g[0].block_numel, 1, NULL), 0);
-    w.rc = fps_push_commit(w.p, w.why, sizeof w.why);
+    push_block_id(&s, sb, 0, 0, 77, &w);
     net_idle();
     int rc = push_result(&w, why, sizeof why);
     if (rc) print_error("case %d: %s\n", c, why);
@@ -1532,12 +1538,7 @@ static void standby_promoted_mid_step(void **u) {
     expect_block_on_equals_ref(sb, 0, "e", &s.r, 1);
     /* And the job goes on from there, the standby in the primary's place. */
     ref_step(&s.r, &s.hp, s.nb, s.g);
-    for (uint32_t b = 0; b < s.nb; b++) {
-      wp[b].p = fx_push_new(b ? &core[b] : sb, 0, 1, INT64_MAX, &wp[b].d);
-      assert_int_equal(fps_push_set_id(wp[b].p, 78, why, sizeof why), 0);
-      assert_int_equal(fx_push_grad(wp[b].p, "e", s.g + s.r.g[b].row_lo * SC, s.r.g[b].block_numel, 1, NULL), 0);
-      wp[b].rc = fps_push_commit(wp[b].p, wp[b].why, sizeof wp[b].why);
-    }
+    for (uint32_t b = 0; b < s.nb; b++) push_block_id(&s, b ? &core[b] : sb, b, 1, 78, &wp[b]);
     net_idle();
     for (uint32_t b = 0; b < s.nb; b++) {
       rc = push_result(&wp[b], why, sizeof why);
@@ -1551,6 +1552,45 @@ static void standby_promoted_mid_step(void **u) {
     fps_shard_destroy(sb);
     scen_down(&s);
   }
+}
+
+/* The promoted standby's first retry of the step fails (its sends held
+ * past the exchange deadline). A block whose step failed tells its peers
+ * the versions it can go to (xrecover.c); this one must not: its peer
+ * stands one step ahead, and the lists would make the blocks agree on an
+ * older version (without anchors, as here, on none: every push refused
+ * at once). The next retry completes the step with the peer's answers. */
+static void promoted_standby_sends_no_versions(void **u) {
+  (void)u;
+  scen_t s;
+  scen_up(&s, 2, false);
+  fps_shard_t *sb = standby_of_0(&s);
+  wpush_t wp[MAXS], w;
+  ref_step(&s.r, &s.hp, s.nb, s.g);
+  push_all_id(&s, wp, 0, 77, s.g);
+  net_idle();
+  expect_all_ok(&s, wp, 1);
+  route[0] = MAXS;
+  link_mode[0][1] = LINK_HOLD;
+  push_block_id(&s, sb, 0, 0, 77, &w);
+  net_idle();
+  fps_fake_clock_advance((int64_t)(XDEADLINE_S * 1e9) + 1000);
+  fps_shard_expire(sb, fps_fake_now_ns);
+  char why[FPS_WHY_MAX];
+  assert_int_equal(push_result(&w, why, sizeof why), FPS_EUNAVAILABLE);
+  push_end(&w);
+  link_mode[0][1] = LINK_OK;
+  net_release(0); /* what the failed step sent arrives after all */
+  push_block_id(&s, sb, 0, 0, 77, &w);
+  net_idle();
+  int rc = push_result(&w, why, sizeof why);
+  if (rc) print_error("the retry: %s\n", why);
+  assert_int_equal(rc, 0);
+  push_end(&w);
+  expect_block_on_equals_ref(sb, 0, "e", &s.r, 1);
+  expect_block_equals_ref(1, "e", &s.r, 1);
+  fps_shard_destroy(sb);
+  scen_down(&s);
 }
 
 int main(int argc, char **argv) {
@@ -1580,6 +1620,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(failed_attempt_retried),
       cmocka_unit_test(forged_partials_evict_nothing),
       cmocka_unit_test(standby_promoted_mid_step),
+      cmocka_unit_test(promoted_standby_sends_no_versions),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
