@@ -604,6 +604,7 @@ static bool fps__rsend_image(fps_rsend_t *s, grpc_call *call, fps_rmsg_t *q, fps
       sb->block_shards = (uint32_t *)img->split.block_shards;
       sb->shard_count = img->split.shard_count;
       rt->split = sb;
+      rt->split_replaces = img->split_replaces;
     }
     if (img->is_split && img->xapplied && off == 0) {
       Factorps__V1__ReplicaSplitStep *ss = &q->ss[q->np];

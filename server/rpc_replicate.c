@@ -35,6 +35,7 @@ enum { RP_RECV, RP_SEND, RP_DONE };
 /* A split block's map and last step as an image brings them (owned). */
 typedef struct fps_rp_block_s {
   fps_split_map_t map;        /* points into bounds, shards */
+  uint64_t replaces;
   uint64_t *bounds;
   uint32_t *shards;
   bool applied;
@@ -92,6 +93,7 @@ static int fps__rp_block_take(const Factorps__V1__ReplicaTensor *rt, const char 
   if (sb->n_bounds) memcpy(b->bounds, sb->bounds, sb->n_bounds * sizeof *b->bounds);
   if (sb->n_block_shards) memcpy(b->shards, sb->block_shards, sb->n_block_shards * sizeof *b->shards);
   fps__rp_map_view(sb, &b->map);
+  b->replaces = rt->split_replaces;
   b->map.bounds = b->bounds;
   b->map.block_shards = b->shards;
   if (ss) {
@@ -117,6 +119,7 @@ oom:
 static void fps__rp_block_in(const fps_rp_block_t *b, fps_image_in_t *in) {
   if (!b) return;
   in->split = &b->map;
+  in->split_replaces = b->replaces;
   in->xapplied = b->applied;
   in->xversion = b->version;
   in->xattempt = b->attempt;

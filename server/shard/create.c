@@ -674,6 +674,7 @@ again:
         t->split->st.rms = (float)items[i].rms;
         p[i].new_sst = old_sst; /* freed below with the plan */
         fps__xrec_new_history(sh, t);
+        t->split->replaces++;
       } else {
         fps_adafactor_state_t old_st = t->st;
         t->st = p[i].new_st;

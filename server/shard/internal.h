@@ -296,6 +296,9 @@ typedef struct fps_tensor_split_s {
   struct fps_xmail_s *mail;    /* early partials (t->mu), NULL: none */
   struct fps_xrec_s *rec;      /* anchors and the peers' versions
                                 * (xrecover.c; t->mu), NULL: none yet */
+  uint64_t replaces;           /* replaces of the block (t->mu): its history;
+                                * a standby takes its primary's count with
+                                * each image (replica.c) */
 } fps_tensor_split_t;
 
 /* The hyperparameters one update applies: the push's TensorPush values,

@@ -78,6 +78,7 @@ static void fps__image_fill_locked(fps_tensor_t *t, fps_image_t *o) {
   const fps_tensor_split_t *sp = t->split;
   o->step = sp->st.step;
   o->rms = sp->st.rms;
+  o->split_replaces = sp->replaces;
   /* The step that made this version, if it was one (not a restore, an
    * agreed version or a Create): small copies, under the lock. */
   const fps_xmail_t *ml = sp->mail;
@@ -433,6 +434,13 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
     if (in->xapplied && in->xversion + 1 == in->version)
       fps__xmail_applied(sp->mail, in->xversion, in->xattempt, own, own_len, true);
     sp->mail->imaged = true; /* until the block's own next step */
+    /* The primary replaced the block since this standby's last image of
+     * it: its anchors here are of the old history and must not be agreed
+     * on later (xrecover.c: the primary dropped its own). */
+    if (sp->replaces != in->split_replaces) {
+      fps__xrec_new_history(sh, t);
+      sp->replaces = in->split_replaces;
+    }
   } else {
     t->st.step = in->step;
     t->st.rms = (float)in->rms;
@@ -447,9 +455,10 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
     for (int k = 0; k < FPS_STATE_KINDS; k++) fps_ranges_free(&t->init_state[k]);
   }
   t->init_gen++;
-  /* A standby keeps anchors too, at the versions its primary does: once
-   * promoted, it has versions its peers can agree on (xrecover.c). */
-  if (t->split) fps__xrec_applied_locked(sh, t, &anchors);
+  /* A standby keeps anchors too, at the versions its primary does (those
+   * a step reached: the image brings the step that made it), so that once
+   * promoted it has versions its peers can agree on (xrecover.c). */
+  if (t->split && in->xapplied && in->xversion + 1 == in->version) fps__xrec_applied_locked(sh, t, &anchors);
   pthread_mutex_unlock(&t->mu);
   fps_free(mail);
   fps_free(own[0]);

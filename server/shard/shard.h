@@ -618,6 +618,7 @@ typedef struct fps_image_s {
    * promoted standby must answer as the primary would: xstep.c). */
   bool is_split;
   fps_split_map_t split;
+  uint64_t split_replaces;    /* the block's replaces so far (its history) */
   bool xapplied;
   uint64_t xversion, xattempt;
   uint8_t *xown[2];           /* owned copies: STATS, U2 (NULL: none) */
@@ -687,6 +688,8 @@ typedef struct fps_image_in_s {
   /* A row block of a split tensor (NULL: whole): its map, and its last
    * step applied (fps_image_t's xapplied ...; copied in). */
   const fps_split_map_t *split;
+  uint64_t split_replaces;    /* another count than the block's here: the
+                               * primary replaced it (its anchors go) */
   bool xapplied;
   uint64_t xversion, xattempt;
   const uint8_t *xown[2];

@@ -41,7 +41,7 @@ import numpy as np
 
 from _common import (KILLS, SEED, check_bit_identical, check_sync_acks, kill_loop,
                      reference_run, report, summary, wait_in_sync)
-from _replica import HERE, PY, fpsproc, one_acknowledger
+from _replica import HERE, PY, Pair, fpsproc, one_acknowledger
 import factorps  # client/python, put on sys.path by _replica
 
 W = 2
@@ -61,11 +61,11 @@ def _rmtree(d):
         shutil.rmtree(d, True)
 
 
-def start_shard(tc, i, port, peers, d, name):
+def start_shard(tc, i, port, peers, d, name, workers=W, extra=()):
     """Solo shard i of the split job on 127.0.0.1:port; stopped at cleanup."""
     level = os.environ.get("FPS_REPLICA_LOG", "info")
     sp = fpsproc.ShardProcess(["--shard-id", i, "--shard-count", SHARDS, "--mode", "sync",
-                               "--workers", W, "--peers", peers, "--log-level", level],
+                               "--workers", workers, "--peers", peers, "--log-level", level, *extra],
                               listen="127.0.0.1:%d" % port, dir=d, name=name, timeout=20,
                               die_with_parent=True)
     tc.addCleanup(sp.kill)
@@ -188,6 +188,47 @@ class SplitStandbyTest(unittest.TestCase):
         """SIGTERM: the primary hands the lease over first and then drains
         its split steps in flight (docs/operations.md); the same checks."""
         self.stop_primary_loop(signal.SIGTERM, "split_sigterm_sync")
+    def test_a_replace_drops_the_standby_anchors(self):
+        """A replace starts a split tensor's history again: the primary drops
+        its anchors of the old one, and so must the standby, which keeps
+        its own at the same versions (else, promoted, it could later agree
+        with its peers on an old-history version: the same number, other
+        values). An anchor after the replace is of the new history."""
+        d = tempfile.mkdtemp(prefix="fps-split-standby-")
+        self.addCleanup(_rmtree, d)
+        ports = fpsproc.free_ports(SHARDS + 1)
+        a, b, c = ["127.0.0.1:%d" % p for p in ports]
+        peers = "%s|%s,%s" % (a, b, c)
+        start_shard(self, 1, ports[2], peers, d, "shard1", workers=1)
+        pair = Pair("sync", workers=1, shard_count=SHARDS, ports=ports[:2], rest=[c],
+                    extra=["--peers", peers, "--split-anchor-steps", "1"], checkpoint_interval=3600)
+        self.addCleanup(pair.close)
+        p = pair.primary()
+        pair.wait(lambda: pair.joined(p), 60, "the standby to join")
+
+        def anchors(i):
+            found = []
+            for _, _, files in os.walk(os.path.join(pair.dir, "ckpt%d" % i, "anchors")):
+                found += [f for f in files if f.startswith("ckpt-")]
+            return found
+
+        init = np.random.default_rng(5).standard_normal((64, 16)).astype(np.float32)
+        with factorps.connect("%s|%s,%s" % (a, b, c), split_min_bytes=1024, deadline=60) as cl:
+            cl.create([factorps.TensorSpec("emb", (64, 16), init=init)])
+            self.assertEqual(len(cl.blocks("emb")), 2)
+            grads = {"emb": np.ones((64, 16), np.float32)}
+            for _ in range(3):
+                cl.push_pull(grads)
+            # Versions 1, 2, 3 on the primary and, from its images, the standby.
+            self.assertEqual(len(anchors(p)), 3)
+            self.assertEqual(len(anchors(1 - p)), 3)
+            cl.create([factorps.TensorSpec("emb", (64, 16), init=init, replace=True)])
+            self.assertEqual(anchors(p), [])
+            self.assertEqual(anchors(1 - p), [])
+            cl.push_pull(grads, step=0)
+            self.assertEqual(len(anchors(1 - p)), 1)  # version 1 of the new history
+        wait_in_sync(self, pair)
+
 
 if __name__ == "__main__":
     unittest.main()

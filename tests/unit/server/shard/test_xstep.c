@@ -1482,7 +1482,8 @@ static fps_shard_t *standby_of_0(const scen_t *s) {
   fps_image_in_t in = {.name = img.name, .dims = img.shape->dim, .ndim = img.shape->ndim, .hp = img.hp,
                        .version = img.version, .step = img.step, .rms = img.rms, .last_lr = img.last_lr,
                        .last_weight_decay = img.last_weight_decay, .params = fps_snap_data(img.params),
-                       .state = img.state, .split = &img.split, .xapplied = img.xapplied,
+                       .state = img.state, .split = &img.split, .split_replaces = img.split_replaces,
+                       .xapplied = img.xapplied,
                        .xversion = img.xversion, .xattempt = img.xattempt};
   for (int i = 0; i < FPS_STATE_KINDS; i++) in.n[i] = img.n[i];
   for (int i = 0; i < 2; i++) {
