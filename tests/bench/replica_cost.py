@@ -6,6 +6,7 @@ interleaved, on loopback.
         [--params 10M,100M] [--workers 2] [--modes sync,async]
         [--steps-10m 8] [--steps-100m 3] [--warmup 1] [--json OUT]
         [--base-build OTHER_BUILD] [--standby-cpus LIST]
+        [--split-min-bytes N]
 
 For every (params, workers, mode) the two set-ups run interleaved, A B A B
 ..., each on fresh shards (S = 2 on 127.0.0.1) with `factorps load --model
@@ -24,6 +25,9 @@ both set-ups of a round alike, so read the ratios. --standby-cpus 1 pins
 the standbys to CPU 1 and everything else (the primaries, the solo shards,
 the load) to the other CPUs, in both set-ups: the standbys as on a host of
 their own, which is what they are for, instead of sharing the job's CPUs.
+--split-min-bytes N: the load splits every tensor of at least N bytes
+into row blocks over both shards (sync only), and the shards get --peers
+(with standbys "p0|s0,p1|s1"): the cost of standbys for split blocks.
 Only loopback is used; every process started here is stopped on exit.
 """
 
@@ -130,22 +134,25 @@ def metric(mport, name, label=""):
     return None
 
 
-def start_job(build, tmp, mode, w, standby, job_cpus=None, standby_cpus=None):
+def start_job(build, tmp, mode, w, standby, job_cpus=None, standby_cpus=None, split=False):
     """Two shards, each with a standby if `standby`: (procs, entries,
     metrics ports of the primaries). The CPUs: of the primaries (or solo
-    shards) and of the standbys, None: any."""
+    shards) and of the standbys, None: any. split: the shards know each
+    other (--peers), for split tensors."""
     procs, entries, mports = [], [], []
+    ports = [free_ports(2) for _ in range(2)]
+    peers = ",".join((f"127.0.0.1:{a}|127.0.0.1:{b}" if standby else f"127.0.0.1:{a}") for a, b in ports)
     try:
         for i in range(2):
             common = ["--shard-id", str(i), "--shard-count", "2", "--mode", mode, "--workers",
-                      str(w), "--deadline", "600"]
+                      str(w), "--deadline", "600"] + (["--peers", peers] if split else [])
             if not standby:
-                p, port, mport = start(build, tmp, f"s{i}", ["127.0.0.1:0", *common], job_cpus)
+                p, port, mport = start(build, tmp, f"s{i}", [f"127.0.0.1:{ports[i][0]}", *common], job_cpus)
                 procs.append(p)
                 entries.append(f"127.0.0.1:{port}")
                 mports.append(mport)
                 continue
-            a, b = free_ports(2)
+            a, b = ports[i]
             lease = os.path.join(tmp, f"lease{i}")
             if os.path.exists(lease):
                 os.unlink(lease)
@@ -179,7 +186,7 @@ def start_job(build, tmp, mode, w, standby, job_cpus=None, standby_cpus=None):
 
 def run_once(a, tmp, n, w, mode, standby, steps, server_build=None):
     procs, entries, mports = start_job(server_build or a.build, tmp, mode, w, standby, a.job_cpus,
-                                       a.standby_cpus)
+                                       a.standby_cpus, split=a.split_min_bytes > 0)
     try:
         sent0 = [metric(m, "factorps_replication_sent_bytes_total") or 0.0 for m in mports]
         cpu0 = [cpu_s(p) for p in procs]
@@ -188,6 +195,8 @@ def run_once(a, tmp, n, w, mode, standby, steps, server_build=None):
                "--model", "peer", "--params", str(n), "--workers", str(w), "--steps",
                str(steps + a.warmup), "--warmup", str(a.warmup), "--mode-hint", mode,
                "--deadline", str(a.deadline)]
+        if a.split_min_bytes:
+            cmd += ["--split-min-bytes", str(a.split_min_bytes)]
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              timeout=3600, preexec_fn=pinned(a.job_cpus)).stdout
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -228,6 +237,8 @@ def main():
     ap.add_argument("--base-build", help="another build (e.g. of the base commit) whose factorps-server "
                     "also runs the standby set-up, interleaved (solo, base, this), for a before/after "
                     "ratio in one run; the load is --build's")
+    ap.add_argument("--split-min-bytes", type=int, default=0,
+                    help="split tensors of at least this many bytes over both shards (sync only)")
     ap.add_argument("--standby-cpus", help="CPUs of the standbys (e.g. 1); the rest run on the others")
     a = ap.parse_args()
     a.build = os.path.abspath(a.build)
