@@ -241,16 +241,12 @@ static void fps__sum_divide(fps_shard_t *sh, float *sum, uint64_t numel, float d
   fps_pool_run(j.nchunks > 1 ? sh->pool : NULL, j.nchunks, fps__div_chunk, &j);
 }
 
-/* Whether the set is applied under the apply gate's read side: a set of
- * whole tensors is (fps__set_complete takes it, fps__set_settle releases
- * it). A set with split blocks is not: it settles later, from the
- * exchange (xstep.c), and is never replicated (a standby is refused with
- * split tensors), so no standby's cut can see it. */
-static bool fps__set_gated(const fps_tensor_t *set) {
-  for (const fps_tensor_t *t = set; t; t = t->round.cnext)
-    if (t->split) return false;
-  return true;
-}
+/* Every set is applied under the apply gate's read side, and settled with
+ * it held: fps__set_complete takes it before any tensor lock, and
+ * fps__set_settle releases it. A set with split blocks lets it go while it
+ * exchanges (the cut of a standby must not wait for a peer), and each
+ * advance of its exchange takes it again before the tensors' locks
+ * (xstep.c), so that its apply and its members' keys are in one cut. */
 
 /* Completes a full set of k rounds that the caller marked settling: every
  * round is checked and prepared before any is applied. A set holding
@@ -263,7 +259,7 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
   set = fps__set_sort(set, k);
   /* Held until fps__set_settle has applied the set and recorded its
    * members' keys (there: why); before any tensor lock, its order. */
-  if (fps__set_gated(set)) pthread_rwlock_rdlock(&sh->apply_gate);
+  pthread_rwlock_rdlock(&sh->apply_gate);
   int64_t found = fps_now_ns();
   for (fps_tensor_t *t = set; t; t = t->round.cnext) {
     pthread_mutex_lock(&t->mu);
@@ -300,6 +296,7 @@ static void fps__set_complete(fps_shard_t *sh, fps_tensor_t *set, size_t k) {
       return;
     }
     for (fps_tensor_t *t = set; t; t = t->round.cnext) pthread_mutex_unlock(&t->mu);
+    pthread_rwlock_unlock(&sh->apply_gate);
     fps__xstep_kick(g);
     return;
   }
@@ -339,7 +336,6 @@ static void fps__set_timeline(fps_shard_t *sh, fps_tensor_t *set, size_t k, int6
 
 void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char *why, size_t why_len) {
   uint32_t W = sh->cfg.workers;
-  bool gated = fps__set_gated(set);
   fps_push_entry_t *list = NULL;
   fps_xanchor_t *anchors = NULL; /* split blocks' anchors due (xrecover.c) */
   if (err) {
@@ -416,7 +412,7 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
      * duplicate, instead of being refused as stale. Each push once, from
      * the round of its first tensor (all of a push's tensors are rounds of
      * this set). */
-    for (fps_tensor_t *t = set; t && gated; t = t->round.cnext)
+    for (fps_tensor_t *t = set; t; t = t->round.cnext)
       for (uint32_t w = 0; w < W; w++) {
         fps_push_entry_t *e = t->round.member[w];
         if (e && !e->err && e->owner->e[0] == e) fps__repl_key_applied(sh, e->owner);
@@ -435,7 +431,7 @@ void fps__set_settle(fps_shard_t *sh, fps_tensor_t *set, size_t k, int err, char
     pthread_mutex_unlock(&t->mu);
   }
   /* Before the members are resolved: their callbacks may push again. */
-  if (gated) pthread_rwlock_unlock(&sh->apply_gate);
+  pthread_rwlock_unlock(&sh->apply_gate);
   /* Before the members hear: a worker's next step must find the anchor
    * of this one on disk (xrecover.c). */
   fps__xrec_anchor_flush(sh, anchors);

@@ -41,7 +41,8 @@
  * shard abandoned. Attempt 0 (no push_ids) cannot be told apart from the
  * next one and is never remembered as failed.
  *
- * Locks: tensor->mu (a block's xs and mail, its round) -> sh->xs_mu (the
+ * Locks: sh->apply_gate (its read side, while a group advances: the
+ * standby's cut, replica.c) -> tensor->mu (a block's xs and mail, its round) -> sh->xs_mu (the
  * list of groups, for the expiry hook) -> g->mu (the group's counts,
  * error and send records). Whoever makes a group ready (all in, or an
  * error) marks it busy and advances it with no lock held on entry; only
@@ -661,6 +662,10 @@ static void fps__xg_finish(fps_xgroup_t *g, int err) {
  * due, or settles the set. */
 static void fps__xg_advance(fps_xgroup_t *g) {
   for (;;) {
+    /* The apply gate before the tensors' locks, as sync.c's sets: the set
+     * may apply now, and its settle records its members' keys and
+     * releases both (a standby's cut sees the results with the keys). */
+    pthread_rwlock_rdlock(&g->sh->apply_gate);
     for (fps_tensor_t *t = g->set; t; t = t->round.cnext) pthread_mutex_lock(&t->mu);
     pthread_mutex_lock(&g->mu);
     int err = g->err, phase = g->phase;
@@ -740,6 +745,7 @@ static void fps__xg_advance(fps_xgroup_t *g) {
       pthread_mutex_unlock(&g->mu);
       if (!err) {
         for (fps_tensor_t *t = g->set; t; t = t->round.cnext) pthread_mutex_unlock(&t->mu);
+        pthread_rwlock_unlock(&g->sh->apply_gate);
         fps__xg_send(g, FPS_SPLIT_PHASE_U2); /* then advances again if ready */
         fps__xg_unref(g);
         return;
@@ -771,12 +777,13 @@ static void fps__xg_advance(fps_xgroup_t *g) {
       pthread_mutex_unlock(&g->mu);
       if (!err) {
         for (fps_tensor_t *t = g->set; t; t = t->round.cnext) pthread_mutex_unlock(&t->mu);
+        pthread_rwlock_unlock(&g->sh->apply_gate);
         fps__xg_send(g, FPS_XPHASE_COMMIT); /* then advances again if ready */
         fps__xg_unref(g);
         return;
       }
     }
-    fps__xg_finish(g, err); /* releases the tensors' locks */
+    fps__xg_finish(g, err); /* releases the tensors' locks and the gate */
     break;
   }
   fps__xg_unref(g); /* the advancer's */
