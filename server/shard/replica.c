@@ -134,6 +134,16 @@ static bool fps__tensor_in(fps_tensor_t *const *order, size_t n, const fps_tenso
   return n && bsearch(&t, order, n, sizeof *order, fps__cmp_tensor_addr) != NULL;
 }
 
+/* A failed cut: its images and keys go. (The standby is dropped on this
+ * failure, replica_send.c: the keys go with it.) */
+static void fps__images_drop(fps_shard_t *sh, fps_image_t *out, size_t n, fps_image_t *ex, size_t ne,
+                             fps_key_rec_t *kl) {
+  fps_key_recs_free(kl);
+  for (size_t i = 0; i < ne; i++) fps_image_release(sh, &ex[i]);
+  fps_free(ex);
+  for (size_t i = 0; i < n; i++) fps_image_release(sh, &out[i]);
+}
+
 int fps_shard_images(fps_shard_t *sh, fps_tensor_t *const *t, size_t n, fps_image_t *out, fps_key_rec_t **keys,
                      fps_image_t **extra, size_t *nextra, char *why, size_t wl) {
   *keys = NULL;
@@ -207,15 +217,10 @@ int fps_shard_images(fps_shard_t *sh, fps_tensor_t *const *t, size_t n, fps_imag
     }
   }
   if (rc < 0) {
-    /* The standby is dropped on this failure (replica_send.c): the keys go
-     * with it. */
     pthread_rwlock_unlock(&sh->apply_gate);
-    fps_key_recs_free(kl);
-    for (size_t i = 0; i < ne; i++) fps_image_release(sh, &ex[i]);
-    fps_free(ex);
-    for (size_t i = 0; i < n; i++) fps_image_release(sh, &out[i]);
     if (all != order) fps_free(all);
     fps_free(order);
+    fps__images_drop(sh, out, n, ex, ne, kl);
     return rc;
   }
   size_t na = n + ne;
@@ -230,10 +235,7 @@ int fps_shard_images(fps_shard_t *sh, fps_tensor_t *const *t, size_t n, fps_imag
   fps_free(order);
   for (size_t i = 0; i < n + ne && rc == 0; i++) rc = fps__image_check(i < n ? &out[i] : &ex[i - n], why, wl);
   if (rc < 0) {
-    fps_key_recs_free(kl);
-    for (size_t i = 0; i < ne; i++) fps_image_release(sh, &ex[i]);
-    fps_free(ex);
-    for (size_t i = 0; i < n; i++) fps_image_release(sh, &out[i]);
+    fps__images_drop(sh, out, n, ex, ne, kl);
     return rc;
   }
   *keys = kl;
@@ -374,11 +376,8 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
         own_len[i] = in->xown_len[i];
       }
     if (oom) {
-      fps_free(mail);
-      fps_free(own[0]);
-      fps_free(own[1]);
-      snprintf(why, wl, "tensor '%s': out of memory", in->name);
-      return FPS_ENOMEM;
+      rc = FPS_ENOMEM;
+      goto fail;
     }
   }
   bool over = false;
@@ -386,19 +385,13 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
   if (in->params_own) {
     /* The received buffer itself becomes the parameters. */
     if (!(nb = fps_malloc(sizeof *nb))) {
-      fps_free(mail);
-      fps_free(own[0]);
-      fps_free(own[1]);
-      snprintf(why, wl, "tensor '%s': out of memory", in->name);
-      return FPS_ENOMEM;
+      rc = FPS_ENOMEM;
+      goto fail;
     }
   } else {
     if (!(nb = fps__pbuf_new_staged(sh, t, &over))) {
-      fps_free(mail);
-      fps_free(own[0]);
-      fps_free(own[1]);
-      snprintf(why, wl, "tensor '%s': %s", in->name, over ? "past --max-staging-bytes" : "out of memory");
-      return over ? FPS_ELIMIT : FPS_ENOMEM;
+      rc = over ? FPS_ELIMIT : FPS_ENOMEM;
+      goto fail;
     }
     memcpy(nb->data, in->params, t->numel * sizeof(float)); /* nobody sees nb yet: no lock */
   }
@@ -467,6 +460,12 @@ int fps_shard_install(fps_shard_t *sh, const fps_image_in_t *in, char *why, size
   fps__pbuf_retire(sh, t, old); /* readers may still hold it */
   atomic_fetch_add(&sh->changes, 1);
   return 0;
+fail: /* before the lock: nothing changed */
+  fps_free(mail);
+  fps_free(own[0]);
+  fps_free(own[1]);
+  snprintf(why, wl, "tensor '%s': %s", in->name, rc == FPS_ELIMIT ? "past --max-staging-bytes" : "out of memory");
+  return rc;
 }
 
 float *fps_shard_param_buf(fps_shard_t *sh, const char *name, uint64_t numel, bool *over_limit) {

@@ -422,14 +422,21 @@ fail:
 
 static void fps__xg_advance(fps_xgroup_t *g);
 
+/* The block shard `shard` holds (the map is constant: no lock), or
+ * n_blocks if none. */
+static uint32_t fps__block_of_shard(const fps_tensor_split_t *sp, uint32_t shard) {
+  uint32_t b = 0;
+  while (b < sp->n_blocks && sp->block_shards[b] != shard) b++;
+  return b;
+}
+
 /* What a peer's answer brought that it had sent before (fps_xreply_t):
  * taken as if it had arrived now, through the same checks. */
 static void fps__xsend_echo(fps_xsendrec_t *rec, const fps_xreply_t *r) {
   fps_shard_t *sh = rec->g->sh;
   const struct fps_xstep_s *x = rec->x;
-  const fps_tensor_split_t *sp = x->t->split; /* the map is constant */
-  uint32_t b = 0;
-  while (b < sp->n_blocks && sp->block_shards[b] != rec->to) b++;
+  const fps_tensor_split_t *sp = x->t->split;
+  uint32_t b = fps__block_of_shard(sp, rec->to);
   int phase = r->len ? rec->phase : (r->applied || r->committed) ? FPS_XPHASE_COMMIT : 0;
   if (b == sp->n_blocks || !phase || (phase == FPS_XPHASE_COMMIT && !x->g->commit)) return;
   fps_xmsg_t m = {.name = x->t->name, .version = x->version, .from_shard = rec->to,
@@ -493,8 +500,7 @@ static void fps__xg_send(fps_xgroup_t *g, int phase) {
      * have reached us already, its answer brings it (a standby promoted
      * mid-step lacks what went to its predecessor). */
     const fps_tensor_split_t *sp = x->t->split;
-    uint32_t b = 0;
-    while (b < sp->n_blocks && sp->block_shards[b] != rec[i].to) b++;
+    uint32_t b = fps__block_of_shard(sp, rec[i].to);
     pthread_mutex_lock(&x->t->mu);
     bool want = b < sp->n_blocks &&
                 (own ? !x->part[(size_t)(phase - 1) * x->nb + b].wire : !x->committed[b]);
